@@ -1,0 +1,81 @@
+"""Bad input: a clear error before any work starts, naming the request and the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_generate import GREEDY, as_inputs, make_llm
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, max_model_len=64)
+
+
+def assert_engine_idle(llm):
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert not llm.llm_engine.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": list(range(3, 70))}, r"prompts\[1\] has 67 tokens, more than max_model_len=64"),
+        ({"prompt_token_ids": []}, r"prompts\[1\] is empty"),
+        ("", r"prompts\[1\] is empty"),
+        ({"prompt_token_ids": [5, 10**7]}, r"prompts\[1\] holds token id 10000000, outside the vocabulary"),
+        ({"prompt_token_ids": [5, -1]}, r"prompts\[1\] holds token id -1"),
+        ({"prompt_token_ids": "abc"}, r"prompts\[1\].prompt_token_ids must be a list of integers"),
+        ({"text": "hi"}, r"prompts\[1\] is a dict without 'prompt' or 'prompt_token_ids'"),
+        (42, r"prompts\[1\] has type int"),
+    ],
+)
+def test_bad_prompt_fails_whole_call_before_work(llm, prompt, message):
+    steps_before = llm.llm_engine.stats.num_steps
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, prompt], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.stats.num_steps == steps_before
+    assert_engine_idle(llm)
+    # The engine still works afterwards.
+    assert llm.generate(as_inputs([[5, 6, 7]]), GREEDY, use_tqdm=False)[0].finished
+
+
+def test_request_that_cannot_fit_the_cache_is_refused(tiny_llama_dir, llm):
+    per_block = llm.llm_engine.runner.kv_bytes_per_block()
+    small = make_llm(tiny_llama_dir, max_model_len=64, kv_cache_memory_bytes=3 * per_block)
+    with pytest.raises(ValueError, match=r"prompts\[0\] may grow to 50 tokens \(4 KV blocks\) but the KV cache holds only 2"):
+        small.generate(as_inputs([list(range(3, 43))]), GREEDY, use_tqdm=False)
+
+
+def test_bad_sampling_params_type(llm):
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        llm.generate(as_inputs([[5, 6]]), [{"max_tokens": 3}], use_tqdm=False)
+
+
+def test_unknown_llm_keyword_is_an_error(tiny_llama_dir):
+    with pytest.raises(TypeError, match=r"unknown keyword argument 'max_modle_len'; did you mean 'max_model_len'"):
+        LLM(str(tiny_llama_dir), max_modle_len=64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "int3"}, r"LLM\(dtype='int3'\) is invalid"),
+        ({"block_size": 12}, r"LLM\(block_size=12\) is invalid: must be a power of two"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5"),
+        ({"load_format": "pt"}, r"load_format='pt'"),
+        ({"max_model_len": 10**9}, r"max_model_len=1000000000 is larger than the model's max_position_embeddings"),
+    ],
+)
+def test_invalid_engine_arguments(tiny_llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(tiny_llama_dir, **kwargs)
+
+
+def test_skip_tokenizer_init_accepts_token_ids_only(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, skip_tokenizer_init=True)
+    out = llm.generate(as_inputs([[5, 6, 7]]), SamplingParams(temperature=0.0, max_tokens=3, detokenize=False), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
+        llm.generate(["text"], GREEDY, use_tqdm=False)

@@ -1,0 +1,134 @@
+"""End to end on tiny random models: greedy tokens and logprobs against Hugging Face, and the
+engine's mechanisms (batching, prefix caching, preemption, chunked prefill) leaving outputs unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from reference import hf_greedy, hf_model
+from tokenmill import LLM, SamplingParams
+
+ARCHITECTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    options = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory_bytes=64 * 2**20, seed=0)
+    options.update(kwargs)
+    return LLM(str(path), **options)
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def as_inputs(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_prompts(llama_llm):
+    return random_prompts(llama_llm.llm_engine.config.vocab_size, [5, 23, 40, 1, 17, 33], seed=1)
+
+
+@pytest.mark.parametrize("fixture", ARCHITECTURES)
+def test_greedy_tokens_and_logprobs_match_hf(fixture, request):
+    path = request.getfixturevalue(fixture)
+    llm = make_llm(path)
+    prompts = random_prompts(llm.llm_engine.config.vocab_size, [3, 18, 37])
+    params = GREEDY.clone(logprobs=0)
+    outputs = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    reference = hf_model(str(path))
+    for prompt, output in zip(prompts, outputs):
+        ref_tokens, ref_logprobs = hf_greedy(reference, prompt, params.max_tokens)
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
+        assert completion.cumulative_logprob == pytest.approx(sum(ours), abs=1e-4)
+        assert completion.finish_reason == "length" and output.finished
+        assert output.prompt_token_ids == prompt
+
+
+def test_batch_equals_each_prompt_alone(llama_llm, llama_prompts):
+    batched = token_ids(llama_llm.generate(as_inputs(llama_prompts), GREEDY, use_tqdm=False))
+    alone = [token_ids(llama_llm.generate(as_inputs([p]), GREEDY, use_tqdm=False))[0] for p in llama_prompts]
+    assert batched == alone
+
+
+def test_prefix_cache_hit_gives_same_output(tiny_llama_dir, llama_llm, llama_prompts):
+    base = llama_prompts[2]  # 40 tokens: two full blocks of 16 are shareable
+    variants = [base, base[:36] + [7, 8, 9], base + [11, 12]]
+    cold = make_llm(tiny_llama_dir, enable_prefix_caching=False)
+    expected = token_ids(cold.generate(as_inputs(variants), GREEDY, use_tqdm=False))
+    llama_llm.generate(as_inputs([base]), GREEDY, use_tqdm=False)  # warm the cache
+    outputs = llama_llm.generate(as_inputs(variants), GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert all(o.num_cached_tokens >= 32 for o in outputs)
+
+
+def test_preemption_under_a_tiny_kv_pool_gives_same_output(tiny_llama_dir, llama_llm, llama_prompts):
+    params = GREEDY.clone(max_tokens=30)
+    expected = token_ids(llama_llm.generate(as_inputs(llama_prompts), params, use_tqdm=False))
+    per_block = llama_llm.llm_engine.runner.kv_bytes_per_block()
+    small = make_llm(tiny_llama_dir, kv_cache_memory_bytes=9 * per_block, enable_prefix_caching=False)
+    outputs = small.generate(as_inputs(llama_prompts), params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert token_ids(outputs) == expected
+
+
+def test_chunked_prefill_gives_same_output(tiny_llama_dir, llama_llm, llama_prompts):
+    expected = token_ids(llama_llm.generate(as_inputs(llama_prompts), GREEDY, use_tqdm=False))
+    chunked = make_llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    outputs = chunked.generate(as_inputs(llama_prompts), GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert chunked.llm_engine.stats.num_steps > len(llama_prompts) * GREEDY.max_tokens / 4
+
+
+def test_prompt_of_exactly_max_model_len_gets_one_token(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, max_model_len=32)
+    prompt = random_prompts(llm.llm_engine.config.vocab_size, [32])[0]
+    out = llm.generate(as_inputs([prompt]), GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    ref, _ = hf_greedy(hf_model(str(tiny_llama_dir)), prompt, 1)
+    assert out.token_ids == ref
+
+
+def test_prompt_forms_and_outputs_in_input_order(llama_llm, llama_prompts):
+    tokenizer = llama_llm.get_tokenizer()
+    text = "hello world"
+    outputs = llama_llm.generate([text, {"prompt": text}, {"prompt_token_ids": tokenizer.encode(text)}], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs[:2]] == [text, text]
+    assert token_ids(outputs)[0] == token_ids(outputs)[1] == token_ids(outputs)[2]
+    single = llama_llm.generate(text, GREEDY, use_tqdm=False)
+    assert len(single) == 1 and token_ids(single)[0] == token_ids(outputs)[0]
+    ids = [int(o.request_id) for o in outputs]
+    assert ids == sorted(ids)
+
+
+def test_per_prompt_sampling_params(llama_llm, llama_prompts):
+    params = [GREEDY.clone(max_tokens=k) for k in (1, 4, 7)]
+    outputs = llama_llm.generate(as_inputs(llama_prompts[:3]), params, use_tqdm=False)
+    assert [len(t) for t in token_ids(outputs)] == [1, 4, 7]
+    with pytest.raises(ValueError, match="3 sampling_params for 2 prompts"):
+        llama_llm.generate(as_inputs(llama_prompts[:2]), params, use_tqdm=False)
+
+
+def test_kv_cache_is_sized_from_kv_cache_memory_bytes(tiny_llama_dir, llama_llm):
+    per_block = llama_llm.llm_engine.runner.kv_bytes_per_block()
+    llm = make_llm(tiny_llama_dir, kv_cache_memory_bytes=20 * per_block + 5)
+    assert llm.llm_engine.kv.pool.num_blocks == 20
+    assert torch.all(llm.llm_engine.runner.kv_caches[0][:, 0] == 0)  # the null block is zeroed

@@ -1,0 +1,85 @@
+"""The built-in default model, SmolLM2-135M-Instruct (real weights from its GGUF): greedy tokens
+and logprobs against transformers' own GGUF loading, text, stop strings and chat."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reference import hf_greedy, hf_model
+from tokenmill import LLM, SamplingParams
+
+QUESTIONS = ["Write one sentence about rivers.", "What is the capital of France?", "Name three colors."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf(llm):
+    from tokenmill.models.builtin import cache_dir, find_builtin, locate_gguf
+
+    path = Path(locate_gguf(find_builtin("smollm2-135m-instruct"), cache_dir()))
+    return hf_model(str(path.parent), path.name)
+
+
+def chat_ids(llm, question: str) -> list[int]:
+    return llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_greedy_matches_transformers_gguf_loading(llm, hf_gguf):
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ref_tokens, ref_logprobs = hf_greedy(hf_gguf, prompt, 12)
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
+
+
+def test_chat_text_is_the_decoded_tokens_and_stops_at_end_of_turn(llm):
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], SamplingParams(temperature=0.0, max_tokens=60),
+                       use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.text.strip()
+    assert "Paris" in outputs[1].outputs[0].text
+    # An instruct model ends its turn: at least one answer stops on the end-of-turn token.
+    stopped = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "stop"]
+    assert stopped and all(c.token_ids[-1] in llm.llm_engine.config.eos_token_ids for c in stopped)
+    assert all(c.stop_reason is None for c in stopped)
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                    use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    assert len(words) > 4
+    stop = " " + words[3]
+    at = free.text.find(stop)
+    for include in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop, "never-appears"],
+                                include_stop_str_in_output=include)
+        out = llm.chat([{"role": "user", "content": QUESTIONS[0]}], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == (free.text[: at + len(stop)] if include else free.text[:at])
+        assert out.token_ids == free.token_ids[: len(out.token_ids)]
+
+
+def test_default_sampling_params_come_from_generation_config(llm):
+    found = llm.llm_engine.source.generation_config
+    params = llm.get_default_sampling_params()
+    for key, field in (("temperature", "temperature"), ("top_p", "top_p")):
+        if key in found:
+            assert getattr(params, field) == pytest.approx(found[key])
+    assert isinstance(params, SamplingParams)
+

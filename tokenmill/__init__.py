@@ -1,0 +1,38 @@
+"""tokenmill: offline batch inference for large language models, with vLLM's offline API.
+
+Public names load lazily so `import tokenmill` (and the CLI's --help) stays fast; torch and
+transformers are imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "LLM": "tokenmill.llm",
+    "LLMEngine": "tokenmill.engine.engine",
+    "EngineArgs": "tokenmill.config",
+    "SamplingParams": "tokenmill.sampling_params",
+    "RequestOutput": "tokenmill.outputs",
+    "CompletionOutput": "tokenmill.outputs",
+    "Logprob": "tokenmill.outputs",
+}
+
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.llm import LLM
+    from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+    from tokenmill.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

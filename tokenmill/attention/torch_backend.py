@@ -1,0 +1,104 @@
+"""Plain-torch attention over the paged KV cache: the reference backend and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each new token's key and value into its slot of the paged cache."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class TorchAttentionBackend:
+    """Gathers each sequence's context from its blocks and runs scaled_dot_product_attention.
+
+    Pure-decode steps (one new token per sequence) run as one padded batch per layer; steps
+    with prefill chunks run one sequence at a time with a causal mask offset by the cached length.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            return self._decode(q, kv_cache, meta, scale)
+        return self._mixed(q, kv_cache, meta, scale)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        slots, valid = _decode_gather_index(meta, q.device)
+        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]  # [B, L, Hkv, D]
+        values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _mixed(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            slots = _context_slots(meta, i, seq_len)
+            keys = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+            values = flat_v[slots].transpose(0, 1).to(q.dtype)
+            query = q[start : start + query_len].transpose(0, 1)  # [H, Lq, D]
+            mask = None
+            if query_len > 1:
+                # Query j sits at absolute position seq_len - query_len + j and sees keys up to it.
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+            out[start : start + query_len] = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            ).transpose(0, 1)
+            start += query_len
+        return out
+
+
+def _context_slots(meta: AttentionMetadata, seq_idx: int, seq_len: int) -> torch.Tensor:
+    num_blocks = -(-seq_len // meta.block_size)
+    blocks = meta.block_tables[seq_idx, :num_blocks].to(torch.int64)
+    offsets = torch.arange(meta.block_size, device=blocks.device)
+    return (blocks[:, None] * meta.block_size + offsets[None, :]).reshape(-1)[:seq_len]
+
+
+def _decode_gather_index(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [B, max_len] of every context token and their validity mask.
+
+    Padding points at slot 0, in the null block, which the runner keeps zeroed: a masked score
+    must be finite, since a NaN key or value would survive the mask.
+
+    Computed once per step and shared by all layers through ``meta.backend_cache``.
+    """
+    cached = meta.backend_cache.get("decode_gather")
+    if cached is None:
+        max_len = meta.max_seq_len
+        num_blocks = -(-max_len // meta.block_size)
+        blocks = meta.block_tables[:, :num_blocks].to(torch.int64)
+        offsets = torch.arange(meta.block_size, device=device)
+        slots = (blocks[:, :, None] * meta.block_size + offsets).reshape(meta.num_seqs, -1)[:, :max_len]
+        positions = torch.arange(max_len, device=device)
+        valid = positions[None, :] < meta.seq_lens.to(device)[:, None]
+        cached = (torch.where(valid, slots, 0), valid)
+        meta.backend_cache["decode_gather"] = cached
+    return cached

@@ -1,0 +1,181 @@
+"""Engine settings: what the user asked for (EngineArgs) and what the engine runs with (EngineConfig)."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.models.source import ModelSource
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DEFAULT_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class EngineArgs:
+    """The keyword arguments of `LLM(...)`, with vLLM's names and defaults."""
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    device: str = "auto"
+    generation_config: str = "auto"
+    gguf_file: str | None = None
+    tensor_parallel_size: int = 1
+    disable_log_stats: bool = True
+    tokenizer_mode: str = "auto"
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+        known = [f.name for f in fields(cls)]
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"LLM() got an unknown keyword argument {name!r}{hint} (accepted: {', '.join(known)})")
+        args = cls(model=model, **kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
+        _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size, "a power of two")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _check(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            "> 0",
+        )
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
+        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size, "1 (tensor parallelism is not implemented yet)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved settings the engine runs with; derived once from EngineArgs and the model."""
+
+    model: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    device: "torch.device"
+    dtype: "torch.dtype"
+    seed: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(device: str) -> "torch.device":
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but torch sees no CUDA GPU; use device='cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: "torch.device", hf_config: Any) -> "torch.dtype":
+    """'auto' follows the checkpoint on GPUs (fp32 checkpoints run in bf16) and uses fp32 on the CPU."""
+    import torch
+
+    named = {
+        "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+        "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    }
+    if dtype != "auto":
+        return named[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = named.get(stored)
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def model_max_len(hf_config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
+    hf_config = source.hf_config
+    device = resolve_device(args.device)
+    limit = model_max_len(hf_config)
+    max_model_len = args.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is larger than the model's max_position_embeddings ({limit}); "
+            f"use max_model_len <= {limit}"
+        )
+    batched = args.max_num_batched_tokens or max(_DEFAULT_BATCHED_TOKENS, args.max_num_seqs)
+    return EngineConfig(
+        model=source.name,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        device=device,
+        dtype=resolve_dtype(args.dtype, device, hf_config),
+        seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        vocab_size=hf_config.vocab_size,
+        eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
+    )
+
+
+def eos_token_ids(hf_config: Any, generation_config: dict) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"LLM({name}={value!r}) is invalid: must be {allowed}")

@@ -1,0 +1,281 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+``add_request`` validates and queues; ``step`` schedules, runs the model once, appends the
+sampled tokens, applies stop conditions and frees finished sequences' blocks. The `LLM` class
+drives it in a loop; the batch job drives it directly to write results as they finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+from tokenmill.config import EngineArgs, EngineConfig, create_engine_config
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, Sequence, SequenceStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.model_runner import ModelRunner, StepResult
+from tokenmill.worker.sizing import choose_num_blocks
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from tokenmill.models.loader import load_model
+        from tokenmill.models.source import resolve_model
+
+        self.args = args
+        self.source = resolve_model(
+            args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
+            trust_remote_code=args.trust_remote_code,
+        )
+        self.config: EngineConfig = create_engine_config(args, self.source)
+        self.model_config = self.config  # vLLM code reads llm_engine.model_config.max_model_len
+        self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
+        torch.manual_seed(args.seed)
+        model = load_model(self.source, self.config.dtype, self.config.device, args.load_format, seed=args.seed)
+        self.runner = ModelRunner(
+            model=model,
+            backend=_attention_backend(self.config.device),
+            device=self.config.device,
+            dtype=self.config.dtype,
+            block_size=self.config.block_size,
+            vocab_size=self.config.vocab_size,
+            seed=args.seed,
+        )
+        num_blocks = choose_num_blocks(self.config, self.runner)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._next_seq_id = 0
+        self.stats = EngineStats()
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        index: int | None = None,
+    ) -> None:
+        """Validate and queue one request; a ValueError leaves the engine untouched."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        where = f"prompts[{index}]" if index is not None else "prompt"
+        processed = parse_prompt(prompt, self.tokenizer, index)
+        validate_prompt_ids(processed.token_ids, self.config.vocab_size, self.config.max_model_len, where)
+        self._check_fits_cache(processed.token_ids, params, where)
+        params = self._with_stop_ids(params)
+        request = Request(request_id, processed.prompt, processed.token_ids, params)
+        for i in range(params.n):
+            request.sequences.append(self._new_sequence(request, i))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of the requests it advanced (or only finished ones)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any request; the KV cache is too small")
+            return []
+        result = self.runner.execute(plan.scheduled)
+        self.stats.record(plan.num_batched_tokens, len(result.sampled))
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.kv.commit_computed(item.seq)
+        touched = self._apply_samples(result)
+        outputs = []
+        for request in touched:
+            if request.is_finished:
+                request.finished_time = time.monotonic()
+                del self.requests[request.request_id]
+            if request.is_finished or not finished_only:
+                outputs.append(self._request_output(request))
+        return outputs
+
+    def _apply_samples(self, result: StepResult) -> list[Request]:
+        touched: dict[str, Request] = {}
+        if result.output is None:
+            return []
+        out = result.output
+        token_ids = out.token_ids.tolist()
+        want_logprobs = out.sampled_logprobs is not None
+        if want_logprobs:
+            sampled_lp = out.sampled_logprobs.tolist()
+            ranks = out.sampled_ranks.tolist()
+            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        now = time.monotonic()
+        for row, item in enumerate(result.sampled):
+            seq = item.seq
+            token = token_ids[row]
+            seq.output_token_ids.append(token)
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                entry = {token: Logprob(sampled_lp[row], ranks[row], self._token_text(token))}
+                for rank, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lp[row][:k]) if k else [], start=1):
+                    entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += sampled_lp[row]
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request.request_id] = seq.request
+        return list(touched.values())
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        num_out = len(seq.output_token_ids)
+        stop_allowed = num_out >= params.min_tokens
+        stop_string = seq.detokenizer.add_token(token, stop_allowed) if seq.detokenizer is not None else None
+        if stop_allowed:
+            if token in params.all_stop_token_ids:
+                seq.finish_reason = "stop"
+                seq.stop_reason = None if token in self.config.eos_token_ids and token not in params.stop_token_ids else token
+                return
+            if stop_string is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_string
+                return
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = "length"
+
+    # ---- building blocks ------------------------------------------------------------------
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        params = request.params
+        seq = Sequence(self._next_seq_id, index, request, request.prompt_token_ids)
+        self._next_seq_id += 1
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.config.device)
+            seq.generator.manual_seed(params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1))
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.detokenize and self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output,
+            )
+        return seq
+
+    def _with_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.config.eos_token_ids
+        if stop_ids != params.all_stop_token_ids:
+            params = params.clone()
+            params.all_stop_token_ids = stop_ids
+        return params
+
+    def _check_fits_cache(self, token_ids: list[int], params: SamplingParams, where: str) -> None:
+        longest = len(token_ids) + (params.max_tokens or self.config.max_model_len)
+        longest = min(longest, self.config.max_model_len)
+        needed = -(-longest // self.config.block_size)
+        if needed > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"{where} may grow to {longest} tokens ({needed} KV blocks) but the KV cache holds only "
+                f"{self.kv.num_usable_blocks} blocks; lower max_tokens or max_model_len, or give the cache "
+                "more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
+            )
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.sequences:
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=request.is_finished,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        path = self.source.tokenizer_path
+        kwargs = dict(self.source.tokenizer_kwargs)
+        if self.args.tokenizer_revision:
+            kwargs["revision"] = self.args.tokenizer_revision
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=self.args.trust_remote_code, **kwargs)
+        except Exception as exc:  # transformers raises many types; the user needs the path
+            raise ValueError(f"could not load the tokenizer from {path!r}: {exc}") from exc
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()
+
+
+class EngineStats:
+    """Counters for progress bars and metrics."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_batched_tokens = 0
+        self.num_generated_tokens = 0
+
+    def record(self, batched_tokens: int, generated: int) -> None:
+        self.num_steps += 1
+        self.num_batched_tokens += batched_tokens
+        self.num_generated_tokens += generated
+
+
+def _attention_backend(device: torch.device):
+    if device.type == "cuda":
+        try:
+            from tokenmill.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        except ImportError as exc:
+            logger.warning("Triton attention is unavailable (%s); using the plain-torch backend", exc)
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

@@ -1,0 +1,102 @@
+"""A request and its sequences: the state the scheduler, cache manager and runner share.
+
+A user request with ``n`` samples becomes one `Request` holding ``n`` `Sequence`s. Each sequence
+is scheduled on its own; the siblings of a request share the prompt's KV blocks (see
+`Scheduler`), so the prompt is computed once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.engine.detokenizer import IncrementalDetokenizer
+    from tokenmill.outputs import SampleLogprobs
+    from tokenmill.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    index: int  # sample index within its request (CompletionOutput.index)
+    request: "Request"
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    # How many of all_token_ids already have their keys/values in the cache.
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of this sequence's full blocks, in order; extends as blocks fill.
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    generator: "torch.Generator | None" = None
+    cumulative_logprob: float = 0.0
+    logprobs: "SampleLogprobs | None" = None
+    detokenizer: "IncrementalDetokenizer | None" = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def params(self) -> "SamplingParams":
+        return self.request.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, position: int) -> int:
+        prompt_len = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < prompt_len else self.output_token_ids[position - prompt_len]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)

@@ -1,0 +1,139 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Each step, every running sequence asks for the tokens it has not computed yet: one for a
+decoding sequence, the rest of its prompt (or a chunk of it) for a prefilling one. Running
+sequences are served first, oldest first; waiting sequences are admitted while the budget,
+``max_num_seqs`` and the block pool allow. There are no separate prefill and decode phases.
+
+When the pool runs dry, the newest running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed later (its full blocks usually survive in
+the prefix cache, so recomputing is cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+    samples: bool  # this step reaches its last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    num_batched_tokens: int
+    num_preempted: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.extend(request.sequences)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.allocate(seq, num):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(self._schedule(seq, num))
+                budget -= num
+            i += 1
+
+        if not preempted:  # admitting new work right after running out of blocks would thrash
+            budget = self._admit_waiting(scheduled, budget)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
+        held_back: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            if self._waits_for_lead(seq):
+                held_back.append(seq)
+                continue
+            prefix = self._shareable_prefix(seq)
+            num = min(seq.num_tokens - len(prefix) * self.kv.block_size, budget)
+            if not self.kv.allocate(seq, num, prefix):
+                self.waiting.appendleft(seq)
+                break
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = len(prefix) * self.kv.block_size
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._schedule(seq, num))
+            budget -= num
+        self.waiting.extendleft(reversed(held_back))
+        return budget
+
+    def _schedule(self, seq: Sequence, num: int) -> ScheduledSequence:
+        return ScheduledSequence(seq, num, samples=seq.num_computed_tokens + num == seq.num_tokens)
+
+    def _waits_for_lead(self, seq: Sequence) -> bool:
+        """Samples 1..n-1 wait while sample 0 computes the prompt, then share its blocks."""
+        if seq.index == 0 or seq.num_preemptions:
+            return False
+        lead = seq.request.sequences[0]
+        return lead.status is SequenceStatus.RUNNING and lead.num_computed_tokens < lead.num_prompt_tokens
+
+    def _shareable_prefix(self, seq: Sequence) -> list[int]:
+        lead = seq.request.sequences[0]
+        if seq is not lead and lead.status is SequenceStatus.RUNNING and not seq.num_preemptions:
+            full = min(lead.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
+            if full:
+                return lead.block_ids[:full]
+        return self.kv.find_cached_prefix(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Called once the sequence has its finish_reason: frees its blocks and forgets it."""
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass

@@ -1,0 +1,101 @@
+"""Prompt forms, tokenization and chat templates: everything between the user's input and token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+PromptType = str | dict
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None  # the text, when the user gave text
+    token_ids: list[int]
+
+
+def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> ProcessedPrompt:
+    """Accepts vLLM's prompt forms: "text", {"prompt": "text"}, {"prompt_token_ids": [...]}."""
+    where = f"prompts[{index}]" if index is not None else "prompt"
+    if isinstance(prompt, str):
+        return ProcessedPrompt(prompt, _tokenize(prompt, tokenizer, where))
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {_short(ids)}")
+            return ProcessedPrompt(prompt.get("prompt"), list(ids))
+        if "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise ValueError(f"{where}.prompt must be a string, got {type(text).__name__}")
+            return ProcessedPrompt(text, _tokenize(text, tokenizer, where))
+        raise ValueError(f"{where} is a dict without 'prompt' or 'prompt_token_ids' (keys: {sorted(prompt)})")
+    raise ValueError(
+        f"{where} has type {type(prompt).__name__}; expected a string, {{'prompt': str}} or {{'prompt_token_ids': [int]}}"
+    )
+
+
+def validate_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int, where: str) -> None:
+    if not token_ids:
+        raise ValueError(f"{where} is empty: a prompt needs at least one token")
+    if len(token_ids) > max_model_len:
+        raise ValueError(
+            f"{where} has {len(token_ids)} tokens, more than max_model_len={max_model_len}; "
+            "shorten it or raise max_model_len"
+        )
+    bad = next((t for t in token_ids if t < 0 or t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def render_chat_prompt(
+    tokenizer: Any,
+    messages: list[dict],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict] | None = None,
+    where: str = "messages",
+) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template.
+
+    transformers renders templates in a sandboxed Jinja environment, so a template cannot reach
+    Python objects it was not given.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}[{i}] must be a dict with a string 'role', got {_short(message)}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"{where}[{i}].content must be a string or a list of parts, got {type(content).__name__}")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            "the tokenizer has no chat template; pass chat_template= or use generate() with plain prompts"
+        )
+    ids = tokenizer.apply_chat_template(
+        messages,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=tools,
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(ids)
+
+
+def _tokenize(text: str, tokenizer: Any, where: str) -> list[int]:
+    if tokenizer is None:
+        raise ValueError(f"{where} is text but the tokenizer was not loaded (skip_tokenizer_init=True); pass prompt_token_ids")
+    return tokenizer.encode(text)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

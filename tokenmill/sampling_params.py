@@ -1,0 +1,126 @@
+"""SamplingParams: vLLM's field names, defaults and meanings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt (same fields and defaults as vLLM's).
+
+    temperature=0 means greedy. top_k 0 or -1 disables top-k; top_p=1 disables nucleus sampling.
+    ``seed`` makes one request's samples reproducible whatever else shares its batch.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # Filled by the engine: the model's eos ids (from its config and generation_config).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop) if self.stop else []
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM accepts both spellings of "disabled"
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy ignores the filtering knobs; normalising keeps the sampler's fast path simple.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, value, "a number")
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1 or None (up to max_model_len)",
+        )
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            "logprobs",
+            self.logprobs,
+            "None or an integer >= 0",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "non-negative integers",
+        )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+        """Build from keyword arguments, dropping the ones that are None (e.g. from a CLI or JSON row)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known - {'all_stop_token_ids'})}")
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")

@@ -1,0 +1,200 @@
+"""Runs one scheduled step on the device: builds the flat batch and its attention metadata,
+runs the model, and samples the next token of every sequence that reached its last token.
+
+The runner owns the device state (model, KV cache tensors, attention backend, sampler); the
+scheduler and cache manager only hand it ids and counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from tokenmill.engine.kv_cache import NULL_BLOCK
+from tokenmill.engine.scheduler import ScheduledSequence
+from tokenmill.sampling_params import SamplingType
+from tokenmill.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled: list[ScheduledSequence]  # the sequences that got a new token, in row order
+    output: SamplerOutput | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        vocab_size: int,
+        seed: int,
+    ):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        # Uninitialised on purpose (see BlockPool): only the null block must hold zeros.
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+        for cache in self.kv_caches:
+            cache[:, NULL_BLOCK].zero_()
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """One forward at the largest step the scheduler can make, to measure peak activation memory.
+
+        Every sequence reads and writes only the null block of a one-block scratch cache, so the
+        run needs no real KV cache yet.
+        """
+        m = self.model
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        start_loc = [0]
+        for n in lens:
+            start_loc.append(start_loc[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(num_seqs, -(-max(lens) // self.block_size), dtype=torch.int32, device=dev),
+            block_size=self.block_size,
+            query_lens_host=lens,
+            seq_lens_host=lens,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+        )
+        shape = (2, 1, self.block_size, m.num_kv_heads, m.head_dim)
+        scratch = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(m.num_layers)]
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend))
+        logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
+        logits.softmax(dim=-1)
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
+        input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(input_ids, positions, ctx)
+        sampled = [scheduled[i] for i in sample_rows]
+        if not sampled:
+            return StepResult([], None)
+        last_positions = meta.query_start_loc[1:][torch.tensor(sample_rows, device=self.device)] - 1
+        logits = self.model.compute_logits(hidden[last_positions])
+        batch = self._sampling_batch([s.seq for s in sampled])
+        return StepResult(sampled, self.sampler(logits, batch))
+
+    def _prepare(self, scheduled: list[ScheduledSequence]):
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for row, item in enumerate(scheduled):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            tokens.extend(seq.tokens(start, end))
+            positions.extend(range(start, end))
+            blocks = seq.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(item.num_tokens)
+            seq_lens.append(end)
+            if item.samples:
+                sample_rows.append(row)
+        max_blocks = max(-(-n // bs) for n in seq_lens)
+        table = [s.seq.block_ids[:max_blocks] + [NULL_BLOCK] * (max_blocks - len(s.seq.block_ids[:max_blocks])) for s in scheduled]
+        start_loc = [0]
+        for n in query_lens:
+            start_loc.append(start_loc[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            block_size=bs,
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta, sample_rows
+
+    def _sampling_batch(self, seqs: list) -> SamplingBatch:
+        dev = self.device
+        params = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        batch = SamplingBatch(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=[s.generator for s in seqs],
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        if any(p.uses_penalties for p in params):
+            self._add_penalties(batch, seqs)
+        banned = []
+        for row, seq in enumerate(seqs):
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                banned.append((row, sorted(seq.params.all_stop_token_ids)))
+        batch.banned = [b for b in banned if b[1]] or None
+        return batch
+
+    def _add_penalties(self, batch: SamplingBatch, seqs: list) -> None:
+        dev, vocab = self.device, self.vocab_size
+        counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=dev)
+        seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+        for row, seq in enumerate(seqs):
+            if seq.output_token_ids:
+                out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=dev)
+                counts[row].index_add_(0, out, torch.ones(len(out), device=dev))
+            seen[row, torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=dev)] = True
+        batch.output_counts = counts
+        batch.seen_mask = seen | (counts > 0)
+        batch.presence = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
+        batch.frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
+        batch.repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)

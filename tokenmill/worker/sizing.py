@@ -1,0 +1,68 @@
+"""How many KV-cache blocks to allocate.
+
+``kv_cache_memory_bytes`` wins when given. On a GPU the pool takes what is left of
+``gpu_memory_utilization`` of the card after the weights and a measured activation peak. On
+the CPU the pool defaults to 4 GiB (vLLM's CPU default); since the tensors are allocated
+untouched, pages only become resident as tokens are written. Either way the pool is never
+larger than ``max_num_seqs`` full-length sequences need.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 4 * 1024**3
+
+
+def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner") -> int:
+    per_block = runner.kv_bytes_per_block()
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    enough = config.max_num_seqs * blocks_per_seq + 1  # +1: the null block
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif config.device.type == "cuda":
+        budget = _gpu_budget(config, runner)
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    num_blocks = min(budget // per_block, enough)
+    if num_blocks < 2:
+        raise ValueError(
+            f"the KV cache gets {budget} bytes, less than 2 blocks of {per_block} bytes; "
+            "raise kv_cache_memory_bytes or gpu_memory_utilization"
+        )
+    if num_blocks - 1 < blocks_per_seq:
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than one max_model_len=%d sequence; long requests will be refused",
+            (num_blocks - 1) * config.block_size, config.max_model_len,
+        )
+    return int(num_blocks)
+
+
+def _gpu_budget(config: "EngineConfig", runner: "ModelRunner") -> int:
+    device = config.device
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs)
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - baseline
+    torch.cuda.empty_cache()
+    # Memory other processes hold counts against our share, like vLLM's utilisation setting.
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    ours = config.gpu_memory_utilization * total - used_by_others - torch.cuda.memory_allocated(device)
+    budget = int(ours - activation_peak * 1.1) - 256 * 1024**2  # headroom for graphs and the allocator
+    logger.info(
+        "GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB",
+        total / 2**30, baseline / 2**30, activation_peak / 2**30, budget / 2**30,
+    )
+    return max(budget, 0)
