@@ -37,10 +37,13 @@ class TorchAttentionBackend:
         return self._mixed(q, kv_cache, meta, scale)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        slots, valid = _decode_gather_index(meta, q.device)
+        blocks, valid = _decode_gather_index(meta)
+        batch = blocks.shape[0]
         num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]  # [B, L, Hkv, D]
-        values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
+        # Whole blocks are gathered (contiguous block_size * heads * head_dim runs), which is several
+        # times faster than gathering token slots one by one.
+        keys = kv_cache[0][blocks].view(batch, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        values = kv_cache[1][blocks].view(batch, -1, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
             keys.transpose(1, 2).to(q.dtype),
@@ -82,23 +85,20 @@ def _context_slots(meta: AttentionMetadata, seq_idx: int, seq_len: int) -> torch
     return (blocks[:, None] * meta.block_size + offsets[None, :]).reshape(-1)[:seq_len]
 
 
-def _decode_gather_index(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots [B, max_len] of every context token and their validity mask.
+def _decode_gather_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ids [B, max_blocks] of every sequence and the validity mask [B, max_blocks * block_size].
 
-    Padding points at slot 0, in the null block, which the runner keeps zeroed: a masked score
-    must be finite, since a NaN key or value would survive the mask.
-
+    Slots past a sequence's length (the tail of its last block, padding blocks pointing at the
+    null block) are masked out. They must still hold finite numbers, since a NaN key or value
+    would survive the mask: the null block is zeroed and the CPU cache starts zero-filled.
     Computed once per step and shared by all layers through ``meta.backend_cache``.
     """
     cached = meta.backend_cache.get("decode_gather")
     if cached is None:
-        max_len = meta.max_seq_len
-        num_blocks = -(-max_len // meta.block_size)
+        num_blocks = -(-meta.max_seq_len // meta.block_size)
         blocks = meta.block_tables[:, :num_blocks].to(torch.int64)
-        offsets = torch.arange(meta.block_size, device=device)
-        slots = (blocks[:, :, None] * meta.block_size + offsets).reshape(meta.num_seqs, -1)[:, :max_len]
-        positions = torch.arange(max_len, device=device)
-        valid = positions[None, :] < meta.seq_lens.to(device)[:, None]
-        cached = (torch.where(valid, slots, 0), valid)
+        positions = torch.arange(num_blocks * meta.block_size, device=blocks.device)
+        valid = positions[None, :] < meta.seq_lens.to(blocks.device)[:, None]
+        cached = (blocks, valid)
         meta.backend_cache["decode_gather"] = cached
     return cached

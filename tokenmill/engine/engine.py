@@ -53,6 +53,8 @@ class LLMEngine:
         )
         num_blocks = choose_num_blocks(self.config, self.runner)
         self.runner.allocate_kv_cache(num_blocks)
+        if self.config.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}

@@ -32,9 +32,8 @@ NULL_BLOCK = 0  # never handed out: padding in block tables and slot mappings po
 class BlockPool:
     """All blocks, their reference counts, the LRU list of free blocks and the prefix-hash index.
 
-    Block 0 is the null block: the runner zero-fills it and never lets a sequence own it, so
-    padded reads are finite while the rest of the cache can stay uninitialised (allocating it
-    untouched is instant; zero-filling gigabytes is not).
+    Block 0 is the null block: no sequence owns it, so padding in block tables and slot mappings
+    can point at it without touching anyone's keys and values.
     """
 
     def __init__(self, num_blocks: int):

@@ -17,6 +17,7 @@ from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, Fo
 from tokenmill.engine.kv_cache import NULL_BLOCK
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.sampling_params import SamplingType
+from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+        self._pin = device.type == "cuda"
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -59,13 +62,17 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        # Uninitialised on purpose (see BlockPool): only the null block must hold zeros.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
-        for cache in self.kv_caches:
-            cache[:, NULL_BLOCK].zero_()
+        self.kv_caches = [_lazy_zeros(shape, self.dtype, self.device) for _ in range(m.num_layers)]
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
+        self.graphs = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
+        )
+        self.graphs.capture()
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
@@ -104,13 +111,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
-        ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
-        hidden = self.model(input_ids, positions, ctx)
+        if self.graphs is not None and meta.is_pure_decode and self.graphs.bucket_for(meta.num_seqs) is not None:
+            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        else:
+            ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(input_ids, positions, ctx)
         sampled = [scheduled[i] for i in sample_rows]
         if not sampled:
             return StepResult([], None)
-        last_positions = meta.query_start_loc[1:][torch.tensor(sample_rows, device=self.device)] - 1
-        logits = self.model.compute_logits(hidden[last_positions])
+        if len(sample_rows) == len(scheduled) and meta.is_pure_decode:
+            last_hidden = hidden  # one token per sequence, every one samples
+        else:
+            last_hidden = hidden[meta.query_start_loc[1:][self._tensor(sample_rows, torch.int64)] - 1]
+        logits = self.model.compute_logits(last_hidden)
         batch = self._sampling_batch([s.seq for s in sampled])
         return StepResult(sampled, self.sampler(logits, batch))
 
@@ -138,21 +151,24 @@ class ModelRunner:
         start_loc = [0]
         for n in query_lens:
             start_loc.append(start_loc[-1] + n)
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=self._tensor(slots, torch.int64),
+            query_start_loc=self._tensor(start_loc, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(table, torch.int32),
             block_size=bs,
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, sample_rows
+        return self._tensor(tokens, torch.int64), self._tensor(positions, torch.int64), meta, sample_rows
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list on the device; through pinned memory on a GPU, so the copy is asynchronous."""
+        if not self._pin:
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype).pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_batch(self, seqs: list) -> SamplingBatch:
         dev = self.device
@@ -198,3 +214,20 @@ class ModelRunner:
         batch.presence = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
         batch.frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
         batch.repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor, so a slot read before it is written (the masked tail of a
+    block) holds a finite number: a NaN would survive an attention mask.
+
+    On the CPU, numpy's zeros come from calloc: the OS maps zero pages lazily, so a 4 GiB pool is
+    instant, where torch.zeros would write every byte (seconds here). A GPU zero-fills 100 GiB in
+    tens of milliseconds, so torch.zeros is fine there.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    element = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[element])
+    return torch.from_numpy(raw).view(dtype)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
+# the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
+#   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
+# Usage on the device:  bash bench/gpu_suite.sh [tests] [kernels] [throughput] [vllm]   (default: all but vllm)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+parts=${*:-tests kernels throughput}
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+echo "commit $commit, $(date -u +%FT%TZ), $gpu, torch $(python3 -c 'import torch,triton;print(torch.__version__, "triton", triton.__version__)')" | tee "$OUT/suite.log"
+
+tag() {  # append rows of $1 to $2 with commit/date/gpu
+  python3 - "$1" "$2" "$commit" "$gpu" <<'PY'
+import json, sys, datetime
+src, dst, commit, gpu = sys.argv[1:]
+with open(src) as f, open(dst, "a") as out:
+    for line in f:
+        line = line.strip()
+        if line.startswith("{"):
+            row = json.loads(line)
+            row.update(commit=commit, date=datetime.datetime.utcnow().strftime("%Y-%m-%d"), gpu=gpu)
+            out.write(json.dumps(row) + "\n")
+PY
+}
+
+for part in $parts; do
+  start=$(date +%s)
+  case $part in
+    tests)
+      timeout 300 python3 -m pytest tests/gpu -q -x -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    kernels)
+      timeout 120 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
+    throughput)
+      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+        RESULTS="$OUT/throughput.raw" timeout 300 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
+      done
+      tag "$OUT/throughput.raw" "$OUT/throughput.jsonl" ;;
+    vllm)
+      cat .vllmchunk/vllm026-slim-site.tar.xz.part* | xz -d | tar -C /tmp -xf - --one-top-level=vllm-site 2>/dev/null \
+        || { mkdir -p /tmp/vllm-site; cat .vllmchunk/*.part* | xz -d | tar -C /tmp/vllm-site -xf -; }
+      PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/vllm.raw" timeout 400 \
+        python3 bench/peer_bench.py vllm qwen3-0.6b nano 2>&1 | tail -3
+      tag "$OUT/vllm.raw" "$OUT/throughput.jsonl" ;;
+  esac
+  echo "[$part took $(( $(date +%s) - start )) s]" | tee -a "$OUT/suite.log"
+done

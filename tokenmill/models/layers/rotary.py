@@ -1,0 +1,126 @@
+"""Rotary position embedding (RoPE), applied per token by its explicit position.
+
+The batch is flat (tokens of many sequences at different positions side by side), so the
+angle of each token is looked up by ``positions`` in a cos/sin table precomputed once for
+every position up to ``max_position_embeddings``. The layout is the "neox" one Hugging Face
+Llama uses: the head is split in halves (x1, x2) rather than interleaved pairs.
+
+Frequencies follow transformers' ``modeling_rope_utils`` for the supported ``rope_type``s
+("default", "linear", "llama3"), computed in fp32 the same way so results match bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    rope_type: str
+    theta: float
+    extra: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
+
+
+def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
+    """Read rope settings from either config layout.
+
+    transformers >= 5 keeps everything in ``config.rope_parameters`` (``rope_theta`` included,
+    ``rope_scaling`` is an alias of it); older configs have ``rope_theta`` at top level and an
+    optional ``rope_scaling`` dict whose type key may be ``type`` or ``rope_type``.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope parameters are not supported: {sorted(params)}")
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = 10000.0
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    partial = params.pop("partial_rotary_factor", None) or getattr(config, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return RopeParams(rope_type=rope_type, theta=float(theta), extra=params)
+
+
+def inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, scaled as ``rope.rope_type`` prescribes."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    factor = float(_require(rope, "factor"))
+    if rope.rope_type == "linear":
+        # Position interpolation: positions are effectively divided by `factor`.
+        return inv_freq / factor
+    # llama3 (Llama 3.1): long wavelengths are stretched by `factor`, short ones kept, and the
+    # band in between blends the two smoothly.
+    low_freq_factor = float(_require(rope, "low_freq_factor"))
+    high_freq_factor = float(_require(rope, "high_freq_factor"))
+    old_context_len = float(_require(rope, "original_max_position_embeddings"))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _require(rope: RopeParams, key: str) -> Any:
+    if key not in rope.extra:
+        raise ValueError(f"rope_type={rope.rope_type!r} needs {key!r} in the config's rope parameters")
+    return rope.extra[key]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k of every token by the angle of its position."""
+
+    def __init__(self, head_dim: int, max_position: int, rope: RopeParams):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope = rope
+        inv_freq = inverse_frequencies(head_dim, rope)
+        # fp32 outer product, as HF does (it multiplies inside an fp32 matmul with autocast off).
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
+        # [max_position, head_dim]: cos of the half angles, then sin. Kept fp32 and cast at use,
+        # which is what HF does with its freshly computed fp32 cos/sin.
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    @classmethod
+    def from_config(cls, config: "PretrainedConfig", head_dim: int) -> "RotaryEmbedding":
+        return cls(head_dim, config.max_position_embeddings, rope_params_from_config(config))
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, Hq * D] and k [T, Hk * D] (or already [T, H, D]) -> same shapes."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D / 2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        cos = cos.to(x.dtype).unsqueeze(1)
+        sin = sin.to(x.dtype).unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        # Same products in the same order as HF's q * cos + rotate_half(q) * sin.
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)

@@ -1,0 +1,265 @@
+"""The Llama decoder family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
+
+All four are the same pre-norm block (RMSNorm -> GQA attention with RoPE -> residual ->
+RMSNorm -> SwiGLU MLP -> residual); they differ only in a few switches, set as class
+attributes on the subclasses at the bottom. Parameter names mirror Hugging Face's except
+that q/k/v and gate/up are stacked (``qkv_proj``, ``gate_up_proj``) so each is one matmul;
+``load_weights`` maps the HF names onto the stacked parameters.
+
+Input is a flat batch: ``input_ids`` and ``positions`` are [T] over all scheduled tokens of all
+sequences; the attention metadata in ``ctx`` says which tokens belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import ForwardContext
+from tokenmill.models.layers.activation import SiluAndMul
+from tokenmill.models.layers.attention import Attention
+from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+# (stacked parameter, HF name part, shard id): HF stores these projections separately.
+_STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+# Checkpoint entries that are not weights (old HF checkpoints saved the rope buffer).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The rank's place in the tensor-parallel group, handed to every layer it builds."""
+
+    rank: int
+    size: int
+    group: Any
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tp_rank={self.rank} must be in [0, tp_size={self.size})")
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"tp_rank": self.rank, "tp_size": self.size, "tp_group": self.group}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, qkv_bias, **tp.kwargs())
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, **tp.kwargs())
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        # Qwen3 normalises every head of q and k (over head_dim) before rotating them.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding.from_config(config, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            tokens = q.shape[0]
+            q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)).reshape(tokens, self.q_size)
+            k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)).reshape(tokens, self.kv_size)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        return self.o_proj(self.attn(q, k, v.contiguous(), ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: "PretrainedConfig", tp: TensorParallel):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, **tp.kwargs())
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, **tp.kwargs())
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, tp, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the preceding add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: "PretrainedConfig", tp: TensorParallel, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp.kwargs())
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM over the paged KV cache. See the module docstring for the batch layout."""
+
+    # Architecture switches; None means "read config.attention_bias".
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
+
+    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+        super().__init__()
+        self.config = config
+        tp = TensorParallel(tp_rank, tp_size, tp_group)
+        qkv_bias = bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
+        self.model = LlamaModel(config, tp, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp.kwargs())
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        first = self.model.layers[0].self_attn
+        # What the engine needs to size the KV cache (per rank).
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = first.num_kv_heads
+        self.head_dim: int = first.head_dim
+        self.sliding_window: int | None = _sliding_window(config)
+        if self.sliding_window is not None and self.sliding_window < config.max_position_embeddings:
+            logger.warning(
+                "%s: sliding_window=%d is not implemented; attention is full, so outputs for sequences longer "
+                "than %d tokens differ from the reference. Cap max_model_len at %d for exact results.",
+                type(self).__name__, self.sliding_window, self.sliding_window, self.sliding_window,
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N, vocab_size] float32 (the runner passes only rows it samples from)."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this rank's parameters; every weight must be covered once."""
+        params = dict(self.named_parameters())
+        expected = self.expected_weight_names()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head; HF ignores this copy too
+            target, shard_id = _param_name(name)
+            param = params.get(target)
+            if param is None or name not in expected:
+                unexpected.append(name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as exc:
+                raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from exc
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match {type(self).__name__}: "
+                f"missing tensors {_summary(missing)}; unexpected tensors {_summary(sorted(unexpected))}"
+            )
+
+    def expected_weight_names(self) -> set[str]:
+        """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            stacked = {name.replace(ours, hf) for ours, hf, _ in _STACKED if ours in name}
+            names.update(stacked or {name})
+        return names
+
+
+def _param_name(hf_name: str) -> tuple[str, Any]:
+    for ours, hf, shard_id in _STACKED:
+        if hf in hf_name:
+            return hf_name.replace(hf, ours), shard_id
+    return hf_name, None
+
+
+def _summary(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return f"({len(names)}) {shown}" + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _sliding_window(config: "PretrainedConfig") -> int | None:
+    window = getattr(config, "sliding_window", None)
+    # Qwen2 configs carry a window but only use it with use_sliding_window=True.
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama block without biases (sliding window: see the warning in __init__)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: biases on q, k and v (not on o_proj)."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm over each head of q and k before RoPE; head_dim set explicitly in the config."""
+
+    qk_norm = True

@@ -1,0 +1,158 @@
+"""Build a model for a resolved source and fill its weights (safetensors, GGUF or dummy).
+
+The model is constructed directly on the target device in the target dtype (no fp32 copy on
+the host first), then each weight is streamed from the checkpoint into its parameter, where
+the parameter's ``weight_loader`` keeps only this rank's tensor-parallel slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tokenmill.models.registry import architecture_of, get_model_class
+
+if TYPE_CHECKING:
+    from tokenmill.models.source import ModelSource
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # torch has no per-call default dtype for nn.Parameter(torch.empty(...)); set it only while
+    # the model is being built and always restore it.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    source: "ModelSource",
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: Any = None,
+    seed: int = 0,
+) -> nn.Module:
+    """The model of ``source`` in eval mode with gradients off, on ``device`` in ``dtype``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported; allowed: {list(LOAD_FORMATS)}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} must be a floating-point dtype")
+    fmt = source.weights_format if load_format == "auto" else load_format
+    if fmt != "dummy" and fmt != source.weights_format:
+        raise ValueError(
+            f"load_format={load_format!r} but model {source.name!r} holds {source.weights_format} weights"
+        )
+    if fmt != "dummy" and source.weights_path is None:
+        raise ValueError(f"model {source.name!r} has no weight files: {_describe_missing(source)}")
+    model_cls = get_model_class(architecture_of(source.hf_config))
+    device = torch.device(device)
+    with torch.no_grad(), _default_dtype(dtype), device:
+        model = model_cls(source.hf_config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+    with torch.no_grad():
+        if fmt == "dummy":
+            init_dummy_weights(model, seed)
+        elif fmt == "safetensors":
+            assert source.weights_path is not None
+            model.load_weights(iter_safetensors(source.weights_path, _wanted_names(model)))
+        else:
+            from tokenmill.models.gguf_weights import iter_gguf_weights
+
+            assert source.weights_path is not None
+            model.load_weights(iter_gguf_weights(source.weights_path))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _wanted_names(model: nn.Module) -> set[str] | None:
+    expected = getattr(model, "expected_weight_names", None)
+    return expected() if callable(expected) else None
+
+
+def _describe_missing(source: "ModelSource") -> str:
+    folder = source.config_dir
+    if folder is None:
+        return "no weights path"
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".safetensors"))
+    hint = f"found {found}" if found else "found no weight files"
+    return (
+        f"{folder} has neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX} ({hint}); "
+        "PyTorch .bin checkpoints are not supported: convert them to safetensors, or use load_format='dummy'"
+    )
+
+
+def safetensors_files(weights_path: Path) -> list[Path]:
+    """The shard files of a checkpoint given its single file or its ``.index.json``."""
+    weights_path = Path(weights_path)
+    if not weights_path.is_file():
+        raise ValueError(f"weight file {weights_path} does not exist")
+    if weights_path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(weights_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"safetensors index {weights_path} is not valid: {exc}") from exc
+        files = [weights_path.parent / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"safetensors index {weights_path} names shard files that do not exist: {missing}")
+        return files
+    return [weights_path]
+
+
+def iter_safetensors(weights_path: Path, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time from memory-mapped files.
+
+    Tensors not in ``wanted`` are still yielded (so the model can report them as unexpected),
+    but only their names are read, never their data.
+    """
+    from safetensors import safe_open
+
+    for path in safetensors_files(weights_path):
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # SafetensorError, OSError: truncated or not a safetensors file
+            raise ValueError(f"cannot read safetensors file {path}: {exc}") from exc
+        with handle as f:
+            for name in f.keys():
+                if wanted is not None and name not in wanted:
+                    yield name, torch.empty(0)
+                    continue
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:
+                    raise ValueError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
+                yield name, tensor
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights from the config alone, for benchmarks and tests without a checkpoint.
+
+    Each parameter gets its own generator seeded from (seed, name), so a replicated parameter
+    is identical on every tensor-parallel rank and results do not depend on creation order.
+    Norm weights are 1 and other weights N(0, 0.02), which keeps activations and logits finite.
+    """
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            continue
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        values = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
+        param.data.copy_(values * 0.02)

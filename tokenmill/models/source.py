@@ -1,0 +1,190 @@
+"""Turn the user's ``model=`` string into a concrete set of files to load.
+
+Accepted, in the order they are tried:
+1. a local path: an HF folder (config.json + safetensors), a ``.gguf`` file, or a folder plus
+   ``gguf_file``;
+2. a built-in name (``tokenmill models`` lists them), fetched and converted on first use;
+3. a Hugging Face Hub id already present in the local HF cache (nothing is downloaded).
+Anything else is a ValueError that lists every place that was looked at.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from tokenmill.models.builtin import BUILTIN_MODELS, ensure_builtin, find_builtin
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["BUILTIN_MODELS", "ModelSource", "resolve_model"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for
+    config_dir: Path | None  # folder holding config.json; None when the config comes from a GGUF
+    weights_format: Literal["safetensors", "gguf"]
+    weights_path: Path | None  # model.safetensors, model.safetensors.index.json or the .gguf; None if absent
+    hf_config: "PretrainedConfig"
+    tokenizer_path: str  # for AutoTokenizer.from_pretrained(tokenizer_path, **tokenizer_kwargs)
+    tokenizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    generation_config: dict[str, Any] = field(default_factory=dict)  # generation_config.json, {} if absent
+
+
+def resolve_model(
+    model: str,
+    tokenizer: str | None = None,
+    revision: str | None = None,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
+) -> ModelSource:
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model={model!r} must be a non-empty string: a local path, a built-in name or a hub id")
+    tried: list[str] = []
+    path = Path(model).expanduser()
+    if path.exists():
+        return _from_local(model, path, tokenizer, gguf_file, trust_remote_code)
+    tried.append(f"local path {str(path.absolute())!r} (does not exist)")
+
+    builtin = find_builtin(model)
+    if builtin is not None:
+        folder = ensure_builtin(builtin)
+        return _from_local(model, folder, tokenizer, None, trust_remote_code)
+    tried.append(f"built-in models {sorted(BUILTIN_MODELS)} (no match)")
+
+    if _looks_like_hub_id(model):
+        snapshot, reason = _hub_cache_snapshot(model, revision)
+        if snapshot is not None:
+            return _from_local(model, snapshot, tokenizer, gguf_file, trust_remote_code)
+        tried.append(f"Hugging Face cache for {model!r} (not found: {reason}; hub downloads are not available)")
+    raise ValueError(f"cannot find model {model!r}; tried: " + "; ".join(tried))
+
+
+def _from_local(
+    name: str, path: Path, tokenizer: str | None, gguf_file: str | None, trust_remote_code: bool
+) -> ModelSource:
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model={name!r} is a file but not a .gguf file; give a model folder or a .gguf file")
+        return _gguf_source(name, path, None, tokenizer, trust_remote_code)
+    if gguf_file is not None:
+        gguf_path = Path(gguf_file).expanduser()
+        gguf_path = gguf_path if gguf_path.is_absolute() else path / gguf_path
+        if not gguf_path.is_file():
+            raise ValueError(f"gguf_file={gguf_file!r} not found (looked for {gguf_path})")
+        config_dir = path if (path / "config.json").is_file() else None
+        return _gguf_source(name, gguf_path, config_dir, tokenizer, trust_remote_code)
+    if (path / "config.json").is_file():
+        return _hf_folder_source(name, path, tokenizer, trust_remote_code)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _gguf_source(name, path / ggufs[0], None, tokenizer, trust_remote_code)
+    if ggufs:
+        raise ValueError(f"model folder {path} holds several GGUF files {ggufs}: choose one with gguf_file=")
+    raise ValueError(f"model folder {path} has no config.json and no .gguf file")
+
+
+def _hf_folder_source(name: str, folder: Path, tokenizer: str | None, trust_remote_code: bool) -> ModelSource:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    weights: Path | None = None
+    for candidate in ("model.safetensors.index.json", "model.safetensors"):
+        if (folder / candidate).is_file():
+            weights = folder / candidate
+            break
+    return ModelSource(
+        name=name,
+        config_dir=folder,
+        weights_format="safetensors",
+        weights_path=weights,
+        hf_config=config,
+        tokenizer_path=_tokenizer_path(tokenizer, folder),
+        tokenizer_kwargs={},
+        generation_config=_generation_config(folder),
+    )
+
+
+def _gguf_source(
+    name: str, gguf_path: Path, config_dir: Path | None, tokenizer: str | None, trust_remote_code: bool
+) -> ModelSource:
+    from transformers import AutoConfig
+
+    if config_dir is not None:
+        config = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        except Exception as exc:  # transformers raises assorted errors on unsupported/corrupt GGUF
+            raise ValueError(f"cannot read the model config from GGUF file {gguf_path}: {exc}") from exc
+    folder = config_dir or gguf_path.parent
+    if tokenizer is not None:
+        tok_path, tok_kwargs = _tokenizer_path(tokenizer, folder), {}
+    elif config_dir is not None and any((config_dir / f).is_file() for f in _TOKENIZER_FILES):
+        tok_path, tok_kwargs = str(config_dir), {}
+    else:
+        tok_path, tok_kwargs = str(gguf_path.parent), {"gguf_file": gguf_path.name}
+    return ModelSource(
+        name=name,
+        config_dir=config_dir,
+        weights_format="gguf",
+        weights_path=gguf_path,
+        hf_config=config,
+        tokenizer_path=tok_path,
+        tokenizer_kwargs=tok_kwargs,
+        generation_config=_generation_config(folder),
+    )
+
+
+def _tokenizer_path(tokenizer: str | None, default: Path) -> str:
+    if tokenizer is None:
+        return str(default)
+    path = Path(tokenizer).expanduser()
+    if path.exists():
+        return str(path)
+    builtin = find_builtin(tokenizer)
+    if builtin is not None:
+        return str(ensure_builtin(builtin))
+    if _looks_like_hub_id(tokenizer):
+        snapshot, reason = _hub_cache_snapshot(tokenizer, None)
+        if snapshot is not None:
+            return str(snapshot)
+        raise ValueError(f"tokenizer={tokenizer!r}: not a local path and not in the Hugging Face cache ({reason})")
+    raise ValueError(f"tokenizer={tokenizer!r} is not a local path, a built-in name or a cached hub id")
+
+
+def _generation_config(folder: Path) -> dict[str, Any]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _hub_cache_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
+    """A snapshot already in the local Hugging Face cache, or (None, why not)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None, "huggingface_hub is not installed"
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True)), ""
+    except Exception as exc:  # LocalEntryNotFoundError, HFValidationError, ...
+        return None, type(exc).__name__

@@ -1,0 +1,125 @@
+"""CUDA graphs for decode steps: one captured forward per batch-size bucket.
+
+A decode step of a small model launches hundreds of short kernels; on an H200 the launches,
+not the arithmetic, would set the pace. Capturing the forward once per bucket and replaying it
+costs one launch. Everything a replay reads lives in static buffers filled before each replay:
+token ids, positions, slots (-1 for padding rows, so they store nothing), query starts and
+context lengths (padding rows get no query tokens and no context, so attention skips them) and
+block tables. The attention backend is told the
+largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
+every replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (padding wastes < 16 rows)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        max_blocks = -(-max_model_len // block_size)
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self._arange = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = self._arange.clone()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _metadata(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            block_size=self.block_size,
+            query_lens_host=[1] * batch,
+            seq_lens_host=[self.max_model_len] * batch,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        ctx = ForwardContext(self._metadata(batch), self.kv_caches, self.backend)
+        return self.model(self.input_ids[:batch], self.positions[:batch], ctx)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = None
+        # Largest first, so smaller graphs fit inside the memory pool the largest one reserved.
+        for batch in reversed(self.buckets):
+            self._forward(batch)  # warm-up: compiles the Triton kernels for this shape outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(batch)
+            pool = graph.pool()
+            self.graphs[batch] = (graph, hidden)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for batch in self.buckets:
+            if batch >= num_seqs:
+                return batch
+        return None
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """Replay the graph of the smallest bucket holding this batch; returns hidden [num_seqs, H]."""
+        n = input_ids.shape[0]
+        batch = self.bucket_for(n)
+        assert batch is not None, f"decode batch {n} is larger than the captured {self.max_batch}"
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.slot_mapping[n:batch].fill_(-1)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.seq_lens[n:batch].fill_(0)
+        # Padding rows get no query tokens: attention leaves them alone.
+        self.query_start_loc[: n + 1].copy_(self._arange[: n + 1])
+        self.query_start_loc[n + 1 : batch + 1].fill_(n)
+        width = block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        graph, hidden = self.graphs[batch]
+        graph.replay()
+        return hidden[:n]
