@@ -1,0 +1,180 @@
+"""Decode attention micro-benchmark: achieved bandwidth of the Triton paged attention kernel.
+
+Default: a P1-like decode step (256 sequences, contexts ~1000, Qwen3-0.6B heads: 16 q / 8 kv,
+head_dim 128, block 16, bf16), timed through CUDA-graph replays (no launch gaps), correctness
+checked against the plain-torch twin first. Decode attention is memory-bound: the figure of merit
+is bytes that must move (each context token's K and V once, q once, out once, block tables)
+over time, against the H200's measured 4.3 TB/s copy bandwidth.
+
+Prints one JSON line per measured configuration to stdout (the first is the default launch
+shape; --sweep adds tile/warp/stage variants, --long adds few-sequence 32K-context decode with
+and without split-KV). Usage:
+    python bench/kernels_bench.py [--sweep] [--long] [--seqs 256 --ctx 1000 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
+from tokenmill.kernels.testing import make_paged_batch  # noqa: E402
+
+HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (KINDS.md)
+
+
+def _commit() -> str:
+    if os.environ.get("TOKENMILL_COMMIT"):
+        return os.environ["TOKENMILL_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _time_graph(fn: Any, calls_per_graph: int = 10, replays: int = 30) -> tuple[float, float]:
+    """Median and min microseconds per call, from CUDA-graph replays of ``calls_per_graph`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    return statistics.median(times), min(times)
+
+
+def run_case(args: argparse.Namespace, seq_lens: list[int], label: str, config: Any | None) -> dict[str, Any]:
+    from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
+
+    dtype = getattr(torch, args.dtype)
+    batch = make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, dtype=dtype, device="cuda", seed=0,
+    )
+    scale = args.head_dim**-0.5
+    max_seq = max(seq_lens)
+    if config is None:
+        config = choose_config(
+            num_tokens=len(seq_lens), num_seqs=len(seq_lens), num_heads=args.heads, num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim, dtype=dtype, max_query_len=1, max_seq_len=max_seq, device=batch.q.device,
+        )
+    out = torch.full_like(batch.q, float("nan"))
+
+    def call() -> None:
+        paged_attention(
+            batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
+            max_query_len=1, max_seq_len=max_seq, out=out, config=config,
+        )
+
+    call()
+    expected = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
+    err = (out.float() - expected.float()).abs().max().item()
+    rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    if not (rel < 2e-2):
+        raise SystemExit(f"{label}: wrong result (max abs err {err}, rel {rel}) with {config}")
+    us_median, us_min = _time_graph(call)
+    elem = batch.kv_cache.element_size()
+    total_ctx = sum(seq_lens)
+    kv_bytes = total_ctx * args.kv_heads * args.head_dim * 2 * elem
+    qo_bytes = 2 * len(seq_lens) * args.heads * args.head_dim * batch.q.element_size()
+    table_bytes = sum(-(-s // args.block_size) for s in seq_lens) * 4
+    total = kv_bytes + qo_bytes + table_bytes
+    gbps = total / (us_median * 1e-6) / 1e9
+    return {
+        "bench": "decode_attention",
+        "case": label,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "commit": _commit(),
+        "date": datetime.date.today().isoformat(),
+        "seqs": len(seq_lens),
+        "ctx_mean": round(total_ctx / len(seq_lens), 1),
+        "ctx_max": max_seq,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "block_size": args.block_size,
+        "dtype": args.dtype,
+        "config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_splits", "num_warps", "num_stages")},
+        "bytes": total,
+        "us_median": round(us_median, 2),
+        "us_min": round(us_min, 2),
+        "gbps": round(gbps, 1),
+        "frac_of_4300": round(gbps / HBM_GBPS, 3),
+        "max_abs_err": err,
+        "rel_err": rel,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--ctx", type=int, default=1000, help="mean context length")
+    parser.add_argument("--jitter", type=float, default=0.1, help="contexts uniform in ctx*(1 +- jitter)")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
+    parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels_bench.py needs a CUDA GPU")
+
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
+
+    rng = random.Random(0)
+    lo, hi = int(args.ctx * (1 - args.jitter)), int(args.ctx * (1 + args.jitter))
+    seq_lens = [rng.randint(max(1, lo), max(1, hi)) for _ in range(args.seqs)]
+    print(json.dumps(run_case(args, seq_lens, "p1-decode-default", None)), flush=True)
+    if args.sweep:
+        for tile_n in (32, 64, 128):
+            for num_warps in (2, 4, 8):
+                for num_stages in (2, 3, 4):
+                    cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=num_stages)
+                    try:
+                        print(json.dumps(run_case(args, seq_lens, "p1-decode-sweep", cfg)), flush=True)
+                    except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
+                        print(json.dumps({"bench": "decode_attention", "case": "p1-decode-sweep", "config": cfg.__dict__, "error": repr(exc)[:300]}), flush=True)
+        for splits in (2, 4):
+            cfg = AttentionLaunchConfig(block_q=1, tile_n=64, num_splits=splits, num_warps=4, num_stages=3)
+            print(json.dumps(run_case(args, seq_lens, "p1-decode-sweep", cfg)), flush=True)
+    if args.long:
+        long_lens = [rng.randint(30000, 32768) for _ in range(8)]
+        print(json.dumps(run_case(args, long_lens, "long-decode-default", None)), flush=True)
+        for splits in (1, 4, 16):
+            cfg = AttentionLaunchConfig(block_q=1, tile_n=64, num_splits=splits, num_warps=4, num_stages=3)
+            print(json.dumps(run_case(args, long_lens, f"long-decode-splits{splits}", cfg)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

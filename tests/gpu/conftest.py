@@ -1,0 +1,36 @@
+"""GPU tests: skipped, not failed, where no CUDA device is visible (the CPU CI runs this folder too).
+
+The check is an autouse fixture, so it applies to this folder only and runs before any test body
+imports triton; modules here must import triton (and tokenmill's triton kernels) lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Called with the whole session's items, not just this folder's: filter by path.
+    for item in items:
+        if Path(item.path).resolve().is_relative_to(_HERE):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(autouse=True)
+def _require_cuda(request: pytest.FixtureRequest) -> None:
+    if os.environ.get("TOKENMILL_KERNEL_DRYRUN") == "1" and request.module.__name__.endswith("test_kernels_gpu"):
+        # Self-check of the GPU tests on the CPU interpreter (see test_kernels_gpu.py's docstring).
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("TOKENMILL_KERNEL_DRYRUN=1 needs TRITON_INTERPRET=1 as well")
+        from tokenmill.kernels.testing import patch_triton_interpreter_for_numpy
+
+        patch_triton_interpreter_for_numpy()
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")

@@ -1,0 +1,608 @@
+"""Triton kernels against their plain-torch twins, on the CPU under the Triton interpreter.
+
+Why subprocesses: ``TRITON_INTERPRET=1`` only takes effect if it is set before triton is
+imported, and the CI suite runs every test in one pytest process. Setting it in this module would
+depend on import order and would leak into other tests, so the kernel checks run in fresh worker
+processes (this file run as a script) that get the variable in their environment. The pytest
+process itself never imports triton. Two workers share the cases, one per core.
+
+Every check uses random inputs, poisons outputs (NaN) before the kernel runs and compares with
+``tokenmill.kernels.reference``; the interpreter is slow, so token counts are tiny. bf16 is skipped
+here (the interpreter's bf16 is not trustworthy); tests/gpu/test_kernels_gpu.py covers it on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_RESULT_PREFIX = "KERNEL-RESULTS:"
+
+# ----------------------------------------------------------------------------------------------
+# The cases: plain data, so collecting this file needs neither triton nor torch.
+# ----------------------------------------------------------------------------------------------
+CASES: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def _case(check: str, name: str, **params: Any) -> None:
+    CASES[name] = (check, params)
+
+
+for _dt in ("float32", "float16"):
+    # Mixed step: decode (ctx 17 crosses a block), fresh prefill, prefix hit (6 of 37), chunk in
+    # the middle of a prompt, a 1-token context, a sequence with nothing scheduled; 2 pad tokens.
+    _case(
+        "attention", f"attn-mixed-bs16-g1-d64-{_dt}", dtype=_dt, block_size=16, num_heads=2, num_kv_heads=2,
+        head_dim=64, query_lens=[1, 5, 6, 0, 4, 1], seq_lens=[17, 5, 37, 10, 20, 1], pad=2,
+    )
+    _case(
+        "attention", f"attn-mixed-bs32-g2-d128-{_dt}", dtype=_dt, block_size=32, num_heads=4, num_kv_heads=2,
+        head_dim=128, query_lens=[3, 1, 7], seq_lens=[3, 40, 70], pad=0,
+    )
+    # Pure decode, GQA 4, contexts at and across block edges; padded like a CUDA-graph batch.
+    _case(
+        "attention", f"attn-decode-bs16-g4-d64-{_dt}", dtype=_dt, block_size=16, num_heads=8, num_kv_heads=2,
+        head_dim=64, query_lens=[1, 1, 1, 1, 1], seq_lens=[1, 16, 17, 33, 48], pad=3,
+    )
+    # Split-KV forced: decode with 4 splits (some empty), and a mixed batch with several query
+    # blocks per sequence (block_q 2) and 3 splits, where causal rows see nothing in late splits.
+    _case(
+        "attention", f"attn-decode-split4-bs16-g2-d128-{_dt}", dtype=_dt, block_size=16, num_heads=2,
+        num_kv_heads=1, head_dim=128, query_lens=[1, 1, 1], seq_lens=[100, 5, 64], pad=1,
+        config={"block_q": 1, "tile_n": 16, "num_splits": 4},
+    )
+    _case(
+        "attention", f"attn-mixed-split3-bq2-bs32-g4-d64-{_dt}", dtype=_dt, block_size=32, num_heads=4,
+        num_kv_heads=1, head_dim=64, query_lens=[4, 1, 9], seq_lens=[50, 33, 9], pad=2,
+        config={"block_q": 2, "tile_n": 16, "num_splits": 3},
+    )
+    # The heuristic's own split choice (one long sequence cannot fill the GPU: 2 splits).
+    _case(
+        "attention", f"attn-decode-autosplit-bs32-g2-d64-{_dt}", dtype=_dt, block_size=32, num_heads=2,
+        num_kv_heads=1, head_dim=64, query_lens=[1], seq_lens=[600], pad=0, expect_splits=2,
+    )
+    # A group of 3 (not a power of two): padded group rows must be masked out.
+    _case(
+        "attention", f"attn-mixed-g3-bs16-d64-{_dt}", dtype=_dt, block_size=16, num_heads=6, num_kv_heads=2,
+        head_dim=64, query_lens=[2, 1], seq_lens=[18, 30], pad=0,
+    )
+    # Through the backends: TritonAttentionBackend.forward vs TorchAttentionBackend.forward.
+    _case(
+        "backend", f"backend-mixed-bs16-g2-d64-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
+        head_dim=64, query_lens=[1, 6, 3], seq_lens=[20, 6, 35],
+    )
+    _case(
+        "backend", f"backend-decode-bs32-g1-d128-{_dt}", dtype=_dt, block_size=32, num_heads=2, num_kv_heads=2,
+        head_dim=128, query_lens=[1, 1, 1], seq_lens=[31, 33, 64],
+    )
+    _case("kv_store", f"kvstore-bs16-{_dt}", dtype=_dt, cache_dtype=_dt, block_size=16, num_kv_heads=2, head_dim=64, tokens=9)
+    _case("rms_norm", f"rmsnorm-2d-{_dt}", dtype=_dt, shape=[5, 96], residual=False, strided=False)
+    _case("rms_norm", f"rmsnorm-residual-{_dt}", dtype=_dt, shape=[7, 256], residual=True, strided=False)
+    _case("rms_norm", f"rmsnorm-heads-strided-{_dt}", dtype=_dt, shape=[3, 4, 64], residual=False, strided=True)
+    _case("rotary", f"rope-full-{_dt}", dtype=_dt, tokens=5, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64)
+    _case("rotary", f"rope-partial-{_dt}", dtype=_dt, tokens=3, num_heads=3, num_kv_heads=1, head_dim=64, rotary_dim=48)
+    _case("silu_and_mul", f"silu-2d-{_dt}", dtype=_dt, shape=[3, 192])
+    _case("silu_and_mul", f"silu-3d-{_dt}", dtype=_dt, shape=[2, 3, 2600])
+    # Long prompt with a prefix hit under the automatic prefill shape (several 128-row query
+    # blocks per sequence, 64-key tiles spanning 4 blocks of 16), beside a decode.
+    _case(
+        "attention", f"attn-prefill-auto-bs16-g4-d128-{_dt}", dtype=_dt, block_size=16, num_heads=8, num_kv_heads=2,
+        head_dim=128, query_lens=[150, 1, 40], seq_lens=[230, 77, 40], pad=1,
+    )
+    # Other power-of-two block sizes: 8 (a 16-key tile spans two blocks) and 64.
+    _case(
+        "attention", f"attn-mixed-bs8-g2-d64-{_dt}", dtype=_dt, block_size=8, num_heads=4, num_kv_heads=2,
+        head_dim=64, query_lens=[1, 9, 3], seq_lens=[23, 9, 41], pad=0, config={"block_q": 4, "tile_n": 16, "num_splits": 2},
+    )
+    _case(
+        "attention", f"attn-mixed-bs64-g1-d32-{_dt}", dtype=_dt, block_size=64, num_heads=2, num_kv_heads=2,
+        head_dim=32, query_lens=[5, 1], seq_lens=[130, 65], pad=0,
+    )
+
+
+# More sequences than one vector load of the sequence search covers (256): its loop must iterate.
+_case(
+    "attention", "attn-decode-260seqs-g2-d32-float32", dtype="float32", block_size=16, num_heads=2, num_kv_heads=1,
+    head_dim=32, query_lens=[1] * 260, seq_lens=[1 + (i * 7) % 20 for i in range(260)], pad=2,
+)
+_case(
+    "attention", "attn-mixed-260seqs-bq4-float16", dtype="float16", block_size=16, num_heads=2, num_kv_heads=1,
+    head_dim=32, query_lens=[1 + (i % 3 == 0) * (i % 5) for i in range(260)], seq_lens=[5 + (i * 7) % 20 for i in range(260)],
+    pad=0, config={"block_q": 4, "tile_n": 16, "num_splits": 1},
+)
+
+
+def _random_attention_cases(count: int) -> None:
+    """Seeded random batches and random (valid) launch shapes: every knob against the twin."""
+    import random
+
+    rng = random.Random(1234)
+    for i in range(count):
+        group = rng.choice([1, 2, 4])
+        num_kv_heads = rng.choice([1, 2])
+        query_lens, seq_lens = [], []
+        for _ in range(rng.randint(2, 6)):
+            kind = rng.choice(["decode", "prefill", "prefix", "chunk", "idle"])
+            ctx = rng.randint(1, 120)
+            qlen = {"decode": 1, "prefill": ctx, "prefix": rng.randint(1, ctx), "chunk": rng.randint(1, ctx), "idle": 0}[kind]
+            query_lens.append(qlen)
+            seq_lens.append(ctx)
+        _case(
+            "attention", f"attn-random{i}-{'float32' if i % 2 else 'float16'}", dtype="float32" if i % 2 else "float16",
+            block_size=rng.choice([16, 32]), num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+            head_dim=rng.choice([64, 128]), query_lens=query_lens, seq_lens=seq_lens, pad=rng.randint(0, 2),
+            config={"block_q": rng.choice([1, 2, 4, 16]), "tile_n": rng.choice([16, 32, 64]), "num_splits": rng.choice([1, 2, 3, 5])},
+        )
+
+
+_random_attention_cases(8)
+_case("kv_store", "kvstore-bs32-f32-into-f16", dtype="float32", cache_dtype="float16", block_size=32, num_kv_heads=3, head_dim=128, tokens=7)
+_case("kv_store", "kvstore-bs16-d32-float32", dtype="float32", cache_dtype="float32", block_size=16, num_kv_heads=1, head_dim=32, tokens=4)
+_case("rms_norm", "rmsnorm-residual-inplace-float32", dtype="float32", shape=[4, 64], residual=True, strided=False, inplace=True)
+_case("lazy_import", "import-tokenmill-does-not-import-triton")
+
+# Real-hardware shapes compiled (not run) for sm_90 by Triton's own compiler and ptxas, through
+# the real wrappers and launch heuristics: catches what the interpreter accepts but the GPU
+# compiler refuses (dot shapes, layouts), shared memory over Hopper's 227 KB, register spills,
+# and a dot that silently lost its tensor cores. These run in a worker WITHOUT the interpreter.
+_COMPILE_ATTENTION = {
+    # name: (dtype, num_seqs, query_len, heads, kv_heads, head_dim, block_size, max_seq_len)
+    "p1-decode-bf16-d128-g2": ("bfloat16", 256, 1, 16, 8, 128, 16, 1024),
+    "longctx-decode-split-bf16-d128-g4": ("bfloat16", 4, 1, 32, 8, 128, 16, 32768),
+    "prefill-bf16-d128-g2": ("bfloat16", 4, 512, 16, 8, 128, 16, 2048),
+    "prefill-fp16-d64-g1-bs32": ("float16", 4, 512, 8, 8, 64, 32, 2048),
+    "prefill-bf16-d256-g4": ("bfloat16", 4, 512, 16, 4, 256, 16, 2048),
+    "decode-bf16-d256-g8-split": ("bfloat16", 2, 1, 16, 2, 256, 16, 16384),
+    "prefill-fp32-d128-g2": ("float32", 4, 512, 4, 2, 128, 16, 2048),
+    "decode-fp32-d128-g2-split": ("float32", 2, 1, 4, 2, 128, 16, 8192),
+}
+for _name in _COMPILE_ATTENTION:
+    _case("compile_sm90", f"sm90-attn-{_name}", kernel="attention", shape=_name)
+for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul"):
+    _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# pytest side: run the selected cases in worker processes once, then report one test per case.
+# ----------------------------------------------------------------------------------------------
+def _spawn(names: list[str], interpret: bool) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--worker" if interpret else "--compile-worker", json.dumps(names)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    selected = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module is sys.modules[__name__] and hasattr(item, "callspec") and "name" in item.callspec.params
+    ] or list(CASES)
+    compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
+    interpreted = [n for n in selected if CASES[n][0] != "compile_sm90"]
+    # Attention cases are the slow ones: deal them round-robin so both workers finish together.
+    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend"))
+    shards = [interpreted[0::2], interpreted[1::2]]
+    procs = [_spawn(shard, interpret=True) for shard in shards if shard]
+    if compiled:
+        procs.append(_spawn(compiled, interpret=False))
+    results: dict[str, str | None] = {}
+    for proc in procs:
+        output, _ = proc.communicate(timeout=900)
+        line = next((ln for ln in reversed(output.splitlines()) if ln.startswith(_RESULT_PREFIX)), None)
+        if line is None:
+            raise RuntimeError(f"interpreter worker died (rc {proc.returncode}):\n{output[-4000:]}")
+        results.update(json.loads(line[len(_RESULT_PREFIX) :]))
+    return results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_under_interpreter(name: str, interpreter_results: dict[str, str | None]) -> None:
+    if name not in interpreter_results:
+        pytest.fail(f"worker returned no result for {name}")
+    error = interpreter_results[name]
+    if error is not None and error.startswith("SKIP:"):
+        pytest.skip(error[5:].strip())
+    if error is not None:
+        pytest.fail(error, pytrace=False)
+
+
+def test_reference_attention_matches_torch_backend() -> None:
+    """The twin the kernels are held to must itself agree with the CPU backend (decode and mixed)."""
+    import torch
+
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.kernels.reference import paged_attention_ref, store_kv_ref
+    from tokenmill.kernels.testing import make_paged_batch
+
+    for query_lens, seq_lens in (([1, 1, 1], [5, 17, 40]), ([1, 7, 3, 2], [16, 7, 35, 2])):
+        batch = make_paged_batch(
+            query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, seed=3
+        )
+        cache_a, cache_b = batch.kv_cache.clone(), batch.kv_cache.clone()
+        expected = TorchAttentionBackend().forward(batch.q, batch.k, batch.v, cache_a, batch.metadata(), 0.2)
+        store_kv_ref(batch.k, batch.v, cache_b, batch.slot_mapping)
+        assert torch.equal(cache_a, cache_b)
+        got = paged_attention_ref(batch.q, cache_b, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.2)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side (runs with TRITON_INTERPRET=1 already in the environment).
+# ----------------------------------------------------------------------------------------------
+def _tol(dtype: Any) -> dict[str, float]:
+    import torch
+
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+
+
+def _check_attention(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels import reference
+    from tokenmill.kernels.testing import make_paged_batch
+    from tokenmill.kernels.triton.kv_store import store_kv
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_config, paged_attention
+
+    dtype = getattr(torch, p["dtype"])
+    batch = make_paged_batch(
+        p["query_lens"], p["seq_lens"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
+        head_dim=p["head_dim"], block_size=p["block_size"], dtype=dtype, num_pad_tokens=p["pad"], seed=len(p["query_lens"]),
+    )
+    scale = p["head_dim"] ** -0.5
+    cache = batch.kv_cache.clone()
+    cache_ref = batch.kv_cache.clone()
+    store_kv(batch.k, batch.v, cache, batch.slot_mapping)
+    reference.store_kv_ref(batch.k, batch.v, cache_ref, batch.slot_mapping)
+    assert torch.equal(cache, cache_ref), "kv store differs from reference"
+    assert not torch.equal(cache, batch.kv_cache), "kv store wrote nothing"
+
+    meta = batch.metadata()
+    if "config" in p:
+        config = AttentionLaunchConfig(num_warps=4, num_stages=1, **p["config"])
+    else:
+        config = choose_config(
+            num_tokens=batch.q.shape[0], num_seqs=len(p["seq_lens"]), num_heads=p["num_heads"],
+            num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], dtype=dtype,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, device=batch.q.device,
+        )
+    if "expect_splits" in p:
+        assert config.num_splits == p["expect_splits"], f"heuristic chose {config}"
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(
+        batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, out=out, config=config,
+    )
+    expected = reference.paged_attention_ref(batch.q, cache_ref, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
+    n = batch.num_real_tokens
+    torch.testing.assert_close(out[:n], expected[:n], **_tol(dtype), msg=lambda m: f"{config}: {m}")
+    assert torch.isnan(out[n:]).all(), "padding rows were written"
+
+
+def _check_backend(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.kernels.testing import make_paged_batch
+
+    dtype = getattr(torch, p["dtype"])
+    batch = make_paged_batch(
+        p["query_lens"], p["seq_lens"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
+        head_dim=p["head_dim"], block_size=p["block_size"], dtype=dtype, seed=11,
+    )
+    cache, cache_ref = batch.kv_cache.clone(), batch.kv_cache.clone()
+    # The fp32 reference backend run on fp32 copies: the fp16 kernel is held to the exact answer.
+    expected = TorchAttentionBackend().forward(
+        batch.q.float(), batch.k.float(), batch.v.float(), cache_ref.float(), batch.metadata(), 0.125
+    )
+    meta = batch.metadata()
+    got = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, cache, meta, 0.125)
+    assert got.dtype == dtype and got.shape == batch.q.shape
+    torch.testing.assert_close(got.float(), expected, **_tol(dtype))
+    assert meta.backend_cache, "config not cached per step"
+
+
+def _check_kv_store(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import store_kv_ref
+    from tokenmill.kernels.triton.kv_store import store_kv
+
+    dtype, cache_dtype = getattr(torch, p["dtype"]), getattr(torch, p["cache_dtype"])
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, dim, bs = p["tokens"], p["num_kv_heads"], p["head_dim"], p["block_size"]
+    num_blocks = 4
+    cache = torch.randn((2, num_blocks, bs, heads, dim), generator=gen).to(cache_dtype)
+    # k and v as strided views of a fused qkv projection output (2 query heads in front).
+    qkv = torch.randn((tokens, (2 + 2 * heads) * dim), generator=gen).to(dtype)
+    k = qkv[:, 2 * dim : (2 + heads) * dim].view(tokens, heads, dim)
+    v = qkv[:, (2 + heads) * dim :].view(tokens, heads, dim)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens]
+    slots[1::3] = -1  # padding tokens scattered through the batch
+    expected = cache.clone()
+    store_kv_ref(k, v, expected, slots)
+    store_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def _check_rms_norm(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels import reference
+    from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(7)
+    shape = p["shape"]
+    n = shape[-1]
+    weight = (1.0 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
+    if p["strided"]:  # per-head norm of q inside a fused qkv output: [T, heads, D] with a token stride
+        t, heads, d = shape
+        qkv = torch.randn((t, (heads + 3) * d), generator=gen).to(dtype) * 3
+        x = qkv[:, :heads * d].view(t, heads, d)
+    else:
+        x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    tol = _tol(dtype)
+    if not p["residual"]:
+        out = torch.full(x.shape, float("nan"), dtype=dtype)
+        got = rms_norm(x, weight, 1e-6, out=out)
+        assert got is out
+        torch.testing.assert_close(got, reference.rms_norm_ref(x, weight, 1e-6), **tol)
+        return
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    exp_out, exp_res = reference.fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    out = torch.full_like(x, float("nan"))
+    if p.get("inplace"):
+        res_out = residual  # the runner's pattern: the residual stream updated in place
+    else:
+        res_out = torch.full_like(x, float("nan"))
+    got_out, got_res = fused_add_rms_norm(x, residual, weight, 1e-5, out=out, residual_out=res_out)
+    assert got_out is out and got_res is res_out
+    torch.testing.assert_close(got_res, exp_res, atol=0, rtol=0)
+    torch.testing.assert_close(got_out, exp_out, **tol)
+
+
+def _check_rotary(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import rotary_embedding_ref_
+    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from tokenmill.kernels.triton.rotary import rotary_embedding_
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(9)
+    t, hq, hk, d = p["tokens"], p["num_heads"], p["num_kv_heads"], p["head_dim"]
+    cache = rope_cos_sin_cache(4096, p["rotary_dim"])
+    positions = torch.randint(0, 4096, (t,), generator=gen)
+    qkv = torch.randn((t, (hq + 2 * hk) * d), generator=gen).to(dtype)
+    expected = qkv.clone()
+    for buf, fn in ((expected, rotary_embedding_ref_), (qkv, rotary_embedding_)):
+        q = buf[:, : hq * d].view(t, hq, d)
+        k = buf[:, hq * d : (hq + hk) * d].view(t, hk, d)
+        fn(positions, q, k, cache)
+    torch.testing.assert_close(qkv, expected, **_tol(dtype))
+    assert torch.equal(qkv[:, (hq + hk) * d :], expected[:, (hq + hk) * d :]), "v was touched"
+
+
+def _check_silu_and_mul(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import silu_and_mul_ref
+    from tokenmill.kernels.triton.activation import silu_and_mul
+
+    dtype = getattr(torch, p["dtype"])
+    x = (torch.randn(p["shape"], generator=torch.Generator().manual_seed(13)) * 2).to(dtype)
+    out = torch.full((*x.shape[:-1], x.shape[-1] // 2), float("nan"), dtype=dtype)
+    got = silu_and_mul(x, out=out)
+    assert got is out
+    torch.testing.assert_close(got, silu_and_mul_ref(x), **_tol(dtype))
+
+
+def _check_lazy_import(p: dict[str, Any]) -> None:
+    # Already verified at worker start, before anything imported triton (see _worker_main).
+    assert p["triton_was_imported"] is False, "importing tokenmill's kernel-facing modules imported triton"
+
+
+_SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
+_TRITON_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64"}
+
+
+def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
+    """Make ``kernel[grid](...)`` compile for sm_90 instead of launching, recording what ptxas says.
+
+    The signature and the 16-divisibility hints are derived from the actual arguments the way
+    Triton's launcher specialises them, so what is compiled is what the wrapper would launch."""
+    import re
+    import tempfile
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = self.signature.bind(*args, **kwargs)
+        signature: dict[str, str] = {}
+        constexprs: dict[str, Any] = {}
+        attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+        for param in self.params:
+            value = bound.arguments[param.name]
+            if param.is_constexpr:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+                continue
+            if isinstance(value, torch.Tensor):
+                signature[param.name] = "*" + _TRITON_DTYPES[str(value.dtype)]
+                aligned = value.data_ptr() % 16 == 0
+            elif isinstance(value, bool):
+                signature[param.name], aligned = "i1", False
+            elif isinstance(value, int):
+                signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                aligned = value % 16 == 0
+            else:
+                signature[param.name], aligned = "fp32", False
+            if aligned:
+                attrs[(param.num,)] = [["tt.divisibility", 16]]
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = kernel.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.ptx").write_text(ptx)
+            info = subprocess.run(
+                [str(ptxas), "-v", "--gpu-name=sm_90a", str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.o")],
+                capture_output=True, text=True, check=True,
+            ).stderr
+        registers = re.search(r"Used (\d+) registers", info)
+        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info))
+        report.append({
+            "kernel": self.__name__, "shared": kernel.metadata.shared, "registers": int(registers.group(1)) if registers else -1,
+            "spill_bytes": spills, "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx, "options": options,
+            "float_inputs": any(v in ("*bf16", "*fp16") for v in signature.values()),
+        })
+
+    JITFunction.run = run  # type: ignore[method-assign]
+
+
+def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None:
+    import torch
+
+    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from tokenmill.kernels.triton import activation, kv_store, paged_attention, rmsnorm, rotary
+
+    start = len(report)
+    bf16 = torch.bfloat16
+    kernel = p["kernel"]
+    # Tensors only carry dtype, shape, strides and alignment here: nothing is launched.
+    if kernel == "attention":
+        dtype_name, seqs, qlen, heads, kv_heads, dim, bs, max_seq = _COMPILE_ATTENTION[p["shape"]]
+        dtype = getattr(torch, dtype_name)
+        tokens = seqs * qlen
+        qkv = torch.empty((tokens, (heads + 2 * kv_heads) * dim), dtype=dtype)
+        q = qkv[:, : heads * dim].view(tokens, heads, dim)  # the model's strided view
+        cache = torch.empty((2, 8, bs, kv_heads, dim), dtype=dtype)
+        paged_attention.paged_attention(
+            q, cache, torch.zeros(seqs + 1, dtype=torch.int32), torch.zeros(seqs, dtype=torch.int32),
+            torch.zeros((seqs, max_seq // bs), dtype=torch.int32), dim**-0.5, max_query_len=qlen, max_seq_len=max_seq,
+        )
+    elif kernel == "kv_store":
+        qkv = torch.empty((64, 32 * 128), dtype=bf16)
+        k = qkv[:, 16 * 128 : 24 * 128].view(64, 8, 128)
+        kv_store.store_kv(k, k, torch.empty((2, 8, 16, 8, 128), dtype=bf16), torch.zeros(64, dtype=torch.int64))
+    elif kernel == "rms_norm":
+        rmsnorm.rms_norm(torch.empty((64, 4096), dtype=bf16), torch.empty(4096, dtype=bf16), 1e-6)
+    elif kernel == "fused_add_rms_norm":
+        x = torch.empty((64, 1024), dtype=bf16)
+        rmsnorm.fused_add_rms_norm(x, torch.empty_like(x), torch.empty(1024, dtype=bf16), 1e-6)
+    elif kernel == "head_rms_norm":
+        qkv = torch.empty((64, 32 * 128), dtype=bf16)
+        rmsnorm.rms_norm(qkv[:, : 16 * 128].view(64, 16, 128), torch.empty(128, dtype=bf16), 1e-6)
+    elif kernel == "rotary":
+        qkv = torch.empty((64, 32 * 128), dtype=bf16)
+        q, k = qkv[:, : 16 * 128].view(64, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(64, 8, 128)
+        rotary.rotary_embedding_(torch.zeros(64, dtype=torch.int64), q, k, rope_cos_sin_cache(64, 128))
+    elif kernel == "silu_and_mul":
+        activation.silu_and_mul(torch.empty((64, 2 * 3072), dtype=bf16))
+    launched = report[start:]
+    assert launched, "the wrapper launched no kernel"
+    for entry in launched:
+        print(f"  sm_90 {entry}", flush=True)
+        assert entry["shared"] <= _SM90_MAX_SHARED, f"{entry['kernel']} needs {entry['shared']} B of shared memory"
+        # fp32 is a test-only path (FMA dots); a few spilled bytes there cost nothing we ship.
+        if entry["float_inputs"]:
+            assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
+        if entry["kernel"] == "_paged_attention_kernel" and entry["float_inputs"]:
+            assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
+
+
+_CHECKS = {
+    "attention": _check_attention,
+    "backend": _check_backend,
+    "kv_store": _check_kv_store,
+    "rms_norm": _check_rms_norm,
+    "rotary": _check_rotary,
+    "silu_and_mul": _check_silu_and_mul,
+    "lazy_import": _check_lazy_import,
+}
+
+
+def _worker_main(names: list[str]) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "worker must start with TRITON_INTERPRET=1"
+    import torch
+
+    torch.set_num_threads(1)
+    import tokenmill.attention.triton_backend  # noqa: F401  (must stay triton-free at import)
+    import tokenmill.kernels.reference  # noqa: F401
+    import tokenmill.kernels.testing  # noqa: F401
+
+    try:
+        import tokenmill  # noqa: F401  (the package root may still be a stub while others write it)
+    except ImportError:
+        pass
+    triton_was_imported = "triton" in sys.modules
+    from tokenmill.kernels.testing import patch_triton_interpreter_for_numpy
+
+    patch_triton_interpreter_for_numpy()
+
+    results: dict[str, str | None] = {}
+    for name in names:
+        check, params = CASES[name]
+        if check == "lazy_import":
+            params = {"triton_was_imported": triton_was_imported}
+        start = time.perf_counter()
+        try:
+            _CHECKS[check](params)
+            results[name] = None
+        except Exception:  # noqa: BLE001  (the report carries the traceback to pytest)
+            results[name] = traceback.format_exc()
+        print(f"{name}: {'ok' if results[name] is None else 'FAIL'} {time.perf_counter() - start:.2f}s", flush=True)
+    print(_RESULT_PREFIX + json.dumps(results), flush=True)
+
+
+def _compile_worker_main(names: list[str]) -> None:
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "the sm_90 compile worker must not interpret"
+    results: dict[str, str | None] = {}
+    try:
+        report: list[dict[str, Any]] = []
+        _install_compile_only_launcher(report)
+    except Exception:  # noqa: BLE001  (an older/newer triton without this internal API)
+        reason = "SKIP: cannot compile for sm_90 offline here: " + traceback.format_exc(limit=1).strip().splitlines()[-1]
+        print(_RESULT_PREFIX + json.dumps({name: reason for name in names}), flush=True)
+        return
+    for name in names:
+        start = time.perf_counter()
+        try:
+            _check_compile_sm90(CASES[name][1], report)
+            results[name] = None
+        except Exception:  # noqa: BLE001
+            results[name] = traceback.format_exc()
+        print(f"{name}: {'ok' if results[name] is None else 'FAIL'} {time.perf_counter() - start:.2f}s", flush=True)
+    print(_RESULT_PREFIX + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _worker_main(json.loads(sys.argv[2]))
+elif __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--compile-worker":
+    _compile_worker_main(json.loads(sys.argv[2]))

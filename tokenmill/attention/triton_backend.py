@@ -1,0 +1,77 @@
+"""Attention on the GPU through our Triton kernels: same contract as ``TorchAttentionBackend``.
+
+``forward`` stores the step's keys and values by ``slot_mapping`` (slot -1 = padding, skipped) and
+runs the unified paged attention kernel over the flattened batch. Nothing in it syncs with the
+device or allocates a data-dependent amount of memory, so the runner can capture it in a CUDA
+graph:
+- the kernels read lengths, starts and block tables only from the metadata tensors;
+- the grids come from tensor shapes (T, B, heads), never from lengths;
+- the host ints ``meta.max_query_len`` and ``meta.max_seq_len`` only pick tile shapes and the
+  number of key splits (any values give correct results). For graph capture the runner must pass
+  the static upper bounds it captures for (``max_query_len`` 1 for decode, ``max_seq_len`` the
+  largest context a replay may see, e.g. max_model_len), so the choice baked into the graph
+  suits every replay; a replay with shorter contexts then just has split programs that exit early.
+Triton is imported on first use, so ``import tokenmill`` never pays for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TritonAttentionBackend:
+    """Paged attention for CUDA tensors (or any device under ``TRITON_INTERPRET=1``)."""
+
+    def __init__(self) -> None:
+        # Deferred so that building the backend object is free and triton loads on the first step.
+        from tokenmill.kernels.triton.kv_store import store_kv
+        from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
+
+        self._store_kv = store_kv
+        self._paged_attention = paged_attention
+        self._choose_config = choose_config
+
+    def forward(
+        self,
+        q: "torch.Tensor",  # [T, num_heads, head_dim]
+        k: "torch.Tensor",  # [T, num_kv_heads, head_dim]
+        v: "torch.Tensor",  # [T, num_kv_heads, head_dim]
+        kv_cache: "torch.Tensor",  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> "torch.Tensor":  # [T, num_heads, head_dim]
+        if kv_cache.shape[2] != meta.block_size:
+            raise ValueError(f"kv_cache block_size {kv_cache.shape[2]} differs from meta.block_size {meta.block_size}")
+        self._store_kv(k, v, kv_cache, meta.slot_mapping)
+        # The launch shape is the same for every layer of a step: choose it once per step.
+        key = ("triton_attn_config", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
+        config = meta.backend_cache.get(key)
+        if config is None:
+            config = self._choose_config(
+                num_tokens=q.shape[0],
+                num_seqs=meta.seq_lens.shape[0],
+                num_heads=q.shape[1],
+                num_kv_heads=kv_cache.shape[3],
+                head_dim=q.shape[2],
+                dtype=q.dtype,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+                device=q.device,
+            )
+            meta.backend_cache[key] = config
+        return self._paged_attention(
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            config=config,
+        )

@@ -1,0 +1,424 @@
+"""One paged attention kernel for every step: decode, prefill with prefix hits, chunked prefill, mixed.
+
+Twin: ``reference.paged_attention_ref``. The rule it implements is the only one there is: the j-th
+new token of sequence i sits at absolute position ``seq_len_i - query_len_i + j`` and attends
+causally to the keys ``0..position`` of its paged context. Decode (query_len 1) and prefill
+(query_len = seq_len) are just two ends of that rule, so a single kernel covers any mix of them.
+
+How the work is cut (grid = (query blocks, kv heads, kv splits)):
+- Query blocks. Each sequence's new tokens are cut into blocks of BLOCK_Q tokens. Sequence i's
+  blocks are numbered from ``query_start_loc[i] // BLOCK_Q + i``, an upper bound on how many blocks
+  come before it, so the total never exceeds ``T // BLOCK_Q + B`` and the grid depends only on
+  tensor shapes. A program finds its sequence by counting the starts at or below its id and exits
+  at once when its block lies past the sequence's end. No host value that changes between steps
+  reaches the grid, which is what lets CUDA graphs capture decode. (With BLOCK_Q == 1, the
+  decode shape, the token index itself is the block number and the grid is exactly T.)
+- GQA packing. The ``group = num_heads // num_kv_heads`` query heads that share one kv head are
+  stacked with the query tokens into the M rows of one score tile (row = token * GROUP_P + head),
+  so each K/V tile is loaded from HBM once per kv head and used by the whole group. M is padded to
+  at least 16 rows because tensor-core dots need every operand dimension >= 16 on the GPU; the
+  padded rows are masked and cost arithmetic only, which decode has to spare (it is memory-bound).
+- Split-KV. When the batch is small (few sequences, long contexts), B * kv_heads programs cannot
+  fill 132 SMs; each program then covers 1/NUM_SPLITS of the key range, writes an unnormalised
+  partial result with its running max and sum, and a second kernel merges the splits. NUM_SPLITS is
+  chosen on the host from static bounds only.
+Keys are addressed token by token through the block table (``block_tables[i, pos // block_size]``),
+so a key tile may span several cache blocks and its width TILE_N is independent of block_size.
+Softmax is the online (flash) form in fp32 with exp2 and the scale folded into log2(e).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Splitting the key range below this many keys per split costs more in the merge than it gains.
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+# Wide enough to find the sequence of any program with one vector load when B <= 256.
+_SEARCH_BLOCK = 256
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """Index of the last sequence whose first query block is <= block_id (vectorised count, not a
+    binary search: one wide load instead of log2(B) dependent round trips to memory)."""
+    count = tl.zeros((), dtype=tl.int32)
+    for base in range(0, num_seqs, SEARCH_BLOCK):
+        idx = base + 1 + tl.arange(0, SEARCH_BLOCK)  # sequence indices 1..B
+        in_range = idx <= num_seqs
+        starts = tl.load(query_start_loc_ptr + idx, mask=in_range, other=0)
+        if BLOCK_Q == 1:
+            first_block = starts
+        else:
+            first_block = starts // BLOCK_Q + idx
+        count += tl.sum((in_range & (first_block <= block_id)).to(tl.int32), axis=0)
+    return tl.minimum(count, num_seqs - 1)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_seqs,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt_seq,
+    stride_pa_tok,
+    stride_pa_head,
+    stride_pa_split,
+    stride_pml_tok,
+    stride_pml_head,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q, SEARCH_BLOCK)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if BLOCK_Q == 1:
+        first_block = q_start
+    else:
+        first_block = q_start // BLOCK_Q + seq
+    q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
+    if q_first >= query_len:
+        return  # a spare program of the static grid
+    seq_len = tl.load(seq_lens_ptr + seq)
+    cached_len = seq_len - query_len  # keys that were in the cache before this step
+
+    # Row r of the score tile is query token q_first + r // GROUP_P, head r % GROUP_P of the group.
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = q_first + rows // GROUP_P
+    row_head = kv_head * GROUP + rows % GROUP_P
+    row_valid = (rows // GROUP_P < BLOCK_Q) & (row_tok < query_len) & (rows % GROUP_P < GROUP)
+    row_pos = cached_len + row_tok  # absolute position: the last key this row may see
+    token = q_start + row_tok
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Keys this block needs: up to its last real query's position; then this split's share of them.
+    kv_end = cached_len + tl.minimum(q_first + BLOCK_Q, query_len)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    cols = tl.arange(0, TILE_N)
+    table = block_tables_ptr + seq * stride_bt_seq
+    head_off = kv_head * stride_c_head
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + cols
+        key_valid = key_pos < kv_end
+        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        key_off = block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_tok + head_off
+        # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
+        k = tl.load(k_cache_ptr + key_off[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        # Causality also hides keys past kv_end from real rows, since their row_pos < kv_end.
+        s = tl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # Every real row saw at least its own key, so l_i > 0 there (the guard is for padded rows
+        # and malformed padding sequences, which then get 0 rather than NaN).
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+    else:
+        # Unnormalised partials; an empty split stores acc 0, m -inf, l 0, which the merge weighs 0.
+        pa = part_acc_ptr + token * stride_pa_tok + row_head * stride_pa_head + split * stride_pa_split
+        tl.store(pa[:, None] + dims[None, :], acc, mask=row_valid[:, None])
+        pml = token * stride_pml_tok + row_head * stride_pml_head + split
+        tl.store(part_m_ptr + pml, m_i, mask=row_valid)
+        tl.store(part_l_ptr + pml, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    stride_o_tok,
+    stride_o_head,
+    stride_pa_tok,
+    stride_pa_head,
+    stride_pa_split,
+    stride_pml_tok,
+    stride_pml_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding past the last real token: leave the output alone
+    splits = tl.arange(0, SPLITS_P)
+    present = splits < NUM_SPLITS
+    pml = token * stride_pml_tok + head * stride_pml_head + splits
+    m = tl.load(part_m_ptr + pml, mask=present, other=float("-inf"))
+    l = tl.load(part_l_ptr + pml, mask=present, other=0.0)
+    # m_max is finite for a real token (split 0 holds key 0, which every query sees); the guards
+    # only keep a malformed padding sequence (seq_len < query_len) at 0 instead of NaN.
+    m_max = tl.max(m, axis=0)
+    m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(present, tl.exp2(m - m_shift), 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    pa = part_acc_ptr + token * stride_pa_tok + head * stride_pa_head + splits * stride_pa_split
+    acc = tl.load(pa[:, None] + dims[None, :], mask=present[:, None], other=0.0)
+    denom = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class AttentionLaunchConfig:
+    """Tile shapes of one launch. Any values give the same result; they only change speed."""
+
+    block_q: int  # query tokens per program (power of two)
+    tile_n: int  # keys per inner-loop step (power of two, >= 16)
+    num_splits: int  # key-range splits per (query block, kv head); 1 = no merge kernel
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+) -> AttentionLaunchConfig:
+    """Pick tile shapes and the split count from static bounds (shapes and two host upper bounds).
+
+    ``max_query_len == 1`` selects the decode shape (one token per program, a 16-row tile holding
+    the GQA group); otherwise programs take up to 128 rows of tokens x heads (64 for head_dim 256,
+    16 for fp32). Splits are added only while the grid has fewer than two programs per SM, and
+    only as far as ``max_seq_len`` leaves each split >= 256 keys.
+    """
+    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
+    fp32 = dtype == torch.float32  # tests only: ieee fp32 dots run on FMA units, keep tiles small
+    wide = head_dim <= 128 and not fp32
+    if max_query_len <= 1:
+        block_q = 1
+        num_warps, num_stages = 4, 3
+    else:
+        # 128 x 128 fp32 accumulators fit 8 warps without spilling (checked with ptxas for sm_90);
+        # head_dim 256 halves the rows; fp32 (FMA dots) keeps the 16 rows of decode.
+        target_rows = 16 if fp32 else 128 if wide else 64
+        block_q = max(1, min(target_rows // group_p, triton.next_power_of_2(max_query_len)))
+        num_warps = 8 if not fp32 and (block_q * group_p >= 128 or head_dim >= 256) else 4
+        num_stages = 2 if fp32 else 3
+    tile_n = 16 if fp32 else 64 if wide else 32
+    grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    programs = max(1, grid_q * num_kv_heads)
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
+    num_splits = 1
+    if programs < 2 * num_sms:
+        by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+        wanted = min(math.ceil(2 * num_sms / programs), by_length, _MAX_SPLITS)
+        # Powers of two only: NUM_SPLITS is a compile-time constant, so this bounds recompiles.
+        num_splits = 1 << (wanted - 1).bit_length() if wanted > 1 else 1
+    return AttentionLaunchConfig(block_q, tile_n, num_splits, num_warps, num_stages)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim], last dim contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [B + 1] int32, query_start_loc[0] == 0
+    seq_lens: torch.Tensor,  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    config: AttentionLaunchConfig | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
+    """Causal paged attention of the flattened batch (its keys/values already in the cache).
+
+    ``max_query_len`` and ``max_seq_len`` are host-side upper bounds used only to choose tile
+    shapes and the split count (see ``choose_config``); the kernels read the true lengths from the
+    tensors, so the result is correct for any bounds and the launch never syncs with the device.
+    Rows of tokens at or past ``query_start_loc[B]`` (CUDA-graph padding) are not written.
+    ``config`` overrides the choice (benchmarks, tests of the split path).
+    """
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, num_heads, head_dim] with a contiguous last dim, got {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] with a contiguous last dim, "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} differs from q's {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in 16..256, got {head_dim}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc must be [{num_seqs + 1}] and block_tables [{num_seqs}, max_blocks], got "
+            f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}"
+        )
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and a contiguous last dim")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if config is None:
+        config = choose_config(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=q.dtype,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            device=q.device,
+        )
+    if config.tile_n < 16 or config.tile_n & (config.tile_n - 1) or config.block_q < 1 or config.block_q & (config.block_q - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16 and block_q a power of two, got {config}")
+    if config.num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {config.num_splits}")
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    block_m = max(16, config.block_q * group_p)  # tl.dot needs >= 16 rows on tensor cores
+    grid_q = num_tokens if config.block_q == 1 else num_tokens // config.block_q + num_seqs
+    splits = config.num_splits
+    if splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:  # unused by the kernel; any tensor will do as a placeholder pointer
+        part_acc = part_m = part_l = out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[(grid_q, num_kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_seqs,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part_acc.stride(0),
+        part_acc.stride(1),
+        part_acc.stride(2) if splits > 1 else 0,
+        part_m.stride(0),
+        part_m.stride(1),
+        GROUP=group,
+        GROUP_P=group_p,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=config.block_q,
+        BLOCK_M=block_m,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=splits,
+        SEARCH_BLOCK=_SEARCH_BLOCK,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            query_start_loc,
+            num_seqs,
+            out.stride(0),
+            out.stride(1),
+            part_acc.stride(0),
+            part_acc.stride(1),
+            part_acc.stride(2),
+            part_m.stride(0),
+            part_m.stride(1),
+            NUM_SPLITS=splits,
+            SPLITS_P=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim,
+            num_warps=4 if head_dim * splits >= 2048 else 2,
+        )
+    return out
