@@ -1,0 +1,150 @@
+"""The `tokenmill` command line: a light import, usage errors (exit 2), failed rows (exit 3), and the
+generate / chat / models commands on a tiny model."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_flags(model) -> list[str]:
+    return ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--max-model-len", "128",
+            "--kv-cache-memory-bytes", str(32 * 2**20), "--max-num-seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
+               max_num_seqs=4)
+
+
+def test_import_is_light_and_help_works():
+    code = ("import sys, tokenmill.cli; heavy = [m for m in ('torch', 'transformers', 'pyarrow', 'numpy') if m in sys.modules];"
+            "print(heavy)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    help_text = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--help"], env=env, capture_output=True,
+                               text=True, check=True).stdout
+    for flag in ("--prompt-template", "--id-field", "--text-field", "--overwrite", "--max-num-seqs",
+                 "--tensor-parallel-size", "--kv-cache-memory-bytes", "--enforce-eager", "--stop", "--n"):
+        assert flag in help_text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "in.jsonl", "--temperature", "-1", "-o", "o.jsonl"], "SamplingParams.temperature=-1"),
+        (["run", "missing.jsonl", "-o", "o.jsonl"], "does not exist"),
+        (["run", "in.txt", "-o", "o.jsonl"], "extension"),
+        (["run", "in.jsonl", "-o", "o.txt"], "output format"),
+        (["run", "in.jsonl", "-o", "o.jsonl", "--prompt-template", "{"], "malformed"),
+        (["run", "in.jsonl", "-o", "o.jsonl", "--prompt-template", "{a}", "--text-field", "b"], "pass one of them"),
+        (["run", "in.jsonl", "-o", "o.jsonl", "--max-inflight", "0"], "--max-inflight"),
+        (["run", "in.jsonl", "-o", "in.jsonl"], "must not be the input"),
+        (["generate", "hi", "--top-p", "0"], "SamplingParams.top_p=0"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "in.txt").write_text("x\n")
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "in.jsonl"])  # no -o
+    assert info.value.code == 2
+    assert "-o/--output" in capsys.readouterr().err
+
+
+def test_unknown_model_and_tensor_parallel_are_usage_errors(tmp_path, capsys, tiny_llama_dir):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    out = str(tmp_path / "o.jsonl")
+    assert main(["run", str(tmp_path / "in.jsonl"), "-o", out, "--model", "no-such-model-xyz"]) == 2
+    assert "no-such-model-xyz" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "in.jsonl"), "-o", out, "--overwrite", *tiny_flags(tiny_llama_dir),
+                 "--tensor-parallel-size", "2"]) == 2
+    assert "tensor_parallel_size" in capsys.readouterr().err
+
+
+def test_run_failed_rows_exit_3_then_resume_refuses_changed_settings(tmp_path, capsys, tiny_llama_dir):
+    rows = ['{"prompt": "the cat sat"}', '{"prompt": 5}', "{broken", '{"prompt": "on the mat"}']
+    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "3",
+            "--temperature", "0", "--no-progress", *tiny_flags(tiny_llama_dir)]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "4/4 rows, 2 failed" in err and "line 2: 'prompt' must be a string" in err and "line 3 is not valid JSON" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored after the run
+    out = [json.loads(line) for line in open(tmp_path / "o.jsonl")]
+    assert len(out) == 4 and sum(r["error"] is not None for r in out) == 2
+
+    assert main(argv) == 3  # complete already: nothing to do, same verdict
+    assert "already complete: 4 rows, 2 failed" in capsys.readouterr().err
+    changed = [a if a != "3" else "4" for a in argv]
+    assert main(changed) == 2
+    err = capsys.readouterr().err
+    assert "started with other settings" in err and "max_tokens" in err and "--overwrite" in err
+    assert main([*changed, "--overwrite"]) == 3
+    assert {r["completion_tokens"] for r in map(json.loads, open(tmp_path / "o.jsonl")) if r["error"] is None} == {4}
+
+
+def test_generate_prints_the_completion(tmp_path, capsys, tiny_llm, tiny_llama_dir):
+    expected = tiny_llm.generate(["the cat sat"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert main(["generate", "the cat sat", "--max-tokens", "5", "--temperature", "0", *tiny_flags(tiny_llama_dir)]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "the cat", "--n", "2", "--max-tokens", "3", *tiny_flags(tiny_llama_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample 0 ---" in out and "--- sample 1 ---" in out
+
+
+def test_chat_streams_replies_and_keeps_history(monkeypatch, capsys, tiny_llm, tiny_llama_dir):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = tiny_llm.chat([{"role": "user", "content": "the cat"}], params, use_tqdm=False)[0].outputs[0].text
+    history = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "on the mat"}]
+    second = tiny_llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+    after_reset = tiny_llm.chat([{"role": "user", "content": "sat"}], params, use_tqdm=False)[0].outputs[0].text
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the cat\n\non the mat\n/reset\nsat\n/exit\nnever read\n"))
+    assert main(["chat", "--max-tokens", "4", "--temperature", "0", "--ignore-eos", *tiny_flags(tiny_llama_dir)]) == 0
+    assert capsys.readouterr().out == f"{first}\n{second}\n{after_reset}\n"
+
+
+def test_chat_streams_text_deltas(tiny_llm):
+    from tokenmill.cli import stream_reply
+
+    class Recorder(io.StringIO):
+        writes: list[str] = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return super().write(text)
+
+    out = Recorder()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    reply = stream_reply(tiny_llm, [{"role": "user", "content": "the cat"}], params, None, "t-1", out=out)
+    assert out.getvalue() == reply + "\n"
+    assert len([w for w in out.writes if w]) >= 2  # printed step by step, not at the end
+
+
+def test_models_lists_builtins_and_lookup(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct  [default]" in out
+    assert "local path" in out and "Hugging Face" in out and "TOKENMILL_CACHE" in out

@@ -1,0 +1,174 @@
+"""Resume state and writers: commits, repair of torn tails, settings fingerprints, Parquet finalization."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill.batch.journal import Journal, ResumeError, sidecar_dir
+from tokenmill.batch.writers import encode_lines, jsonl_to_parquet
+
+SETTINGS = {"model": "m", "sampling": {"max_tokens": 8}, "input_digest": "abc"}
+
+
+def lines(rows):
+    return encode_lines({"row": r, "text": f"t{r}"} for r in rows)
+
+
+def read_rows(path):
+    with open(path, "rb") as f:
+        return [json.loads(line)["row"] for line in f]
+
+
+def test_fresh_commit_and_resume(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS) as j:
+        assert not j.complete and j.resumed_rows == 0
+        j.commit(lines([3, 1]), [3, 1], [1], prompt_tokens=10, completion_tokens=4)
+        j.commit(lines([0]), [0], [], prompt_tokens=5, completion_tokens=2)
+    with Journal.open(out, out, SETTINGS) as j:
+        assert j.resumed_rows == 3 and j.repaired_bytes == 0
+        assert [j.is_done(i) for i in range(5)] == [True, True, False, True, False]
+        assert (j.previous.failed, j.previous.prompt_tokens, j.previous.completion_tokens) == (1, 15, 6)
+        j.commit(lines([2, 4]), [2, 4], [], 1, 1)
+        j.mark_complete()
+    assert sorted(read_rows(out)) == [0, 1, 2, 3, 4]
+    assert not os.path.exists(os.path.join(sidecar_dir(out), "journal.jsonl"))
+    with Journal.open(out, out, SETTINGS) as j:
+        assert j.complete and j.total().rows == 5 and j.total().failed == 1
+
+
+@pytest.mark.parametrize("torn", [b'{"row": 9, "te', b'{"row":9,"text":"t9"}\n', b'{"row":9,"text":"t9"}\n{"row":1'])
+def test_torn_or_uncommitted_tail_is_cut(tmp_path, torn):
+    """A crash between writing lines and journaling them leaves bytes the journal does not cover."""
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS) as j:
+        j.commit(lines([0, 1]), [0, 1], [], 0, 0)
+    committed = os.path.getsize(out)
+    with open(out, "ab") as f:
+        f.write(torn)
+    with Journal.open(out, out, SETTINGS) as j:
+        assert j.repaired_bytes == len(torn)
+        assert os.path.getsize(out) == committed
+        assert not j.is_done(9)
+        j.commit(lines([9]), [9], [], 0, 0)
+    assert read_rows(out) == [0, 1, 9]
+
+
+def test_torn_journal_line_is_ignored(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS) as j:
+        j.commit(lines([0]), [0], [], 0, 0)
+        j.commit(lines([1]), [1], [], 0, 0)
+    journal_path = os.path.join(sidecar_dir(out), "journal.jsonl")
+    data = open(journal_path, "rb").read()
+    with open(journal_path, "wb") as f:
+        f.write(data[:-5])  # the second entry lost its end: row 1 is not committed
+    with Journal.open(out, out, SETTINGS) as j:
+        assert j.is_done(0) and not j.is_done(1)
+        assert j.repaired_bytes > 0
+    assert read_rows(out) == [0]
+
+
+def test_journal_ahead_of_data_is_not_trusted(tmp_path):
+    """Power loss can persist the journal but not the data: entries past the data's end are dropped."""
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS) as j:
+        j.commit(lines([0]), [0], [], 0, 0)
+        keep = os.path.getsize(out)
+        j.commit(lines([1]), [1], [], 0, 0)
+    with open(out, "r+b") as f:
+        f.truncate(keep)
+    with Journal.open(out, out, SETTINGS) as j:
+        assert j.is_done(0) and not j.is_done(1)
+
+
+def test_changed_settings_refuse_to_resume(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS) as j:
+        j.commit(lines([0]), [0], [], 0, 0)
+    changed = {**SETTINGS, "sampling": {"max_tokens": 16}}
+    with pytest.raises(ResumeError, match=r"sampling: .*8.* -> .*16.*--overwrite"):
+        Journal.open(out, out, changed)
+    with Journal.open(out, out, changed, overwrite=True) as j:
+        assert j.resumed_rows == 0 and os.path.getsize(out) == 0
+
+
+def test_changed_settings_after_an_attempt_that_wrote_nothing_start_fresh(tmp_path):
+    """E.g. the first attempt named a model that failed to load: there is nothing to mix up."""
+    out = str(tmp_path / "out.jsonl")
+    Journal.open(out, out, SETTINGS).close()
+    changed = {**SETTINGS, "model": "other"}
+    with Journal.open(out, out, changed) as j:
+        assert j.state["settings"]["model"] == "other"
+        j.commit(lines([0]), [0], [], 0, 0)
+    with pytest.raises(ResumeError):
+        Journal.open(out, out, SETTINGS)
+
+
+def test_foreign_output_is_not_overwritten(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"precious": true}\n')
+    with pytest.raises(ResumeError, match="not written by a resumable tokenmill run"):
+        Journal.open(str(out), str(out), SETTINGS)
+    assert out.read_text() == '{"precious": true}\n'
+    with Journal.open(str(out), str(out), SETTINGS, overwrite=True) as j:
+        assert j.resumed_rows == 0
+    assert out.read_text() == ""
+
+
+def test_two_runs_cannot_share_an_output(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS):
+        with pytest.raises(ResumeError, match="another tokenmill run"):
+            Journal.open(out, out, SETTINGS)
+
+
+def test_removed_complete_output_is_reported(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS) as j:
+        j.commit(lines([0]), [0], [], 0, 0)
+        j.mark_complete()
+    os.remove(out)
+    with pytest.raises(ResumeError, match="removed"):
+        Journal.open(out, out, SETTINGS)
+
+
+def test_many_rows_bitmap(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    done = list(range(0, 100_000, 7))
+    with Journal.open(out, out, SETTINGS) as j:
+        j.commit(lines(done), done, [], 0, 0)
+    with Journal.open(out, out, SETTINGS) as j:
+        assert all(j.is_done(i) == (i % 7 == 0) for i in range(100_000))
+        assert not any(j.is_done(i) for i in range(100_000, 100_100))
+
+
+def test_encode_lines_survives_lone_surrogates():
+    data = encode_lines([{"text": "ok \ud800 bad"}, {"text": "ünï"}])
+    first, second = data.splitlines()
+    assert json.loads(first)["text"] == "ok \ud800 bad"
+    assert json.loads(second)["text"] == "ünï"
+
+
+def test_parquet_finalization(tmp_path):
+    staging = str(tmp_path / "staging.jsonl")
+    records = [
+        {"row": i, "id": i if i % 2 else f"s{i}", "sample_index": 0, "text": f"t{i}", "finish_reason": "stop",
+         "prompt_tokens": 3, "completion_tokens": 2, "cumulative_logprob": None, "error": None}
+        for i in range(20_000)
+    ]
+    records.append({"row": 20_000, "id": None, "sample_index": None, "text": None, "finish_reason": None,
+                    "prompt_tokens": 0, "completion_tokens": 0, "cumulative_logprob": None, "error": "bad"})
+    with open(staging, "wb") as f:
+        f.write(encode_lines(records))
+    out = str(tmp_path / "out.parquet")
+    assert jsonl_to_parquet(staging, out) == 20_001
+    table = pq.read_table(out)
+    assert table.num_rows == 20_001
+    assert table.column("id").to_pylist()[:3] == ["s0", "1", "s2"]
+    assert table.column("error").to_pylist()[-1] == "bad"
+    assert not os.path.exists(out + ".tmp")

@@ -1,0 +1,141 @@
+"""Input readers: every format streams, every undecodable row becomes an error row, indexes are stable."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill.batch.readers import detect_format, read_rows, scan_input
+
+
+def write(path, data: bytes):
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_jsonl_rows_and_per_line_errors(tmp_path):
+    data = b"\n".join([
+        b'{"prompt": "a"}',
+        b"",  # blank lines are not rows
+        b'{"prompt": "b"',  # truncated
+        b"[1, 2]",  # not an object
+        b'{"prompt": "\xff\xfe"}',  # bad UTF-8
+        b"   ",
+        b'{"prompt": "c"}',
+        b'{"prompt": "no newline at the end"',
+    ])
+    path = write(tmp_path / "in.jsonl", data)
+    rows = list(read_rows(path, "jsonl"))
+    assert [r.index for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[0].record == {"prompt": "a"} and rows[0].error is None
+    assert "line 3 is not valid JSON" in rows[1].error
+    assert rows[2].error == "line 4 must be a JSON object, got an array"
+    assert "line 5 is not valid UTF-8" in rows[3].error and "0xff" in rows[3].error
+    assert rows[4].record == {"prompt": "c"}
+    assert "line 8 is not valid JSON" in rows[5].error
+    info = scan_input(path, "jsonl")
+    assert info.rows == 6 and info.size == len(data)
+
+
+def test_jsonl_bom_and_crlf(tmp_path):
+    path = write(tmp_path / "in.jsonl", b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert [r.record for r in read_rows(path, "jsonl")] == [{"prompt": "a"}, {"prompt": "b"}]
+
+
+def test_reader_streams_instead_of_loading(tmp_path):
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        for i in range(50_000):
+            f.write(json.dumps({"prompt": f"row {i}"}) + "\n")
+    rows = read_rows(str(path), "jsonl")
+    first = next(rows)
+    assert first.record == {"prompt": "row 0"}
+    # A generator that has read one row has not decoded the rest.
+    assert rows.gi_frame is not None  # type: ignore[attr-defined]
+    assert sum(1 for _ in rows) == 49_999
+
+
+def test_digest_changes_with_content(tmp_path):
+    a = write(tmp_path / "a.jsonl", b'{"prompt": "a"}\n')
+    b = write(tmp_path / "b.jsonl", b'{"prompt": "b"}\n')
+    assert scan_input(a, "jsonl").digest != scan_input(b, "jsonl").digest
+    assert scan_input(a, "jsonl").digest == scan_input(a, "jsonl").digest
+
+
+def test_detect_format(tmp_path):
+    plain = write(tmp_path / "rows.jsonl", b'{"prompt": "a"}\n')
+    openai = write(tmp_path / "batch.jsonl", b'not json\n{"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": {}}\n')
+    assert detect_format(plain) == "jsonl"
+    assert detect_format(openai) == "openai"
+    assert detect_format(str(tmp_path / "x.csv")) == "csv"
+    assert detect_format(str(tmp_path / "x.tsv")) == "tsv"
+    assert detect_format(str(tmp_path / "x.parquet")) == "parquet"
+    assert detect_format(openai, "jsonl") == "jsonl"
+    with pytest.raises(ValueError, match="extension"):
+        detect_format(str(tmp_path / "x.txt"))
+    with pytest.raises(ValueError, match="not supported"):
+        detect_format(plain, "xml")
+
+
+def test_csv_rows_quotes_and_errors(tmp_path):
+    path = tmp_path / "in.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "prompt"])
+        w.writerow(["a", "multi\nline, with comma"])
+        w.writerow(["b", "x", "extra"])
+        w.writerow([])
+        w.writerow(["c", "ünïcödé"])
+    with open(path, "ab") as f:
+        f.write(b'd,"bad \xff byte"\r\n')
+        f.write(b'e,"unterminated\r\n')
+    rows = list(read_rows(str(path), "csv"))
+    assert rows[0].record == {"id": "a", "prompt": "multi\nline, with comma"}
+    assert "has 3 fields but the header has 2" in rows[1].error
+    assert rows[2].record == {"id": "c", "prompt": "ünïcödé"}
+    assert "not valid UTF-8" in rows[3].error
+    assert rows[4].error is not None and "not valid CSV" in rows[4].error
+    assert [r.index for r in rows] == list(range(len(rows)))
+    assert scan_input(str(path), "csv").rows == len(rows)
+
+
+def test_csv_long_field_is_not_a_reader_error(tmp_path):
+    path = tmp_path / "in.csv"
+    path.write_text("prompt\n" + "x" * 300_000 + "\nshort\n")
+    rows = list(read_rows(str(path), "csv"))
+    assert len(rows[0].record["prompt"]) == 300_000 and rows[1].record == {"prompt": "short"}
+
+
+def test_tsv(tmp_path):
+    path = write(tmp_path / "in.tsv", "id\tprompt\n1\thello, world\n".encode())
+    assert [r.record for r in read_rows(path, "tsv")] == [{"id": "1", "prompt": "hello, world"}]
+
+
+def test_csv_duplicate_header_is_refused(tmp_path):
+    path = write(tmp_path / "in.csv", b"prompt,prompt\na,b\n")
+    with pytest.raises(ValueError, match="repeats"):
+        list(read_rows(path, "csv"))
+
+
+def test_parquet_streams_by_batches(tmp_path):
+    path = str(tmp_path / "in.parquet")
+    table = pa.table({
+        "id": list(range(2500)),
+        "prompt": [f"p{i}" for i in range(2500)],
+        "messages": [[{"role": "user", "content": f"m{i}"}] for i in range(2500)],
+    })
+    pq.write_table(table, path, row_group_size=1000)
+    rows = list(read_rows(path, "parquet"))
+    assert len(rows) == 2500 and rows[2499].index == 2499
+    assert rows[7].record == {"id": 7, "prompt": "p7", "messages": [{"role": "user", "content": "m7"}]}
+    assert scan_input(path, "parquet").rows == 2500
+
+
+def test_not_parquet_is_a_clear_error(tmp_path):
+    path = write(tmp_path / "in.parquet", b"this is not parquet")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        list(read_rows(path, "parquet"))

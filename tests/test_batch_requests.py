@@ -1,0 +1,182 @@
+"""Row -> request translation (generic rows and OpenAI batch lines) and OpenAI-shaped output records."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.batch.openai_batch import build_openai_request, openai_record
+from tokenmill.batch.readers import RawRow
+from tokenmill.batch.requests import PromptSettings, RowError, build_row_request, derive_seed, row_sampling_params
+from tokenmill.batch.results import RowResult, SampleResult, generic_records
+from tokenmill.outputs import Logprob
+
+
+def row(record, index=0):
+    return RawRow(index, record, None, f"line {index + 1}")
+
+
+def test_prompt_precedence():
+    rec = {"id": "a", "prompt": "P", "text": "T", "name": "N", "messages": [{"role": "user", "content": "M"}]}
+    assert build_row_request(row(rec), PromptSettings(prompt_template="about {name}")).prompt == "about N"
+    assert build_row_request(row(rec), PromptSettings(text_field="text")).prompt == "T"
+    assert build_row_request(row(rec), PromptSettings()).messages == [{"role": "user", "content": "M"}]
+    no_messages = {k: v for k, v in rec.items() if k != "messages"}
+    assert build_row_request(row(no_messages), PromptSettings()).prompt == "P"
+
+
+def test_chat_and_system():
+    req = build_row_request(row({"prompt": "hi"}), PromptSettings(chat=True, system="be brief"))
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    req = build_row_request(row({"prompt": "hi"}), PromptSettings(system="S"))  # --system implies chat
+    assert req.messages[0] == {"role": "system", "content": "S"}
+    own_system = {"messages": [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]}
+    assert build_row_request(row(own_system), PromptSettings(system="S")).messages[0]["content"] == "mine"
+
+
+def test_template_fills_lists_and_numbers():
+    rec = {"name": "Tent", "features": ["light", "dry"], "price": 99}
+    req = build_row_request(row(rec), PromptSettings(prompt_template="{name}: {features} for ${price}"))
+    assert req.prompt == "Tent: light, dry for $99"
+
+
+def test_ids():
+    assert build_row_request(row({"prompt": "x"}, 5), PromptSettings()).row_id == 5
+    assert build_row_request(row({"prompt": "x", "id": "abc"}), PromptSettings()).row_id == "abc"
+    assert build_row_request(row({"prompt": "x", "sku": 7}), PromptSettings(id_field="sku")).row_id == 7
+    with pytest.raises(RowError, match="no id field 'sku'"):
+        build_row_request(row({"prompt": "x"}), PromptSettings(id_field="sku"))
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"text": "x"}, "has no prompt"),
+        ({"prompt": 42}, "'prompt' must be a string, got int"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"messages": "not json"}, "'messages' is not a JSON list"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"content": "no role"}]}, r"messages\[0\] must be an object with a string 'role'"),
+        ({"messages": [{"role": "user", "content": 5}]}, r"messages\[0\].content must be a string"),
+        ({"prompt_token_ids": [1, "2"]}, "list of integers"),
+        ({"prompt": "x", "sampling_params": [1]}, "'sampling_params' must be an object"),
+        ({"prompt": "x", "sampling_params": "{bad"}, "not a JSON object"),
+    ],
+)
+def test_bad_rows_name_the_field(record, message):
+    with pytest.raises(RowError, match=message):
+        build_row_request(row(record), PromptSettings())
+
+
+def test_template_missing_field():
+    with pytest.raises(RowError, match=r"no field\(s\) \['audience'\]"):
+        build_row_request(row({"name": "x"}), PromptSettings(prompt_template="{name} for {audience}"))
+
+
+@pytest.mark.parametrize("template, message", [("{", "malformed"), ("{}", "positional"), ("plain", "uses no row field")])
+def test_bad_templates_fail_up_front(template, message):
+    with pytest.raises(ValueError, match=message):
+        PromptSettings(prompt_template=template)
+
+
+def test_csv_sampling_params_as_json_text():
+    req = build_row_request(row({"prompt": "x", "sampling_params": '{"max_tokens": 3}'}), PromptSettings())
+    assert req.overrides == {"max_tokens": 3}
+
+
+def test_row_sampling_params():
+    base = {"temperature": 0.7, "max_tokens": 8}
+    p = row_sampling_params(base, {"max_tokens": 3}, index=4, base_seed=11)
+    assert (p.max_tokens, p.temperature, p.seed) == (3, 0.7, derive_seed(11, 4))
+    assert derive_seed(11, 4) != derive_seed(11, 5) and derive_seed(11, 4) != derive_seed(12, 4)
+    assert row_sampling_params(base, {"seed": 9}, 4, 11).seed == 9
+    assert row_sampling_params(base, {"temperature": 0}, 4, 11).seed is None  # greedy needs none
+    with pytest.raises(RowError, match="temperature"):
+        row_sampling_params(base, {"temperature": -1}, 0, 0)
+    with pytest.raises(RowError, match=r"unknown sampling parameter\(s\) \['temp'\]"):
+        row_sampling_params(base, {"temp": 1}, 0, 0)
+    with pytest.raises(RowError, match="max_tokens"):
+        row_sampling_params(base, {"max_tokens": "8"}, 0, 0)
+
+
+# --- OpenAI batch ------------------------------------------------------------------------------
+
+
+def openai_line(**overrides):
+    line = {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}}
+    line.update(overrides)
+    return row(line)
+
+
+def test_openai_chat_and_completion_requests():
+    req = build_openai_request(openai_line())
+    assert req.messages == [{"role": "user", "content": "hi"}] and req.row_id == "req-1"
+    assert req.overrides == {"max_tokens": 5, "temperature": 0}
+    req = build_openai_request(openai_line(url="/v1/completions", body={"prompt": "Once", "max_completion_tokens": 3, "n": 2}))
+    assert req.prompt == "Once" and req.overrides == {"max_tokens": 3, "n": 2}
+    req = build_openai_request(openai_line(url="/v1/completions", body={"prompt": [[1, 2, 3]]}))
+    assert req.prompt_token_ids == [1, 2, 3]
+    req = build_openai_request(openai_line(body={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}))
+    assert req.overrides["logprobs"] == 2 and req.openai.top_logprobs == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"custom_id": None}, "custom_id"),
+        ({"method": "GET"}, "method 'GET'"),
+        ({"url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
+        ({"body": "x"}, "'body' must be an object"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}, r"\['tools'\] are not supported"),
+        ({"body": {"max_tokens": 3}}, "body.messages is required"),
+        ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),
+    ],
+)
+def test_openai_bad_requests(overrides, message):
+    with pytest.raises(RowError, match=message) as info:
+        build_openai_request(openai_line(**overrides))
+    if overrides.get("custom_id", "req-1") is not None:
+        assert info.value.row_id == "req-1"
+
+
+def test_openai_output_shapes():
+    meta = build_openai_request(openai_line()).openai
+    ok = RowResult(0, "req-1", prompt_tokens=7, samples=[SampleResult(0, "Hello!", [5, 6], "stop")], openai=meta)
+    rec = openai_record(ok, "tiny", 123, "job")
+    assert rec["custom_id"] == "req-1" and rec["error"] is None and rec["id"].startswith("batch_req_")
+    body = rec["response"]["body"]
+    assert rec["response"]["status_code"] == 200
+    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["created"] == 123
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert openai_record(ok, "tiny", 999, "job")["id"] == rec["id"]  # stable across reruns
+
+    bad = RowResult(1, "req-2", error="prompt too long", openai=meta)
+    rec = openai_record(bad, "tiny", 123, "job")
+    assert rec["response"]["status_code"] == 400 and rec["response"]["body"]["error"]["message"] == "prompt too long"
+    unparsable = RowResult(2, None, error="line 3 is not valid JSON")
+    rec = openai_record(unparsable, "tiny", 123, "job")
+    assert rec["response"] is None and rec["error"]["message"] == "line 3 is not valid JSON"
+
+
+def test_openai_logprobs_shapes():
+    chat_meta = build_openai_request(openai_line(body={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1})).openai
+    lp = [{5: Logprob(-0.1, 1, "He"), 9: Logprob(-2.0, 2, "Ha")}]
+    sample = SampleResult(0, "He", [5], "length", -0.1, lp)
+    choice = openai_record(RowResult(0, "c", 1, [sample], openai=chat_meta), "m", 0, "j")["response"]["body"]["choices"][0]
+    assert choice["logprobs"]["content"] == [{"token": "He", "logprob": -0.1, "bytes": [72, 101],
+                                              "top_logprobs": [{"token": "He", "logprob": -0.1, "bytes": [72, 101]}]}]
+    comp_meta = build_openai_request(openai_line(url="/v1/completions", body={"prompt": "x", "logprobs": 1})).openai
+    choice = openai_record(RowResult(0, "c", 1, [sample], openai=comp_meta), "m", 0, "j")["response"]["body"]["choices"][0]
+    assert choice["text"] == "He"
+    assert choice["logprobs"] == {"tokens": ["He"], "token_logprobs": [-0.1], "top_logprobs": [{"He": -0.1, "Ha": -2.0}], "text_offset": [0]}
+
+
+def test_generic_records():
+    result = RowResult(3, "x", 4, [SampleResult(0, "a", [1], "stop"), SampleResult(1, "bc", [2, 3], "length")])
+    recs = generic_records(result)
+    assert [(r["sample_index"], r["text"], r["completion_tokens"]) for r in recs] == [(0, "a", 1), (1, "bc", 2)]
+    assert all(r["row"] == 3 and r["id"] == "x" and r["error"] is None for r in recs)
+    (err,) = generic_records(RowResult(4, 4, error="boom"))
+    assert err["error"] == "boom" and err["text"] is None

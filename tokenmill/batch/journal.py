@@ -1,0 +1,282 @@
+"""Resume state: which rows are done, how much of the output is committed, and with which settings.
+
+Beside OUTPUT lives a sidecar folder ``OUTPUT.tokenmill/``:
+
+    state.json     written once, atomically, before any result: the settings fingerprint (model,
+                   sampling values, prompt settings, a digest of the input file...), the settings
+                   themselves (to say what changed), and at the end ``complete`` plus the summary.
+    journal.jsonl  one line per commit: {"end": <committed length of the data file>, "rows": [...],
+                   "failed": [...], "ptok": n, "gtok": n}.
+    staging.jsonl  the data file of a Parquet output (a JSONL output is its own data file).
+    lock           flock'ed while a run writes, so two runs never interleave.
+
+A commit appends the results' lines to the data file, then one journal line naming the new end.
+On resume the journal is replayed up to its last complete line whose ``end`` the data file
+reaches; the data file is cut back to that end. Whatever a crash left after it (a half-written
+line, lines whose journal entry never made it) disappears and those rows run again: every row is
+in the output exactly once, and no finished row is recomputed.
+
+Durability: lines reach the OS on every commit, so a killed process (even ``kill -9``) loses
+nothing committed. fsync (data first, then journal) runs at most every ``fsync_interval``
+seconds and at the end, which bounds what a power failure can cost.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tokenmill.batch.writers import AppendFile, write_atomic
+
+STATE_VERSION = 1
+
+
+class ResumeError(ValueError):
+    """The output cannot be resumed as asked (settings changed, not ours, in use)."""
+
+
+@dataclass
+class Tally:
+    rows: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, rows: int, failed: int, prompt_tokens: int, completion_tokens: int) -> None:
+        self.rows += rows
+        self.failed += failed
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    canonical = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def sidecar_dir(output: str) -> str:
+    return f"{output}.tokenmill"
+
+
+class Journal:
+    """The resume state of one output; use `Journal.open`."""
+
+    def __init__(self, output: str, data_path: str, state: dict[str, Any], lock_fd: int, fsync_interval: float):
+        self.output = output
+        self.dir = sidecar_dir(output)
+        self.data_path = data_path
+        self.state = state
+        self.fsync_interval = fsync_interval
+        self.previous = Tally()  # rows finished by earlier attempts
+        self.current = Tally()  # rows finished by this one
+        self.repaired_bytes = 0  # torn or uncommitted output cut off on resume
+        self._done = bytearray()
+        self._lock_fd = lock_fd
+        self._data: AppendFile | None = None
+        self._journal: AppendFile | None = None
+        self._last_sync = time.monotonic()
+
+    # --- opening -------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, output: str, data_path: str, settings: dict[str, Any], *, overwrite: bool = False,
+             fsync_interval: float = 1.0) -> "Journal":
+        """Start fresh, or resume what a previous attempt with the same settings left."""
+        folder = sidecar_dir(output)
+        os.makedirs(folder, exist_ok=True)
+        lock_fd = _lock(folder, output)
+        try:
+            state_path = os.path.join(folder, "state.json")
+            if overwrite:
+                _clear(output, folder)
+            state = None
+            if os.path.exists(state_path):
+                with open(state_path, "rb") as f:
+                    state = json.load(f)
+                if not _same_settings(state, settings) and not state.get("complete") and not _has_results(folder, data_path):
+                    state = None  # an attempt that wrote nothing (e.g. the model failed to load): nothing to mix
+            if state is None:
+                if os.path.isdir(output) or (os.path.exists(output) and os.path.getsize(output) > 0):
+                    raise ResumeError(
+                        f"{output} exists and was not written by a resumable tokenmill run; "
+                        "pass --overwrite to replace it, or choose another output"
+                    )
+                _clear(output, folder)  # leftovers of a first attempt that died before its state
+                state = {"version": STATE_VERSION, "fingerprint": fingerprint(settings), "settings": settings,
+                         "created": time.time(), "complete": False, "summary": None}
+                write_atomic(state_path, json.dumps(state, indent=1, default=str).encode())
+                journal = cls(output, data_path, state, lock_fd, fsync_interval)
+                journal._open_files(0, 0)
+                return journal
+            _check_same_settings(output, state, settings)
+            journal = cls(output, data_path, state, lock_fd, fsync_interval)
+            if state.get("complete"):
+                if not os.path.exists(output):
+                    raise ResumeError(f"{output} was removed after its run completed; pass --overwrite to run again")
+                journal.previous = Tally(**state["summary"])
+                return journal
+            journal._replay()
+            return journal
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    def _replay(self) -> None:
+        journal_path = os.path.join(self.dir, "journal.jsonl")
+        data_size = os.path.getsize(self.data_path) if os.path.exists(self.data_path) else 0
+        committed_end, journal_end = 0, 0
+        if os.path.exists(journal_path):
+            with open(journal_path, "rb") as f:
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break  # torn by the crash
+                    try:
+                        entry = json.loads(line)
+                        end, rows, failed = int(entry["end"]), entry["rows"], entry["failed"]
+                    except (ValueError, KeyError, TypeError):
+                        break
+                    if end > data_size or end < committed_end:
+                        break  # the data never reached the disk (power loss): stop trusting here
+                    for index in rows:
+                        self._mark(index)
+                    self.previous.add(len(rows), len(failed), int(entry.get("ptok", 0)), int(entry.get("gtok", 0)))
+                    committed_end, journal_end = end, journal_end + len(line)
+        self.repaired_bytes = data_size - committed_end
+        self._open_files(committed_end, journal_end)
+
+    def _open_files(self, data_end: int, journal_end: int) -> None:
+        self._data = AppendFile(self.data_path, data_end)
+        self._journal = AppendFile(os.path.join(self.dir, "journal.jsonl"), journal_end)
+
+    # --- queries -------------------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.state.get("complete"))
+
+    @property
+    def resumed_rows(self) -> int:
+        return self.previous.rows
+
+    def is_done(self, index: int) -> bool:
+        byte = index >> 3
+        return byte < len(self._done) and bool(self._done[byte] & (1 << (index & 7)))
+
+    def _mark(self, index: int) -> None:
+        byte = index >> 3
+        if byte >= len(self._done):
+            self._done.extend(bytes(max(byte + 1 - len(self._done), len(self._done))))
+        self._done[byte] |= 1 << (index & 7)
+
+    def total(self) -> Tally:
+        t = Tally(**asdict(self.previous))
+        t.add(**asdict(self.current))
+        return t
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def commit(self, data: bytes, rows: list[int], failed: list[int], prompt_tokens: int, completion_tokens: int) -> None:
+        """Append finished rows' lines and record them as done (see the module doc for the order)."""
+        assert self._data is not None and self._journal is not None, "the journal is complete or closed"
+        if not rows:
+            return
+        self._data.write(data)
+        due = time.monotonic() - self._last_sync >= self.fsync_interval
+        if due:
+            self._data.sync()
+        entry = {"end": self._data.size, "rows": rows, "failed": failed, "ptok": prompt_tokens, "gtok": completion_tokens}
+        self._journal.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+        if due:
+            self._journal.sync()
+            self._last_sync = time.monotonic()
+        for index in rows:
+            self._mark(index)
+        self.current.add(len(rows), len(failed), prompt_tokens, completion_tokens)
+
+    def sync(self) -> None:
+        if self._data is not None and self._journal is not None:
+            self._data.sync()
+            self._journal.sync()
+            self._last_sync = time.monotonic()
+
+    def mark_complete(self) -> None:
+        """Record the end of the job; the journal (and a Parquet staging file) are no longer needed."""
+        self.sync()
+        self._close_files()
+        self.state["complete"] = True
+        self.state["summary"] = asdict(self.total())
+        write_atomic(os.path.join(self.dir, "state.json"), json.dumps(self.state, indent=1, default=str).encode())
+        for name in ("journal.jsonl", "staging.jsonl"):
+            path = os.path.join(self.dir, name)
+            if os.path.exists(path):
+                os.remove(path)
+
+    def close(self) -> None:
+        self._close_files()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _close_files(self) -> None:
+        for f in (self._data, self._journal):
+            if f is not None:
+                f.close()
+        self._data = self._journal = None
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _lock(folder: str, output: str) -> int:
+    fd = os.open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ResumeError(f"another tokenmill run is writing {output} right now") from None
+    return fd
+
+
+def _clear(output: str, folder: str) -> None:
+    if os.path.isdir(output):
+        shutil.rmtree(output)
+    elif os.path.exists(output):
+        os.remove(output)
+    for name in os.listdir(folder):
+        if name != "lock":
+            path = os.path.join(folder, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _has_results(folder: str, data_path: str) -> bool:
+    journal = os.path.join(folder, "journal.jsonl")
+    return any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (journal, data_path))
+
+
+def _same_settings(state: dict[str, Any], settings: dict[str, Any]) -> bool:
+    return state.get("version") == STATE_VERSION and state.get("fingerprint") == fingerprint(settings)
+
+
+def _check_same_settings(output: str, state: dict[str, Any], settings: dict[str, Any]) -> None:
+    if _same_settings(state, settings):
+        return
+    before = state.get("settings") or {}
+    changed = [
+        f"{key}: {before.get(key)!r} -> {settings.get(key)!r}"
+        for key in sorted(set(before) | set(settings))
+        if json.dumps(before.get(key), default=str, sort_keys=True) != json.dumps(settings.get(key), default=str, sort_keys=True)
+    ] or ["the resume state was written by another tokenmill version"]
+    raise ResumeError(
+        f"{output} was started with other settings, so resuming would mix results: "
+        + "; ".join(changed[:8])
+        + ". Rerun with the original settings to resume, or pass --overwrite to start over."
+    )

@@ -1,0 +1,179 @@
+"""The OpenAI batch format: input lines in, OpenAI-shaped output lines out.
+
+Input line:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "...", "messages": [...], "max_tokens": 20, ...}}
+Output line: {"id": "batch_req_...", "custom_id": "r1",
+              "response": {"status_code": 200, "request_id": "req_...",
+                           "body": {"id": "chatcmpl-...", "object": "chat.completion", "created": ...,
+                                    "model": "...", "choices": [...], "usage": {...}}},
+              "error": null}
+A request the engine refuses (prompt too long, bad values) gets ``status_code`` 400 and an
+OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) gets
+``response: null`` and a top-level ``error``, as OpenAI's error file does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.batch.requests import RowError, RowRequest, parse_messages
+
+if TYPE_CHECKING:
+    from tokenmill.batch.readers import RawRow
+    from tokenmill.batch.results import RowResult
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+
+# body key -> SamplingParams field (OpenAI's names, plus the extra ones vLLM's server accepts).
+_COMMON = {
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+    "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens",
+}
+# Accepted and without effect offline.
+_IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+
+
+@dataclass(frozen=True)
+class OpenAIMeta:
+    custom_id: str
+    url: str
+    top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
+
+
+def build_openai_request(raw: "RawRow") -> RowRequest:
+    """Translate one OpenAI batch line; raises RowError (carrying the custom_id) for a bad request."""
+    line = raw.record
+    assert line is not None
+    where = raw.where or f"row {raw.index}"
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RowError(f"{where}: 'custom_id' must be a non-empty string", None)
+    method = line.get("method", "POST")
+    if method != "POST":
+        raise RowError(f"{where}: method {method!r} is not supported; batch requests are POST", custom_id)
+    url = line.get("url")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise RowError(f"{where}: url {url!r} is not supported; use {CHAT_URL!r} or {COMPLETIONS_URL!r}", custom_id)
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise RowError(f"{where}: 'body' must be an object", custom_id)
+    if body.get("stream") is True:
+        raise RowError(f"{where}: body.stream=true is not supported in a batch", custom_id)
+    allowed = set(_COMMON) | _IGNORED | ({"messages", "logprobs", "top_logprobs"} if url == CHAT_URL else {"prompt", "logprobs"})
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill yet (supported: {sorted(allowed)})", custom_id)
+    overrides = {_COMMON[k]: v for k, v in body.items() if k in _COMMON and v is not None}
+    request = RowRequest(index=raw.index, row_id=custom_id, overrides=overrides)
+    top_logprobs = None
+    if url == CHAT_URL:
+        if "messages" not in body:
+            raise RowError(f"{where}: body.messages is required for {CHAT_URL}", custom_id)
+        request.messages = parse_messages(body["messages"], f"{where}: body", custom_id, None)
+        if body.get("logprobs"):
+            top_logprobs = body.get("top_logprobs") or 0
+            if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+                raise RowError(f"{where}: body.top_logprobs must be an integer in [0, 20]", custom_id)
+            overrides["logprobs"] = top_logprobs
+    else:
+        _set_completion_prompt(request, body.get("prompt"), where, custom_id)
+        if body.get("logprobs") is not None:
+            overrides["logprobs"] = body["logprobs"]
+    request.openai = OpenAIMeta(custom_id=custom_id, url=url, top_logprobs=top_logprobs)
+    return request
+
+
+def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_id: str) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.prompt_token_ids = list(prompt)
+    else:
+        raise RowError(
+            f"{where}: body.prompt must be a non-empty string or list of token ids (one prompt per batch line)", custom_id
+        )
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _stable_id(prefix: str, *parts: Any) -> str:
+    return prefix + hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=12).hexdigest()
+
+
+def openai_record(result: "RowResult", model: str, created: int, job_key: str) -> dict[str, Any]:
+    """The output line for one row (ids derive from the job and row, so a rerun writes the same ones)."""
+    meta = result.openai
+    custom_id = meta.custom_id if meta is not None else (result.row_id if isinstance(result.row_id, str) else None)
+    line_id = _stable_id("batch_req_", job_key, result.index)
+    if result.error is not None and meta is None:
+        # Not a request at all (undecodable line, no custom_id): OpenAI's error-file shape.
+        return {"id": line_id, "custom_id": custom_id, "response": None,
+                "error": {"code": "invalid_request", "message": result.error}}
+    request_id = _stable_id("req_", job_key, result.index)
+    if result.error is not None:
+        body: dict[str, Any] = {"error": {"message": result.error, "type": "invalid_request_error", "param": None, "code": None}}
+        return {"id": line_id, "custom_id": custom_id,
+                "response": {"status_code": 400, "request_id": request_id, "body": body}, "error": None}
+    assert meta is not None
+    chat = meta.url == CHAT_URL
+    completion_tokens = sum(s.num_tokens for s in result.samples)
+    body = {
+        "id": _stable_id("chatcmpl-" if chat else "cmpl-", job_key, result.index),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_chat_choice(s, meta) if chat else _completion_choice(s) for s in result.samples],
+        "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": result.prompt_tokens + completion_tokens},
+        "system_fingerprint": None,
+    }
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def _chat_choice(sample: Any, meta: OpenAIMeta) -> dict[str, Any]:
+    logprobs = None
+    if meta.top_logprobs is not None and sample.logprobs is not None:
+        logprobs = {"content": [_chat_token_logprob(tok, pos, meta.top_logprobs) for tok, pos in zip(sample.token_ids, sample.logprobs)]}
+    return {"index": sample.index, "message": {"role": "assistant", "content": sample.text},
+            "logprobs": logprobs, "finish_reason": sample.finish_reason}
+
+
+def _chat_token_logprob(token_id: int, position: dict[int, Any], top: int) -> dict[str, Any]:
+    chosen = position.get(token_id)
+    ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return {
+        **_token_entry(token_id, chosen),
+        "top_logprobs": [_token_entry(t, lp) for t, lp in ranked[:top]],
+    }
+
+
+def _token_entry(token_id: int, lp: Any) -> dict[str, Any]:
+    text = (lp.decoded_token if lp is not None else None) or ""
+    return {"token": text, "logprob": lp.logprob if lp is not None else None, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def _completion_choice(sample: Any) -> dict[str, Any]:
+    logprobs = None
+    if sample.logprobs is not None:
+        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+        for token_id, position in zip(sample.token_ids, sample.logprobs):
+            chosen = position.get(token_id)
+            text = (chosen.decoded_token if chosen is not None else None) or ""
+            tokens.append(text)
+            token_logprobs.append(chosen.logprob if chosen is not None else None)
+            tops.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
+            offsets.append(offset)
+            offset += len(text)
+        logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": sample.finish_reason}

@@ -1,0 +1,241 @@
+"""Streaming input readers: JSONL (plain rows or the OpenAI batch format), CSV/TSV and Parquet.
+
+A reader never loads the whole file: JSONL and CSV are read line by line, Parquet one record
+batch at a time. Every input row becomes a `RawRow` with a stable index (its position among the
+non-blank rows), so a resumed run can skip the rows it already finished. A row that cannot be
+decoded (bad UTF-8, truncated JSON, not an object, a CSV line with the wrong number of fields)
+becomes a `RawRow` with an error instead of a record: the job writes it as an error row and
+goes on. Only a file that cannot be read at all (missing, not Parquet) raises.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+INPUT_FORMATS = ("auto", "jsonl", "openai", "csv", "tsv", "parquet")
+_EXTENSIONS = {
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+    ".csv": "csv", ".tsv": "tsv",
+    ".parquet": "parquet", ".pq": "parquet",
+}
+_PARQUET_BATCH_ROWS = 1024
+_SNIFF_LINES = 32
+
+
+@dataclass
+class RawRow:
+    """One input row: its record, or why it could not be decoded."""
+
+    index: int  # 0-based among the rows of the file (blank JSONL lines are not rows)
+    record: dict[str, Any] | None
+    error: str | None = None
+    where: str = ""  # "line 12" / "record 12": where a person finds it in the file
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """What a pre-pass learned about the input: how many rows, and a digest of its bytes."""
+
+    format: str
+    rows: int | None
+    size: int
+    digest: str
+
+
+def detect_format(path: str, requested: str = "auto") -> str:
+    """The input format: the requested one, else from the extension (JSONL is sniffed for OpenAI batch lines)."""
+    if requested not in INPUT_FORMATS:
+        raise ValueError(f"input format {requested!r} is not supported; choose one of {INPUT_FORMATS}")
+    fmt = requested
+    if fmt == "auto":
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in _EXTENSIONS:
+            raise ValueError(
+                f"cannot tell the format of {path!r} from its extension {ext or '(none)'!r}; "
+                f"use one of {sorted(_EXTENSIONS)} or pass --input-format"
+            )
+        fmt = _EXTENSIONS[ext]
+        if fmt == "jsonl" and _looks_like_openai_batch(path):
+            fmt = "openai"
+    return fmt
+
+
+def _looks_like_openai_batch(path: str) -> bool:
+    """True when the first decodable JSON object has OpenAI batch keys (custom_id and body or url)."""
+    with open(path, "rb") as f:
+        for _, line in zip(range(_SNIFF_LINES), f):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                return "custom_id" in obj and ("body" in obj or "url" in obj)
+    return False
+
+
+def scan_input(path: str, fmt: str) -> InputInfo:
+    """One streaming pass: the row count (for progress and ETA) and a digest (for resume checks)."""
+    size = os.path.getsize(path)
+    digest = hashlib.blake2b(digest_size=16)
+    rows: int | None = 0
+    if fmt in ("jsonl", "openai"):
+        with open(path, "rb") as f:
+            for line in f:
+                digest.update(line)
+                if line.strip():
+                    rows += 1  # type: ignore[operator]
+    else:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        if fmt == "parquet":
+            rows = _parquet_file(path).metadata.num_rows
+        else:
+            rows = sum(1 for _ in _csv_records(path, fmt))
+    return InputInfo(format=fmt, rows=rows, size=size, digest=digest.hexdigest())
+
+
+def read_rows(path: str, fmt: str) -> Iterator[RawRow]:
+    """Yield every row of the input, in file order, decoding one row at a time."""
+    if fmt in ("jsonl", "openai"):
+        return _jsonl_rows(path)
+    if fmt in ("csv", "tsv"):
+        return _csv_rows(path, fmt)
+    if fmt == "parquet":
+        return _parquet_rows(path)
+    raise ValueError(f"input format {fmt!r} is not supported; choose one of {INPUT_FORMATS[1:]}")
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+
+
+def _jsonl_rows(path: str) -> Iterator[RawRow]:
+    index = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue  # blank lines separate nothing and are not rows
+            yield _decode_jsonl_line(index, line_no, raw)
+            index += 1
+
+
+def _decode_jsonl_line(index: int, line_no: int, raw: bytes) -> RawRow:
+    where = f"line {line_no}"
+    if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte-order mark some editors write
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRow(index, None, f"{where} is not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})", where)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return RawRow(index, None, f"{where} is not valid JSON: {e.msg} at column {e.colno}", where)
+    except RecursionError:
+        return RawRow(index, None, f"{where} is not valid JSON: nested too deeply", where)
+    if not isinstance(obj, dict):
+        return RawRow(index, None, f"{where} must be a JSON object, got {_json_type(obj)}", where)
+    return RawRow(index, obj, None, where)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+# --- CSV / TSV ---------------------------------------------------------------------------------
+
+
+def _csv_records(path: str, fmt: str) -> Iterator[tuple[int, list[str] | None, str | None]]:
+    """Raw CSV records after the header: (line number, fields or None, error or None)."""
+    # Undecodable bytes survive as surrogates so that one bad row does not stop the file.
+    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f, delimiter="\t" if fmt == "tsv" else ",", strict=True)
+        _raise_field_limit()
+        try:
+            next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise ValueError(f"{path}: cannot read the CSV header: {e}") from None
+        while True:
+            line_no = reader.line_num + 1
+            try:
+                fields = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                yield line_no, None, f"line {line_no} is not valid CSV: {e}"
+                continue
+            if fields:  # csv yields [] for a blank line
+                yield line_no, fields, None
+
+
+def _raise_field_limit() -> None:
+    # The default (128 KiB) turns long prompts into errors; a very long prompt should reach the
+    # engine and fail there with "longer than max_model_len", which says what to change.
+    csv.field_size_limit(1 << 30)
+
+
+def _csv_header(path: str, fmt: str) -> list[str]:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        try:
+            header = next(csv.reader(f, delimiter="\t" if fmt == "tsv" else ","))
+        except StopIteration:
+            return []
+    bad = [h for h in header if _has_surrogates(h)]
+    if bad:
+        raise ValueError(f"{path}: the CSV header is not valid UTF-8")
+    if len(set(header)) != len(header):
+        dupes = sorted({h for h in header if header.count(h) > 1})
+        raise ValueError(f"{path}: the CSV header repeats column(s) {dupes}")
+    return header
+
+
+def _csv_rows(path: str, fmt: str) -> Iterator[RawRow]:
+    header = _csv_header(path, fmt)
+    for index, (line_no, fields, error) in enumerate(_csv_records(path, fmt)):
+        where = f"line {line_no}"
+        if error is not None:
+            yield RawRow(index, None, error, where)
+        elif len(fields) != len(header):  # type: ignore[arg-type]
+            yield RawRow(index, None, f"{where} has {len(fields)} fields but the header has {len(header)}", where)  # type: ignore[arg-type]
+        elif any(_has_surrogates(v) for v in fields):  # type: ignore[union-attr]
+            yield RawRow(index, None, f"{where} is not valid UTF-8", where)
+        else:
+            yield RawRow(index, dict(zip(header, fields)), None, where)  # type: ignore[arg-type]
+
+
+def _has_surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+# --- Parquet -----------------------------------------------------------------------------------
+
+
+def _parquet_file(path: str) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError flavours
+        raise ValueError(f"{path} is not a readable Parquet file: {e}") from None
+
+
+def _parquet_rows(path: str) -> Iterator[RawRow]:
+    index = 0
+    for batch in _parquet_file(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+        for record in batch.to_pylist():
+            yield RawRow(index, record, None, f"record {index}")
+            index += 1
+

@@ -1,0 +1,242 @@
+"""From an input row to what the engine is asked: a prompt (text, token ids or chat messages) and sampling values.
+
+A generic row (JSONL, CSV, Parquet) finds its prompt, in this order of precedence:
+  1. ``--prompt-template "...{field}..."``: the template filled with the row's fields;
+  2. ``--text-field F``: the row's field F;
+  3. the row's own ``messages`` (chat), ``prompt`` (text) or ``prompt_token_ids``.
+Text becomes a chat turn with ``--chat`` (or ``--system``, which needs a chat). A row may override
+sampling values in a ``sampling_params`` object (a JSON string in CSV).
+
+Everything here is checked before the engine sees it; a problem raises `RowError`, which the job
+turns into an error row. The OpenAI batch format has its own translation in `openai_batch.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from string import Formatter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.batch.openai_batch import OpenAIMeta
+    from tokenmill.batch.readers import RawRow
+    from tokenmill.sampling_params import SamplingParams
+
+
+class RowError(ValueError):
+    """A row that cannot run, with the id it carries (when it has one) for its error row."""
+
+    def __init__(self, message: str, row_id: Any = None):
+        super().__init__(message)
+        self.row_id = row_id
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """The job's choices that turn rows into prompts (part of the resume fingerprint)."""
+
+    chat: bool = False
+    system: str | None = None
+    prompt_template: str | None = None
+    id_field: str | None = None
+    text_field: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_template is not None:
+            template_fields(self.prompt_template)  # fail fast on a malformed template
+        if self.prompt_template is not None and self.text_field is not None:
+            raise ValueError("--prompt-template and --text-field both say where the prompt is; pass one of them")
+
+
+@dataclass
+class RowRequest:
+    """A row ready for the engine. Exactly one of prompt, prompt_token_ids and messages is set."""
+
+    index: int
+    row_id: Any
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # sampling values set by the row
+    openai: "OpenAIMeta | None" = None
+
+
+def template_fields(template: str) -> list[str]:
+    """The field names a prompt template uses; raises ValueError for a malformed template."""
+    try:
+        parsed = list(Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"--prompt-template {template!r} is malformed: {e} (write a literal brace as {{{{ or }}}})") from None
+    names = [name for _, name, _, _ in parsed if name is not None]
+    if any(name == "" or name.isdigit() for name in names):
+        raise ValueError(f"--prompt-template {template!r} has a positional field {{}}; name the row field, e.g. {{title}}")
+    if not names:
+        raise ValueError(f"--prompt-template {template!r} uses no row field; put one in braces, e.g. {{title}}")
+    return names
+
+
+def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
+    """Translate one generic row; raises RowError naming the field at fault."""
+    record = raw.record
+    assert record is not None
+    row_id = _row_id(record, raw.index, settings.id_field)
+    where = raw.where or f"row {raw.index}"
+    request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id))
+    if settings.prompt_template is not None:
+        text = _fill_template(settings.prompt_template, record, where, row_id)
+    elif settings.text_field is not None:
+        text = _text_field(record, settings.text_field, where, row_id)
+    elif "messages" in record:
+        request.messages = parse_messages(record["messages"], where, row_id, settings.system)
+        return request
+    elif "prompt" in record:
+        prompt = record["prompt"]
+        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            request.prompt_token_ids = list(prompt)
+            return request
+        if not isinstance(prompt, str):
+            raise RowError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}", row_id)
+        text = prompt
+    elif "prompt_token_ids" in record:
+        ids = record["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise RowError(f"{where}: 'prompt_token_ids' must be a list of integers", row_id)
+        request.prompt_token_ids = list(ids)
+        return request
+    else:
+        raise RowError(
+            f"{where} has no prompt: it needs a 'prompt', 'messages' or 'prompt_token_ids' field "
+            f"(fields: {sorted(record)[:12]}); or pass --text-field or --prompt-template",
+            row_id,
+        )
+    if not text:
+        raise RowError(f"{where}: the prompt is empty", row_id)
+    if settings.chat or settings.system is not None:
+        request.messages = _with_system([{"role": "user", "content": text}], settings.system)
+    else:
+        request.prompt = text
+    return request
+
+
+def _row_id(record: dict[str, Any], index: int, id_field: str | None) -> Any:
+    if id_field is not None:
+        if id_field not in record or record[id_field] is None:
+            raise RowError(f"row {index} has no id field {id_field!r} (--id-field)", None)
+        value = record[id_field]
+    elif record.get("id") is not None:
+        value = record["id"]
+    else:
+        return index
+    return value if isinstance(value, (str, int)) and not isinstance(value, bool) else str(value)
+
+
+def _row_overrides(record: dict[str, Any], where: str, row_id: Any) -> dict[str, Any]:
+    overrides = record.get("sampling_params")
+    if overrides is None or overrides == "":
+        return {}
+    if isinstance(overrides, str):  # CSV cells hold text: accept a JSON object
+        try:
+            overrides = json.loads(overrides)
+        except ValueError:
+            raise RowError(f"{where}: 'sampling_params' is not a JSON object: {overrides[:80]!r}", row_id) from None
+    if not isinstance(overrides, dict):
+        raise RowError(f"{where}: 'sampling_params' must be an object, got {type(overrides).__name__}", row_id)
+    return dict(overrides)
+
+
+def _fill_template(template: str, record: dict[str, Any], where: str, row_id: Any) -> str:
+    missing = [name for name in template_fields(template) if name.split(".")[0].split("[")[0] not in record]
+    if missing:
+        raise RowError(f"{where} has no field(s) {missing} used by --prompt-template (fields: {sorted(record)[:12]})", row_id)
+    values = {k: _as_text(v) for k, v in record.items()}
+    try:
+        return template.format_map(values)
+    except (KeyError, IndexError, AttributeError, ValueError) as e:
+        raise RowError(f"{where}: --prompt-template could not be filled: {e!r}", row_id) from None
+
+
+def _as_text(value: Any) -> Any:
+    # Lists of features read better as "a, b, c" than as Python's "['a', 'b', 'c']".
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
+        return ", ".join(str(v) for v in value)
+    return value
+
+
+def _text_field(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
+    if name not in record:
+        raise RowError(f"{where} has no field {name!r} (--text-field; fields: {sorted(record)[:12]})", row_id)
+    value = record[name]
+    if not isinstance(value, str):
+        raise RowError(f"{where}: field {name!r} must be a string, got {type(value).__name__}", row_id)
+    return value
+
+
+def parse_messages(messages: Any, where: str, row_id: Any, system: str | None) -> list[dict[str, Any]]:
+    if isinstance(messages, str):  # CSV cells hold text
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            raise RowError(f"{where}: 'messages' is not a JSON list of messages", row_id) from None
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects", row_id)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RowError(f"{where}: messages[{i}] must be an object with a string 'role'", row_id)
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RowError(f"{where}: messages[{i}].content must be a string, got {type(content).__name__}", row_id)
+    # Parquet structs carry every key of every message (None where absent); templates test presence.
+    cleaned = [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
+    return _with_system(cleaned, system)
+
+
+def _with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    if system is None or (messages and messages[0].get("role") == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def sampling_field_names() -> set[str]:
+    from tokenmill.sampling_params import SamplingParams
+
+    return {f.name for f in dataclasses.fields(SamplingParams) if f.init and f.name != "all_stop_token_ids"}
+
+
+def row_sampling_params(
+    base: dict[str, Any], overrides: dict[str, Any], index: int, base_seed: int, row_id: Any = None
+) -> "SamplingParams":
+    """SamplingParams for one row: the job's values, then the row's own, then a per-row seed.
+
+    A sampled (temperature > 0) row without a seed of its own gets one derived from the job seed
+    and the row index, so its samples do not depend on which rows share its batch: a resumed
+    run samples exactly what an uninterrupted one would have.
+    """
+    from tokenmill.sampling_params import SamplingParams
+
+    allowed = sampling_field_names()
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise RowError(f"row {index}: unknown sampling parameter(s) {unknown} in sampling_params", row_id)
+    values = {**base, **overrides}
+    try:
+        params = SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        raise RowError(f"row {index}: {e}", row_id) from None
+    if params.seed is None and params.temperature > 0:
+        params.seed = derive_seed(base_seed, index)
+    return params
+
+
+def derive_seed(base_seed: int, index: int) -> int:
+    digest = hashlib.blake2b(f"{base_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF

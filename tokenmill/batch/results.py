@@ -1,0 +1,84 @@
+"""A finished row (its samples or its error) and the generic output records it becomes.
+
+Generic records (JSONL or Parquet output of non-OpenAI input) have one fixed schema, one record
+per sample (``n`` records for ``n > 1``), or one record with ``error`` set for a failed row:
+
+    row                 int     the row's index in the input (outputs are in completion order)
+    id                  str|int the row's id field (``--id-field``, else ``id``), else its index
+    sample_index        int     0..n-1 (null for an error row)
+    text                str     the completion (null for an error row)
+    finish_reason       str     "stop" | "length" (null for an error row)
+    prompt_tokens       int
+    completion_tokens   int
+    cumulative_logprob  float   when logprobs were asked for, else null
+    error               str     why the row failed, else null
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.batch.openai_batch import OpenAIMeta
+    from tokenmill.outputs import RequestOutput
+
+
+@dataclass
+class SampleResult:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: Any = None  # the engine's SampleLogprobs, when asked for
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class RowResult:
+    index: int
+    row_id: Any
+    prompt_tokens: int = 0
+    samples: list[SampleResult] = field(default_factory=list)
+    error: str | None = None
+    openai: "OpenAIMeta | None" = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+def result_from_output(index: int, row_id: Any, output: "RequestOutput", openai: "OpenAIMeta | None", keep_logprobs: bool) -> RowResult:
+    samples = [
+        SampleResult(
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            finish_reason=c.finish_reason,
+            cumulative_logprob=c.cumulative_logprob if keep_logprobs else None,
+            logprobs=c.logprobs if keep_logprobs else None,
+        )
+        for c in sorted(output.outputs, key=lambda c: c.index)
+    ]
+    return RowResult(index=index, row_id=row_id, prompt_tokens=len(output.prompt_token_ids or []), samples=samples, openai=openai)
+
+
+def generic_records(result: RowResult) -> list[dict[str, Any]]:
+    if result.error is not None:
+        return [{"row": result.index, "id": result.row_id, "sample_index": None, "text": None, "finish_reason": None,
+                 "prompt_tokens": result.prompt_tokens, "completion_tokens": 0, "cumulative_logprob": None,
+                 "error": result.error}]
+    return [
+        {"row": result.index, "id": result.row_id, "sample_index": s.index, "text": s.text,
+         "finish_reason": s.finish_reason, "prompt_tokens": result.prompt_tokens,
+         "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob, "error": None}
+        for s in result.samples
+    ]

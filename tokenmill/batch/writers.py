@@ -1,0 +1,136 @@
+"""Output files: append-only JSONL with an fsync policy, and Parquet finalized from a JSONL staging file.
+
+Every result is appended as one or more complete JSON lines in a single write, so a crash can
+only leave a torn *tail*, which the journal (journal.py) cuts off on resume.
+
+Parquet files cannot be appended to, and a half-written one is unreadable. So a Parquet output
+is written in two phases: results are appended to ``staging.jsonl`` in the job's sidecar folder,
+under the same journal as a JSONL output; when every row is done, the staging file is converted
+in bounded chunks to ``OUTPUT.tmp`` and renamed over OUTPUT. A crash during conversion leaves the
+staging file intact and the next run converts again; OUTPUT is never seen half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+_PARQUET_CHUNK_ROWS = 8192
+
+
+def output_format(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if ext in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(f"cannot tell the output format of {path!r} from its extension; use .jsonl or .parquet")
+
+
+def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
+    """Records as UTF-8 JSON lines. Text that cannot be UTF-8 (lone surrogates) is escaped, not lost."""
+    parts = []
+    for record in records:
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        try:
+            parts.append(line.encode("utf-8"))
+        except UnicodeEncodeError:
+            parts.append(json.dumps(record, separators=(",", ":")).encode("ascii"))
+        parts.append(b"\n")
+    return b"".join(parts)
+
+
+class AppendFile:
+    """A file opened for appending at a known length; `sync` is fsync."""
+
+    def __init__(self, path: str, expected_size: int):
+        self.path = path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
+        if size != expected_size:
+            os.ftruncate(fd, expected_size)  # cut a torn or uncommitted tail
+        os.lseek(fd, expected_size, os.SEEK_SET)
+        self._file = os.fdopen(fd, "wb", buffering=0)
+        self.size = expected_size
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # an unbuffered write may be short
+            written = self._file.write(view)
+            view = view[written:]
+        self.size += len(data)
+
+    def sync(self) -> None:
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def generic_parquet_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([
+        ("row", pa.int64()), ("id", pa.string()), ("sample_index", pa.int32()), ("text", pa.string()),
+        ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+        ("cumulative_logprob", pa.float64()), ("error", pa.string()),
+    ])
+
+
+def jsonl_to_parquet(staging: str, output: str) -> int:
+    """Convert generic records from a staging JSONL into a Parquet file, atomically; returns rows written.
+
+    ``id`` is stored as a string (ids may be ints in one row and strings in another).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = generic_parquet_schema()
+    tmp = f"{output}.tmp"
+    written = 0
+    with pq.ParquetWriter(tmp, schema) as writer:
+        chunk: list[dict[str, Any]] = []
+        for record in iter_jsonl(staging):
+            if record.get("id") is not None:
+                record["id"] = str(record["id"])
+            chunk.append(record)
+            if len(chunk) >= _PARQUET_CHUNK_ROWS:
+                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                written += len(chunk)
+                chunk = []
+        if chunk or written == 0:
+            writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+            written += len(chunk)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    fsync_dir(os.path.dirname(os.path.abspath(output)))
+    return written
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

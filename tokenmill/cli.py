@@ -1,0 +1,395 @@
+"""The `tokenmill` command: run (the resumable batch job), generate, chat, models.
+
+Importing this module stays light (argparse only): torch and transformers load when a command
+builds an engine, so `tokenmill --help` and `tokenmill models` answer at once.
+
+Exit codes: 0 success; 2 a usage error (bad flag, bad value, an output that cannot be resumed as
+asked); 3 the job finished but some rows failed (see the summary and the rows' ``error``);
+130 interrupted (rerun the same command to continue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any, Sequence
+
+from tokenmill.batch.job import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
+from tokenmill.batch.readers import INPUT_FORMATS
+
+EXIT_USAGE = 2
+_CHAT_MAX_TOKENS = 256
+
+# flag dest -> SamplingParams field
+_SAMPLING_FLAGS = {
+    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+    "min_p": "min_p", "stop": "stop", "n": "n", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens", "logprobs": "logprobs", "ignore_eos": "ignore_eos",
+}
+# flag dest -> LLM(...) keyword
+_ENGINE_FLAGS = (
+    "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+    "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
+    "load_format", "trust_remote_code",
+)
+
+
+class UsageError(Exception):
+    """A mistake in how the command was called: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill",
+        description="Offline LLM batch inference with vLLM's offline API.",
+        epilog="Start with: tokenmill run examples/products.jsonl -o results.jsonl",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser(
+        "run", help="run a crash-safe, resumable batch job over a JSONL/CSV/Parquet/OpenAI-batch file",
+        description="Generate for every row of INPUT and append each result to OUTPUT as it finishes. "
+        "After a crash or kill, run the same command again to continue: finished rows are kept, "
+        "the rest run once. Exit code 3 when some rows failed (their 'error' says why).",
+    )
+    run.add_argument("input", metavar="INPUT", help="input file: .jsonl (rows or OpenAI batch lines), .csv, .tsv or .parquet")
+    run.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="output file: .jsonl or .parquet")
+    run.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
+                     help="override the format guessed from the extension (and, for JSONL, the first lines)")
+    _add_prompt_options(run, with_rows=True)
+    _add_sampling_options(run)
+    _add_engine_options(run)
+    job = run.add_argument_group("job")
+    job.add_argument("--overwrite", action="store_true", help="start over: delete OUTPUT and its resume state first")
+    job.add_argument("--max-inflight", type=int, metavar="N",
+                     help="requests inside the engine at once (default: 2 x max_num_seqs); bounds memory")
+    job.add_argument("--fsync-interval", type=float, default=1.0, metavar="SECONDS",
+                     help="fsync the output at most this often (0: every commit); a killed process loses nothing "
+                     "either way, this bounds what a power failure can cost (default: 1)")
+    job.add_argument("--no-progress", action="store_true", help="no progress line on stderr (the summary is still printed)")
+    job.add_argument("--progress-interval", type=float, default=10.0, metavar="SECONDS",
+                     help="seconds between progress lines when stderr is not a terminal (default: 10)")
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text",
+                         description="Complete PROMPT (use '-' to read it from stdin) and print the completion.")
+    gen.add_argument("prompt", metavar="PROMPT")
+    _add_prompt_options(gen, with_rows=False)
+    _add_sampling_options(gen)
+    _add_engine_options(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat that streams tokens",
+                          description="Chat with a model. Commands: /reset clears the conversation, /exit quits "
+                          "(or Ctrl-D). Ctrl-C stops the current answer.")
+    chat.add_argument("--system", metavar="TEXT", help="system message")
+    chat.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template instead of the model's")
+    _add_sampling_options(chat)
+    _add_engine_options(chat)
+
+    sub.add_parser("models", help="list the built-in models and where local models are looked up")
+    return parser
+
+
+def _add_prompt_options(parser: argparse.ArgumentParser, with_rows: bool) -> None:
+    group = parser.add_argument_group("prompts")
+    group.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    group.add_argument("--system", metavar="TEXT", help="system message for chat prompts (implies --chat)")
+    group.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template instead of the model's")
+    if with_rows:
+        group.add_argument("--prompt-template", metavar="TEMPLATE",
+                           help="build each prompt from row fields, e.g. 'Describe {name} for {audience}.'")
+        group.add_argument("--text-field", metavar="FIELD", help="take the prompt text from this field (default: prompt)")
+        group.add_argument("--id-field", metavar="FIELD", help="the row id to carry into the output (default: id, else the row index)")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling (defaults: the model's generation_config, else vLLM's)")
+    g.add_argument("--max-tokens", type=int, metavar="N", help="tokens to generate at most (vLLM default: 16)")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 is greedy")
+    g.add_argument("--top-p", type=float, metavar="P")
+    g.add_argument("--top-k", type=int, metavar="K")
+    g.add_argument("--min-p", type=float, metavar="P")
+    g.add_argument("--min-tokens", type=int, metavar="N")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeat for several)")
+    g.add_argument("--n", type=int, metavar="N", help="samples per prompt")
+    g.add_argument("--presence-penalty", type=float, metavar="X")
+    g.add_argument("--frequency-penalty", type=float, metavar="X")
+    g.add_argument("--repetition-penalty", type=float, metavar="X")
+    g.add_argument("--logprobs", type=int, metavar="K", help="return log probabilities (and K alternatives per token)")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-sequence")
+    g.add_argument("--seed", type=int, default=0,
+                   help="engine seed; sampled rows get per-row seeds derived from it, so reruns match (default: 0)")
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"built-in name, local folder or .gguf, or a cached hub id (default: {DEFAULT_MODEL})")
+    g.add_argument("--max-model-len", type=int, metavar="N")
+    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: fp32 on CPU, the checkpoint's on GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, metavar="F")
+    g.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES")
+    g.add_argument("--max-num-seqs", type=int, metavar="N")
+    g.add_argument("--max-num-batched-tokens", type=int, metavar="N")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N")
+    g.add_argument("--enforce-eager", action="store_true", default=None)
+    g.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--tokenizer", metavar="NAME_OR_PATH")
+    g.add_argument("--revision", metavar="REV")
+    g.add_argument("--load-format", metavar="FORMAT", help="auto, safetensors, gguf or dummy (random weights)")
+    g.add_argument("--trust-remote-code", action="store_true", default=None)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags that were given, checked by SamplingParams itself (a bad value is a usage error)."""
+    values = {field: getattr(args, dest) for dest, field in _SAMPLING_FLAGS.items() if getattr(args, dest, None) is not None}
+    from tokenmill.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    return values
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name, None) is not None}
+
+
+def read_chat_template(value: str | None) -> str | None:
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
+def load_llm(args: argparse.Namespace) -> Any:
+    from tokenmill import LLM
+
+    try:
+        return LLM(model=args.model, seed=args.seed, **engine_kwargs(args))
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise UsageError(f"cannot load model {args.model!r}: {e}") from None
+
+
+class _StopRequests:
+    """SIGINT/SIGTERM ask the job to stop after the current step; a second Ctrl-C stops at once.
+
+    Stopping between steps keeps every finished row; an immediate stop is as safe as a kill
+    (the next run repairs whatever a half-done write left).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue",
+              file=sys.stderr, flush=True)
+
+    def install(self) -> dict[int, Any]:
+        """Install the handlers; returns the previous ones (for `restore`)."""
+        return {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def restore(previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tokenmill.batch.job import JobConfig, run_job
+    from tokenmill.batch.requests import PromptSettings
+
+    try:
+        prompt = PromptSettings(chat=args.chat, system=args.system, prompt_template=args.prompt_template,
+                                id_field=args.id_field, text_field=args.text_field)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.max_inflight is not None and args.max_inflight < 1:
+        raise UsageError(f"--max-inflight={args.max_inflight} is invalid: must be >= 1")
+    config = JobConfig(
+        input=args.input, output=args.output, model=args.model, input_format=args.input_format, prompt=prompt,
+        sampling=sampling_values(args), seed=args.seed, engine=engine_kwargs(args),
+        chat_template=read_chat_template(args.chat_template), overwrite=args.overwrite,
+        max_inflight=args.max_inflight, fsync_interval=args.fsync_interval, progress=not args.no_progress,
+        log_interval=args.progress_interval,
+    )
+    stop = _StopRequests()
+    previous = stop.install()
+    try:
+        summary = run_job(config, stderr=sys.stderr, should_stop=stop)
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:  # ResumeError too
+        raise UsageError(str(e)) from None
+    finally:
+        stop.restore(previous)
+    print(summary.report(), file=sys.stderr)
+    return summary.exit_code
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill.sampling_params import SamplingParams
+
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    values = sampling_values(args)
+    llm = load_llm(args)
+    params = SamplingParams(**{**_defaults(llm), **values})
+    try:
+        if args.chat or args.system is not None or args.chat_template is not None:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+            outputs = llm.chat(messages, params, use_tqdm=False, chat_template=read_chat_template(args.chat_template))
+        else:
+            outputs = llm.generate([text], params, use_tqdm=False)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    completions = outputs[0].outputs
+    for c in completions:
+        if len(completions) > 1:
+            print(f"--- sample {c.index} ---")
+        print(c.text)
+    return 0
+
+
+def _defaults(llm: Any) -> dict[str, Any]:
+    from tokenmill.batch.job import base_sampling
+
+    return base_sampling(llm, {})
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenmill.sampling_params import SamplingParams
+
+    values = sampling_values(args)
+    values.setdefault("max_tokens", _CHAT_MAX_TOKENS)
+    llm = load_llm(args)
+    params = SamplingParams(**{**_defaults(llm), **values})
+    template = read_chat_template(args.chat_template)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"tokenmill chat with {args.model}: /reset clears, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            line = ""
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        if line == "" and not interactive:
+            return 0
+        if line == "" and interactive:
+            print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": text})
+        turn += 1
+        reply = stream_reply(llm, messages, params, template, f"chat-{turn}")
+        if reply is None:
+            messages.pop()  # refused (e.g. the conversation outgrew max_model_len): forget the turn
+        else:
+            messages.append({"role": "assistant", "content": reply})
+
+
+def stream_reply(llm: Any, messages: list[dict[str, str]], params: Any, template: str | None, request_id: str,
+                 out: Any = None) -> str | None:
+    """Step the engine and print each step's new text; returns the reply (None if it was refused)."""
+    from tokenmill.inputs import render_chat_prompt
+
+    out = out or sys.stdout
+    engine = llm.llm_engine
+    try:
+        ids = render_chat_prompt(llm.get_tokenizer(), messages, chat_template=template)
+        engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    printed = ""
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                text = output.outputs[0].text
+                out.write(text[len(printed):])
+                out.flush()
+                printed = text
+    except KeyboardInterrupt:
+        engine.abort_request([request_id])
+    out.write("\n")
+    out.flush()
+    return printed
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    try:
+        from tokenmill.models.builtin import BUILTIN_MODELS, cache_dir
+    except ImportError:
+        BUILTIN_MODELS, cache_dir = {}, None
+    print("Built-in models (fetched from PyPI and converted once on first use):")
+    if not BUILTIN_MODELS:
+        print("  (none in this build)")
+    for name, model in BUILTIN_MODELS.items():
+        default = "  [default]" if name == DEFAULT_MODEL else ""
+        print(f"  {name}{default}")
+        description = getattr(model, "description", "")
+        if description:
+            print(f"      {description}")
+        aliases = getattr(model, "aliases", ())
+        if aliases:
+            print(f"      aliases: {', '.join(aliases)}")
+    cache = cache_dir() if cache_dir is not None else None
+    hf_home = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    print()
+    print("--model also accepts, tried in this order:")
+    print("  1. a local path: a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
+    print("  2. a built-in name above (or an alias)")
+    print(f"  3. a Hugging Face Hub id already in the local cache ({hf_home}); nothing is downloaded")
+    if cache is not None:
+        print(f"Converted built-ins live in {cache / 'models'} (set TOKENMILL_CACHE to move it).")
+    return 0
+
+
+_COMMANDS = {"run": cmd_run, "generate": cmd_generate, "chat": cmd_chat, "models": cmd_models}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"tokenmill {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
