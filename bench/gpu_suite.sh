@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests] [kernels] [throughput] [vllm]   (default: all but vllm)
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [vllm]   (default: all but vllm)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -21,7 +21,7 @@ with open(src) as f, open(dst, "a") as out:
         line = line.strip()
         if line.startswith("{"):
             row = json.loads(line)
-            row.update(commit=commit, date=datetime.datetime.utcnow().strftime("%Y-%m-%d"), gpu=gpu)
+            row.update(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), gpu=gpu)
             out.write(json.dumps(row) + "\n")
 PY
 }
@@ -29,8 +29,9 @@ PY
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    tests)
-      timeout 270 python3 -m pytest tests/gpu -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    tests|engine-tests)
+      [ "$part" = tests ] && sel=tests/gpu || sel=tests/gpu/test_engine_gpu.py
+      timeout 270 python3 -m pytest "$sel" -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)
       timeout 120 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
     throughput)

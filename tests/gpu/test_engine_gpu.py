@@ -86,14 +86,17 @@ def test_greedy_matches_hf_bf16_on_gpu(gpu_models, name):
 
 
 def test_cuda_graphs_equal_eager(gpu_models):
+    # fp32: in bf16 a padded graph batch and an unpadded eager batch take different GEMM kernels,
+    # and their last-bit differences flip near-tied argmaxes late in a sequence.
     path = gpu_models["qwen3"]
     prompts = [{"prompt_token_ids": p} for p in _prompts(37, seed=3)]  # 37: a padded bucket
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True, detokenize=False)
-    graphed = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3)
+    graphed = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3,
+                  dtype="float32")
     assert graphed.llm_engine.runner.graphs is not None
     eager = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3,
-                enforce_eager=True)
+                enforce_eager=True, dtype="float32")
     assert eager.llm_engine.runner.graphs is None
     for sp in (params, seeded):
         a = [o.outputs[0].token_ids for o in graphed.generate(prompts, sp, use_tqdm=False)]
@@ -108,16 +111,15 @@ def test_prefix_hits_chunked_prefill_and_preemption_on_gpu(gpu_models):
     prompts += [shared[: len(shared) // 2] + p[:5] for p in prompts[:4]]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
-    base = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, enable_prefix_caching=False)
+    base = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, enable_prefix_caching=False,
+               dtype="float32")
     expected = [o.outputs[0].token_ids for o in base.generate(inputs, params, use_tqdm=False)]
     per_block = base.llm_engine.runner.kv_bytes_per_block()
     stressed = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=64,
-                   kv_cache_memory_bytes=60 * per_block)
+                   kv_cache_memory_bytes=70 * per_block, dtype="float32")
     got = [o.outputs[0].token_ids for o in stressed.generate(inputs, params, use_tqdm=False)]
     assert stressed.llm_engine.scheduler.num_preemptions > 0
-    # bf16 logits can tie differently when the batch changes shape; demand near-total agreement.
-    same = sum(a == b for a, b in zip(got, expected))
-    assert same >= len(expected) - 1
+    assert got == expected  # fp32, so batch shape changes cannot flip ties
 
 
 def test_dummy_qwen3_shape_fits_at_default_utilisation(tmp_path):

@@ -158,13 +158,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_committed_blocks:
+            return
         self._extend_hashes(seq, full)
-        for block_id, key in zip(seq.block_ids[:full], seq.block_hashes[:full]):
-            self.pool.register(block_id, key)
+        for i in range(seq.num_committed_blocks, full):
+            self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_committed_blocks = full
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_ids)
         seq.block_ids = []
+        seq.num_committed_blocks = 0
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

@@ -38,6 +38,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     # Hashes of this sequence's full blocks, in order; extends as blocks fill.
     block_hashes: list[int] = field(default_factory=list)
+    # How many of block_ids are already indexed in the prefix cache (so each step indexes only new ones).
+    num_committed_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     generator: "torch.Generator | None" = None
     cumulative_logprob: float = 0.0

@@ -24,9 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (padding wastes < 16 rows)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
+    """1, 2, 4, 8, multiples of 16 to 256, of 32 to 512, then of 64: padding stays under ~12%."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32), *range(576, max_num_seqs + 64, 64)]
+    return sorted({min(b, max_num_seqs) for b in sizes})
 
 
 class DecodeGraphs:

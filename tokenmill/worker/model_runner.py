@@ -7,8 +7,11 @@ scheduler and cache manager only hand it ids and counts.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 from torch import nn
@@ -129,40 +132,54 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for row, item in enumerate(scheduled):
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            tokens.extend(seq.tokens(start, end))
-            positions.extend(range(start, end))
-            blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(item.num_tokens)
-            seq_lens.append(end)
-            if item.samples:
-                sample_rows.append(row)
-        max_blocks = max(-(-n // bs) for n in seq_lens)
-        table = [s.seq.block_ids[:max_blocks] + [NULL_BLOCK] * (max_blocks - len(s.seq.block_ids[:max_blocks])) for s in scheduled]
-        start_loc = [0]
-        for n in query_lens:
-            start_loc.append(start_loc[-1] + n)
+        seqs = [item.seq for item in scheduled]
+        query_lens = [item.num_tokens for item in scheduled]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        seq_lens = [start + n for start, n in zip(starts, query_lens)]
+        sample_rows = [row for row, item in enumerate(scheduled) if item.samples]
+        max_query_len = max(query_lens)
+        if max_query_len == 1:
+            # Decode: one token per sequence, the last one it has (host time per step is precious).
+            tokens = [seq.token_at(start) for seq, start in zip(seqs, starts)]
+            positions = starts
+            slots = [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]
+        else:
+            tokens, positions, slots = [], [], []
+            for seq, start, end in zip(seqs, starts, seq_lens):
+                tokens.extend(seq.tokens(start, end))
+                positions.extend(range(start, end))
+                blocks = seq.block_ids
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        start_loc = [0, *itertools.accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             query_start_loc=self._tensor(start_loc, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(table, torch.int32),
+            block_tables=self._block_table(seqs, seq_lens),
             block_size=bs,
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
-            max_query_len=max(query_lens),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
         return self._tensor(tokens, torch.int64), self._tensor(positions, torch.int64), meta, sample_rows
+
+    def _block_table(self, seqs: list, seq_lens: list[int]) -> torch.Tensor:
+        """[B, max_blocks] int32 block ids, padded with the null block (built in numpy: this runs every step)."""
+        bs = self.block_size
+        counts = np.fromiter((-(-n // bs) for n in seq_lens), np.int64, len(seqs))
+        width = int(counts.max())
+        flat = np.fromiter(
+            itertools.chain.from_iterable(seq.block_ids[:c] for seq, c in zip(seqs, counts.tolist())),
+            np.int32,
+            int(counts.sum()),
+        )
+        table = np.full((len(seqs), width), NULL_BLOCK, dtype=np.int32)
+        table[np.arange(width)[None, :] < counts[:, None]] = flat
+        host = torch.from_numpy(table)
+        if not self._pin:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list on the device; through pinned memory on a GPU, so the copy is asynchronous."""
