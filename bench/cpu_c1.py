@@ -1,7 +1,8 @@
 """Protocol C1 on the CPU, tokenmill side by side with Hugging Face transformers.
 
 SmolLM2-135M-Instruct (the built-in, from its Q4_1 GGUF), 32 one-line chat prompts, greedy,
-64 new tokens each with eos ignored. Each engine runs in its own fresh process (so one's thread
+64 new tokens each with eos ignored (banned until the 64th token, in both engines, so the
+greedy tokens are comparable). Each engine runs in its own fresh process (so one's thread
 pools or caches can't help the other), alternating, `--pairs` times; the figure is the median.
 Rows go to stdout and, with --out, are appended to a JSONL file with commit, date and CPU.
 
@@ -39,7 +40,8 @@ def run_tokenmill(dtype: str) -> dict:
     imported = time.perf_counter()
     llm = LLM("smollm2-135m-instruct", dtype=dtype, device="cpu", max_model_len=512)
     loaded = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    # min_tokens bans eos until the end, exactly like HF's min_new_tokens: same work, same tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     llm.chat(conversations()[:2], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outputs = llm.chat(conversations(), params, use_tqdm=False)
@@ -123,6 +125,7 @@ def main() -> None:
         for engine, dtype in plan:
             runs.setdefault((engine, dtype), []).append(measure(engine, dtype))
     reference = runs.get(("hf-transformers", args.hf_dtype)) or runs.get(("tokenmill", "float32"))
+    exact = runs.get(("tokenmill", "float32"))
     rows = []
     for (engine, dtype), results in runs.items():
         tok_s = [r["generated"] / r["seconds"] for r in results]
@@ -132,6 +135,9 @@ def main() -> None:
                    import_s=round(statistics.median(r["import_s"] for r in results), 2),
                    generated_tokens=results[0]["generated"],
                    greedy_agreement_vs_reference=round(agreement(results[0]["tokens"], reference[0]["tokens"]), 4),
+                   identical_sequences_vs_reference=sum(a == b for a, b in zip(results[0]["tokens"], reference[0]["tokens"])),
+                   greedy_agreement_vs_tokenmill_fp32=(round(agreement(results[0]["tokens"], exact[0]["tokens"]), 4)
+                                                       if exact else None),
                    reference=f"{'hf-transformers' if not args.skip_hf else 'tokenmill'} {args.hf_dtype}",
                    commit=commit, date=datetime.date.today().isoformat(), cpu=cpu, cores=2)
         rows.append(row)
