@@ -42,7 +42,7 @@ def run_tokenmill(dtype: str) -> dict:
     loaded = time.perf_counter()
     # min_tokens bans eos until the end, exactly like HF's min_new_tokens: same work, same tokens.
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    llm.chat(conversations()[:2], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
+    llm.chat(conversations()[:2], params.clone(max_tokens=4, min_tokens=4), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outputs = llm.chat(conversations(), params, use_tqdm=False)
     seconds = time.perf_counter() - t

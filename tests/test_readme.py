@@ -1,0 +1,21 @@
+"""The README's Python example runs as written, on the built-in default model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_python_example_runs(monkeypatch, capsys):
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(import json.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    rows = sum(1 for line in (ROOT / "examples/products.jsonl").read_text().splitlines() if line.strip())
+    assert len(namespace["done"]) + len(namespace["retry"]) == rows
+    assert namespace["done"], "no marketing line finished on its own"
+    assert all(isinstance(v, str) and v for v in namespace["done"].values())
+    assert "lines ready" in capsys.readouterr().out
