@@ -227,14 +227,14 @@ def test_weight_loader_rejects_wrong_shape() -> None:
 # --- real tensor parallel over gloo (2 CPU processes) ------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], tokens: list[list[int]], out: str) -> None:
+def _tp_worker(rank: int, world: int, init_address: str, model_dirs: list[str], tokens: list[list[int]], out: str) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
     import torch.distributed as dist
     from conftest import PagedCache
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_address, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         results = []
@@ -244,6 +244,9 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], tok
             results.append(PagedCache(model).step([(i, t) for i, t in enumerate(tokens)]))
         if rank == 0:
             torch.save(results, out)
+        # Both ranks leave together: a rank tearing gloo down while its peer is still mid-collective
+        # can abort the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -260,7 +263,12 @@ def test_tensor_parallel_two_ranks_matches_single(
     tokens = [_tokens(9, vocab, seed=6), _tokens(4, vocab, seed=7)]
     expected = [paged_cache(_ours(d)).step([(i, t) for i, t in enumerate(tokens)]) for d in dirs]
     out = tmp_path / "logits.pt"
-    args = (2, str(tmp_path / "init"), [str(d) for d in dirs], tokens, str(out))
+    import socket
+
+    with socket.socket() as sock:  # a free loopback port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = (2, f"tcp://127.0.0.1:{port}", [str(d) for d in dirs], tokens, str(out))
     mp.spawn(_tp_worker, args=args, nprocs=2, join=True)
     for got_model, want_model in zip(torch.load(out), expected, strict=True):
         for got, want in zip(got_model, want_model, strict=True):

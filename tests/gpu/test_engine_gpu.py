@@ -11,6 +11,8 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")  # before fixtures build models
+
 FIRST_TOKENS = 4  # bf16 greedy paths diverge eventually; the first tokens must agree
 
 
