@@ -16,7 +16,7 @@ import torch
 from tokenmill.config import EngineArgs, EngineConfig, create_engine_config
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, Sequence, SequenceStatus
+from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

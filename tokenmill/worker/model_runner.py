@@ -114,20 +114,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        sampled = [scheduled[i] for i in sample_rows]
+        # Built before the forward is launched, so its host work and copies overlap with the GPU.
+        batch = self._sampling_batch([s.seq for s in sampled]) if sampled else None
         if self.graphs is not None and meta.is_pure_decode and self.graphs.bucket_for(meta.num_seqs) is not None:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(input_ids, positions, ctx)
-        sampled = [scheduled[i] for i in sample_rows]
-        if not sampled:
+        if batch is None:
             return StepResult([], None)
         if len(sample_rows) == len(scheduled) and meta.is_pure_decode:
             last_hidden = hidden  # one token per sequence, every one samples
         else:
             last_hidden = hidden[meta.query_start_loc[1:][self._tensor(sample_rows, torch.int64)] - 1]
         logits = self.model.compute_logits(last_hidden)
-        batch = self._sampling_batch([s.seq for s in sampled])
         return StepResult(sampled, self.sampler(logits, batch))
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
@@ -188,17 +189,16 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype).pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_batch(self, seqs: list) -> SamplingBatch:
-        dev = self.device
         params = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temperature = self._tensor([p.temperature for p in params], torch.float32)
         all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
         top_k = top_p = min_p = None
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+            top_k = self._tensor([p.top_k for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            top_p = self._tensor([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            min_p = self._tensor([p.min_p for p in params], torch.float32)
         batch = SamplingBatch(
             temperature=temperature,
             all_greedy=all_greedy,
