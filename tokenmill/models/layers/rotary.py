@@ -113,6 +113,13 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq * D] and k [T, Hk * D] (or already [T, H, D]) -> same shapes."""
+        if q.is_cuda and q.is_contiguous() and k.is_contiguous():
+            from tokenmill.kernels.triton.rotary import rotary_embedding_
+
+            tokens = q.shape[0]
+            # In place, one kernel for q and k together (see RMSNorm.forward).
+            rotary_embedding_(positions, q.view(tokens, -1, self.head_dim), k.view(tokens, -1, self.head_dim), self.cos_sin_cache)
+            return q, k
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D / 2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
