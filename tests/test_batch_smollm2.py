@@ -23,17 +23,25 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def rows():
+def example_rows():
     with open(EXAMPLE, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
 
-def test_example_file_is_realistic(rows):
+@pytest.fixture(scope="module")
+def rows(example_rows):
+    """The example rows without their own sampling_params, so the job-level settings below apply."""
+    return [{k: v for k, v in r.items() if k != "sampling_params"} for r in example_rows]
+
+
+def test_example_file_is_realistic(example_rows):
+    rows = example_rows
     assert 20 <= len(rows) <= 30
     assert len({r["id"] for r in rows}) == len(rows)
     for r in rows:
         assert {"id", "product", "features", "audience", "messages"} <= set(r)
         assert r["messages"][0]["role"] == "user" and r["product"] in r["messages"][0]["content"]
+        assert r["sampling_params"]["max_tokens"] >= 32  # room for a whole line on the first run
 
 
 def test_products_example_on_default_model(tmp_path, llm, rows):
