@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
@@ -32,6 +32,7 @@ class LLM:
         self.args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.args)
         self._request_counter = itertools.count()
+        self._queued: list[str] = []  # request ids from enqueue(), collected by wait_for_completion()
 
     # ---- information ----------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -71,20 +72,74 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations."""
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of messages or of conversations")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat() needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
-        prompts: list[PromptType] = []
-        for i, conversation in enumerate(conversations):
-            ids = render_chat_prompt(
-                tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
-                where=f"messages[{i}]",
-            )
-            prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    # ---- the queue: submit now, collect later --------------------------------------------
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[str]:
+        """Queue prompts without running them; returns their request ids (all or none are queued)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)))
+        self._queued.extend(ids)
+        return ids
+
+    def enqueue_chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+    ) -> list[str]:
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools)
+        return self.enqueue(prompts, sampling_params)
+
+    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run until every enqueued request is done; outputs in the order they were enqueued."""
+        ids, self._queued = self._queued, []
+        return self._collect(ids, use_tqdm)
+
+    def imap(
+        self,
+        prompts: Iterable[PromptType],
+        sampling_params: SamplingParams | None = None,
+        max_in_flight: int | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield outputs as requests finish (completion order; match them by ``request_id``).
+
+        Reads ``prompts`` lazily and keeps at most ``max_in_flight`` requests in the engine
+        (default: twice max_num_seqs, enough to keep every batch full), so memory stays flat for
+        inputs of any length. A bad prompt raises when it is reached, after the outputs before it.
+        """
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
+        engine = self.llm_engine
+        source = iter(prompts)
+        mine: set[str] = set()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(mine) < limit:
+                    prompt = next(source, _END)
+                    if prompt is _END:
+                        exhausted = True
+                        break
+                    mine.update(self._submit([prompt], [params]))
+                if not mine:
+                    return
+                for output in engine.step(finished_only=True):
+                    if output.request_id in mine:
+                        mine.discard(output.request_id)
+                        yield output
+        finally:
+            engine.abort_request(list(mine))  # a caller that stops early leaves nothing running
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
@@ -102,30 +157,67 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one, or one per prompt")
         return params
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _chat_prompts(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict] | None,
+    ) -> list[PromptType]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
+        prompts: list[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            ids = render_chat_prompt(
+                tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
+                where=f"messages[{i}]",
+            )
+            prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
+        return prompts
+
+    def _submit(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        """Add every request to the engine, or none: one invalid prompt rejects the whole call."""
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in prompts]
         try:
             for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params)):
                 engine.add_request(request_id, prompt, sp, index=index)
         except Exception:
-            engine.abort_request(ids)  # nothing runs unless every request is valid
+            engine.abort_request(ids)
             raise
+        return ids
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        return self._collect(self._submit(prompts, params), use_tqdm)
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``."""
+        engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         progress = _Progress(len(ids), enabled=use_tqdm)
+        remaining = len(ids)
         try:
-            while engine.has_unfinished_requests():
+            while remaining and engine.has_unfinished_requests():
                 for output in engine.step(finished_only=True):
                     if output.request_id in order:  # requests queued by others finish here too
                         results[order[output.request_id]] = output
                         progress.finished(output)
+                        remaining -= 1
         except BaseException:
             engine.abort_request(ids)  # leave the engine clean for the next call (e.g. after Ctrl-C)
             raise
         finally:
             progress.close()
         return results  # type: ignore[return-value]
+
+
+_END = object()
 
 
 class _Progress:

@@ -1,0 +1,82 @@
+"""The request queue: enqueue / wait_for_completion, and imap's bounded streaming."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+
+from test_generate import GREEDY, as_inputs, make_llm, random_prompts, token_ids
+from tokenmill import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, max_num_seqs=64)
+
+
+def test_enqueue_then_wait_returns_outputs_in_enqueue_order(llm):
+    prompts = random_prompts(llm.llm_engine.config.vocab_size, [4, 30, 9, 17], seed=3)
+    expected = token_ids(llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False))
+    first = llm.enqueue(as_inputs(prompts[:2]), GREEDY)
+    second = llm.enqueue(as_inputs(prompts[2:]), [GREEDY.clone(), GREEDY.clone()])
+    assert llm.llm_engine.stats.num_steps >= 0 and llm.llm_engine.get_num_unfinished_requests() == 4
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == first + second
+    assert token_ids(outputs) == expected
+    assert llm.wait_for_completion(use_tqdm=False) == []
+
+
+def test_enqueue_rejects_the_whole_call_on_a_bad_prompt(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        llm.enqueue([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_enqueue_chat(llm):
+    conversation = [{"role": "user", "content": "hello there"}]
+    ids = llm.enqueue_chat([conversation, conversation], GREEDY)
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids
+    assert token_ids(outputs)[0] == token_ids(outputs)[1] == token_ids(llm.chat(conversation, GREEDY, use_tqdm=False))[0]
+
+
+def test_imap_streams_10000_prompts_with_flat_memory(llm):
+    vocab = llm.llm_engine.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    limit = 128
+
+    def prompts():
+        for i in range(10_000):
+            yield {"prompt_token_ids": [3 + i % (vocab - 3), 3 + (7 * i) % (vocab - 3), 5]}
+
+    seen = bytearray(30_000)  # allocated before tracing starts, so the bookkeeping itself stays flat
+    in_flight_max = 0
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for count, output in enumerate(llm.imap(prompts(), params, max_in_flight=limit), start=1):
+            assert output.finished and len(output.outputs[0].token_ids) == 1
+            slot = int(output.request_id) % len(seen)
+            assert not seen[slot], f"request {output.request_id} came back twice"
+            seen[slot] = 1
+            in_flight_max = max(in_flight_max, llm.llm_engine.get_num_unfinished_requests())
+            if count == 1_000:
+                gc.collect()
+                early = tracemalloc.get_traced_memory()[0]
+        gc.collect()
+        late = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert sum(seen) == 10_000
+    assert in_flight_max <= limit
+    # Holding 9,000 more outputs (or prompts) would cost megabytes; streaming keeps it flat.
+    assert late - early < 512 * 1024, (early, late)
+
+
+def test_imap_stopped_early_leaves_nothing_running(llm):
+    stream = llm.imap(({"prompt_token_ids": [5, 6, i % 50 + 3]} for i in range(1000)), GREEDY, max_in_flight=32)
+    next(stream)
+    stream.close()
+    assert not llm.llm_engine.has_unfinished_requests()
