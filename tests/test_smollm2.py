@@ -83,3 +83,16 @@ def test_default_sampling_params_come_from_generation_config(llm):
             assert getattr(params, field) == pytest.approx(found[key])
     assert isinstance(params, SamplingParams)
 
+
+
+def test_generation_config_folder_overrides_defaults(llm, tmp_path):
+    import json
+
+    from tokenmill import LLM
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_p": 0.5, "max_new_tokens": 7}))
+    other = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=128, generation_config=str(tmp_path))
+    params = other.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.25, 0.5, 7)
+    plain = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=128, generation_config="vllm")
+    assert plain.get_default_sampling_params().temperature == 1.0

@@ -80,6 +80,7 @@ class EngineArgs:
         )
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
+        _check(self.tokenizer_mode in ("auto", "hf"), "tokenizer_mode", self.tokenizer_mode, "'auto' or 'hf' (both load the Hugging Face tokenizer)")
         _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size, "1 (tensor parallelism is not implemented yet)")
 
 

@@ -43,6 +43,8 @@ class LLM:
         if self.args.generation_config == "vllm":
             return SamplingParams()
         found = self.llm_engine.source.generation_config
+        if self.args.generation_config != "auto":  # a folder holding generation_config.json
+            found = _read_generation_config(self.args.generation_config)
         overrides = {field: found[key] for key, field in _GENERATION_DEFAULTS.items() if found.get(key) is not None}
         if not found.get("do_sample", True):
             overrides["temperature"] = 0.0
@@ -218,6 +220,17 @@ class LLM:
 
 
 _END = object()
+
+
+def _read_generation_config(folder: str) -> dict:
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "generation_config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"generation_config={folder!r}: cannot read {path}: {exc}") from exc
 
 
 class _Progress:

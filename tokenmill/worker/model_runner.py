@@ -67,10 +67,6 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [_lazy_zeros(shape, self.dtype, self.device) for _ in range(m.num_layers)]
 
-    def release_kv_cache(self) -> None:
-        self.kv_caches = []
-        self.graphs = None
-
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
