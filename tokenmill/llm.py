@@ -58,9 +58,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def chat(
@@ -84,9 +82,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[str]:
         """Queue prompts without running them; returns their request ids (all or none are queued)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)))
         self._queued.extend(ids)
         return ids
@@ -220,6 +216,11 @@ class LLM:
 
 
 _END = object()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string or a dict) or many, as a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
 
 
 def _read_generation_config(folder: str) -> dict:

@@ -113,7 +113,7 @@ class ModelRunner:
         sampled = [scheduled[i] for i in sample_rows]
         # Built before the forward is launched, so its host work and copies overlap with the GPU.
         batch = self._sampling_batch([s.seq for s in sampled]) if sampled else None
-        if self.graphs is not None and meta.is_pure_decode and self.graphs.bucket_for(meta.num_seqs) is not None:
+        if self.graphs is not None and meta.is_pure_decode and meta.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
@@ -173,16 +173,16 @@ class ModelRunner:
         )
         table = np.full((len(seqs), width), NULL_BLOCK, dtype=np.int32)
         table[np.arange(width)[None, :] < counts[:, None]] = flat
-        host = torch.from_numpy(table)
+        return self._to_device(torch.from_numpy(table))
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return self._to_device(torch.tensor(values, dtype=dtype))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device; through pinned memory on a GPU, so the copy is asynchronous."""
         if not self._pin:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list on the device; through pinned memory on a GPU, so the copy is asynchronous."""
-        if not self._pin:
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype).pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_batch(self, seqs: list) -> SamplingBatch:
         params = [s.params for s in seqs]
