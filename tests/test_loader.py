@@ -280,3 +280,49 @@ def test_interrupted_conversion_leaves_nothing(smollm2_gguf_path: Path, tmp_path
         builtin.ensure_builtin(entry)
     models_dir = tmp_path / "models"
     assert list(models_dir.iterdir()) == []
+
+
+# Every config attribute the decoder models and the engine config read.
+_READ_BY_MODELS = (
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+    "head_dim", "attention_bias", "mlp_bias", "hidden_act", "sliding_window", "use_sliding_window", "eos_token_id",
+)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"])
+def test_config_read_directly_agrees_with_autoconfig(fixture: str, request: pytest.FixtureRequest) -> None:
+    from transformers import AutoConfig
+
+    from tokenmill.config import model_max_len, resolve_dtype
+    from tokenmill.models.layers.rotary import rope_params_from_config
+    from tokenmill.models.source import resolve_model
+
+    folder = request.getfixturevalue(fixture)
+    ours = resolve_model(str(folder)).hf_config
+    theirs = AutoConfig.from_pretrained(str(folder))
+    assert type(ours) is not type(theirs), "the fast path was not taken"
+    for name in _READ_BY_MODELS:
+        if name != "head_dim":
+            assert getattr(ours, name, None) == getattr(theirs, name, None), name
+    # head_dim may be absent from the file (LlamaConfig derives it); our model derives it the same way.
+    derived = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
+    assert derived(ours) == derived(theirs)
+    assert rope_params_from_config(ours) == rope_params_from_config(theirs)
+    assert model_max_len(ours) == model_max_len(theirs)
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, ours) == resolve_dtype("auto", cpu, theirs)
+
+
+def test_config_missing_a_field_goes_through_autoconfig(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    from transformers import Qwen3Config
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["head_dim"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = resolve_model(str(folder)).hf_config
+    # transformers' class fills head_dim with its own default, not hidden_size // heads.
+    assert type(config) is Qwen3Config
+    assert config.head_dim == Qwen3Config().head_dim

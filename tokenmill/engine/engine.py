@@ -241,14 +241,15 @@ class LLMEngine:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
+        from tokenmill.models.source import tokenizer_class
 
         path = self.source.tokenizer_path
         kwargs = dict(self.source.tokenizer_kwargs)
         if self.args.tokenizer_revision:
             kwargs["revision"] = self.args.tokenizer_revision
         try:
-            return AutoTokenizer.from_pretrained(path, trust_remote_code=self.args.trust_remote_code, **kwargs)
+            cls = tokenizer_class(path, kwargs)
+            return cls.from_pretrained(path, trust_remote_code=self.args.trust_remote_code, **kwargs)
         except Exception as exc:  # transformers raises many types; the user needs the path
             raise ValueError(f"could not load the tokenizer from {path!r}: {exc}") from exc
 

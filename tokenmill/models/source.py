@@ -91,10 +91,8 @@ def _from_local(
 
 
 def _hf_folder_source(name: str, folder: Path, tokenizer: str | None, trust_remote_code: bool) -> ModelSource:
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        config = _read_folder_config(folder, trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
     weights: Path | None = None
@@ -112,6 +110,59 @@ def _hf_folder_source(name: str, folder: Path, tokenizer: str | None, trust_remo
         tokenizer_kwargs={},
         generation_config=_generation_config(folder),
     )
+
+
+# The config.json fields our decoder models read, per model_type, whose transformers class defaults
+# differ from (or are not restated by) the defaults in our model code. A config.json that spells
+# all of them out is read as a plain PretrainedConfig: transformers' model-specific config classes
+# take about 1.5 s to import (they pull in torch._dynamo), most of LLM()'s start-up on a CPU.
+# Anything else, a field missing or a model type not listed, goes through AutoConfig.
+_COMMON_FIELDS = (
+    "architectures", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+)
+_FIELDS_READ_DIRECTLY: dict[str, tuple[str, ...]] = {
+    "llama": _COMMON_FIELDS,
+    "qwen2": (*_COMMON_FIELDS, "use_sliding_window"),
+    "qwen3": (*_COMMON_FIELDS, "head_dim"),
+    "mistral": (*_COMMON_FIELDS, "sliding_window"),
+}
+
+
+def _read_folder_config(folder: Path, trust_remote_code: bool) -> "PretrainedConfig":
+    raw = json.loads((folder / "config.json").read_text())
+    needed = _FIELDS_READ_DIRECTLY.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    has_rope = isinstance(raw, dict) and ("rope_parameters" in raw or "rope_theta" in raw)
+    if needed and has_rope and "auto_map" not in raw and all(f in raw for f in needed):
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig.from_dict(raw)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+
+
+def tokenizer_class(path: str, kwargs: dict[str, Any]) -> Any:
+    """The class AutoTokenizer would build for this folder, without importing its registry (~1.5 s).
+
+    A folder whose tokenizer_config.json names the generic tokenizers-backed class and holds a
+    tokenizer.json gets PreTrainedTokenizerFast directly (AutoTokenizer resolves that name to the
+    same class); anything else gets AutoTokenizer.
+    """
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    if not kwargs and config_file.is_file() and (folder / "tokenizer.json").is_file():
+        try:
+            named = json.loads(config_file.read_text()).get("tokenizer_class")
+        except (ValueError, AttributeError):
+            named = None
+        if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def _gguf_source(
