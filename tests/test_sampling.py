@@ -155,3 +155,140 @@ def test_top_logprobs_match_hf(llm, hf, prompts):
         assert abs(entry[token].logprob - float(ref[token])) < 1e-4
         assert entry[token].rank == int((ref > ref[token]).sum()) + 1
         ids.append(token)
+
+
+# ---- logit controls: each output token checked against HF's logits with the control applied here ----
+
+def greedy_with_controls(llm, prompt, **controls):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **controls)
+    return llm.generate(as_inputs([prompt]), params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def assert_teacher_forced(hf, prompt, tokens, adjust):
+    """Each token must be the argmax of HF's next-token logits after ``adjust(logits, output_so_far)``."""
+    for t, token in enumerate(tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens[:t]])).logits[0, -1].float()
+        assert token == int(adjust(logits, tokens[:t]).argmax()), f"position {t}"
+
+
+def test_logit_bias_shifts_exactly_the_given_tokens(llm, hf, prompts):
+    baseline = greedy_with_controls(llm, prompts[1])
+    bias = {baseline[0]: -100.0, baseline[1]: 3.0, 11: 4.5}
+    tokens = greedy_with_controls(llm, prompts[1], logit_bias={str(k): v for k, v in bias.items()})  # JSON-style keys
+    assert tokens[0] != baseline[0]
+
+    def adjust(logits, _):
+        for tid, b in bias.items():
+            logits[tid] += b
+        return logits
+
+    assert_teacher_forced(hf, prompts[1], tokens, adjust)
+    forced = greedy_with_controls(llm, prompts[1], logit_bias={7: 100.0})
+    assert forced == [7] * 8
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_tokens(llm, hf, prompts):
+    allowed = [5, 17, 23, 40, 61]
+    tokens = greedy_with_controls(llm, prompts[2], allowed_token_ids=allowed)
+
+    def adjust(logits, _):
+        mask = torch.full_like(logits, float("-inf"))
+        mask[allowed] = 0.0
+        return logits + mask
+
+    assert_teacher_forced(hf, prompts[2], tokens, adjust)
+    sampled = llm.generate(as_inputs([prompts[2]]), SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=3,
+                                                                   allowed_token_ids=allowed), use_tqdm=False)
+    assert set(sampled[0].outputs[0].token_ids) <= set(allowed)
+
+
+def test_bad_words_are_never_generated(llm, hf, prompts):
+    tokenizer = llm.get_tokenizer()
+    baseline = greedy_with_controls(llm, prompts[0])
+    # A generated token that is a word of its own, so banning the word must change the output.
+    word = next(w for w in map(lambda t: tokenizer.decode([t]), baseline)
+                if w.strip() == w and len(tokenizer.encode(w, add_special_tokens=False)) == 1)
+    encodings = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    tokens = greedy_with_controls(llm, prompts[0], bad_words=[word])
+    assert tokens != baseline
+
+    def adjust(logits, out):
+        for enc in encodings:
+            if len(enc) == 1 or (len(out) >= len(enc) - 1 and out[len(out) - len(enc) + 1:] == enc[:-1]):
+                logits[enc[-1]] = float("-inf")
+        return logits
+
+    assert_teacher_forced(hf, prompts[0], tokens, adjust)
+    for enc in encodings:
+        assert not any(tokens[i:i + len(enc)] == enc for i in range(len(tokens))), enc
+
+
+def test_logits_processors_in_both_vllm_forms(llm, hf, prompts):
+    seen_prompts = []
+
+    def no_repeats(output_ids, logits):
+        logits[list(output_ids)] = float("-inf")
+        return logits
+
+    def records_prompt(prompt_ids, output_ids, logits):
+        seen_prompts.append(list(prompt_ids))
+        return logits
+
+    tokens = greedy_with_controls(llm, prompts[3], logits_processors=[no_repeats, records_prompt])
+    assert len(set(tokens)) == len(tokens)
+    assert seen_prompts and all(p == prompts[3] for p in seen_prompts)
+    assert_teacher_forced(hf, prompts[3], tokens, lambda logits, out: no_repeats(out, logits))
+
+
+@pytest.mark.parametrize(
+    ("controls", "field"),
+    [
+        (dict(logit_bias={10**7: 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[3, 10**7]), "allowed_token_ids"),
+    ],
+)
+def test_logit_controls_outside_the_vocabulary_are_refused(llm, prompts, controls, field):
+    with pytest.raises(ValueError, match=rf"prompts\[0\].*{field}.*outside the vocabulary"):
+        llm.generate(as_inputs([prompts[0]]), SamplingParams(**controls), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("controls", "field"),
+    [
+        (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(bad_words=[""]), "bad_words"),
+        (dict(logits_processors=[3]), "logits_processors"),
+    ],
+)
+def test_malformed_logit_controls_name_the_field(controls, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**controls)
+
+
+# ---- prompt logprobs against HF's log_softmax over the whole prompt ----
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_hf(tiny_llama_dir, hf, prompts, chunked):
+    # Chunked: an 8-token budget splits the 31-token prompt over four steps; prefix caching stays
+    # on, and the second run of the same prompt must still score every position.
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=2) if chunked else make_llm(tiny_llama_dir)
+    prompt = prompts[2]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    for _ in range(2):
+        out = llm.generate(as_inputs([prompt]), params, use_tqdm=False)[0]
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos in range(1, len(prompt)):
+            entry, row = out.prompt_logprobs[pos], expected[pos - 1]
+            token = prompt[pos]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = row.topk(3).indices.tolist()
+            assert set(top) <= set(entry) and len(entry) <= 4
+            for tid in top:
+                assert abs(entry[tid].logprob - row[tid].item()) < 1e-4
+    assert llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
+
+# vLLM's two logits-processor forms: (output_ids, logits) or (prompt_ids, output_ids, logits) -> logits.
+LogitsProcessor = Callable[..., Any]
+# Fields the engine fills in; not user settings.
+ENGINE_FILLED_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
 
 _GREEDY_EPS = 1e-5
 
@@ -38,12 +43,19 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top tokens per prompt position besides the prompt's own
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated (every tokenization of each)
+    logits_processors: list[LogitsProcessor] | None = None
     # Filled by the engine: the model's eos ids (from its config and generation_config).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: bad_words as token-id sequences.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +64,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
         if self.top_k == -1:
             self.top_k = 0  # vLLM accepts both spellings of "disabled"
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
+            try:  # JSON rows carry the ids as strings
+                self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                _check(False, "logit_bias", self.logit_bias, "a dict of integer token ids -> numbers")
         self._validate()
         if self.temperature < _GREEDY_EPS:
             # Greedy ignores the filtering knobs; normalising keeps the sampler's fast path simple.
@@ -90,6 +108,12 @@ class SamplingParams:
             self.logprobs,
             "None or an integer >= 0",
         )
+        _check(
+            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "None or an integer >= 0",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -97,6 +121,32 @@ class SamplingParams:
             self.stop_token_ids,
             "non-negative integers",
         )
+
+        _check(
+            self.allowed_token_ids is None
+            or (isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids",
+            self.allowed_token_ids,
+            "None or a non-empty list of token ids",
+        )
+        _check(
+            self.bad_words is None or (isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+            "bad_words",
+            self.bad_words,
+            "None or a list of non-empty strings",
+        )
+        _check(
+            self.logits_processors is None or all(callable(f) for f in self.logits_processors),
+            "logits_processors",
+            self.logits_processors,
+            "None or a list of callables (output_ids, logits) -> logits",
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether some logit control (bias, allow list, bad words, processors) applies."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.logits_processors)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -117,7 +167,7 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known - {'all_stop_token_ids'})}")
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known - ENGINE_FILLED_FIELDS)}")
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
 

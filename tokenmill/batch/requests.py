@@ -207,9 +207,10 @@ def _is_int(value: Any) -> bool:
 
 
 def sampling_field_names() -> set[str]:
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import ENGINE_FILLED_FIELDS, SamplingParams
 
-    return {f.name for f in dataclasses.fields(SamplingParams) if f.init and f.name != "all_stop_token_ids"}
+    # Python callables cannot come from a data file.
+    return {f.name for f in dataclasses.fields(SamplingParams) if f.init} - ENGINE_FILLED_FIELDS - {"logits_processors"}
 
 
 def row_sampling_params(

@@ -81,7 +81,10 @@ class LLMEngine:
         validate_prompt_ids(processed.token_ids, self.config.vocab_size, self.config.max_model_len, where)
         self._check_fits_cache(processed.token_ids, params, where)
         params = self._with_stop_ids(params)
+        params = self._with_logit_controls(params, where)
         request = Request(request_id, processed.prompt, processed.token_ids, params)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # nothing predicts the first prompt token
         for i in range(params.n):
             request.sequences.append(self._new_sequence(request, i))
         self.requests[request_id] = request
@@ -117,6 +120,7 @@ class LLMEngine:
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.commit_computed(item.seq)
+        self._record_prompt_logprobs(result)
         touched = self._apply_samples(result)
         outputs = []
         for request in touched:
@@ -158,6 +162,21 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             touched[seq.request.request_id] = seq.request
         return list(touched.values())
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        for chunk in result.prompt_logprobs or ():
+            request = chunk.request
+            k = request.params.prompt_logprobs
+            for i, (lp, rank) in enumerate(zip(chunk.token_logprobs, chunk.ranks)):
+                position = chunk.first + i
+                if position < len(request.prompt_logprobs):
+                    continue  # already scored before a preemption
+                token = request.prompt_token_ids[position]
+                entry = {token: Logprob(lp, rank, self._token_text(token))}
+                if k:
+                    for r, (tid, tlp) in enumerate(zip(chunk.top_ids[i], chunk.top_logprobs[i]), start=1):
+                        entry.setdefault(tid, Logprob(tlp, r, self._token_text(tid)))
+                request.prompt_logprobs.append(entry)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -201,6 +220,28 @@ class LLMEngine:
             params.all_stop_token_ids = stop_ids
         return params
 
+    def _with_logit_controls(self, params: SamplingParams, where: str) -> SamplingParams:
+        """Check token ids against the vocabulary and tokenize bad_words (vLLM: each word as is and
+        with a leading space, since both spellings occur mid-text)."""
+        vocab = self.config.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: SamplingParams.bad_words needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        params = params.clone()
+        params.bad_words_token_ids = sequences
+        return params
+
     def _check_fits_cache(self, token_ids: list[int], params: SamplingParams, where: str) -> None:
         longest = len(token_ids) + (params.max_tokens or self.config.max_model_len)
         longest = min(longest, self.config.max_model_len)
@@ -230,7 +271,7 @@ class LLMEngine:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             outputs=completions,
             finished=request.is_finished,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),

@@ -95,9 +95,17 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # One entry per prompt token once computed (the first is None: nothing predicts it).
+    prompt_logprobs: list | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some prompt position has none yet (a preempted lead recomputes)."""
+        done = len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
+        return self.params.prompt_logprobs is not None and done < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

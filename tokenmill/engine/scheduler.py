@@ -116,6 +116,8 @@ class Scheduler:
             full = min(lead.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
             if full:
                 return lead.block_ids[:full]
+        if seq.request.needs_prompt_logprobs:
+            return []  # every prompt position must be computed to have logits (vLLM does the same)
         return self.kv.find_cached_prefix(seq)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
 from tokenmill.engine.kv_cache import NULL_BLOCK
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.sampling_params import SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
@@ -27,9 +28,22 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens[first : first + len(token_logprobs)], from one prefill chunk."""
+
+    request: "Request"
+    first: int  # prompt position of the first token scored
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+@dataclass
 class StepResult:
     sampled: list[ScheduledSequence]  # the sequences that got a new token, in row order
     output: SamplerOutput | None
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 class ModelRunner:
@@ -118,14 +132,37 @@ class ModelRunner:
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(input_ids, positions, ctx)
+        prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
         if batch is None:
-            return StepResult([], None)
+            return StepResult([], None, prompt_logprobs)
         if len(sample_rows) == len(scheduled) and meta.is_pure_decode:
             last_hidden = hidden  # one token per sequence, every one samples
         else:
             last_hidden = hidden[meta.query_start_loc[1:][self._tensor(sample_rows, torch.int64)] - 1]
         logits = self.model.compute_logits(last_hidden)
-        return StepResult(sampled, self.sampler(logits, batch))
+        return StepResult(sampled, self.sampler(logits, batch), prompt_logprobs)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledSequence], meta: AttentionMetadata, hidden: torch.Tensor):
+        """Score the prompt tokens that this step's prefill chunks predict (position p predicts p + 1)."""
+        found = []
+        offset = 0
+        for item, query_len in zip(scheduled, meta.query_lens_host):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            request = seq.request
+            end = min(start + query_len, seq.num_prompt_tokens - 1)  # the last prompt token predicts output
+            if seq.index == 0 and request.needs_prompt_logprobs and start < end:
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[offset : offset + end - start]).float(), dim=-1)
+                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+                ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+                k = request.params.prompt_logprobs
+                top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+                found.append(PromptLogprobs(
+                    request, start + 1, chosen.tolist(), ranks.tolist(),
+                    top_ids.tolist() if top_ids is not None else None, top_lp.tolist() if top_lp is not None else None,
+                ))
+            offset += query_len
+        return found or None
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
         bs = self.block_size
@@ -211,7 +248,30 @@ class ModelRunner:
             if len(seq.output_token_ids) < seq.params.min_tokens:
                 banned.append((row, sorted(seq.params.all_stop_token_ids)))
         batch.banned = [b for b in banned if b[1]] or None
+        if any(p.adjusts_logits for p in params):
+            self._add_logit_controls(batch, seqs)
         return batch
+
+    def _add_logit_controls(self, batch: SamplingBatch, seqs: list) -> None:
+        """An additive [N, V] bias (allow list, logit_bias, bad words) and the per-row processors."""
+        bias = torch.zeros(len(seqs), self.vocab_size, dtype=torch.float32)
+        processors = []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.allowed_token_ids:
+                bias[row] = float("-inf")
+                bias[row, p.allowed_token_ids] = 0.0
+            if p.logit_bias:
+                bias[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()))
+            out = seq.output_token_ids
+            for word in p.bad_words_token_ids:
+                # The last token of a bad word is banned once the output ends with the rest of it.
+                if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == word[:-1]):
+                    bias[row, word[-1]] = float("-inf")
+            if p.logits_processors:
+                processors.append((row, p.logits_processors, seq.prompt_token_ids, out))
+        batch.logit_bias = self._to_device(bias)
+        batch.processors = processors or None
 
     def _add_penalties(self, batch: SamplingBatch, seqs: list) -> None:
         dev, vocab = self.device, self.vocab_size

@@ -1,14 +1,16 @@
 """Turns the last-position logits of each sampling sequence into the next tokens.
 
-Order of operations (vLLM's): logprobs are taken from the raw logits; then penalties, the
-min_tokens mask, greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a
-draw. A draw is ``argmax(probs / E)`` with ``E ~ Exp(1)`` per token (the exponential race, an
+Order of operations (vLLM's): logprobs are taken from the raw logits; then the logit controls
+(allowed_token_ids, logit_bias, bad_words, logits_processors), penalties, the min_tokens mask,
+greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a draw. A draw is
+``argmax(probs / E)`` with ``E ~ Exp(1)`` per token (the exponential race, an
 exact sample of ``probs``); a seeded request draws ``E`` from its own generator, so its samples
 do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,10 @@ class SamplingBatch:
     # Tokens that may not be sampled yet (eos and stop ids while below min_tokens): (row, ids).
     banned: list[tuple[int, list[int]]] | None = None
     max_num_logprobs: int = -1  # -1: no row wants logprobs
+    # Logit controls, only when some row uses them: an additive bias (-inf bans a token) and
+    # vLLM-style processors per row: (row, callables, prompt ids, output ids so far).
+    logit_bias: torch.Tensor | None = None  # [N, V]
+    processors: list[tuple[int, list, list[int], list[int]]] | None = None
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
+        logits = self._apply_logit_controls(logits, batch)
         logits = self._apply_penalties(logits, batch)
         if batch.banned:
             for row, ids in batch.banned:
@@ -63,6 +70,18 @@ class Sampler:
             sampled = self._draw(logits, batch)
             token_ids = torch.where(batch.temperature == 0.0, greedy, sampled)
         return self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
+
+    @staticmethod
+    def _apply_logit_controls(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.logit_bias is not None:
+            logits = logits + batch.logit_bias
+        for row, functions, prompt_ids, output_ids in batch.processors or ():
+            for fn in functions:
+                # vLLM's two forms: fn(output_ids, logits) or fn(prompt_ids, output_ids, logits).
+                takes_prompt = len(inspect.signature(fn).parameters) == 3
+                args = (prompt_ids, list(output_ids), logits[row]) if takes_prompt else (list(output_ids), logits[row])
+                logits[row] = fn(*args)
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.repetition is None:
