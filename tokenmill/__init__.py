@@ -16,6 +16,7 @@ _PUBLIC = {
     "LLMEngine": "tokenmill.engine.engine",
     "EngineArgs": "tokenmill.config",
     "SamplingParams": "tokenmill.sampling_params",
+    "RequestOutputKind": "tokenmill.sampling_params",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

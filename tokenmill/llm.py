@@ -14,7 +14,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.inputs import PromptType, render_chat_prompt
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 # generation_config.json keys that map onto SamplingParams fields (vLLM's generation_config="auto").
 _GENERATION_DEFAULTS = {
@@ -139,6 +139,29 @@ class LLM:
         finally:
             engine.abort_request(list(mine))  # a caller that stops early leaves nothing running
 
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Token streaming for interactive use: yields a RequestOutput after every engine step that
+        advanced a request, holding only what is new (``RequestOutputKind.DELTA``: the new token ids
+        and text, ``finished`` on the last one). Stopping early aborts what is still running.
+        """
+        prompts = _prompt_list(prompts)
+        ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)), RequestOutputKind.DELTA)
+        mine = set(ids)
+        engine = self.llm_engine
+        try:
+            while mine:
+                for output in engine.step():
+                    if output.request_id in mine:
+                        if output.finished:
+                            mine.discard(output.request_id)
+                        yield output
+        finally:
+            engine.abort_request(list(mine))
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -178,12 +201,19 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
         return prompts
 
-    def _submit(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
-        """Add every request to the engine, or none: one invalid prompt rejects the whole call."""
+    def _submit(
+        self, prompts: list[PromptType], params: list[SamplingParams], kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    ) -> list[str]:
+        """Add every request to the engine, or none: one invalid prompt rejects the whole call.
+
+        Like vLLM's LLM, the batch methods collect final outputs only, whatever output_kind says.
+        """
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in prompts]
         try:
             for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                if isinstance(sp, SamplingParams) and sp.output_kind is not kind:
+                    sp = sp.clone(output_kind=kind)
                 engine.add_request(request_id, prompt, sp, index=index)
         except Exception:
             engine.abort_request(ids)

@@ -20,6 +20,14 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a running request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output of that request
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completion of one prompt (same fields and defaults as vLLM's).
@@ -48,6 +56,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens (-1: max_model_len)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never generated (every tokenization of each)
@@ -64,6 +74,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
         if self.top_k == -1:
             self.top_k = 0  # vLLM accepts both spellings of "disabled"
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            _check(False, "output_kind", self.output_kind, f"one of {[k.name for k in RequestOutputKind]}")
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
             try:  # JSON rows carry the ids as strings
@@ -107,6 +121,13 @@ class SamplingParams:
             "logprobs",
             self.logprobs,
             "None or an integer >= 0",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (isinstance(self.truncate_prompt_tokens, int) and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens,
+            "None, -1 (max_model_len) or an integer >= 1",
         )
         _check(
             self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),

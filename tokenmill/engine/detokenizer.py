@@ -45,6 +45,14 @@ class IncrementalDetokenizer:
             return None
         return self._cut_at_stop(searched_from)
 
+    @property
+    def settled_text(self) -> str:
+        """The text no later stop string can cut: all of it but the last len(longest stop) - 1
+        characters, which may be the start of a stop string still arriving. Streams show this."""
+        if not self._stop:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._max_stop_len + 1)]
+
     def _cut_at_stop(self, start: int) -> str | None:
         best: tuple[int, str] | None = None
         for stop in self._stop:

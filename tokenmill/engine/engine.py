@@ -20,7 +20,7 @@ from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.worker.model_runner import ModelRunner, StepResult
 from tokenmill.worker.sizing import choose_num_blocks
 
@@ -78,6 +78,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         where = f"prompts[{index}]" if index is not None else "prompt"
         processed = parse_prompt(prompt, self.tokenizer, index)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.config.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            processed.token_ids = processed.token_ids[-keep:]
         validate_prompt_ids(processed.token_ids, self.config.vocab_size, self.config.max_model_len, where)
         self._check_fits_cache(processed.token_ids, params, where)
         params = self._with_stop_ids(params)
@@ -127,7 +130,8 @@ class LLMEngine:
             if request.is_finished:
                 request.finished_time = time.monotonic()
                 del self.requests[request.request_id]
-            if request.is_finished or not finished_only:
+            final_only = finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY
+            if request.is_finished or not final_only:
                 outputs.append(self._request_output(request))
         return outputs
 
@@ -254,15 +258,20 @@ class LLMEngine:
             )
 
     def _request_output(self, request: Request) -> RequestOutput:
+        delta = request.params.output_kind is RequestOutputKind.DELTA
         completions = []
         for seq in request.sequences:
+            first_token, first_char = (seq.num_emitted_tokens, seq.num_emitted_chars) if delta else (0, 0)
+            text = seq.text if seq.is_finished or seq.detokenizer is None else seq.detokenizer.settled_text
+            if delta:
+                seq.num_emitted_tokens, seq.num_emitted_chars = len(seq.output_token_ids), len(text)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.text,
-                    token_ids=list(seq.output_token_ids),
+                    text=text[first_char:],
+                    token_ids=seq.output_token_ids[first_token:],
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    logprobs=seq.logprobs[first_token:] if seq.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

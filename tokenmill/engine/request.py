@@ -48,6 +48,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # How much of the output earlier DELTA outputs already carried.
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
 
     @property
     def params(self) -> "SamplingParams":

@@ -1,0 +1,85 @@
+"""Output kinds and token streaming, and prompt truncation, on a tiny random Llama: deltas must
+join into exactly the text and tokens of a plain generate call."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_generate import as_inputs, make_llm, random_prompts
+from tokenmill import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return random_prompts(llm.llm_engine.config.vocab_size, [5, 23, 11], seed=3)
+
+
+def test_stream_deltas_join_into_the_generate_output(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    expected = {o.request_id: o for o in llm.generate(as_inputs(prompts), params, use_tqdm=False)}
+    joined: dict[int, tuple[list[int], str, int]] = {}
+    finished = 0
+    for out in llm.stream(as_inputs(prompts), params):
+        ids, text, num_lp = joined.get(int(out.request_id), ([], "", 0))
+        c = out.outputs[0]
+        assert len(c.token_ids) >= 1 and len(c.logprobs) == len(c.token_ids)
+        joined[int(out.request_id)] = (ids + c.token_ids, text + c.text, num_lp + len(c.logprobs))
+        finished += out.finished
+    assert finished == len(prompts)
+    by_index = sorted(joined.items())
+    for (_, (ids, text, num_lp)), want in zip(by_index, sorted(expected.values(), key=lambda o: int(o.request_id))):
+        assert ids == want.outputs[0].token_ids and text == want.outputs[0].text and num_lp == len(ids)
+
+
+def test_stream_holds_back_text_a_stop_string_may_cut(llm, prompts):
+    free = llm.generate(as_inputs([prompts[1]]), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    full = free[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
+    want = llm.generate(as_inputs([prompts[1]]), params, use_tqdm=False)[0].outputs[0].text
+    streamed = "".join(out.outputs[0].text for out in llm.stream(as_inputs([prompts[1]]), params))
+    assert streamed == want and stop not in streamed
+
+
+def test_engine_output_kinds(llm, prompts):
+    engine = llm.llm_engine
+    for kind in RequestOutputKind:
+        engine.add_request(f"kind-{kind.name}", {"prompt_token_ids": prompts[0]},
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, output_kind=kind))
+    seen: dict[str, list[list[int]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.outputs[0].token_ids)
+    cumulative, delta, final = seen["kind-CUMULATIVE"], seen["kind-DELTA"], seen["kind-FINAL_ONLY"]
+    assert len(final) == 1 and len(final[0]) == 5
+    assert [len(x) for x in cumulative] == [1, 2, 3, 4, 5] and cumulative[-1] == final[0]
+    assert [len(x) for x in delta] == [1, 1, 1, 1, 1] and sum(delta, []) == final[0]
+
+
+def test_generate_returns_whole_outputs_whatever_the_kind(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(as_inputs([prompts[0]]), params, use_tqdm=False)[0].outputs[0].token_ids
+    delta = llm.generate(as_inputs([prompts[0]]), params.clone(output_kind=RequestOutputKind.DELTA), use_tqdm=False)
+    assert delta[0].outputs[0].token_ids == plain and len(plain) == 6
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, prompts):
+    long = prompts[1]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cut = llm.generate(as_inputs([long]), params.clone(truncate_prompt_tokens=7), use_tqdm=False)[0]
+    tail = llm.generate(as_inputs([long[-7:]]), params, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-7:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate(as_inputs([long]), params.clone(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == long
+
+
+@pytest.mark.parametrize(("field", "value"), [("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("output_kind", 7)])
+def test_bad_kind_or_truncation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
