@@ -17,6 +17,8 @@ _PUBLIC = {
     "EngineArgs": "tokenmill.config",
     "SamplingParams": "tokenmill.sampling_params",
     "RequestOutputKind": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.structured_outputs",
+    "GuidedDecodingParams": "tokenmill.structured_outputs",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+    from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from tokenmill.structured_outputs import StructuredOutputsParams
 
 # vLLM's two logits-processor forms: (output_ids, logits) or (prompt_ids, output_ids, logits) -> logits.
 LogitsProcessor = Callable[..., Any]
@@ -62,6 +65,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never generated (every tokenization of each)
     logits_processors: list[LogitsProcessor] | None = None
+    structured_outputs: "StructuredOutputsParams | None" = None
+    guided_decoding: "StructuredOutputsParams | None" = None  # vLLM's older name for structured_outputs
     # Filled by the engine: the model's eos ids (from its config and generation_config).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token-id sequences.
@@ -72,6 +77,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop) if self.stop else []
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None, "guided_decoding", self.guided_decoding,
+                   "left unset when structured_outputs is given (it is the older name of the same field)")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None:
+            from tokenmill.structured_outputs import StructuredOutputsParams
+
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   self.structured_outputs, "a StructuredOutputsParams")
         if self.top_k == -1:
             self.top_k = 0  # vLLM accepts both spellings of "disabled"
         try:

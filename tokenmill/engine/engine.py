@@ -60,6 +60,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.stats = EngineStats()
+        self._grammars = None  # GrammarCache, built on the first structured request
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -85,11 +86,13 @@ class LLMEngine:
         self._check_fits_cache(processed.token_ids, params, where)
         params = self._with_stop_ids(params)
         params = self._with_logit_controls(params, where)
+        matchers = self._grammar_matchers(params, where)
         request = Request(request_id, processed.prompt, processed.token_ids, params)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # nothing predicts the first prompt token
         for i in range(params.n):
             request.sequences.append(self._new_sequence(request, i))
+            request.sequences[-1].grammar = matchers[i] if matchers else None
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -161,7 +164,11 @@ class LLMEngine:
                     entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += sampled_lp[row]
+            if seq.grammar is not None and not seq.grammar.is_terminated():
+                seq.grammar.accept_token(token)
             self._check_stop(seq, token)
+            if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+                seq.finish_reason = "stop"  # the constraint is complete: nothing more may follow
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched[seq.request.request_id] = seq.request
@@ -223,6 +230,22 @@ class LLMEngine:
             params = params.clone()
             params.all_stop_token_ids = stop_ids
         return params
+
+    def _grammar_matchers(self, params: SamplingParams, where: str) -> list | None:
+        """One matcher per sample, from a grammar compiled once per distinct constraint."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        if self._grammars is None:
+            from tokenmill.structured_outputs import GrammarCache
+
+            self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
+            self.runner.grammars = self._grammars
+        try:
+            return [self._grammars.matcher(params.structured_outputs) for _ in range(params.n)]
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
 
     def _with_logit_controls(self, params: SamplingParams, where: str) -> SamplingParams:
         """Check token ids against the vocabulary and tokenize bad_words (vLLM: each word as is and

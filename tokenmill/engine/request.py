@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    grammar: Any = None  # xgrammar matcher when the request has structured_outputs
     # How much of the output earlier DELTA outputs already carried.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

@@ -68,6 +68,7 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        self.grammars = None  # the engine's GrammarCache once a structured request arrives
         self._pin = device.type == "cuda"
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -250,6 +251,9 @@ class ModelRunner:
         batch.banned = [b for b in banned if b[1]] or None
         if any(p.adjusts_logits for p in params):
             self._add_logit_controls(batch, seqs)
+        if any(s.grammar is not None for s in seqs):
+            batch.grammar_bitmask = self.grammars.bitmask([s.grammar for s in seqs])
+            batch.apply_grammar = self.grammars.apply
         return batch
 
     def _add_logit_controls(self, batch: SamplingBatch, seqs: list) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -39,6 +40,9 @@ class SamplingBatch:
     # vLLM-style processors per row: (row, callables, prompt ids, output ids so far).
     logit_bias: torch.Tensor | None = None  # [N, V]
     processors: list[tuple[int, list, list[int], list[int]]] | None = None
+    # Structured outputs: xgrammar's packed allowed-token bitmask and the function applying it.
+    grammar_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32
+    apply_grammar: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -73,6 +77,8 @@ class Sampler:
 
     @staticmethod
     def _apply_logit_controls(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.grammar_bitmask is not None:
+            batch.apply_grammar(logits, batch.grammar_bitmask)  # in place: disallowed tokens -> -inf
         if batch.logit_bias is not None:
             logits = logits + batch.logit_bias
         for row, functions, prompt_ids, output_ids in batch.processors or ():

@@ -1,0 +1,112 @@
+"""Structured outputs (xgrammar): every constrained output must parse and satisfy its constraint,
+checked with jsonschema and re, on a tiny random Llama (random weights: the constraint does all
+the work) and on the real built-in SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from test_generate import make_llm
+from tokenmill import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "pet": {"enum": ["cat", "dog", "owl"]},
+        },
+        "required": ["name", "age", "pet"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["ok", "tags"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, max_num_seqs=16, kv_cache_memory_bytes=128 * 2**20)
+
+
+def constrained(llm, prompts, structured, n=1, max_tokens=120, seed=0):
+    params = SamplingParams(temperature=1.0, seed=seed, n=n, max_tokens=max_tokens, structured_outputs=structured)
+    return [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "array", "nested"])
+def test_json_schema_outputs_validate_on_a_random_model(tiny, schema):
+    outputs = constrained(tiny, ["a", "b c", "d e f"], StructuredOutputsParams(json=schema), n=3)
+    for out in outputs:
+        assert out.finish_reason == "stop", out.text  # the grammar completed, not cut by max_tokens
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regex_and_choice_outputs_match_on_a_random_model(tiny):
+    pattern = r"[A-Z][a-z]{2,5}-\d{3}"
+    for out in constrained(tiny, ["x", "yy"], StructuredOutputsParams(regex=pattern), n=4):
+        assert re.fullmatch(pattern, out.text), out.text
+    choices = ["red", "green apple", "blue"]
+    picked = {out.text for out in constrained(tiny, ["x", "yy"], StructuredOutputsParams(choice=choices), n=6)}
+    assert picked <= set(choices) and picked
+
+
+def test_grammar_and_older_guided_decoding_spelling(tiny):
+    grammar = 'root ::= "(" digit+ ("+" digit+)* ")"\ndigit ::= [0-9]'
+    for out in constrained(tiny, ["q"], GuidedDecodingParams(grammar=grammar), n=3):
+        assert re.fullmatch(r"\(\d+(\+\d+)*\)", out.text), out.text
+    params = SamplingParams(guided_decoding=StructuredOutputsParams(regex="[ab]{3}"), seed=2)
+    assert params.structured_outputs.regex == "[ab]{3}" and params.guided_decoding is None
+    assert re.fullmatch("[ab]{3}", tiny.generate(["q"], params, use_tqdm=False)[0].outputs[0].text)
+
+
+def test_each_distinct_constraint_compiles_once(tiny):
+    compiled = []
+    for _ in range(2):
+        for schema in SCHEMAS[:2]:
+            constrained(tiny, ["a"], StructuredOutputsParams(json=dict(schema)), max_tokens=60)
+        compiled.append(dict(tiny.llm_engine._grammars._compiled))
+    first, second = compiled
+    assert first.keys() == second.keys() and all(first[k] is second[k] for k in first)
+    assert all(StructuredOutputsParams(json=s).key in first for s in SCHEMAS[:2])
+
+
+def test_a_constraint_that_does_not_compile_names_its_request_and_the_reason(tiny):
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    good = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: structured_outputs\.regex does not compile: .*parenthesis"):
+        tiny.generate(["fine", "broken"], [good, bad], use_tqdm=False)
+    assert tiny.generate(["fine"], good, use_tqdm=False)[0].outputs[0].token_ids  # the engine is unharmed
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"json": {"type": "object"}, "regex": "a"}, {"choice": []}])
+def test_malformed_structured_outputs_params(kwargs):
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_json_schema_on_the_builtin_model():
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512, seed=0)
+    schema = SCHEMAS[0]
+    convo = [{"role": "user", "content": "Describe a person and their pet as JSON."}]
+    params = SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=100, structured_outputs=StructuredOutputsParams(json=schema))
+    for out in llm.chat([convo], params, use_tqdm=False)[0].outputs:
+        jsonschema.validate(json.loads(out.text), schema)
+    choice = StructuredOutputsParams(choice=["positive", "negative"])
+    reply = llm.chat([[{"role": "user", "content": "Is 'I love it' positive or negative?"}]],
+                     SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice), use_tqdm=False)
+    assert reply[0].outputs[0].text in {"positive", "negative"}
+    anything = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=StructuredOutputsParams(json_object=True))
+    ask = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]
+    out = llm.chat([ask], anything, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)

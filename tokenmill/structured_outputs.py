@@ -1,0 +1,102 @@
+"""Structured outputs: constrain a request's tokens to a JSON schema, regex, choice list or grammar.
+
+Built on xgrammar. The engine compiles each distinct constraint once (``GrammarCache``); every
+sequence that uses one gets its own matcher, which masks the logits before sampling and advances
+on each sampled token. A constraint that fails to compile is refused with xgrammar's message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint (vLLM's names): ``json`` (a schema, as a dict or a JSON string),
+    ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF/GBNF), or
+    ``json_object=True`` (any JSON object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
+            )
+        if self.choice is not None and not (
+            isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"StructuredOutputsParams.choice={self.choice!r} is invalid: must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar."""
+        if self.json is not None:
+            return ("json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(list(self.choice)))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", "")
+
+
+# vLLM's older spelling.
+GuidedDecodingParams = StructuredOutputsParams
+
+
+class GrammarCache:
+    """One xgrammar compiler per engine and one compiled grammar per distinct constraint."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        import xgrammar
+
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self.vocab_size = vocab_size
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher for one sequence; ValueError with the compiler's message if it fails."""
+        key = params.key
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._compile(params)
+        return self._xgr.GrammarMatcher(compiled)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        kind, spec = params.key
+        c = self._compiler
+        try:
+            if kind == "json":
+                return c.compile_json_schema(spec, any_whitespace=False)  # compact: no runaway whitespace
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "choice":
+                # An EBNF alternation of the literal choices (JSON string escapes are EBNF's).
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice) for choice in params.choice))
+            if kind == "grammar":
+                return c.compile_grammar(spec)
+            return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)  # an object, as vLLM
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses with the reason
+            raise ValueError(f"structured_outputs.{kind} does not compile: {exc}") from exc
+
+    def bitmask(self, matchers: list[Any]) -> Any:
+        """[N, ceil(V/32)] int32 allowed-token bitmask; rows without a matcher allow everything."""
+        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for row, matcher in enumerate(matchers):
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask, row)
+        return mask
+
+    def apply(self, logits: Any, bitmask: Any) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
