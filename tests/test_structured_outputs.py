@@ -89,6 +89,11 @@ def test_a_constraint_that_does_not_compile_names_its_request_and_the_reason(tin
     assert tiny.generate(["fine"], good, use_tqdm=False)[0].outputs[0].token_ids  # the engine is unharmed
 
 
+def test_a_dict_from_a_batch_row_becomes_structured_outputs_params():
+    params = SamplingParams.from_optional(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"json": {"type": "object"}, "regex": "a"}, {"choice": []}])
 def test_malformed_structured_outputs_params(kwargs):
     with pytest.raises(ValueError, match="StructuredOutputsParams"):

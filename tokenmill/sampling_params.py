@@ -84,6 +84,8 @@ class SamplingParams:
         if self.structured_outputs is not None:
             from tokenmill.structured_outputs import StructuredOutputsParams
 
+            if isinstance(self.structured_outputs, dict):  # from a JSON row of a batch file
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    self.structured_outputs, "a StructuredOutputsParams")
         if self.top_k == -1:
