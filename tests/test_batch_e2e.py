@@ -252,7 +252,7 @@ def test_fuzz_malformed_rows_fail_alone(tmp_path, llm):
         b'{"prompt": "ok", "sampling_params": {"temperature": -1}}',
         b'{"prompt": "ok", "sampling_params": {"max_tokens": "8"}}',
         b'{"prompt": "ok", "sampling_params": {"top_p": 2}}',
-        b'{"prompt": "ok", "sampling_params": {"best_of": 3}}',
+        b'{"prompt": "ok", "sampling_params": {"best_of": 0}}',  # fewer than n
         b'{"text": "no prompt field"}',
         b'{"prompt": "x", "id": {"nested": true}, "sampling_params": 5}',
         b'{' * 100_000,  # deeply nested garbage
@@ -276,7 +276,7 @@ def test_fuzz_malformed_rows_fail_alone(tmp_path, llm):
     messages = " | ".join(r["error"] for r in errors)
     for needle in ["not valid JSON", "must be a JSON object", "not valid UTF-8", "'prompt' must be a string",
                    "max_model_len=128", "the prompt is empty", "SamplingParams.temperature=-1", "SamplingParams.top_p=2",
-                   "unknown sampling parameter(s) ['best_of']", "has no prompt", "outside the vocabulary",
+                   "SamplingParams.best_of=0", "has no prompt", "outside the vocabulary",
                    "SamplingParams.max_tokens='8'", "'sampling_params' must be an object"]:
         assert needle in messages, needle
     assert all(len(r["error"]) < 400 for r in errors)

@@ -292,3 +292,18 @@ def test_prompt_logprobs_match_hf(tiny_llama_dir, hf, prompts, chunked):
             for tid in top:
                 assert abs(entry[tid].logprob - row[tid].item()) < 1e-4
     assert llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_best_of_returns_the_n_most_likely_of_best_of_samples(llm, prompts):
+    base = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, logprobs=0)
+    # best_of=4 runs exactly the four seeded samples that n=4 runs; it must return the top two of them.
+    four = llm.generate(as_inputs([prompts[1]]), base.clone(n=4), use_tqdm=False)[0].outputs
+    ranked = sorted(four, key=lambda c: c.cumulative_logprob, reverse=True)
+    best = llm.generate(as_inputs([prompts[1]]), base.clone(n=2, best_of=4), use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best] == [0, 1]
+    assert len({tuple(c.token_ids) for c in four}) > 2  # the choice mattered
+    quiet = llm.generate(as_inputs([prompts[1]]), base.clone(n=2, best_of=4, logprobs=None), use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in quiet] == [c.token_ids for c in best] and quiet[0].logprobs is None
+    with pytest.raises(ValueError, match=r"SamplingParams\.best_of=1"):
+        SamplingParams(n=2, best_of=1)

@@ -40,6 +40,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -115,6 +116,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(
+            self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= self.n),
+            "best_of", self.best_of, f"None or an integer >= n ({self.n})",
+        )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
@@ -179,6 +184,11 @@ class SamplingParams:
             self.logits_processors,
             "None or a list of callables (output_ids, logits) -> logits",
         )
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for the request: best_of when given, else n."""
+        return self.best_of or self.n
 
     @property
     def adjusts_logits(self) -> bool:

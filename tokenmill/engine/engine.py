@@ -90,7 +90,7 @@ class LLMEngine:
         request = Request(request_id, processed.prompt, processed.token_ids, params)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        for i in range(params.n):
+        for i in range(params.num_samples):
             request.sequences.append(self._new_sequence(request, i))
             request.sequences[-1].grammar = matchers[i] if matchers else None
         self.requests[request_id] = request
@@ -157,6 +157,8 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
+            if seq.params.best_of is not None:
+                seq.best_of_logprob += sampled_lp[row]
             if seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 entry = {token: Logprob(sampled_lp[row], ranks[row], self._token_text(token))}
@@ -243,7 +245,7 @@ class LLMEngine:
             self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
             self.runner.grammars = self._grammars
         try:
-            return [self._grammars.matcher(params.structured_outputs) for _ in range(params.n)]
+            return [self._grammars.matcher(params.structured_outputs) for _ in range(params.num_samples)]
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
 
@@ -283,14 +285,18 @@ class LLMEngine:
     def _request_output(self, request: Request) -> RequestOutput:
         delta = request.params.output_kind is RequestOutputKind.DELTA
         completions = []
-        for seq in request.sequences:
+        sequences = request.sequences
+        if request.params.num_samples > request.params.n:
+            # best_of: the n samples with the highest cumulative logprob (only final outputs are whole).
+            sequences = sorted(sequences, key=lambda s: s.best_of_logprob, reverse=True)[: request.params.n]
+        for index, seq in enumerate(sequences):
             first_token, first_char = (seq.num_emitted_tokens, seq.num_emitted_chars) if delta else (0, 0)
             text = seq.text if seq.is_finished or seq.detokenizer is None else seq.detokenizer.settled_text
             if delta:
                 seq.num_emitted_tokens, seq.num_emitted_chars = len(seq.output_token_ids), len(text)
             completions.append(
                 CompletionOutput(
-                    index=seq.index,
+                    index=index,
                     text=text[first_char:],
                     token_ids=seq.output_token_ids[first_token:],
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,

@@ -48,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    best_of_logprob: float = 0.0  # sum of sampled-token logprobs, kept for best_of ranking
     grammar: Any = None  # xgrammar matcher when the request has structured_outputs
     # How much of the output earlier DELTA outputs already carried.
     num_emitted_tokens: int = 0

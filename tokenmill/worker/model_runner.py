@@ -240,7 +240,9 @@ class ModelRunner:
             top_p=top_p,
             min_p=min_p,
             generators=[s.generator for s in seqs],
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            # best_of ranks samples by their logprobs, so it needs them even when logprobs is None.
+            max_num_logprobs=max((p.logprobs if p.logprobs is not None else 0 for p in params
+                                  if p.logprobs is not None or p.best_of is not None), default=-1),
         )
         if any(p.uses_penalties for p in params):
             self._add_penalties(batch, seqs)
