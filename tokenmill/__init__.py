@@ -22,6 +22,16 @@ _PUBLIC = {
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",
+    "PoolingParams": "tokenmill.pooling_params",
+    "PoolerConfig": "tokenmill.pooling_config",
+    "PoolingOutput": "tokenmill.outputs",
+    "PoolingRequestOutput": "tokenmill.outputs",
+    "EmbeddingOutput": "tokenmill.outputs",
+    "EmbeddingRequestOutput": "tokenmill.outputs",
+    "ClassificationOutput": "tokenmill.outputs",
+    "ClassificationRequestOutput": "tokenmill.outputs",
+    "ScoringOutput": "tokenmill.outputs",
+    "ScoringRequestOutput": "tokenmill.outputs",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -30,7 +40,21 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.llm import LLM
-    from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+    from tokenmill.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
+    from tokenmill.pooling_config import PoolerConfig
+    from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
     from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 

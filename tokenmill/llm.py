@@ -13,7 +13,8 @@ from typing import Any, Iterable, Iterator, Sequence
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.inputs import PromptType, render_chat_prompt
-from tokenmill.outputs import RequestOutput
+from tokenmill.llm_pooling import PoolingMethods
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 # generation_config.json keys that map onto SamplingParams fields (vLLM's generation_config="auto").
@@ -27,7 +28,7 @@ _GENERATION_DEFAULTS = {
 }
 
 
-class LLM:
+class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score for pooling models
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any):
         self.args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.args)
@@ -58,6 +59,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order."""
+        self._refuse_pooling_model("generate")
         prompts = _prompt_list(prompts)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
@@ -186,6 +188,7 @@ class LLM:
         continue_final_message: bool,
         tools: list[dict] | None,
     ) -> list[PromptType]:
+        self._refuse_pooling_model("chat")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -265,7 +268,7 @@ def _read_generation_config(folder: str) -> dict:
 
 
 class _Progress:
-    """tqdm bar: requests done, with generated tokens per second."""
+    """tqdm bar: requests done, with generated tokens per second (prompt tokens for pooling models)."""
 
     def __init__(self, total: int, enabled: bool):
         self.bar = None
@@ -273,14 +276,17 @@ class _Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-        self.generated = 0
+        self.tokens = 0
 
-    def finished(self, output: RequestOutput) -> None:
+    def finished(self, output: RequestOutput | PoolingRequestOutput) -> None:
         if self.bar is None:
             return
-        self.generated += sum(len(c.token_ids) for c in output.outputs)
+        if isinstance(output, PoolingRequestOutput):
+            kind, self.tokens = "input", self.tokens + len(output.prompt_token_ids)
+        else:
+            kind, self.tokens = "output", self.tokens + sum(len(c.token_ids) for c in output.outputs)
         elapsed = self.bar.format_dict.get("elapsed") or 1e-9
-        self.bar.set_postfix_str(f"output {self.generated / elapsed:,.0f} tok/s", refresh=False)
+        self.bar.set_postfix_str(f"{kind} {self.tokens / elapsed:,.0f} tok/s", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

@@ -16,10 +16,13 @@ import torch
 from tokenmill.config import EngineArgs, EngineConfig, create_engine_config
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.pooling import PoolingEngine
 from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestMetrics, RequestOutput
+from tokenmill.pooling_config import resolve_pooling
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.worker.model_runner import ModelRunner, StepResult
 from tokenmill.worker.sizing import choose_num_blocks
@@ -38,10 +41,20 @@ class LLMEngine:
             trust_remote_code=args.trust_remote_code,
         )
         self.config: EngineConfig = create_engine_config(args, self.source)
+        pooling_config = resolve_pooling(args, self.source)  # None: a generative model
+        if pooling_config is not None:
+            self.config = pooling_config.engine_config(self.config, args)
         self.model_config = self.config  # vLLM code reads llm_engine.model_config.max_model_len
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
         torch.manual_seed(args.seed)
-        model = load_model(self.source, self.config.dtype, self.config.device, args.load_format, seed=args.seed)
+        model = load_model(self.source, self.config.dtype, self.config.device, args.load_format, seed=args.seed,
+                           architecture=pooling_config.architecture if pooling_config is not None else None)
+        # A pooling model is served by PoolingEngine (no KV cache, sampler or decode graphs); every
+        # public method below hands over to it.
+        self.pooling: PoolingEngine | None = None
+        if pooling_config is not None:
+            self.pooling = PoolingEngine(model, self.config, pooling_config, self.tokenizer)
+            return
         self.runner = ModelRunner(
             model=model,
             backend=_attention_backend(self.config.device),
@@ -67,11 +80,13 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         index: int | None = None,
     ) -> None:
         """Validate and queue one request; a ValueError leaves the engine untouched."""
+        if self.pooling is not None:
+            return self.pooling.add_request(request_id, prompt, params, index=index)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -97,6 +112,8 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if self.pooling is not None:
+            return self.pooling.abort_request(request_ids)
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             request = self.requests.pop(request_id, None)
@@ -108,14 +125,20 @@ class LLMEngine:
                     self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
+        if self.pooling is not None:
+            return self.pooling.has_unfinished_requests()
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
+        if self.pooling is not None:
+            return self.pooling.get_num_unfinished_requests()
         return len(self.requests)
 
     # ---- stepping -------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """Run one engine step; return the outputs of the requests it advanced (or only finished ones)."""
+        if self.pooling is not None:
+            return self.pooling.step(finished_only)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished():
@@ -333,6 +356,8 @@ class LLMEngine:
             raise ValueError(f"could not load the tokenizer from {path!r}: {exc}") from exc
 
     def reset_prefix_cache(self) -> bool:
+        if self.pooling is not None:
+            return True  # a pooling model keeps no cache
         return self.kv.pool.reset_prefix_cache()
 
 
