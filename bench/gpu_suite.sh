@@ -49,8 +49,10 @@ for part in $parts; do
     vllm)
       cat .vllmchunk/vllm026-slim-site.tar.xz.part* | xz -d | tar -C /tmp -xf - --one-top-level=vllm-site 2>/dev/null \
         || { mkdir -p /tmp/vllm-site; cat .vllmchunk/*.part* | xz -d | tar -C /tmp/vllm-site -xf -; }
-      PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/vllm.raw" timeout 400 \
-        python3 bench/peer_bench.py vllm qwen3-0.6b nano 2>&1 | tail -3
+      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+        PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/vllm.raw" timeout 250 \
+          python3 bench/peer_bench.py vllm $run 2>&1 | tail -3
+      done
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl" ;;
   esac
   echo "[$part took $(( $(date +%s) - start )) s]" | tee -a "$OUT/suite.log"
