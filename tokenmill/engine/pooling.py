@@ -59,7 +59,7 @@ class PoolingEngine:
         self.tokenizer = tokenizer
         self.runner = PoolingRunner(model, config.device, pooling)
         self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens,  # type: ignore[arg-type]
-                                   chunked_prefill=False)
+                                   config.max_model_len, chunked_prefill=False)
         self.requests: dict[str, PoolingRequest] = {}
         self._next_seq_id = 0
 
