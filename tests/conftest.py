@@ -285,6 +285,18 @@ BERT_WORDS = (
 _BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
+@pytest.fixture(scope="session")
+def random_sentences() -> Callable[..., list[str]]:
+    """(count, seed, low=1, high=20) -> sentences of low..high words the tiny BERT tokenizer knows."""
+    import random
+
+    def make(count: int, seed: int, low: int = 1, high: int = 20) -> list[str]:
+        rng = random.Random(seed)
+        return [" ".join(rng.choice(BERT_WORDS) for _ in range(rng.randint(low, high))) for _ in range(count)]
+
+    return make
+
+
 def build_tiny_bert_tokenizer():
     """A lower-casing WordPiece tokenizer: whole words, single characters and ## continuations, so any
     ASCII text tokenizes (other scripts become [UNK]); pairs get [SEP] and segment ids like BERT's."""

@@ -5,7 +5,6 @@ alone, Parquet output has a typed schema, and an interrupted job resumes with ev
 from __future__ import annotations
 
 import json
-import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,11 +16,9 @@ from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.requests import PromptSettings
 from tokenmill.cli import main
 
-from conftest import BERT_WORDS
-
-def texts(count: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(BERT_WORDS) for _ in range(rng.randint(1, 15))) for _ in range(count)]
+@pytest.fixture
+def texts(random_sentences):
+    return lambda count, seed=0: random_sentences(count, seed, high=15)
 
 
 def write_jsonl(path, rows):
@@ -48,7 +45,7 @@ def by_row(records):
     return rows
 
 
-def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embedder_llm):
+def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embedder_llm, texts):
     words = texts(6)
     rows = [{"id": f"r{i}", "prompt": t} for i, t in enumerate(words)]
     rows[2] = {"id": "r2", "body": words[2]}  # no prompt
@@ -69,7 +66,7 @@ def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embed
         assert records[i]["embedding"] is None and message in records[i]["error"]
 
 
-def test_classify_to_parquet_has_labels_and_probabilities(tmp_path, bert_classifier_llm):
+def test_classify_to_parquet_has_labels_and_probabilities(tmp_path, bert_classifier_llm, texts):
     words = texts(7, seed=1)
     summary = job(tmp_path, bert_classifier_llm, [{"text": t} for t in words], "classify", output="out.parquet",
                   prompt=PromptSettings(text_field="text"))
@@ -86,7 +83,7 @@ def test_classify_to_parquet_has_labels_and_probabilities(tmp_path, bert_classif
 
 
 @pytest.mark.parametrize("model", ["cross_encoder_llm", "bert_embedder_llm"])
-def test_score_rows_match_llm_score(tmp_path, request, model):
+def test_score_rows_match_llm_score(tmp_path, request, model, texts):
     llm = request.getfixturevalue(model)
     first, second = texts(5, seed=2), texts(5, seed=3)
     rows = [{"text_1": a, "text_2": b} for a, b in zip(first, second)] + [{"text_1": "the cat"}]
@@ -100,7 +97,7 @@ def test_score_rows_match_llm_score(tmp_path, request, model):
     assert records[5]["score"] is None and "'text_2'" in records[5]["error"]
 
 
-def test_interrupted_embed_job_resumes_with_every_row_once(tmp_path, bert_embedder_llm):
+def test_interrupted_embed_job_resumes_with_every_row_once(tmp_path, bert_embedder_llm, texts):
     words = texts(12, seed=4)
     rows = [{"prompt": t} for t in words]
     source = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -139,7 +136,7 @@ def test_cli_usage_errors(tmp_path, monkeypatch, capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_classify_job(tmp_path, tiny_bert_classifier_dir, bert_classifier_llm, capsys):
+def test_cli_classify_job(tmp_path, tiny_bert_classifier_dir, bert_classifier_llm, capsys, texts):
     words = texts(4, seed=5)
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in words])
     code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--task", "classify",

@@ -8,37 +8,23 @@ results also cover many steps and padded attention groups of mixed lengths.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenmill import LLM, PoolingParams
 
-from conftest import BERT_WORDS
-
 ENGINE = dict(dtype="float32", device="cpu", seed=0)
-
-
-def sentences(count: int, seed: int, low: int = 1, high: int = 20) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(BERT_WORDS) for _ in range(rng.randint(low, high))) for _ in range(count)]
 
 
 # --- BERT classifier -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def bert_classifier(bert_classifier_llm):
-    return bert_classifier_llm
-
-
-def test_bert_classifier_probabilities_match_transformers(bert_classifier, tiny_bert_classifier_dir):
+def test_bert_classifier_probabilities_match_transformers(bert_classifier_llm, tiny_bert_classifier_dir, random_sentences):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    texts = sentences(9, seed=1) + ["Über cats, quickly!"]
-    outputs = bert_classifier.classify(texts, use_tqdm=False)
+    texts = random_sentences(9, seed=1) + ["Über cats, quickly!"]
+    outputs = bert_classifier_llm.classify(texts, use_tqdm=False)
     hf = AutoModelForSequenceClassification.from_pretrained(tiny_bert_classifier_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_bert_classifier_dir)
     with torch.no_grad():
@@ -52,30 +38,30 @@ def test_bert_classifier_probabilities_match_transformers(bert_classifier, tiny_
     assert spread.std(0).max() > 1e-2, "the random model should not give every text the same probabilities"
 
 
-def test_bert_classifier_raw_logits_and_labels(bert_classifier, tiny_bert_classifier_dir):
+def test_bert_classifier_raw_logits_and_labels(bert_classifier_llm, tiny_bert_classifier_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     hf = AutoModelForSequenceClassification.from_pretrained(tiny_bert_classifier_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_bert_classifier_dir)
-    out = bert_classifier.classify("the lazy dog", PoolingParams(use_activation=False), use_tqdm=False)[0]
+    out = bert_classifier_llm.classify("the lazy dog", PoolingParams(use_activation=False), use_tqdm=False)[0]
     with torch.no_grad():
         logits = hf(**tok("the lazy dog", return_tensors="pt")).logits[0]
     torch.testing.assert_close(torch.tensor(out.outputs.probs), logits, rtol=0, atol=1e-5)
-    assert bert_classifier.llm_engine.pooling.pooling.labels == ("negative", "neutral", "positive")
+    assert bert_classifier_llm.llm_engine.pooling.pooling.labels == ("negative", "neutral", "positive")
 
 
 # --- cross-encoder -------------------------------------------------------------------------------
 
 
-def test_cross_encoder_scores_match_transformers_and_sentence_transformers(tiny_cross_encoder_dir, cross_encoder_llm):
+def test_cross_encoder_scores_match_transformers_and_sentence_transformers(tiny_cross_encoder_dir, cross_encoder_llm, random_sentences):
     from sentence_transformers import CrossEncoder
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     llm = cross_encoder_llm
     query = "a quick brown fox"
-    docs = sentences(5, seed=2)
+    docs = random_sentences(5, seed=2)
     one_to_n = llm.score(query, docs, use_tqdm=False)
-    queries = sentences(5, seed=3)
+    queries = random_sentences(5, seed=3)
     n_to_n = llm.score(queries, docs, use_tqdm=False)
 
     hf = AutoModelForSequenceClassification.from_pretrained(tiny_cross_encoder_dir, dtype=torch.float32).eval()
@@ -95,14 +81,14 @@ def test_cross_encoder_scores_match_transformers_and_sentence_transformers(tiny_
 # --- sentence-transformers BERT embedder (CLS pooling, not normalised) ---------------------------
 
 
-def test_bert_embedder_follows_its_sentence_transformers_config(tiny_bert_embedder_dir):
+def test_bert_embedder_follows_its_sentence_transformers_config(tiny_bert_embedder_dir, random_sentences):
     from sentence_transformers import SentenceTransformer
 
     llm = LLM(str(tiny_bert_embedder_dir), max_num_batched_tokens=64, **ENGINE)
     config = llm.llm_engine.pooling.pooling
     assert (config.pooler.pooling_type, config.pooler.normalize) == ("CLS", False)
     assert llm.llm_engine.config.max_model_len == 48  # sentence_bert_config.json's max_seq_length
-    texts = sentences(8, seed=4, high=40)
+    texts = random_sentences(8, seed=4, high=40)
     outputs = llm.embed(texts, truncate_prompt_tokens=48, use_tqdm=False)
     expected = SentenceTransformer(str(tiny_bert_embedder_dir), device="cpu").encode(texts, convert_to_tensor=True)
     for out, ref in zip(outputs, expected):
@@ -113,11 +99,11 @@ def test_bert_embedder_follows_its_sentence_transformers_config(tiny_bert_embedd
 # --- Qwen3 classifier ----------------------------------------------------------------------------
 
 
-def test_qwen3_classifier_probabilities_match_transformers(tiny_qwen3_classifier_dir):
+def test_qwen3_classifier_probabilities_match_transformers(tiny_qwen3_classifier_dir, random_sentences):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     llm = LLM(str(tiny_qwen3_classifier_dir), max_num_seqs=3, **ENGINE)
-    texts = sentences(7, seed=5, high=30)
+    texts = random_sentences(7, seed=5, high=30)
     outputs = llm.classify(texts, use_tqdm=False)
     hf = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3_classifier_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_classifier_dir)
@@ -146,9 +132,9 @@ def qwen3_hidden(tiny_qwen3_dir):
     return hidden
 
 
-def test_decoder_last_token_embeddings_match_transformers(tiny_qwen3_dir, qwen3_hidden):
+def test_decoder_last_token_embeddings_match_transformers(tiny_qwen3_dir, qwen3_hidden, random_sentences):
     llm = LLM(str(tiny_qwen3_dir), runner="pooling", max_num_seqs=3, **ENGINE)
-    texts = sentences(7, seed=6, high=40)
+    texts = random_sentences(7, seed=6, high=40)
     raw = llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)
     normed = llm.embed(texts, use_tqdm=False)  # vLLM's default: normalised
     for out, unit in zip(raw, normed):
@@ -162,7 +148,7 @@ def test_decoder_last_token_embeddings_match_transformers(tiny_qwen3_dir, qwen3_
     torch.testing.assert_close(tokens.outputs.data, qwen3_hidden(longest.prompt_token_ids), rtol=1e-5, atol=1e-5)
 
 
-def test_decoder_mean_pooling_and_base_model_checkpoint(tiny_qwen3_dir, qwen3_hidden, tmp_path):
+def test_decoder_mean_pooling_and_base_model_checkpoint(tiny_qwen3_dir, qwen3_hidden, tmp_path, random_sentences):
     from transformers import AutoModel
 
     # A bare base-model checkpoint (architectures: Qwen3Model, no "model." prefix) is an embedder by itself.
@@ -171,13 +157,13 @@ def test_decoder_mean_pooling_and_base_model_checkpoint(tiny_qwen3_dir, qwen3_hi
     (tmp_path / "tokenizer_config.json").write_bytes((tiny_qwen3_dir / "tokenizer_config.json").read_bytes())
     llm = LLM(str(tmp_path), pooler_config={"pooling_type": "MEAN"}, **ENGINE)
     assert llm.llm_engine.pooling.pooling.architecture == "Qwen3Model"
-    texts = sentences(4, seed=7, high=25)
+    texts = random_sentences(4, seed=7, high=25)
     for out in llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False):
         expected = qwen3_hidden(out.prompt_token_ids).mean(0)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_matryoshka_dimensions_truncate_then_normalise(tiny_qwen3_dir, qwen3_hidden, tmp_path):
+def test_matryoshka_dimensions_truncate_then_normalise(tiny_qwen3_dir, qwen3_hidden, tmp_path, random_sentences):
     import json
     import shutil
 
@@ -186,7 +172,7 @@ def test_matryoshka_dimensions_truncate_then_normalise(tiny_qwen3_dir, qwen3_hid
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [8, 16]}))
     llm = LLM(str(folder), runner="pooling", **ENGINE)
-    texts = sentences(3, seed=8)
+    texts = random_sentences(3, seed=8)
     for out in llm.embed(texts, PoolingParams(dimensions=16), use_tqdm=False):
         expected = F.normalize(qwen3_hidden(out.prompt_token_ids)[-1][:16], dim=0)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=0, atol=1e-5)

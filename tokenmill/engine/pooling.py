@@ -9,7 +9,6 @@ between steps. `LLMEngine` hands every call to this class when the model is a po
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -22,8 +21,6 @@ from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling_config import TASK_METHODS, PoolingModelConfig
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.worker.pooling_runner import PoolingRunner
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
