@@ -35,6 +35,9 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Launch step N+1 before step N's sampled ids are read back (None: on GPUs, where the host work
+    # then overlaps the device's; on a CPU the two cannot overlap).
+    async_scheduling: bool | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
@@ -98,6 +101,7 @@ class EngineConfig:
     block_size: int
     enable_prefix_caching: bool
     enforce_eager: bool
+    async_scheduling: bool
     device: "torch.device"
     dtype: "torch.dtype"
     seed: int
@@ -181,6 +185,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
+        async_scheduling=device.type == "cuda" if args.async_scheduling is None else args.async_scheduling,
         device=device,
         dtype=resolve_dtype(args.dtype, device, hf_config),
         seed=args.seed,

@@ -3,6 +3,13 @@
 ``add_request`` validates and queues; ``step`` schedules, runs the model once, appends the
 sampled tokens, applies stop conditions and frees finished sequences' blocks. The `LLM` class
 drives it in a loop; the batch job drives it directly to write results as they finish.
+
+With ``async_scheduling`` (the default on GPUs) a step is launched before the previous step's
+sampled ids are read back: ``step`` schedules and launches step N+1, then reads step N's ids and
+does its bookkeeping while the device runs N+1. A sequence that step N finished is then computed
+once more in N+1 and that token is dropped; a sequence that reaches max_tokens is not scheduled
+again. Requests whose sampling reads all earlier output ids (penalties, bad words, logits
+processors, grammars) make the engine read each step back before scheduling the next.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from tokenmill.distributed.executor import Executor
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, Sequence
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -46,8 +53,12 @@ class LLMEngine:
         self.runner = self.executor.driver.runner
         num_blocks = self.executor.num_blocks
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
+        )
         self.requests: dict[str, Request] = {}
+        self._in_flight: StepResult | None = None  # launched, not yet read back
+        self._history_readers: set[str] = set()  # live requests that force synchronous steps
         self._next_seq_id = 0
         self.stats = EngineStats()
         self._grammars = None  # GrammarCache, built on the first structured request
@@ -84,6 +95,8 @@ class LLMEngine:
             request.sequences.append(self._new_sequence(request, i))
             request.sequences[-1].grammar = matchers[i] if matchers else None
         self.requests[request_id] = request
+        if params.reads_output_history:
+            self._history_readers.add(request_id)
         self.scheduler.add(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -92,30 +105,60 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
+            self._history_readers.discard(request_id)
             for seq in request.sequences:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ---- stepping -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the requests it advanced (or only finished ones)."""
+        """Run one engine step; return the outputs of the requests it advanced (or only finished ones).
+
+        With asynchronous scheduling the outputs are those of the step launched by the previous call.
+        """
+        overlap = self.config.async_scheduling and not self._history_readers
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not overlap:
+            outputs += self._read_back(self._take_in_flight(), finished_only)
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            if self.scheduler.has_unfinished():
+        if plan.is_empty and self._in_flight is None:
+            if self.scheduler.has_unfinished() and not outputs:
                 raise RuntimeError("the scheduler could not place any request; the KV cache is too small")
-            return []
+            return outputs
+        previous = self._take_in_flight()
+        self._in_flight = None if plan.is_empty else self._launch(plan)
+        if previous is not None and self._in_flight is not None:
+            self.stats.num_overlapped_steps += 1
+        if previous is not None:
+            outputs += self._read_back(previous, finished_only)
+        if not overlap and self._in_flight is not None:
+            outputs += self._read_back(self._take_in_flight(), finished_only)
+        return outputs
+
+    def _take_in_flight(self) -> StepResult | None:
+        result, self._in_flight = self._in_flight, None
+        return result
+
+    def _launch(self, plan: SchedulerOutput) -> StepResult:
         result = self.runner.execute(plan.scheduled)
-        self.stats.record(plan.num_batched_tokens, len(result.sampled))
+        self.stats.record(plan.num_batched_tokens)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.commit_computed(item.seq)
+        for item in result.sampled:
+            item.seq.num_inflight += 1
+        return result
+
+    def _read_back(self, result: StepResult, finished_only: bool) -> list[RequestOutput]:
+        """Wait for a launched step's ids, append them, apply stop conditions, build outputs."""
+        result.wait()
         self._record_prompt_logprobs(result)
         touched = self._apply_samples(result)
         outputs = []
@@ -123,6 +166,7 @@ class LLMEngine:
             if request.is_finished:
                 request.finished_time = time.monotonic()
                 del self.requests[request.request_id]
+                self._history_readers.discard(request.request_id)
             final_only = finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY
             if request.is_finished or not final_only:
                 outputs.append(self._request_output(request))
@@ -143,8 +187,12 @@ class LLMEngine:
         now = time.monotonic()
         for row, item in enumerate(result.sampled):
             seq = item.seq
+            seq.num_inflight -= 1
+            if seq.is_finished:
+                continue  # stopped or aborted while this token was in flight: it is dropped
             token = token_ids[row]
             seq.output_token_ids.append(token)
+            self.stats.num_generated_tokens += 1
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             if seq.params.best_of is not None:
@@ -194,7 +242,7 @@ class LLMEngine:
             if stop_string is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
                 return
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.config.max_model_len:
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_known_tokens >= self.config.max_model_len:
             seq.finish_reason = "length"
 
     # ---- building blocks ------------------------------------------------------------------
@@ -339,8 +387,8 @@ class EngineStats:
         self.num_steps = 0
         self.num_batched_tokens = 0
         self.num_generated_tokens = 0
+        self.num_overlapped_steps = 0  # launched while the previous step was still in flight
 
-    def record(self, batched_tokens: int, generated: int) -> None:
+    def record(self, batched_tokens: int) -> None:
         self.num_steps += 1
         self.num_batched_tokens += batched_tokens
-        self.num_generated_tokens += generated

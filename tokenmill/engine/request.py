@@ -53,6 +53,10 @@ class Sequence:
     # How much of the output earlier DELTA outputs already carried.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    # Tokens sampled on the device but not yet read back (asynchronous scheduling: the next step
+    # is launched before this one's ids reach the host). They count as tokens of the sequence,
+    # so the scheduler can give them a slot, but their values are known only on the device.
+    num_inflight: int = 0
 
     @property
     def params(self) -> "SamplingParams":
@@ -64,7 +68,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, including those still in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (positions [0, num_known_tokens))."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, including those still in flight."""
+        return len(self.output_token_ids) + self.num_inflight
 
     @property
     def num_uncomputed_tokens(self) -> int:
