@@ -27,8 +27,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPT_LENGTHS = [3, 17, 41, 9]
 
 
-def make_llm(path: Path, tp: int) -> LLM:
-    return LLM(str(path), tensor_parallel_size=tp, **OPTIONS)
+def make_llm(path: Path, tp: int, **kwargs) -> LLM:
+    return LLM(str(path), tensor_parallel_size=tp, **{**OPTIONS, **kwargs})
 
 
 def random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
@@ -88,12 +88,14 @@ def test_llama_greedy_tp2_equals_tp1_and_hf(llama_tp2, llama_tp1, tiny_llama_dir
 
 
 def test_qwen3_greedy_tp2_equals_tp1_and_hf_then_deleting_stops_workers(tiny_qwen3_dir):
-    """Qwen3: q/k norms, head_dim 32 != hidden / heads, biases, tied head over a padded odd vocabulary."""
+    """Qwen3: q/k norms, head_dim 32 != hidden / heads, biases, tied head over a padded odd vocabulary.
+    With asynchronous scheduling, so the mirrored inputs include ids gathered from the last step."""
     before = child_pids()
-    tp2 = make_llm(tiny_qwen3_dir, 2)
+    tp2 = make_llm(tiny_qwen3_dir, 2, async_scheduling=True)
     workers = worker_pids(tp2)
     assert set(workers) <= child_pids() - before
     _greedy_matches(tp2, make_llm(tiny_qwen3_dir, 1), tiny_qwen3_dir, seed=2)
+    assert tp2.llm_engine.stats.num_overlapped_steps > 0
     del tp2
     gc.collect()
     assert child_pids() - before == set()

@@ -40,6 +40,7 @@ class Executor:
             raise
 
     def _start_tensor_parallel(self, config: "EngineConfig", source: "ModelSource", load_format: str) -> Worker:
+        # Imported here: one-rank engines never load torch.distributed.
         from tokenmill.distributed.mirror import MirroredModel
         from tokenmill.distributed.process_group import check_devices, rank_device
         from tokenmill.distributed.worker_processes import WorkerProcesses
