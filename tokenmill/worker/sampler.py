@@ -129,17 +129,84 @@ class Sampler:
         return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
 
 
+# top-k and top-p without sorting the vocabulary. Both keep, in each row, the tokens that have less
+# than a budget of weight strictly above them: top-k counts tokens (budget k), top-p sums probability
+# (budget top_p). That set is "every token >= a cutoff", and the cutoff is found by a radix select
+# over the float32 bits: two histogram passes over [N, V], no sort, no host sync.
+_HALF = 16  # bits per pass: the high half of a 32-bit key, then the low half
+_BINS = 1 << _HALF
+
+
 def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's top_k largest logits (0 = all); ties with the k-th largest are all kept (vLLM's rule)."""
     vocab = logits.shape[-1]
     k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))
+    # On the CPU reading max k is no device sync, and topk(max k) beats the histogram passes there.
+    return _top_k_by_topk(logits, k) if logits.device.type == "cpu" else _top_k_by_radix(logits, k)
+
+
+def _top_k_by_topk(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def _top_k_by_radix(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    keys = _float_keys(logits)
+    return logits.masked_fill(keys < _cutoff(keys, None, k.to(torch.float64))[:, None], float("-inf"))
+
+
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token once the tokens before it already hold top_p of the mass; the first always stays.
-    drop = (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    """Drops a token once the tokens more probable than it hold top_p of the mass (top_p = 1: off).
+
+    Tokens of equal probability are kept or dropped together: a token stays iff the tokens strictly
+    more probable than it sum to less than top_p. That is the sort-based nucleus (vLLM's
+    ``cumsum <= 1 - p`` rule) with all ties of the last kept token kept; the most probable token
+    always stays. Masses are summed in float64 over the float32 probabilities.
+    """
+    probs = logits.softmax(dim=-1)
+    budget = torch.where(top_p >= 1.0, float("inf"), top_p.to(torch.float64))
+    keys = probs.view(torch.int32)  # non-negative floats order like their bits
+    cutoff = _cutoff(keys, probs.to(torch.float64), budget)
+    return logits.masked_fill(keys < cutoff[:, None], float("-inf"))
+
+
+def _float_keys(values: torch.Tensor) -> torch.Tensor:
+    """int32 keys that order like the float32 values (-0.0 and +0.0 get one key)."""
+    bits = (values + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    # As ints, negative floats order backwards by their magnitude bits; flipping those bits fixes that.
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _cutoff(keys: torch.Tensor, weights: torch.Tensor | None, budget: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest int32 key c whose strictly larger keys weigh less than ``budget``.
+
+    keys: [N, V] int32; weights: [N, V] float64 (None: every token weighs 1); budget: [N] float64 > 0.
+    ``keys >= c`` is then exactly the set of tokens with less than ``budget`` weight above them.
+    The first pass histograms all tokens by the high 16 bits of their key and picks the cutoff's
+    bin; the second histograms the tokens of that bin by the low 16 bits.
+    """
+    rows = keys.shape[0]
+    offsets = torch.arange(rows, dtype=torch.int32, device=keys.device)[:, None] * _BINS
+    high = keys >> _HALF  # in [-2**15, 2**15)
+    if weights is None:
+        weights = torch.ones_like(keys, dtype=torch.float64)
+    nothing_above = torch.zeros(rows, 1, dtype=torch.float64, device=keys.device)
+    high_bin, above = _pick_bin(high + (offsets + _BINS // 2), weights, budget, nothing_above)
+    high_cut = (high_bin - _BINS // 2).to(torch.int32)  # int32 like `high`: no [N, V] promotion
+    in_bin = torch.where(high == high_cut, weights, 0.0)
+    low_bin, _ = _pick_bin((keys & (_BINS - 1)) + offsets, in_bin, budget, above)
+    return (high_cut.to(torch.int64) * _BINS + low_bin).squeeze(1).to(torch.int32)
+
+
+def _pick_bin(index: torch.Tensor, weights: torch.Tensor, budget: torch.Tensor,
+              above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histograms ``weights`` into _BINS bins a row (``index``: row * _BINS + bin) and returns, per
+    row, the bin holding the cutoff and the weight above that bin (``above``: weight above them all)."""
+    rows = index.shape[0]
+    hist = torch.zeros(rows * _BINS, dtype=torch.float64, device=index.device)
+    cumulative = hist.index_add_(0, index.flatten(), weights.flatten()).view(rows, _BINS).cumsum(dim=1)
+    total = cumulative[:, -1:]
+    # The weight above bin b is above + total - cumulative[b]; it reaches the budget in bins 0..m-1
+    # (cumulative[b] <= above + total - budget), and m is the cutoff's bin (never past the top one).
+    bin_ = torch.searchsorted(cumulative, above + total - budget[:, None], right=True).clamp(max=_BINS - 1)
+    return bin_, above + total - cumulative.gather(1, bin_)
