@@ -84,7 +84,10 @@ class EngineArgs:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _check(self.tokenizer_mode in ("auto", "hf"), "tokenizer_mode", self.tokenizer_mode, "'auto' or 'hf' (both load the Hugging Face tokenizer)")
-        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size, "1 (tensor parallelism is not implemented yet)")
+        _check(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None
     vocab_size: int
     eos_token_ids: frozenset[int]
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -189,6 +193,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
