@@ -82,6 +82,14 @@ def test_runner_task_and_convert(tiny_llama_dir, tiny_bert_embedder_dir, tiny_be
         LLM(str(tiny_llama_dir), task="embed", runner="generate", **ENGINE)
     with pytest.raises(ValueError, match="max_num_batched_tokens=16 is smaller than max_model_len=64"):
         LLM(str(tiny_bert_classifier_dir), max_num_batched_tokens=16, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: pooling models run on one device"):
+        LLM(str(tiny_bert_classifier_dir), tensor_parallel_size=2, **ENGINE)
+
+
+def test_apply_model_reaches_the_pooling_model(bert_classifier_llm):
+    assert bert_classifier_llm.apply_model(lambda model: type(model).__name__) == ["BertForSequenceClassification"]
+    with pytest.raises(ValueError, match="not available for a pooling model"):
+        bert_classifier_llm.collective_rpc("determine_num_blocks")
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,10 @@ class EngineArgs:
         _check(self.runner in RUNNERS, "runner", self.runner, f"one of {RUNNERS}")
         _check(self.convert in CONVERTS, "convert", self.convert, f"one of {CONVERTS}")
         _check(self.task is None or self.task in TASK_SPELLINGS, "task", self.task, f"None or one of {tuple(TASK_SPELLINGS)}")
-        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size, "1 (tensor parallelism is not implemented yet)")
+        _check(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",
+        )
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None
     vocab_size: int
     eos_token_ids: frozenset[int]
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -199,6 +203,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

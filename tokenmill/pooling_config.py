@@ -116,6 +116,9 @@ class PoolingModelConfig:
 
     def engine_config(self, config: "EngineConfig", args: "EngineArgs") -> "EngineConfig":
         """``config`` adjusted for whole-prompt steps: every prompt must fit one step's token budget."""
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling models run on one device "
+                             "(tensor parallelism is for generation); use tensor_parallel_size=1")
         max_model_len = config.max_model_len
         if args.max_model_len is None and self.max_seq_length is not None:
             max_model_len = min(max_model_len, self.max_seq_length)

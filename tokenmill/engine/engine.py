@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from tokenmill.config import EngineArgs, EngineConfig, create_engine_config
+from tokenmill.distributed.executor import Executor
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.pooling import PoolingEngine
@@ -31,15 +32,13 @@ from tokenmill.outputs import CompletionOutput, Logprob, PoolingRequestOutput, R
 from tokenmill.pooling_config import resolve_pooling
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
-from tokenmill.worker.model_runner import ModelRunner, StepResult
-from tokenmill.worker.sizing import choose_num_blocks
+from tokenmill.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from tokenmill.models.loader import load_model
         from tokenmill.models.source import resolve_model
 
         self.args = args
@@ -54,27 +53,17 @@ class LLMEngine:
         self.model_config = self.config  # vLLM code reads llm_engine.model_config.max_model_len
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
         torch.manual_seed(args.seed)
-        model = load_model(self.source, self.config.dtype, self.config.device, args.load_format, seed=args.seed,
-                           architecture=pooling_config.architecture if pooling_config is not None else None)
-        # A pooling model is served by PoolingEngine (no KV cache, sampler or decode graphs); every
-        # public method below hands over to it.
+        # A pooling model is served by PoolingEngine (one rank, no KV cache, sampler or decode graphs);
+        # every public method below hands over to it.
         self.pooling: PoolingEngine | None = None
         if pooling_config is not None:
-            self.pooling = PoolingEngine(model, self.config, pooling_config, self.tokenizer)
+            self.pooling = PoolingEngine(self.config, self.source, pooling_config, self.tokenizer, args.load_format)
             return
-        self.runner = ModelRunner(
-            model=model,
-            backend=_attention_backend(self.config.device),
-            device=self.config.device,
-            dtype=self.config.dtype,
-            block_size=self.config.block_size,
-            vocab_size=self.config.vocab_size,
-            seed=args.seed,
-        )
-        num_blocks = choose_num_blocks(self.config, self.runner)
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.config.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+        # Loads the model on every tensor-parallel rank and sizes and allocates the KV cache there;
+        # the engine steps rank 0's runner (tokenmill/distributed/ when there are several ranks).
+        self.executor = Executor(self.config, self.source, args.load_format)
+        self.runner = self.executor.driver.runner
+        num_blocks = self.executor.num_blocks
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
@@ -408,6 +397,14 @@ class LLMEngine:
             return True  # a pooling model keeps no cache
         return self.kv.pool.reset_prefix_cache()
 
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor."""
+        if self.pooling is not None:
+            return self.pooling.collective_rpc(method, timeout, args, kwargs)
+        return self.executor.collective_rpc(method, timeout, args, kwargs)
+
 
 class EngineStats:
     """Counters for progress bars and metrics."""
@@ -421,16 +418,3 @@ class EngineStats:
     def record(self, batched_tokens: int) -> None:
         self.num_steps += 1
         self.num_batched_tokens += batched_tokens
-
-
-def _attention_backend(device: torch.device):
-    if device.type == "cuda":
-        try:
-            from tokenmill.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend()
-        except ImportError as exc:
-            logger.warning("Triton attention is unavailable (%s); using the plain-torch backend", exc)
-    from tokenmill.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()

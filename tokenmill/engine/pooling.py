@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request, Sequence
@@ -21,6 +21,9 @@ from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling_config import TASK_METHODS, PoolingModelConfig
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.worker.pooling_runner import PoolingRunner
+
+if TYPE_CHECKING:
+    from tokenmill.models.source import ModelSource
 
 
 @dataclass(eq=False)
@@ -50,10 +53,15 @@ class NoKVCache:
 
 
 class PoolingEngine:
-    def __init__(self, model: Any, config: EngineConfig, pooling: PoolingModelConfig, tokenizer: Any):
+    def __init__(self, config: EngineConfig, source: "ModelSource", pooling: PoolingModelConfig, tokenizer: Any,
+                 load_format: str = "auto"):
+        from tokenmill.models.loader import load_model
+
         self.config = config
         self.pooling = pooling
         self.tokenizer = tokenizer
+        model = load_model(source, config.dtype, config.device, load_format, seed=config.seed,
+                           architecture=pooling.architecture)
         self.runner = PoolingRunner(model, config.device, pooling)
         self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens,  # type: ignore[arg-type]
                                    config.max_model_len, chunked_prefill=False)
@@ -95,6 +103,13 @@ class PoolingEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """A pooling model runs on one rank without a Worker: only apply_model(func) is served."""
+        if method != "apply_model":
+            raise ValueError(f"collective_rpc({method!r}) is not available for a pooling model; LLM.apply_model is")
+        return [args[0](self.runner.model)]
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[PoolingRequestOutput]:

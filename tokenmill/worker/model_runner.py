@@ -275,7 +275,8 @@ class ModelRunner:
         temperature = self._tensor([p.temperature for p in params], torch.float32)
         all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
         top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in params):
+        max_top_k = min(max(p.top_k for p in params), self.vocab_size)
+        if max_top_k > 0:
             top_k = self._tensor([p.top_k for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
             top_p = self._tensor([p.top_p for p in params], torch.float32)
@@ -285,6 +286,7 @@ class ModelRunner:
             temperature=temperature,
             all_greedy=all_greedy,
             top_k=top_k,
+            max_top_k=max_top_k,
             top_p=top_p,
             min_p=min_p,
             generators=[s.generator for s in seqs],

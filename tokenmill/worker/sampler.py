@@ -24,6 +24,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] float, 0 = greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [N] int64, 0 = off
+    max_top_k: int  # the largest top_k of any row (a host int: no device sync), 0 when none uses it
     top_p: torch.Tensor | None  # [N] float, 1 = off
     min_p: torch.Tensor | None  # [N] float, 0 = off
     generators: list[torch.Generator | None]  # per row; None draws from the engine's generator
@@ -103,7 +104,7 @@ class Sampler:
         temperature = torch.where(batch.temperature == 0.0, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature[:, None]
         if batch.top_k is not None:
-            logits = _top_k(logits, batch.top_k)
+            logits = _top_k(logits, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
             logits = _top_p(logits, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
@@ -129,30 +130,24 @@ class Sampler:
         return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
 
 
-# top-k and top-p without sorting the vocabulary. Both keep, in each row, the tokens that have less
-# than a budget of weight strictly above them: top-k counts tokens (budget k), top-p sums probability
-# (budget top_p). That set is "every token >= a cutoff", and the cutoff is found by a radix select
-# over the float32 bits: two histogram passes over [N, V], no sort, no host sync.
+# top-k and top-p without sorting the vocabulary and without a host sync. top-k takes one topk of
+# the largest k the host knows. top-p keeps, in each row, the tokens that have less than top_p of
+# probability strictly above them: that set is "every token >= a cutoff", and the cutoff is found by
+# a radix select over the float32 bits, two histogram passes over [N, V].
 _HALF = 16  # bits per pass: the high half of a 32-bit key, then the low half
 _BINS = 1 << _HALF
 
 
-def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keeps each row's top_k largest logits (0 = all); ties with the k-th largest are all kept (vLLM's rule)."""
-    vocab = logits.shape[-1]
-    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))
-    # On the CPU reading max k is no device sync, and topk(max k) beats the histogram passes there.
-    return _top_k_by_topk(logits, k) if logits.device.type == "cpu" else _top_k_by_radix(logits, k)
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keeps each row's top_k largest logits (0 = all); ties with the k-th largest are all kept (vLLM's rule).
 
-
-def _top_k_by_topk(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+    ``max_top_k`` is the largest k of the rows that use top-k, which the host knows from the
+    requests: reading it from ``top_k`` would make the host wait for the device. One
+    ``topk(max_top_k)`` (not a sort: k is small) gives every row its k-th largest logit.
+    """
+    kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(1, max_top_k) - 1)[:, None])
+    kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_k_by_radix(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    keys = _float_keys(logits)
-    return logits.masked_fill(keys < _cutoff(keys, None, k.to(torch.float64))[:, None], float("-inf"))
 
 
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -170,26 +165,17 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(keys < cutoff[:, None], float("-inf"))
 
 
-def _float_keys(values: torch.Tensor) -> torch.Tensor:
-    """int32 keys that order like the float32 values (-0.0 and +0.0 get one key)."""
-    bits = (values + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
-    # As ints, negative floats order backwards by their magnitude bits; flipping those bits fixes that.
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _cutoff(keys: torch.Tensor, weights: torch.Tensor | None, budget: torch.Tensor) -> torch.Tensor:
+def _cutoff(keys: torch.Tensor, weights: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
     """Per row, the smallest int32 key c whose strictly larger keys weigh less than ``budget``.
 
-    keys: [N, V] int32; weights: [N, V] float64 (None: every token weighs 1); budget: [N] float64 > 0.
+    keys: [N, V] int32; weights: [N, V] float64; budget: [N] float64 > 0.
     ``keys >= c`` is then exactly the set of tokens with less than ``budget`` weight above them.
     The first pass histograms all tokens by the high 16 bits of their key and picks the cutoff's
     bin; the second histograms the tokens of that bin by the low 16 bits.
     """
     rows = keys.shape[0]
     offsets = torch.arange(rows, dtype=torch.int32, device=keys.device)[:, None] * _BINS
-    high = keys >> _HALF  # in [-2**15, 2**15)
-    if weights is None:
-        weights = torch.ones_like(keys, dtype=torch.float64)
+    high = keys >> _HALF  # in [-2**15, 2**15) for any float32 bits; [0, 2**15) for probabilities
     nothing_above = torch.zeros(rows, 1, dtype=torch.float64, device=keys.device)
     high_bin, above = _pick_bin(high + (offsets + _BINS // 2), weights, budget, nothing_above)
     high_cut = (high_bin - _BINS // 2).to(torch.int32)  # int32 like `high`: no [N, V] promotion
