@@ -16,12 +16,15 @@ _PUBLIC = {
     "LLMEngine": "tokenmill.engine.engine",
     "EngineArgs": "tokenmill.config",
     "SamplingParams": "tokenmill.sampling_params",
+    "BeamSearchParams": "tokenmill.sampling_params",
     "RequestOutputKind": "tokenmill.sampling_params",
     "StructuredOutputsParams": "tokenmill.structured_outputs",
     "GuidedDecodingParams": "tokenmill.structured_outputs",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",
+    "BeamSearchOutput": "tokenmill.outputs",
+    "BeamSearchSequence": "tokenmill.outputs",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -30,8 +33,8 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.llm import LLM
-    from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-    from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+    from tokenmill.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+    from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
     from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 
