@@ -2,7 +2,8 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [profile] [vllm]   (default: all but vllm)
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [sampler] [profile] [profile-gpu] [vllm]
+#   (default: tests kernels throughput)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -39,13 +40,21 @@ for part in $parts; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
       done
       tag "$OUT/throughput.raw" "$OUT/throughput.jsonl" ;;
+    sampler)
+      timeout 60 python3 bench/sampler_bench.py --device cuda --repeats 20 2>&1 | tee "$OUT/sampler.txt" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
+    profile-gpu)
+      for shape in qwen3-0.6b llama3-8b; do
+        timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
+      done ;;
     vllm)
       cat .vllmchunk/vllm026-slim-site.tar.xz.part* | xz -d | tar -C /tmp -xf - --one-top-level=vllm-site 2>/dev/null \
         || { mkdir -p /tmp/vllm-site; cat .vllmchunk/*.part* | xz -d | tar -C /tmp/vllm-site -xf -; }
-      PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/vllm.raw" timeout 400 \
-        python3 bench/peer_bench.py vllm qwen3-0.6b nano 2>&1 | tail -3
+      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+        PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/vllm.raw" timeout 250 \
+          python3 bench/peer_bench.py vllm $run 2>&1 | tail -3
+      done
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl" ;;
   esac
   echo "[$part took $(( $(date +%s) - start )) s]" | tee -a "$OUT/suite.log"

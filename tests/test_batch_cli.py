@@ -72,13 +72,13 @@ def test_argparse_errors_exit_2(capsys):
     assert "-o/--output" in capsys.readouterr().err
 
 
-def test_unknown_model_and_tensor_parallel_are_usage_errors(tmp_path, capsys, tiny_llama_dir):
+def test_unknown_model_and_bad_tensor_parallel_size_are_usage_errors(tmp_path, capsys, tiny_llama_dir):
     (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
     out = str(tmp_path / "o.jsonl")
     assert main(["run", str(tmp_path / "in.jsonl"), "-o", out, "--model", "no-such-model-xyz"]) == 2
     assert "no-such-model-xyz" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "in.jsonl"), "-o", out, "--overwrite", *tiny_flags(tiny_llama_dir),
-                 "--tensor-parallel-size", "2"]) == 2
+                 "--tensor-parallel-size", "0"]) == 2
     assert "tensor_parallel_size" in capsys.readouterr().err
 
 

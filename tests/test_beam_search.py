@@ -263,26 +263,39 @@ def test_beams_share_their_parents_blocks(llama_eos_dir, prompts, monkeypatch):
     assert engine.stats.num_batched_tokens <= len(prompt) + (MAX_TOKENS - 1) * 4 * engine.config.block_size
 
 
-def test_beam_groups_batch_with_other_requests(llama, llama_eos_dir, prompts, mechanism_reference):
-    engine = llama.llm_engine
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def test_beam_groups_batch_with_other_requests_and_step_synchronously(llama_eos_dir, prompts, mechanism_reference):
+    llm = make_llm(llama_eos_dir, async_scheduling=True)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=2 * MAX_TOKENS, ignore_eos=True)
     width, length_penalty = MECHANISM_CASE
+    outputs = {}
+
+    def step() -> None:
+        outputs.update((o.request_id, o) for o in engine.step(finished_only=True))
+
     for i, prompt in enumerate(prompts):
         engine.add_request(f"greedy-{i}", {"prompt_token_ids": prompt}, greedy)
+    for _ in range(3):
+        step()
+    overlapped = engine.stats.num_overlapped_steps
+    assert overlapped > 0
+    for i, prompt in enumerate(prompts):  # joins the running greedy requests, one step in flight
         engine.add_request(f"beam-{i}", {"prompt_token_ids": prompt}, BeamSearchParams(width, MAX_TOKENS, length_penalty=length_penalty))
-    steps_before = engine.stats.num_steps
-    outputs = {}
+    while any(f"beam-{i}" in engine.requests for i in range(len(prompts))):
+        step()
+        assert engine.stats.num_overlapped_steps == overlapped  # beam selection needs each step's results
+    assert any(f"greedy-{i}" in engine.requests for i in range(len(prompts)))  # they shared steps
     while engine.has_unfinished_requests():
-        outputs.update((o.request_id, o) for o in engine.step(finished_only=True))
-    assert engine.stats.num_steps - steps_before <= MAX_TOKENS + 1  # all of them advanced together
+        step()
+    assert engine.stats.num_overlapped_steps > overlapped  # back to overlapping once the beams are done
     hf = hf_model(str(llama_eos_dir))
     for i, prompt in enumerate(prompts):
-        assert outputs[f"greedy-{i}"].outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)[0]
+        assert outputs[f"greedy-{i}"].outputs[0].token_ids == hf_greedy(hf, prompt, 2 * MAX_TOKENS)[0]
         beams = outputs[f"beam-{i}"].outputs
         assert [c.token_ids for c in beams] == [tokens for tokens, _ in mechanism_reference[i]]
         for c, (_, score) in zip(beams, mechanism_reference[i]):
             assert c.cumulative_logprob / len(c.token_ids) ** length_penalty == pytest.approx(score, abs=1e-4)
-    assert_cache_released(llama)
+    assert_cache_released(llm)
 
 
 def beam_summary(output: BeamSearchOutput) -> list[tuple]:

@@ -35,6 +35,9 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Launch step N+1 before step N's sampled ids are read back (None: on GPUs, where the host work
+    # then overlaps the device's; on a CPU the two cannot overlap).
+    async_scheduling: bool | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
@@ -81,7 +84,10 @@ class EngineArgs:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _check(self.tokenizer_mode in ("auto", "hf"), "tokenizer_mode", self.tokenizer_mode, "'auto' or 'hf' (both load the Hugging Face tokenizer)")
-        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size, "1 (tensor parallelism is not implemented yet)")
+        _check(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",
+        )
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class EngineConfig:
     block_size: int
     enable_prefix_caching: bool
     enforce_eager: bool
+    async_scheduling: bool
     device: "torch.device"
     dtype: "torch.dtype"
     seed: int
@@ -102,6 +109,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None
     vocab_size: int
     eos_token_ids: frozenset[int]
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -177,6 +185,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
+        async_scheduling=device.type == "cuda" if args.async_scheduling is None else args.async_scheduling,
         device=device,
         dtype=resolve_dtype(args.dtype, device, hf_config),
         seed=args.seed,
@@ -184,6 +193,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
@@ -16,6 +16,8 @@ from tokenmill.inputs import PromptType, render_chat_prompt
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.outputs import BeamSearchOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+_R = TypeVar("_R")
 
 # generation_config.json keys that map onto SamplingParams fields (vLLM's generation_config="auto").
 _GENERATION_DEFAULTS = {
@@ -195,6 +197,26 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    # ---- every tensor-parallel rank ---------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str | Callable[..., _R],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[_R]:
+        """Run ``method`` on the worker of every rank; one result per rank, in rank order.
+
+        ``method`` is the name of a worker method or a function called as
+        ``method(worker, *args, **kwargs)``; it is pickled for the worker processes (with
+        cloudpickle when installed, so lambdas work). A one-rank LLM returns a one-item list.
+        """
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], _R]) -> list[_R]:
+        """``func(model)`` on every rank's model (its shard under tensor parallelism), in rank order."""
+        return self.collective_rpc("apply_model", args=(func,))
 
     # ---- internals ------------------------------------------------------------------------
     def _params_per_prompt(

@@ -206,6 +206,13 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def reads_output_history(self) -> bool:
+        """Whether sampling the next token needs the ids of every earlier one on the host
+        (penalties, bad words, logits processors, a grammar): such requests step synchronously."""
+        return bool(self.uses_penalties or self.bad_words_token_ids or self.logits_processors
+                    or self.structured_outputs is not None)
+
     def clone(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
 

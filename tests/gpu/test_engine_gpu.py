@@ -108,6 +108,27 @@ def test_cuda_graphs_equal_eager(gpu_models):
         assert a == b
 
 
+def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
+    """Step N+1 runs on the GPU while the host reads step N back: same tokens as reading every
+    step back first (fp32, so batch-shape changes cannot flip ties), with sequences stopping
+    mid-batch (their in-flight token dropped) and seeded sampling."""
+    path = gpu_models["qwen3"]
+    inputs = [{"prompt_token_ids": p} for p in _prompts(48, seed=11)]
+    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3, dtype="float32")
+    sync = LLM(path, async_scheduling=False, **options)
+    fast = LLM(path, async_scheduling=True, **options)
+    probe = sync.generate(inputs, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False), use_tqdm=False)
+    stop_ids = [probe[0].outputs[0].token_ids[3], probe[5].outputs[0].token_ids[8]]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=10 + i % 17, stop_token_ids=stop_ids, detokenize=False)
+              for i in range(len(inputs))]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, n=2, max_tokens=24, ignore_eos=True, detokenize=False)
+    for params in (greedy, seeded):
+        expected = [[c.token_ids for c in o.outputs] for o in sync.generate(inputs, params, use_tqdm=False)]
+        got = [[c.token_ids for c in o.outputs] for o in fast.generate(inputs, params, use_tqdm=False)]
+        assert got == expected
+    assert fast.llm_engine.stats.num_overlapped_steps > 20
+
+
 def test_prefix_hits_chunked_prefill_and_preemption_on_gpu(gpu_models):
     path = gpu_models["llama"]
     prompts = _prompts(12, seed=9)

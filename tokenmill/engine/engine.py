@@ -3,6 +3,14 @@
 ``add_request`` validates and queues; ``step`` schedules, runs the model once, appends the
 sampled tokens, applies stop conditions and frees finished sequences' blocks. The `LLM` class
 drives it in a loop; the batch job drives it directly to write results as they finish.
+
+With ``async_scheduling`` (the default on GPUs) a step is launched before the previous step's
+sampled ids are read back: ``step`` schedules and launches step N+1, then reads step N's ids and
+does its bookkeeping while the device runs N+1. A sequence that step N finished is then computed
+once more in N+1 and that token is dropped; a sequence that reaches max_tokens is not scheduled
+again. Requests whose sampling reads all earlier output ids (penalties, bad words, logits
+processors, grammars) and beam searches (the next beams depend on this step's logprobs) make the
+engine read each step back before scheduling the next (`Request.needs_sync`).
 """
 
 from __future__ import annotations
@@ -14,23 +22,22 @@ from typing import Any, Iterable
 import torch
 
 from tokenmill.config import EngineArgs, EngineConfig, create_engine_config
+from tokenmill.distributed.executor import Executor
 from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, Sequence
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from tokenmill.worker.model_runner import ModelRunner, StepResult
-from tokenmill.worker.sizing import choose_num_blocks
+from tokenmill.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from tokenmill.models.loader import load_model
         from tokenmill.models.source import resolve_model
 
         self.args = args
@@ -42,23 +49,18 @@ class LLMEngine:
         self.model_config = self.config  # vLLM code reads llm_engine.model_config.max_model_len
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
         torch.manual_seed(args.seed)
-        model = load_model(self.source, self.config.dtype, self.config.device, args.load_format, seed=args.seed)
-        self.runner = ModelRunner(
-            model=model,
-            backend=_attention_backend(self.config.device),
-            device=self.config.device,
-            dtype=self.config.dtype,
-            block_size=self.config.block_size,
-            vocab_size=self.config.vocab_size,
-            seed=args.seed,
-        )
-        num_blocks = choose_num_blocks(self.config, self.runner)
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.config.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+        # Loads the model on every tensor-parallel rank and sizes and allocates the KV cache there;
+        # the engine steps rank 0's runner (tokenmill/distributed/ when there are several ranks).
+        self.executor = Executor(self.config, self.source, args.load_format)
+        self.runner = self.executor.driver.runner
+        num_blocks = self.executor.num_blocks
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
+        )
         self.requests: dict[str, Request] = {}
+        self._in_flight: StepResult | None = None  # launched, not yet read back
+        self._history_readers: set[str] = set()  # live requests that force synchronous steps (needs_sync)
         self._next_seq_id = 0
         self.stats = EngineStats()
         self._grammars = None  # GrammarCache, built on the first structured request
@@ -104,6 +106,8 @@ class LLMEngine:
             request.sequences.append(self._new_sequence(request, i))
             request.sequences[-1].grammar = matchers[i] if matchers else None
         self.requests[request_id] = request
+        if request.needs_sync:
+            self._history_readers.add(request_id)
         self.scheduler.add(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -112,30 +116,60 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
+            self._history_readers.discard(request_id)
             for seq in request.sequences:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ---- stepping -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the requests it advanced (or only finished ones)."""
+        """Run one engine step; return the outputs of the requests it advanced (or only finished ones).
+
+        With asynchronous scheduling the outputs are those of the step launched by the previous call.
+        """
+        overlap = self.config.async_scheduling and not self._history_readers
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not overlap:
+            outputs += self._read_back(self._take_in_flight(), finished_only)
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            if self.scheduler.has_unfinished():
+        if plan.is_empty and self._in_flight is None:
+            if self.scheduler.has_unfinished() and not outputs:
                 raise RuntimeError("the scheduler could not place any request; the KV cache is too small")
-            return []
+            return outputs
+        previous = self._take_in_flight()
+        self._in_flight = None if plan.is_empty else self._launch(plan)
+        if previous is not None and self._in_flight is not None:
+            self.stats.num_overlapped_steps += 1
+        if previous is not None:
+            outputs += self._read_back(previous, finished_only)
+        if not overlap and self._in_flight is not None:
+            outputs += self._read_back(self._take_in_flight(), finished_only)
+        return outputs
+
+    def _take_in_flight(self) -> StepResult | None:
+        result, self._in_flight = self._in_flight, None
+        return result
+
+    def _launch(self, plan: SchedulerOutput) -> StepResult:
         result = self.runner.execute(plan.scheduled)
-        self.stats.record(plan.num_batched_tokens, len(result.sampled))
+        self.stats.record(plan.num_batched_tokens)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.commit_computed(item.seq)
+        for item in result.sampled:
+            item.seq.num_inflight += 1
+        return result
+
+    def _read_back(self, result: StepResult, finished_only: bool) -> list[RequestOutput]:
+        """Wait for a launched step's ids, append them, apply stop conditions, build outputs."""
+        result.wait()
         self._record_prompt_logprobs(result)
         touched = self._apply_samples(result)
         outputs = []
@@ -143,6 +177,7 @@ class LLMEngine:
             if request.is_finished:
                 request.finished_time = time.monotonic()
                 del self.requests[request.request_id]
+                self._history_readers.discard(request.request_id)
             final_only = finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY
             if request.is_finished or not final_only:
                 outputs.append(self._request_output(request))
@@ -163,7 +198,11 @@ class LLMEngine:
         now = time.monotonic()
         for row, item in enumerate(result.sampled):
             seq = item.seq
+            seq.num_inflight -= 1
+            if seq.is_finished:
+                continue  # stopped or aborted while this token was in flight: it is dropped
             token = token_ids[row]
+            self.stats.num_generated_tokens += 1
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             touched[seq.request.request_id] = seq.request
@@ -220,7 +259,7 @@ class LLMEngine:
             if stop_string is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
                 return
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.config.max_model_len:
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_known_tokens >= self.config.max_model_len:
             seq.finish_reason = "length"
 
     # ---- building blocks ------------------------------------------------------------------
@@ -366,6 +405,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()
 
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor."""
+        return self.executor.collective_rpc(method, timeout, args, kwargs)
+
 
 class EngineStats:
     """Counters for progress bars and metrics."""
@@ -374,21 +419,8 @@ class EngineStats:
         self.num_steps = 0
         self.num_batched_tokens = 0
         self.num_generated_tokens = 0
+        self.num_overlapped_steps = 0  # launched while the previous step was still in flight
 
-    def record(self, batched_tokens: int, generated: int) -> None:
+    def record(self, batched_tokens: int) -> None:
         self.num_steps += 1
         self.num_batched_tokens += batched_tokens
-        self.num_generated_tokens += generated
-
-
-def _attention_backend(device: torch.device):
-    if device.type == "cuda":
-        try:
-            from tokenmill.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend()
-        except ImportError as exc:
-            logger.warning("Triton attention is unavailable (%s); using the plain-torch backend", exc)
-    from tokenmill.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()

@@ -157,7 +157,8 @@ class KVCacheManager:
         """Index the sequence's newly completed full blocks so later prompts can hit them."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # A block is indexed by its token ids, so one holding a token still in flight waits.
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         if full <= seq.num_committed_blocks:
             return
         self._extend_hashes(seq, full)

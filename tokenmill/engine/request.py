@@ -55,6 +55,10 @@ class Sequence:
     # How much of the output earlier DELTA outputs already carried.
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    # Tokens sampled on the device but not yet read back (asynchronous scheduling: the next step
+    # is launched before this one's ids reach the host). They count as tokens of the sequence,
+    # so the scheduler can give them a slot, but their values are known only on the device.
+    num_inflight: int = 0
     # Beam search: the beam this one was forked from; it shares that beam's full blocks when admitted.
     fork_parent: "Sequence | None" = None
     # Its next token waits on other sequences (a beam waiting for the rest of its group), so the
@@ -71,7 +75,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, including those still in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (positions [0, num_known_tokens))."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, including those still in flight."""
+        return len(self.output_token_ids) + self.num_inflight
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -116,10 +131,10 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Its next step depends on this step's results on the host (beam selection picks which
-        sequences continue with which tokens), so an engine that schedules step N+1 before reading
-        step N's tokens must run this request synchronously."""
-        return self.beam is not None
+        """Its next step depends on this step's results on the host, so the engine must read each
+        step back before scheduling the next: sampling that reads every earlier output id, or a
+        beam search (beam selection picks which sequences continue with which tokens)."""
+        return self.beam is not None or self.params.reads_output_history
 
     @property
     def needs_prompt_logprobs(self) -> bool:

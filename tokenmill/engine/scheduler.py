@@ -9,6 +9,11 @@ When the pool runs dry, the newest running sequence is preempted: its blocks are
 goes back to the front of the queue to be recomputed later (its full blocks usually survive in
 the prefix cache, so recomputing is cheap).
 
+With asynchronous scheduling a sequence's newest token may still be in flight (sampled on the
+device, not yet read back). It is scheduled like any other token; only a sequence whose in-flight
+token is certainly its last (max_tokens or max_model_len reached) is left out, since it finishes
+as soon as that token is read back.
+
 Sequences ``on_hold`` (beams waiting for the rest of their beam group, see
 `tokenmill.engine.beam_search`) are skipped; they are freed first if nothing else can run.
 """
@@ -42,10 +47,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -64,7 +70,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.on_hold:
+            if seq.on_hold or (seq.num_inflight and self._has_no_room(seq)):
                 i += 1
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
@@ -102,7 +108,8 @@ class Scheduler:
         held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.on_hold or self._waits_for_lead(seq):
+            # On hold, preempted with a token in flight, or a sample waiting for sample 0's prompt.
+            if seq.on_hold or seq.num_inflight or self._waits_for_lead(seq):
                 held_back.append(seq)
                 continue
             prefix = self._shareable_prefix(seq)
@@ -120,6 +127,11 @@ class Scheduler:
             budget -= num
         self.waiting.extendleft(reversed(held_back))
         return budget
+
+    def _has_no_room(self, seq: Sequence) -> bool:
+        """No token may follow the ones already sampled: the sequence ends at length."""
+        max_tokens = seq.params.max_tokens
+        return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
 
     def _schedule(self, seq: Sequence, num: int) -> ScheduledSequence:
         return ScheduledSequence(seq, num, samples=seq.num_computed_tokens + num == seq.num_tokens)

@@ -36,6 +36,8 @@ from tokenmill.models.layers.rotary import RotaryEmbedding
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from tokenmill.models.checkpoint_tensor import CheckpointTensor
+
 logger = logging.getLogger(__name__)
 
 # (stacked parameter, HF name part, shard id): HF stores these projections separately.
@@ -157,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
     # Architecture switches; None means "read config.attention_bias".
     qkv_bias: bool | None = None
     qk_norm: bool = False
+    # load_weights hands every tensor to a weight_loader, which reads only this rank's slice.
+    supports_lazy_weights: bool = True
 
     def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
         super().__init__()
@@ -189,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden_size] -> [N, vocab_size] float32 (the runner passes only rows it samples from)."""
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]]) -> None:
         """Copy Hugging Face-named tensors into this rank's parameters; every weight must be covered once."""
         params = dict(self.named_parameters())
         expected = self.expected_weight_names()

@@ -2,7 +2,9 @@
 
 The model is constructed directly on the target device in the target dtype (no fp32 copy on
 the host first), then each weight is streamed from the checkpoint into its parameter, where
-the parameter's ``weight_loader`` keeps only this rank's tensor-parallel slice.
+the parameter's ``weight_loader`` keeps only this rank's tensor-parallel slice. Models that set
+``supports_lazy_weights`` get safetensors weights as CheckpointTensors, so a rank reads from
+disk only the slice it keeps.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tokenmill.models.checkpoint_tensor import CheckpointTensor
 from tokenmill.models.registry import architecture_of, get_model_class
 
 if TYPE_CHECKING:
@@ -70,7 +73,8 @@ def load_model(
             init_dummy_weights(model, seed)
         elif fmt == "safetensors":
             assert source.weights_path is not None
-            model.load_weights(iter_safetensors(source.weights_path, _wanted_names(model)))
+            lazy = bool(getattr(model, "supports_lazy_weights", False))
+            model.load_weights(iter_safetensors(source.weights_path, _wanted_names(model), lazy=lazy))
         else:
             from tokenmill.models.gguf_weights import iter_gguf_weights
 
@@ -116,11 +120,14 @@ def safetensors_files(weights_path: Path) -> list[Path]:
     return [weights_path]
 
 
-def iter_safetensors(weights_path: Path, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    weights_path: Path, wanted: set[str] | None = None, lazy: bool = False
+) -> Iterator[tuple[str, "torch.Tensor | CheckpointTensor"]]:
     """Yield (name, tensor) one tensor at a time from memory-mapped files.
 
     Tensors not in ``wanted`` are still yielded (so the model can report them as unexpected),
-    but only their names are read, never their data.
+    but only their names are read, never their data. With ``lazy`` the tensors are
+    CheckpointTensors, read only as far as they are sliced, and valid until the next one is yielded.
     """
     from safetensors import safe_open
 
@@ -135,7 +142,7 @@ def iter_safetensors(weights_path: Path, wanted: set[str] | None = None) -> Iter
                     yield name, torch.empty(0)
                     continue
                 try:
-                    tensor = f.get_tensor(name)
+                    tensor = CheckpointTensor(f.get_slice(name), name) if lazy else f.get_tensor(name)
                 except Exception as exc:
                     raise ValueError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
                 yield name, tensor

@@ -41,9 +41,18 @@ class PromptLogprobs:
 
 @dataclass
 class StepResult:
+    """One launched step. ``output`` holds host tensors that are filled asynchronously on a GPU:
+    read them only after `wait`, which blocks until this step (not any later one) is done."""
+
     sampled: list[ScheduledSequence]  # the sequences that got a new token, in row order
     output: SamplerOutput | None
     prompt_logprobs: list[PromptLogprobs] | None = None
+    ready: "torch.cuda.Event | None" = None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
 
 
 class ModelRunner:
@@ -70,6 +79,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.grammars = None  # the engine's GrammarCache once a structured request arrives
         self._pin = device.type == "cuda"
+        # The previous step's sampled ids, left on the device: a sequence whose newest token is
+        # still in flight reads its next input from here (row given by seq_id).
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[int, int] = {}
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -124,6 +137,8 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
+        """Launch one step. On a GPU this returns once the work is queued: the sampled ids come
+        back through `StepResult.wait`, so the host can schedule the next step meanwhile."""
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
         sampled = [scheduled[i] for i in sample_rows]
         # Built before the forward is launched, so its host work and copies overlap with the GPU.
@@ -135,13 +150,30 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
         prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
         if batch is None:
+            self._last_sampled, self._last_rows = None, {}
             return StepResult([], None, prompt_logprobs)
         if len(sample_rows) == len(scheduled) and meta.is_pure_decode:
             last_hidden = hidden  # one token per sequence, every one samples
         else:
             last_hidden = hidden[meta.query_start_loc[1:][self._tensor(sample_rows, torch.int64)] - 1]
         logits = self.model.compute_logits(last_hidden)
-        return StepResult(sampled, self.sampler(logits, batch), prompt_logprobs)
+        output = self.sampler(logits, batch)
+        self._last_sampled = output.token_ids
+        self._last_rows = {item.seq.seq_id: row for row, item in enumerate(sampled)}
+        return self._to_host(StepResult(sampled, output, prompt_logprobs))
+
+    def _to_host(self, result: StepResult) -> StepResult:
+        """Start copying the sampler's output to (pinned) host memory; an event marks the end."""
+        if not self._pin or result.output is None:
+            return result
+        out = result.output
+        result.output = SamplerOutput(*(
+            t.to("cpu", non_blocking=True) if t is not None else None
+            for t in (out.token_ids, out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs)
+        ))
+        result.ready = torch.cuda.Event()
+        result.ready.record()
+        return result
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSequence], meta: AttentionMetadata, hidden: torch.Tensor):
         """Score the prompt tokens that this step's prefill chunks predict (position p predicts p + 1)."""
@@ -173,19 +205,31 @@ class ModelRunner:
         seq_lens = [start + n for start, n in zip(starts, query_lens)]
         sample_rows = [row for row, item in enumerate(scheduled) if item.samples]
         max_query_len = max(query_lens)
+        start_loc = [0, *itertools.accumulate(query_lens)]
+        # (flat index, previous row) of input tokens still in flight: filled in on the device.
+        in_flight: list[tuple[int, int]] = []
         if max_query_len == 1:
             # Decode: one token per sequence, the last one it has (host time per step is precious).
-            tokens = [seq.token_at(start) for seq, start in zip(seqs, starts)]
+            tokens = []
+            for row, (seq, start) in enumerate(zip(seqs, starts)):
+                if start < seq.num_known_tokens:
+                    tokens.append(seq.token_at(start))
+                else:
+                    tokens.append(0)
+                    in_flight.append((row, self._last_rows[seq.seq_id]))
             positions = starts
             slots = [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]
         else:
             tokens, positions, slots = [], [], []
-            for seq, start, end in zip(seqs, starts, seq_lens):
-                tokens.extend(seq.tokens(start, end))
+            for seq, start, end, offset in zip(seqs, starts, seq_lens, start_loc):
+                known = seq.num_known_tokens
+                tokens.extend(seq.tokens(start, min(end, known)))
+                if end > known:  # only the newest token can be in flight
+                    tokens.append(0)
+                    in_flight.append((offset + known - start, self._last_rows[seq.seq_id]))
                 positions.extend(range(start, end))
                 blocks = seq.block_ids
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-        start_loc = [0, *itertools.accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             query_start_loc=self._tensor(start_loc, torch.int32),
@@ -197,7 +241,11 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
-        return self._tensor(tokens, torch.int64), self._tensor(positions, torch.int64), meta, sample_rows
+        input_ids = self._tensor(tokens, torch.int64)
+        if in_flight:
+            dst, src = zip(*in_flight)
+            input_ids[self._tensor(dst, torch.int64)] = self._last_sampled[self._tensor(src, torch.int64)]
+        return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
 
     def _block_table(self, seqs: list, seq_lens: list[int]) -> torch.Tensor:
         """[B, max_blocks] int32 block ids, padded with the null block (built in numpy: this runs every step)."""
@@ -227,7 +275,8 @@ class ModelRunner:
         temperature = self._tensor([p.temperature for p in params], torch.float32)
         all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
         top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in params):
+        max_top_k = min(max(p.top_k for p in params), self.vocab_size)
+        if max_top_k > 0:
             top_k = self._tensor([p.top_k for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
             top_p = self._tensor([p.top_p for p in params], torch.float32)
@@ -237,6 +286,7 @@ class ModelRunner:
             temperature=temperature,
             all_greedy=all_greedy,
             top_k=top_k,
+            max_top_k=max_top_k,
             top_p=top_p,
             min_p=min_p,
             generators=[s.generator for s in seqs],
@@ -248,7 +298,7 @@ class ModelRunner:
             self._add_penalties(batch, seqs)
         banned = []
         for row, seq in enumerate(seqs):
-            if len(seq.output_token_ids) < seq.params.min_tokens:
+            if seq.num_output_tokens < seq.params.min_tokens:
                 banned.append((row, sorted(seq.params.all_stop_token_ids)))
         batch.banned = [b for b in banned if b[1]] or None
         if any(p.adjusts_logits for p in params):

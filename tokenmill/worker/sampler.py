@@ -24,6 +24,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] float, 0 = greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [N] int64, 0 = off
+    max_top_k: int  # the largest top_k of any row (a host int: no device sync), 0 when none uses it
     top_p: torch.Tensor | None  # [N] float, 1 = off
     min_p: torch.Tensor | None  # [N] float, 0 = off
     generators: list[torch.Generator | None]  # per row; None draws from the engine's generator
@@ -103,7 +104,7 @@ class Sampler:
         temperature = torch.where(batch.temperature == 0.0, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature[:, None]
         if batch.top_k is not None:
-            logits = _top_k(logits, batch.top_k)
+            logits = _top_k(logits, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
             logits = _top_p(logits, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
@@ -129,17 +130,69 @@ class Sampler:
         return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
 
 
-def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+# top-k and top-p without sorting the vocabulary and without a host sync. top-k takes one topk of
+# the largest k the host knows. top-p keeps, in each row, the tokens that have less than top_p of
+# probability strictly above them: that set is "every token >= a cutoff", and the cutoff is found by
+# a radix select over the float32 bits, two histogram passes over [N, V].
+_HALF = 16  # bits per pass: the high half of a 32-bit key, then the low half
+_BINS = 1 << _HALF
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keeps each row's top_k largest logits (0 = all); ties with the k-th largest are all kept (vLLM's rule).
+
+    ``max_top_k`` is the largest k of the rows that use top-k, which the host knows from the
+    requests: reading it from ``top_k`` would make the host wait for the device. One
+    ``topk(max_top_k)`` (not a sort: k is small) gives every row its k-th largest logit.
+    """
+    kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(1, max_top_k) - 1)[:, None])
+    kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token once the tokens before it already hold top_p of the mass; the first always stays.
-    drop = (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    """Drops a token once the tokens more probable than it hold top_p of the mass (top_p = 1: off).
+
+    Tokens of equal probability are kept or dropped together: a token stays iff the tokens strictly
+    more probable than it sum to less than top_p. That is the sort-based nucleus (vLLM's
+    ``cumsum <= 1 - p`` rule) with all ties of the last kept token kept; the most probable token
+    always stays. Masses are summed in float64 over the float32 probabilities.
+    """
+    probs = logits.softmax(dim=-1)
+    budget = torch.where(top_p >= 1.0, float("inf"), top_p.to(torch.float64))
+    keys = probs.view(torch.int32)  # non-negative floats order like their bits
+    cutoff = _cutoff(keys, probs.to(torch.float64), budget)
+    return logits.masked_fill(keys < cutoff[:, None], float("-inf"))
+
+
+def _cutoff(keys: torch.Tensor, weights: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest int32 key c whose strictly larger keys weigh less than ``budget``.
+
+    keys: [N, V] int32; weights: [N, V] float64; budget: [N] float64 > 0.
+    ``keys >= c`` is then exactly the set of tokens with less than ``budget`` weight above them.
+    The first pass histograms all tokens by the high 16 bits of their key and picks the cutoff's
+    bin; the second histograms the tokens of that bin by the low 16 bits.
+    """
+    rows = keys.shape[0]
+    offsets = torch.arange(rows, dtype=torch.int32, device=keys.device)[:, None] * _BINS
+    high = keys >> _HALF  # in [-2**15, 2**15) for any float32 bits; [0, 2**15) for probabilities
+    nothing_above = torch.zeros(rows, 1, dtype=torch.float64, device=keys.device)
+    high_bin, above = _pick_bin(high + (offsets + _BINS // 2), weights, budget, nothing_above)
+    high_cut = (high_bin - _BINS // 2).to(torch.int32)  # int32 like `high`: no [N, V] promotion
+    in_bin = torch.where(high == high_cut, weights, 0.0)
+    low_bin, _ = _pick_bin((keys & (_BINS - 1)) + offsets, in_bin, budget, above)
+    return (high_cut.to(torch.int64) * _BINS + low_bin).squeeze(1).to(torch.int32)
+
+
+def _pick_bin(index: torch.Tensor, weights: torch.Tensor, budget: torch.Tensor,
+              above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histograms ``weights`` into _BINS bins a row (``index``: row * _BINS + bin) and returns, per
+    row, the bin holding the cutoff and the weight above that bin (``above``: weight above them all)."""
+    rows = index.shape[0]
+    hist = torch.zeros(rows * _BINS, dtype=torch.float64, device=index.device)
+    cumulative = hist.index_add_(0, index.flatten(), weights.flatten()).view(rows, _BINS).cumsum(dim=1)
+    total = cumulative[:, -1:]
+    # The weight above bin b is above + total - cumulative[b]; it reaches the budget in bins 0..m-1
+    # (cumulative[b] <= above + total - budget), and m is the cutoff's bin (never past the top one).
+    bin_ = torch.searchsorted(cumulative, above + total - budget[:, None], right=True).clamp(max=_BINS - 1)
+    return bin_, above + total - cumulative.gather(1, bin_)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.linear import check_shape
+from tokenmill.models.layers.linear import LoadedWeight, check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_partition, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         check_shape(param, loaded_weight, (self.num_embeddings, self.embedding_dim))
         rows = self.vocab_end - self.vocab_start
         param.data[rows:].zero_()

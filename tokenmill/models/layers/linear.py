@@ -7,17 +7,23 @@ A transformer block needs two kinds of split to avoid communication inside the b
   a partial sum; one all-reduce per block half restores the full activation.
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``, which takes the
-*full* Hugging Face tensor and copies in this rank's slice. With ``tp_size == 1`` every layer is
+*full* Hugging Face tensor (a ``torch.Tensor``, or a CheckpointTensor that reads from disk only
+what ``narrow`` asks for) and copies in this rank's slice. With ``tp_size == 1`` every layer is
 a plain ``F.linear`` and no ``torch.distributed`` call is ever made.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.models.checkpoint_tensor import CheckpointTensor
+
+# What a weight loader receives: both kinds offer .shape, .narrow(dim, start, length) and [...].
+LoadedWeight = Union[torch.Tensor, CheckpointTensor]
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -26,15 +32,15 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def check_shape(param: torch.Tensor, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(param: torch.Tensor, loaded: LoadedWeight, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
     """Replicated parameters (norm weights, ...): the checkpoint tensor is copied as is."""
     check_shape(param, loaded_weight, tuple(param.shape))
-    param.data.copy_(loaded_weight)
+    param.data.copy_(loaded_weight[...])  # [...]: the whole tensor, read from disk if it is lazy
 
 
 def _new_param(shape: tuple[int, ...], loader: Any) -> nn.Parameter:
@@ -67,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _new_param((self.output_size_per_partition, input_size), self.weight_loader)
         self.bias = _new_param((self.output_size_per_partition,), self.weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         check_shape(param, loaded_weight, (self.output_size, *param.shape[1:]))
         size = param.shape[0]
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
@@ -97,7 +103,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             divide(size, tp_size, "output features")
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, tp_group)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"merged linear needs shard_id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         full = self.output_sizes[shard_id]
@@ -142,7 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         # The per-rank output is q_size + 2 * kv_size; express it as a "full" size for the base class.
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias, tp_rank, tp_size, tp_group)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         if shard_id == "q":
             full_rows, start, size, offset = self.total_num_heads, self.tp_rank * self.num_heads, self.num_heads, 0
         elif shard_id in ("k", "v"):
@@ -183,7 +189,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _new_param((output_size, self.input_size_per_partition), self.weight_loader)
         self.bias = _new_param((output_size,), default_weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         check_shape(param, loaded_weight, (self.output_size, self.input_size))
         size = self.input_size_per_partition
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))

@@ -1,0 +1,265 @@
+"""Tensor parallelism on the CPU over gloo: two ranks (this process and one worker process).
+
+Greedy tokens with tensor_parallel_size=2 must equal those of one rank and of Hugging Face;
+collective_rpc / apply_model must reach both ranks (checked against HF's unsplit weights); a
+killed worker must surface as a RuntimeError within seconds and leave no process behind; and
+a rank must read only its slices of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference import hf_greedy, hf_model
+from tokenmill import LLM, SamplingParams
+
+# A small step budget splits the longer prompts into prefill chunks, so steps mix chunks and decodes.
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=8 * 2**20,
+               max_num_batched_tokens=24, seed=0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PROMPT_LENGTHS = [3, 17, 41, 9]
+
+
+def make_llm(path: Path, tp: int, **kwargs) -> LLM:
+    return LLM(str(path), tensor_parallel_size=tp, **{**OPTIONS, **kwargs})
+
+
+def random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def child_pids() -> set[int]:
+    """This process's live or unreaped children (read from /proc: zombies count too)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.add(int(entry.name))
+    return found
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [proc.pid for proc in llm.llm_engine.executor.workers.procs]
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, 2)
+    yield llm
+    llm.llm_engine.executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama_tp1(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, 1)
+
+
+def _greedy_matches(tp2: LLM, tp1: LLM, path: Path, seed: int) -> None:
+    prompts = random_prompts(tp1.llm_engine.config.vocab_size, seed)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = GREEDY.clone(logprobs=1, prompt_logprobs=1)  # prompt logprobs: several logits calls a step
+    split = tp2.generate(inputs, params, use_tqdm=False)
+    single = tp1.generate(inputs, params, use_tqdm=False)
+    reference = hf_model(str(path))
+    for prompt, a, b in zip(prompts, split, single, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)[0]
+        # Sums over ranks add in another order than one rank does: equal to rounding.
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def test_llama_greedy_tp2_equals_tp1_and_hf(llama_tp2, llama_tp1, tiny_llama_dir):
+    _greedy_matches(llama_tp2, llama_tp1, tiny_llama_dir, seed=1)
+
+
+def test_qwen3_greedy_tp2_equals_tp1_and_hf_then_deleting_stops_workers(tiny_qwen3_dir):
+    """Qwen3: q/k norms, head_dim 32 != hidden / heads, biases, tied head over a padded odd vocabulary.
+    With asynchronous scheduling, so the mirrored inputs include ids gathered from the last step."""
+    before = child_pids()
+    tp2 = make_llm(tiny_qwen3_dir, 2, async_scheduling=True)
+    workers = worker_pids(tp2)
+    assert set(workers) <= child_pids() - before
+    _greedy_matches(tp2, make_llm(tiny_qwen3_dir, 1), tiny_qwen3_dir, seed=2)
+    assert tp2.llm_engine.stats.num_overlapped_steps > 0
+    del tp2
+    gc.collect()
+    assert child_pids() - before == set()
+
+
+def test_apply_model_returns_each_rank_shard(llama_tp2, tiny_llama_dir):
+    """Rank r holds query heads 2r, 2r+1 and KV head r of HF's q/k/v projections (4 and 2 heads)."""
+    shards = llama_tp2.apply_model(lambda model: model.model.layers[1].self_attn.qkv_proj.weight.clone())
+    assert len(shards) == 2
+    hf_attn = hf_model(str(tiny_llama_dir)).model.layers[1].self_attn
+    head_dim = hf_attn.head_dim
+    for rank, shard in enumerate(shards):
+        q, k, v = shard.split([2 * head_dim, head_dim, head_dim])
+        torch.testing.assert_close(q, hf_attn.q_proj.weight[2 * rank * head_dim : (2 * rank + 2) * head_dim], rtol=0, atol=0)
+        torch.testing.assert_close(k, hf_attn.k_proj.weight[rank * head_dim : (rank + 1) * head_dim], rtol=0, atol=0)
+        torch.testing.assert_close(v, hf_attn.v_proj.weight[rank * head_dim : (rank + 1) * head_dim], rtol=0, atol=0)
+
+
+def test_collective_rpc_reaches_every_rank(llama_tp2, llama_tp1):
+    def describe(worker, layer, *, what):
+        return worker.rank, what, tuple(worker.runner.kv_caches[layer].shape)
+
+    results = llama_tp2.collective_rpc(describe, args=(1,), kwargs={"what": "kv"})
+    (rank0, _, shape0), (rank1, _, shape1) = results
+    assert (rank0, rank1) == (0, 1)
+    assert shape0 == shape1 and shape0[3] == 1  # one of the two KV heads each, the same blocks on both
+    by_name = llama_tp2.collective_rpc("apply_model", args=(lambda model: model.lm_head.weight.shape[0],))
+    assert by_name == [145, 145]  # 289 rows padded to 290, split in two
+    assert llama_tp1.collective_rpc("apply_model", args=(lambda model: model.lm_head.weight.shape[0],)) == [289]
+    assert llama_tp1.apply_model(lambda model: model.num_kv_heads) == [2]
+    with pytest.raises(ValueError, match="no_such_method"):
+        llama_tp2.collective_rpc("no_such_method")
+
+
+def test_collective_rpc_errors_and_timeouts_leave_the_llm_working(llama_tp2, llama_tp1):
+    def fail_on_rank1(worker):
+        if worker.rank == 1:
+            raise KeyError("only on rank 1")
+        return worker.rank
+
+    with pytest.raises(RuntimeError, match="only on rank 1"):
+        llama_tp2.collective_rpc(fail_on_rank1)
+
+    def slow_on_rank1(worker):
+        time.sleep(1.0 if worker.rank == 1 else 0.0)
+        return worker.rank
+
+    with pytest.raises(TimeoutError):
+        llama_tp2.collective_rpc(slow_on_rank1, timeout=0.1)
+    assert llama_tp2.collective_rpc(lambda worker: worker.rank) == [0, 1]  # the late reply is dropped
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    assert (llama_tp2.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            == llama_tp1.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_worker_killed_during_generate_raises_and_leaves_no_process(tiny_llama_dir):
+    before = child_pids()
+    llm = make_llm(tiny_llama_dir, 2)
+    (worker,) = worker_pids(llm)
+    calls = []
+    started = []
+
+    def kill_on_fourth_token(token_ids, logits):  # runs on rank 0 between two steps' collectives
+        calls.append(1)
+        if len(calls) == 4:
+            started.append(time.monotonic())
+            os.kill(worker, signal.SIGKILL)
+        return logits
+
+    params = GREEDY.clone(max_tokens=64, logits_processors=[kill_on_fourth_token])
+    with pytest.raises(RuntimeError, match=r"rank 1 .*SIGKILL"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert time.monotonic() - started[0] < 5.0
+    with pytest.raises(RuntimeError, match="cannot run more steps"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    assert child_pids() - before == set()
+
+
+def test_worker_killed_between_generates_raises_and_leaves_no_process(llama_tp1, tiny_llama_dir):
+    before = child_pids()
+    llm = make_llm(tiny_llama_dir, 2)
+    prompt = [{"prompt_token_ids": [9, 8, 7, 6]}]
+    assert (llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            == llama_tp1.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    os.kill(worker_pids(llm)[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 .*SIGKILL"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 5.0
+    assert child_pids() - before == set()
+
+
+def test_heads_not_divisible_by_tp_size_is_a_value_error(tiny_llama_dir):
+    before = child_pids()
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+        make_llm(tiny_llama_dir, 3)
+    assert child_pids() - before == set()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        make_llm(tiny_llama_dir, 0)
+
+
+# ---- weight loading: each rank reads its slices only -----------------------------------------
+
+
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(tiny_llama_dir, monkeypatch):
+    """Count the elements safetensors hands out: summed over both ranks, every split tensor is
+    read exactly once (each rank strictly less than all of it); replicated norms once per rank.
+    The shards equal the slices of the tensors as safetensors loads them whole."""
+    import safetensors
+    from safetensors.torch import load_file
+
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+
+    read: dict[str, int] = {}
+    real_open = safetensors.safe_open
+
+    class CountingFile:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            tensor = self.file.get_tensor(name)
+            read[name] = read.get(name, 0) + tensor.numel()
+            return tensor
+
+        def get_slice(self, name):
+            file_slice = self.file.get_slice(name)
+
+            class CountingSlice:
+                def get_shape(self):
+                    return file_slice.get_shape()
+
+                def __getitem__(self, index):
+                    tensor = file_slice[index]
+                    read[name] = read.get(name, 0) + tensor.numel()
+                    return tensor
+
+            return CountingSlice()
+
+    monkeypatch.setattr(safetensors, "safe_open", CountingFile)
+    source = resolve_model(str(tiny_llama_dir))
+    models = [load_model(source, torch.float32, torch.device("cpu"), "safetensors", tp_rank=r, tp_size=2) for r in (0, 1)]
+    full = load_file(tiny_llama_dir / "model.safetensors")
+    per_rank = {}
+    for name, tensor in full.items():
+        replicated = name.endswith("norm.weight")
+        assert read[name] == (2 if replicated else 1) * tensor.numel(), name
+        per_rank[name] = read[name]
+    assert sum(per_rank.values()) < 2 * sum(t.numel() for t in full.values())
+    for rank, model in enumerate(models):
+        o_proj = model.model.layers[0].self_attn.o_proj.weight
+        torch.testing.assert_close(o_proj, full["model.layers.0.self_attn.o_proj.weight"][:, rank * 32 : (rank + 1) * 32])
+        embed = model.model.embed_tokens.weight
+        rows = full["model.embed_tokens.weight"][rank * 145 : (rank + 1) * 145]
+        torch.testing.assert_close(embed[: len(rows)], rows)
+        assert torch.all(embed[len(rows) :] == 0)  # rank 1's padding row

@@ -1,0 +1,105 @@
+"""Runs the model on ``tensor_parallel_size`` ranks: rank 0 in this process, the rest in workers.
+
+With one rank there are no processes and collective_rpc is a local call. With N ranks:
+start the workers and join the process group, load rank 0's shard (the workers load theirs at
+the same time), size the KV cache on every rank and keep the minimum (every rank must hold
+the same blocks), allocate it everywhere, and route rank 0's model calls through a
+MirroredModel so the workers follow each step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from tokenmill.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.distributed.worker_processes import WorkerProcesses
+    from tokenmill.models.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    def __init__(self, config: "EngineConfig", source: "ModelSource", load_format: str):
+        self.world_size = config.tensor_parallel_size
+        self.workers: "WorkerProcesses | None" = None
+        if self.world_size == 1:
+            self.driver = Worker(config, source, load_format)
+        else:
+            self.driver = self._start_tensor_parallel(config, source, load_format)
+        try:
+            self.num_blocks: int = min(self.collective_rpc("determine_num_blocks"))
+            self.collective_rpc("initialize_cache", args=(self.num_blocks,))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_tensor_parallel(self, config: "EngineConfig", source: "ModelSource", load_format: str) -> Worker:
+        # Imported here: one-rank engines never load torch.distributed.
+        from tokenmill.distributed.mirror import MirroredModel
+        from tokenmill.distributed.process_group import check_devices, rank_device
+        from tokenmill.distributed.worker_processes import WorkerProcesses
+
+        check_devices(config.device, self.world_size)
+        device = rank_device(config.device, 0)
+        threads = max(1, torch.get_num_threads() // self.world_size)
+        if device.type == "cpu" and threads != torch.get_num_threads():
+            # Ranks on one CPU share its cores; with more threads than cores each collective waits
+            # on a rank whose threads were descheduled (10x slower steps here).
+            logger.info("tensor parallel on the CPU: %d torch threads per rank (torch.set_num_threads)", threads)
+            torch.set_num_threads(threads)
+        self.workers = WorkerProcesses(config, source, load_format, device, threads)
+        try:
+            driver = Worker(config, source, load_format, 0, device, self.workers.group)
+            self.workers.wait_until_ready()
+        except BaseException:
+            self.workers.stop(graceful=False)
+            raise
+        # The engine steps rank 0's runner; its model calls now bring the workers along.
+        driver.runner.model = MirroredModel(driver.model, self.workers)
+        logger.info("tensor parallel: %d ranks, workers %s", self.world_size, [p.pid for p in self.workers.procs])
+        return driver
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every rank's Worker; one result per rank, in rank order.
+
+        ``method`` names a Worker method, or is a function called as method(worker, *args,
+        **kwargs). Every rank runs it at the same time, so it may use the process group (each
+        rank's own calls, not mirrored). ``timeout`` bounds the wait for the other ranks after
+        rank 0's part has returned (TimeoutError).
+        """
+        kwargs = dict(kwargs or {})
+        if isinstance(method, str):
+            if not callable(getattr(self.driver, method, None)) or method.startswith("_"):
+                raise ValueError(f"collective_rpc: method={method!r} is not a Worker method")
+        elif not callable(method):
+            raise TypeError(f"collective_rpc: method must be a Worker method name or a callable, got {type(method).__name__}")
+        if self.workers is None:
+            return [self.driver.execute_method(method, args, kwargs)]
+        from tokenmill.distributed.mirror import mirroring_paused
+
+        call_id = self.workers.send_rpc(method, args, kwargs)
+        name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        try:
+            with mirroring_paused(self.driver.runner.model):
+                mine = self.driver.execute_method(method, args, kwargs)
+        except Exception:
+            self.workers.check_alive()  # a worker's death explains a failed collective best
+            raise
+        return [mine, *self.workers.collect_rpc(call_id, timeout, f"collective_rpc({name})")]
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (idempotent; also runs when the executor is collected)."""
+        if self.workers is not None:
+            self.workers.stop()

@@ -1,0 +1,256 @@
+"""Ranks 1..N-1 as rank 0 sees them: worker processes, their control pipes, a watchdog, shutdown.
+
+Failure handling, in one place:
+- a watchdog thread per worker waits for its process to end; an end nobody asked for is
+  recorded (and, on NCCL, the group is aborted so a collective waiting on the dead rank returns);
+- every announcement checks that record first, so the call after a death fails at once;
+- a mirrored call that fails or is interrupted midway leaves the ranks out of step, so
+  ``step_guard`` stops every worker and raises a RuntimeError naming the cause (a dead rank,
+  when one died; gloo itself notices a dead peer's closed socket within milliseconds);
+- stopping is idempotent and also runs when the owner is garbage-collected or the interpreter
+  exits (weakref.finalize): a graceful Stop, then SIGTERM, then SIGKILL, and every process reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from tokenmill.distributed.messages import Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
+from tokenmill.distributed.process_group import abort_group, create_group, create_store
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.models.source import ModelSource
+
+STOP_GRACE_S = 5.0  # a worker told to stop exits at once; this bounds one that does not
+DEATH_GRACE_S = 2.0  # after a failed collective, how long to wait for the dead rank's exit to show
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone (or the workers were stopped after a failed step)."""
+
+
+@dataclass
+class _Shared:
+    """What the watchdog threads and the finalizer share with WorkerProcesses. They must not hold
+    the WorkerProcesses itself: it has to stay collectable, so that deleting the LLM stops them."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    failure: str | None = None  # why the workers can no longer run steps
+    group: Any = None
+
+
+class WorkerProcesses:
+    def __init__(
+        self, config: "EngineConfig", source: "ModelSource", load_format: str, device: "torch.device", num_threads: int
+    ):
+        """Start ranks 1..N-1 and join the process group with them; returns once joined."""
+        self.world_size = config.tensor_parallel_size
+        self._shared = _Shared()
+        self.procs, self.conns = self._shared.procs, self._shared.conns
+        self._next_call_id = 0
+        self._finalizer = weakref.finalize(self, _stop_workers, self._shared)
+        try:
+            store = create_store(self.world_size)
+            for rank in range(1, self.world_size):
+                self._start(WorkerSetup(rank, config, source, load_format, store.port, num_threads, list(sys.path)))
+            # Rank 0 joins last: joining blocks until every rank has, so a worker that failed
+            # first must be noticed here, not after the collective timeout.
+            self._receive_all("start-up", lambda message: isinstance(message, (Joining, Reply)))
+            self.group = self._shared.group = create_group(store, 0, self.world_size, device)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    @property
+    def failure(self) -> str | None:
+        return self._shared.failure
+
+    def _start(self, setup: WorkerSetup) -> None:
+        mine, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[2])  # the tokenmill that runs here
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        with theirs:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.distributed.worker_process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches rank 0 only, which stops the workers in order
+            )
+        self.procs.append(proc)
+        conn = Connection(mine.detach())
+        self.conns.append(conn)
+        send(conn, setup)
+        watchdog = threading.Thread(
+            target=_watch, args=(self._shared, setup.rank, proc), name=f"tokenmill-watch-rank{setup.rank}", daemon=True
+        )
+        watchdog.start()
+
+    # ---- start-up and collective_rpc ------------------------------------------------------
+    def wait_until_ready(self) -> None:
+        """Wait for every worker to report its shard loaded (or raise with its traceback)."""
+        self._receive_all("start-up", lambda reply: isinstance(reply, Reply) and reply.call_id == -1)
+
+    def send_rpc(self, method: Any, args: tuple, kwargs: dict) -> int:
+        payload = dumps_value((method, args, kwargs), f"collective_rpc method {method!r} with its arguments")
+        self._next_call_id += 1
+        self._send_all(RpcCall(self._next_call_id, payload), "collective_rpc")
+        return self._next_call_id
+
+    def collect_rpc(self, call_id: int, timeout: float | None, what: str) -> list[Any]:
+        """The results of ranks 1..N-1 for call ``call_id``, in rank order."""
+        replies = self._receive_all(what, lambda reply: isinstance(reply, Reply) and reply.call_id == call_id, timeout)
+        return [pickle.loads(reply.payload) for reply in replies]
+
+    def _receive_all(self, what: str, accept: Callable[[Any], bool], timeout: float | None = None) -> list[Any]:
+        """One accepted message from each worker, in rank order; others (late replies to a call
+        that timed out) are dropped. A Reply that reports an error raises it, with its traceback."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        found: dict[int, Any] = {}
+        pending = {conn: rank for rank, conn in enumerate(self.conns, start=1)}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending), timeout=left)
+            if not ready:
+                raise TimeoutError(f"{what}: no answer from ranks {sorted(pending.values())} within {timeout} s")
+            for conn in ready:
+                rank = pending[conn]
+                try:
+                    message = receive(conn)
+                except (EOFError, OSError):
+                    self._raise_dead(rank, f"during {what}")
+                if accept(message):
+                    found[rank] = message
+                    del pending[conn]
+        for rank, message in sorted(found.items()):
+            if isinstance(message, Reply) and not message.ok:
+                raise RuntimeError(f"{what} failed on tensor-parallel rank {rank}:\n{message.error}")
+        return [found[rank] for rank in sorted(found)]
+
+    # ---- mirrored calls -------------------------------------------------------------------
+    def announce(self, message: Any) -> None:
+        """Tell every worker which call comes next (its tensors follow by broadcast)."""
+        self._send_all(message, "a step")
+
+    def _send_all(self, message: Any, what: str) -> None:
+        self.check_alive()
+        data = pickle.dumps(message)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._raise_dead(rank, f"before {what}")
+
+    @contextlib.contextmanager
+    def step_guard(self) -> Iterator[None]:
+        """Around one mirrored call: if it fails or is interrupted midway, stop every worker."""
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, WorkerDiedError):
+                self.stop(graceful=False)
+                raise
+            if not isinstance(exc, KeyboardInterrupt):
+                self._wait_for_failure(DEATH_GRACE_S)  # a collective may fail before the exit is seen
+            reason = self.failure or (
+                "a tensor-parallel step was interrupted" if isinstance(exc, KeyboardInterrupt)
+                else f"a tensor-parallel step failed on rank 0: {exc!r}"
+            )
+            self._shared.failure = reason
+            self.stop(graceful=False)
+            if isinstance(exc, Exception):
+                raise WorkerDiedError(_dead_message(reason)) from exc
+            raise
+
+    def check_alive(self) -> None:
+        if self.failure is not None:
+            raise WorkerDiedError(_dead_message(self.failure))
+
+    def _wait_for_failure(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _raise_dead(self, rank: int, when: str) -> None:
+        proc = self.procs[rank - 1]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=DEATH_GRACE_S)
+        if self.failure is None:
+            code = proc.returncode
+            state = _describe_exit(code) if code is not None else "its control pipe closed"
+            self._shared.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died {when}: {state}"
+        self.stop(graceful=False)
+        raise WorkerDiedError(_dead_message(self.failure or ""))
+
+    # ---- shutdown -------------------------------------------------------------------------
+    def stop(self, graceful: bool = True) -> None:
+        """Stop and reap every worker (idempotent)."""
+        self._finalizer.detach()
+        _stop_workers(self._shared, graceful)
+        if self._shared.failure is None:
+            self._shared.failure = "the tensor-parallel workers were shut down"
+
+
+def _watch(shared: _Shared, rank: int, proc: subprocess.Popen) -> None:
+    """Watchdog thread: record a worker's death unless it was told to stop."""
+    code = proc.wait()
+    if shared.stopping.is_set() or shared.failure is not None:
+        return
+    shared.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {_describe_exit(code)}"
+    with contextlib.suppress(Exception):
+        abort_group(shared.group)
+
+
+def _stop_workers(shared: _Shared, graceful: bool = True) -> None:
+    """A Stop message (when graceful), then SIGTERM, then SIGKILL; every process reaped."""
+    if shared.stopping.is_set():
+        return
+    shared.stopping.set()
+    if graceful:
+        for conn in shared.conns:
+            with contextlib.suppress(OSError):
+                send(conn, Stop())
+    deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0.0)
+    for proc in shared.procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    for conn in shared.conns:
+        conn.close()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _dead_message(reason: str) -> str:
+    return f"{reason}. The tensor-parallel workers are stopped and this LLM cannot run more steps; create a new LLM"

@@ -1,0 +1,40 @@
+"""A tensor of a safetensors checkpoint that is read only as far as it is sliced.
+
+Under tensor parallelism each rank keeps 1/N of most weights. Handing the weight loaders the
+whole tensor would make every rank read (and page in) the whole checkpoint; a CheckpointTensor
+instead reads just the rows or columns a loader asks for through ``narrow``. It offers the two
+tensor operations the weight loaders use, ``shape`` and ``narrow``, plus ``[...]`` for a whole
+read, so a loader accepts either a CheckpointTensor or a plain ``torch.Tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CheckpointTensor:
+    """One named tensor of an open ``safe_open`` file; valid only while that file is open."""
+
+    def __init__(self, file_slice: Any, name: str):
+        self._slice = file_slice  # safetensors' PySafeSlice: indexing reads only the indexed part
+        self.name = name
+        self.shape = torch.Size(file_slice.get_shape())
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """``tensor.narrow(dim, start, length)``, reading only those elements from the file."""
+        if not 0 <= dim < self.ndim or start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"cannot narrow {self.name!r} of shape {tuple(self.shape)} to dim {dim}, [{start}, {start + length})")
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+    def __repr__(self) -> str:
+        return f"CheckpointTensor({self.name!r}, shape={tuple(self.shape)})"
