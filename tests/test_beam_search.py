@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB
 from reference import hf_beam_search, hf_greedy, hf_model, hf_next_logprobs
 from test_generate import as_inputs, make_llm, random_prompts
 from tokenmill import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, SamplingParams
@@ -50,8 +49,9 @@ def with_frequent_eos(src: Path, dst: Path, prompts: list[list[int]]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return random_prompts(TINY_VOCAB, [3, 21, 40], seed=5)
+def prompts(tiny_llama_dir):
+    vocab_size = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    return random_prompts(vocab_size, [3, 21, 40], seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,9 @@ def test_beams_equal_transformers_beam_search(path_fixture, cases, request, prom
     assert_cache_released(llm)
 
 
+SCRIPTED_VOCAB = 256
+
+
 def scripted_logprobs(ids: list[int], prompt_len: int, eos_ids: tuple[int, ...]) -> torch.Tensor:
     """A made-up next-token distribution, a fixed function of the sequence, that makes every rule
     matter: at the first step the eos tokens sit right behind the best token (with several eos ids,
@@ -118,7 +121,7 @@ def scripted_logprobs(ids: list[int], prompt_len: int, eos_ids: tuple[int, ...])
     transformers' stop heuristic fires, sometimes before the best hypothesis is found."""
     generated = len(ids) - prompt_len
     gen = torch.Generator().manual_seed(hash(tuple(ids)) & 0x7FFFFFFF)
-    logits = torch.randn(TINY_VOCAB, generator=gen) * (1.0 + generated)
+    logits = torch.randn(SCRIPTED_VOCAB, generator=gen) * (1.0 + generated)
     if generated == 0:
         logits[list(eos_ids)] = logits.max() - 0.01 * torch.arange(1, len(eos_ids) + 1)
     elif generated < 3:
@@ -165,7 +168,7 @@ def test_search_rule_equals_transformers_on_scripted_distributions():
 
     # The model only carries transformers' generate loop (its logits are replaced): the smallest will do.
     config = LlamaConfig(
-        vocab_size=TINY_VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+        vocab_size=SCRIPTED_VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
         num_key_value_heads=1, pad_token_id=0,
     )
     model = LlamaForCausalLM(config).eval()
