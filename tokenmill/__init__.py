@@ -25,6 +25,16 @@ _PUBLIC = {
     "Logprob": "tokenmill.outputs",
     "BeamSearchOutput": "tokenmill.outputs",
     "BeamSearchSequence": "tokenmill.outputs",
+    "PoolingParams": "tokenmill.pooling_params",
+    "PoolerConfig": "tokenmill.pooling_config",
+    "PoolingOutput": "tokenmill.outputs",
+    "PoolingRequestOutput": "tokenmill.outputs",
+    "EmbeddingOutput": "tokenmill.outputs",
+    "EmbeddingRequestOutput": "tokenmill.outputs",
+    "ClassificationOutput": "tokenmill.outputs",
+    "ClassificationRequestOutput": "tokenmill.outputs",
+    "ScoringOutput": "tokenmill.outputs",
+    "ScoringRequestOutput": "tokenmill.outputs",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -33,7 +43,23 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.llm import LLM
-    from tokenmill.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+    from tokenmill.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        ClassificationOutput,
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
+    from tokenmill.pooling_config import PoolerConfig
+    from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
     from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 

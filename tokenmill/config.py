@@ -49,6 +49,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
     tokenizer_mode: str = "auto"
+    # Pooling models (vLLM's names; see tokenmill/pooling_config.py).
+    runner: str = "auto"  # "auto" | "generate" | "pooling"
+    convert: str = "auto"  # "auto" | "none" | "embed" | "classify"
+    task: str | None = None  # vLLM's older spelling: "generate" | "embed" | "classify" | "score"
+    pooler_config: Any = None  # a PoolerConfig or a dict of its fields
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -84,6 +89,11 @@ class EngineArgs:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _check(self.tokenizer_mode in ("auto", "hf"), "tokenizer_mode", self.tokenizer_mode, "'auto' or 'hf' (both load the Hugging Face tokenizer)")
+        from tokenmill.pooling_config import CONVERTS, RUNNERS, TASK_SPELLINGS
+
+        _check(self.runner in RUNNERS, "runner", self.runner, f"one of {RUNNERS}")
+        _check(self.convert in CONVERTS, "convert", self.convert, f"one of {CONVERTS}")
+        _check(self.task is None or self.task in TASK_SPELLINGS, "task", self.task, f"None or one of {tuple(TASK_SPELLINGS)}")
         _check(
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",

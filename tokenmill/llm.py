@@ -14,7 +14,8 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.inputs import PromptType, render_chat_prompt
 from tokenmill.engine.beam_search import beam_search_output
-from tokenmill.outputs import BeamSearchOutput, RequestOutput
+from tokenmill.llm_pooling import PoolingMethods
+from tokenmill.outputs import BeamSearchOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _R = TypeVar("_R")
@@ -30,7 +31,7 @@ _GENERATION_DEFAULTS = {
 }
 
 
-class LLM:
+class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score for pooling models
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any):
         self.args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.args)
@@ -61,6 +62,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order."""
+        self._refuse_pooling_model("generate")
         prompts = _prompt_list(prompts)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
@@ -92,6 +94,7 @@ class LLM:
         with the other prompts' beams) and follows transformers' beam search (see
         `BeamSearchParams`). ``concurrency_limit`` searches that many prompts at a time (default: all).
         """
+        self._refuse_pooling_model("beam_search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if lora_request is not None:
@@ -239,6 +242,7 @@ class LLM:
         continue_final_message: bool,
         tools: list[dict] | None,
     ) -> list[PromptType]:
+        self._refuse_pooling_model("chat")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -320,7 +324,7 @@ def _read_generation_config(folder: str) -> dict:
 
 
 class _Progress:
-    """tqdm bar: requests done, with generated tokens per second."""
+    """tqdm bar: requests done, with generated tokens per second (prompt tokens for pooling models)."""
 
     def __init__(self, total: int, enabled: bool):
         self.bar = None
@@ -328,14 +332,17 @@ class _Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-        self.generated = 0
+        self.tokens = 0
 
-    def finished(self, output: RequestOutput) -> None:
+    def finished(self, output: RequestOutput | PoolingRequestOutput) -> None:
         if self.bar is None:
             return
-        self.generated += sum(len(c.token_ids) for c in output.outputs)
+        if isinstance(output, PoolingRequestOutput):
+            kind, self.tokens = "input", self.tokens + len(output.prompt_token_ids)
+        else:
+            kind, self.tokens = "output", self.tokens + sum(len(c.token_ids) for c in output.outputs)
         elapsed = self.bar.format_dict.get("elapsed") or 1e-9
-        self.bar.set_postfix_str(f"output {self.generated / elapsed:,.0f} tok/s", refresh=False)
+        self.bar.set_postfix_str(f"{kind} {self.tokens / elapsed:,.0f} tok/s", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

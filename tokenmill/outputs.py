@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -72,3 +76,97 @@ class BeamSearchOutput:
     """The beams of one prompt, best first (``beam_width`` of them)."""
 
     sequences: list[BeamSearchSequence]
+
+
+# ---- pooling models (LLM.encode / embed / classify / score) ----------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """What the pooler produced for one request: a CPU float32 tensor whose shape depends on the task
+    ([hidden] for embed, [num_tokens, hidden] for token_embed, [num_labels] for classify and score)."""
+
+    data: "torch.Tensor"
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+def _one_vector(output: PoolingOutput, what: str) -> list[float]:
+    if output.data.ndim != 1:
+        raise ValueError(f"{what} must be one vector, got a tensor of shape {tuple(output.data.shape)}")
+    return output.data.tolist()
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "EmbeddingOutput":
+        return EmbeddingOutput(_one_vector(output, "an embedding"))
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (the raw logits when use_activation=False)
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ClassificationOutput":
+        return ClassificationOutput(_one_vector(output, "class probabilities"))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ScoringOutput":
+        data = output.data.squeeze()
+        if data.ndim != 0:
+            raise ValueError(f"a score is one number, got a tensor of shape {tuple(output.data.shape)}")
+        return ScoringOutput(float(data.item()))
+
+
+@dataclass
+class _TypedPoolingRequestOutput(PoolingRequestOutput):
+    """A PoolingRequestOutput whose ``outputs`` is read as one task's output type."""
+
+    output_type: ClassVar[Any]
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> Any:
+        return cls(output.request_id, cls.output_type.from_base(output.outputs), output.prompt_token_ids,
+                   output.finished, output.num_cached_tokens)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TypedPoolingRequestOutput):
+    outputs: EmbeddingOutput  # type: ignore[assignment]
+    output_type: ClassVar[Any] = EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(_TypedPoolingRequestOutput):
+    outputs: ClassificationOutput  # type: ignore[assignment]
+    output_type: ClassVar[Any] = ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(_TypedPoolingRequestOutput):
+    outputs: ScoringOutput  # type: ignore[assignment]
+    output_type: ClassVar[Any] = ScoringOutput

@@ -20,6 +20,7 @@ from typing import Any, Callable, TextIO
 
 from tokenmill.batch.journal import Journal, ResumeError, fingerprint, sidecar_dir
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
+from tokenmill.batch.pooling import PoolingRows, pooling_parquet_schema, pooling_records
 from tokenmill.batch.progress import Progress, format_duration
 from tokenmill.batch.readers import RawRow, detect_format, read_rows, scan_input
 from tokenmill.batch.requests import PromptSettings, RowError, RowRequest, build_row_request, row_sampling_params
@@ -54,6 +55,8 @@ class JobConfig:
     fsync_interval: float = 1.0
     progress: bool = True
     log_interval: float = 10.0
+    task: str = "generate"  # or a pooling task: "embed", "classify", "score" (see batch/pooling.py)
+    pooling: dict[str, Any] = field(default_factory=dict)  # job-wide PoolingParams values (rows may override)
 
 
 @dataclass
@@ -106,7 +109,7 @@ class JobSummary:
 
 def job_settings(config: JobConfig, input_format: str, input_info: Any, output_shape: str) -> dict[str, Any]:
     """Everything that decides what the output holds: a resumed run must match it exactly."""
-    return {
+    settings = {
         "input_format": input_format,
         "input_digest": input_info.digest,
         "input_size": input_info.size,
@@ -118,6 +121,9 @@ def job_settings(config: JobConfig, input_format: str, input_info: Any, output_s
         "seed": config.seed,
         "output_shape": output_shape,
     }
+    if config.task != "generate":  # only then, so generation jobs started earlier still resume
+        settings.update(task=config.task, pooling=dict(sorted(config.pooling.items())))
+    return settings
 
 
 def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
@@ -134,6 +140,8 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
     if os.path.abspath(input_path) in (os.path.abspath(output), os.path.abspath(sidecar_dir(output))):
         raise ValueError("the output must not be the input file")
     fmt = detect_format(input_path, config.input_format)
+    if fmt == "openai" and config.task != "generate":
+        raise ValueError(f"--task {config.task} reads rows (JSONL, CSV, Parquet), not OpenAI batch requests")
     out_fmt = output_format(output)
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
@@ -164,7 +172,8 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
         progress.close()
         if not interrupted:
             if out_fmt == "parquet":
-                jsonl_to_parquet(data_path, output)
+                schema = pooling_parquet_schema(config.task) if config.task != "generate" else None
+                jsonl_to_parquet(data_path, output, schema)
             journal.mark_complete()
         else:
             journal.sync()
@@ -181,7 +190,10 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
 def load_llm(config: JobConfig) -> Any:
     from tokenmill import LLM
 
-    return LLM(model=config.model, seed=config.seed, **config.engine)
+    engine = dict(config.engine)
+    if config.task != "generate":
+        engine.setdefault("runner", "pooling")
+    return LLM(model=config.model, seed=config.seed, **engine)
 
 
 def base_sampling(llm: Any, explicit: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +212,9 @@ class _InFlight:
     request: RowRequest
     prompt_tokens: int = 0  # as reported to the progress (0 until the first output)
     generated_seen: int = 0
+    # Pooling rows: the engine requests of the row and the outputs of those already finished.
+    part_ids: list[str] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
 
 
 class _Loop:
@@ -214,6 +229,7 @@ class _Loop:
         self.model_name = config.model
         self.created = int(time.time())
         self.base = base_sampling(llm, config.sampling)
+        self.pooling = PoolingRows(config.task, llm, config.prompt, config.pooling) if config.task != "generate" else None
         self.keep_logprobs = self.base.get("logprobs") is not None
         self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * _max_num_seqs(self.engine, config)
         self.inflight: dict[str, _InFlight] = {}
@@ -251,27 +267,41 @@ class _Loop:
         try:
             if raw.error is not None:
                 raise RowError(raw.error)
-            request = build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)
-            row_id = request.row_id
-            params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id)
-            if request.messages is not None:
-                from tokenmill.inputs import render_chat_prompt
-
-                ids = render_chat_prompt(self.tokenizer, request.messages, chat_template=self.config.chat_template,
-                                         where=f"row {raw.index} messages")
-                prompt: Any = {"prompt_token_ids": ids}
-            elif request.prompt_token_ids is not None:
-                prompt = {"prompt_token_ids": request.prompt_token_ids}
+            if self.pooling is not None:
+                request, parts = self.pooling.build(raw)
+                row_id = request.row_id
             else:
-                prompt = request.prompt
-            request_id = f"row-{raw.index}"
-            self.engine.add_request(request_id, prompt, params)
-            self.inflight[request_id] = _InFlight(request)
+                request = build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)
+                row_id = request.row_id
+                parts = [(f"row-{raw.index}", self._prompt(request, raw.index),
+                          row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id))]
+            flight = _InFlight(request, part_ids=[request_id for request_id, _, _ in parts])
+            try:
+                for request_id, prompt, params in parts:
+                    self.engine.add_request(request_id, prompt, params)
+                    self.inflight[request_id] = flight
+            except self._row_errors:
+                added = [request_id for request_id in flight.part_ids if request_id in self.inflight]
+                self.engine.abort_request(added)  # all of the row's requests run, or none
+                for request_id in added:
+                    del self.inflight[request_id]
+                raise
             self.progress.on_submitted()
         except self._row_errors as e:
             if isinstance(e, RowError) and e.row_id is not None:
                 row_id = e.row_id
             self._fail(raw.index, row_id, _row_message(raw, e), request)
+
+    def _prompt(self, request: RowRequest, index: int) -> Any:
+        if request.messages is not None:
+            from tokenmill.inputs import render_chat_prompt
+
+            ids = render_chat_prompt(self.tokenizer, request.messages, chat_template=self.config.chat_template,
+                                     where=f"row {index} messages")
+            return {"prompt_token_ids": ids}
+        if request.prompt_token_ids is not None:
+            return {"prompt_token_ids": request.prompt_token_ids}
+        return request.prompt
 
     def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None) -> None:
         meta = request.openai if request is not None else None
@@ -283,6 +313,9 @@ class _Loop:
         for out in self.engine.step():
             flight = self.inflight.get(out.request_id)
             if flight is None:
+                continue
+            if self.pooling is not None:
+                self._pooled(flight, out)
                 continue
             prompt = 0
             if not flight.prompt_tokens:
@@ -297,6 +330,17 @@ class _Loop:
                 result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req))
                 self.pending.append((result, flight))
 
+    def _pooled(self, flight: _InFlight, out: Any) -> None:
+        """A pooling request is done (each finishes in one step); the row is, once all its parts are."""
+        del self.inflight[out.request_id]
+        flight.outputs[out.request_id] = out
+        flight.prompt_tokens += len(out.prompt_token_ids)
+        self.progress.on_tokens(len(out.prompt_token_ids), 0)
+        if len(flight.outputs) == len(flight.part_ids):
+            assert self.pooling is not None
+            result = self.pooling.result(flight.request, [flight.outputs[i] for i in flight.part_ids])
+            self.pending.append((result, flight))
+
     def _commit(self) -> None:
         if not self.pending:
             return
@@ -306,6 +350,8 @@ class _Loop:
         for result, _ in self.pending:
             if self.shape == "openai":
                 records.append(openai_record(result, self.model_name, self.created, self.job_key))
+            elif self.pooling is not None:
+                records.extend(pooling_records(result, self.config.task))
             else:
                 records.extend(generic_records(result))
             rows.append(result.index)

@@ -82,7 +82,7 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     """Translate one generic row; raises RowError naming the field at fault."""
     record = raw.record
     assert record is not None
-    row_id = _row_id(record, raw.index, settings.id_field)
+    row_id = row_id_of(record, raw.index, settings.id_field)
     where = raw.where or f"row {raw.index}"
     request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id))
     if settings.prompt_template is not None:
@@ -121,7 +121,7 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     return request
 
 
-def _row_id(record: dict[str, Any], index: int, id_field: str | None) -> Any:
+def row_id_of(record: dict[str, Any], index: int, id_field: str | None) -> Any:
     if id_field is not None:
         if id_field not in record or record[id_field] is None:
             raise RowError(f"row {index} has no id field {id_field!r} (--id-field)", None)

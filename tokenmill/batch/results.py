@@ -46,6 +46,7 @@ class RowResult:
     samples: list[SampleResult] = field(default_factory=list)
     error: str | None = None
     openai: "OpenAIMeta | None" = None
+    pooled: dict[str, Any] | None = None  # a pooling task's output fields (see batch/pooling.py)
 
     @property
     def failed(self) -> bool:

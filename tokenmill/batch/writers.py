@@ -87,15 +87,16 @@ def generic_parquet_schema() -> Any:
     ])
 
 
-def jsonl_to_parquet(staging: str, output: str) -> int:
-    """Convert generic records from a staging JSONL into a Parquet file, atomically; returns rows written.
+def jsonl_to_parquet(staging: str, output: str, schema: Any = None) -> int:
+    """Convert records from a staging JSONL into a Parquet file, atomically; returns rows written.
 
-    ``id`` is stored as a string (ids may be ints in one row and strings in another).
+    ``schema`` defaults to the generic (generation) one. ``id`` is stored as a string (ids may be
+    ints in one row and strings in another).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = generic_parquet_schema()
+    schema = schema if schema is not None else generic_parquet_schema()
     tmp = f"{output}.tmp"
     written = 0
     with pq.ParquetWriter(tmp, schema) as writer:

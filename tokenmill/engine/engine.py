@@ -26,10 +26,13 @@ from tokenmill.distributed.executor import Executor
 from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.pooling import PoolingEngine
 from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestMetrics, RequestOutput
+from tokenmill.pooling_config import resolve_pooling
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tokenmill.worker.model_runner import StepResult
 
@@ -46,9 +49,18 @@ class LLMEngine:
             trust_remote_code=args.trust_remote_code,
         )
         self.config: EngineConfig = create_engine_config(args, self.source)
+        pooling_config = resolve_pooling(args, self.source)  # None: a generative model
+        if pooling_config is not None:
+            self.config = pooling_config.engine_config(self.config, args)
         self.model_config = self.config  # vLLM code reads llm_engine.model_config.max_model_len
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
         torch.manual_seed(args.seed)
+        # A pooling model is served by PoolingEngine (one rank, no KV cache, sampler or decode graphs);
+        # every public method below hands over to it.
+        self.pooling: PoolingEngine | None = None
+        if pooling_config is not None:
+            self.pooling = PoolingEngine(self.config, self.source, pooling_config, self.tokenizer, args.load_format)
+            return
         # Loads the model on every tensor-parallel rank and sizes and allocates the KV cache there;
         # the engine steps rank 0's runner (tokenmill/distributed/ when there are several ranks).
         self.executor = Executor(self.config, self.source, args.load_format)
@@ -70,7 +82,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
         *,
         index: int | None = None,
     ) -> None:
@@ -78,6 +90,8 @@ class LLMEngine:
 
         With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
         """
+        if self.pooling is not None:
+            return self.pooling.add_request(request_id, prompt, params, index=index)
         params = params if params is not None else SamplingParams()
         where = f"prompts[{index}]" if index is not None else "prompt"
         beam_params = params if isinstance(params, BeamSearchParams) else None
@@ -111,6 +125,8 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if self.pooling is not None:
+            return self.pooling.abort_request(request_ids)
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             request = self.requests.pop(request_id, None)
@@ -123,17 +139,23 @@ class LLMEngine:
                     self.scheduler.finish(seq)
 
     def get_num_unfinished_requests(self) -> int:
+        if self.pooling is not None:
+            return self.pooling.get_num_unfinished_requests()
         return len(self.requests)
 
     # ---- stepping -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
+        if self.pooling is not None:
+            return self.pooling.has_unfinished_requests()
         return bool(self.requests)
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput] | list[PoolingRequestOutput]:
         """Run one engine step; return the outputs of the requests it advanced (or only finished ones).
 
         With asynchronous scheduling the outputs are those of the step launched by the previous call.
         """
+        if self.pooling is not None:
+            return self.pooling.step(finished_only)
         overlap = self.config.async_scheduling and not self._history_readers
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and not overlap:
@@ -403,12 +425,16 @@ class LLMEngine:
             raise ValueError(f"could not load the tokenizer from {path!r}: {exc}") from exc
 
     def reset_prefix_cache(self) -> bool:
+        if self.pooling is not None:
+            return True  # a pooling model keeps no cache
         return self.kv.pool.reset_prefix_cache()
 
     def collective_rpc(
         self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor."""
+        if self.pooling is not None:
+            return self.pooling.collective_rpc(method, timeout, args, kwargs)
         return self.executor.collective_rpc(method, timeout, args, kwargs)
 
 

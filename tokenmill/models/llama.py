@@ -24,14 +24,10 @@ from tokenmill.attention.metadata import ForwardContext
 from tokenmill.models.layers.activation import SiluAndMul
 from tokenmill.models.layers.attention import Attention
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.models.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    default_weight_loader,
-)
+from tokenmill.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.weights import hf_weight_names, load_hf_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -41,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # (stacked parameter, HF name part, shard id): HF stores these projections separately.
-_STACKED = (
+STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
     (".qkv_proj.", ".k_proj.", "k"),
     (".qkv_proj.", ".v_proj.", "v"),
@@ -49,7 +45,7 @@ _STACKED = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 # Checkpoint entries that are not weights (old HF checkpoints saved the rope buffer).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 @dataclass(frozen=True)
@@ -195,54 +191,19 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]]) -> None:
         """Copy Hugging Face-named tensors into this rank's parameters; every weight must be covered once."""
-        params = dict(self.named_parameters())
-        expected = self.expected_weight_names()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
+
+        def rename(name: str) -> str | None:
+            if name.endswith(IGNORED_SUFFIXES):
+                return None
             if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # tied: the embedding is the head; HF ignores this copy too
-            target, shard_id = _param_name(name)
-            param = params.get(target)
-            if param is None or name not in expected:
-                unexpected.append(name)
-                continue
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as exc:
-                raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from exc
-            loaded.add(name)
-        missing = sorted(expected - loaded)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint does not match {type(self).__name__}: "
-                f"missing tensors {_summary(missing)}; unexpected tensors {_summary(sorted(unexpected))}"
-            )
+                return None  # tied: the embedding is the head; HF ignores this copy too
+            return name
+
+        load_hf_weights(self, weights, STACKED, rename)
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            stacked = {name.replace(ours, hf) for ours, hf, _ in _STACKED if ours in name}
-            names.update(stacked or {name})
-        return names
-
-
-def _param_name(hf_name: str) -> tuple[str, Any]:
-    for ours, hf, shard_id in _STACKED:
-        if hf in hf_name:
-            return hf_name.replace(hf, ours), shard_id
-    return hf_name, None
-
-
-def _summary(names: list[str], limit: int = 12) -> str:
-    if not names:
-        return "none"
-    shown = ", ".join(names[:limit])
-    return f"({len(names)}) {shown}" + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+        return hf_weight_names(self, STACKED)
 
 
 def _sliding_window(config: "PretrainedConfig") -> int | None:

@@ -51,8 +51,12 @@ def load_model(
     tp_size: int = 1,
     tp_group: Any = None,
     seed: int = 0,
+    architecture: str | None = None,
 ) -> nn.Module:
-    """The model of ``source`` in eval mode with gradients off, on ``device`` in ``dtype``."""
+    """The model of ``source`` in eval mode with gradients off, on ``device`` in ``dtype``.
+
+    ``architecture`` overrides the config's (a causal LM run as an embedder loads as its base model).
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {list(LOAD_FORMATS)}")
     if not dtype.is_floating_point:
@@ -64,7 +68,7 @@ def load_model(
         )
     if fmt != "dummy" and source.weights_path is None:
         raise ValueError(f"model {source.name!r} has no weight files: {_describe_missing(source)}")
-    model_cls = get_model_class(architecture_of(source.hf_config))
+    model_cls = get_model_class(architecture or architecture_of(source.hf_config))
     device = torch.device(device)
     with torch.no_grad(), _default_dtype(dtype), device:
         model = model_cls(source.hf_config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)

@@ -21,6 +21,28 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
 }
 
+# Pooling models: HF ``architectures[0]`` -> (module, class name, the pooling task its head serves).
+_POOLING_MODELS: dict[str, tuple[str, str, str]] = {
+    "BertModel": ("tokenmill.models.bert", "BertModel", "embed"),
+    "BertForSequenceClassification": ("tokenmill.models.bert", "BertForSequenceClassification", "classify"),
+    "LlamaModel": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),
+    "MistralModel": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),
+    "Qwen2Model": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),
+    "Qwen3Model": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),
+    "LlamaForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
+    "MistralForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
+    "Qwen2ForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
+    "Qwen3ForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
+}
+
+# A causal LM run as an embedder (runner="pooling") is its base model without the LM head.
+_BASE_MODEL_OF: dict[str, str] = {
+    "LlamaForCausalLM": "LlamaModel",
+    "MistralForCausalLM": "MistralModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
+}
+
 # Configs made from GGUF metadata carry a model_type but no architectures list.
 _MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -31,11 +53,22 @@ _MODEL_TYPE_TO_ARCH: dict[str, str] = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted({*_MODELS, *_POOLING_MODELS})
 
 
 def is_supported(arch: str) -> bool:
-    return arch in _MODELS
+    return arch in _MODELS or arch in _POOLING_MODELS
+
+
+def pooling_task_of(arch: str) -> str | None:
+    """"embed" or "classify" for a pooling architecture; None for a generative one."""
+    entry = _POOLING_MODELS.get(arch)
+    return entry[2] if entry else None
+
+
+def embedding_architecture_of(arch: str) -> str | None:
+    """The embedding architecture that serves a causal LM run as a pooling model, if there is one."""
+    return _BASE_MODEL_OF.get(arch)
 
 
 def architecture_of(config: "PretrainedConfig") -> str:
@@ -53,7 +86,10 @@ def architecture_of(config: "PretrainedConfig") -> str:
 
 
 def get_model_class(arch: str) -> type["nn.Module"]:
-    if arch not in _MODELS:
+    if arch in _MODELS:
+        module_name, class_name = _MODELS[arch]
+    elif arch in _POOLING_MODELS:
+        module_name, class_name, _ = _POOLING_MODELS[arch]
+    else:
         raise ValueError(f"model architecture {arch!r} is not supported; supported: {supported_architectures()}")
-    module_name, class_name = _MODELS[arch]
     return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,149 @@
+"""`tokenmill run --task embed|classify|score` on tiny random BERT models: records match LLM.embed /
+classify / score (themselves checked against transformers and sentence-transformers), bad rows fail
+alone, Parquet output has a typed schema, and an interrupted job resumes with every row once."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill import PoolingParams
+from tokenmill.batch.job import JobConfig, run_job
+from tokenmill.batch.journal import ResumeError
+from tokenmill.batch.requests import PromptSettings
+from tokenmill.cli import main
+
+@pytest.fixture
+def texts(random_sentences):
+    return lambda count, seed=0: random_sentences(count, seed, high=15)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def job(tmp_path, llm, rows, task, output="out.jsonl", **overrides):
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    config = JobConfig(input=str(source), output=str(tmp_path / output), model="tiny", task=task, progress=False,
+                       **overrides)
+    return run_job(config, llm=llm)
+
+
+def by_row(records):
+    rows = {}
+    for record in records:
+        assert record["row"] not in rows, f"row {record['row']} written twice"
+        rows[record["row"]] = record
+    return rows
+
+
+def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embedder_llm, texts):
+    words = texts(6)
+    rows = [{"id": f"r{i}", "prompt": t} for i, t in enumerate(words)]
+    rows[2] = {"id": "r2", "body": words[2]}  # no prompt
+    rows[3] = {"id": "r3", "prompt": words[3], "pooling_params": {"normalize": True}}
+    rows.append({"id": "long", "prompt": " ".join(["cat"] * 60)})  # over max_model_len=48
+    rows.append({"id": "chat", "messages": [{"role": "user", "content": "hi"}]})
+    rows.append({"id": "bad", "prompt": "the cat", "pooling_params": {"dimension": 8}})
+    summary = job(tmp_path, bert_embedder_llm, rows, "embed", pooling={"normalize": False})
+    assert summary.exit_code == 3 and summary.failed == 4 and summary.rows_done == len(rows)
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    for i in (0, 1, 4, 5):
+        expected = bert_embedder_llm.embed(words[i], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+        assert records[i]["embedding"] == pytest.approx(expected, abs=1e-6)
+        assert records[i]["id"] == f"r{i}" and records[i]["error"] is None and records[i]["prompt_tokens"] > 2
+    normed = bert_embedder_llm.embed(words[3], PoolingParams(normalize=True), use_tqdm=False)[0].outputs.embedding
+    assert records[3]["embedding"] == pytest.approx(normed, abs=1e-6)  # the row's own pooling_params
+    for i, message in ((2, "has no prompt"), (6, "max_model_len=48"), (7, "not chat 'messages'"), (8, "unknown pooling parameter")):
+        assert records[i]["embedding"] is None and message in records[i]["error"]
+
+
+def test_classify_to_parquet_has_labels_and_probabilities(tmp_path, bert_classifier_llm, texts):
+    words = texts(7, seed=1)
+    summary = job(tmp_path, bert_classifier_llm, [{"text": t} for t in words], "classify", output="out.parquet",
+                  prompt=PromptSettings(text_field="text"))
+    assert summary.exit_code == 0
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("probs").type == pa.list_(pa.float32())
+    assert table.schema.field("label").type == pa.string()
+    records = by_row(table.to_pylist())
+    expected = bert_classifier_llm.classify(words, use_tqdm=False)
+    labels = ("negative", "neutral", "positive")
+    for i, out in enumerate(expected):
+        assert records[i]["probs"] == pytest.approx(out.outputs.probs, abs=1e-6)
+        assert records[i]["label"] == labels[max(range(3), key=out.outputs.probs.__getitem__)]
+
+
+@pytest.mark.parametrize("model", ["cross_encoder_llm", "bert_embedder_llm"])
+def test_score_rows_match_llm_score(tmp_path, request, model, texts):
+    llm = request.getfixturevalue(model)
+    first, second = texts(5, seed=2), texts(5, seed=3)
+    rows = [{"text_1": a, "text_2": b} for a, b in zip(first, second)] + [{"text_1": "the cat"}]
+    summary = job(tmp_path, llm, rows, "score")
+    assert summary.failed == 1
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    expected = llm.score(first, second, use_tqdm=False)
+    for i, out in enumerate(expected):
+        assert records[i]["score"] == pytest.approx(out.outputs.score, abs=1e-6)
+        assert records[i]["prompt_tokens"] == len(out.prompt_token_ids)
+    assert records[5]["score"] is None and "'text_2'" in records[5]["error"]
+
+
+def test_interrupted_embed_job_resumes_with_every_row_once(tmp_path, bert_embedder_llm, texts):
+    words = texts(12, seed=4)
+    rows = [{"prompt": t} for t in words]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    polls = []
+    config = JobConfig(input=str(source), output=str(output), model="tiny", task="embed", progress=False)
+    first = run_job(config, llm=bert_embedder_llm, should_stop=lambda: polls.append(1) or len(polls) > 2)
+    assert first.interrupted and 0 < first.rows_done < len(rows)
+    with pytest.raises(ResumeError, match="other settings"):
+        run_job(JobConfig(input=str(source), output=str(output), model="tiny", task="classify", progress=False),
+                llm=bert_embedder_llm)
+    second = run_job(config, llm=bert_embedder_llm)
+    assert second.complete and second.resumed_rows == first.rows_done
+    records = by_row(read_jsonl(output))
+    assert sorted(records) == list(range(len(rows)))
+    expected = bert_embedder_llm.embed(words, use_tqdm=False)
+    for i, out in enumerate(expected):
+        assert records[i]["embedding"] == pytest.approx(out.outputs.embedding, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--task", "embed", "--temperature", "0.5"], "--temperature do(es) not apply to --task embed"),
+        (["--task", "embed", "--chat"], "--chat do(es) not apply to --task embed"),
+        (["--dimensions", "8"], "--dimensions do(es) not apply to --task generate"),
+        (["--task", "classify"], "--task classify needs --model"),
+        (["--task", "score", "--text-field", "t"], "reads the pair from each row's text_1 and text_2"),
+        (["--task", "embed", "--dimensions", "0"], "PoolingParams.dimensions=0 is invalid"),
+    ],
+)
+def test_cli_usage_errors(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    assert main(["run", "in.jsonl", "-o", "o.jsonl", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_classify_job(tmp_path, tiny_bert_classifier_dir, bert_classifier_llm, capsys, texts):
+    words = texts(4, seed=5)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in words])
+    code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--task", "classify",
+                 "--model", str(tiny_bert_classifier_dir), "--dtype", "float32", "--device", "cpu", "--no-progress",
+                 "--no-use-activation"])
+    assert code == 0, capsys.readouterr().err
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    expected = bert_classifier_llm.classify(words, PoolingParams(use_activation=False), use_tqdm=False)
+    for i, out in enumerate(expected):
+        assert records[i]["probs"] == pytest.approx(out.outputs.probs, abs=1e-6)  # raw logits, as asked

@@ -1,0 +1,138 @@
+"""`tokenmill run --task embed|classify|score`: rows in, vectors, labels or scores out.
+
+A row's text comes from the same places as for generation (``--prompt-template``, ``--text-field``,
+the row's ``prompt`` or ``prompt_token_ids``); a score row carries the pair in ``text_1`` and
+``text_2``. A row may set PoolingParams fields (``dimensions``, ``normalize``, ``use_activation``,
+``truncate_prompt_tokens``) in a ``pooling_params`` object.
+
+Output records (besides ``row``, ``id``, ``prompt_tokens`` and ``error``):
+
+    embed     embedding  list[float]
+    classify  label      str          the most probable label (config.id2label)
+              probs      list[float]  one per label, in label order
+    score     score      float        a cross-encoder's score, or the cosine of the two embeddings
+
+A score row is one engine request for a cross-encoder (the pair read together) and two for an
+embedding model (one per text); the row is written when all of its requests are done.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.batch.requests import PromptSettings, RowError, RowRequest, build_row_request, row_id_of
+
+if TYPE_CHECKING:
+    from tokenmill.batch.readers import RawRow
+    from tokenmill.batch.results import RowResult
+    from tokenmill.outputs import PoolingRequestOutput
+    from tokenmill.pooling_params import PoolingParams
+
+POOLING_JOB_TASKS = ("embed", "classify", "score")
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"  # --task embed and score without --model
+TASK_FIELDS: dict[str, tuple[str, ...]] = {"embed": ("embedding",), "classify": ("label", "probs"), "score": ("score",)}
+# Engine requests of one row: (request id, prompt, params).
+Parts = list[tuple[str, Any, "PoolingParams"]]
+
+
+class PoolingRows:
+    """Turns rows into pooling requests for one task, and their outputs into row results."""
+
+    def __init__(self, task: str, llm: Any, settings: PromptSettings, job_params: dict[str, Any]):
+        engine = llm.llm_engine.pooling
+        if engine is None:
+            raise ValueError(f"--task {task} needs a pooling model, but {llm.llm_engine.config.model!r} runs as a generative model")
+        self.task, self.engine, self.settings, self.job_params = task, engine, settings, dict(job_params)
+        head = engine.pooling.head
+        # classify and embed need that head; score takes a cross-encoder or an embedding model.
+        if (task == "score" and "score" not in engine.pooling.tasks and head != "embed") or (task != "score" and head != task):
+            raise ValueError(f"--task {task}: {engine.unsupported(task)}")
+        self.cross_encoder = task == "score" and head == "classify"
+        self.labels = engine.pooling.labels or ()
+
+    def build(self, raw: "RawRow") -> tuple[RowRequest, Parts]:
+        """The row's request and its engine requests; raises RowError for a bad row."""
+        record = raw.record
+        assert record is not None
+        where = raw.where or f"row {raw.index}"
+        if self.task == "score":
+            request = RowRequest(index=raw.index, row_id=row_id_of(record, raw.index, self.settings.id_field))
+            text_1, text_2 = (_text(record, name, where, request.row_id) for name in ("text_1", "text_2"))
+            params = self._params(record, where, request.row_id, "score" if self.cross_encoder else "embed")
+            if self.cross_encoder:
+                try:
+                    return request, [(f"row-{raw.index}", self.engine.pair_prompt(text_1, text_2, params.truncate_prompt_tokens), params)]
+                except (TypeError, ValueError) as e:
+                    raise RowError(f"{where}: {e}", request.row_id) from None
+            return request, [(f"row-{raw.index}-1", text_1, params), (f"row-{raw.index}-2", text_2, params)]
+        request = build_row_request(raw, self.settings)
+        if request.messages is not None:
+            raise RowError(f"{where}: --task {self.task} takes text ('prompt', --text-field or --prompt-template), "
+                           "not chat 'messages'", request.row_id)
+        if request.overrides:
+            raise RowError(f"{where}: 'sampling_params' do not apply to --task {self.task}; use 'pooling_params'", request.row_id)
+        prompt: Any = {"prompt_token_ids": request.prompt_token_ids} if request.prompt_token_ids is not None else request.prompt
+        return request, [(f"row-{raw.index}", prompt, self._params(record, where, request.row_id, self.task))]
+
+    def result(self, request: RowRequest, outputs: list["PoolingRequestOutput"]) -> "RowResult":
+        """The row's result from its finished engine outputs (in the order of its parts)."""
+        from tokenmill.batch.results import RowResult
+        from tokenmill.llm_pooling import embedding_score
+
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        data = outputs[0].outputs.data
+        if self.task == "embed":
+            pooled: dict[str, Any] = {"embedding": data.tolist()}
+        elif self.task == "classify":
+            probs = data.tolist()
+            pooled = {"label": self.labels[int(data.argmax())] if self.labels else None, "probs": probs}
+        elif self.cross_encoder:
+            pooled = {"score": float(data.squeeze().item())}
+        else:
+            pooled = {"score": embedding_score(outputs[0], outputs[1]).outputs.score}
+        return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, pooled=pooled)
+
+    def _params(self, record: dict[str, Any], where: str, row_id: Any, task: str) -> "PoolingParams":
+        from tokenmill.pooling_params import PoolingParams
+
+        overrides = record.get("pooling_params")
+        if isinstance(overrides, str) and overrides:  # CSV cells hold text: accept a JSON object
+            try:
+                overrides = json.loads(overrides)
+            except ValueError:
+                raise RowError(f"{where}: 'pooling_params' is not a JSON object: {overrides[:80]!r}", row_id) from None
+        overrides = overrides or {}
+        if not isinstance(overrides, dict):
+            raise RowError(f"{where}: 'pooling_params' must be an object, got {type(overrides).__name__}", row_id)
+        unknown = sorted(set(overrides) - PoolingParams.field_names())
+        if unknown:
+            raise RowError(f"{where}: unknown pooling parameter(s) {unknown} in pooling_params", row_id)
+        try:
+            return PoolingParams(**{**self.job_params, **overrides, "task": task})
+        except (TypeError, ValueError) as e:
+            raise RowError(f"{where}: {e}", row_id) from None
+
+
+def pooling_records(result: "RowResult", task: str) -> list[dict[str, Any]]:
+    fields = result.pooled if result.pooled is not None else dict.fromkeys(TASK_FIELDS[task])
+    return [{"row": result.index, "id": result.row_id, **fields, "prompt_tokens": result.prompt_tokens, "error": result.error}]
+
+
+def pooling_parquet_schema(task: str) -> Any:
+    import pyarrow as pa
+
+    values = {
+        "embed": [("embedding", pa.list_(pa.float32()))],
+        "classify": [("label", pa.string()), ("probs", pa.list_(pa.float32()))],
+        "score": [("score", pa.float64())],
+    }[task]
+    return pa.schema([("row", pa.int64()), ("id", pa.string()), *values, ("prompt_tokens", pa.int64()), ("error", pa.string())])
+
+
+def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
+    value = record.get(name)
+    if not isinstance(value, str) or not value:
+        found = "missing" if name not in record else f"a {type(value).__name__}" if not isinstance(value, str) else "empty"
+        raise RowError(f"{where}: --task score needs a non-empty string in '{name}' (got {found}; fields: {sorted(record)[:12]})", row_id)
+    return value

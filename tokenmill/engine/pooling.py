@@ -1,0 +1,222 @@
+"""The pooling side of LLMEngine: requests for embeddings, class probabilities and scores.
+
+A pooling request is prefill-only: it finishes in the step that computes its prompt. Requests go
+through the same `Scheduler` as generation (FIFO admission under ``max_num_seqs`` and the token
+budget), with chunked prefill off, so every prompt is computed whole in one step, and with no KV
+cache: attention runs over each prompt alone (`attention/prefill.py`) and nothing is kept
+between steps. `LLMEngine` hands every call to this class when the model is a pooling model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import Request, Sequence
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
+from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
+from tokenmill.pooling_config import TASK_METHODS, PoolingModelConfig
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.worker.pooling_runner import PoolingRunner
+
+if TYPE_CHECKING:
+    from tokenmill.models.source import ModelSource
+
+
+@dataclass(eq=False)
+class PoolingRequest(Request):
+    params: PoolingParams  # type: ignore[assignment]  # resolved: task and defaults filled in
+    token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT cross-encoders)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return False
+
+
+class NoKVCache:
+    """The scheduler's cache manager for models that keep no KV cache: every allocation succeeds."""
+
+    block_size = 1
+    num_usable_blocks = 0
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        return True
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        return []
+
+    def free(self, seq: Sequence) -> None:
+        pass
+
+
+class PoolingEngine:
+    def __init__(self, config: EngineConfig, source: "ModelSource", pooling: PoolingModelConfig, tokenizer: Any,
+                 load_format: str = "auto"):
+        from tokenmill.models.loader import load_model
+
+        self.config = config
+        self.pooling = pooling
+        self.tokenizer = tokenizer
+        model = load_model(source, config.dtype, config.device, load_format, seed=config.seed,
+                           architecture=pooling.architecture)
+        self.runner = PoolingRunner(model, config.device, pooling)
+        self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens,  # type: ignore[arg-type]
+                                   config.max_model_len, chunked_prefill=False)
+        self.requests: dict[str, PoolingRequest] = {}
+        self._next_seq_id = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: Any = None, *, index: int | None = None) -> None:
+        """Validate and queue one pooling request; a ValueError leaves the engine untouched."""
+        where = f"prompts[{index}]" if index is not None else "prompt"
+        if params is None:
+            params = PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(self.generation_refused(f"a request with {type(params).__name__}"))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        task = params.task or self.pooling.head
+        if task not in self.pooling.tasks:
+            raise ValueError(self.unsupported(task))
+        params = params.resolved(task, self.pooling.pooler)
+        self._check_dimensions(params)
+        text, ids, token_types = self._tokenize(prompt, params, index, where)
+        validate_prompt_ids(ids, self.config.vocab_size, self.config.max_model_len, where)
+        request = PoolingRequest(request_id, text, ids, params, token_type_ids=token_types)
+        request.sequences.append(Sequence(self._next_seq_id, 0, request, ids))
+        self._next_seq_id += 1
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.finish(request.sequences[0])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """A pooling model runs on one rank without a Worker: only apply_model(func) is served."""
+        if method != "apply_model":
+            raise ValueError(f"collective_rpc({method!r}) is not available for a pooling model; LLM.apply_model is")
+        return [args[0](self.runner.model)]
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self, finished_only: bool = False) -> list[PoolingRequestOutput]:
+        """Compute the next batch of whole prompts; every request in it finishes (so
+        ``finished_only`` changes nothing)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any request; the token budget is too small")
+            return []
+        pooled = self.runner.execute(plan.scheduled)
+        now = time.monotonic()
+        outputs = []
+        for item, data in zip(plan.scheduled, pooled):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.scheduler.finish(seq)
+            request = seq.request
+            request.finished_time = now
+            del self.requests[request.request_id]
+            outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, True))
+        return outputs
+
+    def pair_prompt(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
+        """A cross-encoder's input for a text pair: the tokenizer joins the two as a pair
+        ([CLS] a [SEP] b [SEP] for BERT, with segment ids), cutting the longer first when truncating."""
+        if self.tokenizer is None:
+            raise ValueError("scoring text pairs needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
+        for name, text in (("text_1", text_1), ("text_2", text_2)):
+            if not isinstance(text, str):
+                raise TypeError(f"a cross-encoder scores text pairs; {name} is a {type(text).__name__}")
+        keep = self.config.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        encoded = self.tokenizer(text_1, text_2, truncation=keep is not None, max_length=keep)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(encoded["input_ids"]), "prompt": text_1}
+        if self.pooling.takes_token_type_ids and "token_type_ids" in encoded:
+            prompt["token_type_ids"] = list(encoded["token_type_ids"])
+        return prompt
+
+    # ---- building blocks ------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType, params: PoolingParams, index: int | None, where: str):
+        """(text, token ids, token type ids) of a prompt, cut to ``truncate_prompt_tokens``.
+
+        Text is truncated by the tokenizer, which keeps the special tokens ([CLS] ... [SEP]) and
+        cuts on its truncation side, as sentence-transformers does; token ids given directly are
+        cut on the same side (the left when there is no tokenizer).
+        """
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.config.max_model_len
+        if keep is not None and keep > self.config.max_model_len:
+            raise ValueError(f"{where}: truncate_prompt_tokens={keep} is larger than max_model_len={self.config.max_model_len}")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+        if keep is not None and text is not None and self.tokenizer is not None:
+            return text, list(self.tokenizer(text, truncation=True, max_length=keep)["input_ids"]), None
+        processed = parse_prompt(prompt, self.tokenizer, index)
+        ids = processed.token_ids
+        token_types = self._token_types(prompt, len(ids), where)
+        if keep is not None and len(ids) > keep:
+            cut = slice(-keep, None) if getattr(self.tokenizer, "truncation_side", "left") == "left" else slice(keep)
+            ids = ids[cut]
+            token_types = token_types[cut] if token_types is not None else None
+        return processed.prompt, ids, token_types
+
+    def _token_types(self, prompt: PromptType, length: int, where: str) -> list[int] | None:
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is None:
+            return None
+        if not self.pooling.takes_token_type_ids:
+            raise ValueError(f"{where}.token_type_ids: {self._describe()} has no token types; leave them out")
+        limit = int(getattr(self.runner.model.config, "type_vocab_size", 2))
+        if (not isinstance(types, (list, tuple)) or len(types) != length
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in types)):
+            raise ValueError(f"{where}.token_type_ids must be {length} integers in [0, {limit}), one per prompt token")
+        return list(types)
+
+    def _check_dimensions(self, params: PoolingParams) -> None:
+        dims = params.dimensions
+        if dims is None:
+            return
+        p = self.pooling
+        if not p.is_matryoshka:
+            raise ValueError(
+                f"PoolingParams.dimensions={dims}: {self._describe()} was not trained for Matryoshka embeddings "
+                "(its config has no matryoshka_dimensions or is_matryoshka), so shortened vectors would be poor"
+            )
+        if p.matryoshka_dimensions and dims not in p.matryoshka_dimensions:
+            raise ValueError(f"PoolingParams.dimensions={dims} is invalid: this model supports {list(p.matryoshka_dimensions)}")
+        if dims > p.hidden_size:
+            raise ValueError(f"PoolingParams.dimensions={dims} is invalid: must be <= the hidden size {p.hidden_size}")
+
+    # ---- error messages that say which method fits -----------------------------------------
+    def unsupported(self, task: str) -> str:
+        if task == "score" and self.pooling.head == "classify":
+            return (f"score needs a cross-encoder (a classifier with one output label); {self._describe()} has "
+                    f"{len(self.pooling.labels or ())} labels: use LLM.classify()")
+        if task == "score":
+            return "an embedding model scores text pairs by the cosine of their embeddings: use LLM.score()"
+        return f"task {task!r} is not served by {self._describe()}; use LLM.{self._methods()}"
+
+    def generation_refused(self, what: str) -> str:
+        return (f"{what} needs a generative model, but {self._describe()} is a pooling model: "
+                f"use LLM.{self._methods()}")
+
+    def _methods(self) -> str:
+        return " or LLM.".join(TASK_METHODS[task] for task in self.pooling.tasks)
+
+    def _describe(self) -> str:
+        return f"model {self.config.model!r} ({self.pooling.architecture}, {self.pooling.head})"

@@ -1,0 +1,79 @@
+"""Filling a model's parameters from Hugging Face-named checkpoint tensors.
+
+Our models keep Hugging Face's parameter names, except that projections HF stores separately
+are stacked into one matmul (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``). A model
+describes that with ``stacked`` fragments ``(our name part, HF name part, shard id)``; each
+stacked parameter's ``weight_loader`` places a shard. Every expected tensor must be loaded
+exactly once, and a tensor the model does not know is an error, not silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers.linear import default_weight_loader
+
+Stacked = Sequence[tuple[str, str, Any]]
+
+
+def stacked_param(hf_name: str, stacked: Stacked) -> tuple[str, Any]:
+    """Our parameter name for an HF tensor name, and the shard it fills (None: the whole parameter)."""
+    for ours, hf, shard_id in stacked:
+        if hf in hf_name:
+            return hf_name.replace(hf, ours), shard_id
+    return hf_name, None
+
+
+def hf_weight_names(model: nn.Module, stacked: Stacked) -> set[str]:
+    """The HF tensor names that fill ``model``'s parameters."""
+    names: set[str] = set()
+    for name, _ in model.named_parameters():
+        split = {name.replace(ours, hf) for ours, hf, _ in stacked if ours in name}
+        names.update(split or {name})
+    return names
+
+
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Stacked,
+    rename: Callable[[str], str | None] = lambda name: name,
+) -> None:
+    """Copy checkpoint tensors into ``model``. ``rename`` maps a checkpoint name to the HF name this
+    model uses (e.g. adds a prefix), or to None for a tensor it deliberately does not use."""
+    params = dict(model.named_parameters())
+    expected = hf_weight_names(model, stacked)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        local = rename(name)
+        if local is None:
+            continue
+        target, shard_id = stacked_param(local, stacked)
+        param = params.get(target)
+        if param is None or local not in expected:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as exc:
+            raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from exc
+        loaded.add(local)
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match {type(model).__name__}: "
+            f"missing tensors {_summary(missing)}; unexpected tensors {_summary(sorted(unexpected))}"
+        )
+
+
+def _summary(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return f"({len(names)}) {shown}" + (f", ... and {len(names) - limit} more" if len(names) > limit else "")

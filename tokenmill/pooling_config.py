@@ -1,0 +1,270 @@
+"""Whether a model runs as a pooling model, and how it pools: resolved once when the engine starts.
+
+The runner follows vLLM: ``runner="auto"`` picks pooling for architectures with a pooling head
+(``BertModel``, ``*ForSequenceClassification``, base models such as ``Qwen3Model``) and generation
+for ``*ForCausalLM``; ``runner="pooling"`` runs a causal LM as an embedder of its final hidden
+states (``convert="embed"``). The older ``task="embed" | "classify" | "score" | "generate"`` spelling
+maps onto the same choices.
+
+How the model pools, in increasing priority: the model class's default (CLS for BERT, LAST for
+decoders), the sentence-transformers files in the model folder (``modules.json``, the Pooling
+module's ``config.json``, ``sentence_bert_config.json``), then the user's ``pooler_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineArgs, EngineConfig
+    from tokenmill.models.source import ModelSource
+
+PoolingType = Literal["CLS", "LAST", "MEAN"]
+POOLING_TYPES: tuple[str, ...] = ("CLS", "LAST", "MEAN")
+Activation = Literal["softmax", "sigmoid", "identity"]
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """Model-level pooling settings (vLLM's ``PoolerConfig``); request fields left None take these.
+
+    ``LLM(model, pooler_config=PoolerConfig(pooling_type="MEAN"))`` or a dict with these keys.
+    """
+
+    pooling_type: PoolingType | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+    use_activation: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            upper = str(self.pooling_type).upper()
+            if upper not in POOLING_TYPES:
+                raise ValueError(f"PoolerConfig.pooling_type={self.pooling_type!r} is invalid: must be one of {POOLING_TYPES}")
+            object.__setattr__(self, "pooling_type", upper)
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"PoolerConfig.{name}={value!r} is invalid: must be None, True or False")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise ValueError(f"PoolerConfig.dimensions={self.dimensions!r} is invalid: must be None or an integer >= 1")
+
+    @classmethod
+    def coerce(cls, value: Any, where: str = "pooler_config") -> "PoolerConfig":
+        """A PoolerConfig from a PoolerConfig, a dict of its fields, or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"{where} has unknown key(s) {unknown}; allowed: {sorted(known)}")
+            return cls(**value)
+        raise TypeError(f"{where} must be a PoolerConfig or a dict, got {type(value).__name__}")
+
+    def merged_over(self, base: "PoolerConfig") -> "PoolerConfig":
+        """These settings where set, ``base``'s elsewhere."""
+        return PoolerConfig(**{f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
+                               for f in fields(self)})
+
+
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+# vLLM's older `task=` values -> (runner, convert).
+TASK_SPELLINGS: dict[str, tuple[str, str]] = {
+    "auto": ("auto", "auto"),
+    "generate": ("generate", "auto"),
+    "embed": ("pooling", "embed"),
+    "embedding": ("pooling", "embed"),
+    "classify": ("pooling", "classify"),
+    "score": ("pooling", "auto"),
+}
+# Which LLM method serves each pooling task (for error messages).
+TASK_METHODS = {"embed": "embed()", "token_embed": "encode(pooling_task='token_embed')", "classify": "classify()", "score": "score()"}
+# sentence-transformers 1_Pooling/config.json flags -> our pooling type.
+_ST_POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+_ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+
+
+@dataclass(frozen=True)
+class PoolingModelConfig:
+    """What the engine needs to serve a pooling model."""
+
+    head: str  # "embed" or "classify": what the model's head produces
+    architecture: str  # the registry entry to build (a causal LM run as an embedder: its base model)
+    pooler: PoolerConfig  # pooling_type decided; the other fields are request defaults (None: vLLM's)
+    classify_activation: Activation
+    score_activation: Activation | None  # None: not a cross-encoder (score needs exactly one label)
+    labels: tuple[str, ...] | None  # config.id2label in label order (classifiers)
+    takes_token_type_ids: bool
+    max_seq_length: int | None  # sentence-transformers' max_seq_length: the default max_model_len
+    matryoshka_dimensions: tuple[int, ...] | None
+    is_matryoshka: bool
+    hidden_size: int
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        if self.head == "embed":
+            return ("embed", "token_embed")
+        return ("classify", "score") if self.score_activation is not None else ("classify",)
+
+    def engine_config(self, config: "EngineConfig", args: "EngineArgs") -> "EngineConfig":
+        """``config`` adjusted for whole-prompt steps: every prompt must fit one step's token budget."""
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling models run on one device "
+                             "(tensor parallelism is for generation); use tensor_parallel_size=1")
+        max_model_len = config.max_model_len
+        if args.max_model_len is None and self.max_seq_length is not None:
+            max_model_len = min(max_model_len, self.max_seq_length)
+        batched = config.max_num_batched_tokens
+        if args.max_num_batched_tokens is None:
+            batched = max(batched, max_model_len)
+        elif batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a pooling model "
+                "computes each prompt in one step, so raise max_num_batched_tokens or lower max_model_len"
+            )
+        return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched)
+
+
+def resolve_pooling(args: "EngineArgs", source: "ModelSource") -> PoolingModelConfig | None:
+    """The pooling settings of the model, or None when it runs as a generative model."""
+    from tokenmill.models.registry import architecture_of, embedding_architecture_of, get_model_class, pooling_task_of
+
+    arch = architecture_of(source.hf_config)
+    head = pooling_task_of(arch)
+    runner, convert = _runner_and_convert(args)
+    if runner == "auto":
+        runner = "pooling" if head else "generate"
+    if runner == "generate":
+        if head is not None:
+            raise ValueError(
+                f"{arch} is a pooling model ({head}): it has no language-model head and cannot generate. "
+                f"Start it with runner='pooling' (or 'auto') and use LLM.{TASK_METHODS[head]}"
+            )
+        if convert not in ("auto", "none"):
+            raise ValueError(f"LLM(convert={convert!r}) needs runner='pooling' (got runner='generate')")
+        return None
+    architecture = arch
+    if convert == "embed" and head != "embed" or convert == "auto" and head is None:
+        base = embedding_architecture_of(arch)
+        if base is None:
+            raise ValueError(f"{arch} cannot run as an embedding model; embedders: BertModel, base models and causal LMs "
+                             "of the Llama family")
+        architecture, head = base, "embed"
+    elif convert == "classify" and head != "classify":
+        raise ValueError(f"LLM(convert='classify') needs a *ForSequenceClassification checkpoint (a trained score head); "
+                         f"{arch} has none")
+    elif head is None:  # convert="none" on a causal LM
+        raise ValueError(f"{arch} has no pooling head; use convert='embed' to embed with its final hidden states")
+    config = source.hf_config
+    model_cls = get_model_class(architecture)
+    user = PoolerConfig.coerce(args.pooler_config)
+    st = _sentence_transformers(source.config_dir) if head == "embed" else {}
+    defaults = PoolerConfig(pooling_type=st.get("pooling_type") or model_cls.default_pooling_type,
+                            normalize=st.get("normalize"))
+    num_labels = int(getattr(config, "num_labels", 0) or 0) if head == "classify" else 0
+    return PoolingModelConfig(
+        head=head,
+        architecture=architecture,
+        pooler=user.merged_over(defaults),
+        classify_activation=_classify_activation(config, num_labels),
+        score_activation=_score_activation(config) if num_labels == 1 else None,
+        labels=_labels(config, num_labels) if head == "classify" else None,
+        takes_token_type_ids=bool(getattr(model_cls, "takes_token_type_ids", False)),
+        max_seq_length=st.get("max_seq_length"),
+        matryoshka_dimensions=tuple(getattr(config, "matryoshka_dimensions", None) or ()) or None,
+        is_matryoshka=bool(getattr(config, "matryoshka_dimensions", None) or getattr(config, "is_matryoshka", False)),
+        hidden_size=int(config.hidden_size),
+    )
+
+
+def _runner_and_convert(args: "EngineArgs") -> tuple[str, str]:
+    runner, convert = args.runner, args.convert
+    if args.task is None:
+        return runner, convert
+    task_runner, task_convert = TASK_SPELLINGS[args.task]
+    for name, given, implied in (("runner", runner, task_runner), ("convert", convert, task_convert)):
+        if given != "auto" and implied != "auto" and given != implied:
+            raise ValueError(f"LLM(task={args.task!r}) means {name}={implied!r}, but {name}={given!r} was given")
+    return (task_runner if runner == "auto" else runner), (task_convert if convert == "auto" else convert)
+
+
+def _classify_activation(config: Any, num_labels: int) -> Activation:
+    # As transformers' losses read problem_type (and vLLM's classify pooler): regression is raw,
+    # multi-label is a sigmoid per label, otherwise softmax over labels (sigmoid for a single label).
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification" or num_labels == 1:
+        return "sigmoid"
+    return "softmax"
+
+
+def _score_activation(config: Any) -> Activation:
+    """A cross-encoder's activation: the one sentence-transformers saved with it, else sigmoid
+    (CrossEncoder's default for one label)."""
+    saved = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") \
+        or getattr(config, "sbert_ce_default_activation_function", None)
+    if saved is None:
+        return "sigmoid"
+    name = str(saved).rsplit(".", 1)[-1]
+    if name not in _ST_ACTIVATIONS:
+        raise ValueError(f"the cross-encoder's activation {saved!r} is not supported; supported: {sorted(_ST_ACTIVATIONS)}")
+    return _ST_ACTIVATIONS[name]  # type: ignore[return-value]
+
+
+def _labels(config: Any, num_labels: int) -> tuple[str, ...]:
+    id2label = getattr(config, "id2label", None) or {}
+    return tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+
+
+def _sentence_transformers(folder: Path | None) -> dict[str, Any]:
+    """pooling_type, normalize and max_seq_length from a sentence-transformers model folder ({} if not one).
+
+    Modules we do not implement (Dense projections, other poolings) are refused: the embeddings
+    would silently differ from what sentence-transformers computes.
+    """
+    if folder is None or not (folder / "modules.json").is_file():
+        return {}
+    found: dict[str, Any] = {"normalize": False}
+    for module in _read_json(folder / "modules.json"):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            found["pooling_type"] = _st_pooling_type(folder / module.get("path", "") / "config.json")
+        elif kind == "Normalize":
+            found["normalize"] = True
+        elif kind != "Transformer":
+            raise ValueError(
+                f"{folder / 'modules.json'} has a {module.get('type')!r} module; tokenmill implements Transformer, "
+                "Pooling and Normalize, so its embeddings would differ from sentence-transformers'"
+            )
+    bert_config = folder / "sentence_bert_config.json"
+    if bert_config.is_file():
+        length = _read_json(bert_config).get("max_seq_length")
+        if isinstance(length, int) and length > 0:
+            found["max_seq_length"] = length
+    return found
+
+
+def _st_pooling_type(path: Path) -> str:
+    config = _read_json(path)
+    modes = [name for name, value in config.items() if name.startswith("pooling_mode_") and value]
+    if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
+        raise ValueError(f"{path}: pooling modes {modes} are not supported; supported: one of {sorted(_ST_POOLING_MODES)}")
+    if config.get("include_prompt", True) is False:
+        raise ValueError(f"{path}: include_prompt=false (pooling without the instruction tokens) is not supported")
+    return _ST_POOLING_MODES[modes[0]]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc

@@ -1,0 +1,100 @@
+"""PoolingParams: what a pooling request asks of the model's pooler (vLLM's fields and meanings).
+
+One object serves every pooling task; which fields apply depends on the task:
+
+    embed, token_embed   dimensions (Matryoshka truncation), normalize (L2, default True)
+    classify, score      use_activation (softmax / sigmoid on the logits, default True)
+
+Fields left None take the model's defaults (its pooler config, then vLLM's), filled in by
+`resolved`, which the engine calls once per request; the user's object is never modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from tokenmill.pooling_config import PoolerConfig
+
+PoolingTask = Literal["embed", "token_embed", "classify", "score"]
+POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "score")
+# Which optional fields each task accepts (vLLM's valid_parameters).
+_TASK_FIELDS = {
+    "embed": ("dimensions", "normalize"),
+    "token_embed": ("dimensions", "normalize"),
+    "classify": ("use_activation",),
+    "score": ("use_activation",),
+}
+_TASK_SPECIFIC = ("dimensions", "normalize", "use_activation")
+
+
+@dataclass
+class PoolingParams:
+    truncate_prompt_tokens: int | None = None  # keep only k prompt tokens (-1: max_model_len); None: no truncation
+    dimensions: int | None = None  # embeddings: keep the first k dimensions (Matryoshka models only)
+    normalize: bool | None = None  # embeddings: L2-normalise (after truncating to `dimensions`)
+    use_activation: bool | None = None  # classify/score: apply the model's activation to the logits
+    softmax: bool | None = None  # older name of use_activation (vLLM keeps it, deprecated)
+    activation: bool | None = None  # older name of use_activation (vLLM keeps it, deprecated)
+    task: PoolingTask | None = None  # set by LLM.embed/classify/score/encode; None: the model's default task
+
+    def __post_init__(self) -> None:
+        for old in ("softmax", "activation"):
+            value = getattr(self, old)
+            if value is None:
+                continue
+            _check(self.use_activation in (None, value), old, value,
+                   f"left unset, or equal to use_activation ({self.use_activation}): it is its older name")
+            self.use_activation = value
+            setattr(self, old, None)
+        _check(
+            self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                    and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
+            "truncate_prompt_tokens", self.truncate_prompt_tokens, "None, -1 (max_model_len) or an integer >= 1",
+        )
+        _check(self.dimensions is None or (_is_int(self.dimensions) and self.dimensions >= 1),
+               "dimensions", self.dimensions, "None or an integer >= 1")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, bool), name, value, "None, True or False")
+        _check(self.task is None or self.task in POOLING_TASKS, "task", self.task, f"None or one of {POOLING_TASKS}")
+
+    def clone(self, **changes: Any) -> "PoolingParams":
+        return replace(self, **changes)
+
+    def resolved(self, task: str, defaults: "PoolerConfig") -> "PoolingParams":
+        """A copy for ``task`` with every applicable field decided: the request's value, else the
+        model's pooler config, else vLLM's default (normalize and use_activation True).
+
+        Raises ValueError for a field the task does not take (dimensions on a classifier, ...).
+        """
+        if self.task is not None and self.task != task:
+            raise ValueError(f"PoolingParams.task={self.task!r} does not match the requested task {task!r}")
+        allowed = _TASK_FIELDS[task]
+        wrong = [name for name in _TASK_SPECIFIC if name not in allowed and getattr(self, name) is not None]
+        if wrong:
+            raise ValueError(f"PoolingParams field(s) {wrong} do not apply to task {task!r}; it takes {list(allowed)}")
+        values = {name: getattr(self, name) for name in allowed}
+        for name in allowed:
+            if values[name] is None:
+                values[name] = getattr(defaults, name, None)
+        if "normalize" in allowed and values["normalize"] is None:
+            values["normalize"] = True
+        if "use_activation" in allowed and values["use_activation"] is None:
+            values["use_activation"] = True
+        return replace(self, task=task, **values)  # type: ignore[arg-type]
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """The user-settable fields (for batch rows and the CLI)."""
+        return {f.name for f in fields(cls)} - {"task"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"PoolingParams.{name}={value!r} is invalid: must be {allowed}")
