@@ -16,12 +16,15 @@ _PUBLIC = {
     "LLMEngine": "tokenmill.engine.engine",
     "EngineArgs": "tokenmill.config",
     "SamplingParams": "tokenmill.sampling_params",
+    "BeamSearchParams": "tokenmill.sampling_params",
     "RequestOutputKind": "tokenmill.sampling_params",
     "StructuredOutputsParams": "tokenmill.structured_outputs",
     "GuidedDecodingParams": "tokenmill.structured_outputs",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",
+    "BeamSearchOutput": "tokenmill.outputs",
+    "BeamSearchSequence": "tokenmill.outputs",
     "PoolingParams": "tokenmill.pooling_params",
     "PoolerConfig": "tokenmill.pooling_config",
     "PoolingOutput": "tokenmill.outputs",
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.llm import LLM
     from tokenmill.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
         ClassificationOutput,
         ClassificationRequestOutput,
         CompletionOutput,
@@ -55,7 +60,7 @@ if TYPE_CHECKING:
     )
     from tokenmill.pooling_config import PoolerConfig
     from tokenmill.pooling_params import PoolingParams
-    from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+    from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
     from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 

@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.inputs import PromptType, render_chat_prompt
+from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.llm_pooling import PoolingMethods
-from tokenmill.outputs import PoolingRequestOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.outputs import BeamSearchOutput, PoolingRequestOutput, RequestOutput
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _R = TypeVar("_R")
 
@@ -78,6 +79,37 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         """Generate replies to one conversation (a list of messages) or a list of conversations."""
         prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt; per prompt, its ``beam_width`` best beams, best first.
+
+        The search runs in the engine (a prompt's beams are sequences sharing KV blocks, batched
+        with the other prompts' beams) and follows transformers' beam search (see
+        `BeamSearchParams`). ``concurrency_limit`` searches that many prompts at a time (default: all).
+        """
+        self._refuse_pooling_model("beam_search")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool) or concurrency_limit < 1
+        ):
+            raise ValueError(f"concurrency_limit={concurrency_limit!r} is invalid: must be None or an integer >= 1")
+        prompts = _prompt_list(prompts)
+        chunk = concurrency_limit or max(1, len(prompts))
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            outputs += self._run(part, [params] * len(part), use_tqdm)
+        return [beam_search_output(output, params, self.get_tokenizer()) for output in outputs]
 
     # ---- the queue: submit now, collect later --------------------------------------------
     def enqueue(
@@ -245,7 +277,9 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
             raise
         return ids
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams] | list[BeamSearchParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         return self._collect(self._submit(prompts, params), use_tqdm)
 
     def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

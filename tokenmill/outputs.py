@@ -1,4 +1,4 @@
-"""The objects `LLM.generate` returns, shaped like vLLM's so user code reads them unchanged."""
+"""The objects `LLM.generate` and `LLM.beam_search` return, shaped like vLLM's so user code reads them unchanged."""
 
 from __future__ import annotations
 
@@ -54,6 +54,28 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam returned by `LLM.beam_search` (vLLM's shape): ``tokens`` holds the prompt and the
+    generated tokens (with the final eos, if it ended on one); ``logprobs`` has one dict per
+    generated token, with the top candidates of the beam at that step."""
+
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    lora_request: None = None  # vLLM's field; tokenmill has no LoRA
+    cum_logprob: float = 0.0
+    text: str | None = None  # the decoded tokens, prompt included (the eos only with include_stop_str_in_output)
+    finish_reason: str | None = None  # "stop" (eos) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first (``beam_width`` of them)."""
+
+    sequences: list[BeamSearchSequence]
 
 
 # ---- pooling models (LLM.encode / embed / classify / score) ----------------------------------

@@ -1,7 +1,8 @@
-"""SamplingParams: vLLM's field names, defaults and meanings, validated on construction."""
+"""SamplingParams and BeamSearchParams: vLLM's field names, defaults and meanings, validated on construction."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Callable
@@ -225,6 +226,44 @@ class SamplingParams:
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
 
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+@dataclass
+class BeamSearchParams:
+    """Settings of `LLM.beam_search` (vLLM's names and defaults).
+
+    The search is Hugging Face transformers' beam search with ``num_beams=beam_width``,
+    ``do_sample=False`` and its default ``early_stopping=False``: a finished beam scores
+    ``cumulative logprob / generated_length ** length_penalty`` (the eos token counts in the length).
+    Candidates are scored with the model's raw log-probabilities, as vLLM's V1 engine reports them
+    and as transformers scores them without sampling, so ``temperature`` does not change the result.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # keep the final eos token's text in BeamSearchSequence.text
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if name in ("beam_width", "max_tokens"):
+                ok, allowed = _is_int(value) and value >= 1, "an integer >= 1"
+            elif name in ("ignore_eos", "include_stop_str_in_output"):
+                ok, allowed = isinstance(value, bool), "True or False"
+            else:
+                ok, allowed = _is_number(value) and math.isfinite(value), "a finite number"
+            _check(ok, name, value, allowed, owner="BeamSearchParams")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0", owner="BeamSearchParams")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str, owner: str = "SamplingParams") -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+        raise ValueError(f"{owner}.{name}={value!r} is invalid: must be {allowed}")

@@ -9,7 +9,8 @@ sampled ids are read back: ``step`` schedules and launches step N+1, then reads 
 does its bookkeeping while the device runs N+1. A sequence that step N finished is then computed
 once more in N+1 and that token is dropped; a sequence that reaches max_tokens is not scheduled
 again. Requests whose sampling reads all earlier output ids (penalties, bad words, logits
-processors, grammars) make the engine read each step back before scheduling the next.
+processors, grammars) and beam searches (the next beams depend on this step's logprobs) make the
+engine read each step back before scheduling the next (`Request.needs_sync`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from tokenmill.config import EngineArgs, EngineConfig, create_engine_config
 from tokenmill.distributed.executor import Executor
+from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.pooling import PoolingEngine
@@ -31,7 +33,7 @@ from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestMetrics, RequestOutput
 from tokenmill.pooling_config import resolve_pooling
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tokenmill.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._in_flight: StepResult | None = None  # launched, not yet read back
-        self._history_readers: set[str] = set()  # live requests that force synchronous steps
+        self._history_readers: set[str] = set()  # live requests that force synchronous steps (needs_sync)
         self._next_seq_id = 0
         self.stats = EngineStats()
         self._grammars = None  # GrammarCache, built on the first structured request
@@ -80,19 +82,25 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | PoolingParams | None = None,
+        params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
         *,
         index: int | None = None,
     ) -> None:
-        """Validate and queue one request; a ValueError leaves the engine untouched."""
+        """Validate and queue one request; a ValueError leaves the engine untouched.
+
+        With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
+        """
         if self.pooling is not None:
             return self.pooling.add_request(request_id, prompt, params, index=index)
         params = params if params is not None else SamplingParams()
+        where = f"prompts[{index}]" if index is not None else "prompt"
+        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if beam_params is not None:
+            params = self._beam_sampling_params(beam_params, where)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        where = f"prompts[{index}]" if index is not None else "prompt"
         processed = parse_prompt(prompt, self.tokenizer, index)
         if params.truncate_prompt_tokens is not None:
             keep = self.config.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
@@ -103,13 +111,16 @@ class LLMEngine:
         params = self._with_logit_controls(params, where)
         matchers = self._grammar_matchers(params, where)
         request = Request(request_id, processed.prompt, processed.token_ids, params)
+        if beam_params is not None:
+            max_new = max(1, min(params.max_tokens, self.config.max_model_len - len(processed.token_ids)))
+            request.beam = BeamSearch(beam_params, params.all_stop_token_ids, max_new)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # nothing predicts the first prompt token
         for i in range(params.num_samples):
             request.sequences.append(self._new_sequence(request, i))
             request.sequences[-1].grammar = matchers[i] if matchers else None
         self.requests[request_id] = request
-        if params.reads_output_history:
+        if request.needs_sync:
             self._history_readers.add(request_id)
         self.scheduler.add(request)
 
@@ -213,10 +224,14 @@ class LLMEngine:
             if seq.is_finished:
                 continue  # stopped or aborted while this token was in flight: it is dropped
             token = token_ids[row]
-            seq.output_token_ids.append(token)
             self.stats.num_generated_tokens += 1
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
+            touched[seq.request.request_id] = seq.request
+            if seq.request.beam is not None:
+                seq.request.beam.report(seq, top_ids[row], top_lp[row])
+                continue
+            seq.output_token_ids.append(token)
             if seq.params.best_of is not None:
                 seq.best_of_logprob += sampled_lp[row]
             if seq.params.logprobs is not None:
@@ -233,7 +248,9 @@ class LLMEngine:
                 seq.finish_reason = "stop"  # the constraint is complete: nothing more may follow
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            touched[seq.request.request_id] = seq.request
+        for request in touched.values():
+            if request.beam is not None and request.beam.ready(request.sequences):
+                request.beam.advance(request, self.scheduler, self._new_sequence)
         return list(touched.values())
 
     def _record_prompt_logprobs(self, result: StepResult) -> None:
@@ -342,7 +359,31 @@ class LLMEngine:
                 "more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
             )
 
+    def _beam_sampling_params(self, params: BeamSearchParams, where: str) -> SamplingParams:
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(
+                f"{where}: BeamSearchParams.beam_width={params.beam_width} is invalid: must be <= max_num_seqs "
+                f"({self.config.max_num_seqs}), since all beams of a prompt run in one batch"
+            )
+        return beam_sampling_params(params, len(self.config.eos_token_ids))
+
     def _request_output(self, request: Request) -> RequestOutput:
+        if request.beam is not None:  # its sequences are live beams; the output is the finished ones
+            completions = request.beam.completions(self.tokenizer) if request.beam.done else []
+        else:
+            completions = self._sample_completions(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            outputs=completions,
+            finished=request.is_finished,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _sample_completions(self, request: Request) -> list[CompletionOutput]:
         delta = request.params.output_kind is RequestOutputKind.DELTA
         completions = []
         sequences = request.sequences
@@ -365,16 +406,7 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                 )
             )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-            outputs=completions,
-            finished=request.is_finished,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return completions
 
     def _token_text(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

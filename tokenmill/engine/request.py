@@ -2,7 +2,8 @@
 
 A user request with ``n`` samples becomes one `Request` holding ``n`` `Sequence`s. Each sequence
 is scheduled on its own; the siblings of a request share the prompt's KV blocks (see
-`Scheduler`), so the prompt is computed once.
+`Scheduler`), so the prompt is computed once. A beam search request's sequences are its live
+beams (see `tokenmill.engine.beam_search`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.engine.beam_search import BeamSearch
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
     from tokenmill.outputs import SampleLogprobs
     from tokenmill.sampling_params import SamplingParams
@@ -57,6 +59,11 @@ class Sequence:
     # is launched before this one's ids reach the host). They count as tokens of the sequence,
     # so the scheduler can give them a slot, but their values are known only on the device.
     num_inflight: int = 0
+    # Beam search: the beam this one was forked from; it shares that beam's full blocks when admitted.
+    fork_parent: "Sequence | None" = None
+    # Its next token waits on other sequences (a beam waiting for the rest of its group), so the
+    # scheduler leaves it alone until then.
+    on_hold: bool = False
 
     @property
     def params(self) -> "SamplingParams":
@@ -120,6 +127,14 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    beam: "BeamSearch | None" = None  # set for LLM.beam_search requests; sequences are then its live beams
+
+    @property
+    def needs_sync(self) -> bool:
+        """Its next step depends on this step's results on the host, so the engine must read each
+        step back before scheduling the next: sampling that reads every earlier output id, or a
+        beam search (beam selection picks which sequences continue with which tokens)."""
+        return self.beam is not None or self.params.reads_output_history
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -129,4 +144,6 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(seq.is_finished for seq in self.sequences)

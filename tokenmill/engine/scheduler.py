@@ -13,6 +13,9 @@ With asynchronous scheduling a sequence's newest token may still be in flight (s
 device, not yet read back). It is scheduled like any other token; only a sequence whose in-flight
 token is certainly its last (max_tokens or max_model_len reached) is left out, since it finishes
 as soon as that token is read back.
+
+Sequences ``on_hold`` (beams waiting for the rest of their beam group, see
+`tokenmill.engine.beam_search`) are skipped; they are freed first if nothing else can run.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_inflight and self._has_no_room(seq):
+            if seq.on_hold or (seq.num_inflight and self._has_no_room(seq)):
                 i += 1
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
@@ -90,13 +93,29 @@ class Scheduler:
 
         if not preempted:  # admitting new work right after running out of blocks would thrash
             budget = self._admit_waiting(scheduled, budget)
+        while not scheduled and self.waiting:
+            # Every running sequence is on hold and the next waiting one does not fit: beams holding
+            # blocks while they wait for a sibling that cannot be admitted. Free the newest of them
+            # (it keeps its place in its group and is recomputed once the group moves on).
+            held = next((s for s in reversed(self.running) if s.on_hold), None)
+            if held is None:
+                break
+            self.running.remove(held)
+            self._preempt(held)
+            preempted += 1
+            budget = self._admit_waiting(scheduled, budget)
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def add_forks(self, seqs: list[Sequence]) -> None:
+        """New beams go to the front of the queue, like preempted sequences: their group waits for them."""
+        self.waiting.extendleft(reversed(seqs))
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
         held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.num_inflight or self._waits_for_lead(seq):  # preempted with a token in flight
+            # On hold, preempted with a token in flight, or a sample waiting for sample 0's prompt.
+            if seq.on_hold or seq.num_inflight or self._waits_for_lead(seq):
                 held_back.append(seq)
                 continue
             prefix = self._shareable_prefix(seq)
@@ -126,17 +145,19 @@ class Scheduler:
 
     def _waits_for_lead(self, seq: Sequence) -> bool:
         """Samples 1..n-1 wait while sample 0 computes the prompt, then share its blocks."""
-        if seq.index == 0 or seq.num_preemptions:
+        if seq.index == 0 or seq.num_preemptions or seq.request.beam is not None:
             return False
         lead = seq.request.sequences[0]
         return lead.status is SequenceStatus.RUNNING and lead.num_computed_tokens < lead.num_prompt_tokens
 
     def _shareable_prefix(self, seq: Sequence) -> list[int]:
-        lead = seq.request.sequences[0]
-        if seq is not lead and lead.status is SequenceStatus.RUNNING and not seq.num_preemptions:
-            full = min(lead.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
+        # A forked beam shares its parent's blocks (all its tokens but the last are the parent's);
+        # samples 1..n-1 share sample 0's prompt blocks.
+        source = seq.fork_parent if seq.fork_parent is not None else seq.request.sequences[0]
+        if seq is not source and source.status is SequenceStatus.RUNNING and not seq.num_preemptions:
+            full = min(source.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
             if full:
-                return lead.block_ids[:full]
+                return source.block_ids[:full]
         if seq.request.needs_prompt_logprobs:
             return []  # every prompt position must be computed to have logits (vLLM does the same)
         return self.kv.find_cached_prefix(seq)
