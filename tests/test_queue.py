@@ -80,3 +80,17 @@ def test_imap_stopped_early_leaves_nothing_running(llm):
     next(stream)
     stream.close()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_enqueued_requests_finishing_during_another_call_are_kept(tiny_llama_dir):
+    # generate() steps the engine for everyone: an enqueued request that finishes meanwhile must
+    # still come back from wait_for_completion, not be dropped with the other call's strays.
+    llm = make_llm(tiny_llama_dir)
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = llm.enqueue(as_inputs([[5, 6, 7], [8, 9]]), short)
+    llm.generate(as_inputs([[10, 11, 12, 13]]), long, use_tqdm=False)
+    done = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in done] == ids
+    expected = llm.generate(as_inputs([[5, 6, 7], [8, 9]]), short, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in done] == [o.outputs[0].token_ids for o in expected]

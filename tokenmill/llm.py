@@ -36,7 +36,10 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self.args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.args)
         self._request_counter = itertools.count()
-        self._queued: list[str] = []  # request ids from enqueue(), collected by wait_for_completion()
+        # Request ids from enqueue() in order (a dict for membership tests), collected by wait_for_completion().
+        self._queued: dict[str, None] = {}
+        # Enqueued requests that finished while another call (generate, imap, ...) stepped the engine.
+        self._queued_done: dict[str, RequestOutput] = {}
 
     # ---- information ----------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -120,7 +123,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         """Queue prompts without running them; returns their request ids (all or none are queued)."""
         prompts = _prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)))
-        self._queued.extend(ids)
+        self._queued.update(dict.fromkeys(ids))
         return ids
 
     def enqueue_chat(
@@ -137,8 +140,9 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
 
     def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run until every enqueued request is done; outputs in the order they were enqueued."""
-        ids, self._queued = self._queued, []
-        return self._collect(ids, use_tqdm)
+        ids, self._queued = list(self._queued), {}
+        done, self._queued_done = self._queued_done, {}
+        return self._collect(ids, use_tqdm, done)
 
     def imap(
         self,
@@ -168,7 +172,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
                     mine.update(self._submit([prompt], [params]))
                 if not mine:
                     return
-                for output in engine.step(finished_only=True):
+                for output in self._step(finished_only=True):
                     if output.request_id in mine:
                         mine.discard(output.request_id)
                         yield output
@@ -190,7 +194,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         engine = self.llm_engine
         try:
             while mine:
-                for output in engine.step():
+                for output in self._step():
                     if output.request_id in mine:
                         if output.finished:
                             mine.discard(output.request_id)
@@ -282,16 +286,30 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
     ) -> list[RequestOutput]:
         return self._collect(self._submit(prompts, params), use_tqdm)
 
-    def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``."""
+    def _step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step. Outputs of enqueued requests that finish here, during some other call,
+        are kept for wait_for_completion (they are returned too; callers skip ids not theirs)."""
+        outputs = self.llm_engine.step(finished_only=finished_only)
+        if self._queued:
+            self._queued_done.update((o.request_id, o) for o in outputs if o.finished and o.request_id in self._queued)
+        return outputs
+
+    def _collect(
+        self, ids: list[str], use_tqdm: bool, done: dict[str, RequestOutput] | None = None
+    ) -> list[RequestOutput]:
+        """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
+        (``done``: outputs of some of them that already finished)."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         progress = _Progress(len(ids), enabled=use_tqdm)
-        remaining = len(ids)
+        for request_id, output in (done or {}).items():
+            results[order[request_id]] = output
+            progress.finished(output)
+        remaining = sum(r is None for r in results)
         try:
             while remaining and engine.has_unfinished_requests():
-                for output in engine.step(finished_only=True):
+                for output in self._step(finished_only=True):
                     if output.request_id in order:  # requests queued by others finish here too
                         results[order[output.request_id]] = output
                         progress.finished(output)
