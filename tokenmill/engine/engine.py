@@ -166,7 +166,11 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not place any request; the KV cache is too small")
             return outputs
         previous = self._take_in_flight()
-        self._in_flight = None if plan.is_empty else self._launch(plan)
+        try:
+            self._in_flight = None if plan.is_empty else self._launch(plan)
+        except BaseException:
+            self._in_flight = previous  # its ids are still to be read back by the next step
+            raise
         if previous is not None and self._in_flight is not None:
             self.stats.num_overlapped_steps += 1
         if previous is not None:
