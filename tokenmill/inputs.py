@@ -14,6 +14,21 @@ class ProcessedPrompt:
     token_ids: list[int]
 
 
+def prompt_list(prompts: Any) -> list:
+    """One prompt (a string or a dict) or many, as a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+
+def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
+    """``given`` for each of ``count`` prompts: one ``single`` value repeated, or a list of exactly ``count``."""
+    if isinstance(given, single):
+        return [given] * count
+    values = list(given)
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {name} for {count} prompts; give one, or one per prompt")
+    return values
+
+
 def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> ProcessedPrompt:
     """Accepts vLLM's prompt forms: "text", {"prompt": "text"}, {"prompt_token_ids": [...]}."""
     where = f"prompts[{index}]" if index is not None else "prompt"

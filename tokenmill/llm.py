@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.inputs import PromptType, render_chat_prompt
+from tokenmill.inputs import PromptType, one_per_prompt, prompt_list, render_chat_prompt
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.llm_pooling import PoolingMethods
 from tokenmill.outputs import BeamSearchOutput, PoolingRequestOutput, RequestOutput
@@ -66,7 +66,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order."""
         self._refuse_pooling_model("generate")
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def chat(
@@ -106,7 +106,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
             not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool) or concurrency_limit < 1
         ):
             raise ValueError(f"concurrency_limit={concurrency_limit!r} is invalid: must be None or an integer >= 1")
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         chunk = concurrency_limit or max(1, len(prompts))
         outputs: list[RequestOutput] = []
         for start in range(0, len(prompts), chunk):
@@ -121,7 +121,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[str]:
         """Queue prompts without running them; returns their request ids (all or none are queued)."""
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)))
         self._queued.update(dict.fromkeys(ids))
         return ids
@@ -188,7 +188,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         advanced a request, holding only what is new (``RequestOutputKind.DELTA``: the new token ids
         and text, ``finished`` on the last one). Stopping early aborts what is still running.
         """
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)), RequestOutputKind.DELTA)
         mine = set(ids)
         engine = self.llm_engine
@@ -230,13 +230,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [self.get_default_sampling_params()] * count
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        params = list(sampling_params)
-        if len(params) != count:
-            raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one, or one per prompt")
-        return params
+            sampling_params = self.get_default_sampling_params()
+        return one_per_prompt(sampling_params, count, SamplingParams, "sampling_params")
 
     def _chat_prompts(
         self,
@@ -323,11 +318,6 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
 
 
 _END = object()
-
-
-def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """One prompt (a string or a dict) or many, as a list."""
-    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
 
 
 def _read_generation_config(folder: str) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from tokenmill.inputs import one_per_prompt, prompt_list
 from tokenmill.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -47,7 +48,7 @@ class PoolingMethods:
         self._pooling_engine("encode")
         if pooling_task is not None and pooling_task not in POOLING_TASKS:
             raise ValueError(f"pooling_task={pooling_task!r} is invalid: must be None or one of {POOLING_TASKS}")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompts = prompt_list(prompts)
         params = _params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
         return self._run(prompts, params, use_tqdm)  # type: ignore[attr-defined]
 
@@ -154,12 +155,9 @@ class PoolingMethods:
 
 def _params_per_prompt(pooling_params: PoolingParams | Sequence[PoolingParams] | None, count: int,
                        truncate_prompt_tokens: int | None, task: str | None) -> list[PoolingParams]:
-    if pooling_params is None or isinstance(pooling_params, PoolingParams):
-        given = [pooling_params or PoolingParams()] * count
-    else:
-        given = list(pooling_params)
-        if len(given) != count:
-            raise ValueError(f"got {len(given)} pooling_params for {count} prompts; give one, or one per prompt")
+    if pooling_params is None:
+        pooling_params = PoolingParams()
+    given = one_per_prompt(pooling_params, count, PoolingParams, "pooling_params")
     changes: dict[str, Any] = {}
     if truncate_prompt_tokens is not None:
         changes["truncate_prompt_tokens"] = truncate_prompt_tokens
