@@ -1,5 +1,7 @@
-"""Micro-benchmark of the sampler's top-k / top-p filters: the old sort-based versions against the
-sort-free radix-select ones in tokenmill/worker/sampler.py, at N=256 rows, V=151,936 (Qwen's vocab).
+"""Micro-benchmark of the sampler at N=256 rows, V=151,936 (Qwen's vocab): the top-k / top-p filters
+(the old sort-based versions against the sort-free radix-select ones in tokenmill/worker/sampler.py),
+and a whole temperature-only draw from bf16 logits (P1's case): the old torch passes against the
+one-pass kernel path the Sampler takes now on a GPU.
 
     python bench/sampler_bench.py [--device cuda] [--rows 256] [--vocab 151936] [--repeats 5]
 
@@ -17,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from tokenmill.worker.sampler import _top_k, _top_p
+from tokenmill.worker.sampler import Sampler, SamplingBatch, _top_k, _top_p
 
 
 def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -32,6 +34,15 @@ def topk_max_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """The previous implementation: topk(max k), which reads max k back to the host."""
     kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def torch_draw(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The previous draw: upcast, greedy argmax, temperature, softmax, exponential race, argmax."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    probs = torch.softmax(logits / torch.where(temperature == 0.0, 1.0, temperature)[:, None], dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.where(temperature == 0.0, greedy, (probs / race).argmax(dim=-1))
 
 
 def median_ms(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
@@ -68,8 +79,15 @@ def main() -> None:
         "top_k topk(max k) (old)": lambda: topk_max_top_k(logits, top_k),
         "top_k host max k (new)": lambda: _top_k(logits, top_k, 100),
     }
+    bf16 = logits.to(torch.bfloat16)
+    temperature = torch.full((args.rows,), 0.6, device=device)
+    draw = SamplingBatch(temperature=temperature, all_greedy=False, top_k=None, max_top_k=0, top_p=None, min_p=None,
+                         draw_keys=torch.arange(args.rows, device=device), draw_counters=torch.zeros(args.rows, dtype=torch.int64, device=device))
+    sampler = Sampler()
+    cases["draw T=0.6, torch passes (old)"] = lambda: torch_draw(bf16, temperature, gen)
+    cases["draw T=0.6, Sampler (new)"] = lambda: sampler(bf16, draw).token_ids
     for name, fn in cases.items():
-        print(f"{name:28s} {median_ms(fn, device, args.repeats):9.2f} ms")
+        print(f"{name:34s} {median_ms(fn, device, args.repeats):9.2f} ms")
 
 
 if __name__ == "__main__":

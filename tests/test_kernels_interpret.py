@@ -149,6 +149,11 @@ _case("kv_store", "kvstore-bs32-f32-into-f16", dtype="float32", cache_dtype="flo
 _case("kv_store", "kvstore-bs16-d32-float32", dtype="float32", cache_dtype="float32", block_size=16, num_kv_heads=1, head_dim=32, tokens=4)
 _case("rms_norm", "rmsnorm-residual-inplace-float32", dtype="float32", shape=[4, 64], residual=True, strided=False, inplace=True)
 _case("lazy_import", "import-tokenmill-does-not-import-triton")
+# The sampler's draw (temperature, Philox Gumbel noise, argmax): vocabularies under one chunk (and
+# not a multiple of 4), exactly one, and over several chunks.
+for _dt in ("float32", "float16"):
+    for _vocab in (37, 2048, 5003):
+        _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
 # Real-hardware shapes compiled (not run) for sm_90 by Triton's own compiler and ptxas, through
 # the real wrappers and launch heuristics: catches what the interpreter accepts but the GPU
@@ -167,7 +172,7 @@ _COMPILE_ATTENTION = {
 }
 for _name in _COMPILE_ATTENTION:
     _case("compile_sm90", f"sm90-attn-{_name}", kernel="attention", shape=_name)
-for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul"):
+for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul", "gumbel_argmax"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
 
 
@@ -419,6 +424,37 @@ def _check_silu_and_mul(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got, silu_and_mul_ref(x), **_tol(dtype))
 
 
+def _check_gumbel_argmax(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import gumbel_argmax_ref
+    from tokenmill.kernels.triton.sampling import gumbel_argmax
+
+    vocab, dtype = p["vocab"], getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen) * 4
+    logits[1, ::3] = float("-inf")  # banned tokens are never drawn
+    top = logits.max() + 1
+    logits[0, [vocab // 2, vocab - 1]] = top  # a greedy tie (across chunks when vocab > one chunk)
+    logits[4, 3] = top  # greedy
+    logits[5] = 0.0  # a flat row: the draw is all noise
+    logits = logits.to(dtype)
+    temperature = torch.tensor([0.0, 0.3, 1.0, 0.7, 0.0, 2.0, 1e-2, 1.0])
+    keys = torch.randint(0, 2**63 - 1, (8,), generator=gen)
+    counters = torch.tensor([0, 1, 2**32 + 3, 2**40, 5, 6, 7, 2**31 + 1])
+    got = gumbel_argmax(logits, temperature, keys, counters)
+    want = gumbel_argmax_ref(logits, temperature, keys, counters)
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    assert got[0] == vocab // 2 and got[4] == 3, "greedy rows take the first argmax"
+    assert got[1] % 3 != 0, "drew a banned (-inf) token"
+    # The draw depends on the key and counter, and on nothing else in the batch.
+    alone = gumbel_argmax(logits[5:6], temperature[5:6], keys[5:6], counters[5:6])
+    assert alone.tolist() == got[5:6].tolist()
+    flat = logits[5].expand(16, vocab).contiguous()
+    draws = gumbel_argmax(flat, torch.ones(16), keys[5].expand(16).contiguous(), torch.arange(16))
+    assert len(set(draws.tolist())) > 8, draws.tolist()
+
+
 def _check_lazy_import(p: dict[str, Any]) -> None:
     # Already verified at worker start, before anything imported triton (see _worker_main).
     assert p["triton_was_imported"] is False, "importing tokenmill's kernel-facing modules imported triton"
@@ -490,7 +526,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
     import torch
 
     from tokenmill.kernels.testing import rope_cos_sin_cache
-    from tokenmill.kernels.triton import activation, kv_store, paged_attention, rmsnorm, rotary
+    from tokenmill.kernels.triton import activation, kv_store, paged_attention, rmsnorm, rotary, sampling
 
     start = len(report)
     bf16 = torch.bfloat16
@@ -525,6 +561,10 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         rotary.rotary_embedding_(torch.zeros(64, dtype=torch.int64), q, k, rope_cos_sin_cache(64, 128))
     elif kernel == "silu_and_mul":
         activation.silu_and_mul(torch.empty((64, 2 * 3072), dtype=bf16))
+    elif kernel == "gumbel_argmax":
+        rows = 256
+        sampling.gumbel_argmax(torch.empty((rows, 151936), dtype=bf16), torch.ones(rows),
+                               torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
     launched = report[start:]
     assert launched, "the wrapper launched no kernel"
     for entry in launched:
@@ -544,6 +584,7 @@ _CHECKS = {
     "rms_norm": _check_rms_norm,
     "rotary": _check_rotary,
     "silu_and_mul": _check_silu_and_mul,
+    "gumbel_argmax": _check_gumbel_argmax,
     "lazy_import": _check_lazy_import,
 }
 

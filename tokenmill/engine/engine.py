@@ -294,8 +294,8 @@ class LLMEngine:
         seq = Sequence(self._next_seq_id, index, request, request.prompt_token_ids)
         self._next_seq_id += 1
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.config.device)
-            seq.generator.manual_seed(params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1))
+            # A 63-bit draw key of its own for each of the request's sequences (see worker/sampler.py).
+            seq.seed = (params.seed if index == 0 else hash((params.seed, index))) & (2**63 - 1)
         if params.logprobs is not None:
             seq.logprobs = []
         if params.detokenize and self.tokenizer is not None:

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
     from tokenmill.engine.beam_search import BeamSearch
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
     from tokenmill.outputs import SampleLogprobs
@@ -43,7 +41,7 @@ class Sequence:
     # How many of block_ids are already indexed in the prefix cache (so each step indexes only new ones).
     num_committed_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    generator: "torch.Generator | None" = None
+    seed: int | None = None  # the key of this sequence's random draws when its request has a seed
     cumulative_logprob: float = 0.0
     logprobs: "SampleLogprobs | None" = None
     detokenizer: "IncrementalDetokenizer | None" = None

@@ -113,3 +113,65 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for x of last dim 2d (the gated MLP's gate_up output)."""
     d = x.shape[-1] // 2
     return (torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+# Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) with the
+# constants and round order of triton.language.random, on uint32 values held in int64 tensors.
+_M32 = 0xFFFFFFFF
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * b for a 32-bit constant a and b in [0, 2**32), without int64 overflow."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    low_part, high_part = b * a_lo, b * a_hi  # each < 2**48
+    return (high_part + (low_part >> 16)) >> 16, (((high_part & 0xFFFF) << 16) + low_part) & _M32
+
+
+def philox_ref(key: int, *counter: torch.Tensor | int) -> tuple[torch.Tensor, ...]:
+    """The four 32-bit outputs of Philox-4x32-10 (``tl.philox``) for a 64-bit key and a counter of four
+    32-bit words (tensors of one shape, or ints broadcast to it)."""
+    k0, k1 = key & _M32, (key >> 32) & _M32
+    shape = next(torch.as_tensor(w).shape for w in counter if isinstance(w, torch.Tensor))
+    c = [torch.as_tensor(w, dtype=torch.int64).expand(shape) & _M32 for w in counter]
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND_B, c[2])
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND_A, c[0])
+        c = [hi_b ^ c[1] ^ k0, lo_b, hi_a ^ c[3] ^ k1, lo_a]
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    return tuple(c)
+
+
+def uniform_from_bits_ref(bits: torch.Tensor) -> torch.Tensor:
+    """``tl.uint_to_uniform_float`` for 32-bit values: |signed value| (one's complement) times 2**-31, in [0, 1)."""
+    signed = torch.where(bits >= 2**31, bits - 2**32, bits)
+    magnitude = torch.where(signed < 0, -signed - 1, signed)
+    return magnitude.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
+def gumbel_noise_ref(key: int, counter: torch.Tensor | int, vocab_size: int) -> torch.Tensor:
+    """[..., vocab_size] fp32 Gumbel(0, 1) noise of rows with one key and the given counters:
+    token i uses output i % 4 of Philox(key, (i // 4, counter_lo, counter_hi, 0))."""
+    counter = torch.as_tensor(counter, dtype=torch.int64)[..., None]
+    quads = torch.arange(-(-vocab_size // 4), dtype=torch.int64)
+    quads, counter = torch.broadcast_tensors(quads, counter)
+    bits = torch.stack(philox_ref(key, quads, counter & _M32, counter >> 32, 0), dim=-1).flatten(-2)[..., :vocab_size]
+    return -torch.log(-torch.log(uniform_from_bits_ref(bits)))
+
+
+def gumbel_argmax_ref(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N]; 0 = greedy
+    keys: torch.Tensor,  # [N] int64
+    counters: torch.Tensor,  # [N] int64
+) -> torch.Tensor:  # [N] int64
+    """Per row: argmax(logits) if temperature is 0, else argmax(logits / temperature + Gumbel noise),
+    which is a sample of softmax(logits / temperature); ties go to the lowest token id."""
+    out = []
+    for row, (t, key, counter) in enumerate(zip(temperature.tolist(), keys.tolist(), counters.tolist())):
+        x = logits[row].float().cpu()
+        if t > 0:
+            x = x / torch.tensor(t, dtype=torch.float32) + gumbel_noise_ref(key, counter, x.shape[0])
+        out.append(int(x.argmax()))
+    return torch.tensor(out, dtype=torch.int64, device=logits.device)

@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32 (the runner passes only rows it samples from)."""
+        """[N, hidden_size] -> [N, vocab_size] in the model's dtype (the runner passes only rows it samples from)."""
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]]) -> None:

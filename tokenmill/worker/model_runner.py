@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,9 +73,9 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = vocab_size
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler()
+        # Draw keys for rows without a seed of their own: a fresh one per step, from the engine seed.
+        self._step_keys = random.Random(seed)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.grammars = None  # the engine's GrammarCache once a structured request arrives
@@ -289,11 +290,12 @@ class ModelRunner:
             max_top_k=max_top_k,
             top_p=top_p,
             min_p=min_p,
-            generators=[s.generator for s in seqs],
             # best_of ranks samples by their logprobs, so it needs them even when logprobs is None.
             max_num_logprobs=max((p.logprobs if p.logprobs is not None else 0 for p in params
                                   if p.logprobs is not None or p.best_of is not None), default=-1),
         )
+        if not all_greedy:
+            batch.draw_keys, batch.draw_counters = self._draw_keys(seqs)
         if any(p.uses_penalties for p in params):
             self._add_penalties(batch, seqs)
         banned = []
@@ -307,6 +309,16 @@ class ModelRunner:
             batch.grammar_bitmask = self.grammars.bitmask([s.grammar for s in seqs])
             batch.apply_grammar = self.grammars.apply
         return batch
+
+    def _draw_keys(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the (key, counter) of its random draw: a seeded sequence's own seed and the output
+        position being sampled (its samples then depend on nothing else); otherwise this step's key and
+        the row, with bit 32 of the counter set so the two kinds never share a counter."""
+        step_key = self._step_keys.getrandbits(63)
+        keys = [s.seed if s.seed is not None else step_key for s in seqs]
+        counters = [s.num_output_tokens if s.seed is not None else (1 << 32) | row for row, s in enumerate(seqs)]
+        both = self._tensor([keys, counters], torch.int64)  # one copy to the device
+        return both[0], both[1]
 
     def _add_logit_controls(self, batch: SamplingBatch, seqs: list) -> None:
         """An additive [N, V] bias (allow list, logit_bias, bad words) and the per-row processors."""

@@ -2,10 +2,15 @@
 
 Order of operations (vLLM's): logprobs are taken from the raw logits; then the logit controls
 (allowed_token_ids, logit_bias, bad_words, logits_processors), penalties, the min_tokens mask,
-greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a draw. A draw is
-``argmax(probs / E)`` with ``E ~ Exp(1)`` per token (the exponential race, an
-exact sample of ``probs``); a seeded request draws ``E`` from its own generator, so its samples
-do not depend on which other requests share the batch.
+greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a draw.
+
+A draw is an exact sample of softmax(logits / T) by a race of random noise: ``argmax(probs / E)``
+with ``E ~ Exp(1)`` per token, which is ``argmax(logits / T + g)`` with Gumbel noise g. Each row's
+noise is a pure function of its (key, counter) pair, which the runner sets to (the request's seed,
+the output position) for seeded requests, so their samples depend on nothing else in the batch.
+On a GPU one Triton kernel (``kernels/triton/sampling.py``) does temperature, Philox noise and the
+argmax in a single read of the logits; on the CPU torch's generator, seeded per row from the pair,
+draws E (Philox in plain torch would cost more than the model's forward here).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ class SamplingBatch:
     max_top_k: int  # the largest top_k of any row (a host int: no device sync), 0 when none uses it
     top_p: torch.Tensor | None  # [N] float, 1 = off
     min_p: torch.Tensor | None  # [N] float, 0 = off
-    generators: list[torch.Generator | None]  # per row; None draws from the engine's generator
+    # The random draw of each row: a 64-bit key and a counter (see the module docstring); None when
+    # every row is greedy.
+    draw_keys: torch.Tensor | None = None  # [N] int64
+    draw_counters: torch.Tensor | None = None  # [N] int64
     # Penalties, only when some row uses them.
     presence: torch.Tensor | None = None  # [N]
     frequency: torch.Tensor | None = None  # [N]
@@ -57,23 +65,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator):
-        self.generator = generator
-
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
-        logits = self._apply_logit_controls(logits, batch)
-        logits = self._apply_penalties(logits, batch)
-        if batch.banned:
-            for row, ids in batch.banned:
+        """logits: [N, V] in the model's dtype; upcast to fp32 only by the steps that compute with them."""
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if batch.max_num_logprobs >= 0 else None
+        if batch.grammar_bitmask is not None or batch.logit_bias is not None or batch.processors or batch.banned \
+                or batch.repetition is not None:
+            logits = logits.float()  # they compute in fp32, some in place (the step's own logits)
+            logits = self._apply_logit_controls(logits, batch)
+            logits = self._apply_penalties(logits, batch)
+            for row, ids in batch.banned or ():
                 logits[row, ids] = float("-inf")
-        greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            token_ids = greedy
-        else:
-            sampled = self._draw(logits, batch)
-            token_ids = torch.where(batch.temperature == 0.0, greedy, sampled)
+        token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._draw(logits, batch)
         return self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
 
     @staticmethod
@@ -100,25 +102,29 @@ class Sampler:
         logits = logits - batch.frequency[:, None] * counts
         return logits - batch.presence[:, None] * (counts > 0).to(logits.dtype)
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temperature = torch.where(batch.temperature == 0.0, torch.ones_like(batch.temperature), batch.temperature)
-        logits = logits / temperature[:, None]
-        if batch.top_k is not None:
-            logits = _top_k(logits, batch.top_k, batch.max_top_k)
-        if batch.top_p is not None:
-            logits = _top_p(logits, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if batch.min_p is not None:
-            keep = probs >= batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-        race = torch.empty_like(probs)
-        shared_rows = [i for i, g in enumerate(batch.generators) if g is None]
-        if len(shared_rows) == len(batch.generators):
-            race.exponential_(generator=self.generator)
-        else:
-            for i, gen in enumerate(batch.generators):
-                race[i].exponential_(generator=gen if gen is not None else self.generator)
-        return (probs / race).argmax(dim=-1)
+    @staticmethod
+    def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A sample per row (greedy rows: the argmax), after temperature and the top-k/top-p/min-p filters."""
+        temperature = batch.temperature
+        if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+            # The filters act on the tempered distribution: scale first, then draw at temperature 1.
+            # A greedy row stays greedy (temperature 0), and every filter keeps its top token.
+            logits = logits.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+            if batch.top_k is not None:
+                logits = _top_k(logits, batch.top_k, batch.max_top_k)
+            if batch.top_p is not None:
+                logits = _top_p(logits, batch.top_p)
+            if batch.min_p is not None:
+                probs = torch.softmax(logits, dim=-1)
+                keep = probs >= batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+                logits = logits.masked_fill(~keep, float("-inf"))
+            temperature = (temperature > 0.0).to(torch.float32)
+        assert batch.draw_keys is not None and batch.draw_counters is not None, "a sampled row needs its draw key"
+        if logits.is_cuda:
+            from tokenmill.kernels.triton.sampling import gumbel_argmax
+
+            return gumbel_argmax(logits, temperature, batch.draw_keys, batch.draw_counters)
+        return _exponential_race(logits, temperature, batch.draw_keys, batch.draw_counters)
 
     @staticmethod
     def _with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int) -> SamplerOutput:
@@ -128,6 +134,17 @@ class Sampler:
         ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
         top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
         return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
+
+
+def _exponential_race(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                      counters: torch.Tensor) -> torch.Tensor:
+    """The CPU draw: ``argmax(softmax(logits / T) / E)``, E ~ Exp(1) from a generator seeded by the row's
+    (key, counter); rows with T = 0 take the argmax."""
+    probs = torch.softmax(logits.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None], dim=-1)
+    race = torch.empty_like(probs)
+    for row, (key, counter) in enumerate(zip(keys.tolist(), counters.tolist())):
+        race[row].exponential_(generator=torch.Generator().manual_seed(hash((key, counter)) & (2**63 - 1)))
+    return torch.where(temperature == 0.0, logits.argmax(dim=-1), (probs / race).argmax(dim=-1))
 
 
 # top-k and top-p without sorting the vocabulary and without a host sync. top-k takes one topk of

@@ -61,10 +61,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise RuntimeError("ParallelLMHead computes logits: call compute_logits(hidden)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (the sampler wants fp32 for softmax and logprobs)."""
+        """[N, hidden] -> [N, vocab] in the model's dtype (the sampler upcasts where it computes)."""
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits.contiguous(), group=self.tp_group)
             logits = torch.cat(parts, dim=-1)
-        return logits[:, : self.num_embeddings].float()
+        return logits[:, : self.num_embeddings]
