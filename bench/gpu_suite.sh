@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [sampler] [profile] [profile-gpu] [vllm]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [sampler] [profile] [profile-gpu] [timeline] [vllm]
 #   (default: tests kernels throughput)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +44,10 @@ for part in $parts; do
       timeout 60 python3 bench/sampler_bench.py --device cuda --repeats 20 2>&1 | tee "$OUT/sampler.txt" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
+    timeline)
+      for shape in qwen3-0.6b llama3-8b; do
+        timeout 120 python3 bench/profile_step.py $shape nano --timeline > "$OUT/timeline_$shape.txt" 2>&1; tail -9 "$OUT/timeline_$shape.txt"
+      done ;;
     profile-gpu)
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"

@@ -3,6 +3,7 @@
 
     python bench/profile_step.py qwen3-0.6b nano > profile.txt           # host
     python bench/profile_step.py qwen3-0.6b nano --gpu > profile_gpu.txt  # device, steps 0-39 and 300-339
+    python bench/profile_step.py qwen3-0.6b nano --timeline                # wall time by batch size
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main() -> None:
     llm.generate(inputs[:4], params[:4], use_tqdm=False)
     if on_gpu:
         profile_device(llm, inputs, params)
+        return
+    if "--timeline" in sys.argv[3:]:
+        timeline(llm, inputs, params)
         return
     profiler = cProfile.Profile()
     start = time.perf_counter()
@@ -79,6 +83,44 @@ def profile_device(llm, inputs, params) -> None:
     llm.generate(inputs, params, use_tqdm=False)
     print(f"generate under the profiler windows: {time.perf_counter() - start:.2f} s, {state['n']} steps")
     print("\n".join(reports))
+
+
+def timeline(llm, inputs, params) -> None:
+    """Wall time of the run split by how many sequences each step carried: how much of it is the
+    thin tail of the batch, where per-step costs that do not shrink with the batch dominate."""
+    engine = llm.llm_engine
+    step = engine.step
+    bins = [(0, 0), (1, 16), (17, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 10**9)]
+    seconds = {b: 0.0 for b in bins}
+    steps = {b: 0 for b in bins}
+    prefill = {"seconds": 0.0, "steps": 0}
+
+    def timed_step(*args, **kwargs):
+        running = engine.scheduler.running
+        batch = len(running)
+        has_prefill = any(s.num_computed_tokens < s.num_prompt_tokens for s in running) or bool(engine.scheduler.waiting)
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        took = time.perf_counter() - start
+        if has_prefill:
+            prefill["seconds"] += took
+            prefill["steps"] += 1
+        else:
+            b = next(b for b in bins if b[0] <= batch <= b[1])
+            seconds[b] += took
+            steps[b] += 1
+        return out
+
+    engine.step = timed_step
+    start = time.perf_counter()
+    llm.generate(inputs, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    print(f"generate: {total:.2f} s")
+    print(f"steps with prompt tokens still to compute: {prefill['steps']} steps, {prefill['seconds']:.2f} s")
+    for (lo, hi), t in seconds.items():
+        if steps[(lo, hi)]:
+            print(f"decode steps with {lo}-{hi} running sequences: {steps[(lo, hi)]} steps, {t:.2f} s, "
+                  f"{t / steps[(lo, hi)] * 1e3:.2f} ms a step")
 
 
 if __name__ == "__main__":

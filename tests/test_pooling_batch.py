@@ -58,7 +58,9 @@ def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embed
     records = by_row(read_jsonl(tmp_path / "out.jsonl"))
     for i in (0, 1, 4, 5):
         expected = bert_embedder_llm.embed(words[i], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
-        assert records[i]["embedding"] == pytest.approx(expected, abs=1e-6)
+        # The job batches rows together, embed() runs one alone: fp32 sums over other batch shapes
+        # may differ in the last bits (seen: 1.07e-6 on a value of 1.39 on a loaded machine).
+        assert records[i]["embedding"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
         assert records[i]["id"] == f"r{i}" and records[i]["error"] is None and records[i]["prompt_tokens"] > 2
     normed = bert_embedder_llm.embed(words[3], PoolingParams(normalize=True), use_tqdm=False)[0].outputs.embedding
     assert records[3]["embedding"] == pytest.approx(normed, abs=1e-6)  # the row's own pooling_params
