@@ -37,7 +37,7 @@ _POOLING_FLAGS = ("dimensions", "normalize", "use_activation", "truncate_prompt_
 _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
     "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
-    "load_format", "trust_remote_code",
+    "load_format", "trust_remote_code", "kv_cache_dtype",
 )
 
 
@@ -153,6 +153,8 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: fp32 on CPU, the checkpoint's on GPU)")
     g.add_argument("--gpu-memory-utilization", type=float, metavar="F")
     g.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
+                   help="store keys and values as float8 e4m3: twice the cache, faster decode, less exact (default: auto)")
     g.add_argument("--max-num-seqs", type=int, metavar="N")
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N")

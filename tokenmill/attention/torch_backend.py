@@ -9,10 +9,13 @@ from tokenmill.attention.metadata import AttentionMetadata
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each new token's key and value into its slot of the paged cache."""
+    """Write each new token's key and value into its slot of the paged cache (cast to its dtype)."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1:  # float8: torch's CPU index_copy_ has no kernel for it, so copy bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 class TorchAttentionBackend:

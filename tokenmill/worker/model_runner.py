@@ -66,11 +66,14 @@ class ModelRunner:
         block_size: int,
         vocab_size: int,
         seed: int,
+        kv_cache_dtype: torch.dtype,
     ):
         self.model = model
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        # Keys and values are cast to this dtype when stored and back to the model's when read.
+        self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler()
@@ -88,13 +91,13 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = self.kv_cache_dtype.itemsize
         return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * element
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [_lazy_zeros(shape, self.dtype, self.device) for _ in range(m.num_layers)]
+        self.kv_caches = [_lazy_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(
@@ -369,6 +372,5 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
-    element = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[element])
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
     return torch.from_numpy(raw).view(dtype)

@@ -48,6 +48,7 @@ class Worker:
             backend=attention_backend(self.device),
             device=self.device,
             dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
             block_size=config.block_size,
             vocab_size=config.vocab_size,
             seed=config.seed,
