@@ -433,100 +433,52 @@ def _check_rotary(p: dict[str, Any]) -> None:
     assert torch.equal(qkv[:, (hq + hk) * d :], expected[:, (hq + hk) * d :]), "v was touched"
 
 
-def _bits(t: Any) -> Any:
-    """The raw bits of a float tensor, so NaN poison compares equal to itself."""
-    import torch
-
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def _check_qkv_prologue(p: dict[str, Any]) -> None:
     import torch
 
-    from tokenmill.kernels.reference import qkv_prologue_ref
-    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from tokenmill.kernels.testing import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
-    dtype, cache_dtype = getattr(torch, p["dtype"]), getattr(torch, p.get("cache_dtype", p["dtype"]))
-    gen = torch.Generator().manual_seed(17)
-    t, hq, hk, d, bs = p["tokens"], p["num_heads"], p["num_kv_heads"], p["head_dim"], p["block_size"]
-    width = (hq + 2 * hk) * d
-    if p["strided"]:  # a window of a wider buffer: token stride != width, data not at offset 0
-        qkv = (torch.randn((t, width + 3 * d), generator=gen) * 3).to(dtype)[:, d : d + width]
-    else:
-        qkv = (torch.randn((t, width), generator=gen) * 3).to(dtype)
-    qkv_before = qkv.clone()
-    positions = torch.randint(0, 4096, (t,), generator=gen)
-    cos_sin = rope_cos_sin_cache(4096, d)
-    num_blocks = -(-t // bs) + 3
-    cache = torch.randn((2, num_blocks, bs, hk, d), generator=gen).to(cache_dtype)
-    cache[:, ::2] = float("nan")  # poison: rows the kernel must not touch keep these exact bits
-    slots = torch.randperm(num_blocks * bs, generator=gen)[:t]
-    slots[1::3] = -1  # padding tokens scattered through the batch
-    q_w = k_w = None
-    if p["norm"]:
-        q_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
-        k_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
-    expected_cache, got_cache = cache.clone(), cache.clone()
-    expected_q = qkv_prologue_ref(qkv, positions, cos_sin, expected_cache, slots, hq, q_w, k_w, 1e-6)
-    out = torch.full((t, hq, d), float("nan"), dtype=dtype)
-    got_q = qkv_prologue(qkv, positions, cos_sin, got_cache, slots, hq, q_w, k_w, 1e-6, out=out)
-    assert got_q is out
-    assert torch.equal(qkv, qkv_before), "qkv was modified"
-    tol = _tol(dtype)
-    torch.testing.assert_close(got_q, expected_q, **tol)  # padding tokens' q rows too
-    written = torch.zeros(num_blocks * bs, dtype=torch.bool)
-    written[slots[slots >= 0]] = True
-    got_rows, old_rows = got_cache.view(2, num_blocks * bs, -1), cache.view(2, num_blocks * bs, -1)
-    assert torch.equal(_bits(got_rows[:, ~written]), _bits(old_rows[:, ~written])), "rows of other slots changed"
-    assert torch.equal(_bits(got_cache[1]), _bits(expected_cache[1])), "v is a plain copy: must be exact"
-    torch.testing.assert_close(got_rows[0, written], expected_cache.view(2, num_blocks * bs, -1)[0, written], **tol)
+    dtype = getattr(torch, p["dtype"])
+    case = make_qkv_prologue_case(
+        p["tokens"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"],
+        block_size=p["block_size"], dtype=dtype, qk_norm=p["norm"], strided=p["strided"],
+        cache_dtype=getattr(torch, p.get("cache_dtype", p["dtype"])), seed=17,
+    )
+    assert case.qkv.is_contiguous() != p["strided"]
+    qkv_before, cache = case.qkv.clone(), case.kv_cache.clone()
+    out = torch.full((p["tokens"], p["num_heads"], p["head_dim"]), float("nan"), dtype=dtype)
+    got = qkv_prologue(*case.args(cache), out=out)
+    assert got is out
+    case.check(got, cache, qkv_before, **_tol(dtype))
 
 
 def _check_layer(p: dict[str, Any]) -> None:
     """One decoder attention layer (qkv GEMM -> prologue -> attention -> o_proj) with the Triton
     backend (the fused forward_qkv) against the same layer with the Torch backend (separate ops)."""
-    import types
-
     import torch
 
     from tokenmill.attention.metadata import ForwardContext
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import make_paged_batch
-    from tokenmill.models.llama import LlamaAttention, TensorParallel
+    from tokenmill.kernels.testing import make_paged_batch, tiny_attention_layer
 
     dtype = getattr(torch, p["dtype"])
     hq, hk, d = p["num_heads"], p["num_kv_heads"], p["head_dim"]
-    hidden_size = 96
-    config = types.SimpleNamespace(
-        hidden_size=hidden_size, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d, rms_norm_eps=1e-6,
-        max_position_embeddings=256, rope_theta=1e6, attention_bias=p["qkv_bias"],
+    layer = tiny_attention_layer(
+        num_heads=hq, num_kv_heads=hk, head_dim=d, qk_norm=p["qk_norm"], qkv_bias=p["qkv_bias"], dtype=dtype, seed=23
     )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as the loader builds models: parameters in dtype, rope cache fp32
-    try:
-        layer = LlamaAttention(config, 0, TensorParallel(0, 1, None), qkv_bias=p["qkv_bias"], qk_norm=p["qk_norm"])
-    finally:
-        torch.set_default_dtype(previous)
     assert layer.rotary_emb.cos_sin_cache.dtype == torch.float32
-    gen = torch.Generator().manual_seed(23)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            scale = 0.3 if name.endswith("norm.weight") else hidden_size**-0.5
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            param.copy_(base + scale * torch.randn(param.shape, generator=gen))
     batch = make_paged_batch(
         p["query_lens"], p["seq_lens"], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=p["block_size"],
         dtype=dtype, seed=29,
     )
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(p["query_lens"], p["seq_lens"])])
-    hidden = torch.randn((positions.shape[0], hidden_size), generator=gen).to(dtype)
+    hidden = torch.randn((batch.slot_mapping.shape[0], 96), generator=torch.Generator().manual_seed(31)).to(dtype)
     results = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
         cache = batch.kv_cache.clone()
         with torch.no_grad():
-            out = layer(positions, hidden, ForwardContext(batch.metadata(), [cache], backend))
+            out = layer(batch.positions(), hidden, ForwardContext(batch.metadata(), [cache], backend))
         results.append((out, cache))
     (expected, expected_cache), (got, got_cache) = results
     assert got.dtype == dtype and got.shape == expected.shape
