@@ -47,6 +47,19 @@ def _commit() -> str:
         return "unknown"
 
 
+def _provenance(bench: str, label: str) -> dict[str, Any]:
+    """The leading fields of every JSON row: what was measured, where, and at which commit."""
+    return {
+        "bench": bench,
+        "case": label,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "commit": _commit(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
 def _time_graph(fn: Any, calls_per_graph: int = 10, replays: int = 30) -> tuple[float, float]:
     """Median and min microseconds per call, from CUDA-graph replays of ``calls_per_graph`` calls."""
     side = torch.cuda.Stream()
@@ -110,13 +123,7 @@ def run_case(args: argparse.Namespace, seq_lens: list[int], label: str, config: 
     total = kv_bytes + qo_bytes + table_bytes
     gbps = total / (us_median * 1e-6) / 1e9
     return {
-        "bench": "decode_attention",
-        "case": label,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "commit": _commit(),
-        "date": datetime.date.today().isoformat(),
+        **_provenance("decode_attention", label),
         "seqs": len(seq_lens),
         "ctx_mean": round(total_ctx / len(seq_lens), 1),
         "ctx_max": max_seq,
@@ -178,13 +185,7 @@ def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> 
     elem = qkv.element_size()
     total = tokens * ((heads + 2 * kv_heads) * dim * elem * 2 + 16)  # read qkv, write q/k/v, slot + position
     return {
-        "bench": "qkv_prologue",
-        "case": label,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "commit": _commit(),
-        "date": datetime.date.today().isoformat(),
+        **_provenance("qkv_prologue", label),
         "tokens": tokens,
         "heads": heads,
         "kv_heads": kv_heads,

@@ -32,15 +32,36 @@ _MAX_GROUP_ELEMENTS = 2048  # elements of one program's head group (about 16 per
 
 
 @triton.jit
-def _norm_halves(x1, x2, w_ptr, dims, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    """Per-head RMSNorm of [heads, HALF] halves (fp32 in, fp32 out holding DTYPE-rounded values)."""
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-    w1 = tl.load(w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-    # HF rounds the normalised row to the model dtype before the weight, then the product.
-    n1 = (w1 * (x1 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-    n2 = (w2 * (x2 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-    return n1, n2
+def _norm_rope_store(
+    src,  # [heads, HALF_P] pointers to the first halves of the heads in the qkv row
+    dst,  # same shape, into the q output or the k cache
+    mask,
+    w_ptr,
+    cos_sin_row,  # this token's row of the cos/sin cache
+    eps,
+    HAS_NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_P: tl.constexpr,
+):
+    """Optional per-head RMSNorm, then NeoX rotary, of heads split in halves; stores both halves."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    DTYPE: tl.constexpr = src.dtype.element_ty
+    dims = tl.arange(0, HALF_P)
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        # HF rounds the normalised row to the model dtype before the weight, then the product;
+        # rotary then reads those rounded values (rms_norm_ref, then rotary_embedding_ref_).
+        x1 = (w1 * (x1 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    cos = tl.load(cos_sin_row + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    # One rounding to the model dtype (as the in-place rotary does), then to the destination's.
+    tl.store(dst, (x1 * cos - x2 * sin).to(DTYPE).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(DTYPE).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,57 +91,36 @@ def _qkv_prologue_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
+    group = tl.program_id(1)  # q groups first, then k groups, then v groups
     num_q_groups = tl.cdiv(num_heads, Q_GROUP)
     num_kv_groups = tl.cdiv(num_kv_heads, KV_GROUP)
     row = qkv_ptr + token * stride_qkv_tok
     dims = tl.arange(0, HALF_P)
-    dim_ok = dims < HALF
     if group < num_q_groups:
         heads = group * Q_GROUP + tl.arange(0, Q_GROUP)
-        mask = (heads < num_heads)[:, None] & dim_ok[None, :]
-        first = heads[:, None] * HEAD_DIM + dims[None, :]
-        x1 = tl.load(row + first, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + first + HALF, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            x1, x2 = _norm_halves(x1, x2, q_weight_ptr, dims, eps, HALF, HEAD_DIM, DTYPE)
-        cs = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs_pos
-        cos = tl.load(cs + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        sin = tl.load(cs + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        out = q_out_ptr + token * stride_q_out_tok + first
-        out_ty = q_out_ptr.dtype.element_ty
-        tl.store(out, (x1 * cos - x2 * sin).to(DTYPE).to(out_ty), mask=mask)
-        tl.store(out + HALF, (x2 * cos + x1 * sin).to(DTYPE).to(out_ty), mask=mask)
+        mask = (heads < num_heads)[:, None] & (dims < HALF)[None, :]
+        offs = heads[:, None] * HEAD_DIM + dims[None, :]
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs_pos
+        dst = q_out_ptr + token * stride_q_out_tok + offs
+        _norm_rope_store(row + offs, dst, mask, q_weight_ptr, cos_sin_row, eps, HAS_NORM, HEAD_DIM, HALF_P)
     else:
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        if slot >= 0:
+        if slot >= 0:  # -1: a padding token, which must not touch the cache
             is_v = group >= num_q_groups + num_kv_groups
-            kv_group = group - num_q_groups - is_v.to(tl.int32) * num_kv_groups
-            heads = kv_group * KV_GROUP + tl.arange(0, KV_GROUP)
-            mask = (heads < num_kv_heads)[:, None] & dim_ok[None, :]
-            # The cache row [num_kv_heads, head_dim] of one slot is contiguous (kv_store.py's layout).
-            dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok
-            dst += heads[:, None] * HEAD_DIM + dims[None, :]
+            heads = (group - num_q_groups - is_v.to(tl.int32) * num_kv_groups) * KV_GROUP + tl.arange(0, KV_GROUP)
+            mask = (heads < num_kv_heads)[:, None] & (dims < HALF)[None, :]
+            # The cache row [num_kv_heads, head_dim] of one slot is contiguous (checked by the wrapper).
+            dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + heads[:, None] * HEAD_DIM + dims[None, :]
             src = row + (num_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
             if is_v:
                 src += num_kv_heads * HEAD_DIM
-                v1 = tl.load(src, mask=mask)
-                v2 = tl.load(src + HALF, mask=mask)
-                tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                v_ty = v_cache_ptr.dtype.element_ty
+                tl.store(v_cache_ptr + dst, tl.load(src, mask=mask).to(v_ty), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(v_ty), mask=mask)
             else:
-                x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-                x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-                if HAS_NORM:
-                    x1, x2 = _norm_halves(x1, x2, k_weight_ptr, dims, eps, HALF, HEAD_DIM, DTYPE)
-                cs = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs_pos
-                cos = tl.load(cs + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-                sin = tl.load(cs + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-                cache_ty = k_cache_ptr.dtype.element_ty
-                tl.store(k_cache_ptr + dst, (x1 * cos - x2 * sin).to(DTYPE).to(cache_ty), mask=mask)
-                tl.store(k_cache_ptr + dst + HALF, (x2 * cos + x1 * sin).to(DTYPE).to(cache_ty), mask=mask)
+                cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs_pos
+                _norm_rope_store(src, k_cache_ptr + dst, mask, k_weight_ptr, cos_sin_row, eps, HAS_NORM, HEAD_DIM, HALF_P)
 
 
 def _group_heads(num_heads: int, head_dim: int) -> int:
