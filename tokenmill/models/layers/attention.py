@@ -48,8 +48,10 @@ class Attention(nn.Module):
         layer passes its rotary and norm modules rather than this layer owning them, so their
         parameters keep their Hugging Face names.
         """
-        if (q_norm is None) != (k_norm is None) or (q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps):
-            raise ValueError("q_norm and k_norm go together, with the same eps")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm go together: give both or neither")
+        if q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm.eps {q_norm.eps} != k_norm.eps {k_norm.eps}: the fused kernel takes one eps")
         tokens = qkv.shape[0]
         fused = getattr(ctx.backend, "forward_qkv", None)
         if fused is not None:
@@ -67,7 +69,7 @@ class Attention(nn.Module):
             return out.reshape(tokens, self.num_heads * self.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if q_norm is not None and k_norm is not None:  # (the check above makes this "if q_norm")
+        if q_norm is not None and k_norm is not None:
             q = q_norm(q.reshape(tokens, self.num_heads, self.head_dim)).reshape(tokens, q_size)
             k = k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)).reshape(tokens, kv_size)
         q, k = rotary(positions, q.contiguous(), k.contiguous())
