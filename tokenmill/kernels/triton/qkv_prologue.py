@@ -10,7 +10,7 @@ not the bytes, are the cost, 28 layers over. This kernel reads the qkv output on
 - v heads: stored into the cache at the same slot.
 A slot of -1 (a padding token of a CUDA-graph batch) stores nothing; its q row is still computed.
 
-Rounding follows the unfused kernels exactly (``rmsnorm.py`` then ``rotary.py`` then
+Rounding happens at the same points as in the unfused kernels (``rmsnorm.py``, ``rotary.py``,
 ``kv_store.py``): fp32 statistics, the normalised row rounded to the model dtype, times the
 weight and rounded again; rotary in fp32 on those rounded values, rounded once; k and v cast to
 the cache dtype last.
