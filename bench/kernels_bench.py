@@ -7,8 +7,10 @@ is bytes that must move (each context token's K and V once, q once, out once, bl
 over time, against the H200's measured 4.3 TB/s copy bandwidth.
 
 Prints one JSON line per measured configuration to stdout (the first is the default launch
-shape; --sweep adds tile/warp/stage variants, --long adds few-sequence 32K-context decode with
-and without split-KV). Usage:
+shape; the second, bench "qkv_prologue", times the fused norm + rope + KV-store kernel against
+the five launches it replaces on the same decode shape (Qwen3's qk-norm on); --sweep adds
+tile/warp/stage variants, --long adds few-sequence 32K-context decode with and without
+split-KV). Usage:
     python bench/kernels_bench.py [--sweep] [--long] [--seqs 256 --ctx 1000 ...]
 """
 
@@ -43,6 +45,19 @@ def _commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _provenance(bench: str, label: str) -> dict[str, Any]:
+    """The leading fields of every JSON row: what was measured, where, and at which commit."""
+    return {
+        "bench": bench,
+        "case": label,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "commit": _commit(),
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 def _time_graph(fn: Any, calls_per_graph: int = 10, replays: int = 30) -> tuple[float, float]:
@@ -108,13 +123,7 @@ def run_case(args: argparse.Namespace, seq_lens: list[int], label: str, config: 
     total = kv_bytes + qo_bytes + table_bytes
     gbps = total / (us_median * 1e-6) / 1e9
     return {
-        "bench": "decode_attention",
-        "case": label,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "commit": _commit(),
-        "date": datetime.date.today().isoformat(),
+        **_provenance("decode_attention", label),
         "seqs": len(seq_lens),
         "ctx_mean": round(total_ctx / len(seq_lens), 1),
         "ctx_max": max_seq,
@@ -131,6 +140,67 @@ def run_case(args: argparse.Namespace, seq_lens: list[int], label: str, config: 
         "frac_of_4300": round(gbps / HBM_GBPS, 3),
         "max_abs_err": err,
         "rel_err": rel,
+    }
+
+
+def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
+    """The fused qkv prologue vs the unfused sequence (q_norm, k_norm, v copy, rotary, store_kv)."""
+    from tokenmill.kernels.reference import qkv_prologue_ref
+    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from tokenmill.kernels.triton.kv_store import store_kv
+    from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
+    from tokenmill.kernels.triton.rmsnorm import rms_norm
+    from tokenmill.kernels.triton.rotary import rotary_embedding_
+
+    dtype = getattr(torch, args.dtype)
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
+    case = make_qkv_prologue_case(
+        tokens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size, dtype=dtype,
+        qk_norm=True, max_position=40960, device="cuda", seed=0,
+    )
+    case.kv_cache.nan_to_num_(0.0)  # the timing loop rewrites the same slots; no poison needed here
+    q_w, k_w = case.q_norm_weight, case.k_norm_weight
+    assert q_w is not None and k_w is not None
+    qkv, cache = case.qkv, case.kv_cache
+    out = torch.empty((tokens, heads, dim), dtype=dtype, device="cuda")
+
+    def fused() -> None:
+        qkv_prologue(*case.args(cache), out=out)
+
+    def unfused() -> None:  # what LlamaAttention ran per layer before the fused kernel (CUDA path)
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q = rms_norm(q.view(tokens, heads, dim), q_w, case.eps)
+        k = rms_norm(k.view(tokens, kv_heads, dim), k_w, case.eps)
+        rotary_embedding_(case.positions, q, k, case.cos_sin_cache)
+        store_kv(k, v.contiguous().view(tokens, kv_heads, dim), cache, case.slot_mapping)
+
+    fused()
+    expected_cache = cache.clone()
+    expected = qkv_prologue_ref(*case.args(expected_cache))
+    err = (out.float() - expected.float()).abs().max().item()
+    if not err < 0.1:
+        raise SystemExit(f"{label}: fused qkv prologue wrong (max abs err {err})")
+    fused_median, fused_min = _time_graph(fused)
+    unfused_median, unfused_min = _time_graph(unfused)
+    elem = qkv.element_size()
+    total = tokens * ((heads + 2 * kv_heads) * dim * elem * 2 + 16)  # read qkv, write q/k/v, slot + position
+    return {
+        **_provenance("qkv_prologue", label),
+        "tokens": tokens,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "block_size": args.block_size,
+        "dtype": args.dtype,
+        "qk_norm": True,
+        "bytes": total,
+        "us_median": round(fused_median, 2),
+        "us_min": round(fused_min, 2),
+        "unfused_us_median": round(unfused_median, 2),
+        "unfused_us_min": round(unfused_min, 2),
+        "speedup": round(unfused_median / fused_median, 2),
+        "gbps": round(total / (fused_median * 1e-6) / 1e9, 1),
+        "max_abs_err": err,
     }
 
 
@@ -156,6 +226,7 @@ def main() -> None:
     lo, hi = int(args.ctx * (1 - args.jitter)), int(args.ctx * (1 + args.jitter))
     seq_lens = [rng.randint(max(1, lo), max(1, hi)) for _ in range(args.seqs)]
     print(json.dumps(run_case(args, seq_lens, "p1-decode-default", None)), flush=True)
+    print(json.dumps(run_qkv_prologue_case(args, args.seqs, "p1-decode-qkv-prologue")), flush=True)
     if args.sweep:
         for tile_n in (32, 64, 128):
             for num_warps in (2, 4, 8):

@@ -90,6 +90,20 @@ for _dt in ("float32", "float16"):
     _case("rms_norm", f"rmsnorm-heads-strided-{_dt}", dtype=_dt, shape=[3, 4, 64], residual=False, strided=True)
     _case("rotary", f"rope-full-{_dt}", dtype=_dt, tokens=5, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64)
     _case("rotary", f"rope-partial-{_dt}", dtype=_dt, tokens=3, num_heads=3, num_kv_heads=1, head_dim=64, rotary_dim=48)
+    # The fused qkv prologue (norm, rope, store): GQA 1/2/4, head_dim 64/128, blocks 16/32, with and
+    # without qk-norm, padding slots, a strided qkv; layers through both backends.
+    _case("qkv_prologue", f"qkvpro-g1-d64-bs16-norm-{_dt}", dtype=_dt, tokens=7, num_heads=2, num_kv_heads=2, head_dim=64, block_size=16, norm=True, strided=False)
+    _case("qkv_prologue", f"qkvpro-g2-d128-bs32-nonorm-strided-{_dt}", dtype=_dt, tokens=6, num_heads=4, num_kv_heads=2, head_dim=128, block_size=32, norm=False, strided=True)
+    _case("qkv_prologue", f"qkvpro-g4-d64-bs32-norm-strided-{_dt}", dtype=_dt, tokens=5, num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, norm=True, strided=True)
+    _case("qkv_prologue", f"qkvpro-g4-d128-bs16-nonorm-{_dt}", dtype=_dt, tokens=4, num_heads=4, num_kv_heads=1, head_dim=128, block_size=16, norm=False, strided=False)
+    _case(
+        "layer", f"layer-qwen3-g2-d64-bs16-{_dt}", dtype=_dt, qk_norm=True, qkv_bias=False, num_heads=4, num_kv_heads=2,
+        head_dim=64, block_size=16, query_lens=[1, 5, 3], seq_lens=[18, 5, 20],
+    )
+    _case(
+        "layer", f"layer-llama-bias-g1-d128-bs32-{_dt}", dtype=_dt, qk_norm=False, qkv_bias=True, num_heads=2, num_kv_heads=2,
+        head_dim=128, block_size=32, query_lens=[1, 1, 4], seq_lens=[40, 7, 4],
+    )
     _case("silu_and_mul", f"silu-2d-{_dt}", dtype=_dt, shape=[3, 192])
     _case("silu_and_mul", f"silu-3d-{_dt}", dtype=_dt, shape=[2, 3, 2600])
     # Long prompt with a prefix hit under the automatic prefill shape (several 128-row query
@@ -148,6 +162,11 @@ _random_attention_cases(8)
 _case("kv_store", "kvstore-bs32-f32-into-f16", dtype="float32", cache_dtype="float16", block_size=32, num_kv_heads=3, head_dim=128, tokens=7)
 _case("kv_store", "kvstore-bs16-d32-float32", dtype="float32", cache_dtype="float32", block_size=16, num_kv_heads=1, head_dim=32, tokens=4)
 _case("rms_norm", "rmsnorm-residual-inplace-float32", dtype="float32", shape=[4, 64], residual=True, strided=False, inplace=True)
+# Several programs per head kind (32 heads of 128: two groups each of q, k, v), an odd group (3 q
+# heads a kv head) with head_dim 256, and fp32 activations stored into an fp16 cache.
+_case("qkv_prologue", "qkvpro-mha32-d128-bs16-norm-float32", dtype="float32", tokens=3, num_heads=32, num_kv_heads=32, head_dim=128, block_size=16, norm=True, strided=False)
+_case("qkv_prologue", "qkvpro-g3-d256-bs16-norm-float16", dtype="float16", tokens=3, num_heads=6, num_kv_heads=2, head_dim=256, block_size=16, norm=True, strided=True)
+_case("qkv_prologue", "qkvpro-f32-into-f16-cache", dtype="float32", cache_dtype="float16", tokens=5, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, norm=True, strided=False)
 _case("lazy_import", "import-tokenmill-does-not-import-triton")
 # The sampler's draw (temperature, Philox Gumbel noise, argmax): vocabularies under one chunk (and
 # not a multiple of 4), exactly one, and over several chunks.
@@ -174,6 +193,15 @@ for _name in _COMPILE_ATTENTION:
     _case("compile_sm90", f"sm90-attn-{_name}", kernel="attention", shape=_name)
 for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul", "gumbel_argmax"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
+_COMPILE_QKV_PROLOGUE = {
+    # name: (dtype, tokens, heads, kv_heads, head_dim, block_size, qk_norm)
+    "qwen3-0.6b-decode-bf16": ("bfloat16", 256, 16, 8, 128, 16, True),
+    "llama3-8b-prefill-bf16": ("bfloat16", 16384, 32, 8, 128, 16, False),
+    "d64-fp16-bs32": ("float16", 64, 8, 8, 64, 32, True),
+    "d256-bf16": ("bfloat16", 64, 16, 4, 256, 16, True),
+}
+for _name in _COMPILE_QKV_PROLOGUE:
+    _case("compile_sm90", f"sm90-qkv_prologue-{_name}", kernel="qkv_prologue", shape=_name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,7 +234,7 @@ def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]
     compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
     interpreted = [n for n in selected if CASES[n][0] != "compile_sm90"]
     # Attention cases are the slow ones: deal them round-robin so both workers finish together.
-    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend"))
+    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer"))
     shards = [interpreted[0::2], interpreted[1::2]]
     procs = [_spawn(shard, interpret=True) for shard in shards if shard]
     if compiled:
@@ -410,6 +438,60 @@ def _check_rotary(p: dict[str, Any]) -> None:
     assert torch.equal(qkv[:, (hq + hk) * d :], expected[:, (hq + hk) * d :]), "v was touched"
 
 
+def _check_qkv_prologue(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
+
+    dtype = getattr(torch, p["dtype"])
+    case = make_qkv_prologue_case(
+        p["tokens"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"],
+        block_size=p["block_size"], dtype=dtype, qk_norm=p["norm"], strided=p["strided"],
+        cache_dtype=getattr(torch, p.get("cache_dtype", p["dtype"])), seed=17,
+    )
+    assert case.qkv.is_contiguous() != p["strided"]
+    qkv_before, cache = case.qkv.clone(), case.kv_cache.clone()
+    out = torch.full((p["tokens"], p["num_heads"], p["head_dim"]), float("nan"), dtype=dtype)
+    got = qkv_prologue(*case.args(cache), out=out)
+    assert got is out
+    case.check(got, cache, qkv_before, **_tol(dtype))
+
+
+def _check_layer(p: dict[str, Any]) -> None:
+    """One decoder attention layer (qkv GEMM -> prologue -> attention -> o_proj) with the Triton
+    backend (the fused forward_qkv) against the same layer with the Torch backend (separate ops)."""
+    import torch
+
+    from tokenmill.attention.metadata import ForwardContext
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.kernels.testing import make_paged_batch, tiny_attention_layer
+
+    dtype = getattr(torch, p["dtype"])
+    hq, hk, d = p["num_heads"], p["num_kv_heads"], p["head_dim"]
+    layer = tiny_attention_layer(
+        num_heads=hq, num_kv_heads=hk, head_dim=d, qk_norm=p["qk_norm"], qkv_bias=p["qkv_bias"], dtype=dtype, seed=23
+    )
+    assert layer.rotary_emb.cos_sin_cache.dtype == torch.float32
+    batch = make_paged_batch(
+        p["query_lens"], p["seq_lens"], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=p["block_size"],
+        dtype=dtype, seed=29,
+    )
+    hidden = torch.randn((batch.slot_mapping.shape[0], 96), generator=torch.Generator().manual_seed(31)).to(dtype)
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        cache = batch.kv_cache.clone()
+        with torch.no_grad():
+            out = layer(batch.positions(), hidden, ForwardContext(batch.metadata(), [cache], backend))
+        results.append((out, cache))
+    (expected, expected_cache), (got, got_cache) = results
+    assert got.dtype == dtype and got.shape == expected.shape
+    # The torch path rotates in the model dtype, the kernel in fp32: fp16 differs by an ulp or two.
+    torch.testing.assert_close(got, expected, **_tol(dtype))
+    torch.testing.assert_close(got_cache, expected_cache, **_tol(dtype))
+
+
 def _check_silu_and_mul(p: dict[str, Any]) -> None:
     import torch
 
@@ -526,7 +608,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
     import torch
 
     from tokenmill.kernels.testing import rope_cos_sin_cache
-    from tokenmill.kernels.triton import activation, kv_store, paged_attention, rmsnorm, rotary, sampling
+    from tokenmill.kernels.triton import activation, kv_store, paged_attention, qkv_prologue, rmsnorm, rotary, sampling
 
     start = len(report)
     bf16 = torch.bfloat16
@@ -565,6 +647,15 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         rows = 256
         sampling.gumbel_argmax(torch.empty((rows, 151936), dtype=bf16), torch.ones(rows),
                                torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
+    elif kernel == "qkv_prologue":
+        dtype_name, tokens, heads, kv_heads, dim, bs, qk_norm = _COMPILE_QKV_PROLOGUE[p["shape"]]
+        dtype = getattr(torch, dtype_name)
+        weight = torch.empty(dim, dtype=dtype) if qk_norm else None
+        qkv_prologue.qkv_prologue(
+            torch.empty((tokens, (heads + 2 * kv_heads) * dim), dtype=dtype), torch.zeros(tokens, dtype=torch.int64),
+            rope_cos_sin_cache(64, dim), torch.empty((2, 8, bs, kv_heads, dim), dtype=dtype),
+            torch.zeros(tokens, dtype=torch.int64), heads, weight, weight, 1e-6,
+        )
     launched = report[start:]
     assert launched, "the wrapper launched no kernel"
     for entry in launched:
@@ -585,6 +676,8 @@ _CHECKS = {
     "rotary": _check_rotary,
     "silu_and_mul": _check_silu_and_mul,
     "gumbel_argmax": _check_gumbel_argmax,
+    "qkv_prologue": _check_qkv_prologue,
+    "layer": _check_layer,
     "lazy_import": _check_lazy_import,
 }
 

@@ -58,6 +58,46 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class QKVPrologue:
+    """What a decoder layer does to its fused qkv projection output before attention.
+
+    Per head of q and k: an optional RMSNorm over head_dim (Qwen3's q_norm/k_norm, both or neither),
+    then NeoX-style rotary by position from ``cos_sin_cache``; v is used as is. Counts are this
+    rank's (tensor parallelism splits heads). Built per call, so it always sees the layer's
+    current parameters and buffers.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cos_sin_cache: "torch.Tensor"  # [max_position, head_dim] fp32: cos of the half angles, then sin
+    q_norm_weight: "torch.Tensor | None"  # [head_dim]
+    k_norm_weight: "torch.Tensor | None"  # [head_dim]
+    norm_eps: float
+
+
+class FusedQKVBackend(AttentionBackend, Protocol):
+    """A backend that also takes the raw qkv output and runs the layer's prologue itself.
+
+    ``Attention.forward_qkv`` uses ``forward_qkv`` when the backend has it (the Triton backend:
+    one kernel instead of norm, rotary, copy and store launches); otherwise it runs the prologue
+    with the layers' own ops and calls ``forward``. Results agree up to the rounding rules of
+    ``tokenmill.kernels.reference``.
+    """
+
+    def forward_qkv(
+        self,
+        qkv: "torch.Tensor",  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        positions: "torch.Tensor",  # [T]
+        prologue: QKVPrologue,
+        kv_cache: "torch.Tensor",  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> "torch.Tensor":  # [T, num_heads, head_dim]
+        ...
+
+
 @dataclass
 class ForwardContext:
     """Everything a model's forward needs besides token ids and positions."""

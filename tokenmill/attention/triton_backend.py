@@ -11,6 +11,13 @@ graph:
   the static upper bounds it captures for (``max_query_len`` 1 for decode, ``max_seq_len`` the
   largest context a replay may see, e.g. max_model_len), so the choice baked into the graph
   suits every replay; a replay with shorter contexts then just has split programs that exit early.
+
+``forward_qkv`` (the ``FusedQKVBackend`` method the decoder layers use) takes the raw qkv
+projection output instead of q, k, v: one kernel (``kernels/triton/qkv_prologue.py``) applies the
+optional q/k norms and rotary, stores k and v in the cache and writes q, then attention runs as in
+``forward``. That replaces up to five launches per layer (q_norm, k_norm, v copy, rotary,
+store) with one, and is graph-safe for the same reasons.
+
 Triton is imported on first use, so ``import tokenmill`` never pays for it.
 """
 
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata, QKVPrologue
 
 if TYPE_CHECKING:
     import torch
@@ -31,8 +38,10 @@ class TritonAttentionBackend:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
         from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
+        from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
         self._store_kv = store_kv
+        self._qkv_prologue = qkv_prologue
         self._paged_attention = paged_attention
         self._choose_config = choose_config
 
@@ -45,9 +54,35 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> "torch.Tensor":  # [T, num_heads, head_dim]
-        if kv_cache.shape[2] != meta.block_size:
-            raise ValueError(f"kv_cache block_size {kv_cache.shape[2]} differs from meta.block_size {meta.block_size}")
+        _check_block_size(kv_cache, meta)
         self._store_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward_qkv(
+        self,
+        qkv: "torch.Tensor",  # [T, (num_heads + 2 * num_kv_heads) * head_dim], last dim contiguous
+        positions: "torch.Tensor",  # [T]
+        prologue: QKVPrologue,
+        kv_cache: "torch.Tensor",  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> "torch.Tensor":  # [T, num_heads, head_dim]
+        """Norm, rotary and store from the fused qkv output in one kernel, then attend."""
+        _check_block_size(kv_cache, meta)
+        q = self._qkv_prologue(
+            qkv,
+            positions,
+            prologue.cos_sin_cache,
+            kv_cache,
+            meta.slot_mapping,
+            prologue.num_heads,
+            prologue.q_norm_weight,
+            prologue.k_norm_weight,
+            prologue.norm_eps,
+        )
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
         # The launch shape is the same for every layer of a step: choose it once per step.
         key = ("triton_attn_config", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
         config = meta.backend_cache.get(key)
@@ -75,3 +110,8 @@ class TritonAttentionBackend:
             max_seq_len=meta.max_seq_len,
             config=config,
         )
+
+
+def _check_block_size(kv_cache: "torch.Tensor", meta: AttentionMetadata) -> None:
+    if kv_cache.shape[2] != meta.block_size:
+        raise ValueError(f"kv_cache block_size {kv_cache.shape[2]} differs from meta.block_size {meta.block_size}")

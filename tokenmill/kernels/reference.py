@@ -175,3 +175,32 @@ def gumbel_argmax_ref(
             x = x / torch.tensor(t, dtype=torch.float32) + gumbel_noise_ref(key, counter, x.shape[0])
         out.append(int(x.argmax()))
     return torch.tensor(out, dtype=torch.int64, device=logits.device)
+
+
+def qkv_prologue_ref(
+    qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+    positions: torch.Tensor,  # [T] int
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], k and v stored here
+    slot_mapping: torch.Tensor,  # [T] int, -1 = padding (not stored)
+    num_heads: int,
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]; both or neither
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # q: [T, num_heads, head_dim], qkv.dtype
+    """What a decoder layer does between its qkv projection and attention, as the unfused twins do it:
+    per-head ``rms_norm_ref`` of q and k (when weights are given), ``rotary_embedding_ref_`` on q and
+    k, ``store_kv_ref`` of k and v. Returns the rotated q; k and v go only to the cache."""
+    tokens = qkv.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(tokens, num_heads, head_dim)
+    k = k.reshape(tokens, num_kv_heads, head_dim)
+    v = v.reshape(tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None and k_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)
+        k = rms_norm_ref(k, k_norm_weight, eps)
+    q, k = q.clone(), k.clone()  # rotated in place: never write into the caller's qkv
+    rotary_embedding_ref_(positions, q, k, cos_sin_cache)
+    store_kv_ref(k, v, kv_cache, slot_mapping)
+    return q

@@ -76,8 +76,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, **tp.kwargs())
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size = self.qkv_proj.q_size
-        self.kv_size = self.qkv_proj.kv_size
         # Qwen3 normalises every head of q and k (over head_dim) before rotating them.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -85,13 +83,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            tokens = q.shape[0]
-            q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)).reshape(tokens, self.q_size)
-            k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)).reshape(tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
-        return self.o_proj(self.attn(q, k, v.contiguous(), ctx))
+        # q/k norms (Qwen3), rotary and the cache store happen in the attention layer: the Triton
+        # backend does them in one kernel straight from the qkv output (see Attention.forward_qkv).
+        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attn.forward_qkv(positions, qkv, ctx, self.rotary_emb, self.q_norm, self.k_norm))
 
 
 class LlamaMLP(nn.Module):
