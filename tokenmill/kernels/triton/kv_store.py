@@ -12,6 +12,18 @@ import triton
 import triton.language as tl
 
 
+_FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def cast_for_cache(x, CACHE_DTYPE: tl.constexpr):
+    """x in the cache's dtype. A float8 e4m3 cache saturates at +-448, as torch's cast does: the
+    hardware conversion would otherwise be free to give NaN for a key or value out of range."""
+    if CACHE_DTYPE == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -_FP8_E4M3_MAX, _FP8_E4M3_MAX)
+    return x.to(CACHE_DTYPE)
+
+
 @triton.jit
 def _kv_store_kernel(
     k_ptr,
@@ -46,8 +58,8 @@ def _kv_store_kernel(
     dst = block * stride_c_blk + offset * stride_c_tok + heads[:, None] * stride_c_head + dims[None, :]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, cast_for_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, cast_for_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.kv_store import cast_for_cache
+
 _MAX_GROUP_ELEMENTS = 2048  # elements of one program's head group (about 16 per thread, 4 warps)
 
 
@@ -60,8 +62,8 @@ def _norm_rope_store(
     cos = tl.load(cos_sin_row + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cos_sin_row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     # One rounding to the model dtype (as the in-place rotary does), then to the destination's.
-    tl.store(dst, (x1 * cos - x2 * sin).to(DTYPE).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(DTYPE).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst, cast_for_cache((x1 * cos - x2 * sin).to(DTYPE), dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, cast_for_cache((x2 * cos + x1 * sin).to(DTYPE), dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -116,8 +118,8 @@ def _qkv_prologue_kernel(
             if is_v:
                 src += num_kv_heads * HEAD_DIM
                 v_ty = v_cache_ptr.dtype.element_ty
-                tl.store(v_cache_ptr + dst, tl.load(src, mask=mask).to(v_ty), mask=mask)
-                tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(v_ty), mask=mask)
+                tl.store(v_cache_ptr + dst, cast_for_cache(tl.load(src, mask=mask), v_ty), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, cast_for_cache(tl.load(src + HALF, mask=mask), v_ty), mask=mask)
             else:
                 cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs_pos
                 _norm_rope_store(src, k_cache_ptr + dst, mask, k_weight_ptr, cos_sin_row, eps, HAS_NORM, HEAD_DIM, HALF_P)
