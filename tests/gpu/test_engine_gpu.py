@@ -162,3 +162,46 @@ def test_dummy_qwen3_shape_fits_at_default_utilisation(tmp_path):
                        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     assert total - free <= 0.92 * total
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_fp32_fp8_kv_model(path: str):
+    """HF in fp32 whose attention reads keys and values rounded to float8 e4m3, as from an fp8 cache."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fp8_kv_attention(module, query, key, value, *args, **kwargs):
+        key, value = (t.to(torch.float8_e4m3fn).to(t.dtype) for t in (key, value))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("tokenmill_test_fp8_kv", fp8_kv_attention)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="tokenmill_test_fp8_kv").cuda().eval()
+
+
+def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
+    """kv_cache_dtype="fp8" through the Triton kernels (fused prologue store, attention reading
+    fp8, CUDA graphs), fp32 model, teacher-forced against HF with fp8-rounded keys and values."""
+    path = gpu_models["qwen3"]
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, dtype="float32",
+              kv_cache_dtype="fp8")
+    assert llm.llm_engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    reference = _hf_fp32_fp8_kv_model(path)
+    prompts = _prompts(6, seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=FIRST_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    checked = 0
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        ids = list(prompt)
+        for position, token in enumerate(completion.token_ids):
+            with torch.no_grad():
+                ref = torch.log_softmax(reference(torch.tensor([ids], device="cuda")).logits[0, -1].float(), dim=-1)
+            top2 = torch.topk(ref, 2).values
+            ours = completion.logprobs[position][token].logprob
+            # fp32 everywhere else: the only slack is an fp8 rounding flipped by a last-bit difference.
+            assert abs(ours - float(ref[token])) < 0.02, (position, ours, float(ref[token]))
+            if float(top2[0] - top2[1]) > 0.02:
+                assert token == int(ref.argmax()), (position, float(top2[0] - top2[1]))
+                checked += 1
+            ids.append(token)
+    assert checked >= len(prompts)

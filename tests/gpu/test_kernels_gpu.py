@@ -201,6 +201,13 @@ def test_attention_kv_cache_in_other_dtype() -> None:
     _check_attention(_batch("mixed", "llama3-8b", 16, torch.float16, seed=4, cache_dtype=_dtype("bfloat16")))
 
 
+@pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
+@pytest.mark.parametrize("scenario", ["decode256", "mixed", "prefill_long"])
+def test_attention_over_an_fp8_cache(scenario: str) -> None:
+    """kv_cache_dtype="fp8": bf16 keys/values stored as float8 e4m3 (== torch's cast) and read back."""
+    _check_attention(_batch(scenario, "qwen3-0.6b", 16, torch.bfloat16, seed=6, cache_dtype=torch.float8_e4m3fn))
+
+
 @pytest.mark.skipif(DRYRUN, reason="needs ~9 GB of device memory")
 def test_attention_64bit_cache_offsets() -> None:
     """Blocks at the top of a cache of > 2**31 elements per K/V half: offsets must be 64-bit."""
@@ -321,7 +328,8 @@ def test_cuda_graph_decode_replay(graph_batch: int) -> None:
 
 
 # ---------------------------------------------------------------- kv store
-@pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "bfloat16")], ids=lambda d: f"{d[0]}-into-{d[1]}")
+@pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "bfloat16"),
+                                    ("bfloat16", "float8_e4m3fn"), ("float32", "float8_e4m3fn")], ids=lambda d: f"{d[0]}-into-{d[1]}")
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("tokens", [1, 257, 4096])
 def test_kv_store(tokens: int, block_size: int, dtypes: tuple[str, str]) -> None:
@@ -330,11 +338,15 @@ def test_kv_store(tokens: int, block_size: int, dtypes: tuple[str, str]) -> None
 
     tokens = _len(tokens) if DRYRUN else tokens
     dtype, cache_dtype = _dtype(dtypes[0]), _dtype(dtypes[1])
+    if DRYRUN and cache_dtype.itemsize == 1:
+        pytest.skip("the interpreter's float8 rounding is not exact")
     heads, dim = 8, 128
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     num_blocks = tokens // block_size + 4
     cache = torch.randn((2, num_blocks, block_size, heads, dim), generator=gen, device=DEVICE).to(cache_dtype)
-    qkv = torch.randn((tokens, 32 * dim), generator=gen, device=DEVICE).to(dtype)
+    # fp8 saturates at +-448: values up to ~1,000 make sure some keys and values go past it.
+    spread = 250.0 if cache_dtype.itemsize == 1 else 1.0
+    qkv = (torch.randn((tokens, 32 * dim), generator=gen, device=DEVICE) * spread).to(dtype)
     k = qkv[:, 16 * dim : 24 * dim].view(tokens, heads, dim)
     v = qkv[:, 24 * dim :].view(tokens, heads, dim)
     slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
