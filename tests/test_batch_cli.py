@@ -39,7 +39,7 @@ def test_import_is_light_and_help_works():
     help_text = subprocess.run([sys.executable, "-m", "tokenmill.cli", "run", "--help"], env=env, capture_output=True,
                                text=True, check=True).stdout
     for flag in ("--prompt-template", "--id-field", "--text-field", "--overwrite", "--max-num-seqs",
-                 "--tensor-parallel-size", "--kv-cache-memory-bytes", "--enforce-eager", "--stop", "--n"):
+                 "--tensor-parallel-size", "--kv-cache-memory-bytes", "--kv-cache-dtype", "--enforce-eager", "--stop", "--n"):
         assert flag in help_text
 
 
@@ -111,6 +111,12 @@ def test_generate_prints_the_completion(tmp_path, capsys, tiny_llm, tiny_llama_d
     assert main(["generate", "the cat", "--n", "2", "--max-tokens", "3", *tiny_flags(tiny_llama_dir)]) == 0
     out = capsys.readouterr().out
     assert "--- sample 0 ---" in out and "--- sample 1 ---" in out
+    fp8 = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
+              max_num_seqs=4, kv_cache_dtype="fp8")
+    expected = fp8.generate(["the cat sat"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].outputs[0].text
+    argv = ["generate", "the cat sat", "--max-tokens", "5", "--temperature", "0", "--kv-cache-dtype", "fp8"]
+    assert main([*argv, *tiny_flags(tiny_llama_dir)]) == 0
+    assert capsys.readouterr().out == expected + "\n"
 
 
 def test_chat_streams_replies_and_keeps_history(monkeypatch, capsys, tiny_llm, tiny_llama_dir):
