@@ -85,19 +85,24 @@ def _time_graph(fn: Any, calls_per_graph: int = 10, replays: int = 30) -> tuple[
     return statistics.median(times), min(times)
 
 
-def run_case(args: argparse.Namespace, seq_lens: list[int], label: str, config: Any | None) -> dict[str, Any]:
+def run_case(
+    args: argparse.Namespace, seq_lens: list[int], label: str, config: Any | None,
+    cache_dtype: torch.dtype | None = None, graph_batch: int | None = None, graph_max_seq: int | None = None,
+) -> dict[str, Any]:
+    """``graph_batch``/``graph_max_seq``: choose the launch shape as a CUDA graph of that bucket and
+    max_model_len would (the runner's decode graphs), instead of from this batch's own bounds."""
     from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
 
     dtype = getattr(torch, args.dtype)
     batch = make_paged_batch(
         [1] * len(seq_lens), seq_lens, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=args.block_size, dtype=dtype, device="cuda", seed=0,
+        block_size=args.block_size, dtype=dtype, device="cuda", seed=0, cache_dtype=cache_dtype,
     )
     scale = args.head_dim**-0.5
-    max_seq = max(seq_lens)
+    max_seq = graph_max_seq or max(seq_lens)
     if config is None:
         config = choose_config(
-            num_tokens=len(seq_lens), num_seqs=len(seq_lens), num_heads=args.heads, num_kv_heads=args.kv_heads,
+            num_tokens=graph_batch or len(seq_lens), num_seqs=graph_batch or len(seq_lens), num_heads=args.heads, num_kv_heads=args.kv_heads,
             head_dim=args.head_dim, dtype=dtype, max_query_len=1, max_seq_len=max_seq, device=batch.q.device,
         )
     out = torch.full_like(batch.q, float("nan"))
@@ -132,6 +137,7 @@ def run_case(args: argparse.Namespace, seq_lens: list[int], label: str, config: 
         "head_dim": args.head_dim,
         "block_size": args.block_size,
         "dtype": args.dtype,
+        "cache_dtype": str(batch.kv_cache.dtype).removeprefix("torch."),
         "config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_splits", "num_warps", "num_stages")},
         "bytes": total,
         "us_median": round(us_median, 2),
@@ -227,6 +233,15 @@ def main() -> None:
     seq_lens = [rng.randint(max(1, lo), max(1, hi)) for _ in range(args.seqs)]
     print(json.dumps(run_case(args, seq_lens, "p1-decode-default", None)), flush=True)
     print(json.dumps(run_qkv_prologue_case(args, args.seqs, "p1-decode-qkv-prologue")), flush=True)
+    # kv_cache_dtype="fp8": the same step reading half the bytes.
+    print(json.dumps(run_case(args, seq_lens, "p1-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
+    # P1's thin tail: ~40 sequences of ~1,800 tokens, launched as the 48-row graph with
+    # max_model_len 4096 would (no split), then with 2 and 4 splits.
+    tail_lens = [rng.randint(1400, 2200) for _ in range(40)]
+    print(json.dumps(run_case(args, tail_lens, "p1-tail-decode-graph", None, graph_batch=48, graph_max_seq=4096)), flush=True)
+    for splits in (2, 4):
+        cfg = AttentionLaunchConfig(block_q=1, tile_n=64, num_splits=splits, num_warps=4, num_stages=3)
+        print(json.dumps(run_case(args, tail_lens, f"p1-tail-decode-splits{splits}", cfg)), flush=True)
     if args.sweep:
         for tile_n in (32, 64, 128):
             for num_warps in (2, 4, 8):
