@@ -32,7 +32,7 @@ for part in $parts; do
   case $part in
     tests|engine-tests)
       [ "$part" = tests ] && sel=tests/gpu || sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py"
-      timeout 270 python3 -m pytest $sel -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      timeout 330 python3 -m pytest $sel -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)
       timeout 120 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
     throughput)
