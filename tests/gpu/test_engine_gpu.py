@@ -188,7 +188,8 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
     """kv_cache_dtype="fp8" through the Triton kernels (fused prologue store, attention reading
     fp8, CUDA graphs), fp32 model, teacher-forced against HF with fp8-rounded keys and values."""
     path = gpu_models["qwen3"]
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, dtype="float32",
+    # A fixed pool: earlier tests' engines may still hold memory that a utilisation budget counts.
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, kv_cache_memory_bytes=2**28, dtype="float32",
               kv_cache_dtype="fp8")
     assert llm.llm_engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     reference = _hf_fp32_fp8_kv_model(path)

@@ -63,11 +63,17 @@ def _gumbel_argmax_kernel(
         score = tl.math.div_rn(x, temperature) - tl.log(-tl.log(uniform))
     else:
         score = x
-    score = tl.reshape(tl.where(valid, score, float("-inf")), [CHUNK])
-    best = tl.argmax(score, axis=0, tie_break_left=True)
+    score = tl.where(valid, score, float("-inf"))
+    # The best score of the chunk and the lowest token holding it, reduced over both tile axes (a
+    # reshape to 1-D may reorder elements on the GPU, so no index is taken from a flattened tile).
+    best = tl.max(tl.max(score, axis=1), axis=0)
+    first = chunk * CHUNK
+    token = tl.min(tl.min(tl.where(score == best, tokens, first + CHUNK), axis=1), axis=0)
+    # A NaN score matches nothing: fall back to the chunk's first token, always a real one.
+    token = tl.where(token < vocab_size, token, first)
     out = row * num_chunks + chunk
-    tl.store(best_score_ptr + out, tl.max(score, axis=0))
-    tl.store(best_token_ptr + out, chunk * CHUNK + best)
+    tl.store(best_score_ptr + out, best)
+    tl.store(best_token_ptr + out, token)
 
 
 def gumbel_argmax(
