@@ -21,7 +21,8 @@ from tokenmill import LLM
 
 
 def _round_to_fp8(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float8_e4m3fn).to(x.dtype)
+    limit = torch.finfo(torch.float8_e4m3fn).max  # saturating, as vLLM's fp8 cache
+    return x.clamp(-limit, limit).to(torch.float8_e4m3fn).to(x.dtype)
 
 
 @functools.lru_cache(maxsize=4)
@@ -89,3 +90,17 @@ def test_fp8_cache_holds_more_blocks_and_survives_preemption_and_prefix_hits(tin
 def test_unknown_kv_cache_dtype_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int8'.*one of"):
         LLM(str(tiny_llama_dir), kv_cache_dtype="int8", device="cpu")
+
+
+def test_fp8_store_saturates_instead_of_overflowing_to_nan():
+    from tokenmill.attention.torch_backend import store_kv
+    from tokenmill.kernels.reference import store_kv_ref
+
+    k = torch.tensor([[[1000.0, -1000.0, 447.0, 3.0]]])  # one token, one kv head, head_dim 4
+    v = -k
+    for store in (store_kv, store_kv_ref):
+        cache = torch.zeros((2, 1, 2, 1, 4), dtype=torch.float8_e4m3fn)
+        store(k, v, cache, torch.tensor([1]))
+        assert cache[0, 0, 1, 0].float().tolist() == [448.0, -448.0, 448.0, 3.0]  # 447 rounds to 448
+        assert cache[1, 0, 1, 0].float().tolist() == [-448.0, 448.0, -448.0, -3.0]
+        assert not cache.float().isnan().any()

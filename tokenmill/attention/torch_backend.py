@@ -11,9 +11,15 @@ from tokenmill.attention.metadata import AttentionMetadata
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's key and value into its slot of the paged cache (cast to its dtype)."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    if kv_cache.dtype.itemsize == 1:  # float8: torch's CPU index_copy_ has no kernel for it, so copy bytes
-        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    if kv_cache.dtype.itemsize == 1:
+        # float8 saturates at its largest finite value, as the Triton store does (torch's own cast
+        # gives NaN past it on some versions); and CPU index_copy_ has no float8 kernel: copy bytes.
+        limit = torch.finfo(kv_cache.dtype).max
+        k = k.float().clamp(-limit, limit).to(kv_cache.dtype).view(torch.uint8)
+        v = v.float().clamp(-limit, limit).to(kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    else:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 

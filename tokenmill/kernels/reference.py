@@ -25,8 +25,17 @@ def store_kv_ref(
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].to(torch.int64)
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(kv_cache.dtype)
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = _to_cache_dtype(k[keep], kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = _to_cache_dtype(v[keep], kv_cache.dtype)
+
+
+def _to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; float8 saturates at its largest finite value (torch's own cast gives
+    NaN past it on some versions and devices: 2.11 on CUDA does, 2.13 on the CPU saturates)."""
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def paged_attention_ref(

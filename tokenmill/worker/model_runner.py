@@ -320,8 +320,9 @@ class ModelRunner:
         step_key = self._step_keys.getrandbits(63)
         keys = [s.seed if s.seed is not None else step_key for s in seqs]
         counters = [s.num_output_tokens if s.seed is not None else (1 << 32) | row for row, s in enumerate(seqs)]
-        both = self._tensor([keys, counters], torch.int64)  # one copy to the device
-        return both[0], both[1]
+        # Two tensors, not two rows of one: a row starting 8 bytes off a 16-byte boundary (odd N)
+        # would make Triton compile a second variant of the draw kernel in the middle of a run.
+        return self._tensor(keys, torch.int64), self._tensor(counters, torch.int64)
 
     def _add_logit_controls(self, batch: SamplingBatch, seqs: list) -> None:
         """An additive [N, V] bias (allow list, logit_bias, bad words) and the per-row processors."""
