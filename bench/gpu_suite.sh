@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 parts=${*:-tests kernels throughput}
+# Pass COMMIT=<sha> from your checkout: the device's copy of .git can lag the working tree it runs.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
 echo "commit $commit, $(date -u +%FT%TZ), $gpu, torch $(python3 -c 'import torch,triton;print(torch.__version__, "triton", triton.__version__)')" | tee "$OUT/suite.log"
