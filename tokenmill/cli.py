@@ -154,7 +154,7 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--gpu-memory-utilization", type=float, metavar="F")
     g.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES")
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
-                   help="store keys and values as float8 e4m3: twice the cache, faster decode, less exact (default: auto)")
+                   help="store keys and values as float8 e4m3: twice the cache, less exact (default: auto)")
     g.add_argument("--max-num-seqs", type=int, metavar="N")
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N")

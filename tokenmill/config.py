@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as
-# vLLM without calibrated scales): half the bytes of bf16, so twice the cache and about half the
-# attention reads of a decode step, at the cost of 3 mantissa bits on every cached key and value.
+# vLLM without calibrated scales): half the bytes of bf16, so twice the cache, at the cost of 3
+# mantissa bits on every cached key and value. (Decode attention over it is not faster yet: the
+# kernel's fp8 conversion costs more than the halved reads save; docs/perf.md, entry 9.)
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # vLLM's offline defaults: 256 sequences and 8192 tokens a step, raised to 1024 and 16384 on GPUs
 # with at least 70 GiB, where the larger batch amortises weight reads and per-step host work.
