@@ -61,3 +61,26 @@ def hf_beam_search(
         length = int((beam_indices >= 0).sum())  # the rest is padding after an eos
         hypotheses.append((sequence[len(prompt_ids) : len(prompt_ids) + length].tolist(), float(score)))
     return hypotheses
+
+
+# Chi-square critical value, 9 degrees of freedom, p = 0.001: a correct sampler exceeds it once in a
+# thousand seeds (the draw tests use fixed seeds, so they are deterministic).
+CHI2_9DOF_P001 = 27.88
+
+
+def draw_test_logits() -> torch.Tensor:
+    """11 logits, one of them -inf: 10 possible outcomes, 9 degrees of freedom."""
+    logits = torch.randn(11, generator=torch.Generator().manual_seed(0)) * 1.5
+    logits[7] = float("-inf")
+    return logits
+
+
+def softmax_chi_square(samples: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
+    """Pearson's chi-square of the sampled token counts against softmax(logits / temperature);
+    a token of probability 0 must never have been drawn."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    counts = torch.bincount(samples, minlength=logits.shape[0]).double()
+    assert (counts[probs == 0] == 0).all(), "a token of probability 0 (-inf logit) was drawn"
+    keep = probs > 0
+    expected = probs[keep] * samples.numel()
+    return float(((counts[keep] - expected) ** 2 / expected).sum())

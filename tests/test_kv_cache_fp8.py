@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from reference import hf_greedy
+from reference import hf_greedy, hf_model, hf_next_logprobs
 from test_generate import GREEDY, as_inputs, make_llm, random_prompts
 from tokenmill import LLM
 
@@ -37,13 +37,6 @@ def _hf_fp8_kv_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="tokenmill_test_fp8_kv").eval()
 
 
-@functools.lru_cache(maxsize=4)
-def _hf_sdpa_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-
-
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_fp8_cache_matches_hf_with_fp8_keys_and_values(fixture, request):
     path = request.getfixturevalue(fixture)
@@ -51,7 +44,7 @@ def test_fp8_cache_matches_hf_with_fp8_keys_and_values(fixture, request):
     prompts = random_prompts(llm.llm_engine.config.vocab_size, [4, 19, 37], seed=3)
     params = GREEDY.clone(logprobs=0)
     outputs = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-    fp8_reference, fp32_reference = _hf_fp8_kv_model(str(path)), _hf_sdpa_model(str(path))
+    fp8_reference, fp32_reference = _hf_fp8_kv_model(str(path)), hf_model(str(path))
     largest_fp8_effect = 0.0
     for prompt, output in zip(prompts, outputs):
         tokens, logprobs = hf_greedy(fp8_reference, prompt, params.max_tokens)
@@ -59,9 +52,7 @@ def test_fp8_cache_matches_hf_with_fp8_keys_and_values(fixture, request):
         assert completion.token_ids == tokens
         ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
         assert max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-4
-        with torch.no_grad():
-            full = [float(torch.log_softmax(fp32_reference(torch.tensor([prompt + tokens[:i]])).logits[0, -1], -1)[t])
-                    for i, t in enumerate(tokens)]
+        full = [float(hf_next_logprobs(fp32_reference, prompt + tokens[:i])[t]) for i, t in enumerate(tokens)]
         largest_fp8_effect = max(largest_fp8_effect, max(abs(a - b) for a, b in zip(full, logprobs)))
     assert largest_fp8_effect > 1e-3, "fp8 rounding changed nothing: the comparison would not catch an fp32 cache"
 

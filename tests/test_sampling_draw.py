@@ -12,28 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reference import CHI2_9DOF_P001, draw_test_logits, softmax_chi_square
 from tokenmill.kernels.reference import gumbel_noise_ref, philox_ref
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 
-# Chi-square critical value, 9 degrees of freedom, p = 0.001: a correct sampler exceeds it once in
-# a thousand seeds; these seeds are fixed, so the test is deterministic.
-_CHI2_9DOF_P001 = 27.88
 _DRAWS = 40_000
-
-
-def _logits() -> torch.Tensor:
-    logits = torch.randn(11, generator=torch.Generator().manual_seed(0)) * 1.5
-    logits[7] = float("-inf")  # a banned token: 10 possible outcomes, 9 degrees of freedom
-    return logits
-
-
-def _chi_square(samples: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    counts = torch.bincount(samples, minlength=logits.shape[0]).double()
-    assert counts[7] == 0, "a -inf token was drawn"
-    keep = probs > 0
-    expected = probs[keep] * samples.numel()
-    return float(((counts[keep] - expected) ** 2 / expected).sum())
 
 
 def test_philox_twin_known_answer() -> None:
@@ -48,10 +31,10 @@ def test_philox_twin_known_answer() -> None:
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_gumbel_max_draws_follow_the_softmax(temperature: float) -> None:
-    logits = _logits()
+    logits = draw_test_logits()
     noise = gumbel_noise_ref(key=12345, counter=torch.arange(_DRAWS), vocab_size=logits.shape[0])
     samples = (logits / temperature + noise).argmax(dim=-1)
-    assert _chi_square(samples, logits, temperature) < _CHI2_9DOF_P001
+    assert softmax_chi_square(samples, logits, temperature) < CHI2_9DOF_P001
 
 
 def test_gumbel_noise_depends_on_key_and_counter() -> None:
@@ -70,13 +53,13 @@ def _batch(rows: int, temperature: float, counters: torch.Tensor) -> SamplingBat
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_cpu_draws_follow_the_softmax(temperature: float) -> None:
-    logits = _logits()
+    logits = draw_test_logits()
     rows = 4_000  # the CPU form seeds a generator per row: fewer rows, repeated over counters
     samples = torch.cat([
         Sampler()(logits.expand(rows, -1).contiguous(), _batch(rows, temperature, torch.arange(rows) + start)).token_ids
         for start in range(0, _DRAWS, rows)
     ])
-    assert _chi_square(samples, logits, temperature) < _CHI2_9DOF_P001
+    assert softmax_chi_square(samples, logits, temperature) < CHI2_9DOF_P001
 
 
 def test_cpu_draw_is_a_function_of_key_and_counter() -> None:

@@ -17,8 +17,8 @@ _FP8_E4M3_MAX = tl.constexpr(448.0)
 
 @triton.jit
 def cast_for_cache(x, CACHE_DTYPE: tl.constexpr):
-    """x in the cache's dtype. A float8 e4m3 cache saturates at +-448, as torch's cast does: the
-    hardware conversion would otherwise be free to give NaN for a key or value out of range."""
+    """x in the cache's dtype. A float8 e4m3 cache saturates at +-448, as the twin and the torch
+    backend do (torch's own cast gives NaN past it on some versions: 2.11 on CUDA does)."""
     if CACHE_DTYPE == tl.float8e4nv:
         x = tl.clamp(x.to(tl.float32), -_FP8_E4M3_MAX, _FP8_E4M3_MAX)
     return x.to(CACHE_DTYPE)
