@@ -87,40 +87,58 @@ def profile_device(llm, inputs, params) -> None:
 
 def timeline(llm, inputs, params) -> None:
     """Wall time of the run split by how many sequences each step carried: how much of it is the
-    thin tail of the batch, where per-step costs that do not shrink with the batch dominate."""
+    thin tail of the batch, where per-step costs that do not shrink with the batch dominate. Each
+    line also gives the time the host spent blocked on the GPU (``StepResult.wait``): near zero
+    means the host is the bottleneck there, near the step time means the GPU is."""
+    from tokenmill.worker.model_runner import StepResult
+
     engine = llm.llm_engine
     step = engine.step
     bins = [(0, 0), (1, 16), (17, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 10**9)]
     seconds = {b: 0.0 for b in bins}
+    waited = {b: 0.0 for b in bins}
     steps = {b: 0 for b in bins}
-    prefill = {"seconds": 0.0, "steps": 0}
+    prefill = {"seconds": 0.0, "steps": 0, "waited": 0.0}
+    blocked = {"seconds": 0.0}
+    wait = StepResult.wait
+
+    def timed_wait(self):
+        start = time.perf_counter()
+        wait(self)
+        blocked["seconds"] += time.perf_counter() - start
 
     def timed_step(*args, **kwargs):
         running = engine.scheduler.running
         batch = len(running)
         has_prefill = any(s.num_computed_tokens < s.num_prompt_tokens for s in running) or bool(engine.scheduler.waiting)
+        blocked["seconds"] = 0.0
         start = time.perf_counter()
         out = step(*args, **kwargs)
         took = time.perf_counter() - start
         if has_prefill:
             prefill["seconds"] += took
             prefill["steps"] += 1
+            prefill["waited"] += blocked["seconds"]
         else:
             b = next(b for b in bins if b[0] <= batch <= b[1])
             seconds[b] += took
+            waited[b] += blocked["seconds"]
             steps[b] += 1
         return out
 
     engine.step = timed_step
+    StepResult.wait = timed_wait
     start = time.perf_counter()
     llm.generate(inputs, params, use_tqdm=False)
     total = time.perf_counter() - start
     print(f"generate: {total:.2f} s")
-    print(f"steps with prompt tokens still to compute: {prefill['steps']} steps, {prefill['seconds']:.2f} s")
+    print(f"steps with prompt tokens still to compute: {prefill['steps']} steps, {prefill['seconds']:.2f} s, "
+          f"{prefill['waited']:.2f} s of it waiting for the GPU")
     for (lo, hi), t in seconds.items():
         if steps[(lo, hi)]:
-            print(f"decode steps with {lo}-{hi} running sequences: {steps[(lo, hi)]} steps, {t:.2f} s, "
-                  f"{t / steps[(lo, hi)] * 1e3:.2f} ms a step")
+            n = steps[(lo, hi)]
+            print(f"decode steps with {lo}-{hi} running sequences: {n} steps, {t:.2f} s, "
+                  f"{t / n * 1e3:.2f} ms a step, {waited[(lo, hi)] / n * 1e3:.2f} ms of it waiting for the GPU")
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ _case("qkv_prologue", "qkvpro-mha32-d128-bs16-norm-float32", dtype="float32", to
 _case("qkv_prologue", "qkvpro-g3-d256-bs16-norm-float16", dtype="float16", tokens=3, num_heads=6, num_kv_heads=2, head_dim=256, block_size=16, norm=True, strided=True)
 _case("qkv_prologue", "qkvpro-f32-into-f16-cache", dtype="float32", cache_dtype="float16", tokens=5, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, norm=True, strided=False)
 _case("lazy_import", "import-tokenmill-does-not-import-triton")
+# The variants compiled while LLM() starts must hold every config a step can choose.
+_case("launch_configs", "attention-launch-configs-cover-every-choice")
 # The sampler's draw (temperature, Philox Gumbel noise, argmax): vocabularies under one chunk (and
 # not a multiple of 4), exactly one, and over several chunks.
 for _dt in ("float32", "float16"):
@@ -552,6 +554,46 @@ def _check_gumbel_argmax(p: dict[str, Any]) -> None:
     assert len(set(draws.tolist())) > 8, draws.tolist()
 
 
+def _check_launch_configs(p: dict[str, Any]) -> None:
+    import random
+
+    import torch
+
+    from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs
+
+    rng = random.Random(0)
+    cpu = torch.device("cpu")
+    # (heads, kv heads, head_dim, dtype): groups 1, 2 (Qwen3-0.6B), 3, 4 (Llama-3-8B), 8, 16.
+    for heads, kv_heads, dim, dtype in [
+        (16, 16, 64, torch.float16), (16, 8, 128, torch.bfloat16), (6, 2, 256, torch.bfloat16),
+        (32, 8, 128, torch.bfloat16), (16, 2, 256, torch.float16), (32, 2, 128, torch.bfloat16), (4, 2, 128, torch.float32),
+    ]:
+        for max_model_len in (256, 4096, 40960):
+            configs = launch_configs(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_seq_len=max_model_len)
+            assert len(configs) == len(set(configs)) and len(configs) <= 3 * 7, configs
+            chosen = set()
+            for _ in range(3000):
+                num_seqs = rng.choice([1, 2, 3, rng.randint(1, 1024)])
+                decode = rng.random() < 0.4
+                max_query_len = 1 if decode else rng.choice([2, 3, 8, 9, 16, 17, rng.randint(2, 16384)])
+                num_tokens = num_seqs if decode else max(num_seqs, max_query_len + rng.randint(0, 16384 - max_query_len))
+                max_seq_len = rng.randint(max_query_len, max_model_len) if max_query_len <= max_model_len else max_query_len
+                if max_seq_len > max_model_len:
+                    continue
+                config = choose_config(
+                    num_tokens=num_tokens, num_seqs=num_seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                    dtype=dtype, max_query_len=max_query_len, max_seq_len=max_seq_len, device=cpu,
+                )
+                assert config in configs, (config, heads, kv_heads, dim, dtype, max_model_len)
+                chosen.add(config)
+            # The listing is not padded with variants no step would pick.
+            assert len(chosen) >= len(configs) - 2, (sorted(set(configs) - chosen, key=str), configs)
+    # Qwen3-0.6B at max_model_len 4096: decode 1-16 splits (5), two prefill tiles with 1-4 splits (6).
+    qwen = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096)
+    assert len(qwen) == 11, qwen
+    assert {(c.block_q, c.num_warps) for c in qwen if c.block_q > 1} == {(8, 4), (64, 8)}, qwen
+
+
 def _check_lazy_import(p: dict[str, Any]) -> None:
     # Already verified at worker start, before anything imported triton (see _worker_main).
     assert p["triton_was_imported"] is False, "importing tokenmill's kernel-facing modules imported triton"
@@ -695,6 +737,7 @@ _CHECKS = {
     "qkv_prologue": _check_qkv_prologue,
     "layer": _check_layer,
     "lazy_import": _check_lazy_import,
+    "launch_configs": _check_launch_configs,
 }
 
 

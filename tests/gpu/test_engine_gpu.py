@@ -203,3 +203,40 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
 
     # fp32 everywhere else: the only slack is an fp8 rounding flipped by a last-bit difference.
     _check_teacher_forced(prompts, outputs, reference_logprobs, slack=0.02)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager):
+    """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
+    (chunked prefill, prefix hits, decode at every batch size, greedy, sampled and top-p rows)
+    compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
+    other test, so no earlier test in this process can have compiled its variants."""
+    import json
+
+    import triton
+
+    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=192, intermediate_size=384,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=3000,
+                  tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  hidden_act="silu", torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
+              max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 3000) for _ in range(rng.choice([1, 2, 5, 9, 17, 100, 700, 1500]))] for _ in range(60)]
+    prompts += [prompts[6][:600] + p[:3] for p in prompts[:5]]  # prefix hits
+    params = [SamplingParams(temperature=[0.0, 0.8, 1.0][i % 3], top_p=0.9 if i % 7 == 0 else 1.0, seed=i,
+                             max_tokens=rng.choice([1, 3, 30, 200, 500]), ignore_eos=True, detokenize=False)
+              for i in range(len(prompts))]
+    compiled: list[str] = []
+
+    def record(*, repr: str, **_: object) -> None:
+        compiled.append(repr)
+
+    triton.knobs.runtime.jit_cache_hook = record
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert compiled == [], "compiled during the run:\n" + "\n".join(compiled)

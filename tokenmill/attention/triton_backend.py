@@ -37,13 +37,14 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
-        from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
+        from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs, paged_attention
         from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
         self._store_kv = store_kv
         self._qkv_prologue = qkv_prologue
         self._paged_attention = paged_attention
         self._choose_config = choose_config
+        self._launch_configs = launch_configs
 
     def forward(
         self,
@@ -110,6 +111,28 @@ class TritonAttentionBackend:
             max_seq_len=meta.max_seq_len,
             config=config,
         )
+
+
+    def precompile(self, num_heads: int, kv_cache: "torch.Tensor", dtype: "torch.dtype", max_seq_len: int) -> None:
+        """Compile every attention variant a step can choose (``precompile.py`` runs this in
+        ``parallel_compile``). ``kv_cache`` may be a one-block scratch tensor of the real layout:
+        the variants depend on its dtype and strides, not on its number of blocks."""
+        import torch
+
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        dev = kv_cache.device
+        q = torch.empty(1, num_heads, head_dim, dtype=dtype, device=dev)
+        query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
+        block_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        configs = self._launch_configs(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_seq_len=max_seq_len
+        )
+        for config in configs:
+            self._paged_attention(
+                q, kv_cache, query_start_loc, seq_lens, block_tables, 1.0,
+                max_query_len=1, max_seq_len=1, config=config, compile_only=True,
+            )
 
 
 def _check_block_size(kv_cache: "torch.Tensor", meta: AttentionMetadata) -> None:

@@ -164,8 +164,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         first = self.model.layers[0].self_attn
-        # What the engine needs to size the KV cache (per rank).
+        # What the engine needs to size the KV cache and pick attention kernels (per rank).
         self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = first.num_heads
         self.num_kv_heads: int = first.num_kv_heads
         self.head_dim: int = first.head_dim
         self.sliding_window: int | None = _sliding_window(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,23 @@ class ModelRunner:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [_lazy_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
+
+    def precompile_kernels(self, max_model_len: int) -> None:
+        """Compile every Triton kernel variant the steps can launch, on several threads, before the
+        first step (GPU only): attention's variants and the draw kernel. The layers' other kernels
+        have one variant per model and compile in the profiling forward."""
+        precompile = getattr(self.backend, "precompile", None)
+        if self.device.type != "cuda" or precompile is None:
+            return
+        from tokenmill.kernels.triton.precompile import parallel_compile
+
+        m = self.model
+        start = time.perf_counter()
+        scratch = torch.empty((2, 1, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.kv_cache_dtype, device=self.device)
+        with parallel_compile():
+            precompile(m.num_heads, scratch, self.dtype, max_model_len)
+            self.sampler.precompile(self.vocab_size, self.dtype, self.device)
+        logger.info("compiled the attention and sampling kernels in %.1f s", time.perf_counter() - start)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(

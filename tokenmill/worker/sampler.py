@@ -79,6 +79,19 @@ class Sampler:
         return self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
 
     @staticmethod
+    def precompile(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile the GPU draw kernel for the two logits it sees: the model's own, and fp32 ones
+        once filters or penalties have run (``precompile.py`` runs this in ``parallel_compile``)."""
+        from tokenmill.kernels.triton.sampling import gumbel_argmax
+
+        keys = torch.zeros(1, dtype=torch.int64, device=device)
+        counters = torch.zeros(1, dtype=torch.int64, device=device)
+        temperature = torch.ones(1, dtype=torch.float32, device=device)
+        for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+            logits = torch.empty(1, vocab_size, dtype=logits_dtype, device=device)
+            gumbel_argmax(logits, temperature, keys, counters, compile_only=True)
+
+    @staticmethod
     def _apply_logit_controls(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.grammar_bitmask is not None:
             batch.apply_grammar(logits, batch.grammar_bitmask)  # in place: disallowed tokens -> -inf

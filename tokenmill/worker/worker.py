@@ -53,6 +53,8 @@ class Worker:
             vocab_size=config.vocab_size,
             seed=config.seed,
         )
+        # Before the profiling forward, so no kernel variant is first compiled in the middle of a run.
+        self.runner.precompile_kernels(config.max_model_len)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit this rank (the engine takes the minimum over ranks).

@@ -37,10 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.precompile import launcher
+
 _LOG2E = 1.4426950408889634
 # Splitting the key range below this many keys per split costs more in the merge than it gains.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
+# A prefill tile already holds 16-128 query rows of work; beyond 4 splits only a short chunk
+# against a long context would gain, and each allowed count is one more variant to compile.
+_MAX_PREFILL_SPLITS = 4
 # Wide enough to find the sequence of any program with one vector load when B <= 256.
 _SEARCH_BLOCK = 256
 
@@ -62,7 +67,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q: tl.constexp
     return tl.minimum(count, num_seqs - 1)
 
 
-@triton.jit
+# Host ints that change from step to step are not specialised on (Triton would otherwise compile a
+# variant for 1, for multiples of 16 and for the rest), so the variants depend on configs alone.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -182,7 +189,7 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + pml, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     out_ptr,
     part_acc_ptr,
@@ -254,34 +261,68 @@ def choose_config(
     """Pick tile shapes and the split count from static bounds (shapes and two host upper bounds).
 
     ``max_query_len == 1`` selects the decode shape (one token per program, a 16-row tile holding
-    the GQA group); otherwise programs take up to 128 rows of tokens x heads (64 for head_dim 256,
-    16 for fp32). Splits are added only while the grid has fewer than two programs per SM, and
-    only as far as ``max_seq_len`` leaves each split >= 256 keys.
+    the GQA group). Otherwise a step with at most 16 rows of queries per sequence (tokens x group)
+    takes that 16-row tile, and any longer one the wide tile of 128 rows (64 for head_dim 256, 16
+    for fp32). Splits are added only while the grid has fewer than two programs per SM, and only
+    as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
+    the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
     """
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    fp32 = dtype == torch.float32  # tests only: ieee fp32 dots run on FMA units, keep tiles small
-    wide = head_dim <= 128 and not fp32
     if max_query_len <= 1:
-        block_q = 1
-        num_warps, num_stages = 4, 3
+        block_q, max_splits = 1, _MAX_SPLITS
     else:
-        # 128 x 128 fp32 accumulators fit 8 warps without spilling (checked with ptxas for sm_90);
-        # head_dim 256 halves the rows; fp32 (FMA dots) keeps the 16 rows of decode.
-        target_rows = 16 if fp32 else 128 if wide else 64
-        block_q = max(1, min(target_rows // group_p, triton.next_power_of_2(max_query_len)))
-        num_warps = 8 if not fp32 and (block_q * group_p >= 128 or head_dim >= 256) else 4
-        num_stages = 2 if fp32 else 3
-    tile_n = 16 if fp32 else 64 if wide else 32
+        narrow, wide = _prefill_block_qs(group_p, head_dim, dtype)
+        block_q, max_splits = (narrow if max_query_len <= narrow else wide), _MAX_PREFILL_SPLITS
     grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     programs = max(1, grid_q * num_kv_heads)
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
     num_splits = 1
     if programs < 2 * num_sms:
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-        wanted = min(math.ceil(2 * num_sms / programs), by_length, _MAX_SPLITS)
-        # Powers of two only: NUM_SPLITS is a compile-time constant, so this bounds recompiles.
-        num_splits = 1 << (wanted - 1).bit_length() if wanted > 1 else 1
+        wanted = min(math.ceil(2 * num_sms / programs), by_length, max_splits)
+        num_splits = _next_power_of_2(wanted)
+    return _config(block_q, num_splits, group_p, head_dim, dtype)
+
+
+def launch_configs(
+    *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int
+) -> list[AttentionLaunchConfig]:
+    """Every config ``choose_config`` can return for these heads and contexts up to ``max_seq_len``:
+    the kernel variants to compile before a run, so that none is compiled in the middle of one."""
+    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
+    by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+    configs = []
+    for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in _prefill_block_qs(group_p, head_dim, dtype))):
+        splits = 1
+        while splits <= _next_power_of_2(min(by_length, max_splits)):
+            configs.append(_config(block_q, splits, group_p, head_dim, dtype))
+            splits *= 2
+    return list(dict.fromkeys(configs))  # narrow == wide for fp32
+
+
+def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Query tokens per program of the narrow (16-row) and wide prefill tiles."""
+    fp32 = dtype == torch.float32  # tests only: ieee fp32 dots run on FMA units, keep tiles small
+    # 128 x 128 fp32 accumulators fit 8 warps without spilling (checked with ptxas for sm_90);
+    # head_dim 256 halves the rows; fp32 (FMA dots) keeps the 16 rows of decode.
+    wide_rows = 16 if fp32 else 128 if head_dim <= 128 else 64
+    return max(1, 16 // group_p), max(1, wide_rows // group_p)
+
+
+def _config(block_q: int, num_splits: int, group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
+    fp32 = dtype == torch.float32
+    tile_n = 16 if fp32 else 64 if head_dim <= 128 else 32
+    if block_q == 1:
+        num_warps, num_stages = 4, 3
+    else:
+        num_warps = 8 if not fp32 and (block_q * group_p >= 128 or head_dim >= 256) else 4
+        num_stages = 2 if fp32 else 3
     return AttentionLaunchConfig(block_q, tile_n, num_splits, num_warps, num_stages)
+
+
+def _next_power_of_2(n: int) -> int:
+    # Split counts are compile-time constants: powers of two bound the number of variants.
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def paged_attention(
@@ -296,6 +337,7 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     config: AttentionLaunchConfig | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
     """Causal paged attention of the flattened batch (its keys/values already in the cache).
 
@@ -303,7 +345,8 @@ def paged_attention(
     shapes and the split count (see ``choose_config``); the kernels read the true lengths from the
     tensors, so the result is correct for any bounds and the launch never syncs with the device.
     Rows of tokens at or past ``query_start_loc[B]`` (CUDA-graph padding) are not written.
-    ``config`` overrides the choice (benchmarks, tests of the split path).
+    ``config`` overrides the choice (benchmarks, tests of the split path). ``compile_only``
+    compiles the kernels this call would launch and launches nothing (``precompile.py``).
     """
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, num_heads, head_dim] with a contiguous last dim, got {tuple(q.shape)}")
@@ -362,7 +405,7 @@ def paged_attention(
     else:  # unused by the kernel; any tensor will do as a placeholder pointer
         part_acc = part_m = part_l = out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_kernel[(grid_q, num_kv_heads, splits)](
+    launcher(_paged_attention_kernel, (grid_q, num_kv_heads, splits), compile_only)(
         q,
         k_cache,
         v_cache,
@@ -402,7 +445,7 @@ def paged_attention(
         num_stages=config.num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        launcher(_merge_splits_kernel, (num_tokens, num_heads), compile_only)(
             out,
             part_acc,
             part_m,
@@ -422,3 +465,4 @@ def paged_attention(
             num_warps=4 if head_dim * splits >= 2048 else 2,
         )
     return out
+

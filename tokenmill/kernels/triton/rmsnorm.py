@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# num_rows changes every step: not specialised on, so one variant serves every batch size.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.precompile import launcher
+
 _CHUNK = 2048  # tokens per program: 38 chunks over Qwen's 151,936-token vocabulary
 
 
@@ -81,8 +83,13 @@ def gumbel_argmax(
     temperature: torch.Tensor,  # [N] float32; 0 = greedy
     keys: torch.Tensor,  # [N] int64 Philox keys
     counters: torch.Tensor,  # [N] int64 Philox counters (the draw's position)
+    *,
+    compile_only: bool = False,
 ) -> torch.Tensor:  # [N] int64 token ids
-    """Per row: argmax(logits) where temperature == 0, else a sample of softmax(logits / temperature)."""
+    """Per row: argmax(logits) where temperature == 0, else a sample of softmax(logits / temperature).
+
+    ``compile_only`` compiles the kernel for these inputs and launches nothing (``precompile.py``);
+    the result is then meaningless."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be 2-D with a contiguous last dim, got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -93,7 +100,7 @@ def gumbel_argmax(
     best_score = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     best_token = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     if rows:
-        _gumbel_argmax_kernel[(rows, num_chunks)](
+        launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
             logits, temperature, keys, counters, best_score, best_token, vocab, num_chunks, logits.stride(0),
             CHUNK=_CHUNK, num_warps=8,
         )
