@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [sampler] [profile] [profile-gpu] [timeline] [vllm]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [gemm] [sampler] [profile] [profile-gpu] [timeline] [vllm]
 #   (default: tests kernels throughput)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +46,8 @@ for part in $parts; do
         RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py tokenmill_fp8kv $run 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl" ;;
+    gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
+      timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
     sampler)
       timeout 60 python3 bench/sampler_bench.py --device cuda --repeats 20 2>&1 | tee "$OUT/sampler.txt" ;;
     profile)
