@@ -112,7 +112,6 @@ class TritonAttentionBackend:
             config=config,
         )
 
-
     def precompile(self, num_heads: int, kv_cache: "torch.Tensor", dtype: "torch.dtype", max_seq_len: int) -> None:
         """Compile every attention variant a step can choose (``precompile.py`` runs this in
         ``parallel_compile``). ``kv_cache`` may be a one-block scratch tensor of the real layout:
