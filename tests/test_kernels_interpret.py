@@ -176,6 +176,9 @@ _case("qkv_prologue", "qkvpro-f32-into-f16-cache", dtype="float32", cache_dtype=
 _case("lazy_import", "import-tokenmill-does-not-import-triton")
 # The variants compiled while LLM() starts must hold every config a step can choose.
 _case("launch_configs", "attention-launch-configs-cover-every-choice")
+# The precompile calls reach the kernels with valid arguments (the interpreter runs a compile-only
+# launch instead of compiling it; whether nothing compiles mid-run is checked on the GPU).
+_case("precompile", "precompile-calls-every-attention-variant-and-the-draw")
 # The sampler's draw (temperature, Philox Gumbel noise, argmax): vocabularies under one chunk (and
 # not a multiple of 4), exactly one, and over several chunks.
 for _dt in ("float32", "float16"):
@@ -594,6 +597,33 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     assert {(c.block_q, c.num_warps) for c in qwen if c.block_q > 1} == {(8, 4), (64, 8)}, qwen
 
 
+def _check_precompile(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.kernels.triton import paged_attention as pa
+    from tokenmill.kernels.triton.precompile import parallel_compile
+    from tokenmill.worker.sampler import Sampler
+
+    launched = []
+    real = pa.paged_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        assert kwargs["compile_only"] is True
+        launched.append(kwargs["config"])
+        return real(*args, **kwargs)
+
+    backend = TritonAttentionBackend()
+    backend._paged_attention = spy
+    for cache_dtype in (torch.float16, torch.float8_e4m3fn):
+        scratch = torch.zeros(2, 1, 16, 2, 64, dtype=cache_dtype)
+        launched.clear()
+        with parallel_compile(max_workers=2):
+            backend.precompile(4, scratch, torch.float16, 1024)
+            Sampler.precompile(300, torch.float16, torch.device("cpu"))
+        assert launched == pa.launch_configs(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_seq_len=1024)
+
+
 def _check_lazy_import(p: dict[str, Any]) -> None:
     # Already verified at worker start, before anything imported triton (see _worker_main).
     assert p["triton_was_imported"] is False, "importing tokenmill's kernel-facing modules imported triton"
@@ -738,6 +768,7 @@ _CHECKS = {
     "layer": _check_layer,
     "lazy_import": _check_lazy_import,
     "launch_configs": _check_launch_configs,
+    "precompile": _check_precompile,
 }
 
 

@@ -112,9 +112,13 @@ class ModelRunner:
         m = self.model
         start = time.perf_counter()
         scratch = torch.empty((2, 1, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.kv_cache_dtype, device=self.device)
-        with parallel_compile():
-            precompile(m.num_heads, scratch, self.dtype, max_model_len)
-            self.sampler.precompile(self.vocab_size, self.dtype, self.device)
+        try:
+            with parallel_compile():
+                precompile(m.num_heads, scratch, self.dtype, max_model_len)
+                self.sampler.precompile(self.vocab_size, self.dtype, self.device)
+        except Exception as exc:  # noqa: BLE001  (an optimisation: the kernels still compile on first use)
+            logger.warning("compiling kernels ahead failed (%r); they will compile when first launched", exc)
+            return
         logger.info("compiled the attention and sampling kernels in %.1f s", time.perf_counter() - start)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:

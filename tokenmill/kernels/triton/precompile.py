@@ -36,5 +36,7 @@ def parallel_compile(max_workers: int | None = None) -> Iterator[None]:
         return
     workers = max_workers or min(16, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile") as pool:
-        with AsyncCompileMode(pool):
+        # ignore_errors: a variant that fails to compile here is simply not cached, and compiles
+        # (and raises) where a step launches it, as without this block.
+        with AsyncCompileMode(pool, ignore_errors=True):
             yield
