@@ -9,6 +9,9 @@ process itself never imports triton. Two workers share the cases, one per core.
 Every check uses random inputs, poisons outputs (NaN) before the kernel runs and compares with
 ``tokenmill.kernels.reference``; the interpreter is slow, so token counts are tiny. bf16 is skipped
 here (the interpreter's bf16 is not trustworthy); tests/gpu/test_kernels_gpu.py covers it on CUDA.
+
+The same harness also reports the sm_90 compile checks (``kernel_compile_sm90.py``), whose
+worker compiles real-hardware shapes with Triton's compiler and ptxas instead of interpreting.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from typing import Any
 
 import pytest
 
+import kernel_compile_sm90 as sm90
+
 REPO = Path(__file__).resolve().parents[1]
-_RESULT_PREFIX = "KERNEL-RESULTS:"
+_RESULT_PREFIX = sm90.RESULT_PREFIX
 
 # ----------------------------------------------------------------------------------------------
 # The cases: plain data, so collecting this file needs neither triton nor torch.
@@ -185,39 +190,7 @@ for _dt in ("float32", "float16"):
     for _vocab in (37, 2048, 5003):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
-# Real-hardware shapes compiled (not run) for sm_90 by Triton's own compiler and ptxas, through
-# the real wrappers and launch heuristics: catches what the interpreter accepts but the GPU
-# compiler refuses (dot shapes, layouts), shared memory over Hopper's 227 KB, register spills,
-# and a dot that silently lost its tensor cores. These run in a worker WITHOUT the interpreter.
-_COMPILE_ATTENTION = {
-    # name: (dtype, num_seqs, query_len, heads, kv_heads, head_dim, block_size, max_seq_len)
-    "p1-decode-bf16-d128-g2": ("bfloat16", 256, 1, 16, 8, 128, 16, 1024),
-    "longctx-decode-split-bf16-d128-g4": ("bfloat16", 4, 1, 32, 8, 128, 16, 32768),
-    "prefill-bf16-d128-g2": ("bfloat16", 4, 512, 16, 8, 128, 16, 2048),
-    "prefill-fp16-d64-g1-bs32": ("float16", 4, 512, 8, 8, 64, 32, 2048),
-    "prefill-bf16-d256-g4": ("bfloat16", 4, 512, 16, 4, 256, 16, 2048),
-    "decode-bf16-d256-g8-split": ("bfloat16", 2, 1, 16, 2, 256, 16, 16384),
-    "prefill-fp32-d128-g2": ("float32", 4, 512, 4, 2, 128, 16, 2048),
-    "decode-fp32-d128-g2-split": ("float32", 2, 1, 4, 2, 128, 16, 8192),
-}
-for _name in _COMPILE_ATTENTION:
-    _case("compile_sm90", f"sm90-attn-{_name}", kernel="attention", shape=_name)
-for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul", "gumbel_argmax"):
-    _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
-_COMPILE_QKV_PROLOGUE = {
-    # name: (dtype, tokens, heads, kv_heads, head_dim, block_size, qk_norm)
-    "qwen3-0.6b-decode-bf16": ("bfloat16", 256, 16, 8, 128, 16, True),
-    "llama3-8b-prefill-bf16": ("bfloat16", 16384, 32, 8, 128, 16, False),
-    "d64-fp16-bs32": ("float16", 64, 8, 8, 64, 32, True),
-    "d256-bf16": ("bfloat16", 64, 16, 4, 256, 16, True),
-}
-for _name in _COMPILE_QKV_PROLOGUE:
-    _case("compile_sm90", f"sm90-qkv_prologue-{_name}", kernel="qkv_prologue", shape=_name)
-# kv_cache_dtype="fp8": bf16 keys and values stored as float8 e4m3 and read back by attention.
-_case("compile_sm90", "sm90-attn-p1-decode-fp8cache", kernel="attention", shape="p1-decode-bf16-d128-g2", cache_dtype="float8_e4m3fn")
-_case("compile_sm90", "sm90-attn-prefill-fp8cache", kernel="attention", shape="prefill-bf16-d128-g2", cache_dtype="float8_e4m3fn")
-_case("compile_sm90", "sm90-qkv_prologue-decode-fp8cache", kernel="qkv_prologue", shape="qwen3-0.6b-decode-bf16", cache_dtype="float8_e4m3fn")
-_case("compile_sm90", "sm90-kv_store-fp8cache", kernel="kv_store", cache_dtype="float8_e4m3fn")
+CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +204,7 @@ def _spawn(names: list[str], interpret: bool) -> subprocess.Popen[str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--worker" if interpret else "--compile-worker", json.dumps(names)],
+        [sys.executable, str(Path(__file__).resolve() if interpret else Path(sm90.__file__).resolve()), "--worker", json.dumps(names)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -629,133 +602,6 @@ def _check_lazy_import(p: dict[str, Any]) -> None:
     assert p["triton_was_imported"] is False, "importing tokenmill's kernel-facing modules imported triton"
 
 
-_SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
-_TRITON_DTYPES = {"torch.float8_e4m3fn": "fp8e4nv", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64"}
-
-
-def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
-    """Make ``kernel[grid](...)`` compile for sm_90 instead of launching, recording what ptxas says.
-
-    The signature and the 16-divisibility hints are derived from the actual arguments the way
-    Triton's launcher specialises them, so what is compiled is what the wrapper would launch."""
-    import re
-    import tempfile
-
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-
-    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = self.signature.bind(*args, **kwargs)
-        signature: dict[str, str] = {}
-        constexprs: dict[str, Any] = {}
-        attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-        for param in self.params:
-            value = bound.arguments[param.name]
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-                continue
-            if isinstance(value, torch.Tensor):
-                signature[param.name] = "*" + _TRITON_DTYPES[str(value.dtype)]
-                aligned = value.data_ptr() % 16 == 0
-            elif isinstance(value, bool):
-                signature[param.name], aligned = "i1", False
-            elif isinstance(value, int):
-                signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-                aligned = value % 16 == 0
-            else:
-                signature[param.name], aligned = "fp32", False
-            if aligned:
-                attrs[(param.num,)] = [["tt.divisibility", 16]]
-        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-        ptx = kernel.asm["ptx"]
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "k.ptx").write_text(ptx)
-            info = subprocess.run(
-                [str(ptxas), "-v", "--gpu-name=sm_90a", str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.o")],
-                capture_output=True, text=True, check=True,
-            ).stderr
-        registers = re.search(r"Used (\d+) registers", info)
-        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info))
-        report.append({
-            "kernel": self.__name__, "shared": kernel.metadata.shared, "registers": int(registers.group(1)) if registers else -1,
-            "spill_bytes": spills, "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx, "options": options,
-            "float_inputs": any(v in ("*bf16", "*fp16") for v in signature.values()),
-        })
-
-    JITFunction.run = run  # type: ignore[method-assign]
-
-
-def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None:
-    import torch
-
-    from tokenmill.kernels.testing import rope_cos_sin_cache
-    from tokenmill.kernels.triton import activation, kv_store, paged_attention, qkv_prologue, rmsnorm, rotary, sampling
-
-    start = len(report)
-    bf16 = torch.bfloat16
-    kernel = p["kernel"]
-    # Tensors only carry dtype, shape, strides and alignment here: nothing is launched.
-    if kernel == "attention":
-        dtype_name, seqs, qlen, heads, kv_heads, dim, bs, max_seq = _COMPILE_ATTENTION[p["shape"]]
-        dtype = getattr(torch, dtype_name)
-        tokens = seqs * qlen
-        qkv = torch.empty((tokens, (heads + 2 * kv_heads) * dim), dtype=dtype)
-        q = qkv[:, : heads * dim].view(tokens, heads, dim)  # the model's strided view
-        cache = torch.empty((2, 8, bs, kv_heads, dim), dtype=getattr(torch, p.get("cache_dtype", dtype_name)))
-        paged_attention.paged_attention(
-            q, cache, torch.zeros(seqs + 1, dtype=torch.int32), torch.zeros(seqs, dtype=torch.int32),
-            torch.zeros((seqs, max_seq // bs), dtype=torch.int32), dim**-0.5, max_query_len=qlen, max_seq_len=max_seq,
-        )
-    elif kernel == "kv_store":
-        qkv = torch.empty((64, 32 * 128), dtype=bf16)
-        k = qkv[:, 16 * 128 : 24 * 128].view(64, 8, 128)
-        cache_dtype = getattr(torch, p.get("cache_dtype", "bfloat16"))
-        kv_store.store_kv(k, k, torch.empty((2, 8, 16, 8, 128), dtype=cache_dtype), torch.zeros(64, dtype=torch.int64))
-    elif kernel == "rms_norm":
-        rmsnorm.rms_norm(torch.empty((64, 4096), dtype=bf16), torch.empty(4096, dtype=bf16), 1e-6)
-    elif kernel == "fused_add_rms_norm":
-        x = torch.empty((64, 1024), dtype=bf16)
-        rmsnorm.fused_add_rms_norm(x, torch.empty_like(x), torch.empty(1024, dtype=bf16), 1e-6)
-    elif kernel == "head_rms_norm":
-        qkv = torch.empty((64, 32 * 128), dtype=bf16)
-        rmsnorm.rms_norm(qkv[:, : 16 * 128].view(64, 16, 128), torch.empty(128, dtype=bf16), 1e-6)
-    elif kernel == "rotary":
-        qkv = torch.empty((64, 32 * 128), dtype=bf16)
-        q, k = qkv[:, : 16 * 128].view(64, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(64, 8, 128)
-        rotary.rotary_embedding_(torch.zeros(64, dtype=torch.int64), q, k, rope_cos_sin_cache(64, 128))
-    elif kernel == "silu_and_mul":
-        activation.silu_and_mul(torch.empty((64, 2 * 3072), dtype=bf16))
-    elif kernel == "gumbel_argmax":
-        rows = 256
-        sampling.gumbel_argmax(torch.empty((rows, 151936), dtype=bf16), torch.ones(rows),
-                               torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
-    elif kernel == "qkv_prologue":
-        dtype_name, tokens, heads, kv_heads, dim, bs, qk_norm = _COMPILE_QKV_PROLOGUE[p["shape"]]
-        dtype = getattr(torch, dtype_name)
-        weight = torch.empty(dim, dtype=dtype) if qk_norm else None
-        qkv_prologue.qkv_prologue(
-            torch.empty((tokens, (heads + 2 * kv_heads) * dim), dtype=dtype), torch.zeros(tokens, dtype=torch.int64),
-            rope_cos_sin_cache(64, dim), torch.empty((2, 8, bs, kv_heads, dim), dtype=getattr(torch, p.get("cache_dtype", dtype_name))),
-            torch.zeros(tokens, dtype=torch.int64), heads, weight, weight, 1e-6,
-        )
-    launched = report[start:]
-    assert launched, "the wrapper launched no kernel"
-    for entry in launched:
-        print(f"  sm_90 {entry}", flush=True)
-        assert entry["shared"] <= _SM90_MAX_SHARED, f"{entry['kernel']} needs {entry['shared']} B of shared memory"
-        # fp32 is a test-only path (FMA dots); a few spilled bytes there cost nothing we ship.
-        if entry["float_inputs"]:
-            assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
-        if entry["kernel"] == "_paged_attention_kernel" and entry["float_inputs"]:
-            assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
-
-
 _CHECKS = {
     "attention": _check_attention,
     "backend": _check_backend,
@@ -805,28 +651,5 @@ def _worker_main(names: list[str]) -> None:
     print(_RESULT_PREFIX + json.dumps(results), flush=True)
 
 
-def _compile_worker_main(names: list[str]) -> None:
-    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "the sm_90 compile worker must not interpret"
-    results: dict[str, str | None] = {}
-    try:
-        report: list[dict[str, Any]] = []
-        _install_compile_only_launcher(report)
-    except Exception:  # noqa: BLE001  (an older/newer triton without this internal API)
-        reason = "SKIP: cannot compile for sm_90 offline here: " + traceback.format_exc(limit=1).strip().splitlines()[-1]
-        print(_RESULT_PREFIX + json.dumps({name: reason for name in names}), flush=True)
-        return
-    for name in names:
-        start = time.perf_counter()
-        try:
-            _check_compile_sm90(CASES[name][1], report)
-            results[name] = None
-        except Exception:  # noqa: BLE001
-            results[name] = traceback.format_exc()
-        print(f"{name}: {'ok' if results[name] is None else 'FAIL'} {time.perf_counter() - start:.2f}s", flush=True)
-    print(_RESULT_PREFIX + json.dumps(results), flush=True)
-
-
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     _worker_main(json.loads(sys.argv[2]))
-elif __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--compile-worker":
-    _compile_worker_main(json.loads(sys.argv[2]))
