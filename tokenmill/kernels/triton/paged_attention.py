@@ -159,7 +159,8 @@ def _paged_attention_kernel(
         key_off = block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_tok + head_off
         if KEYS_AS_ROWS:
             # An fp8 cache: keys as stored, [TILE_N, HEAD_DIM], converted to q's dtype, then
-            # transposed for the dot (converting the transposed load measured 1.5 TB/s, not 4).
+            # transposed for the dot. Measured no faster than converting the transposed load
+            # (347 µs on P1's shape either way, docs/perf.md (12)); a 128-key tile is what helped.
             k = tl.trans(tl.load(k_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0).to(q.dtype))
         else:
             # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
