@@ -106,7 +106,6 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    KEYS_AS_ROWS: tl.constexpr,
 ):
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,14 +156,8 @@ def _paged_attention_kernel(
         key_valid = key_pos < kv_end
         block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         key_off = block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_tok + head_off
-        if KEYS_AS_ROWS:
-            # An fp8 cache: keys as stored, [TILE_N, HEAD_DIM], converted to q's dtype, then
-            # transposed for the dot. Measured no faster than converting the transposed load
-            # (347 µs on P1's shape either way, docs/perf.md (12)); a 128-key tile is what helped.
-            k = tl.trans(tl.load(k_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0).to(q.dtype))
-        else:
-            # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
-            k = tl.load(k_cache_ptr + key_off[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0).to(q.dtype)
+        # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
+        k = tl.load(k_cache_ptr + key_off[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         # Causality also hides keys past kv_end from real rows, since their row_pos < kv_end.
         s = tl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
@@ -448,7 +441,6 @@ def paged_attention(
         NUM_SPLITS=splits,
         SEARCH_BLOCK=_SEARCH_BLOCK,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KEYS_AS_ROWS=kv_cache.dtype.itemsize == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -473,4 +465,3 @@ def paged_attention(
             num_warps=4 if head_dim * splits >= 2048 else 2,
         )
     return out
-
