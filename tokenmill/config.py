@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from tokenmill.models.source import ModelSource
+    from tokenmill.quantization.config import QuantizationConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -39,6 +40,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
+    # None: the checkpoint's own (config.json's quantization_config), or full precision; "fp8":
+    # quantize a full-precision checkpoint while loading. See tokenmill/quantization/config.py.
+    quantization: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # Launch step N+1 before step N's sampled ids are read back (None: on GPUs, where the host work
@@ -128,6 +132,7 @@ class EngineConfig:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    quantization: "QuantizationConfig | None" = None  # the linear layers' weights; None: the model's dtype
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -185,7 +190,10 @@ def model_max_len(hf_config: Any) -> int:
 def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     import torch
 
+    from tokenmill.quantization.config import resolve_quantization
+
     hf_config = source.hf_config
+    quantization = resolve_quantization(args.quantization, hf_config)
     device = resolve_device(args.device)
     limit = model_max_len(hf_config)
     max_model_len = args.max_model_len or limit
@@ -216,6 +224,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=quantization,
     )
 
 

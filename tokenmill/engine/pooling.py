@@ -61,7 +61,7 @@ class PoolingEngine:
         self.pooling = pooling
         self.tokenizer = tokenizer
         model = load_model(source, config.dtype, config.device, load_format, seed=config.seed,
-                           architecture=pooling.architecture)
+                           architecture=pooling.architecture, quantization=config.quantization)
         self.runner = PoolingRunner(model, config.device, pooling)
         self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens,  # type: ignore[arg-type]
                                    config.max_model_len, chunked_prefill=False)

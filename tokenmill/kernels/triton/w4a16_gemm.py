@@ -66,8 +66,7 @@ def _w4a16_kernel(
     y_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         # Partials are [split_k, M, N] fp32; .cg loads read L2, where the other SMs' stores landed.
-        tile_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        p_ptrs = partial_ptr + tile_m[:, None] * N + rn[None, :]
+        p_ptrs = partial_ptr + rm[:, None] * N + rn[None, :]
         tl.store(p_ptrs + pid_k * M * N, acc, mask=y_mask)
         tl.debug_barrier()  # every thread's partial is stored before the count (release below)
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -117,9 +116,11 @@ def w4a16_gemm(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] fp16/bf16/fp32 -> [M, N] in x's dtype. ``counters``: int32 zeros (``counters_needed``),
-    left zeroed again. ``config`` overrides ``choose_config`` (tests force splits and tiles)."""
+    left zeroed again. ``config`` overrides ``choose_config`` (tests force splits and tiles); ``out``
+    receives y (tests poison it)."""
     m, k = x.shape
     n = qweight.shape[1]
     if x.stride(1) != 1:
@@ -131,7 +132,7 @@ def w4a16_gemm(
         raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # rounding may leave fewer non-empty splits
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     if split > 1 and grid[0] * grid[1] > counters.numel():
         raise ValueError(f"split-K over {grid[0] * grid[1]} tiles needs that many counters, got {counters.numel()}")
