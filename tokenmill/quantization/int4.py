@@ -75,10 +75,9 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               group_size: int, zeros_minus_one: bool) -> Int4Weights:
     """qweight [K/8, N], qzeros [G, N/8], scales [G, N]."""
     n = qweight.shape[1]
-    zeros = unpack_int4(qzeros, 1, n).to(torch.int16) + int(zeros_minus_one)
-    if int(zeros.max()) > 15:  # v1 stores z - 1 in 4 bits, so z = 16 cannot occur in a real checkpoint
-        raise ValueError("GPTQ qzeros hold a zero point of 16 (stored 15 in the v1 format); the checkpoint is corrupt")
-    return _int4(qweight, scales, zeros.to(torch.uint8), in_features, group_size)
+    # v1 adds one to the stored nibble, as its kernels do, so a stored 15 means 16 (u - 16 is still exact).
+    zeros = unpack_int4(qzeros, 1, n) + int(zeros_minus_one)
+    return _int4(qweight, scales, zeros, in_features, group_size)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, in_features: int,

@@ -4,7 +4,7 @@ W lies as ``tokenmill.quantization.int4.Int4Weights``: codes [ceil(K/8), N] int3
 a scale per (group of K, output) and optionally a zero point. A program computes a BLOCK_M x
 BLOCK_N tile of y over a range of K: each K-tile loads the words it needs (every word once per
 8 rows of the tile: the same address, so one memory read), shifts the codes out, subtracts the
-zero point (``u - z`` is an integer in [-15, 15], exact in fp16/bf16), multiplies with the
+zero point (``u - z`` is an integer in [-16, 15], exact in fp16/bf16), multiplies with the
 activations on the tensor cores, and scales the fp32 partial product by the group's scale. A
 K-tile never straddles two groups (BLOCK_K divides the group size), so a scale multiplies a whole
 [BLOCK_M, BLOCK_N] partial instead of every weight.
