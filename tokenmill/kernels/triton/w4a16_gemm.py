@@ -2,10 +2,10 @@
 
 W lies as ``tokenmill.quantization.int4.Int4Weights``: codes [ceil(K/8), N] int32 packed along K,
 a scale per (group of K, output) and optionally a zero point. A program computes a BLOCK_M x
-BLOCK_N tile of y over a range of K: each K-tile loads the words it needs (every word once per
-8 rows of the tile: the same address, so one memory read), shifts the codes out, subtracts the
-zero point (``u - z`` is an integer in [-16, 15], exact in fp16/bf16), multiplies with the
-activations on the tensor cores, and scales the fp32 partial product by the group's scale. A
+BLOCK_N tile of y over a range of K: each K-tile loads the words it needs once ([BLOCK_K / 8,
+BLOCK_N] int32), shifts each word's 8 codes out into 8 rows of a [BLOCK_K, BLOCK_N] tile in
+registers, subtracts the zero point (``u - z`` is an integer in [-16, 15], exact in fp16/bf16),
+multiplies with the activations on the tensor cores, and scales the fp32 partial product by the group's scale. A
 K-tile never straddles two groups (BLOCK_K divides the group size), so a scale multiplies a whole
 [BLOCK_M, BLOCK_N] partial instead of every weight.
 
@@ -40,7 +40,8 @@ def _w4a16_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
+    shifts = tl.arange(0, 8) * 4
+    rw = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
@@ -48,8 +49,10 @@ def _w4a16_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        words = tl.load(qw_ptr + (rk // 8)[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0)
-        codes = (words >> shifts[:, None]) & 0xF
+        # One load per word ([BLOCK_K / 8, BLOCK_N]), then its 8 codes spread into K rows in registers.
+        word_rows = k0 // 8 + rw
+        words = tl.load(qw_ptr + word_rows[:, None] * N + rn[None, :], mask=(word_rows[:, None] * 8 < K) & n_ok[None, :], other=0)
+        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = k0 // group_size
         if HAS_ZEROS:
             zeros = tl.load(zero_ptr + group * N + rn, mask=n_ok, other=0).to(tl.int32)
