@@ -15,13 +15,25 @@ fp32 with the reference weights, for transformers to run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from conftest import _common, _randomize, build_tiny_tokenizer
+
+def _load_tests_conftest() -> Any:
+    # By file, not "import conftest": under tests/gpu that name is tests/gpu/conftest.py.
+    spec = importlib.util.spec_from_file_location("tokenmill_tests_conftest", Path(__file__).with_name("conftest.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tiny = _load_tests_conftest()
+_common, _randomize, build_tiny_tokenizer = _tiny._common, _tiny._randomize, _tiny.build_tiny_tokenizer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
