@@ -51,7 +51,7 @@ class W4A16LinearMethod:
             }
         for name, (shape, dtype, param_layout) in params.items():
             param = new_param(shape, loader, param_layout, dtype=dtype)
-            param.dummy_init = _dummy_scales if name in ("weight_scale", "scales") else _dummy_bits  # type: ignore[attr-defined]
+            param.dummy_init = _dummy_init(name, self.scheme)  # type: ignore[attr-defined]
             setattr(layer, name, param)
         if layout == "compressed-tensors":
             layer.weight_shape = _checked_param((2,), torch.int64, loader, _place_weight_shape)
@@ -89,9 +89,10 @@ class W4A16LinearMethod:
             return
         from tokenmill.kernels.triton.w4a16_gemm import counters_needed
 
-        scales = weights.scales.to(self.dtype)
-        if not torch.equal(scales.float(), weights.scales.float()):
-            scales = weights.scales.float()  # keep fp32 rather than round the checkpoint's scales
+        # The narrowest float that holds the checkpoint's scales exactly (GPTQ's fp16, compressed-tensors'
+        # model dtype); fp32 rather than rounding them. The kernel reads any of them.
+        exact = [dt for dt in (torch.bfloat16, torch.float16) if torch.equal(weights.scales.to(dt).float(), weights.scales)]
+        scales = weights.scales.to(exact[0] if exact else torch.float32)
         layer.register_buffer("qweight_kn", weights.qweight, persistent=False)
         layer.register_buffer("scales_gn", scales.contiguous(), persistent=False)
         layer.register_buffer("zeros_gn", weights.zeros, persistent=False)
@@ -123,10 +124,22 @@ def _place_weight_shape(param: nn.Parameter, loaded: LoadedWeight, where: Placem
         raise ValueError(f"weight_shape says {shape}, the model expects {(where.full_rows, where.full_cols)}")
 
 
+def _dummy_init(name: str, scheme: Int4Scheme) -> Any:
+    """Random codes, scales near _DUMMY_SCALE (fp16 values, as GPTQ stores them), and zero points that
+    are 8 for symmetric schemes (stored as 7 by GPTQ's v1 format) and random otherwise."""
+    if name in ("weight_scale", "scales"):
+        return _dummy_scales
+    if name in ("qzeros", "weight_zero_point") and scheme.symmetric:
+        stored = 8 - int(scheme.gptq_zeros_minus_one)
+        word = sum(stored << (4 * j) for j in range(8))
+        return lambda data, generator: data.fill_(word - 2**32 if word >= 2**31 else word)
+    return _dummy_bits
+
+
 def _dummy_bits(data: torch.Tensor, generator: torch.Generator) -> None:
     data.copy_(torch.randint(-(2**31), 2**31 - 1, data.shape, generator=generator, device=data.device, dtype=torch.int64))
 
 
 def _dummy_scales(data: torch.Tensor, generator: torch.Generator) -> None:
     noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
-    data.copy_((0.75 + 0.5 * noise) * _DUMMY_SCALE)
+    data.copy_(((0.75 + 0.5 * noise) * _DUMMY_SCALE).half())
