@@ -173,6 +173,8 @@ def _compressed_tensors_scheme(where: str, group: dict, default_format: str | No
         strategy = weights.get("strategy")
         if strategy not in ("group", "channel"):
             raise _refuse(f"{where}.weights.strategy", strategy, "'group' or 'channel' for 4-bit weights")
+        if weights.get("actorder") not in (None, False, "static"):
+            raise _refuse(f"{where}.weights.actorder", weights["actorder"], "null or 'static' (no g_idx permutation)")
         group_size = int(weights["group_size"]) if strategy == "group" else -1
         return Int4Scheme("compressed-tensors", _check_group(f"{where}.weights.group_size", group_size),
                           bool(weights.get("symmetric", True)))
