@@ -37,6 +37,88 @@ for _dt in ("float32", "float16"):
     for _m, _n, _k in ((1, 70, 300), (20, 128, 128), (130, 72, 260)):
         _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k, bias=_m == 20)
 
+# Whole layers through their linear methods: the kernel path (what runs on a GPU, forced here) against
+# the same layer dequantized at load (the CPU path), merged column-parallel and row-parallel with bias.
+for _dt in ("float32", "float16"):
+    for _scheme in ("gptq-asym-g64", "awq-g32", "fp8-at-load", "fp8-static"):
+        _case("quant_layer", f"layer-{_scheme}-{_dt}", dtype=_dt, scheme=_scheme)
+
+
+def _check_quant_layer(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill import quantization
+    from tokenmill.kernels.testing import patch_triton_interpreter_fp8_rounding
+    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from tokenmill.quantization.config import Fp8Scheme, Int4Scheme
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    schemes = {"gptq-asym-g64": Int4Scheme("gptq", 64, False, True), "awq-g32": Int4Scheme("awq", 32, False),
+               "fp8-at-load": Fp8Scheme("channel", "dynamic", quantize_at_load=True), "fp8-static": Fp8Scheme("tensor", "static")}
+    scheme = schemes[p["scheme"]]
+    gen = torch.Generator().manual_seed(7)
+    k, halves, n_row = 192, [64, 64], 48
+
+    def tensors(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        if isinstance(scheme, Fp8Scheme):
+            w = torch.randn(rows, cols, generator=gen) * 0.1
+            if scheme.quantize_at_load:
+                return {"weight": w}
+            scale = float(torch.rand(1, generator=gen)) * 0.002 + 0.0005  # a different scale per shard
+            return {"weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale": torch.tensor([scale]),
+                    "input_scale": torch.tensor([0.01])}
+        g = scheme.group_size
+        bits = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
+        out = {"qzeros": bits(cols // g, rows // 8), "scales": (0.01 + 0.02 * torch.rand(cols // g, rows, generator=gen)).half()}
+        if scheme.layout == "gptq":
+            out.update(qweight=bits(cols // 8, rows), g_idx=(torch.arange(cols) // g).to(torch.int32))
+        else:
+            out["qweight"] = bits(cols, rows // 8)
+        return out
+
+    merged_parts = [tensors(h, k) for h in halves]
+    row_part = tensors(n_row, sum(halves) // 2)
+    bias = torch.randn(n_row, generator=gen)
+    outputs = []
+    for kernels in (False, True):
+        quantization.runs_kernels = lambda device, kernels=kernels: kernels  # type: ignore[assignment]
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            merged = MergedColumnParallelLinear(k, halves, quant_method=_method(scheme))
+            row = RowParallelLinear(sum(halves) // 2, n_row, bias=True, quant_method=_method(scheme))
+        finally:
+            torch.set_default_dtype(previous)
+        params = dict(merged.named_parameters())
+        for shard, part in enumerate(merged_parts):
+            for name, tensor in part.items():
+                merged.weight_loader(params[name], tensor, shard)
+        row_params = dict(row.named_parameters())
+        for name, tensor in row_part.items():
+            row.weight_loader(row_params[name], tensor)
+        row.bias.data.copy_(bias)
+        for layer in (merged, row):
+            layer.quant_method.process_weights_after_loading(layer)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+        hidden = merged(x)
+        outputs.append((hidden, row(hidden[:, : sum(halves) // 2].contiguous())))
+    quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    for got, want in zip(outputs[1], outputs[0]):
+        if isinstance(scheme, Fp8Scheme):  # the kernel path also rounds activations to fp8 (3 mantissa bits)
+            torch.testing.assert_close(got.float(), want.float(), atol=0.1 * float(want.abs().max()), rtol=0.1)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), atol=tol * float(want.abs().max()), rtol=tol)
+
+
+def _method(scheme: Any) -> Any:
+    from tokenmill.quantization.config import Fp8Scheme, Int4Scheme, QuantizationConfig
+    from tokenmill.quantization import linear_method
+
+    assert isinstance(scheme, (Fp8Scheme, Int4Scheme))
+    return linear_method(QuantizationConfig("test", ((("Linear",), scheme),)), ["layer"])
+
 
 def _check_w4a16(p: dict[str, Any]) -> None:
     import torch
@@ -102,4 +184,5 @@ def _check_fp8_gemm(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=tol * float(expected.float().abs().max()), rtol=tol)
 
 
-CHECKS = {"w4a16": _check_w4a16, "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm}
+CHECKS = {"w4a16": _check_w4a16, "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
+          "quant_layer": _check_quant_layer}

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 from tokenmill.quantization.config import Fp8Scheme, QuantizationConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenmill.models.layers.linear import LinearMethod
+
+
+def runs_kernels(device: "torch.device") -> bool:
+    """Quantized layers on CUDA keep their quantized weights and run the Triton kernels; elsewhere they
+    are dequantized once at load. (The interpreter tests patch this to run the kernel path on the CPU.)"""
+    return device.type == "cuda"
 
 
 def linear_method(config: QuantizationConfig | None, module_names: Sequence[str]) -> "LinearMethod | None":

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import quantization
 from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement, UnquantizedLinearMethod, new_param
 from tokenmill.quantization.config import Fp8Scheme
 
@@ -58,7 +59,7 @@ class Fp8LinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight, scale = layer.weight.data, layer.weight_scale.data.float()
         del layer.weight_scale
-        if weight.device.type != "cuda":
+        if not quantization.runs_kernels(weight.device):
             layer.weight = nn.Parameter((weight.float() * scale[:, None]).to(self.dtype), requires_grad=False)
             if hasattr(layer, "input_scale"):
                 del layer.input_scale

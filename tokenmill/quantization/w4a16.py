@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import quantization
 from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement, UnquantizedLinearMethod, new_param
 from tokenmill.quantization import int4
 from tokenmill.quantization.config import Int4Scheme
@@ -82,7 +83,7 @@ class W4A16LinearMethod:
         for name in names:
             if hasattr(layer, name):
                 delattr(layer, name)
-        if weights.qweight.device.type != "cuda":
+        if not quantization.runs_kernels(weights.qweight.device):
             # CPU: dequantize once; from now on this is an ordinary full-precision layer.
             layer.weight = nn.Parameter(weights.dequantize(self.dtype), requires_grad=False)
             layer.quant_method = UnquantizedLinearMethod()
