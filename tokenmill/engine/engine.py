@@ -28,13 +28,13 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.pooling import PoolingEngine
 from tokenmill.engine.request import Request, Sequence
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.step import SchedulerOutput, StepResult
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestMetrics, RequestOutput
 from tokenmill.pooling_config import resolve_pooling
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from tokenmill.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class LLMEngine:
         # Loads the model on every tensor-parallel rank and sizes and allocates the KV cache there;
         # the engine steps rank 0's runner (tokenmill/distributed/ when there are several ranks).
         self.executor = Executor(self.config, self.source, args.load_format)
-        self.runner = self.executor.driver.runner
         num_blocks = self.executor.num_blocks
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -184,7 +183,7 @@ class LLMEngine:
         return result
 
     def _launch(self, plan: SchedulerOutput) -> StepResult:
-        result = self.runner.execute(plan.scheduled)
+        result = self.executor.execute_model(plan)
         self.stats.record(plan.num_batched_tokens)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
@@ -259,7 +258,7 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, result: StepResult) -> None:
         for chunk in result.prompt_logprobs or ():
-            request = chunk.request
+            request = chunk.seq.request
             k = request.params.prompt_logprobs
             for i, (lp, rank) in enumerate(zip(chunk.token_logprobs, chunk.ranks)):
                 position = chunk.first + i
@@ -324,7 +323,7 @@ class LLMEngine:
             from tokenmill.structured_outputs import GrammarCache
 
             self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
-            self.runner.grammars = self._grammars
+            self.executor.use_grammars(self._grammars)
         try:
             return [self._grammars.matcher(params.structured_outputs) for _ in range(params.num_samples)]
         except ValueError as exc:

@@ -22,28 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
-    samples: bool  # this step reaches its last known token, so a new token is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
-    num_preempted: int
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from tokenmill.engine.step import ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:
@@ -61,6 +42,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
+        self._finished_seq_ids: set[int] = set()
 
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
@@ -68,9 +51,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Sequence]:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        scheduled: list[ScheduledSequence[Sequence]] = []
         preempted = 0
 
         i = 0
@@ -104,13 +87,14 @@ class Scheduler:
             self._preempt(held)
             preempted += 1
             budget = self._admit_waiting(scheduled, budget)
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+        finished, self._finished_seq_ids = self._finished_seq_ids, set()
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished)
 
     def add_forks(self, seqs: list[Sequence]) -> None:
         """New beams go to the front of the queue, like preempted sequences: their group waits for them."""
         self.waiting.extendleft(reversed(seqs))
 
-    def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
+    def _admit_waiting(self, scheduled: list[ScheduledSequence[Sequence]], budget: int) -> int:
         held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
@@ -140,7 +124,7 @@ class Scheduler:
         max_tokens = seq.params.max_tokens
         return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
 
-    def _schedule(self, seq: Sequence, num: int) -> ScheduledSequence:
+    def _schedule(self, seq: Sequence, num: int) -> ScheduledSequence[Sequence]:
         return ScheduledSequence(seq, num, samples=seq.num_computed_tokens + num == seq.num_tokens)
 
     def _waits_for_lead(self, seq: Sequence) -> bool:
@@ -168,11 +152,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._finished_seq_ids.add(seq.seq_id)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Called once the sequence has its finish_reason: frees its blocks and forgets it."""
         seq.status = SequenceStatus.FINISHED
+        self._finished_seq_ids.add(seq.seq_id)
         self.kv.free(seq)
         if seq in self.running:
             self.running.remove(seq)

@@ -20,7 +20,7 @@ from tokenmill.attention.prefill import PrefillAttentionBackend, whole_prompt_me
 from tokenmill.models.pooler import activate, finish_embeddings, pool
 
 if TYPE_CHECKING:
-    from tokenmill.engine.scheduler import ScheduledSequence
+    from tokenmill.engine.step import ScheduledSequence
     from tokenmill.pooling_config import PoolingModelConfig
 
 
