@@ -129,8 +129,17 @@ def scripted_logprobs(ids: list[int], prompt_len: int, eos_ids: tuple[int, ...])
     return torch.log_softmax(logits, dim=-1)
 
 
-class _Discard:
-    """The scheduler calls BeamSearch.advance makes, for a search run without an engine."""
+class _Host:
+    """The scheduler's part in BeamSearch.advance, for a search run without an engine."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt = prompt
+        self.seq_ids = itertools.count()
+
+    def new_sequence(self, req: Request, index: int) -> Sequence:
+        seq = Sequence(next(self.seq_ids), index, req, self.prompt)
+        seq.logprobs = []
+        return seq
 
     def finish(self, seq) -> None:
         pass
@@ -144,19 +153,13 @@ def scripted_search(prompt: list[int], params: BeamSearchParams, eos_ids: tuple[
     search = BeamSearch(params, set() if params.ignore_eos else set(eos_ids), params.max_tokens)
     request = Request("scripted", None, prompt, SamplingParams())
     request.beam = search
-    seq_ids = itertools.count()
-
-    def new_sequence(req: Request, index: int) -> Sequence:
-        seq = Sequence(next(seq_ids), index, req, prompt)
-        seq.logprobs = []
-        return seq
-
-    request.sequences = [new_sequence(request, 0)]
+    host = _Host(prompt)
+    request.sequences = [host.new_sequence(request, 0)]
     while not search.done:
         for seq in request.sequences:
             top = scripted_logprobs(prompt + seq.output_token_ids, len(prompt), eos_ids).topk(search.num_candidates)
             search.report(seq, top.indices.tolist(), top.values.tolist())
-        search.advance(request, _Discard(), new_sequence)
+        request.sequences = search.advance(request.sequences, host)
     return [(hyp.token_ids, hyp.score) for hyp in search.finished]
 
 

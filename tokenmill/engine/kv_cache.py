@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tokenmill.engine.request import Sequence
-from tokenmill.engine.step import NULL_BLOCK
+from tokenmill.engine.step import NULL_BLOCK  # noqa: F401  (block 0; BlockPool never hands it out)
 
 _ROOT_HASH = 0x9E3779B97F4A7C15  # parent key of a sequence's first block
 
