@@ -83,8 +83,13 @@ class LayerOffloader:
                 param.data = _pinned_like(param) if self._on_gpu else torch.empty_like(param, device="cpu")
             else:
                 param.data = torch.empty_like(param, device=self.device)
+        for module in model.modules():
+            build = getattr(module, "build_buffers", None)
+            if build is not None:
+                with torch.device(self.device):
+                    build()  # derived tables computed on the device, as when built there
         for buffer in model.buffers():
-            buffer.data = buffer.data.to(self.device)  # derived while building (rotary tables): keep
+            buffer.data = buffer.data.to(self.device)  # any other buffer: moved as built
         self.layers = [layers[i] for i in sorted(chosen)]
         self._params = [list(layer.parameters()) for layer in self.layers]
         self._offsets = []
@@ -120,7 +125,9 @@ class LayerOffloader:
         ]
 
     def free_buffers(self) -> None:
-        """Give the staging buffers' memory back (sleep)."""
+        """Give the staging buffers' memory back (sleep), once no copy into them is pending."""
+        if self._on_gpu:
+            torch.cuda.synchronize(self.device)
         self._buffers, self._views = [], []
 
     # ---- one forward --------------------------------------------------------------------------
