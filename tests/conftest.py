@@ -141,6 +141,27 @@ def tiny_llama_sharded_dir(tiny_models_root: Path, tiny_llama_dir: Path) -> Path
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_like(tiny_models_root: Path, tiny_llama_dir: Path) -> Callable[..., Path]:
+    """(name, seed, **config fields) -> the tiny Llama's config (rope scaling included), with those
+    fields changed, saved with weights drawn from ``seed`` (tests that need a second model)."""
+    from transformers import AutoConfig
+
+    def make(name: str, seed: int, **overrides) -> Path:
+        config = AutoConfig.from_pretrained(tiny_llama_dir)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return _save_tiny(tiny_models_root, name, config, seed=seed)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Callable[[], object]:
+    """`build_tiny_tokenizer` (a fixture: ``from conftest import`` may find tests/gpu/conftest.py)."""
+    return build_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tiny_models_root: Path) -> Path:
     """Qwen2: q/k/v biases, tied embedding and lm_head."""
     from transformers import Qwen2Config

@@ -83,8 +83,10 @@ def test_sleep_level_2_discards_the_weights_until_reloaded_or_updated(llm, tiny_
     llm.wake_up(tags=["kv_cache"])
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     llm.sleep(level=2)
-    llm.wake_up()
     tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    with pytest.raises(RuntimeError, match="wake_up\\(tags=\\['weights'\\]\\) first"):
+        llm.update_weights({"update_info": {"names": list(tensors), "tensors": list(tensors.values())}})
+    llm.wake_up()
     llm.update_weights({"update_info": {"names": list(tensors), "tensors": list(tensors.values())}})
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
@@ -222,13 +224,9 @@ def test_start_and_stop_profile_write_a_chrome_trace(tiny_llama_dir, tmp_path, m
 
 # ---- weight transfer --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def other_llama_dir(tiny_models_root, tiny_llama_dir):
-    """The tiny Llama's config (rope scaling included) with other weights: the 'trained' model."""
-    from transformers import AutoConfig
-
-    from conftest import _save_tiny
-
-    return _save_tiny(tiny_models_root, "llama_other", AutoConfig.from_pretrained(tiny_llama_dir), seed=11)
+def other_llama_dir(tiny_llama_like):
+    """The tiny Llama with other weights: the 'trained' model."""
+    return tiny_llama_like("llama_other", seed=11)
 
 
 def _checkpoint(path) -> list[tuple[str, torch.Tensor]]:
@@ -309,19 +307,14 @@ def _llama_with(path, pairs):
 
 
 # ---- layer offloading (cpu_offload_gb's mechanism, run on the CPU) ----------------------------------
-def test_offloaded_layers_stream_through_the_staging_buffers(tiny_models_root, paged_cache):
+def test_offloaded_layers_stream_through_the_staging_buffers(tiny_llama_like, paged_cache):
     """Four layers, all offloaded, share two staging buffers: each forward must copy every layer
     in before it runs, so logits match Hugging Face even with the buffers poisoned between forwards."""
-    from transformers import LlamaConfig
-
-    from conftest import _common, _save_tiny
     from tokenmill.models.loader import load_model
     from tokenmill.models.source import resolve_model
     from tokenmill.worker.offload import LayerOffloader
 
-    path = _save_tiny(tiny_models_root, "llama_4layers",
-                      LlamaConfig(**_common(num_hidden_layers=4, tie_word_embeddings=False), architectures=["LlamaForCausalLM"]),
-                      seed=5)
+    path = tiny_llama_like("llama_4layers", seed=5, num_hidden_layers=4)
     offloader = LayerOffloader(2**40, torch.device("cpu"))
     model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"), place=offloader.place)
     assert len(offloader.layers) == 4 and len(offloader._buffers) == 2

@@ -151,7 +151,7 @@ class EngineArgs(_VllmOnlyArguments):
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
-               "block_size", self.block_size, "None or a power of two")
+               "block_size", self.block_size, "a power of two (or None: 16)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
         _check(

@@ -122,6 +122,8 @@ class EngineControls:
             raise ValueError(f"update_weights on quantized weights ({self.config.quantization.describe()}) is not supported")
         if not isinstance(update_info, dict):
             raise ValueError(f"update_weights: update_info must be a dict, got {type(update_info).__name__}")
+        if "weights" in self.asleep:
+            raise RuntimeError("update_weights while the weights sleep: wake_up(tags=['weights']) first")
         self.executor.collective_rpc("update_weights", kwargs={"update_info": update_info})
         self.weight_version += 1
         if not self.reset_prefix_cache():

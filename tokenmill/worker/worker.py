@@ -49,6 +49,8 @@ class Worker:
         # the weights are in CPU memory anyway).
         self.offloader = LayerOffloader(config.cpu_offload_bytes, self.device) \
             if config.cpu_offload_bytes and self.device.type == "cuda" else None
+        if config.cpu_offload_bytes and self.offloader is None and rank == 0:
+            logger.info("cpu_offload_gb has no effect on the CPU: the weights are in CPU memory already")
         self.model = load_model(
             source, config.dtype, self.device, load_format,
             tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed, quantization=config.quantization,
@@ -146,6 +148,8 @@ class Worker:
 
         if self.config.quantization is not None:
             raise ValueError("reload_weights is not supported for quantized models")
+        if "weights" in self.asleep:
+            raise RuntimeError("reload_weights while the weights sleep: wake_up(tags=['weights']) first")
         with torch.no_grad():
             fill_weights(self.model, self.source, weights_format(self.source, self.load_format), self.config.seed)
 
