@@ -12,11 +12,16 @@ or not at all.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenmill.batch.job import JobConfig
+    from tokenmill.batch.progress import Progress
+
+ProgressEvent = tuple[str, tuple[Any, ...]]  # (Progress method name, its arguments)
+_PROGRESS_METHODS = frozenset({"on_submitted", "on_tokens", "on_row_done"})
 
 
 class ReplicaError(RuntimeError):
@@ -55,7 +60,7 @@ class Commit:
 
 @dataclass(frozen=True)
 class ProgressEvents:
-    events: list[tuple[str, tuple[Any, ...]]]  # (Progress method name, its arguments), in call order
+    events: list[ProgressEvent]  # in call order
 
 
 @dataclass(frozen=True)
@@ -74,3 +79,43 @@ class Failed:
 @dataclass(frozen=True)
 class StopReplica:
     pass
+
+
+class ProgressRecorder:
+    """A replica's stand-in for the job's `Progress`: records the calls, to be replayed by the parent
+    (`replay_progress`), so the one progress line counts every replica's rows and tokens."""
+
+    def __init__(self, flush_interval_s: float = 0.5):
+        self.events: list[ProgressEvent] = []
+        self.flush_interval_s = flush_interval_s
+        self.last_flush = time.monotonic()
+
+    def on_submitted(self) -> None:
+        self.events.append(("on_submitted", ()))
+
+    def on_tokens(self, prompt: int, generated: int) -> None:
+        last = self.events[-1] if self.events else None
+        if not prompt and last is not None and last[0] == "on_tokens" and not last[1][0]:
+            self.events[-1] = ("on_tokens", (0, last[1][1] + generated))  # decode steps: one event, summed
+        else:
+            self.events.append(("on_tokens", (prompt, generated)))
+
+    def on_row_done(self, failed: bool, prompt: int = 0, generated: int = 0, was_inflight: bool = False) -> None:
+        self.events.append(("on_row_done", (failed, prompt, generated, was_inflight)))
+
+    def maybe_draw(self) -> None:
+        pass  # the parent draws
+
+    def flush_due(self) -> bool:
+        return time.monotonic() - self.last_flush >= self.flush_interval_s
+
+    def take(self) -> list[ProgressEvent]:
+        events, self.events = self.events, []
+        self.last_flush = time.monotonic()
+        return events
+
+
+def replay_progress(events: list[ProgressEvent], progress: "Progress") -> None:
+    for name, args in events:
+        if name in _PROGRESS_METHODS:
+            getattr(progress, name)(*args)

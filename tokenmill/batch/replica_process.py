@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from tokenmill.batch.replica_messages import (
-    Commit, Failed, Finished, ProgressEvents, Ready, ReplicaSetup, StopReplica,
+    Commit, Failed, Finished, ProgressEvents, ProgressRecorder, Ready, ReplicaSetup, StopReplica,
 )
 from tokenmill.distributed.child_process import exit_with_parent
 from tokenmill.distributed.messages import receive, send
@@ -28,15 +27,15 @@ from tokenmill.distributed.messages import receive, send
 _PROGRESS_FLUSH_S = 0.5
 
 
-class ParentLink:
-    """The replica's stand-in for the job's Journal and Progress, and its stop flag."""
+class ParentLink(ProgressRecorder):
+    """The replica's stand-in for the job's Journal (commits go to the parent) and Progress (its
+    calls are forwarded), and its stop flag."""
 
     def __init__(self, conn: Connection, done: bytes):
+        super().__init__(_PROGRESS_FLUSH_S)
         self.conn = conn
         self.done = done
         self.stop_requested = False
-        self.events: list[tuple[str, tuple[Any, ...]]] = []
-        self._last_flush = time.monotonic()
 
     # --- Journal ---------------------------------------------------------------------------------
     def is_done(self, index: int) -> bool:
@@ -47,29 +46,15 @@ class ParentLink:
         self.flush()
         send(self.conn, Commit(data, rows, failed, prompt_tokens, completion_tokens))
 
-    # --- Progress --------------------------------------------------------------------------------
-    def on_submitted(self) -> None:
-        self.events.append(("on_submitted", ()))
-
-    def on_tokens(self, prompt: int, generated: int) -> None:
-        last = self.events[-1] if self.events else None
-        if not prompt and last is not None and last[0] == "on_tokens" and not last[1][0]:
-            self.events[-1] = ("on_tokens", (0, last[1][1] + generated))  # decode steps: one event, summed
-        else:
-            self.events.append(("on_tokens", (prompt, generated)))
-
-    def on_row_done(self, failed: bool, prompt: int = 0, generated: int = 0, was_inflight: bool = False) -> None:
-        self.events.append(("on_row_done", (failed, prompt, generated, was_inflight)))
-
+    # --- Progress (the rest is ProgressRecorder's) ----------------------------------------------
     def maybe_draw(self) -> None:
-        if time.monotonic() - self._last_flush >= _PROGRESS_FLUSH_S:
+        if self.flush_due():
             self.flush()
 
     def flush(self) -> None:
-        if self.events:
-            send(self.conn, ProgressEvents(self.events))
-            self.events = []
-        self._last_flush = time.monotonic()
+        events = self.take()
+        if events:
+            send(self.conn, ProgressEvents(events))
 
     # --- stop --------------------------------------------------------------------------------------
     def should_stop(self) -> bool:

@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from tokenmill.batch.replica_messages import (
-    Commit, Failed, Finished, ProgressEvents, Ready, ReplicaError, ReplicaSetup, StopReplica,
+    Commit, Failed, Finished, ProgressEvents, Ready, ReplicaError, ReplicaSetup, StopReplica, replay_progress,
 )
 from tokenmill.distributed.child_process import STOP_GRACE_S, describe_exit, start_module, stop_children
 from tokenmill.distributed.messages import receive, send
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 MAX_RESTARTS = 3  # deaths of one shard's replica before the job gives up
 _POLL_S = 0.25
 _SHOWN_ERRORS = 5  # as many row failures as the single-process summary shows
-_PROGRESS_METHODS = frozenset({"on_submitted", "on_tokens", "on_row_done"})
 # Exceptions a replica reports that are the user's mistake (a bad model, bad options): the CLI's usage errors.
 _USER_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "NotImplementedError": NotImplementedError,
                 "FileNotFoundError": FileNotFoundError, "ResumeError": ValueError, "RowError": ValueError}
@@ -170,9 +169,7 @@ class ReplicaPool:
         if isinstance(message, Commit):
             self._commit(replica, message)
         elif isinstance(message, ProgressEvents):
-            for name, args in message.events:
-                if name in _PROGRESS_METHODS:
-                    getattr(self.progress, name)(*args)
+            replay_progress(message.events, self.progress)
         elif isinstance(message, Ready):
             replica.ready = True
             if all(r.ready or r.finished for r in self.replicas) and not self._all_ready:
