@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [gemm] [sampler] [profile] [profile-gpu] [timeline] [vllm]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [gemm] [sampler] [profile] [profile-gpu] [timeline] [vllm] [ray]
 #   (default: tests kernels throughput)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +60,15 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
       done ;;
+    ray)  # P1 through tokenmill.ray (1 replica, then 2 sharing the GPU) against plain LLM.generate in the same
+          # lease, and tests/gpu/test_ray_gpu.py; needs .raybundle/ carried (bench/build_ray_bundle.sh builds it)
+      mkdir -p /tmp/ray-site && tar -C /tmp/ray-site -xJf .raybundle/ray260-py312-slim.tar.xz
+      RESULTS="$OUT/ray.raw" timeout 170 python3 bench/peer_bench.py tokenmill qwen3-0.6b nano 2>&1 | grep '^{'
+      for n in 1 2; do
+        PYTHONPATH="/tmp/ray-site:$PYTHONPATH" RESULTS="$OUT/ray.raw" timeout 240 python3 bench/ray_bench.py --replicas $n qwen3-0.6b nano 2>&1 | grep '^{'
+      done
+      tag "$OUT/ray.raw" "$OUT/throughput.jsonl"
+      PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout 200 python3 -m pytest tests/gpu/test_ray_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ray_tests.log" | tail -4 ;;
     vllm)
       cat .vllmchunk/vllm026-slim-site.tar.xz.part* | xz -d | tar -C /tmp -xf - --one-top-level=vllm-site 2>/dev/null \
         || { mkdir -p /tmp/vllm-site; cat .vllmchunk/*.part* | xz -d | tar -C /tmp/vllm-site -xf -; }
