@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from tokenmill.models.source import ModelSource
     from tokenmill.pooling.config import PoolingModelConfig
+    from tokenmill.quantization.config import QuantizationConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -41,6 +42,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
+    # None: the checkpoint's own (config.json's quantization_config), or full precision; "fp8":
+    # quantize a full-precision checkpoint while loading. See tokenmill/quantization/config.py.
+    quantization: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # Launch step N+1 before step N's sampled ids are read back (None: on GPUs, where the host work
@@ -130,6 +134,7 @@ class EngineConfig:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    quantization: "QuantizationConfig | None" = None  # the linear layers' weights; None: the model's dtype
     # How a pooling model pools (tokenmill/pooling/); None: a generative model.
     pooling: "PoolingModelConfig | None" = None
 
@@ -205,7 +210,10 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
 def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     import torch
 
+    from tokenmill.quantization.config import resolve_quantization
+
     hf_config = source.hf_config
+    quantization = resolve_quantization(args.quantization, hf_config)
     device = resolve_device(args.device)
     limit = model_max_len(hf_config)
     max_model_len = args.max_model_len or limit
@@ -236,6 +244,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=quantization,
     )
 
 

@@ -59,7 +59,7 @@ class PoolingEngine:
         self.pooling = pooling
         self.tokenizer = tokenizer
         model = load_model(source, config.dtype, config.device, load_format, seed=config.seed,
-                           architecture=pooling.architecture)
+                           architecture=pooling.architecture, quantization=config.quantization)
         self.runner = PoolingRunner(model, config.device, pooling)
         self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens, chunked_prefill=False)
         self.requests: dict[str, PoolingRequest] = {}

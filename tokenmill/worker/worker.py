@@ -42,7 +42,7 @@ class Worker:
         self.config = dataclasses.replace(config, device=self.device)  # sizing reads this rank's device
         self.model = load_model(
             source, config.dtype, self.device, load_format,
-            tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed,
+            tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed, quantization=config.quantization,
         )
         self.runner = ModelRunner(
             model=self.model,
