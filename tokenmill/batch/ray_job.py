@@ -43,10 +43,15 @@ class RayJobLoop:
         self.should_stop = should_stop or (lambda: False)
         self.errors: list[str] = []
         self._connected = False
+        from tokenmill.ray.processor import import_ray
+
+        try:
+            self.ray = import_ray()
+        except ImportError as e:
+            raise ValueError(f"--ray: {e}") from None  # a usage error: say how to install it
 
     def run(self, rows: Iterator["RawRow"]) -> bool:
-        import ray
-
+        ray = self.ray
         if not ray.is_initialized():
             address = self.config.ray_address
             ray.init(address=None if address == "local" else address)

@@ -57,18 +57,29 @@ def build_llm_processor(config: TokenmillProcessorConfig, preprocess: Callable[[
 
     Connects to Ray first if nothing has (``ray.init()`` with the config's runtime_env), as Ray's does.
     """
-    import ray
-
+    ray = import_ray()
     if not ray.is_initialized():
         ray.init(runtime_env=config.runtime_env)
     return Processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
 
 
+def import_ray() -> Any:
+    """The ray module, or an ImportError that says how to install it."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"tokenmill's Ray path needs ray with Ray Data: pip install 'tokenmill[ray]' ({e})") from e
+    return ray
+
+
 def replica_map_kwargs(config: TokenmillProcessorConfig) -> dict[str, Any]:
     """``Dataset.map_batches`` arguments that run `TokenmillReplica` on an actor pool sized by ``config``."""
-    import ray
-
     from tokenmill.ray.replica import TokenmillReplica
+
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(runtime_env=config.runtime_env)
 
     num_gpus = config.num_gpus
     if num_gpus is None:
