@@ -141,14 +141,15 @@ for output in outputs:
 
 
 @pytest.mark.slow
-def test_vllm_haiku_tutorial_runs_with_only_the_import_and_config_class_changed(ray_cluster, tiny_models_root, capsys):
-    from conftest import _common, _save_tiny
-    from transformers import LlamaConfig
+def test_vllm_haiku_tutorial_runs_with_only_the_import_and_config_class_changed(ray_cluster, tiny_llama_dir, tmp_path, capsys):
+    import json
+    import shutil
 
-    # The tutorial asks for max_model_len 16384: a tiny model with that many positions.
-    config = LlamaConfig(**_common(max_position_embeddings=16384, tie_word_embeddings=False),
-                         architectures=["LlamaForCausalLM"])
-    model = _save_tiny(tiny_models_root, "llama_16k", config, seed=21)
+    # The tutorial asks for max_model_len 16384: the tiny Llama with that many positions.
+    model = tmp_path / "llama_16k"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
     code = VLLM_TUTORIAL.replace("from ray.data.llm import build_llm_processor, vLLMEngineProcessorConfig",
                                  "from tokenmill.ray import build_llm_processor, TokenmillProcessorConfig")
     code = code.replace("vLLMEngineProcessorConfig(", "TokenmillProcessorConfig(")
