@@ -255,7 +255,7 @@ def test_reference_attention_matches_torch_backend() -> None:
 
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.kernels.reference import paged_attention_ref, store_kv_ref
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     for query_lens, seq_lens in (([1, 1, 1], [5, 17, 40]), ([1, 7, 3, 2], [16, 7, 35, 2])):
         batch = make_paged_batch(
@@ -282,7 +282,7 @@ def _check_attention(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels import reference
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
     from tokenmill.kernels.triton.kv_store import store_kv
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_config, paged_attention
 
@@ -330,7 +330,7 @@ def _check_backend(p: dict[str, Any]) -> None:
 
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     dtype = getattr(torch, p["dtype"])
     batch = make_paged_batch(
@@ -413,7 +413,7 @@ def _check_rotary(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import rotary_embedding_ref_
-    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from support.kernel_cases import rope_cos_sin_cache
     from tokenmill.kernels.triton.rotary import rotary_embedding_
 
     dtype = getattr(torch, p["dtype"])
@@ -434,7 +434,7 @@ def _check_rotary(p: dict[str, Any]) -> None:
 def _check_qkv_prologue(p: dict[str, Any]) -> None:
     import torch
 
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
     dtype = getattr(torch, p["dtype"])
@@ -459,7 +459,7 @@ def _check_layer(p: dict[str, Any]) -> None:
     from tokenmill.attention.metadata import ForwardContext
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import make_paged_batch, tiny_attention_layer
+    from support.kernel_cases import make_paged_batch, tiny_attention_layer
 
     dtype = getattr(torch, p["dtype"])
     hq, hk, d = p["num_heads"], p["num_kv_heads"], p["head_dim"]
@@ -625,14 +625,13 @@ def _worker_main(names: list[str]) -> None:
     torch.set_num_threads(1)
     import tokenmill.attention.triton_backend  # noqa: F401  (must stay triton-free at import)
     import tokenmill.kernels.reference  # noqa: F401
-    import tokenmill.kernels.testing  # noqa: F401
 
     try:
         import tokenmill  # noqa: F401  (the package root may still be a stub while others write it)
     except ImportError:
         pass
     triton_was_imported = "triton" in sys.modules
-    from tokenmill.kernels.testing import patch_triton_interpreter_for_numpy
+    from support.triton_interpreter import patch_triton_interpreter_for_numpy
 
     patch_triton_interpreter_for_numpy()
 
