@@ -6,11 +6,19 @@ way the runner does. The plain helpers behind them live in tests/support/ (impor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+
+# One torch (OpenMP) thread per test process and its subprocesses, unless OMP_NUM_THREADS says
+# otherwise: on CI's 2 busy cores two threads spin against the other processes, and the same
+# SmolLM2 chat (3 prompts x 30 tokens) took 170 s with 2 threads against 15 s with 1 (measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402  (after the thread count is set, for its OpenMP runtime)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 from support.paged_cache import PagedCache
 from support.tiny_models import (
