@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reference import hf_model
 from tokenmill.models import builtin
 from tokenmill.models.loader import load_model
 from tokenmill.models.registry import get_model_class, is_supported, supported_architectures
@@ -182,11 +183,13 @@ def test_builtin_listing() -> None:
 
 def _hf_gguf_reference(gguf_path: Path, config) -> torch.nn.Module:
     """HF's own GGUF loading: AutoModelForCausalLM.from_pretrained(gguf_file=...) when accelerate is
-    installed, else the same steps it performs (tensors dequantized and renamed by load_gguf_checkpoint)."""
+    installed (through reference.hf_model: loaded once per session, test_smollm2 uses the same
+    ~20 CPU-seconds of dequantizing), else the same steps it performs (tensors dequantized and
+    renamed by load_gguf_checkpoint)."""
     from transformers import AutoModelForCausalLM
 
     if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        return hf_model(str(gguf_path.parent), gguf_path.name)
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
