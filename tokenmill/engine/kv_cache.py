@@ -19,6 +19,7 @@ import struct
 from collections import OrderedDict
 
 from tokenmill.engine.request import Sequence
+from tokenmill.engine.step import NULL_BLOCK  # noqa: F401  (block 0; BlockPool never hands it out)
 
 _ROOT_HASH = bytes(16)  # parent key of a sequence's first block
 
@@ -36,9 +37,6 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     token, 0.3% of one host core at 20k tokens/s.
     """
     return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
-
-
-NULL_BLOCK = 0  # never handed out: padding in block tables and slot mappings points here
 
 
 class BlockPool:
