@@ -202,6 +202,7 @@ def _hf_gguf_reference(gguf_path: Path, config) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow  # transformers' GGUF loading dequantizes 135M weights (~20 CPU-s a session, shared with test_smollm2)
 def test_gguf_file_matches_hf_and_converted_builtin(smollm2_gguf_path: Path, smollm2_source: ModelSource, paged_cache):
     source = resolve_model(str(smollm2_gguf_path))
     assert source.weights_format == "gguf" and source.config_dir is None

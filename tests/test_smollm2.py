@@ -32,6 +32,7 @@ def chat_ids(llm, question: str) -> list[int]:
     )
 
 
+@pytest.mark.slow  # transformers' GGUF loading (~20 CPU-s a session, shared with test_loader) and its greedy decode by full forwards
 def test_greedy_matches_transformers_gguf_loading(llm, hf_gguf):
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
