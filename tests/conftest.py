@@ -104,6 +104,32 @@ def smollm2_source():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_gguf() -> torch.nn.Module:
+    """transformers' own loading of the built-in's GGUF, fp32: the reference for our GGUF path.
+    Dequantizing and renaming 135M weights takes ~20 CPU-s, so once per session. from_pretrained
+    (gguf_file=...) needs accelerate; without it, the same steps it performs, by hand."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tokenmill.models.builtin import cache_dir, find_builtin, locate_gguf
+
+    path = locate_gguf(find_builtin("smollm2-135m-instruct"), cache_dir())
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with no_init_weights():  # every weight is overwritten below; skip 135M random draws
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), dtype=torch.float32)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def hf_reference() -> Callable[[Path], torch.nn.Module]:
     """path -> the Hugging Face model saved there, fp32, eager attention (loaded once per session)."""
     from transformers import AutoModelForCausalLM
