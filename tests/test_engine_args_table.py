@@ -148,9 +148,10 @@ def test_vllm_argument_parser_helpers_round_trip(tiny_llama_dir):
     assert finished[0].outputs[0].token_ids == expected
 
 
-def test_tokenizer_mode_slow_asks_transformers_for_the_python_tokenizer(tiny_llama_dir, tiny_tokenizer, monkeypatch):
+def test_tokenizer_mode_slow_asks_transformers_for_the_python_tokenizer(tiny_llama_dir, monkeypatch):
     import transformers
 
+    from support.tiny_models import build_tiny_tokenizer
     from tokenmill import LLM
 
     asked = []
@@ -164,4 +165,4 @@ def test_tokenizer_mode_slow_asks_transformers_for_the_python_tokenizer(tiny_lla
     llm = LLM(str(tiny_llama_dir), tokenizer_mode="slow", **SMALL)
     assert asked and asked[-1]["use_fast"] is False
     text = "the weather is fine"
-    assert llm.get_tokenizer().encode(text) == tiny_tokenizer().encode(text)
+    assert llm.get_tokenizer().encode(text) == build_tiny_tokenizer().encode(text)

@@ -223,10 +223,22 @@ def test_start_and_stop_profile_write_a_chrome_trace(tiny_llama_dir, tmp_path, m
 
 
 # ---- weight transfer --------------------------------------------------------------------------------
+def _llama_like(root, tiny_llama_dir, name: str, seed: int, **fields):
+    """The tiny Llama's config (rope scaling included), with ``fields`` changed and weights drawn from ``seed``."""
+    from transformers import AutoConfig
+
+    from support.tiny_models import save_tiny_model
+
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return save_tiny_model(root, name, config, seed=seed)
+
+
 @pytest.fixture(scope="module")
-def other_llama_dir(tiny_llama_like):
+def other_llama_dir(tiny_models_root, tiny_llama_dir):
     """The tiny Llama with other weights: the 'trained' model."""
-    return tiny_llama_like("llama_other", seed=11)
+    return _llama_like(tiny_models_root, tiny_llama_dir, "llama_other", seed=11)
 
 
 def _checkpoint(path) -> list[tuple[str, torch.Tensor]]:
@@ -307,14 +319,14 @@ def _llama_with(path, pairs):
 
 
 # ---- layer offloading (cpu_offload_gb's mechanism, run on the CPU) ----------------------------------
-def test_offloaded_layers_stream_through_the_staging_buffers(tiny_llama_like, paged_cache):
+def test_offloaded_layers_stream_through_the_staging_buffers(tiny_models_root, tiny_llama_dir, paged_cache):
     """Four layers, all offloaded, share two staging buffers: each forward must copy every layer
     in before it runs, so logits match Hugging Face even with the buffers poisoned between forwards."""
     from tokenmill.models.loader import load_model
     from tokenmill.models.source import resolve_model
     from tokenmill.worker.offload import LayerOffloader
 
-    path = tiny_llama_like("llama_4layers", seed=5, num_hidden_layers=4)
+    path = _llama_like(tiny_models_root, tiny_llama_dir, "llama_4layers", seed=5, num_hidden_layers=4)
     offloader = LayerOffloader(2**40, torch.device("cpu"))
     model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"), place=offloader.place)
     assert len(offloader.layers) == 4 and len(offloader._buffers) == 2

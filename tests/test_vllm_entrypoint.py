@@ -93,13 +93,15 @@ def test_several_llms_in_one_process(llm, tiny_llama_dir, tiny_qwen2_dir):
 
 
 @pytest.fixture(scope="module")
-def bos_model_dir(tiny_llama_dir, tiny_tokenizer, tmp_path_factory):
+def bos_model_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama with a tokenizer that adds BOS to every encode, as Llama's does."""
     from tokenizers import processors
 
+    from support.tiny_models import build_tiny_tokenizer
+
     folder = tmp_path_factory.mktemp("bos") / "llama"
     shutil.copytree(tiny_llama_dir, folder)
-    tokenizer = tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer()
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
     tokenizer.save_pretrained(folder)
