@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
 from tokenmill.attention.prefill import PrefillAttentionBackend, whole_prompt_metadata
+from tokenmill.attention.varlen_backend import VarlenAttentionBackend
 from tokenmill.models.pooler import activate, finish_embeddings, pool
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ class PoolingRunner:
         self.pooling = pooling
         assert pooling.pooler.pooling_type is not None, "resolve_pooling decides the pooling type"
         self.pooling_type: str = pooling.pooler.pooling_type
-        self.backend = PrefillAttentionBackend()
+        # Whole prompts packed without padding: the Triton varlen kernel on the GPU, torch on the CPU.
+        self.backend = VarlenAttentionBackend() if device.type == "cuda" else PrefillAttentionBackend()
         # Decoder layers look up their cache by layer index; a pooling model has none.
         self.no_cache: list = [None] * getattr(model, "num_layers", 0)
 
