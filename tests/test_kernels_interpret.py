@@ -407,7 +407,7 @@ def _check_pooling_varlen(p: dict[str, Any]) -> None:
             hf.save_pretrained(f"{tmp}/{name}")
             llm = LLM(f"{tmp}/{name}", runner="pooling", device="cpu", dtype="float32", seed=0, skip_tokenizer_init=True,
                       max_num_seqs=4)
-            llm.llm_engine.pooling.runner.backend = VarlenAttentionBackend()  # the CUDA choice, here interpreted
+            llm.llm_engine.runner.backend = VarlenAttentionBackend()  # the CUDA choice, here interpreted
             outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts], PoolingParams(normalize=False), use_tqdm=False)
             with torch.no_grad():
                 for ids, out in zip(prompts, outputs):
