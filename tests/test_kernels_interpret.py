@@ -140,6 +140,8 @@ for _dt in ("float32", "float16"):
           lens=[20, 9, 1], causal=True, pad=1, config={"block_q": 4, "tile_n": 16})
     _case("varlen", f"varlen-bidir-g2-d128-bq8-t32-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=2, head_dim=128,
           lens=[70, 3], causal=False, pad=0, config={"block_q": 8, "tile_n": 32})
+    _case("varlen", f"varlen-bidir-g1-d8-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=4, head_dim=8,
+          lens=[3, 19, 1], causal=False, pad=1)  # the tiny test models' heads, padded to 16
     _case("varlen", f"varlen-causal-g4-d64-bq2-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=1, head_dim=64,
           lens=[2, 31, 64, 5], causal=True, pad=3, config={"block_q": 2, "tile_n": 16})
 # The automatic fp16 shape (128-row tiles, 64-key tiles) under both masks.

@@ -200,7 +200,7 @@ def choose_config(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     the rows, so a Qwen3 block (group 2) is 64 tokens. fp32 (tests only: FMA dots) keeps 16 x 16.
     """
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    dim_p = triton.next_power_of_2(head_dim)
+    dim_p = _padded_head_dim(head_dim)
     if dtype == torch.float32:
         return VarlenAttentionConfig(block_q=max(1, 16 // group_p), tile_n=16, num_warps=4, num_stages=2)
     rows = 128 if dim_p <= 128 else 64
@@ -210,6 +210,11 @@ def choose_config(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
         num_warps=8 if dim_p >= 128 else 4,
         num_stages=3 if dim_p <= 128 else 2,
     )
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    # A power of two for tl.arange, and >= 16 for tensor-core dots (tiny test models have 8).
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _check_heads(x: torch.Tensor, name: str, tokens: int, head_dim: int) -> None:
@@ -250,8 +255,8 @@ def varlen_attention(
     num_kv_heads = k.shape[1]
     if v.shape[1] != num_kv_heads or num_heads % num_kv_heads:
         raise ValueError(f"k and v need the same number of heads, dividing q's {num_heads}; got {k.shape[1]} and {v.shape[1]}")
-    if not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be in 16..256, got {head_dim}")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be in 1..256, got {head_dim}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one of float16, bfloat16, float32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype != torch.int32:
@@ -292,7 +297,7 @@ def varlen_attention(
         GROUP=group,
         GROUP_P=group_p,
         HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        HEAD_DIM_P=_padded_head_dim(head_dim),
         BLOCK_Q=config.block_q,
         BLOCK_M=max(16, config.block_q * group_p),  # tl.dot needs >= 16 rows on tensor cores
         TILE_N=config.tile_n,
