@@ -193,8 +193,8 @@ class VarlenAttentionConfig:
 def choose_config(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> VarlenAttentionConfig:
     """Tile shapes from the heads and dtype alone (one compiled variant per model).
 
-    bf16/fp16: 128-row score tiles (64 for head_dim > 128), the shape at which Hopper's wgmma
-    runs near its peak (m64 instructions, two per warpgroup pair with 8 warps), with 64-key tiles
+    bf16/fp16: 128-row score tiles (64 for head_dim > 128): with 8 warps each of the two
+    warpgroups issues wgmma on its own 64 rows, the usual flash-attention shape on Hopper; 64-key tiles
     (32 past head_dim 128) three stages deep: K and V tiles of 64 x 128 bf16 are 16 KB each, so
     the pipeline and the q tile stay well under the 227 KB of shared memory. The GQA group shares
     the rows, so a Qwen3 block (group 2) is 64 tokens. fp32 (tests only: FMA dots) keeps 16 x 16.
