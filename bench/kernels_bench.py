@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tokenmill, and the random batches of tests/support/
 
+from support.kernel_cases import make_paged_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
-from tokenmill.kernels.testing import make_paged_batch  # noqa: E402
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (KINDS.md)
 
@@ -154,7 +155,7 @@ def run_case(
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
     """The fused qkv prologue vs the unfused sequence (q_norm, k_norm, v copy, rotary, store_kv)."""
     from tokenmill.kernels.reference import qkv_prologue_ref
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.kv_store import store_kv
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
     from tokenmill.kernels.triton.rmsnorm import rms_norm
@@ -244,7 +245,7 @@ def run_varlen_case(label: str, config: Any | None = None, compare_sdpa: bool = 
     matmuls over the visible (query, key) pairs only: L^2 per sequence, or L(L+1)/2 causal."""
     from tokenmill.attention.prefill import prefill_attention, whole_prompt_metadata
     from tokenmill.kernels.reference import varlen_attention_ref
-    from tokenmill.kernels.testing import make_varlen_batch
+    from support.kernel_cases import make_varlen_batch
     from tokenmill.kernels.triton.varlen_attention import choose_config, varlen_attention
 
     heads, kv_heads, dim, causal, (lo, hi), step_tokens = VARLEN_CASES[label]
