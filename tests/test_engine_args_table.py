@@ -2,16 +2,17 @@
 
 The table (tokenmill/engine_args_table.py) is walked: each argument's vLLM default is accepted,
 each implemented one is an EngineArgs field of ours, each default-only one refuses another value
-with a ValueError naming the argument and the value, each no-effect one takes any value. When
-vLLM's source is at hand (an installed vllm, $TOKENMILL_VLLM_SOURCE or /tmp/vllm-site/vllm) it is
-read with `ast`: an argument vLLM has and the table lacks fails the test. Then the whole set at
+with a ValueError naming the argument and the value, each no-effect one takes any value. Every
+argument of vLLM 0.26 (a snapshot read from its source, tests/support/vllm_0_26_arguments.json)
+must be in the table and accepted at vLLM's own default; an argument vLLM has and the table lacks
+fails the test. When vLLM's source is at hand (an installed vllm, $TOKENMILL_VLLM_SOURCE or
+/tmp/vllm-site/vllm) it is read the same way and checked too. Then the whole set at
 vLLM's defaults goes through LLM(...) at once, and through vLLM's argument-parser helpers.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib.util
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from support.vllm_arguments import UNKNOWN, load_snapshot, read_arguments
 from tokenmill.config import EngineArgs
 from tokenmill.engine_args_table import TOKENMILL_ONLY, VLLM_ARGUMENTS, Handling
 
@@ -36,28 +38,30 @@ def _vllm_source() -> Path | None:
     return next((c for c in candidates if (c / "engine/arg_utils.py").is_file()), None)
 
 
-def _vllm_arguments(root: Path) -> set[str]:
-    """EngineArgs' fields and LLM.__init__'s keyword parameters, read from vLLM's source."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse((root / "engine/arg_utils.py").read_text())):
-        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
-            names |= {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-    for node in ast.walk(ast.parse((root / "entrypoints/llm.py").read_text())):
-        if isinstance(node, ast.ClassDef) and node.name == "LLM":
-            init = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-            names |= {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"}
-    return names
-
-
 def _refused_value(default):
     return (not default) if isinstance(default, bool) else "<a value tokenmill does not implement>"
 
 
-def test_vllms_arguments_are_all_in_the_table():
+def test_vllm_0_26s_arguments_are_all_in_the_table_and_their_defaults_accepted():
+    """Against the snapshot read from vLLM 0.26's source (tests/support/vllm_arguments.py)."""
+    vllm_arguments = load_snapshot()
+    missing = sorted(set(vllm_arguments) - set(VLLM_ARGUMENTS))
+    assert not missing, f"vLLM arguments neither accepted nor refused in engine_args_table.py: {missing}"
+    refused = {}
+    for name, default in vllm_arguments.items():
+        if name != "model" and default != UNKNOWN:
+            try:
+                EngineArgs.from_kwargs("some-model", **{name: default})
+            except (TypeError, ValueError) as error:
+                refused[name] = str(error)
+    assert not refused, f"vLLM's own defaults refused: {refused}"
+
+
+def test_the_vllm_source_at_hand_has_no_argument_missing_from_the_table():
     root = _vllm_source()
     if root is None:
-        pytest.skip("vLLM's source is not at hand (install vllm or set TOKENMILL_VLLM_SOURCE)")
-    missing = sorted(_vllm_arguments(root) - set(VLLM_ARGUMENTS))
+        pytest.skip("no vLLM source at hand (install vllm or set TOKENMILL_VLLM_SOURCE); the 0.26 snapshot is checked above")
+    missing = sorted(set(read_arguments(root)) - set(VLLM_ARGUMENTS))
     assert not missing, f"vLLM arguments neither accepted nor refused in engine_args_table.py: {missing}"
 
 
