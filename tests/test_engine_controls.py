@@ -105,8 +105,13 @@ def test_sleep_waits_for_enqueued_requests_or_aborts_them(llm):
         llm.sleep(level=3)
     with pytest.raises(ValueError, match="mode='keep'.*not supported"):
         llm.sleep(level=1, mode="keep")
-    with pytest.raises(ValueError, match="unknown tags \\['scheduling'\\]"):
-        llm.wake_up(tags=["scheduling"])
+    with pytest.raises(ValueError, match="unknown tags \\['weight'\\]"):
+        llm.wake_up(tags=["weight"])
+    llm.sleep(level=1)
+    llm.wake_up(tags=["weights", "scheduling"])  # vLLM's third tag: scheduling is never paused here
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.llm_engine.is_sleeping()
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
 # ---- metrics ----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""vLLM's assertions on its `LLM` entrypoint that make sense without a GPU, run against tokenmill:
-several sampling params, max_model_len caps, chat with one BOS, prompt logprobs (against Hugging
-Face), collective_rpc, several LLMs in one process, vLLM's per-call keywords and import paths,
-and the engine arguments with an effect (hf_overrides, chunked prefill off, a fixed block count,
+"""vLLM's assertions on its `LLM` entrypoint (tests/entrypoints/llm/ of vLLM) that make sense without
+a GPU, run against tokenmill: several sampling params, priority, empty and out-of-vocabulary prompts,
+max_model_len caps, chat with one BOS and several conversations, prompt logprobs (against Hugging
+Face), collective_rpc, several LLMs in one process with their own stats, vLLM's per-call keywords
+and import paths, and the engine arguments with an effect (hf_overrides, chunked prefill off, a fixed block count,
 generation-config overrides, the LLM-level chat template)."""
 
 from __future__ import annotations
@@ -36,6 +37,25 @@ def test_multiple_sampling_params(llm):
         llm.generate(PROMPTS, params[:3], use_tqdm=False)
     assert len(llm.generate(PROMPTS, params[0], use_tqdm=False)) == len(PROMPTS)
     assert len(llm.generate(PROMPTS, use_tqdm=False)) == len(PROMPTS)
+
+
+def test_priority_and_lora_request_as_vllm_checks_them(llm):
+    assert len(llm.generate(PROMPTS, None, use_tqdm=False, priority=None, lora_request=None)) == len(PROMPTS)
+    assert len(llm.generate(PROMPTS, None, use_tqdm=False, priority=[0] * len(PROMPTS))) == len(PROMPTS)
+    assert len(llm.generate(PROMPTS[0], None, use_tqdm=False, priority=[0])) == 1  # one text prompt is one request
+    for wrong in ([0] * (len(PROMPTS) - 1), [], [0.5] * len(PROMPTS)):
+        with pytest.raises(ValueError, match=f"priority must be a list of {len(PROMPTS)} integers"):
+            llm.generate(PROMPTS, None, use_tqdm=False, priority=wrong)
+    assert len(llm.enqueue(PROMPTS, GREEDY, lora_request=None, priority=[3] * len(PROMPTS))) == len(PROMPTS)
+    assert len(llm.wait_for_completion(use_tqdm=False)) == len(PROMPTS)
+
+
+def test_empty_and_out_of_vocabulary_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [999999]}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # a refused call leaves nothing queued
 
 
 def test_max_model_len_caps_prompt_plus_output(llm):
@@ -86,8 +106,10 @@ def test_several_llms_in_one_process(llm, tiny_llama_dir, tiny_qwen2_dir):
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == first
     assert first == [hf_greedy(hf_model(str(tiny_llama_dir)), p["prompt_token_ids"], 6)[0] for p in prompts]
     assert second == [hf_greedy(hf_model(str(tiny_qwen2_dir)), p["prompt_token_ids"], 6)[0] for p in prompts]
+    with_stats = other.generate(prompts, GREEDY, use_tqdm=False)  # vLLM's test_log_stats: every output has metrics
+    assert all(o.metrics is not None and o.metrics.first_token_time is not None for o in with_stats)
     generated = {m.name: m.value for m in other.get_metrics() if m.name == "vllm:generation_tokens"}
-    assert generated == {"vllm:generation_tokens": 12}  # its own registry: the other LLM's tokens are not counted
+    assert generated == {"vllm:generation_tokens": 24}  # its own registry: the other LLM's tokens are not counted
     with pytest.raises(ValueError, match="disable_log_stats=False"):
         llm.get_metrics()
 
@@ -119,6 +141,10 @@ def test_chat_has_one_bos_and_takes_template_kwargs(bos_model_dir):
     messages = [{"role": "user", "content": "the cat"}]
     output = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     assert output.prompt_token_ids[0] == tokenizer.bos_token_id != output.prompt_token_ids[1]
+    system = [{"role": "system", "content": "be brief"}]
+    both = llm.chat([system + messages, messages], GREEDY, use_tqdm=False)  # several conversations at once
+    assert len(both) == 2 and both[1].prompt_token_ids == output.prompt_token_ids
+    assert both[0].prompt_token_ids.count(tokenizer.bos_token_id) == 1
     marked = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={"marker": "sat on"})[0]
     assert marked.prompt.endswith("assistant\nsat on")
     assert marked.prompt_token_ids[: len(output.prompt_token_ids)] == output.prompt_token_ids
@@ -164,6 +190,7 @@ def test_reset_prefix_cache_with_running_requests(llm):
     assert llm.reset_prefix_cache(reset_running_requests=True)  # preempted, then recomputed
     assert token_ids(llm.wait_for_completion(use_tqdm=False)) == expected
     assert llm.reset_mm_cache() is None
+    assert llm.reset_prefix_cache(reset_connector=True)  # no KV connector: nothing more to reset
 
 
 def test_import_paths_of_vllm_scripts():
@@ -177,6 +204,11 @@ def test_import_paths_of_vllm_scripts():
     assert all(issubclass(kind, Metric) for kind in (Counter, Gauge, Histogram, Vector))
     assert cleanup_dist_env_and_memory is distributed.cleanup_dist_env_and_memory
     cleanup_dist_env_and_memory(shutdown_ray=False)
+    from tokenmill import EngineArgs as TopEngineArgs
+    from tokenmill import LLMEngine
+
+    assert callable(LLMEngine.from_engine_args) and TopEngineArgs is EngineArgs
+    assert callable(EngineArgs.add_cli_args) and callable(EngineArgs.from_cli_args)  # used in test_engine_args_table
 
 
 def test_pooling_output_equality():

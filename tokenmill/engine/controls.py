@@ -68,11 +68,13 @@ class EngineControls:
             self.metrics.record_sleep_level(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back the weights and/or the KV cache (every rank); None: both."""
+        """Bring back the weights and/or the KV cache (every rank); None: both. vLLM's third tag,
+        "scheduling" (waking from a level-0 pause), is accepted: tokenmill never pauses scheduling."""
         if tags is not None:
+            tags = [t for t in tags if t != "scheduling"]
             unknown = [t for t in tags if t not in SLEEP_TAGS]
             if unknown:
-                raise ValueError(f"wake_up(tags={tags!r}): unknown tags {unknown}; known: {list(SLEEP_TAGS)}")
+                raise ValueError(f"wake_up(tags={tags!r}): unknown tags {unknown}; known: {[*SLEEP_TAGS, 'scheduling']}")
         self.executor.collective_rpc("wake_up", args=(tags,))
         self.asleep -= set(SLEEP_TAGS if tags is None else tags)
         if self.metrics is not None and not self.asleep:
