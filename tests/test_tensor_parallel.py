@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from reference import hf_greedy, hf_model
+from support.processes import child_pids
 from tokenmill import LLM, SamplingParams
 
 # A small step budget splits the longer prompts into prefill chunks, so steps mix chunks and decodes.
@@ -36,20 +37,6 @@ def make_llm(path: Path, tp: int, **kwargs) -> LLM:
 def random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-
-
-def child_pids() -> set[int]:
-    """This process's live or unreaped children (read from /proc: zombies count too)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-                found.add(int(entry.name))
-    return found
 
 
 def worker_pids(llm: LLM) -> list[int]:
