@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from reference import hf_greedy, hf_model
-from support.processes import child_pids
+from support.processes import check_worker_killed_during_generate, child_pids
 from tokenmill import LLM, SamplingParams
 
 # A small step budget splits the longer prompts into prefill chunks, so steps mix chunks and decodes.
@@ -142,25 +142,7 @@ def test_collective_rpc_errors_and_timeouts_leave_the_llm_working(llama_tp2, lla
 
 def test_worker_killed_during_generate_raises_and_leaves_no_process(tiny_llama_dir):
     before = child_pids()
-    llm = make_llm(tiny_llama_dir, 2)
-    (worker,) = worker_pids(llm)
-    calls = []
-    started = []
-
-    def kill_on_fourth_token(token_ids, logits):  # runs on rank 0 between two steps' collectives
-        calls.append(1)
-        if len(calls) == 4:
-            started.append(time.monotonic())
-            os.kill(worker, signal.SIGKILL)
-        return logits
-
-    params = GREEDY.clone(max_tokens=64, logits_processors=[kill_on_fourth_token])
-    with pytest.raises(RuntimeError, match=r"rank 1 .*SIGKILL"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-    assert time.monotonic() - started[0] < 5.0
-    with pytest.raises(RuntimeError, match="cannot run more steps"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
-    assert child_pids() - before == set()
+    check_worker_killed_during_generate(make_llm(tiny_llama_dir, 2), GREEDY, before)
 
 
 def test_worker_killed_between_generates_raises_and_leaves_no_process(llama_tp1, tiny_llama_dir):
