@@ -76,6 +76,9 @@ class EngineControls:
             if unknown:
                 raise ValueError(f"wake_up(tags={tags!r}): unknown tags {unknown}; known: {[*SLEEP_TAGS, 'scheduling']}")
         self.executor.collective_rpc("wake_up", args=(tags,))
+        # Waking captures the decode graphs again on every rank; under tensor parallelism rank 0's
+        # new graphs must announce their replays to the workers like the first ones did.
+        self.executor.mirror_decode_graphs()
         self.asleep -= set(SLEEP_TAGS if tags is None else tags)
         if self.metrics is not None and not self.asleep:
             self.metrics.record_sleep_level(0)

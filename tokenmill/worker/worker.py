@@ -89,15 +89,13 @@ class Worker:
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        if self.tp_size > 1:
-            # A replayed graph would skip the announcements the workers follow (mirror.py).
-            if self.rank == 0:
-                logger.warning("CUDA graphs are not used with tensor_parallel_size > 1: decode steps run eagerly")
-            return
         if self.offloader is not None:
             # Each forward streams the offloaded layers through staging buffers; the copy dominates anyway.
             logger.info("CUDA graphs are not used with cpu_offload_gb: decode steps run eagerly")
             return
+        # Under tensor parallelism every rank captures here at the same time (collective_rpc), so
+        # the warm-up forwards' all-reduces pair up and each graph holds the NCCL collectives of
+        # its bucket; rank 0's replays are then mirrored (Executor.mirror_decode_graphs).
         self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
 
     def execute_model(self, plan: "SchedulerOutput") -> "StepResult":
