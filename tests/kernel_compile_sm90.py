@@ -80,7 +80,7 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
         bound = self.signature.bind(*args, **kwargs)
         signature: dict[str, str] = {}
         constexprs: dict[str, Any] = {}
