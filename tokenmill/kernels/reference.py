@@ -232,21 +232,22 @@ def sample_ref(
     keys: torch.Tensor,  # [N] int64
     counters: torch.Tensor,  # [N] int64
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # top_k, top_p, min_p per row
-    penalties: tuple | None = None,  # slots [N], counts [S, V], prompt_bits [S, W], repetition, frequency, presence [N]
+    state: tuple | None = None,  # sampling.RowState's fields
 ) -> torch.Tensor:  # [N] int64
-    """``sampling.sample_tokens``: per row, the logits (fp32) penalised from the row's slot of the
-    state (slot >= 0); greedy rows take the argmax; the others the argmax of scores + Gumbel noise
-    over the scores >= the row's filter threshold, scores = logits / temperature. Ties go to the
-    lowest token id."""
+    """``sampling.sample_tokens``: per row, the logits (fp32) plus the bias row of its bias slot,
+    then penalised from its penalty slot (slots >= 0); greedy rows take the argmax; the others the
+    argmax of scores + Gumbel noise over the scores >= the row's filter threshold, scores = logits /
+    temperature. Ties go to the lowest token id."""
     x = logits.float().cpu()
     vocab = x.shape[1]
-    if penalties is not None:
-        slots, counts, prompt_bits, repetition, frequency, presence = (t.cpu() for t in penalties)
-        rows = torch.nonzero(slots >= 0).flatten()
-        if len(rows):
-            state = slots[rows].long()
-            x[rows] = penalize_ref(x[rows], counts[state], prompt_mask_ref(prompt_bits[state], vocab),
-                                   repetition[rows], frequency[rows], presence[rows])
+    if state is not None:
+        bias_slots, bias, penalty_slots, counts, prompt_bits, repetition, frequency, presence = (t.cpu() for t in state)
+        rows = torch.nonzero(bias_slots >= 0).flatten()
+        x[rows] = x[rows] + bias[bias_slots[rows].long()]
+        rows = torch.nonzero(penalty_slots >= 0).flatten()
+        slots = penalty_slots[rows].long()
+        x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], vocab), repetition[rows],
+                               frequency[rows], presence[rows])
     out = []
     for row, (t, key, counter) in enumerate(zip(temperature.tolist(), keys.tolist(), counters.tolist())):
         if t == 0:

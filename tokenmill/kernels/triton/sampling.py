@@ -12,11 +12,12 @@ and counter = the output position being sampled, so its samples depend on nothin
 and nothing in the engine's history; other rows get a fresh key per step. Rows with T == 0 take the
 plain argmax and draw nothing.
 
-**Penalties** (repetition, frequency, presence; vLLM's formulas) are applied where a row's logits
-are read, from per-sequence state on the device (``worker/penalty_state.py``): output counts
-[slots, V] int32 and the prompt's tokens as a bitmap [slots, ceil(V / 32)] int32; ``slots[row]``
-names the row's slot, -1 for none. Every kernel here is launched without FMA contraction, so the
-penalised logits round exactly as torch's separate ops do.
+**Logit bias and penalties** (repetition, frequency, presence; vLLM's formulas and order) are
+applied where a row's logits are read, from per-sequence state on the device (``RowState``,
+filled by ``worker/sampling_state.py``): a float32 bias row, output counts [slots, V] int32 and
+the prompt's tokens as a bitmap [slots, ceil(V / 32)] int32; a row's slot of -1 means none. Every
+kernel here is launched without FMA contraction, so the results round exactly as torch's separate
+ops do.
 
 **Filters.** A row's top-k, top-p and min-p (vLLM's order, on the tempered distribution) keep
 exactly the tokens with s >= t for one threshold t per row:
@@ -76,12 +77,16 @@ class Filters(NamedTuple):
     min_p: torch.Tensor
 
 
-class Penalties(NamedTuple):
-    """Per-row penalties and the per-sequence state they read (see ``worker/penalty_state.py``)."""
+class RowState(NamedTuple):
+    """Per-row additions to the logits, read from per-sequence state on the device (see
+    ``worker/sampling_state.py``); a slot of -1 means none for that row. The bias is added first,
+    then the penalties (vLLM's order)."""
 
-    slots: torch.Tensor  # [N] int32: the row's state slot, -1 = no penalties
-    counts: torch.Tensor  # [S, V] int32: occurrences of each token among the slot's outputs
-    prompt_bits: torch.Tensor  # [S, ceil(V / 32)] int32: bit i % 32 of word i // 32 = token i is in the prompt
+    bias_slots: torch.Tensor  # [N] int32
+    bias: torch.Tensor  # [S, V] float32: added to the logits (logit_bias; -inf bans a token)
+    penalty_slots: torch.Tensor  # [N] int32
+    counts: torch.Tensor  # [S', V] int32: occurrences of each token among the slot's outputs
+    prompt_bits: torch.Tensor  # [S', ceil(V / 32)] int32: bit i % 32 of word i // 32 = token i is in the prompt
     repetition: torch.Tensor  # [N] float32
     frequency: torch.Tensor  # [N] float32
     presence: torch.Tensor  # [N] float32
@@ -90,32 +95,37 @@ class Penalties(NamedTuple):
 # ---- shared pieces ------------------------------------------------------------------------------
 
 @triton.jit
-def _row_penalties(row, slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_PENALTIES: tl.constexpr):
-    if HAS_PENALTIES:
-        slot = tl.load(slot_ptr + row)
+def _row_state(row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr,
+               HAS_STATE: tl.constexpr):
+    if HAS_STATE:
+        bias_slot = tl.load(bias_slot_ptr + row)
+        penalty_slot = tl.load(penalty_slot_ptr + row)
         repetition = tl.load(repetition_ptr + row)
         frequency = tl.load(frequency_ptr + row)
         presence = tl.load(presence_ptr + row)
     else:
-        slot = -1
+        bias_slot = -1
+        penalty_slot = -1
         repetition = 1.0
         frequency = 0.0
         presence = 0.0
-    return slot, repetition, frequency, presence
+    return bias_slot, penalty_slot, repetition, frequency, presence
 
 
 @triton.jit
 def _scores(
     logits_ptr, stride_row, row, tokens, valid, temperature,
-    slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
-    HAS_PENALTIES: tl.constexpr,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row,
+    repetition, frequency, presence, HAS_STATE: tl.constexpr,
 ):
-    """The row's scores at ``tokens``: logits, penalised when the row has a slot, divided by the
-    temperature when it is > 0 (greedy rows keep their logits); -inf where not ``valid``."""
+    """The row's scores at ``tokens``: logits, plus the row's bias and penalised when it has state,
+    divided by the temperature when it is > 0 (greedy rows keep their logits); -inf where not ``valid``."""
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=valid, other=float("-inf")).to(tl.float32)
-    if HAS_PENALTIES:
-        if slot >= 0:
-            base = slot.to(tl.int64)
+    if HAS_STATE:
+        if bias_slot >= 0:
+            x += tl.load(bias_ptr + bias_slot.to(tl.int64) * vocab_size + tokens, mask=valid, other=0.0)
+        if penalty_slot >= 0:
+            base = penalty_slot.to(tl.int64)
             count = tl.load(counts_ptr + base * vocab_size + tokens, mask=valid, other=0)
             word = tl.load(prompt_bits_ptr + base * words_per_row + tokens // 32, mask=valid, other=0)
             seen = (((word >> (tokens % 32)) & 1) != 0) | (count > 0)
@@ -196,26 +206,27 @@ def _row_filters(row, temperature, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size):
 @triton.jit
 def _row_stats_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr, presence_ptr, words_per_row,
+    bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
+    presence_ptr, words_per_row,
     chunk_stats_ptr,  # [rows, 3, num_chunks] float32: max, sum of exp(s - max), smallest finite s
     group_max_ptr,  # [rows, num_chunks * CHUNK // GROUP] float32
     vocab_size,
     num_chunks,
     CHUNK: tl.constexpr,
     GROUP: tl.constexpr,
-    HAS_PENALTIES: tl.constexpr,
+    HAS_STATE: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     _, _, _, filtered = _row_filters(row, temperature, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     if filtered:
-        slot, repetition, frequency, presence = _row_penalties(row, slot_ptr, repetition_ptr, frequency_ptr,
-                                                               presence_ptr, HAS_PENALTIES)
+        bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
+            row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
         groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
         tokens = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, slot, counts_ptr,
-                    prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, HAS_PENALTIES)
+        s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
+                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
         group_max = tl.max(s, axis=1)
         tl.store(group_max_ptr + row.to(tl.int64) * (num_chunks * (CHUNK // GROUP)) + groups, group_max)
         top = tl.max(group_max, axis=0)
@@ -232,8 +243,9 @@ def _row_stats_kernel(
 @triton.jit
 def _probe_sweep(
     logits_ptr, stride_row, row, temperature,
-    slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
-    lo, hi, probes, top, by_mass, TILE: tl.constexpr, PROBES: tl.constexpr, HAS_PENALTIES: tl.constexpr,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
+    frequency, presence,
+    lo, hi, probes, top, by_mass, TILE: tl.constexpr, PROBES: tl.constexpr, HAS_STATE: tl.constexpr,
 ):
     """One pass over the row: for the tokens with lo <= s < hi, their number, weight, smallest,
     smallest finite and largest s, and the number and weight of those >= each of ``probes``
@@ -250,8 +262,8 @@ def _probe_sweep(
     for start in range(0, vocab_size, TILE):
         tokens = start + tl.arange(0, TILE)[:, None]
         valid = tokens < vocab_size
-        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, slot, counts_ptr,
-                    prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, HAS_PENALTIES)
+        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
+                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
         inside = valid & (s >= lo) & (s < hi)
         w = tl.where(inside, tl.where(by_mass, tl.exp(s - top), 1.0), 0.0)
         ge = inside & (s >= probes)
@@ -289,9 +301,10 @@ def _maximum(a, b):
 @triton.jit
 def _threshold_by_sweeps(
     logits_ptr, stride_row, row, temperature,
-    slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
+    frequency, presence,
     bracket_ptr, floor, smallest, top, target, top_p, by_mass,
-    TILE: tl.constexpr, PROBES: tl.constexpr, BRACKET: tl.constexpr, HAS_PENALTIES: tl.constexpr,
+    TILE: tl.constexpr, PROBES: tl.constexpr, BRACKET: tl.constexpr, HAS_STATE: tl.constexpr,
 ):
     """The largest s v >= floor of the row with weight(s >= v, s >= floor) >= target, by sweeps
     over the row (weights: exp(s - top) ``by_mass``, else 1; ``smallest``: no finite s >= floor is
@@ -316,9 +329,8 @@ def _threshold_by_sweeps(
             written = 0
             for start in range(0, vocab_size, TILE):
                 tokens = start + tl.arange(0, TILE)
-                s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, slot,
-                            counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency,
-                            presence, HAS_PENALTIES)
+                s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
+                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
                 inside = (tokens < vocab_size) & (s >= lo) & (s < hi)
                 place = written + tl.cumsum(inside.to(tl.int32), axis=0) - 1
                 tl.store(bracket_ptr + place, s, mask=inside & (place < BRACKET))
@@ -334,9 +346,9 @@ def _threshold_by_sweeps(
         else:
             probes = _probe_values(span_lo, span_hi, PROBES)
             above_count, above_weight, count, weight, smallest_in, finite_in, largest_in = _probe_sweep(
-                logits_ptr, stride_row, row, temperature, slot, counts_ptr, prompt_bits_ptr, vocab_size,
-                words_per_row, repetition, frequency, presence, lo, hi, probes, top, by_mass, TILE, PROBES,
-                HAS_PENALTIES,
+                logits_ptr, stride_row, row, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr,
+                prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, lo, hi, probes, top,
+                by_mass, TILE, PROBES, HAS_STATE,
             )
             if first & by_mass:
                 target = top_p * weight  # the first sweep weighs everything at or above floor
@@ -383,7 +395,8 @@ def _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
 @triton.jit
 def _threshold_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, key_ptr, counter_ptr,
-    slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr, presence_ptr, words_per_row,
+    bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
+    presence_ptr, words_per_row,
     chunk_stats_ptr, group_max_ptr,
     selected_ptr,  # [rows, SELECT] int32 scratch: the gathered groups
     threshold_ptr,  # [rows] float32 out: keep s >= threshold (-inf: no filter)
@@ -395,7 +408,7 @@ def _threshold_kernel(
     CHUNKS_P2: tl.constexpr,  # >= num_chunks, a power of two
     GROUPS_P2: tl.constexpr,  # >= num_chunks * CHUNK // GROUP, a power of two: the group maxima held at once
     SELECT: tl.constexpr,  # groups gathered: SELECT * GROUP tokens
-    HAS_PENALTIES: tl.constexpr,
+    HAS_STATE: tl.constexpr,
 ):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
@@ -414,22 +427,21 @@ def _threshold_kernel(
         group_max = tl.load(group_max_ptr + row.to(tl.int64) * num_groups + groups, mask=groups < num_groups,
                             other=float("-inf"))
         real_group = groups * GROUP < vocab_size
+        # top-k: the k-th largest group max. top-p without top-k: the largest group max v whose
+        # groups' maxima alone weigh top_p * Z at or above v. With both, lo must stay <= t_k (Z_k
+        # needs every token at or above t_k), so only top-k's bound counts.
         lo = float("-inf")
-        if use_k:
-            if top_k <= SELECT:
-                lo = _largest_reaching(group_max, real_group.to(tl.float32), top_k.to(tl.float32))
-            if top_p >= 1.0:  # with top-p, lo must stay <= t_k: Z_k needs every token at or above t_k
-                lo = tl.maximum(lo, t_min)
-        else:
-            if use_p:
-                lo = _largest_reaching(group_max, tl.where(real_group, tl.exp(group_max - top), 0.0), top_p * mass)
+        if (use_k & (top_k <= SELECT)) | ((top_k == 0) & use_p):
+            weights = tl.where(real_group, tl.where(use_k, 1.0, tl.exp(group_max - top)), 0.0)
+            lo = _largest_reaching(group_max, weights, tl.where(use_k, top_k.to(tl.float32), top_p * mass))
+        if (top_k == 0) | (top_p >= 1.0):
             lo = tl.maximum(lo, t_min)
         picked = real_group & (group_max >= lo)
         num_picked = _total(picked.to(tl.int32))
         if (lo > float("-inf")) & (num_picked <= SELECT):
             # Gather the picked groups: every token >= lo is among them.
-            slot, repetition, frequency, presence = _row_penalties(row, slot_ptr, repetition_ptr, frequency_ptr,
-                                                                   presence_ptr, HAS_PENALTIES)
+            bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
+            row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
             place = tl.cumsum(picked.to(tl.int32), axis=0) - 1
             tl.store(selected_ptr + row.to(tl.int64) * SELECT + place, groups, mask=picked)
             tl.debug_barrier()
@@ -437,19 +449,25 @@ def _threshold_kernel(
             group = tl.load(selected_ptr + row.to(tl.int64) * SELECT + picks, mask=picks < num_picked, other=0)
             tokens = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             valid = (picks < num_picked)[:, None] & (tokens < vocab_size)
-            s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, slot, counts_ptr, prompt_bits_ptr,
-                        vocab_size, words_per_row, repetition, frequency, presence, HAS_PENALTIES)
+            s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
+                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
+            # t_k (phase 0), then t_p over the tokens >= t_k (phase 1). Below lo a threshold is not
+            # known (tokens there were not gathered): that is fine for t_k without top-p (min-p's
+            # bound is then above it), otherwise the row goes to the wide kernel.
+            t_k = tl.full([], float("-inf"), tl.float32)
+            t_p = t_k
             ok = True
-            t_k = float("-inf")
-            if use_k:
-                t_k = _largest_reaching(s, valid.to(tl.float32), top_k.to(tl.float32))
-                ok = (t_k >= lo) | (top_p >= 1.0)  # below lo t_k is not known, and only top-p needs it
-            t_p = float("-inf")
-            if use_p & ok:
-                weights = tl.where(s >= t_k, tl.exp(s - top), 0.0)
-                budget = top_p * tl.where(use_k, _total(weights), mass)
-                t_p = _largest_reaching(s, weights, budget)
-                ok = t_p >= lo
+            for phase in range(2):
+                by_mass = phase == 1
+                if (by_mass & use_p & ok) | ((phase == 0) & use_k):
+                    weights = tl.where(by_mass, tl.where(s >= t_k, tl.exp(s - top), 0.0), valid.to(tl.float32))
+                    budget = tl.where(by_mass, top_p * tl.where(use_k, _total(weights), mass), top_k.to(tl.float32))
+                    found = _largest_reaching(s, weights, budget)
+                    ok = (found >= lo) | ((~by_mass) & (top_p >= 1.0))
+                    if by_mass:
+                        t_p = found
+                    else:
+                        t_k = found
             threshold = tl.maximum(tl.maximum(t_k, t_p), t_min)
             if ok & (threshold >= lo):
                 key = tl.load(key_ptr + row)
@@ -465,7 +483,8 @@ def _threshold_kernel(
 @triton.jit
 def _wide_threshold_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr, presence_ptr, words_per_row,
+    bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
+    presence_ptr, words_per_row,
     chunk_stats_ptr,
     bracket_ptr,  # [rows, BRACKET] float32 scratch: the final bracket
     threshold_ptr,  # [rows] float32 out
@@ -476,7 +495,7 @@ def _wide_threshold_kernel(
     BRACKET: tl.constexpr,
     PROBES: tl.constexpr,
     TILE: tl.constexpr,
-    HAS_PENALTIES: tl.constexpr,
+    HAS_STATE: tl.constexpr,
 ):
     """The threshold of the rows whose kept tokens the threshold kernel could not gather: sweeps
     over the row find t_k, then t_p at or above it."""
@@ -484,8 +503,8 @@ def _wide_threshold_kernel(
     if tl.load(chosen_ptr + row) == -2:
         temperature = tl.load(temperature_ptr + row)
         top_k, top_p, min_p, _ = _row_filters(row, temperature, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
-        slot, repetition, frequency, presence = _row_penalties(row, slot_ptr, repetition_ptr, frequency_ptr,
-                                                               presence_ptr, HAS_PENALTIES)
+        bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
+            row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
         top, _, smallest = _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2)
         thresholds = tl.full([], float("-inf"), tl.float32)  # t_k after the first phase, t_p after the second
         floor = thresholds
@@ -494,9 +513,10 @@ def _wide_threshold_kernel(
             if (by_mass & (top_p < 1.0)) | ((phase == 0) & (top_k > 0)):
                 floor = thresholds
                 found = _threshold_by_sweeps(
-                    logits_ptr, stride_row, row, temperature, slot, counts_ptr, prompt_bits_ptr, vocab_size,
-                    words_per_row, repetition, frequency, presence, bracket_ptr + row.to(tl.int64) * BRACKET, floor,
-                    smallest, top, top_k.to(tl.float32), top_p, by_mass, TILE, PROBES, BRACKET, HAS_PENALTIES,
+                    logits_ptr, stride_row, row, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr,
+                    prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
+                    bracket_ptr + row.to(tl.int64) * BRACKET, floor, smallest, top, top_k.to(tl.float32), top_p,
+                    by_mass, TILE, PROBES, BRACKET, HAS_STATE,
                 )
                 thresholds = tl.maximum(thresholds, found)
         t_min = tl.where(min_p > 0.0, top + tl.log(min_p), float("-inf"))
@@ -516,13 +536,14 @@ def _gumbel_argmax_kernel(
     best_token_ptr,
     threshold_ptr,  # [rows] (HAS_FILTERS): keep s >= threshold
     chosen_ptr,  # [rows] (HAS_FILTERS): >= 0 where the threshold kernel already drew the row
-    slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr, presence_ptr, words_per_row,
+    bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
+    presence_ptr, words_per_row,
     vocab_size,
     num_chunks,
     stride_row,
     CHUNK: tl.constexpr,
     HAS_FILTERS: tl.constexpr,
-    HAS_PENALTIES: tl.constexpr,
+    HAS_STATE: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -537,16 +558,16 @@ def _gumbel_argmax_kernel(
         tl.store(best_score_ptr + out, float("-inf"))
         tl.store(best_token_ptr + out, first)
     else:
-        slot, repetition, frequency, presence = _row_penalties(row, slot_ptr, repetition_ptr, frequency_ptr,
-                                                               presence_ptr, HAS_PENALTIES)
+        bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
+            row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
         # Token i = 4 * quad + lane: one Philox call (four 32-bit outputs) serves a quad of tokens.
         quads = chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
         lanes = tl.arange(0, 4)
         tokens = quads[:, None] * 4 + lanes[None, :]  # [CHUNK // 4, 4], row-major = token order
         valid = tokens < vocab_size
         temperature = tl.load(temperature_ptr + row)
-        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, slot, counts_ptr, prompt_bits_ptr,
-                    vocab_size, words_per_row, repetition, frequency, presence, HAS_PENALTIES)
+        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
+                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
         if temperature > 0.0:
             key = tl.load(key_ptr + row)
             counter = tl.load(counter_ptr + row)
@@ -579,20 +600,23 @@ def _check_rows(rows: int, **tensors: tuple[torch.Tensor, tuple[torch.dtype, ...
             raise ValueError(f"{name} must be a contiguous [{rows}] tensor of {dtypes}, got {tuple(t.shape)} {t.dtype}")
 
 
-def _penalty_args(penalties: Penalties | None, logits: torch.Tensor) -> tuple:
-    if penalties is None:
-        dummy = torch.empty(1, dtype=torch.int32, device=logits.device)
-        return (dummy, dummy, dummy, dummy, dummy, dummy, 1)
+def _state_args(state: RowState | None, logits: torch.Tensor) -> tuple:
+    """The kernels' state arguments; without state, slots of -1 (the filter kernels always read them)."""
     rows, vocab = logits.shape
-    _check_rows(rows, slots=(penalties.slots, (torch.int32,)), repetition=(penalties.repetition, (torch.float32,)),
-                frequency=(penalties.frequency, (torch.float32,)), presence=(penalties.presence, (torch.float32,)))
-    words = penalties.prompt_bits.shape[1]
-    if penalties.counts.shape[1] != vocab or words != triton.cdiv(vocab, 32) or not penalties.counts.is_contiguous() \
-            or not penalties.prompt_bits.is_contiguous():
-        raise ValueError(f"penalty state must be contiguous [S, {vocab}] counts and [S, {triton.cdiv(vocab, 32)}] "
-                         f"prompt bits, got {tuple(penalties.counts.shape)} and {tuple(penalties.prompt_bits.shape)}")
-    return (penalties.slots, penalties.counts, penalties.prompt_bits, penalties.repetition, penalties.frequency,
-            penalties.presence, words)
+    if state is None:
+        none = torch.full((rows,), -1, dtype=torch.int32, device=logits.device)
+        ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
+        return none, ones, none, none, none, ones, ones, ones, 1
+    _check_rows(rows, bias_slots=(state.bias_slots, (torch.int32,)), penalty_slots=(state.penalty_slots, (torch.int32,)),
+                repetition=(state.repetition, (torch.float32,)), frequency=(state.frequency, (torch.float32,)),
+                presence=(state.presence, (torch.float32,)))
+    words = triton.cdiv(vocab, 32)
+    for name, t, width, dtype in (("bias", state.bias, vocab, torch.float32), ("counts", state.counts, vocab, torch.int32),
+                                  ("prompt_bits", state.prompt_bits, words, torch.int32)):
+        if t.dim() != 2 or t.shape[1] != width or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [S, {width}] {dtype} tensor, got {tuple(t.shape)} {t.dtype}")
+    return (state.bias_slots, state.bias, state.penalty_slots, state.counts, state.prompt_bits, state.repetition,
+            state.frequency, state.presence, words)
 
 
 def sample_tokens(
@@ -601,12 +625,12 @@ def sample_tokens(
     keys: torch.Tensor,  # [N] int64 Philox keys
     counters: torch.Tensor,  # [N] int64 Philox counters (the draw's position)
     filters: Filters | None = None,
-    penalties: Penalties | None = None,
+    state: RowState | None = None,
     *,
     compile_only: bool = False,
 ) -> torch.Tensor:  # [N] int64 token ids
-    """Per row: the argmax of the (penalised) logits where temperature == 0, else a sample of
-    softmax(logits / temperature) restricted by the row's filters (see the module docstring).
+    """Per row: the argmax of the (biased, penalised) logits where temperature == 0, else a sample
+    of softmax(logits / temperature) restricted by the row's filters (see the module docstring).
 
     ``compile_only`` compiles the kernels for these inputs and launches nothing (``precompile.py``);
     the result is then meaningless."""
@@ -616,34 +640,35 @@ def sample_tokens(
     _check_rows(rows, temperature=(temperature, (torch.float32,)), keys=(keys, (torch.int64,)),
                 counters=(counters, (torch.int64,)))
     device = logits.device
-    penalty_args = _penalty_args(penalties, logits)
     num_chunks = triton.cdiv(vocab, _CHUNK)
     best_score = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
     best_token = torch.empty((rows, num_chunks), dtype=torch.int32, device=device)
-    options = dict(HAS_PENALTIES=penalties is not None, enable_fp_fusion=False)
     if filters is None:
-        threshold = chosen = torch.empty(1, dtype=torch.int32, device=device)
+        state_args = _state_args(state, logits) if state is not None else (temperature,) * 8 + (1,)  # unread
+        threshold = chosen = temperature  # unread without filters
     else:
         _check_rows(rows, top_k=(filters.top_k, (torch.int32, torch.int64)), top_p=(filters.top_p, (torch.float32,)),
                     min_p=(filters.min_p, (torch.float32,)))
-        threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, penalty_args, options,
-                                        num_chunks, compile_only)
+        state_args = _state_args(state, logits)
+        threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, state_args, compile_only)
     if rows:
         launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
-            logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *penalty_args,
-            vocab, num_chunks, logits.stride(0), CHUNK=_CHUNK, HAS_FILTERS=filters is not None, num_warps=8, **options,
+            logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *state_args,
+            vocab, num_chunks, logits.stride(0), CHUNK=_CHUNK, HAS_FILTERS=filters is not None,
+            HAS_STATE=state is not None, num_warps=8, enable_fp_fusion=False,
         )
     winner = best_score.argmax(dim=1, keepdim=True)  # first best chunk: lowest token id on ties
     drawn = best_token.gather(1, winner).squeeze(1).to(torch.int64)
     return drawn if filters is None else torch.where(chosen >= 0, chosen, drawn)
 
 
-def _thresholds(logits, temperature, keys, counters, filters: Filters, penalty_args: tuple, options: dict,
-                num_chunks: int, compile_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
+                filters: Filters, state_args: tuple, compile_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the statistics and threshold kernels: per row the threshold and, where the threshold
     kernel drew the row itself, the token (else -1)."""
     rows, vocab = logits.shape
     device = logits.device
+    num_chunks = triton.cdiv(vocab, _CHUNK)
     group = _GROUP
     while triton.cdiv(num_chunks * _CHUNK, group) > 8192:  # vocabularies past 262,144 tokens: coarser groups
         group *= 2
@@ -657,18 +682,20 @@ def _thresholds(logits, temperature, keys, counters, filters: Filters, penalty_a
     if rows:
         common = (logits, logits.stride(0), temperature, filters.top_k, filters.top_p, filters.min_p)
         chunks_p2 = triton.next_power_of_2(num_chunks)
+        # The state is read at run time here (HAS_STATE=True even without any): one variant each.
+        options = dict(HAS_STATE=True, enable_fp_fusion=False)
         launcher(_row_stats_kernel, (rows, num_chunks), compile_only)(
-            *common, *penalty_args, chunk_stats, group_max, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group,
+            *common, *state_args, chunk_stats, group_max, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group,
             num_warps=4, **options,
         )
         launcher(_threshold_kernel, (rows,), compile_only)(
-            *common, keys, counters, *penalty_args, chunk_stats, group_max, selected, threshold, chosen,
+            *common, keys, counters, *state_args, chunk_stats, group_max, selected, threshold, chosen,
             vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
             GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_CANDIDATES // group,
             num_warps=_NUM_WARPS_ROW, **options,
         )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
-            *common, *penalty_args, chunk_stats, bracket, threshold, chosen, vocab, num_chunks, CHUNKS_P2=chunks_p2,
+            *common, *state_args, chunk_stats, bracket, threshold, chosen, vocab, num_chunks, CHUNKS_P2=chunks_p2,
             BRACKET=_BRACKET, PROBES=_PROBES, TILE=_SWEEP_TILE, num_warps=_NUM_WARPS_ROW, **options,
         )
     return threshold, chosen

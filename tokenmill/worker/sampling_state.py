@@ -1,0 +1,272 @@
+"""Per-sequence sampling state kept on the device, so that penalties and logit controls need no
+host sync and no per-step rebuild from Python lists.
+
+A sequence that needs state gets a slot (a row of each tensor below) the first time it samples;
+the slot is filled then from its prompt and the output tokens the host knows (all of them: a
+sequence is never admitted with a token in flight), and updated in place from the sampled ids on
+the device after every step (`StepRows.record`), whether or not the host has read them back yet.
+A token sampled for a sequence that then stops is counted too, but that sequence never samples
+again and its slot is released. Slots are handed out only to the sequences that use a feature,
+in capacities that double as needed (1, 2, 4, ...), and freed by `release` (finished, aborted or
+preempted sequences; a preempted one is filled again when it samples next).
+
+Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
+- `PenaltyState` (repetition / frequency / presence penalties): output counts, V int32, and the
+  prompt's tokens as a bitmap, ceil(V / 32) int32: 4.125 V bytes (627 KB; 256 slots 160 MB).
+- `LogitBiasState` (logit_bias, allowed_token_ids): one additive float32 row, 4 V bytes (608 KB).
+- `BadWordState` (bad_words): the words as token ids, and the last L - 1 output ids for words of
+  up to L tokens: a few hundred bytes.
+min_tokens needs no state: the host knows each sequence's output count, tokens in flight included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from tokenmill.kernels.triton.sampling import Penalties
+
+ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor onto the device (pinned, asynchronous on a GPU)
+_WILDCARD = -2  # a word position before the word's first token: matches any recent id
+
+
+class SlotTable:
+    """Slots of device tensors for sequences, by seq_id; the capacity doubles when full."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self._slots: dict[int, int] = {}
+        self._free: list[int] = []
+
+    def get(self, seq_id: int) -> int | None:
+        return self._slots.get(seq_id)
+
+    def assign(self, seq_id: int) -> int:
+        """A free slot for ``seq_id``; grow the capacity first (the caller's tensors too) if none is free."""
+        if not self._free:
+            old, self.capacity = self.capacity, max(1, 2 * self.capacity)
+            self._free = list(range(self.capacity - 1, old - 1, -1))
+        slot = self._free.pop()
+        self._slots[seq_id] = slot
+        return slot
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            slot = self._slots.pop(seq_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+def _grown(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
+    """``t`` with ``rows`` rows: its rows first, the new ones filled."""
+    if t.shape[0] == rows:
+        return t
+    out = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
+@dataclass
+class StepRows:
+    """One step's rows that use a piece of state, and their slots: [P] int64 on the device."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+class PenaltyState:
+    """Output-token counts and prompt-token bitmaps of the sequences with penalties."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.table = SlotTable()
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
+        self.prompt_bits = torch.zeros((0, -(-vocab_size // 32)), dtype=torch.int32, device=device)
+
+    def step(self, seqs: list, to_device: ToDevice) -> tuple[Penalties, StepRows] | None:
+        """The penalties of this step's sampling rows (None if no row has any), filling the slots of
+        sequences that sample for the first time."""
+        slots = [-1] * len(seqs)
+        new = []
+        for row, seq in enumerate(seqs):
+            if seq.params.uses_penalties:
+                slot = self.table.get(seq.seq_id)
+                if slot is None:
+                    slot = self.table.assign(seq.seq_id)
+                    new.append((slot, seq))
+                slots[row] = slot
+        if not new and all(slot < 0 for slot in slots):
+            return None
+        if new:
+            self._fill(new, to_device)
+        params = [s.params for s in seqs]
+        factors = to_device(torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                          [p.presence_penalty for p in params]], dtype=torch.float32))
+        used = [(row, slot) for row, slot in enumerate(slots) if slot >= 0]
+        rows = to_device(torch.tensor(list(zip(*used)), dtype=torch.int64))
+        penalties = Penalties(to_device(torch.tensor(slots, dtype=torch.int32)), self.counts, self.prompt_bits,
+                              factors[0], factors[1], factors[2])
+        return penalties, StepRows(rows[0], rows[1])
+
+    def record(self, rows: StepRows, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled tokens (on the device, nothing read back)."""
+        ones = torch.ones(1, dtype=torch.int32, device=token_ids.device).expand(rows.slots.shape[0])
+        self.counts.index_put_((rows.slots, token_ids[rows.rows]), ones, accumulate=True)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, new: list, to_device: ToDevice) -> None:
+        self.counts = _grown(self.counts, self.table.capacity)
+        self.prompt_bits = _grown(self.prompt_bits, self.table.capacity)
+        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        self.counts.index_fill_(0, slots, 0)
+        # Outputs: one count per token (index_put_ with accumulate adds repeated ids up).
+        out_rows = [slot for slot, seq in new for _ in seq.output_token_ids]
+        if out_rows:
+            index = to_device(torch.tensor([out_rows, [t for _, seq in new for t in seq.output_token_ids]], dtype=torch.int64))
+            self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
+        # The prompt as a bitmap: set the tokens in a dense [n, 32 * words] mask, then pack each 32.
+        words = self.prompt_bits.shape[1]
+        index = to_device(torch.tensor([[i for i, (_, seq) in enumerate(new) for _ in seq.prompt_token_ids],
+                                        [t for _, seq in new for t in seq.prompt_token_ids]], dtype=torch.int64))
+        dense = torch.zeros((len(new), 32 * words), dtype=torch.int64, device=self.counts.device)
+        dense[index[0], index[1]] = 1
+        shifts = torch.arange(32, dtype=torch.int64, device=dense.device)
+        packed = (dense.view(len(new), words, 32) << shifts).sum(dim=-1).to(torch.int32)  # bit 31 wraps to the sign
+        self.prompt_bits.index_copy_(0, slots, packed)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties, rows: StepRows) -> torch.Tensor:
+    """The penalties in plain torch, from the same state the GPU kernels read (the CPU's sampler):
+    vLLM's formulas, in the order and rounding of ``reference.penalize_ref``."""
+    vocab = logits.shape[1]
+    logits = logits.float().clone()
+    counts = penalties.counts[rows.slots]
+    bits = (penalties.prompt_bits[rows.slots].long()[:, :, None] >> torch.arange(32, device=logits.device)) & 1
+    seen = bits.flatten(1)[:, :vocab].bool() | (counts > 0)
+    x = logits[rows.rows]
+    rep = penalties.repetition[rows.rows][:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - penalties.frequency[rows.rows][:, None] * counts.float()
+    logits[rows.rows] = x - penalties.presence[rows.rows][:, None] * (counts > 0).float()
+    return logits
+
+
+class LogitBiasState:
+    """One additive float32 row per sequence with logit_bias or allowed_token_ids (-inf bans a token)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.table = SlotTable()
+        self.bias = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+
+    def step(self, seqs: list, to_device: ToDevice) -> StepRows | None:
+        used = []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias or p.allowed_token_ids:
+                slot = self.table.get(seq.seq_id)
+                if slot is None:
+                    slot = self.table.assign(seq.seq_id)
+                    self._fill(slot, p)
+                used.append((row, slot))
+        if not used:
+            return None
+        index = to_device(torch.tensor(list(zip(*used)), dtype=torch.int64))
+        return StepRows(index[0], index[1])
+
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
+        """Add the rows' bias to float32 ``logits`` in place."""
+        logits.index_add_(0, rows.rows, self.bias[rows.slots])
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, slot: int, params) -> None:
+        self.bias = _grown(self.bias, self.table.capacity)
+        row = torch.zeros(self.bias.shape[1], dtype=torch.float32)
+        if params.allowed_token_ids:
+            row.fill_(float("-inf"))
+            row[params.allowed_token_ids] = 0.0
+        if params.logit_bias:
+            row[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        self.bias[slot] = row.to(self.bias.device)
+
+
+class BadWordState:
+    """The bad words of each sequence that has some, and its last few sampled ids.
+
+    A word's last token is banned when the output ends with the rest of the word (vLLM's rule);
+    a one-token word is always banned. Words are stored right-aligned against the recent ids:
+    ``prefixes[slot, w, j]`` is the id that must be at recent position j (the newest last),
+    _WILDCARD before the word starts; ``last[slot, w]`` is the banned token (-1: no word)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.table = SlotTable()
+        self.prefixes = torch.zeros((0, 1, 1), dtype=torch.int64, device=device)
+        self.last = torch.zeros((0, 1), dtype=torch.int64, device=device)
+        self.recent = torch.zeros((0, 1), dtype=torch.int64, device=device)  # -1: no output there yet
+
+    def step(self, seqs: list, to_device: ToDevice) -> StepRows | None:
+        used = []
+        for row, seq in enumerate(seqs):
+            if seq.params.bad_words_token_ids:
+                slot = self.table.get(seq.seq_id)
+                if slot is None:
+                    slot = self.table.assign(seq.seq_id)
+                    self._fill(slot, seq)
+                used.append((row, slot))
+        if not used:
+            return None
+        index = to_device(torch.tensor(list(zip(*used)), dtype=torch.int64))
+        return StepRows(index[0], index[1])
+
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
+        """Set the rows' banned tokens to -inf in float32 ``logits`` (adding -inf or 0: repeated ids are fine)."""
+        prefixes, last = self.prefixes[rows.slots], self.last[rows.slots]
+        recent = self.recent[rows.slots][:, None, :]
+        match = ((prefixes == recent) | (prefixes == _WILDCARD)).all(dim=-1) & (last >= 0)
+        penalty = torch.where(match, float("-inf"), 0.0)
+        logits.index_put_((rows.rows[:, None].expand_as(last), last.clamp(min=0)), penalty, accumulate=True)
+
+    def record(self, rows: StepRows, token_ids: torch.Tensor) -> None:
+        """Shift this step's sampled ids into the rows' recent ids (on the device)."""
+        recent = self.recent[rows.slots]
+        self.recent[rows.slots] = torch.cat([recent[:, 1:], token_ids[rows.rows][:, None]], dim=1)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, slot: int, seq) -> None:
+        words = seq.params.bad_words_token_ids
+        width = max(1, max(len(w) for w in words) - 1)  # recent ids a word can need
+        count = max(len(words), self.last.shape[1])
+        width = max(width, self.recent.shape[1])
+        capacity = self.table.capacity
+        # Grow every dimension as needed: older columns of recent ids are unknown (-1) for the
+        # slots already there, whose words never reach that far back.
+        prefixes = torch.full((capacity, count, width), _WILDCARD, dtype=torch.int64, device=self.device)
+        n, c, w = self.prefixes.shape
+        prefixes[:n, :c, width - w:] = self.prefixes
+        last = torch.full((capacity, count), -1, dtype=torch.int64, device=self.device)
+        last[:n, :c] = self.last
+        recent = torch.full((capacity, width), -1, dtype=torch.int64, device=self.device)
+        recent[:n, width - w:] = self.recent
+        self.prefixes, self.last, self.recent = prefixes, last, recent
+        rows = torch.full((count, width), _WILDCARD, dtype=torch.int64)
+        ends = torch.full((count,), -1, dtype=torch.int64)
+        for i, word in enumerate(words):
+            if len(word) > 1:
+                rows[i, width - len(word) + 1:] = torch.tensor(word[:-1])
+            ends[i] = word[-1]
+        history = torch.full((width,), -1, dtype=torch.int64)
+        out = seq.output_token_ids[-width:]
+        if out:
+            history[width - len(out):] = torch.tensor(out)
+        self.prefixes[slot], self.last[slot], self.recent[slot] = (t.to(self.device) for t in (rows, ends, history))
