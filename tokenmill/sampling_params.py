@@ -208,10 +208,10 @@ class SamplingParams:
 
     @property
     def reads_output_history(self) -> bool:
-        """Whether sampling the next token needs the ids of every earlier one on the host
-        (penalties, bad words, logits processors, a grammar): such requests step synchronously."""
-        return bool(self.uses_penalties or self.bad_words_token_ids or self.logits_processors
-                    or self.structured_outputs is not None)
+        """Whether sampling the next token needs the ids of every earlier one on the host (Python
+        logits processors, a grammar's matcher): such requests step synchronously. Penalties and
+        bad words keep their history on the device (worker/sampling_state.py)."""
+        return bool(self.logits_processors or self.structured_outputs is not None)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
