@@ -193,20 +193,15 @@ def _exponential_race(logits: torch.Tensor, temperature: torch.Tensor, keys: tor
     return torch.where(temperature == 0.0, logits.argmax(dim=-1), (probs / race).argmax(dim=-1))
 
 
-# top-k and top-p without sorting the vocabulary and without a host sync. top-k takes one topk of
-# the largest k the host knows. top-p keeps, in each row, the tokens that have less than top_p of
-# probability strictly above them: that set is "every token >= a cutoff", and the cutoff is found by
-# a radix select over the float32 bits, two histogram passes over [N, V].
-_HALF = 16  # bits per pass: the high half of a 32-bit key, then the low half
-_BINS = 1 << _HALF
+# The filters on the CPU (the GPU kernels find the same cut without sorting). top-k takes one topk
+# of the largest k the host knows; top-p sorts each row by logit.
 
 
 def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Keeps each row's top_k largest logits (0 = all); ties with the k-th largest are all kept (vLLM's rule).
 
     ``max_top_k`` is the largest k of the rows that use top-k, which the host knows from the
-    requests: reading it from ``top_k`` would make the host wait for the device. One
-    ``topk(max_top_k)`` (not a sort: k is small) gives every row its k-th largest logit.
+    requests. One ``topk(max_top_k)`` (not a sort: k is small) gives every row its k-th largest logit.
     """
     kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(1, max_top_k) - 1)[:, None])
     kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
@@ -219,46 +214,11 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     Tokens of equal logit are kept or dropped together: a token stays iff the tokens with a
     strictly larger logit sum to less than top_p. That is the sort-based nucleus (vLLM's
     ``cumsum <= 1 - p`` rule) with all ties of the last kept token kept; the most probable token
-    always stays. Masses are summed in float64 over the float32 probabilities. (The keys are the
-    logits' bits, not the probabilities': two logits a rounding apart can share a float32
-    probability, and the GPU kernels compare logits.)
+    always stays. Masses are summed in float64 over the float32 probabilities.
     """
-    probs = logits.softmax(dim=-1)
-    budget = torch.where(top_p >= 1.0, float("inf"), top_p.to(torch.float64))
-    bits = torch.where(logits == 0.0, 0.0, logits).view(torch.int32)  # -0.0 and +0.0 share a key
-    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered like the floats
-    cutoff = _cutoff(keys, probs.to(torch.float64), budget)
-    return logits.masked_fill(keys < cutoff[:, None], float("-inf"))
-
-
-def _cutoff(keys: torch.Tensor, weights: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest int32 key c whose strictly larger keys weigh less than ``budget``.
-
-    keys: [N, V] int32 (any sign); weights: [N, V] float64; budget: [N] float64 > 0.
-    ``keys >= c`` is then exactly the set of tokens with less than ``budget`` weight above them.
-    The first pass histograms all tokens by the high 16 bits of their key and picks the cutoff's
-    bin; the second histograms the tokens of that bin by the low 16 bits.
-    """
-    rows = keys.shape[0]
-    offsets = torch.arange(rows, dtype=torch.int32, device=keys.device)[:, None] * _BINS
-    high = keys >> _HALF  # in [-2**15, 2**15)
-    nothing_above = torch.zeros(rows, 1, dtype=torch.float64, device=keys.device)
-    high_bin, above = _pick_bin(high + (offsets + _BINS // 2), weights, budget, nothing_above)
-    high_cut = (high_bin - _BINS // 2).to(torch.int32)  # int32 like `high`: no [N, V] promotion
-    in_bin = torch.where(high == high_cut, weights, 0.0)
-    low_bin, _ = _pick_bin((keys & (_BINS - 1)) + offsets, in_bin, budget, above)
-    return (high_cut.to(torch.int64) * _BINS + low_bin).squeeze(1).to(torch.int32)
-
-
-def _pick_bin(index: torch.Tensor, weights: torch.Tensor, budget: torch.Tensor,
-              above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Histograms ``weights`` into _BINS bins a row (``index``: row * _BINS + bin) and returns, per
-    row, the bin holding the cutoff and the weight above that bin (``above``: weight above them all)."""
-    rows = index.shape[0]
-    hist = torch.zeros(rows * _BINS, dtype=torch.float64, device=index.device)
-    cumulative = hist.index_add_(0, index.flatten(), weights.flatten()).view(rows, _BINS).cumsum(dim=1)
-    total = cumulative[:, -1:]
-    # The weight above bin b is above + total - cumulative[b]; it reaches the budget in bins 0..m-1
-    # (cumulative[b] <= above + total - budget), and m is the cutoff's bin (never past the top one).
-    bin_ = torch.searchsorted(cumulative, above + total - budget[:, None], right=True).clamp(max=_BINS - 1)
-    return bin_, above + total - cumulative.gather(1, bin_)
+    ordered = logits.sort(dim=-1, descending=True).values
+    probs = ordered.softmax(dim=-1).double()
+    mass_before = probs.cumsum(dim=-1) - probs
+    last = (mass_before < top_p[:, None].double()).sum(dim=-1, keepdim=True) - 1  # >= 0: nothing precedes the top
+    cutoff = torch.where(top_p[:, None] >= 1.0, float("-inf"), ordered.gather(1, last))
+    return logits.masked_fill(logits < cutoff, float("-inf"))
