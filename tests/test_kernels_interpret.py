@@ -190,6 +190,13 @@ for _dt in ("float32", "float16"):
     for _vocab in (37, 2048, 5003):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
+# Penalties, logit bias, top-k / top-p / min-p and the draw (three kernels and the draw): one row of
+# each kind (see _check_sample_tokens), over vocabularies that hold a wide row's bracket at once
+# (5003) or need sweeps to narrow it (20000, past the 8,192-token bracket).
+_case("sample_tokens", "sample-tokens-v5003-float32", dtype="float32", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v5003-float16", dtype="float16", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", vocab=20000, rows=[0, 3, 5, 11])
+
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 
 
@@ -530,6 +537,96 @@ def _check_gumbel_argmax(p: dict[str, Any]) -> None:
     assert len(set(draws.tolist())) > 8, draws.tolist()
 
 
+# (scale or kind, temperature, top_k, top_p, min_p) of each row of the sample_tokens check.
+_SAMPLE_ROWS = [
+    (3.0, 1.0, 5, 1.0, 0.0),  # top-k: the kept tokens gathered and drawn in the threshold kernel
+    (3.0, 0.7, 50, 0.9, 0.0),  # top-k then top-p
+    (6.0, 1.0, 0, 0.9, 0.0),  # top-p on peaked logits
+    (0.05, 1.0, 0, 0.9, 0.0),  # top-p on flat logits: a wide row
+    (1.0, 1.0, 300, 1.0, 0.0),  # top-k past the 256 gathered groups: wide
+    (1.0, 0.8, 300, 0.8, 0.0),  # both, wide
+    (2.0, 1.0, 0, 1.0, 0.1),  # min-p
+    (2.0, 0.0, 0, 1.0, 0.0),  # greedy
+    (2.0, 1.0, 0, 1.0, 0.0),  # no filter
+    (0.0, 1.0, 7, 0.5, 0.0),  # every logit equal
+    ("round", 1.0, 20, 0.95, 0.0),  # few distinct values: ties at the cuts
+    ("masked", 1.0, 50, 0.9, 0.0),  # ten finite logits, top_k above them
+    (1.0, 1.5, 1, 1.0, 0.0),  # top_k 1
+    (1.0, 1.0, 0, 0.3, 0.2),  # top-p below min-p's cut
+]
+
+
+def _sample_inputs(vocab: int, dtype: Any, seed: int) -> tuple:
+    import torch
+
+    from tokenmill.kernels.triton.sampling import Filters, RowState
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(_SAMPLE_ROWS)
+    logits = torch.randn(rows, vocab, generator=gen)
+    temperature, top_p, min_p = torch.zeros(rows), torch.ones(rows), torch.zeros(rows)
+    top_k = torch.zeros(rows, dtype=torch.int64)
+    for i, (kind, t, k, p_, mp) in enumerate(_SAMPLE_ROWS):
+        if kind == "round":
+            logits[i] = (logits[i] * 2).round() / 2
+        elif kind == "masked":
+            row = torch.full((vocab,), float("-inf"))
+            keep = torch.randperm(vocab, generator=gen)[:10]
+            row[keep] = logits[i, keep]
+            logits[i] = row
+        else:
+            logits[i] *= kind
+        temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p_, mp
+    # State: penalties on four rows (one greedy), a bias on four (one bans tokens, one shifts some).
+    counts = torch.zeros(4, vocab, dtype=torch.int32)
+    for s in range(4):
+        counts[s].index_add_(0, torch.randint(0, vocab, (30,), generator=gen), torch.ones(30, dtype=torch.int32))
+    in_prompt = torch.zeros(4, -(-vocab // 32) * 32, dtype=torch.int64)
+    in_prompt[:, :vocab] = (torch.rand(4, vocab, generator=gen) < 0.05).long()
+    prompt_bits = (in_prompt.view(4, -1, 32) << torch.arange(32)).sum(-1).to(torch.int32)
+    penalty_slots = torch.full((rows,), -1, dtype=torch.int32)
+    penalty_slots[[1, 2, 4, 7]] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    bias_slots = torch.full((rows,), -1, dtype=torch.int32)
+    bias_slots[[2, 3, 7, 13]] = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    bias = torch.zeros(2, vocab)
+    bias[0, torch.randint(0, vocab, (50,), generator=gen)] = float("-inf")
+    bias[1, torch.randint(0, vocab, (30,), generator=gen)] = torch.randn(30, generator=gen) * 3
+    state = RowState(bias_slots, bias, penalty_slots, counts, prompt_bits, torch.full((rows,), 1.3),
+                     torch.full((rows,), 0.4), torch.full((rows,), 0.2))
+    keys = torch.randint(0, 2**62, (rows,), generator=gen)
+    counters = torch.randint(0, 2**40, (rows,), generator=gen)
+    return logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state
+
+
+def _check_sample_tokens(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import sample_ref
+    from tokenmill.kernels.triton.sampling import sample_tokens
+
+    logits, temperature, keys, counters, filters, state = _sample_inputs(p["vocab"], getattr(torch, p["dtype"]), p["vocab"])
+    if p["rows"] is not None:  # a subset of the rows (the state tables stay whole)
+        take = torch.tensor(p["rows"])
+        logits, temperature, keys, counters = (t[take] for t in (logits, temperature, keys, counters))
+        filters = type(filters)(*(f[take] for f in filters))
+        state = state._replace(**{name: getattr(state, name)[take] for name in
+                                  ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+    got = sample_tokens(logits, temperature, keys, counters, filters, state)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    if p["rows"] is not None:
+        return
+    # Each row depends on its own inputs only: a row alone draws what it drew in the batch.
+    for row in (1, 9):
+        alone = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
+        one_filters = type(filters)(*(f[row : row + 1] for f in filters))
+        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
+                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        assert sample_tokens(*alone, one_filters, one_state).tolist() == got[row : row + 1].tolist()
+    # Without filters or state, the plain draw matches its twin too.
+    assert sample_tokens(logits, temperature, keys, counters).tolist() == sample_ref(logits, temperature, keys, counters).tolist()
+
+
 def _check_launch_configs(p: dict[str, Any]) -> None:
     import random
 
@@ -610,6 +707,7 @@ _CHECKS = {
     "rotary": _check_rotary,
     "silu_and_mul": _check_silu_and_mul,
     "gumbel_argmax": _check_gumbel_argmax,
+    "sample_tokens": _check_sample_tokens,
     "qkv_prologue": _check_qkv_prologue,
     "layer": _check_layer,
     "lazy_import": _check_lazy_import,
