@@ -2,7 +2,8 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [gemm] [sampler] [profile] [profile-gpu] [timeline] [vllm]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [gemm] [sampler]
+#                        [chat] [chat-8b] [chat-vllm] [profile] [profile-gpu] [timeline] [vllm]
 #   (default: tests kernels throughput)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,8 +49,19 @@ for part in $parts; do
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
-    sampler)
-      timeout 60 python3 bench/sampler_bench.py --device cuda --repeats 20 2>&1 | tee "$OUT/sampler.txt" ;;
+    sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
+      timeout 150 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
+      grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl" ;;
+    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + repetition_penalty 1.1, all
+      [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
+      RESULTS="$OUT/chat.raw" timeout 400 python3 bench/workload_bench.py tokenmill $shape 2>&1 | grep '^{'
+      tag "$OUT/chat.raw" "$OUT/throughput.jsonl" ;;
+    chat-vllm)
+      cat .vllmchunk/vllm026-slim-site.tar.xz.part* | xz -d | tar -C /tmp -xf - --one-top-level=vllm-site 2>/dev/null \
+        || { mkdir -p /tmp/vllm-site; cat .vllmchunk/*.part* | xz -d | tar -C /tmp/vllm-site -xf -; }
+      PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/chat_vllm.raw" timeout 500 \
+        python3 bench/workload_bench.py vllm qwen3-0.6b 2>&1 | grep '^{'
+      tag "$OUT/chat_vllm.raw" "$OUT/throughput.jsonl" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
     timeline)

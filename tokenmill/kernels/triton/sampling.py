@@ -62,7 +62,8 @@ from tokenmill.kernels.triton.precompile import launcher
 
 _CHUNK = 2048  # tokens per program of the chunked kernels: 75 chunks over Qwen's 151,936-token vocabulary
 _GROUP = 32  # tokens per group maximum (the threshold kernel's first, coarse view of a row)
-_CANDIDATES = 8192  # tokens the threshold kernel gathers into registers: SELECT groups of GROUP
+_GATHERED = 8192  # tokens the threshold kernel gathers into registers: SELECT groups of GROUP
+_CANDIDATES = 1024  # of those, the ones at or above the bound, compacted to find the threshold among
 _BRACKET = 8192  # tokens of a wide row's final bracket, compacted and searched in registers
 _PROBES = 8  # values a wide sweep counts and weighs the tokens above at once
 _SWEEP_TILE = 1024  # tokens per iteration of a wide sweep
@@ -169,24 +170,35 @@ def _total(x):
 
 
 @triton.jit
-def _largest_reaching(values, weights, target):
-    """The largest of ``values`` whose weight at or above it reaches ``target`` > 0: the v with
+def _largest_reaching(values, weights, target, PROBES: tl.constexpr):
+    """The largest of ``values`` (1-D) whose weight at or above it reaches ``target`` > 0: the v with
     sum(weights[values >= v]) >= target > sum(weights[values > v]); -inf if all the weight falls short.
 
-    A bisection on the int32 keys of the values (at most 32 steps). Weights are non-negative, so
-    every partial sum only grows as the cut moves down, whatever the rounding."""
+    A bisection on the int32 keys of the values that weighs PROBES cut points per step (one
+    block-wide reduction of PROBES sums: at most 32 steps for PROBES = 1, 11 for 7; more cut points
+    pay off where a thread holds few values).
+    Weights are non-negative, so every sum only grows as the cut moves down, whatever the rounding."""
     keys = _sortable(values)
     weighted = weights > 0.0
-    lo = tl.min(tl.where(weighted, keys, 2147483647), axis=None).to(tl.int64)
-    hi = tl.max(tl.where(weighted, keys, -2147483648), axis=None).to(tl.int64) + 1
-    reached = _total(weights) >= target
+    lo = tl.min(tl.where(weighted, keys, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(weighted, keys, -2147483648), axis=0).to(tl.int64) + 1
+    reached = tl.sum(weights, axis=0) >= target
     # weight(keys >= lo) >= target > weight(keys >= hi) (when reached); lo ends on a value's key.
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        if _total(tl.where(keys >= mid.to(tl.int32), weights, 0.0)) >= target:
-            lo = mid
-        else:
-            hi = mid
+    if PROBES == 1:
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if tl.sum(tl.where(keys >= mid.to(tl.int32), weights, 0.0), axis=0) >= target:
+                lo = mid
+            else:
+                hi = mid
+    else:
+        j = tl.arange(0, PROBES + 1)  # the last cut point stays at hi: its weight is below the target
+        while hi - lo > 1:
+            cuts = tl.minimum(lo + tl.maximum((hi - lo) * (j + 1) // (PROBES + 1), 1), hi)
+            above = tl.sum(tl.where(keys[:, None] >= cuts[None, :].to(tl.int32), weights[:, None], 0.0), axis=0)
+            reaching = above >= target
+            lo = tl.max(tl.where(reaching, cuts, lo), axis=0)
+            hi = tl.min(tl.where(reaching, hi, cuts), axis=0)
     return tl.where(reached, _from_sortable(lo.to(tl.int32)), float("-inf"))
 
 
@@ -336,12 +348,12 @@ def _threshold_by_sweeps(
                 tl.store(bracket_ptr + place, s, mask=inside & (place < BRACKET))
                 written += tl.sum(inside.to(tl.int32), axis=0)
             tl.debug_barrier()
-            slots = tl.arange(0, BRACKET // 64)[:, None] * 64 + tl.arange(0, 64)[None, :]
+            slots = tl.arange(0, BRACKET)
             values = tl.load(bracket_ptr + slots, mask=slots < written, other=float("-inf"))
             weights = tl.where(slots < written, tl.where(by_mass, tl.exp(values - top), 1.0), 0.0)
             if first & by_mass:
-                target = top_p * _total(weights)  # a short row is compacted whole: this is all the weight
-            result = _largest_reaching(values, weights, target - above_hi)
+                target = top_p * tl.sum(weights, axis=0)  # a short row is compacted whole: this is all the weight
+            result = _largest_reaching(values, weights, target - above_hi, 1)
             done = True
         else:
             probes = _probe_values(span_lo, span_hi, PROBES)
@@ -399,6 +411,8 @@ def _threshold_kernel(
     presence_ptr, words_per_row,
     chunk_stats_ptr, group_max_ptr,
     selected_ptr,  # [rows, SELECT] int32 scratch: the gathered groups
+    candidate_ptr,  # [rows, CANDIDATES] float32 scratch: the gathered scores >= lo
+    candidate_token_ptr,  # [rows, CANDIDATES] int32 scratch: their tokens
     threshold_ptr,  # [rows] float32 out: keep s >= threshold (-inf: no filter)
     chosen_ptr,  # [rows] int32 out: the drawn token; -1: the draw kernel draws; -2: the wide kernel first
     vocab_size,
@@ -408,6 +422,7 @@ def _threshold_kernel(
     CHUNKS_P2: tl.constexpr,  # >= num_chunks, a power of two
     GROUPS_P2: tl.constexpr,  # >= num_chunks * CHUNK // GROUP, a power of two: the group maxima held at once
     SELECT: tl.constexpr,  # groups gathered: SELECT * GROUP tokens
+    CANDIDATES: tl.constexpr,  # tokens >= lo compacted to find the thresholds among
     HAS_STATE: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -421,27 +436,28 @@ def _threshold_kernel(
         use_p = top_p < 1.0
         top, mass, _ = _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2)
         t_min = tl.where(min_p > 0.0, top + tl.log(min_p), float("-inf"))
-        # A value lo that t cannot be below, from the group maxima.
+        # A value lo that t cannot be below, from the group maxima. top-k: the k-th largest of
+        # them (k groups hold a token >= it, so t_k >= it). top-p without top-k: the largest v
+        # whose groups' maxima alone weigh top_p * Z at or above it (a lower bound of the mass
+        # there). With both, lo must stay <= t_k (Z_k needs every token at or above t_k), so only
+        # top-k's bound counts.
         num_groups = num_chunks * (CHUNK // GROUP)
         groups = tl.arange(0, GROUPS_P2)
-        group_max = tl.load(group_max_ptr + row.to(tl.int64) * num_groups + groups, mask=groups < num_groups,
+        real_group = (groups < num_groups) & (groups * GROUP < vocab_size)
+        group_max = tl.load(group_max_ptr + row.to(tl.int64) * num_groups + groups, mask=real_group,
                             other=float("-inf"))
-        real_group = groups * GROUP < vocab_size
-        # top-k: the k-th largest group max. top-p without top-k: the largest group max v whose
-        # groups' maxima alone weigh top_p * Z at or above v. With both, lo must stay <= t_k (Z_k
-        # needs every token at or above t_k), so only top-k's bound counts.
         lo = float("-inf")
         if (use_k & (top_k <= SELECT)) | ((top_k == 0) & use_p):
             weights = tl.where(real_group, tl.where(use_k, 1.0, tl.exp(group_max - top)), 0.0)
-            lo = _largest_reaching(group_max, weights, tl.where(use_k, top_k.to(tl.float32), top_p * mass))
+            lo = _largest_reaching(group_max, weights, tl.where(use_k, top_k.to(tl.float32), top_p * mass), 1)
         if (top_k == 0) | (top_p >= 1.0):
             lo = tl.maximum(lo, t_min)
         picked = real_group & (group_max >= lo)
-        num_picked = _total(picked.to(tl.int32))
+        num_picked = tl.sum(picked.to(tl.int32), axis=0)
         if (lo > float("-inf")) & (num_picked <= SELECT):
             # Gather the picked groups: every token >= lo is among them.
             bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
-            row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
+                row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
             place = tl.cumsum(picked.to(tl.int32), axis=0) - 1
             tl.store(selected_ptr + row.to(tl.int64) * SELECT + place, groups, mask=picked)
             tl.debug_barrier()
@@ -449,33 +465,48 @@ def _threshold_kernel(
             group = tl.load(selected_ptr + row.to(tl.int64) * SELECT + picks, mask=picks < num_picked, other=0)
             tokens = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             valid = (picks < num_picked)[:, None] & (tokens < vocab_size)
-            s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
-                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
-            # t_k (phase 0), then t_p over the tokens >= t_k (phase 1). Below lo a threshold is not
-            # known (tokens there were not gathered): that is fine for t_k without top-p (min-p's
-            # bound is then above it), otherwise the row goes to the wide kernel.
-            t_k = tl.full([], float("-inf"), tl.float32)
-            t_p = t_k
-            ok = True
-            for phase in range(2):
-                by_mass = phase == 1
-                if (by_mass & use_p & ok) | ((phase == 0) & use_k):
-                    weights = tl.where(by_mass, tl.where(s >= t_k, tl.exp(s - top), 0.0), valid.to(tl.float32))
-                    budget = tl.where(by_mass, top_p * tl.where(use_k, _total(weights), mass), top_k.to(tl.float32))
-                    found = _largest_reaching(s, weights, budget)
-                    ok = (found >= lo) | ((~by_mass) & (top_p >= 1.0))
-                    if by_mass:
-                        t_p = found
-                    else:
-                        t_k = found
-            threshold = tl.maximum(tl.maximum(t_k, t_p), t_min)
-            if ok & (threshold >= lo):
-                key = tl.load(key_ptr + row)
-                counter = tl.load(counter_ptr + row)
-                score = tl.where(valid & (s >= threshold), s + _gumbel(key, counter, tokens), float("-inf"))
-                best = tl.max(score, axis=None)
-                chosen = tl.min(tl.where(score == best, tokens, vocab_size), axis=None)
-                chosen = tl.where(chosen < vocab_size, chosen, -1)  # a NaN score: leave it to the draw kernel
+            s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
+                        counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
+                        HAS_STATE)
+            # Compact the tokens >= lo (usually about k of them), then find the thresholds there.
+            kept = valid & (s >= lo)
+            count = tl.sum(tl.sum(kept.to(tl.int32), axis=1), axis=0)
+            if count <= CANDIDATES:
+                per_group = tl.sum(kept.to(tl.int32), axis=1)
+                position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(kept.to(tl.int32), axis=1) - 1
+                base = row.to(tl.int64) * CANDIDATES
+                tl.store(candidate_ptr + base + position, s, mask=kept)
+                tl.store(candidate_token_ptr + base + position, tokens, mask=kept)
+                tl.debug_barrier()
+                slot = tl.arange(0, CANDIDATES)
+                values = tl.load(candidate_ptr + base + slot, mask=slot < count, other=float("-inf"))
+                ids = tl.load(candidate_token_ptr + base + slot, mask=slot < count, other=0)
+                # t_k: below lo (fewer than k tokens gathered) it is not known: fine without top-p
+                # (min-p's cut is then above it), else the row goes wide.
+                ok = True
+                t_k = float("-inf")
+                if use_k:
+                    t_k = tl.where(count >= top_k,
+                                   _largest_reaching(values, (slot < count).to(tl.float32), top_k.to(tl.float32), 7),
+                                   float("-inf"))
+                    ok = (count >= top_k) | (top_p >= 1.0)
+                # t_p: if the gathered tokens do not reach top_p * Z it is below lo: fine when lo
+                # is min-p's cut, else the row goes wide.
+                t_p = float("-inf")
+                if use_p & ok:
+                    weights = tl.where(values >= t_k, tl.exp(values - top), 0.0)
+                    budget = top_p * tl.where(use_k, tl.sum(weights, axis=0), mass)
+                    t_p = _largest_reaching(values, weights, budget, 7)
+                    ok = (t_p > float("-inf")) | (t_min >= lo)
+                threshold = tl.maximum(tl.maximum(t_k, t_p), t_min)
+                if ok & (threshold >= lo):
+                    key = tl.load(key_ptr + row)
+                    counter = tl.load(counter_ptr + row)
+                    score = tl.where((slot < count) & (values >= threshold), values + _gumbel(key, counter, ids),
+                                     float("-inf"))
+                    best = tl.max(score, axis=0)
+                    chosen = tl.min(tl.where(score == best, ids, vocab_size), axis=0)
+                    chosen = tl.where(chosen < vocab_size, chosen, -1)  # a NaN score: leave it to the draw kernel
     tl.store(threshold_ptr + row, threshold)
     tl.store(chosen_ptr + row, chosen)
 
@@ -670,29 +701,32 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     device = logits.device
     num_chunks = triton.cdiv(vocab, _CHUNK)
     group = _GROUP
-    while triton.cdiv(num_chunks * _CHUNK, group) > 8192:  # vocabularies past 262,144 tokens: coarser groups
-        group *= 2
     num_groups = num_chunks * (_CHUNK // group)
+    chunks_p2 = triton.next_power_of_2(num_chunks)
+    while num_groups > 8192:  # vocabularies past 262,144 tokens: coarser groups
+        group *= 2
+        num_groups = num_chunks * (_CHUNK // group)
     chunk_stats = torch.empty((rows, 3, num_chunks), dtype=torch.float32, device=device)
     group_max = torch.empty((rows, num_groups), dtype=torch.float32, device=device)
-    selected = torch.empty((rows, _CANDIDATES // group), dtype=torch.int32, device=device)
+    selected = torch.empty((rows, _GATHERED // group), dtype=torch.int32, device=device)
+    candidates = torch.empty((rows, _CANDIDATES), dtype=torch.float32, device=device)
+    candidate_tokens = torch.empty((rows, _CANDIDATES), dtype=torch.int32, device=device)
     bracket = torch.empty((rows, _BRACKET), dtype=torch.float32, device=device)
     threshold = torch.empty(rows, dtype=torch.float32, device=device)
     chosen = torch.empty(rows, dtype=torch.int32, device=device)
     if rows:
         common = (logits, logits.stride(0), temperature, filters.top_k, filters.top_p, filters.min_p)
-        chunks_p2 = triton.next_power_of_2(num_chunks)
         # The state is read at run time here (HAS_STATE=True even without any): one variant each.
         options = dict(HAS_STATE=True, enable_fp_fusion=False)
         launcher(_row_stats_kernel, (rows, num_chunks), compile_only)(
             *common, *state_args, chunk_stats, group_max, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group,
-            num_warps=4, **options,
+            num_warps=8, **options,
         )
         launcher(_threshold_kernel, (rows,), compile_only)(
-            *common, keys, counters, *state_args, chunk_stats, group_max, selected, threshold, chosen,
-            vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
-            GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_CANDIDATES // group,
-            num_warps=_NUM_WARPS_ROW, **options,
+            *common, keys, counters, *state_args, chunk_stats, group_max, selected, candidates, candidate_tokens,
+            threshold, chosen, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
+            GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES, num_warps=_NUM_WARPS_ROW,
+            **options,
         )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
             *common, *state_args, chunk_stats, bracket, threshold, chosen, vocab, num_chunks, CHUNKS_P2=chunks_p2,
