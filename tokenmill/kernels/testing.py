@@ -289,31 +289,12 @@ def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0
 
 
 def patch_triton_interpreter_for_numpy() -> None:
-    """Two fixes to triton 3.6's interpreter, only for tests under TRITON_INTERPRET=1:
-
-    - numpy >= 2.4 refuses int() of a 1-element array, which the interpreter does for
-      ``range(lo, hi)`` with run-time bounds (triton-lang/triton#9171, fixed upstream by #9172).
-      Wrap its tensor patching so ``__index__`` takes the element explicitly (harmless where triton
-      is fixed; skipped with an older numpy).
-    - ``tl.sort`` / ``tl.topk`` (a bitonic network) reduce with ``xor_sum``, which the interpreter
-      evaluates one element at a time through Python (tens of seconds for a 1,024-element sort).
-      Evaluate xor reductions with ``np.bitwise_xor.reduce``: the same result, the sort's own
-      algorithm still runs."""
+    """numpy >= 2.4 refuses int() of a 1-element array, which triton 3.6's interpreter does for
+    ``range(lo, hi)`` with run-time bounds (triton-lang/triton#9171, fixed upstream by #9172).
+    Wrap its tensor patching so ``__index__`` takes the element explicitly (harmless where triton
+    is fixed; skipped with an older numpy). Only for tests under TRITON_INTERPRET=1."""
     import numpy as np
-    import triton.language as tl
     import triton.runtime.interpreter as interpreter
-
-    reduce = interpreter.ReduceOps.apply_impl
-    if not getattr(reduce, "_tokenmill_patched", False):
-        def apply_impl(self: Any, input: Any) -> Any:
-            if self.combine_fn == tl.standard._xor_combine:
-                data = input[0].handle.data
-                result = np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims)
-                return self.to_tensor(result if self.axis is not None or self.keep_dims else result.item(), input[0].dtype)
-            return reduce(self, input)
-
-        apply_impl._tokenmill_patched = True  # type: ignore[attr-defined]
-        interpreter.ReduceOps.apply_impl = apply_impl
 
     try:
         int(np.zeros(1, dtype=np.int32))
