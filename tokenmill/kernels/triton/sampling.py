@@ -29,25 +29,28 @@ exactly the tokens with s >= t for one threshold t per row:
 Ties are equal tempered logits. The draw then takes the Gumbel argmax over s >= t: the same noise,
 so a filter only removes tokens from the race.
 
-The threshold is found without sorting, in three launches:
+The threshold is found without sorting, in four launches:
 1. ``_row_stats_kernel``, one program per (row, 2,048-token chunk), so thin batches fill the GPU:
    each chunk's max, sum of exp(s - max) and smallest finite s, and the max of every group of
-   GROUP (16) consecutive tokens.
-2. ``_threshold_kernel``, one program per row. From the group maxima alone it finds a value ``lo``
-   that cannot be above t: the k-th largest group max (k groups each hold a token >= it, so t_k >=
-   it), the largest group max v with sum over groups of exp(gmax - max) >= top_p * Z above it (a
-   lower bound of the mass above v), and t_min. If at most SELECT (512) groups have a max >= lo,
-   every token >= lo lies in them: the program gathers those 8,192 tokens into registers, finds
-   t_k, Z_k and t_p exactly among them by bisection on the float bits, and draws the row's token
-   right there (noise only for those tokens). This is the usual case: top-k up to a few hundred,
-   top-p on peaked logits, min-p. Otherwise (the "wide" case: top-p keeping a large part of a flat
-   vocabulary, a large top-k, masses of ties) it narrows a bracket [lo, hi) around t with sweeps
-   over the row that count and weigh the tokens above PROBES values at once, until the bracket holds
-   at most BRACKET tokens; those are compacted and t found among them, again exactly.
-3. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
-   threshold kernel did not finish; each program writes its chunk's best score and token, and the
+   GROUP (32) consecutive tokens.
+2. ``_threshold_kernel``, one program per row. From the group maxima alone (a bisection on their
+   float bits) it finds a value ``lo`` that t cannot be below: the k-th largest group max (k groups
+   each hold a token >= it, so t_k >= it), the largest group max v whose groups' maxima alone weigh
+   top_p * Z at or above v (a lower bound of the mass there), and t_min. If at most SELECT (256)
+   groups have a max >= lo, every token >= lo lies in them: the program gathers those 8,192
+   tokens, compacts the ones >= lo (usually about k; at most CANDIDATES, 1,024), finds t_k, Z_k
+   and t_p exactly among them (bisections that weigh 7 cut points per block-wide reduction), and
+   draws the row's token right there (noise for those tokens only). This is the usual case: top-k
+   up to a few hundred, top-p on peaked logits, min-p.
+3. ``_wide_threshold_kernel``, one program per row, for the others (top-p keeping a large part of
+   a flat vocabulary, a large top-k, masses of ties): it narrows a bracket [lo, hi) around t with
+   sweeps over the row that count and weigh the tokens above PROBES (8) values at once, until the
+   bracket holds at most BRACKET (8,192) tokens; those are compacted and t found among them, again
+   exactly.
+4. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
+   threshold kernel did not draw; each program writes its chunk's best score and token, and the
    wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``).
-Without filters only the third kernel runs.
+Without filters only the draw kernel runs.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ _CANDIDATES = 1024  # of those, the ones at or above the bound, compacted to fin
 _BRACKET = 8192  # tokens of a wide row's final bracket, compacted and searched in registers
 _PROBES = 8  # values a wide sweep counts and weighs the tokens above at once
 _SWEEP_TILE = 1024  # tokens per iteration of a wide sweep
-_NUM_WARPS_ROW = 16  # the threshold kernel's warps: one program holds a row's group maxima in registers
+_NUM_WARPS_ROW = 16  # the per-row kernels' warps: a program holds a row's group maxima in registers
 
 
 class Filters(NamedTuple):
@@ -237,8 +240,9 @@ def _row_stats_kernel(
             row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
         groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
         tokens = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
-                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
+        s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, bias_slot, bias_ptr,
+                    penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency,
+                    presence, HAS_STATE)
         group_max = tl.max(s, axis=1)
         tl.store(group_max_ptr + row.to(tl.int64) * (num_chunks * (CHUNK // GROUP)) + groups, group_max)
         top = tl.max(group_max, axis=0)
@@ -251,145 +255,6 @@ def _row_stats_kernel(
 
 
 # ---- 2. the threshold, and the draw of rows whose kept tokens it gathered -----------------------
-
-@triton.jit
-def _probe_sweep(
-    logits_ptr, stride_row, row, temperature,
-    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
-    frequency, presence,
-    lo, hi, probes, top, by_mass, TILE: tl.constexpr, PROBES: tl.constexpr, HAS_STATE: tl.constexpr,
-):
-    """One pass over the row: for the tokens with lo <= s < hi, their number, weight, smallest,
-    smallest finite and largest s, and the number and weight of those >= each of ``probes``
-    (weight: exp(s - top) by mass, 1 by count). Sums build up per lane and are reduced once, after
-    the pass. (Tiles are [TILE, 1] columns, broadcast against [1, PROBES]: one layout throughout.)"""
-    probes = probes[None, :]
-    above_count = tl.zeros([TILE, PROBES], dtype=tl.int32)
-    above_weight = tl.zeros([TILE, PROBES], dtype=tl.float32)
-    count = tl.zeros([TILE, 1], dtype=tl.int32)
-    weight = tl.zeros([TILE, 1], dtype=tl.float32)
-    smallest = tl.full([TILE, 1], float("inf"), tl.float32)
-    smallest_finite = tl.full([TILE, 1], float("inf"), tl.float32)
-    largest = tl.full([TILE, 1], float("-inf"), tl.float32)
-    for start in range(0, vocab_size, TILE):
-        tokens = start + tl.arange(0, TILE)[:, None]
-        valid = tokens < vocab_size
-        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
-                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
-        inside = valid & (s >= lo) & (s < hi)
-        w = tl.where(inside, tl.where(by_mass, tl.exp(s - top), 1.0), 0.0)
-        ge = inside & (s >= probes)
-        above_count += ge.to(tl.int32)
-        above_weight += tl.where(ge, w, 0.0)
-        count += inside.to(tl.int32)
-        weight += w
-        smallest = tl.minimum(smallest, tl.where(inside, s, float("inf")))
-        smallest_finite = tl.minimum(smallest_finite, tl.where(inside & (s > float("-inf")), s, float("inf")))
-        largest = tl.maximum(largest, tl.where(inside, s, float("-inf")))
-    return (tl.sum(above_count, axis=0), tl.sum(above_weight, axis=0), _total(count), _total(weight),
-            tl.min(tl.min(smallest, axis=1), axis=0), tl.min(tl.min(smallest_finite, axis=1), axis=0),
-            tl.max(tl.max(largest, axis=1), axis=0))
-
-
-@triton.jit
-def _probe_values(lo, hi, PROBES: tl.constexpr):
-    """PROBES values strictly inside (lo, hi], evenly spaced in value where the floats allow,
-    otherwise on consecutive float keys, always strictly increasing (so every sweep shrinks the bracket)."""
-    key_lo = _sortable(lo)
-    key_hi = _sortable(hi)
-    b = tl.arange(0, PROBES)
-    values = lo + (hi - lo) * ((b + 1).to(tl.float32) / (PROBES + 1))
-    keys = tl.minimum(tl.maximum(_sortable(values), key_lo + 1 + b), key_hi - (PROBES - 1) + b)
-    # Strictly increasing: k'_b = max_{j <= b}(k_j - j) + b.
-    keys = tl.associative_scan(keys - b, 0, _maximum) + b
-    return _from_sortable(tl.minimum(keys, key_hi))
-
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _threshold_by_sweeps(
-    logits_ptr, stride_row, row, temperature,
-    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
-    frequency, presence,
-    bracket_ptr, floor, smallest, top, target, top_p, by_mass,
-    TILE: tl.constexpr, PROBES: tl.constexpr, BRACKET: tl.constexpr, HAS_STATE: tl.constexpr,
-):
-    """The largest s v >= floor of the row with weight(s >= v, s >= floor) >= target, by sweeps
-    over the row (weights: exp(s - top) ``by_mass``, else 1; ``smallest``: no finite s >= floor is
-    below it). By mass the target is top_p times the weight at or above ``floor``, taken from the
-    first sweep.
-
-    A bracket [lo, hi) with weight(>= lo) >= target > weight(>= hi) shrinks by sweeps that weigh the
-    tokens above PROBES values in it, until it holds at most BRACKET tokens (or a single value);
-    those are compacted into ``bracket_ptr`` and searched in registers."""
-    lo = floor
-    hi = float("inf")
-    above_hi = 0.0  # weight at or above hi
-    in_bracket = vocab_size + 1  # tokens in [lo, hi): unknown before the first sweep
-    span_lo = tl.maximum(floor, smallest)
-    span_hi = top
-    first = True
-    result = float("-inf")
-    done = False
-    while not done:
-        if in_bracket <= BRACKET:
-            # Compact the bracket's tokens, then search them exactly.
-            written = 0
-            for start in range(0, vocab_size, TILE):
-                tokens = start + tl.arange(0, TILE)
-                s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
-                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
-                inside = (tokens < vocab_size) & (s >= lo) & (s < hi)
-                place = written + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                tl.store(bracket_ptr + place, s, mask=inside & (place < BRACKET))
-                written += tl.sum(inside.to(tl.int32), axis=0)
-            tl.debug_barrier()
-            slots = tl.arange(0, BRACKET)
-            values = tl.load(bracket_ptr + slots, mask=slots < written, other=float("-inf"))
-            weights = tl.where(slots < written, tl.where(by_mass, tl.exp(values - top), 1.0), 0.0)
-            if first & by_mass:
-                target = top_p * tl.sum(weights, axis=0)  # a short row is compacted whole: this is all the weight
-            result = _largest_reaching(values, weights, target - above_hi, 1)
-            done = True
-        else:
-            probes = _probe_values(span_lo, span_hi, PROBES)
-            above_count, above_weight, count, weight, smallest_in, finite_in, largest_in = _probe_sweep(
-                logits_ptr, stride_row, row, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr,
-                prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, lo, hi, probes, top,
-                by_mass, TILE, PROBES, HAS_STATE,
-            )
-            if first & by_mass:
-                target = top_p * weight  # the first sweep weighs everything at or above floor
-            first = False
-            if above_hi + weight < target:
-                done = True  # not even the whole bracket reaches the target
-            elif smallest_in == largest_in:
-                result = smallest_in  # one value left (-inf too): it is the threshold
-                done = True
-            else:
-                # The largest probe whose weight at or above it reaches the target becomes lo.
-                index = tl.arange(0, PROBES)
-                reaching = (above_hi + above_weight) >= target
-                best = tl.max(tl.where(reaching, index, -1), axis=0)
-                nxt = best + 1
-                if best >= 0:
-                    lo = tl.sum(tl.where(index == best, probes, 0.0), axis=0)
-                    new_count = tl.sum(tl.where(index == best, above_count, 0), axis=0)
-                else:
-                    new_count = count
-                if nxt < PROBES:
-                    hi = tl.sum(tl.where(index == nxt, probes, 0.0), axis=0)
-                    above_hi = above_hi + tl.sum(tl.where(index == nxt, above_weight, 0.0), axis=0)
-                    new_count -= tl.sum(tl.where(index == nxt, above_count, 0), axis=0)
-                in_bracket = new_count
-                span_lo = tl.maximum(lo, finite_in)
-                span_hi = tl.minimum(hi, largest_in)
-    return result
-
 
 @triton.jit
 def _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
@@ -511,6 +376,149 @@ def _threshold_kernel(
     tl.store(chosen_ptr + row, chosen)
 
 
+# ---- 3. wide rows: the threshold by sweeps over the row -----------------------------------------
+
+@triton.jit
+def _probe_sweep(
+    logits_ptr, stride_row, row, temperature,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
+    frequency, presence,
+    lo, hi, probes, top, by_mass, TILE: tl.constexpr, PROBES: tl.constexpr, HAS_STATE: tl.constexpr,
+):
+    """One pass over the row: for the tokens with lo <= s < hi, their number, weight, smallest,
+    smallest finite and largest s, and the number and weight of those >= each of ``probes``
+    (weight: exp(s - top) by mass, 1 by count). Sums build up per lane and are reduced once, after
+    the pass. (Tiles are [TILE, 1] columns, broadcast against [1, PROBES]: one layout throughout.)"""
+    probes = probes[None, :]
+    above_count = tl.zeros([TILE, PROBES], dtype=tl.int32)
+    above_weight = tl.zeros([TILE, PROBES], dtype=tl.float32)
+    count = tl.zeros([TILE, 1], dtype=tl.int32)
+    weight = tl.zeros([TILE, 1], dtype=tl.float32)
+    smallest = tl.full([TILE, 1], float("inf"), tl.float32)
+    smallest_finite = tl.full([TILE, 1], float("inf"), tl.float32)
+    largest = tl.full([TILE, 1], float("-inf"), tl.float32)
+    for start in range(0, vocab_size, TILE):
+        tokens = start + tl.arange(0, TILE)[:, None]
+        valid = tokens < vocab_size
+        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
+                    counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
+                    HAS_STATE)
+        inside = valid & (s >= lo) & (s < hi)
+        w = tl.where(inside, tl.where(by_mass, tl.exp(s - top), 1.0), 0.0)
+        ge = inside & (s >= probes)
+        above_count += ge.to(tl.int32)
+        above_weight += tl.where(ge, w, 0.0)
+        count += inside.to(tl.int32)
+        weight += w
+        smallest = tl.minimum(smallest, tl.where(inside, s, float("inf")))
+        smallest_finite = tl.minimum(smallest_finite, tl.where(inside & (s > float("-inf")), s, float("inf")))
+        largest = tl.maximum(largest, tl.where(inside, s, float("-inf")))
+    return (tl.sum(above_count, axis=0), tl.sum(above_weight, axis=0), _total(count), _total(weight),
+            tl.min(tl.min(smallest, axis=1), axis=0), tl.min(tl.min(smallest_finite, axis=1), axis=0),
+            tl.max(tl.max(largest, axis=1), axis=0))
+
+
+@triton.jit
+def _probe_values(lo, hi, PROBES: tl.constexpr):
+    """PROBES values strictly inside (lo, hi], evenly spaced in value where the floats allow,
+    otherwise on consecutive float keys, always strictly increasing (so every sweep shrinks the bracket)."""
+    key_lo = _sortable(lo)
+    key_hi = _sortable(hi)
+    b = tl.arange(0, PROBES)
+    values = lo + (hi - lo) * ((b + 1).to(tl.float32) / (PROBES + 1))
+    keys = tl.minimum(tl.maximum(_sortable(values), key_lo + 1 + b), key_hi - (PROBES - 1) + b)
+    # Strictly increasing: k'_b = max_{j <= b}(k_j - j) + b.
+    keys = tl.associative_scan(keys - b, 0, _maximum) + b
+    return _from_sortable(tl.minimum(keys, key_hi))
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _threshold_by_sweeps(
+    logits_ptr, stride_row, row, temperature,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
+    frequency, presence,
+    bracket_ptr, floor, smallest, top, target, top_p, by_mass,
+    TILE: tl.constexpr, PROBES: tl.constexpr, BRACKET: tl.constexpr, HAS_STATE: tl.constexpr,
+):
+    """The largest s v >= floor of the row with weight(s >= v, s >= floor) >= target, by sweeps
+    over the row (weights: exp(s - top) ``by_mass``, else 1; ``smallest``: no finite s >= floor is
+    below it). By mass the target is top_p times the weight at or above ``floor``, taken from the
+    first sweep.
+
+    A bracket [lo, hi) with weight(>= lo) >= target > weight(>= hi) shrinks by sweeps that weigh the
+    tokens above PROBES values in it, until it holds at most BRACKET tokens (or a single value);
+    those are compacted into ``bracket_ptr`` and searched in registers."""
+    lo = floor
+    hi = float("inf")
+    above_hi = 0.0  # weight at or above hi
+    in_bracket = vocab_size + 1  # tokens in [lo, hi): unknown before the first sweep
+    span_lo = tl.maximum(floor, smallest)
+    span_hi = top
+    first = True
+    result = float("-inf")
+    done = False
+    while not done:
+        if in_bracket <= BRACKET:
+            # Compact the bracket's tokens, then search them exactly.
+            written = 0
+            for start in range(0, vocab_size, TILE):
+                tokens = start + tl.arange(0, TILE)
+                s = _scores(logits_ptr, stride_row, row, tokens, tokens < vocab_size, temperature, bias_slot,
+                            bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row,
+                            repetition, frequency, presence, HAS_STATE)
+                inside = (tokens < vocab_size) & (s >= lo) & (s < hi)
+                place = written + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                tl.store(bracket_ptr + place, s, mask=inside & (place < BRACKET))
+                written += tl.sum(inside.to(tl.int32), axis=0)
+            tl.debug_barrier()
+            slots = tl.arange(0, BRACKET)
+            values = tl.load(bracket_ptr + slots, mask=slots < written, other=float("-inf"))
+            weights = tl.where(slots < written, tl.where(by_mass, tl.exp(values - top), 1.0), 0.0)
+            if first & by_mass:
+                target = top_p * tl.sum(weights, axis=0)  # a short row is compacted whole: this is all the weight
+            result = _largest_reaching(values, weights, target - above_hi, 1)
+            done = True
+        else:
+            probes = _probe_values(span_lo, span_hi, PROBES)
+            above_count, above_weight, count, weight, smallest_in, finite_in, largest_in = _probe_sweep(
+                logits_ptr, stride_row, row, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr,
+                prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, lo, hi, probes, top,
+                by_mass, TILE, PROBES, HAS_STATE,
+            )
+            if first & by_mass:
+                target = top_p * weight  # the first sweep weighs everything at or above floor
+            first = False
+            if above_hi + weight < target:
+                done = True  # not even the whole bracket reaches the target
+            elif smallest_in == largest_in:
+                result = smallest_in  # one value left (-inf too): it is the threshold
+                done = True
+            else:
+                # The largest probe whose weight at or above it reaches the target becomes lo.
+                index = tl.arange(0, PROBES)
+                reaching = (above_hi + above_weight) >= target
+                best = tl.max(tl.where(reaching, index, -1), axis=0)
+                nxt = best + 1
+                if best >= 0:
+                    lo = tl.sum(tl.where(index == best, probes, 0.0), axis=0)
+                    new_count = tl.sum(tl.where(index == best, above_count, 0), axis=0)
+                else:
+                    new_count = count
+                if nxt < PROBES:
+                    hi = tl.sum(tl.where(index == nxt, probes, 0.0), axis=0)
+                    above_hi = above_hi + tl.sum(tl.where(index == nxt, above_weight, 0.0), axis=0)
+                    new_count -= tl.sum(tl.where(index == nxt, above_count, 0), axis=0)
+                in_bracket = new_count
+                span_lo = tl.maximum(lo, finite_in)
+                span_hi = tl.minimum(hi, largest_in)
+    return result
+
+
 @triton.jit
 def _wide_threshold_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
@@ -555,7 +563,7 @@ def _wide_threshold_kernel(
         tl.store(chosen_ptr + row, -1)
 
 
-# ---- 3. the draw --------------------------------------------------------------------------------
+# ---- 4. the draw --------------------------------------------------------------------------------
 
 @triton.jit
 def _gumbel_argmax_kernel(
@@ -597,8 +605,9 @@ def _gumbel_argmax_kernel(
         tokens = quads[:, None] * 4 + lanes[None, :]  # [CHUNK // 4, 4], row-major = token order
         valid = tokens < vocab_size
         temperature = tl.load(temperature_ptr + row)
-        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr,
-                    vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
+        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
+                    counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
+                    HAS_STATE)
         if temperature > 0.0:
             key = tl.load(key_ptr + row)
             counter = tl.load(counter_ptr + row)
@@ -607,7 +616,8 @@ def _gumbel_argmax_kernel(
             c2 = zero + (counter >> 32).to(tl.int32)
             r0, r1, r2, r3 = tl.philox(key, quads, c1, c2, zero)
             lane = lanes[None, :]
-            bits = tl.where(lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
+            bits = tl.where(lane == 0, r0[:, None],
+                            tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
             uniform = tl.uint_to_uniform_float(bits)  # [0, 1); 0 gives -inf noise, never chosen
             score = tl.where(s >= threshold, s - tl.log(-tl.log(uniform)), float("-inf"))
         else:
@@ -725,8 +735,8 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
         launcher(_threshold_kernel, (rows,), compile_only)(
             *common, keys, counters, *state_args, chunk_stats, group_max, selected, candidates, candidate_tokens,
             threshold, chosen, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
-            GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES, num_warps=_NUM_WARPS_ROW,
-            **options,
+            GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES,
+            num_warps=_NUM_WARPS_ROW, **options,
         )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
             *common, *state_args, chunk_stats, bracket, threshold, chosen, vocab, num_chunks, CHUNKS_P2=chunks_p2,
