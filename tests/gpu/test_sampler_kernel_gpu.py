@@ -8,7 +8,7 @@
 - Greedy rows against ``torch.argmax``.
 - The filtered, penalised draw (``sample_tokens``: statistics, threshold and wide-threshold
   kernels, then the draw) against ``reference.sample_ref`` on every kind of row
-  (``kernels/testing.sampling_rows``): the thresholds must be the twin's, except where the GPU's
+  (``tests/support/kernel_cases.sampling_rows``): the thresholds must be the twin's, except where the GPU's
   ``exp``/``log`` rounding can move a cut (a top-p budget within 1e-5 of a cumulative mass, a
   min-p cut within a few ulps), and the tokens as for the draw.
 - Top-k / top-p / min-p draws against the softmax renormalised over the kept tokens (chi-square),
@@ -128,7 +128,7 @@ def _cut_is_a_rounding_tie(s: torch.Tensor, k: int, p: float, m: float, got: flo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sample_tokens_matches_twin(vocab: int, dtype: torch.dtype) -> None:
     from tokenmill.kernels.reference import gumbel_noise_ref, sample_ref
-    from tokenmill.kernels.testing import sampling_rows
+    from support.kernel_cases import sampling_rows
     from tokenmill.kernels.triton import sampling
 
     if DRYRUN and (dtype is torch.bfloat16 or vocab > 50000):

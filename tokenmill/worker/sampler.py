@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from tokenmill.kernels.triton.sampling import Filters, RowState
+from tokenmill.engine.step import SamplerOutput
+from tokenmill.kernels.sampling_args import Filters, RowState
 from tokenmill.worker.sampling_state import BadWordState, StepRows, apply_bias, apply_penalties
 
 
@@ -65,16 +66,6 @@ class SamplingBatch:
     @property
     def filters(self) -> Filters | None:
         return None if self.top_k is None else Filters(self.top_k, self.top_p, self.min_p)
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor  # [N] int64
-    # Only when some row asked for logprobs; taken from the raw (unpenalised, untempered) logits.
-    sampled_logprobs: torch.Tensor | None = None  # [N]
-    sampled_ranks: torch.Tensor | None = None  # [N], 1 = most likely
-    top_ids: torch.Tensor | None = None  # [N, K]
-    top_logprobs: torch.Tensor | None = None  # [N, K]
 
 
 class Sampler:

@@ -18,7 +18,7 @@ Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
 - ``BadWordState`` (bad_words): the words as token ids, and the last L - 1 output ids for words
   of up to L tokens: a few hundred bytes.
 min_tokens needs no state: the host knows each sequence's output count, tokens in flight included.
-The GPU kernels read the bias and penalty tables directly (``kernels/triton/sampling.RowState``);
+The GPU kernels read the bias and penalty tables directly (``kernels/sampling_args.RowState``);
 ``apply_bias`` and ``apply_penalties`` are the same steps in torch, for the CPU.
 """
 
@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from tokenmill.kernels.triton.sampling import RowState
+from tokenmill.kernels.sampling_args import RowState
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor onto the device (pinned, asynchronous on a GPU)
 _WILDCARD = -2  # a word position before the word's first token: matches any recent id

@@ -13,11 +13,11 @@ and nothing in the engine's history; other rows get a fresh key per step. Rows w
 plain argmax and draw nothing.
 
 **Logit bias and penalties** (repetition, frequency, presence; vLLM's formulas and order) are
-applied where a row's logits are read, from per-sequence state on the device (``RowState``,
-filled by ``worker/sampling_state.py``): a float32 bias row, output counts [slots, V] int32 and
-the prompt's tokens as a bitmap [slots, ceil(V / 32)] int32; a row's slot of -1 means none. Every
-kernel here is launched without FMA contraction, so the results round exactly as torch's separate
-ops do.
+applied where a row's logits are read, from per-sequence state on the device (``RowState`` in
+``kernels/sampling_args.py``, filled by ``worker/sampling_state.py``): a float32 bias row, output
+counts [slots, V] int32 and the prompt's tokens as a bitmap [slots, ceil(V / 32)] int32; a row's
+slot of -1 means none. Every kernel here is launched without FMA contraction, so the results round
+exactly as torch's separate ops do.
 
 **Filters.** A row's top-k, top-p and min-p (vLLM's order, on the tempered distribution) keep
 exactly the tokens with s >= t for one threshold t per row:
@@ -55,12 +55,11 @@ Without filters only the draw kernel runs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.sampling_args import Filters, RowState
 from tokenmill.kernels.triton.precompile import launcher
 
 _CHUNK = 2048  # tokens per program of the chunked kernels: 75 chunks over Qwen's 151,936-token vocabulary
@@ -71,29 +70,6 @@ _BRACKET = 8192  # tokens of a wide row's final bracket, compacted and searched 
 _PROBES = 8  # values a wide sweep counts and weighs the tokens above at once
 _SWEEP_TILE = 1024  # tokens per iteration of a wide sweep
 _NUM_WARPS_ROW = 16  # the per-row kernels' warps: a program holds a row's group maxima in registers
-
-
-class Filters(NamedTuple):
-    """Per-row top-k (int, 0 = off), top-p (float32, 1 = off) and min-p (float32, 0 = off)."""
-
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-
-
-class RowState(NamedTuple):
-    """Per-row additions to the logits, read from per-sequence state on the device (see
-    ``worker/sampling_state.py``); a slot of -1 means none for that row. The bias is added first,
-    then the penalties (vLLM's order)."""
-
-    bias_slots: torch.Tensor  # [N] int32
-    bias: torch.Tensor  # [S, V] float32: added to the logits (logit_bias; -inf bans a token)
-    penalty_slots: torch.Tensor  # [N] int32
-    counts: torch.Tensor  # [S', V] int32: occurrences of each token among the slot's outputs
-    prompt_bits: torch.Tensor  # [S', ceil(V / 32)] int32: bit i % 32 of word i // 32 = token i is in the prompt
-    repetition: torch.Tensor  # [N] float32
-    frequency: torch.Tensor  # [N] float32
-    presence: torch.Tensor  # [N] float32
 
 
 # ---- shared pieces ------------------------------------------------------------------------------

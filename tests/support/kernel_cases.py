@@ -1,9 +1,11 @@
-"""Random paged batches for the kernel tests (CPU interpreter and GPU) and the kernel benchmark.
+"""Random kernel inputs for the kernel tests (CPU interpreter and GPU) and bench/kernels_bench.py.
 
-Plain torch, no triton. A batch is what the runner would hand the attention backend for one
-step: new tokens of several sequences flattened into T rows, each sequence's context scattered
-over randomly chosen (non-contiguous) cache blocks, the cache filled with random history, and
-optional CUDA-graph padding (extra tokens with slot -1 past ``query_start_loc[B]``).
+Plain torch, no triton: random paged batches, fused-qkv-prologue cases with their check, a tiny
+attention layer, the standard rope cache, and sampling rows of every kind (``sampling_rows``). A paged batch is what the runner would hand the
+attention backend for one step: new tokens of several sequences flattened into T rows, each
+sequence's context scattered over randomly chosen (non-contiguous) cache blocks, the cache filled
+with random history, and optional CUDA-graph padding (extra tokens with slot -1 past
+``query_start_loc[B]``).
 """
 
 from __future__ import annotations
@@ -286,31 +288,6 @@ def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32).to(device)
-
-
-def patch_triton_interpreter_for_numpy() -> None:
-    """numpy >= 2.4 refuses int() of a 1-element array, which triton 3.6's interpreter does for
-    ``range(lo, hi)`` with run-time bounds (triton-lang/triton#9171, fixed upstream by #9172).
-    Wrap its tensor patching so ``__index__`` takes the element explicitly (harmless where triton
-    is fixed; skipped with an older numpy). Only for tests under TRITON_INTERPRET=1."""
-    import numpy as np
-    import triton.runtime.interpreter as interpreter
-
-    try:
-        int(np.zeros(1, dtype=np.int32))
-        return
-    except TypeError:
-        pass
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_tokenmill_patched", False):
-        return
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._tokenmill_patched = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
 
 
 # (logit scale or kind, temperature, top_k, top_p, min_p) of each row of ``sampling_rows``.
