@@ -137,30 +137,27 @@ def test_penalties_and_logit_controls_overlap_and_match_sync(engines, prompts):
     assert any(expected[i].outputs[0].token_ids != plain[i].outputs[0].token_ids for i in greedy_rows)
 
 
-@pytest.mark.parametrize("release_on_preemption", [False, True])
-def test_penalties_under_preemption(tiny_llama_dir, engines, prompts, release_on_preemption):
-    # A pool that cannot hold every sequence: sequences are preempted and recomputed while their
-    # penalty counts, bans and recent ids stay on the device, or (as when the scheduler reports
-    # preempted sequences to the runner) are dropped and rebuilt from the tokens the host knows.
+def test_penalties_under_preemption(tiny_llama_dir, engines, prompts):
+    # A pool that cannot hold every sequence: sequences are preempted and recomputed. The plan
+    # reports them to the runner, which drops their penalty counts, bans and recent ids and rebuilds
+    # them from the tokens the host knows when they sample again.
     params = [p.clone(max_tokens=30) for p in _penalty_workload(engines, prompts)]
     expected = engines[0].generate(as_inputs(prompts), params, use_tqdm=False)
-    per_block = engines[0].llm_engine.runner.kv_bytes_per_block()
+    per_block = engines[0].llm_engine.executor.runner.kv_bytes_per_block()
     small = make_llm(tiny_llama_dir, async_scheduling=True, kv_cache_memory_bytes=9 * per_block, enable_prefix_caching=False)
-    released = []
-    if release_on_preemption:
-        engine = small.llm_engine
-        preempt = engine.scheduler._preempt
+    penalties = small.llm_engine.executor.runner.penalties
+    refilled = []
+    fill = penalties._fill
 
-        def preempt_and_release(seq):
-            preempt(seq)
-            released.append(seq.seq_id)
-            engine.runner.release_sequences([seq.seq_id])
+    def spy(new, to_device):
+        refilled.extend(len(seq.output_token_ids) for _, seq in new if seq.output_token_ids)
+        fill(new, to_device)
 
-        engine.scheduler._preempt = preempt_and_release
+    penalties._fill = spy
     got = small.generate(as_inputs(prompts), params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
+    assert refilled, "no preempted sequence with outputs had its penalty state rebuilt"
     assert completions(got) == completions(expected)
-    assert bool(released) == release_on_preemption
 
 
 @pytest.mark.parametrize("max_tokens", [100, 7])
