@@ -117,7 +117,8 @@ def test_cuda_graphs_equal_eager(gpu_models):
 def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
     """Step N+1 runs on the GPU while the host reads step N back: same tokens as reading every
     step back first (fp32, so batch-shape changes cannot flip ties), with sequences stopping
-    mid-batch (their in-flight token dropped) and seeded sampling."""
+    mid-batch (their in-flight token dropped), seeded sampling, and penalties, logit bias, allowed
+    ids, min_tokens and top-k / top-p / min-p, whose state stays on the GPU."""
     path = gpu_models["qwen3"]
     inputs = [{"prompt_token_ids": p} for p in _prompts(48, seed=11)]
     options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3, dtype="float32")
@@ -128,38 +129,22 @@ def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
     greedy = [SamplingParams(temperature=0.0, max_tokens=10 + i % 17, stop_token_ids=stop_ids, detokenize=False)
               for i in range(len(inputs))]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, n=2, max_tokens=24, ignore_eos=True, detokenize=False)
-    for params in (greedy, seeded):
-        expected = [[c.token_ids for c in o.outputs] for o in sync.generate(inputs, params, use_tqdm=False)]
-        got = [[c.token_ids for c in o.outputs] for o in fast.generate(inputs, params, use_tqdm=False)]
-        assert got == expected
-    assert fast.llm_engine.stats.num_overlapped_steps > 20
-
-
-def test_penalties_and_filters_keep_async_scheduling_on_gpu(gpu_models):
-    """Penalties, logit bias, allowed ids, min_tokens and top-k / top-p / min-p keep their state on
-    the GPU: the same tokens as reading every step back (fp32), with n > 1 and a stop id held back
-    by min_tokens, and the steps overlap."""
-    path = gpu_models["qwen3"]
-    inputs = [{"prompt_token_ids": p} for p in _prompts(48, seed=12)]
-    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3, dtype="float32")
-    sync = LLM(path, async_scheduling=False, **options)
-    fast = LLM(path, async_scheduling=True, **options)
-    probe = sync.generate(inputs, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False), use_tqdm=False)
-    stop = probe[0].outputs[0].token_ids[2]
-    settings = [
+    controls = [
         dict(temperature=0.0, repetition_penalty=1.3),
         dict(temperature=0.7, seed=3, top_p=0.9, top_k=50, repetition_penalty=1.1, n=2),
         dict(temperature=1.0, seed=4, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.05),
-        dict(temperature=0.0, min_tokens=12, stop_token_ids=[stop], presence_penalty=0.8),
-        dict(temperature=0.9, seed=5, logit_bias={stop: 3.0, 7: -100.0}, top_p=0.95),
+        dict(temperature=0.0, min_tokens=12, stop_token_ids=stop_ids[:1], presence_penalty=0.8),
+        dict(temperature=0.9, seed=5, logit_bias={stop_ids[0]: 3.0, 7: -100.0}, top_p=0.95),
         dict(temperature=0.0, allowed_token_ids=sorted(set(probe[3].outputs[0].token_ids))[:8], repetition_penalty=1.5),
     ]
-    params = [SamplingParams(max_tokens=24, ignore_eos=True, detokenize=False, **settings[i % len(settings)])
-              for i in range(len(inputs))]
-    expected = [[c.token_ids for c in o.outputs] for o in sync.generate(inputs, params, use_tqdm=False)]
-    got = [[c.token_ids for c in o.outputs] for o in fast.generate(inputs, params, use_tqdm=False)]
-    assert got == expected
-    assert fast.llm_engine.stats.num_overlapped_steps > 15
+    controlled = [SamplingParams(max_tokens=24, ignore_eos=True, detokenize=False, **controls[i % len(controls)])
+                  for i in range(len(inputs))]
+    for params in (greedy, seeded, controlled):
+        before = fast.llm_engine.stats.num_overlapped_steps
+        expected = [[c.token_ids for c in o.outputs] for o in sync.generate(inputs, params, use_tqdm=False)]
+        got = [[c.token_ids for c in o.outputs] for o in fast.generate(inputs, params, use_tqdm=False)]
+        assert got == expected
+        assert fast.llm_engine.stats.num_overlapped_steps - before > 15
 
 
 def test_prefix_hits_chunked_prefill_and_preemption_on_gpu(gpu_models):

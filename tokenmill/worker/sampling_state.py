@@ -63,6 +63,20 @@ class SlotTable:
         self._owners[seq.seq_id] = seq
         return slot
 
+    def assign_rows(self, seqs: list, uses: Callable[[object], bool]) -> tuple[list[int], list[tuple[int, object]]]:
+        """Each row's slot (-1 where ``uses(seq)`` is false), and the (slot, seq) pairs assigned now,
+        whose tensors the owner fills."""
+        slots = [-1] * len(seqs)
+        new = []
+        for row, seq in enumerate(seqs):
+            if uses(seq):
+                slot = self._slots.get(seq.seq_id)
+                if slot is None:
+                    slot = self.assign(seq)
+                    new.append((slot, seq))
+                slots[row] = slot
+        return slots, new
+
     def release(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             slot = self._slots.pop(seq_id, None)
@@ -110,15 +124,7 @@ class PenaltyState:
 
     def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
         """Each row's slot (-1: no penalties), filling those of sequences that sample for the first time."""
-        slots = [-1] * len(seqs)
-        new = []
-        for row, seq in enumerate(seqs):
-            if seq.params.uses_penalties:
-                slot = self.table.get(seq.seq_id)
-                if slot is None:
-                    slot = self.table.assign(seq)
-                    new.append((slot, seq))
-                slots[row] = slot
+        slots, new = self.table.assign_rows(seqs, lambda seq: seq.params.uses_penalties)
         if new:
             self._fill(new, to_device)
         return slots
@@ -177,15 +183,9 @@ class LogitBiasState:
 
     def slots(self, seqs: list) -> list[int]:
         """Each row's slot (-1: no bias), filling those of sequences that sample for the first time."""
-        slots = [-1] * len(seqs)
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if p.logit_bias or p.allowed_token_ids:
-                slot = self.table.get(seq.seq_id)
-                if slot is None:
-                    slot = self.table.assign(seq)
-                    self._fill(slot, p)
-                slots[row] = slot
+        slots, new = self.table.assign_rows(seqs, lambda seq: bool(seq.params.logit_bias or seq.params.allowed_token_ids))
+        for slot, seq in new:
+            self._fill(slot, seq.params)
         return slots
 
     def release(self, seq_ids: Iterable[int]) -> None:
@@ -224,14 +224,9 @@ class BadWordState:
 
     def slots(self, seqs: list) -> list[int]:
         """Each row's slot (-1: no bad words), filling those of sequences that sample for the first time."""
-        slots = [-1] * len(seqs)
-        for row, seq in enumerate(seqs):
-            if seq.params.bad_words_token_ids:
-                slot = self.table.get(seq.seq_id)
-                if slot is None:
-                    slot = self.table.assign(seq)
-                    self._fill(slot, seq)
-                slots[row] = slot
+        slots, new = self.table.assign_rows(seqs, lambda seq: bool(seq.params.bad_words_token_ids))
+        for slot, seq in new:
+            self._fill(slot, seq)
         return slots
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
