@@ -147,15 +147,13 @@ class PenaltyState:
         if outputs:
             index = to_device(torch.tensor(list(zip(*outputs)), dtype=torch.int64))
             self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
-        # The prompt as a bitmap: mark its tokens in a dense [n, 32 * words] mask, then pack each 32.
-        words = self.prompt_bits.shape[1]
-        prompt = [(i, token) for i, (_, seq) in enumerate(new) for token in seq.prompt_token_ids]
+        # The prompt as a bitmap: each distinct token adds its bit to its word (distinct bits, so
+        # the sum is their OR; bit 31 wraps to the sign when cast to int32).
+        prompt = [(i, token >> 5, 1 << (token & 31)) for i, (_, seq) in enumerate(new) for token in set(seq.prompt_token_ids)]
         index = to_device(torch.tensor(list(zip(*prompt)), dtype=torch.int64))
-        dense = torch.zeros((len(new), 32 * words), dtype=torch.int64, device=self.counts.device)
-        dense[index[0], index[1]] = 1
-        shifts = torch.arange(32, dtype=torch.int64, device=dense.device)
-        packed = (dense.view(len(new), words, 32) << shifts).sum(dim=-1).to(torch.int32)  # bit 31 wraps to the sign
-        self.prompt_bits.index_copy_(0, slots, packed)
+        packed = torch.zeros((len(new), self.prompt_bits.shape[1]), dtype=torch.int64, device=self.counts.device)
+        packed.index_put_((index[0], index[1]), index[2], accumulate=True)
+        self.prompt_bits.index_copy_(0, slots, packed.to(torch.int32))
 
 
 def apply_penalties(logits: torch.Tensor, state: RowState, rows: StepRows) -> torch.Tensor:
