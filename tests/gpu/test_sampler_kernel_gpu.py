@@ -174,7 +174,7 @@ def test_filtered_draws_follow_the_renormalised_softmax(spread: bool) -> None:
     rows, temperature = (64 if DRYRUN else 40_000), 1.5
     logits = draw_test_logits()
     positions = torch.arange(11) * 14_000 if spread and not DRYRUN else torch.arange(11)
-    row = torch.full((int(positions[-1]) + 1,), float("-inf"))
+    row = torch.full((151936 if spread and not DRYRUN else 11,), float("-inf"))
     row[positions] = logits
     for top_k, top_p, min_p in FILTERS:
         kept = logits / temperature >= filter_threshold_ref(logits / temperature, top_k, top_p, min_p)
@@ -185,7 +185,7 @@ def test_filtered_draws_follow_the_renormalised_softmax(spread: bool) -> None:
             row.to(DEVICE).expand(rows, -1), torch.full((rows,), temperature, device=DEVICE),
             torch.full((rows,), 7, dtype=torch.int64, device=DEVICE), torch.arange(rows, device=DEVICE), filters,
         ).cpu()
-        samples = torch.searchsorted(positions, drawn)
+        samples = torch.searchsorted(positions, drawn).clamp(max=10)
         assert torch.equal(positions[samples], drawn), "drew a token of probability 0"
         chi2 = softmax_chi_square(samples, allowed, temperature)
         assert chi2 < CHI2_P001[int(kept.sum()) - 1] or DRYRUN, f"{(top_k, top_p, min_p)}: chi-square {chi2:.1f}"
