@@ -8,8 +8,10 @@ the one engine module the runner knows).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import operator
 import random
 import time
 from typing import Iterable
@@ -23,7 +25,7 @@ from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, Fo
 from tokenmill.engine.step import (
     NULL_BLOCK, PromptLogprobs, SamplerOutput, ScheduledSequence, SchedulerOutput, StepResult, StepSequence,
 )
-from tokenmill.sampling_params import SamplingType
+from tokenmill.sampling_params import SamplerNeeds, SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.sampler import Sampler, SamplingBatch
@@ -297,21 +299,23 @@ class ModelRunner:
 
     def _sampling_batch(self, seqs: list[StepSequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
+        # What the rows need beyond temperature: each per-row pass below runs only if some row does.
+        needs = functools.reduce(operator.or_, (s.request.sampler_needs for s in seqs), 0)
         all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
         # The filters come all three or none; a top_k past the vocabulary keeps everything.
-        filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        filtered = bool(needs & SamplerNeeds.FILTERS)
         floats = [[p.temperature for p in params]]
         if filtered:
             floats += [[p.top_p for p in params], [p.min_p for p in params]]
-        penalty_slots = self.penalties.slots(seqs, self._to_device)
-        bias_slots = self.logit_bias.slots(seqs)
-        penalised = any(slot >= 0 for slot in penalty_slots)
-        has_state = penalised or any(slot >= 0 for slot in bias_slots)
+        none = [-1] * len(seqs)
+        penalty_slots = self.penalties.slots(seqs, self._to_device) if needs & SamplerNeeds.PENALTIES else none
+        bias_slots = self.logit_bias.slots(seqs) if needs & SamplerNeeds.LOGIT_BIAS else none
+        has_state = bool(needs & (SamplerNeeds.PENALTIES | SamplerNeeds.LOGIT_BIAS))
         if has_state:
             floats += [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                        [p.presence_penalty for p in params]]
         floats = self._columns(floats, torch.float32)
-        max_top_k = min(max(p.top_k for p in params), self.vocab_size)
+        max_top_k = min(max(p.top_k for p in params), self.vocab_size) if filtered else 0
         batch = SamplingBatch(
             temperature=floats[0],
             all_greedy=all_greedy,
@@ -330,17 +334,18 @@ class ModelRunner:
             batch.state = RowState(bias, self.logit_bias.bias, penalty, self.penalties.counts, self.penalties.prompt_bits,
                                    *floats[-3:])
             batch.bias_rows = step_rows(bias_slots, self._to_device)
-            batch.penalty_rows = step_rows(penalty_slots, self._to_device) if penalised else None
-        bad_rows = step_rows(self.bad_words.slots(seqs), self._to_device)
-        batch.bad_words = (self.bad_words, bad_rows) if bad_rows is not None else None
-        # eos and stop ids may not be sampled below min_tokens (the output count includes tokens in flight).
-        banned = [(row, token) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
-                  for token in seq.params.all_stop_token_ids]
-        batch.banned = self._tensor(list(zip(*banned)), torch.int64) if banned else None
-        processors = [(row, s.params.logits_processors, s.prompt_token_ids, s.output_token_ids)
-                      for row, s in enumerate(seqs) if s.params.logits_processors]
-        batch.processors = processors or None
-        if any(s.grammar is not None for s in seqs):
+            batch.penalty_rows = step_rows(penalty_slots, self._to_device)
+        if needs & SamplerNeeds.BAD_WORDS:
+            batch.bad_words = (self.bad_words, step_rows(self.bad_words.slots(seqs), self._to_device))
+        if needs & SamplerNeeds.MIN_TOKENS:
+            # eos and stop ids may not be sampled below min_tokens (the output count includes tokens in flight).
+            banned = [(row, token) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
+                      for token in seq.params.all_stop_token_ids]
+            batch.banned = self._tensor(list(zip(*banned)), torch.int64) if banned else None
+        if needs & SamplerNeeds.PROCESSORS:
+            batch.processors = [(row, s.params.logits_processors, s.prompt_token_ids, s.output_token_ids)
+                                for row, s in enumerate(seqs) if s.params.logits_processors]
+        if self.grammars is not None and any(s.grammar is not None for s in seqs):
             batch.grammar_bitmask = self.grammars.bitmask([s.grammar for s in seqs])
             batch.apply_grammar = self.grammars.apply
         return batch
