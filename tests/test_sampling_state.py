@@ -30,6 +30,14 @@ class Seq:
     output_token_ids: list[int] = field(default_factory=list)
     is_finished: bool = False
 
+    @property
+    def request(self) -> "Seq":  # the runner reads a request's sampler_needs through its sequences
+        return self
+
+    @property
+    def sampler_needs(self) -> int:
+        return self.params.sampler_needs
+
 
 def same(x):
     return x

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 import torch
 
 from tokenmill.kernels.sampling_args import RowState
+from tokenmill.sampling_params import SamplerNeeds
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor onto the device (pinned, asynchronous on a GPU)
 _WILDCARD = -2  # a word position before the word's first token: matches any recent id
@@ -63,13 +64,14 @@ class SlotTable:
         self._owners[seq.seq_id] = seq
         return slot
 
-    def assign_rows(self, seqs: list, uses: Callable[[object], bool]) -> tuple[list[int], list[tuple[int, object]]]:
-        """Each row's slot (-1 where ``uses(seq)`` is false), and the (slot, seq) pairs assigned now,
+    def assign_rows(self, seqs: list, need: SamplerNeeds) -> tuple[list[int], list[tuple[int, object]]]:
+        """Each row's slot (-1 where its request's ``sampler_needs`` lack ``need``: the flags the
+        runner also reads to skip a state no row uses), and the (slot, seq) pairs assigned now,
         whose tensors the owner fills."""
         slots = [-1] * len(seqs)
         new = []
         for row, seq in enumerate(seqs):
-            if uses(seq):
+            if seq.request.sampler_needs & need:
                 slot = self._slots.get(seq.seq_id)
                 if slot is None:
                     slot = self.assign(seq)
@@ -124,7 +126,7 @@ class PenaltyState:
 
     def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
         """Each row's slot (-1: no penalties), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, lambda seq: seq.params.uses_penalties)
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.PENALTIES)
         if new:
             self._fill(new, to_device)
         return slots
@@ -181,7 +183,7 @@ class LogitBiasState:
 
     def slots(self, seqs: list) -> list[int]:
         """Each row's slot (-1: no bias), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, lambda seq: bool(seq.params.logit_bias or seq.params.allowed_token_ids))
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.LOGIT_BIAS)
         for slot, seq in new:
             self._fill(slot, seq.params)
         return slots
@@ -222,7 +224,7 @@ class BadWordState:
 
     def slots(self, seqs: list) -> list[int]:
         """Each row's slot (-1: no bad words), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, lambda seq: bool(seq.params.bad_words_token_ids))
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.BAD_WORDS)
         for slot, seq in new:
             self._fill(slot, seq)
         return slots
