@@ -72,9 +72,9 @@ for part in $parts; do
     sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
       timeout 150 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
-    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + repetition_penalty 1.1, all
+    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all
       [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
-      RESULTS="$OUT/chat.raw" timeout 400 python3 bench/workload_bench.py tokenmill $shape 2>&1 | grep '^{'
+      RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape 2>&1 | grep '^{'
       tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
