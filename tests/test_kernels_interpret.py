@@ -128,6 +128,28 @@ for _dt in ("float32", "float16"):
         head_dim=32, query_lens=[5, 1], seq_lens=[130, 65], pad=0,
     )
 
+    # A P5-like mixed step, scaled down: decodes first, then long chunks after prefix context
+    # (several wide query blocks each, unmasked tiles before the diagonal), a fresh ragged prompt, a
+    # decode among the prefills (it stays in the prefill launch) and a short chunk.
+    _case(
+        "attention", f"attn-p5-mixed-auto-bs16-g2-d128-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
+        head_dim=128, query_lens=[1, 1, 1, 150, 97, 1, 33], seq_lens=[300, 45, 129, 400, 97, 70, 160], pad=1,
+    )
+    # The same step in one launch (decodes in the prefill tile), as before the split.
+    _case(
+        "attention", f"attn-p5-mixed-one-launch-bs16-g2-d128-{_dt}", dtype=_dt, block_size=16, num_heads=4,
+        num_kv_heads=2, head_dim=128, query_lens=[1, 1, 1, 150, 97, 1, 33], seq_lens=[300, 45, 129, 400, 97, 70, 160],
+        pad=1, split_decodes=False,
+    )
+
+
+# The prefill launch after 3 decodes needs its one spare query block (block_q 4: blocks of the
+# 6-token chunk start at 3 // 4 + 3, the last sequence's at 9 // 4 + 4), and both launches split.
+_case(
+    "attention", "attn-split-decodes-spare-block-float16", dtype="float16", block_size=16, num_heads=4, num_kv_heads=2,
+    head_dim=64, query_lens=[1, 1, 1, 6, 1], seq_lens=[40, 17, 3, 26, 9], pad=0,
+    config={"block_q": 4, "tile_n": 16, "num_splits": 2}, decode_config={"block_q": 1, "tile_n": 16, "num_splits": 3},
+)
 
 # More sequences than one vector load of the sequence search covers (256): its loop must iterate.
 _case(
@@ -161,6 +183,7 @@ def _random_attention_cases(count: int) -> None:
             block_size=rng.choice([16, 32]), num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
             head_dim=rng.choice([64, 128]), query_lens=query_lens, seq_lens=seq_lens, pad=rng.randint(0, 2),
             config={"block_q": rng.choice([1, 2, 4, 16]), "tile_n": rng.choice([16, 32, 64]), "num_splits": rng.choice([1, 2, 3, 5])},
+            split_decodes=(i // 2) % 2 == 0,
         )
 
 
@@ -286,7 +309,7 @@ def _check_attention(p: dict[str, Any]) -> None:
     from tokenmill.kernels import reference
     from tokenmill.kernels.testing import make_paged_batch
     from tokenmill.kernels.triton.kv_store import store_kv
-    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_config, paged_attention
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_configs, paged_attention
 
     dtype = getattr(torch, p["dtype"])
     batch = make_paged_batch(
@@ -306,20 +329,28 @@ def _check_attention(p: dict[str, Any]) -> None:
         cache = cache_ref.clone()
 
     meta = batch.metadata()
+    # The leading one-token sequences get their own decode launch (as the backend does), unless
+    # the case runs the whole step through one launch.
+    num_decode_seqs = 0
+    if p.get("split_decodes", True):
+        while num_decode_seqs < len(p["query_lens"]) and p["query_lens"][num_decode_seqs] == 1:
+            num_decode_seqs += 1
     if "config" in p:
         config = AttentionLaunchConfig(num_warps=4, num_stages=1, **p["config"])
     else:
-        config = choose_config(
-            num_tokens=batch.q.shape[0], num_seqs=len(p["seq_lens"]), num_heads=p["num_heads"],
-            num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], dtype=dtype,
+        _, config = choose_configs(
+            num_tokens=batch.q.shape[0], num_seqs=len(p["seq_lens"]), num_decode_seqs=num_decode_seqs,
+            num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], dtype=dtype,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, device=batch.q.device,
         )
     if "expect_splits" in p:
         assert config.num_splits == p["expect_splits"], f"heuristic chose {config}"
+    decode_config = AttentionLaunchConfig(num_warps=4, num_stages=1, **p["decode_config"]) if "decode_config" in p else None
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(
         batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
-        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, out=out, config=config,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_decode_seqs=num_decode_seqs, out=out,
+        config=config, decode_config=decode_config,
     )
     expected = reference.paged_attention_ref(batch.q, cache_ref, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
     n = batch.num_real_tokens
