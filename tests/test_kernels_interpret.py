@@ -110,6 +110,17 @@ for _dt in ("float32", "float16"):
         "layer", f"layer-llama-bias-g1-d128-bs32-{_dt}", dtype=_dt, qk_norm=False, qkv_bias=True, num_heads=2, num_kv_heads=2,
         head_dim=128, block_size=32, query_lens=[1, 1, 4], seq_lens=[40, 7, 4],
     )
+    # A step as two micro-batches (worker/micro_batches.py): decodes, then chunks after context; and
+    # a decode batch cut in halves as the overlapped decode graphs cut it. B's metadata is derived
+    # on the device, which only the Triton backend reads (the torch backend loops on host lists).
+    _case(
+        "micro_batches", f"micro-mixed-g2-d64-bs16-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=2, head_dim=64,
+        block_size=16, query_lens=[1, 1, 1, 9, 4], seq_lens=[20, 33, 7, 9, 30], split=3,
+    )
+    _case(
+        "micro_batches", f"micro-decode-halves-g1-d64-bs16-{_dt}", dtype=_dt, num_heads=2, num_kv_heads=2, head_dim=64,
+        block_size=16, query_lens=[1] * 6, seq_lens=[5, 17, 40, 9, 16, 2], split=3,
+    )
     _case("silu_and_mul", f"silu-2d-{_dt}", dtype=_dt, shape=[3, 192])
     _case("silu_and_mul", f"silu-3d-{_dt}", dtype=_dt, shape=[2, 3, 2600])
     # Long prompt with a prefix hit under the automatic prefill shape (several 128-row query
@@ -518,6 +529,39 @@ def _check_layer(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got_cache, expected_cache, **_tol(dtype))
 
 
+def _check_micro_batches(p: dict[str, Any]) -> None:
+    """One attention layer over a step cut into two micro-batches, with the Triton backend, against
+    the whole step through the Torch backend."""
+    import torch
+
+    from tokenmill.attention.metadata import ForwardContext
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.kernels.testing import make_paged_batch, tiny_attention_layer
+    from tokenmill.worker.micro_batches import forward_micro_batches
+
+    dtype = getattr(torch, p["dtype"])
+    hq, hk, d = p["num_heads"], p["num_kv_heads"], p["head_dim"]
+    layer = tiny_attention_layer(num_heads=hq, num_kv_heads=hk, head_dim=d, qk_norm=True, qkv_bias=False, dtype=dtype, seed=5)
+    batch = make_paged_batch(
+        p["query_lens"], p["seq_lens"], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=p["block_size"],
+        dtype=dtype, seed=7,
+    )
+    num_tokens = batch.slot_mapping.shape[0]
+    rows = torch.randn((num_tokens, 96), generator=torch.Generator().manual_seed(9)).to(dtype)
+
+    def model(input_ids: Any, positions: Any, ctx: Any) -> Any:  # the model's signature: ids pick the rows
+        return layer(positions, rows[input_ids], ctx)
+
+    ids = torch.arange(num_tokens)
+    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    with torch.no_grad():
+        expected = model(ids, batch.positions(), ForwardContext(batch.metadata(), [ref_cache], TorchAttentionBackend()))
+        out = forward_micro_batches(model, ids, batch.positions(), batch.metadata(), [cache], TritonAttentionBackend(), p["split"], None)
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+    torch.testing.assert_close(cache, ref_cache, **_tol(dtype))
+
+
 def _check_silu_and_mul(p: dict[str, Any]) -> None:
     import torch
 
@@ -645,6 +689,7 @@ _CHECKS = {
     "gumbel_argmax": _check_gumbel_argmax,
     "qkv_prologue": _check_qkv_prologue,
     "layer": _check_layer,
+    "micro_batches": _check_micro_batches,
     "lazy_import": _check_lazy_import,
     "launch_configs": _check_launch_configs,
     "precompile": _check_precompile,

@@ -88,7 +88,7 @@ class TritonAttentionBackend:
         key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
         plan = meta.backend_cache.get(key)
         if plan is None:
-            num_decode_seqs = _leading_decodes(meta.query_lens_host) if meta.max_query_len > 1 else 0
+            num_decode_seqs = meta.num_leading_decodes if meta.max_query_len > 1 else 0
             decode_config, config = self._choose_configs(
                 num_tokens=q.shape[0],
                 num_seqs=meta.seq_lens.shape[0],
@@ -137,17 +137,6 @@ class TritonAttentionBackend:
                 q, kv_cache, query_start_loc, seq_lens, block_tables, 1.0,
                 max_query_len=1, max_seq_len=1, config=config, compile_only=True,
             )
-
-
-def _leading_decodes(query_lens: list[int]) -> int:
-    """How many sequences at the front of a step have one query token (running decodes come first:
-    ``Scheduler.schedule`` serves running sequences oldest first, and prefills are the newest)."""
-    count = 0
-    for n in query_lens:
-        if n != 1:
-            break
-        count += 1
-    return count
 
 
 def _check_block_size(kv_cache: "torch.Tensor", meta: AttentionMetadata) -> None:

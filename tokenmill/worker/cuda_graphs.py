@@ -7,7 +7,8 @@ token ids, positions, slots (-1 for padding rows, so they store nothing), query 
 context lengths (padding rows get no query tokens and no context, so attention skips them) and
 block tables. The attention backend is told the
 largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
-every replay.
+every replay. With ``overlap`` (an experiment, see micro_batches.py) a graph of at least
+``Overlap.MIN_DECODE_BATCH`` rows holds two half-batch forwards on two streams instead of one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        overlap: bool = False,
     ):
         self.model = model
         self.backend = backend
@@ -61,6 +64,7 @@ class DecodeGraphs:
         self._arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.query_start_loc = self._arange.clone()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.side_stream = torch.cuda.Stream(device) if overlap else None
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -76,8 +80,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: int) -> torch.Tensor:
-        ctx = ForwardContext(self._metadata(batch), self.kv_caches, self.backend)
-        return self.model(self.input_ids[:batch], self.positions[:batch], ctx)
+        meta = self._metadata(batch)
+        if self.side_stream is not None and batch >= Overlap.MIN_DECODE_BATCH:
+            return forward_micro_batches(
+                self.model, self.input_ids[:batch], self.positions[:batch], meta, self.kv_caches, self.backend,
+                batch // 2, self.side_stream,
+            )
+        return self.model(self.input_ids[:batch], self.positions[:batch], ForwardContext(meta, self.kv_caches, self.backend))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 
 from tokenmill.models.loader import load_model
+from tokenmill.worker.micro_batches import Overlap
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.sizing import choose_num_blocks
 
@@ -53,6 +54,8 @@ class Worker:
             block_size=config.block_size,
             vocab_size=config.vocab_size,
             seed=config.seed,
+            # Two model calls per step would not be mirrored in step on the other ranks.
+            overlap=Overlap.from_env() if self.tp_size == 1 else Overlap(),
         )
         # Before the profiling forward, so no kernel variant is first compiled in the middle of a run.
         self.runner.precompile_kernels(config.max_model_len)
