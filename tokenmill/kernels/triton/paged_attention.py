@@ -116,15 +116,17 @@ def _attend_tiles(
         key_off = block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_tok + head_off
         # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
         k = tl.load(k_cache_ptr + key_off[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0).to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if MASKED:
             # Causality also hides keys past kv_end from real rows, since their row_pos < kv_end.
-            s = tl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            qk = tl.where(key_pos[None, :] <= row_pos[:, None], qk, float("-inf"))
+        # Scores in log2 units are qk * scale_log2 (> 0, so the row max scales with them); scaling
+        # inside the exponent's argument makes it one fused multiply-add per score.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
+        p = tl.exp2(qk * scale_log2 - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
