@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [quant-gemm] [quant-throughput]
+#   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
 #   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6] [ray]
 #   [kernels-p5] [p5-overlap] [p3-overlap]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
@@ -66,6 +66,13 @@ for part in $parts; do
         RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
+    controls-tests)  # issue 17's GPU tests alone (also part of "tests"): sleep memory, wake/reload/update, cpu_offload, profiler
+      timeout 300 python3 -m pytest tests/gpu/test_engine_controls_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/controls_tests.log" | tail -15 ;;
+    offload)  # what cpu_offload_gb costs: 64x128 greedy decode with none / half of the weights streamed from pinned CPU memory
+      for run in "qwen3-0.6b 0" "qwen3-0.6b 0.5" "llama3-8b 0" "llama3-8b 0.5"; do
+        RESULTS="$OUT/offload.raw" timeout 200 python3 bench/offload_bench.py $run 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
     sampler)

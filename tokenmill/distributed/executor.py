@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker import Worker, worker_class
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -31,7 +31,7 @@ class Executor:
         self.world_size = config.tensor_parallel_size
         self.workers: "WorkerProcesses | None" = None
         if self.world_size == 1:
-            self.driver = Worker(config, source, load_format)
+            self.driver = worker_class(config.worker_extension_cls)(config, source, load_format)
         else:
             self.driver = self._start_tensor_parallel(config, source, load_format)
         try:
@@ -57,7 +57,7 @@ class Executor:
             torch.set_num_threads(threads)
         self.workers = WorkerProcesses(config, source, load_format, device, threads)
         try:
-            driver = Worker(config, source, load_format, 0, device, self.workers.group)
+            driver = worker_class(config.worker_extension_cls)(config, source, load_format, 0, device, self.workers.group)
             self.workers.wait_until_ready()
         except BaseException:
             self.workers.stop(graceful=False)
