@@ -15,10 +15,9 @@ OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.batch.requests import RowError, RowRequest, parse_messages
+from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
@@ -38,13 +37,6 @@ _COMMON = {
 }
 # Accepted and without effect offline.
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
-
-
-@dataclass(frozen=True)
-class OpenAIMeta:
-    custom_id: str
-    url: str
-    top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
 
 
 def build_openai_request(raw: "RawRow") -> RowRequest:

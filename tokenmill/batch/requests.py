@@ -21,7 +21,6 @@ from string import Formatter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.batch.openai_batch import OpenAIMeta
     from tokenmill.batch.readers import RawRow
     from tokenmill.sampling_params import SamplingParams
 
@@ -51,6 +50,15 @@ class PromptSettings:
             raise ValueError("--prompt-template and --text-field both say where the prompt is; pass one of them")
 
 
+@dataclass(frozen=True)
+class OpenAIMeta:
+    """What an OpenAI batch line's output needs from its request (see openai_batch.py)."""
+
+    custom_id: str
+    url: str
+    top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
+
+
 @dataclass
 class RowRequest:
     """A row ready for the engine. Exactly one of prompt, prompt_token_ids and messages is set."""
@@ -61,7 +69,7 @@ class RowRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling values set by the row
-    openai: "OpenAIMeta | None" = None
+    openai: OpenAIMeta | None = None
 
 
 def template_fields(template: str) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.batch.openai_batch import OpenAIMeta
+    from tokenmill.batch.requests import OpenAIMeta
     from tokenmill.outputs import RequestOutput
 
 
