@@ -55,6 +55,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
     tokenizer_mode: str = "auto"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary
     # Pooling models (vLLM's names; see tokenmill/pooling_config.py).
     runner: str = "auto"  # "auto" | "generate" | "pooling"
     convert: str = "auto"  # "auto" | "none" | "embed" | "classify"
@@ -81,6 +82,7 @@ class EngineArgs:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size, "a power of two")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _check(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, ">= 0, or -1 for the whole vocabulary")
         _check(
             self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
