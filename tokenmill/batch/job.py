@@ -13,18 +13,22 @@ finished row is written at the end of the step that finished it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from tokenmill.batch.journal import Journal, ResumeError, fingerprint, sidecar_dir
-from tokenmill.batch.openai_batch import build_openai_request, openai_record
+from tokenmill.batch.journal import Journal, RecordReader, ResumeError, fingerprint, sidecar_dir
+from tokenmill.batch.openai_batch import OpenAIRecordReader, build_openai_request, openai_record
 from tokenmill.batch.pooling import PoolingRows, pooling_parquet_schema, pooling_records
 from tokenmill.batch.progress import Progress, format_duration
-from tokenmill.batch.readers import RawRow, detect_format, read_rows, scan_input
-from tokenmill.batch.requests import PromptSettings, RowError, RowRequest, build_row_request, row_sampling_params
-from tokenmill.batch.results import RowResult, generic_records, result_from_output
+from tokenmill.batch.readers import RawRow, detect_format, input_columns, read_rows, scan_input
+from tokenmill.batch.requests import (
+    PromptSettings, RowError, RowRequest, build_row_request, check_columns, check_engine_limits, row_sampling_params,
+)
+from tokenmill.batch.results import RowResult, generic_records, read_result_record, result_from_output
 from tokenmill.batch.writers import encode_lines, jsonl_to_parquet, output_format
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -32,6 +36,7 @@ EXIT_OK, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 3, 130
 _INFLIGHT_PER_SEQ = 2
 _MAX_PENDING_ERRORS = 256  # commit early when a stretch of bad rows piles up
 _SHOWN_ERRORS = 5
+_WHERE_PREFIXES = ("row ", "line ", "record ")  # how a row error names its row
 # Engine options that change speed or memory but not what is generated: a resumed run may change them.
 _THROUGHPUT_ONLY = {
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
@@ -59,6 +64,10 @@ class JobConfig:
     pooling: dict[str, Any] = field(default_factory=dict)  # job-wide PoolingParams values (rows may override)
 
 
+class OutputError(ValueError):
+    """The output (or the input) cannot be written or read: a read-only folder, a full disk..."""
+
+
 @dataclass
 class JobSummary:
     output: str
@@ -74,7 +83,9 @@ class JobSummary:
     interrupted: bool = False
     already_complete: bool = False
     repaired_bytes: int = 0
+    rebuilt_rows: int | None = None  # rows read back from the output because the journal was lost
     errors: list[str] = field(default_factory=list)  # the first few failures of this attempt
+    input: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -89,6 +100,10 @@ class JobSummary:
         state = "interrupted" if self.interrupted else "done"
         total = f"/{self.rows_total}" if self.rows_total is not None else ""
         lines = [f"tokenmill run {state}: {self.rows_done}{total} rows, {self.failed} failed, wall time {format_duration(self.wall_s)}"]
+        if self.rows_total == 0:
+            lines.append(f"  warning: {self.input or 'the input'} has no rows, so there was nothing to generate")
+        if self.rebuilt_rows is not None:
+            lines.append(f"  rebuilt: the journal was missing; {self.rebuilt_rows} finished rows were read back from the output")
         if self.resumed_rows:
             lines.append(f"  resumed: {self.resumed_rows} rows were done by an earlier attempt")
         if self.repaired_bytes:
@@ -131,27 +146,42 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
     """Run (or resume) a batch job; `llm` may be a loaded `tokenmill.LLM` (tests share one).
 
     ``should_stop`` is polled once per step: when it turns true the job stops tidily (in-flight
-    requests are dropped, finished ones are kept), as it does on KeyboardInterrupt.
+    requests are dropped, finished ones are kept), as it does on KeyboardInterrupt. A file that
+    cannot be written or read raises `OutputError` saying which and what to do; what was
+    committed before stays, and rerunning the same command continues from there.
     """
+    try:
+        return _run_job(config, llm, stderr, should_stop)
+    except OSError as e:
+        raise OutputError(_file_error_message(e, config)) from None
+
+
+def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Callable[[], bool] | None) -> JobSummary:
     started = time.monotonic()
     input_path, output = config.input, config.output
     if not os.path.isfile(input_path):
         raise ValueError(f"input {input_path!r} does not exist or is not a file")
     if os.path.abspath(input_path) in (os.path.abspath(output), os.path.abspath(sidecar_dir(output))):
         raise ValueError("the output must not be the input file")
+    check_output_path(output)
     fmt = detect_format(input_path, config.input_format)
     if fmt == "openai" and config.task != "generate":
         raise ValueError(f"--task {config.task} reads rows (JSONL, CSV, Parquet), not OpenAI batch requests")
     out_fmt = output_format(output)
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
+    columns = input_columns(input_path, fmt)
+    if columns is not None and info.rows:  # fail fast, before the model loads
+        _check_columns(columns, config, input_path)
     settings = job_settings(config, fmt, info, shape)
     data_path = output if out_fmt == "jsonl" else os.path.join(sidecar_dir(output), "staging.jsonl")
-    with Journal.open(output, data_path, settings, overwrite=config.overwrite, fsync_interval=config.fsync_interval) as journal:
+    read_record = _record_reader(shape, fingerprint(settings), info.rows)
+    with Journal.open(output, data_path, settings, overwrite=config.overwrite, fsync_interval=config.fsync_interval,
+                      read_record=read_record) as journal:
         if journal.complete:
             total = journal.total()
             return JobSummary(output, info.rows, total.rows, total.failed, total.rows, 0, 0,
-                              time.monotonic() - started, 0.0, complete=True, already_complete=True)
+                              time.monotonic() - started, 0.0, complete=True, already_complete=True, input=input_path)
         progress = Progress(info.rows, journal.resumed_rows, stream=stderr, enabled=config.progress,
                             log_interval=config.log_interval)
         run_started = time.monotonic()
@@ -166,6 +196,9 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
                 interrupted = not loop.run(read_rows(input_path, fmt))
             except KeyboardInterrupt:
                 interrupted = True
+            except BaseException:
+                loop.drop_inflight()  # the engine outlives the job (tests, notebooks): leave it empty
+                raise
             if interrupted:
                 loop.abort()
             errors = loop.errors
@@ -183,8 +216,48 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
             resumed_rows=journal.resumed_rows, prompt_tokens=journal.current.prompt_tokens,
             completion_tokens=journal.current.completion_tokens, wall_s=time.monotonic() - started,
             run_s=time.monotonic() - run_started, complete=not interrupted, interrupted=interrupted,
-            repaired_bytes=journal.repaired_bytes, errors=errors,
+            repaired_bytes=journal.repaired_bytes, rebuilt_rows=journal.rebuilt_rows, errors=errors, input=input_path,
         )
+
+
+def check_output_path(output: str) -> None:
+    """An output is one regular file: never a folder (``--overwrite`` would delete it) and never a
+    symbolic link (a Parquet output is renamed into place, which would replace the link)."""
+    if os.path.islink(output):
+        raise ValueError(f"{output} is a symbolic link (to {os.readlink(output)}); give the real path as the output")
+    if os.path.isdir(output):
+        raise ValueError(f"{output} is a directory; give the output file's path (.jsonl or .parquet)")
+
+
+def _check_columns(columns: list[str], config: JobConfig, source: str) -> None:
+    if config.task == "score":
+        missing = [name for name in ("text_1", "text_2") if name not in columns]
+        if missing:
+            raise ValueError(f"{source} has no column(s) {missing}: --task score reads the pair from text_1 and text_2 "
+                             f"(its columns: {sorted(columns)[:20]})")
+        return
+    check_columns(columns, config.prompt, source)
+
+
+def _record_reader(shape: str, job_key: str, rows: int | None) -> RecordReader:
+    """How to read an output record back (a lost journal is rebuilt from the output)."""
+    return OpenAIRecordReader(job_key, rows or 0) if shape == "openai" else read_result_record
+
+
+def _file_error_message(error: OSError, config: JobConfig) -> str:
+    path = error.filename
+    reading = path is not None and os.path.abspath(path) == os.path.abspath(config.input)
+    what = f"cannot read {config.input}" if reading else f"cannot write {config.output}"
+    detail = error.strerror or str(error)
+    if path is not None and not reading and os.path.abspath(path) != os.path.abspath(config.output):
+        detail += f" ({path})"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = "free some space, then rerun the same command: it continues where this one stopped"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = "choose an output in a folder you can write to" if not reading else "check its permissions"
+    else:
+        advice = "fix that, then rerun the same command: it continues where this one stopped"
+    return f"{what}: {detail}; {advice}"
 
 
 def load_llm(config: JobConfig) -> Any:
@@ -209,6 +282,7 @@ def base_sampling(llm: Any, explicit: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class _InFlight:
+    raw: RawRow  # kept to run the row again if a step fails (see _Loop._isolate)
     request: RowRequest
     prompt_tokens: int = 0  # as reported to the progress (0 until the first output)
     generated_seen: int = 0
@@ -232,8 +306,12 @@ class _Loop:
         self.pooling = PoolingRows(config.task, llm, config.prompt, config.pooling) if config.task != "generate" else None
         self.keep_logprobs = self.base.get("logprobs") is not None
         self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * _max_num_seqs(self.engine, config)
+        self.max_model_len = self.engine.config.max_model_len
+        if self.pooling is None:
+            self._check_job_limits()
         self.inflight: dict[str, _InFlight] = {}
         self.pending: list[tuple[RowResult, _InFlight | None]] = []  # finished rows (and their flight)
+        self.retry: deque[list[RawRow]] = deque()  # rows to run again apart, a group at a time (_isolate)
         self.errors: list[str] = []
         from jinja2 import TemplateError  # chat templates can raise their own errors for odd conversations
 
@@ -245,25 +323,43 @@ class _Loop:
         while True:
             if self.should_stop():
                 return False
-            while not exhausted and len(self.inflight) < self.max_inflight:
-                raw = next(rows, None)
-                if raw is None:
-                    exhausted = True
-                elif not self.journal.is_done(raw.index):
-                    self._submit(raw)
-                    if len(self.pending) >= _MAX_PENDING_ERRORS:
-                        self._commit()
+            if self.retry:
+                if not self.inflight:  # one group at a time, alone in the engine
+                    for raw in self.retry.popleft():
+                        self._submit(raw)
+            else:
+                while not exhausted and len(self.inflight) < self.max_inflight:
+                    raw = next(rows, None)
+                    if raw is None:
+                        exhausted = True
+                    elif not self.journal.is_done(raw.index):
+                        self._submit(raw)
+                        if len(self.pending) >= _MAX_PENDING_ERRORS:
+                            self._commit()
             if self.inflight:
-                self._step()
-            elif exhausted:
+                try:
+                    self._step()
+                except Exception as error:  # noqa: BLE001  (a row broke the step: find it, see _isolate)
+                    self._isolate(error)
+            elif exhausted and not self.retry:
                 self._commit()
                 return True
             self._commit()
             self.progress.maybe_draw()
 
+    def _check_job_limits(self) -> None:
+        """Job-wide values no row could run with are a usage error, before any row runs."""
+        limits = {"max_tokens": (self.max_model_len, "max_model_len"), "n": (self.engine.config.max_num_seqs, "max_num_seqs")}
+        for name, (limit, what) in limits.items():
+            value = self.config.sampling.get(name)
+            if value is not None and value > limit:
+                raise ValueError(f"--{name.replace('_', '-')} {value} is more than this engine's {what} ({limit}); "
+                                 f"lower it, or raise --{what.replace('_', '-')}")
+
     def _submit(self, raw: RawRow) -> None:
         request: RowRequest | None = None
         row_id = None
+        bound, samples = 0, 1  # what the row may generate at most (progress and ETA)
         try:
             if raw.error is not None:
                 raise RowError(raw.error)
@@ -273,9 +369,16 @@ class _Loop:
             else:
                 request = build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)
                 row_id = request.row_id
-                parts = [(f"row-{raw.index}", self._prompt(request, raw.index),
-                          row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id))]
-            flight = _InFlight(request, part_ids=[request_id for request_id, _, _ in parts])
+                where = raw.where or f"row {raw.index}"
+                params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id, where)
+                try:
+                    check_engine_limits(params, self.max_model_len, self.engine.config.max_num_seqs)
+                except ValueError as e:
+                    raise RowError(f"{where}: {e}", row_id) from None
+                samples = params.n
+                bound = (params.max_tokens or self.max_model_len) * samples
+                parts = [(f"row-{raw.index}", self._prompt(request, raw.index), params)]
+            flight = _InFlight(raw, request, part_ids=[request_id for request_id, _, _ in parts])
             try:
                 for request_id, prompt, params in parts:
                     self.engine.add_request(request_id, prompt, params)
@@ -286,7 +389,7 @@ class _Loop:
                 for request_id in added:
                     del self.inflight[request_id]
                 raise
-            self.progress.on_submitted()
+            self.progress.on_submitted(raw.index, bound, samples)
         except self._row_errors as e:
             if isinstance(e, RowError) and e.row_id is not None:
                 row_id = e.row_id
@@ -307,10 +410,12 @@ class _Loop:
         meta = request.openai if request is not None else None
         self.pending.append((RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=meta), None))
         if len(self.errors) < _SHOWN_ERRORS:
-            self.errors.append(f"row {index}: {message}")
+            self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
 
     def _step(self) -> None:
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        self.progress.on_step()
+        for out in outputs:
             flight = self.inflight.get(out.request_id)
             if flight is None:
                 continue
@@ -323,7 +428,7 @@ class _Loop:
             generated = sum(len(c.token_ids) for c in out.outputs)
             delta = generated - flight.generated_seen
             flight.generated_seen = generated
-            self.progress.on_tokens(prompt, delta)
+            self.progress.on_tokens(flight.raw.index, prompt, delta)
             if out.finished:
                 del self.inflight[out.request_id]
                 req = flight.request
@@ -335,11 +440,34 @@ class _Loop:
         del self.inflight[out.request_id]
         flight.outputs[out.request_id] = out
         flight.prompt_tokens += len(out.prompt_token_ids)
-        self.progress.on_tokens(len(out.prompt_token_ids), 0)
+        self.progress.on_tokens(flight.raw.index, len(out.prompt_token_ids), 0)
         if len(flight.outputs) == len(flight.part_ids):
             assert self.pooling is not None
             result = self.pooling.result(flight.request, [flight.outputs[i] for i in flight.part_ids])
             self.pending.append((result, flight))
+
+    def _isolate(self, error: Exception) -> None:
+        """A step raised: find the row behind it, so that it fails alone and the job goes on.
+
+        Whatever slipped past the checks made when a row was read (a value the engine cannot serve,
+        a bug a strange row triggers) surfaces here, with no way to tell which request caused it.
+        Every row in flight is taken out and run again in two halves, one half at a time; a half
+        that fails again is halved again, until the row that fails on its own becomes an error row.
+        Rows run again give the same results (greedy, or their own per-row seed). A failure of the
+        device itself (out of memory, a CUDA error) is no row's fault and stops the job.
+        """
+        if _is_device_failure(error):
+            raise error
+        flights = list({id(f): f for f in self.inflight.values()}.values())
+        self.drop_inflight()
+        rows = sorted((f.raw for f in flights), key=lambda raw: raw.index)
+        if len(rows) == 1:
+            flight = flights[0]
+            message = f"the engine failed on this row: {type(error).__name__}: {error}"
+            self._fail(flight.raw.index, flight.request.row_id, _row_message(flight.raw, RuntimeError(message)), flight.request)
+            return
+        half = len(rows) // 2
+        self.retry.extendleft([rows[half:], rows[:half]])  # extendleft reverses: the first half runs first
 
     def _commit(self) -> None:
         if not self.pending:
@@ -361,12 +489,17 @@ class _Loop:
             completion_tokens += result.completion_tokens
         self.journal.commit(encode_lines(records), rows, failed, prompt_tokens, completion_tokens)
         for result, flight in self.pending:
-            if flight is None:
-                self.progress.on_row_done(result.failed)
-            else:
-                self.progress.on_row_done(result.failed, flight.prompt_tokens, flight.generated_seen, was_inflight=True)
+            self.progress.on_row_done(flight.raw.index if flight is not None else None, result.failed)
         self.pending = []
         self._committing = False
+
+    def drop_inflight(self) -> None:
+        """Take every running row out of the engine unfinished (a rerun, or a retry, computes it again)."""
+        if self.inflight:
+            self.engine.abort_request(list(self.inflight))
+            for flight in self.inflight.values():
+                self.progress.on_dropped(flight.raw.index)
+            self.inflight.clear()
 
     def abort(self) -> None:
         """Stop early: keep what finished, drop what runs (a rerun recomputes those rows).
@@ -374,9 +507,7 @@ class _Loop:
         If the interrupt landed inside a commit, committing again could write rows twice; the
         half-done commit is left as a crash would leave it, for the next run's journal replay.
         """
-        if self.inflight:
-            self.engine.abort_request(list(self.inflight))
-            self.inflight.clear()
+        self.drop_inflight()
         if not self._committing:
             self._commit()
 
@@ -399,9 +530,16 @@ def _fallback_id(fmt: str, index: int) -> Any:
 
 def _row_message(raw: RawRow, error: BaseException) -> str:
     message = str(error) or type(error).__name__
-    if isinstance(error, RowError) or message.startswith(("row ", "line ", "record ")):
+    if isinstance(error, RowError) or message.startswith(_WHERE_PREFIXES):
         return message
     return f"{raw.where or f'row {raw.index}'}: {message}"
 
 
-__all__ = ["JobConfig", "JobSummary", "ResumeError", "run_job", "DEFAULT_MODEL"]
+def _is_device_failure(error: BaseException) -> bool:
+    import torch
+
+    fatal = (MemoryError, torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", MemoryError))
+    return isinstance(error, fatal) or "CUDA error" in str(error)
+
+
+__all__ = ["JobConfig", "JobSummary", "OutputError", "ResumeError", "run_job", "DEFAULT_MODEL"]

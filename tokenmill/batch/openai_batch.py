@@ -133,6 +133,29 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
+class OpenAIRecordReader:
+    """Reads an output line back as (row, failed, prompt tokens, generated tokens), or None.
+
+    A line names its row only through its id, which derives from the job and the row index; the
+    id -> row table is built on the first call (only a lost journal needs it).
+    """
+
+    def __init__(self, job_key: str, rows: int):
+        self.job_key, self.rows = job_key, rows
+        self._rows_by_id: dict[str, int] | None = None
+
+    def __call__(self, line: dict[str, Any]) -> tuple[int, bool, int, int] | None:
+        if self._rows_by_id is None:
+            self._rows_by_id = {_stable_id("batch_req_", self.job_key, i): i for i in range(self.rows)}
+        index = self._rows_by_id.get(line.get("id"))  # type: ignore[arg-type]
+        if index is None:
+            return None
+        response = line.get("response") or {}
+        usage = (response.get("body") or {}).get("usage") or {}
+        failed = line.get("error") is not None or response.get("status_code") != 200
+        return index, failed, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
 def _chat_choice(sample: Any, meta: OpenAIMeta) -> dict[str, Any]:
     logprobs = None
     if meta.top_logprobs is not None and sample.logprobs is not None:
