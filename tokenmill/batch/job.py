@@ -13,7 +13,6 @@ finished row is written at the end of the step that finished it.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 from collections import deque
@@ -23,16 +22,16 @@ from typing import Any, Callable, TextIO
 from tokenmill.batch.journal import Journal, RecordReader, ResumeError, fingerprint, sidecar_dir
 from tokenmill.batch.openai_batch import OpenAIRecordReader, build_openai_request, openai_record
 from tokenmill.batch.pooling import PoolingRows, pooling_parquet_schema, pooling_records
-from tokenmill.batch.progress import Progress, format_duration
+from tokenmill.batch.progress import Progress
 from tokenmill.batch.readers import RawRow, detect_format, input_columns, read_rows, scan_input
 from tokenmill.batch.requests import (
     PromptSettings, RowError, RowRequest, build_row_request, check_columns, check_engine_limits, row_sampling_params,
 )
 from tokenmill.batch.results import RowResult, generic_records, read_result_record, result_from_output
-from tokenmill.batch.writers import encode_lines, jsonl_to_parquet, output_format
+from tokenmill.batch.summary import JobSummary
+from tokenmill.batch.writers import check_output_path, describe_file_error, encode_lines, jsonl_to_parquet, output_format
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-EXIT_OK, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 3, 130
 _INFLIGHT_PER_SEQ = 2
 _MAX_PENDING_ERRORS = 256  # commit early when a stretch of bad rows piles up
 _SHOWN_ERRORS = 5
@@ -68,60 +67,6 @@ class OutputError(ValueError):
     """The output (or the input) cannot be written or read: a read-only folder, a full disk..."""
 
 
-@dataclass
-class JobSummary:
-    output: str
-    rows_total: int | None
-    rows_done: int  # all attempts together
-    failed: int  # all attempts together
-    resumed_rows: int  # done by earlier attempts
-    prompt_tokens: int  # this attempt
-    completion_tokens: int  # this attempt
-    wall_s: float
-    run_s: float  # wall time minus model loading
-    complete: bool
-    interrupted: bool = False
-    already_complete: bool = False
-    repaired_bytes: int = 0
-    rebuilt_rows: int | None = None  # rows read back from the output because the journal was lost
-    errors: list[str] = field(default_factory=list)  # the first few failures of this attempt
-    input: str = ""
-
-    @property
-    def exit_code(self) -> int:
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        return EXIT_ROWS_FAILED if self.failed else EXIT_OK
-
-    def report(self) -> str:
-        if self.already_complete:
-            head = f"{self.output} is already complete: {self.rows_done} rows, {self.failed} failed (pass --overwrite to run again)"
-            return head
-        state = "interrupted" if self.interrupted else "done"
-        total = f"/{self.rows_total}" if self.rows_total is not None else ""
-        lines = [f"tokenmill run {state}: {self.rows_done}{total} rows, {self.failed} failed, wall time {format_duration(self.wall_s)}"]
-        if self.rows_total == 0:
-            lines.append(f"  warning: {self.input or 'the input'} has no rows, so there was nothing to generate")
-        if self.rebuilt_rows is not None:
-            lines.append(f"  rebuilt: the journal was missing; {self.rebuilt_rows} finished rows were read back from the output")
-        if self.resumed_rows:
-            lines.append(f"  resumed: {self.resumed_rows} rows were done by an earlier attempt")
-        if self.repaired_bytes:
-            lines.append(f"  repaired: cut {self.repaired_bytes} bytes of unfinished output left by the earlier attempt")
-        run = max(self.run_s, 1e-9)
-        lines.append(
-            f"  tokens: {self.prompt_tokens:,} prompt, {self.completion_tokens:,} generated; "
-            f"throughput {self.prompt_tokens / run:,.1f} prompt tok/s, {self.completion_tokens / run:,.1f} generated tok/s"
-        )
-        if self.errors:
-            lines.append(f"  failures (the 'error' field of {self.output} has each one):")
-            lines.extend(f"    {e}" for e in self.errors)
-        if self.interrupted:
-            lines.append("  rerun the same command to continue where this attempt stopped")
-        lines.append(f"  output: {self.output}")
-        return "\n".join(lines)
-
-
 def job_settings(config: JobConfig, input_format: str, input_info: Any, output_shape: str) -> dict[str, Any]:
     """Everything that decides what the output holds: a resumed run must match it exactly."""
     settings = {
@@ -153,7 +98,7 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
     try:
         return _run_job(config, llm, stderr, should_stop)
     except OSError as e:
-        raise OutputError(_file_error_message(e, config)) from None
+        raise OutputError(describe_file_error(e, config.input, config.output)) from None
 
 
 def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Callable[[], bool] | None) -> JobSummary:
@@ -220,15 +165,6 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
         )
 
 
-def check_output_path(output: str) -> None:
-    """An output is one regular file: never a folder (``--overwrite`` would delete it) and never a
-    symbolic link (a Parquet output is renamed into place, which would replace the link)."""
-    if os.path.islink(output):
-        raise ValueError(f"{output} is a symbolic link (to {os.readlink(output)}); give the real path as the output")
-    if os.path.isdir(output):
-        raise ValueError(f"{output} is a directory; give the output file's path (.jsonl or .parquet)")
-
-
 def _check_columns(columns: list[str], config: JobConfig, source: str) -> None:
     if config.task == "score":
         missing = [name for name in ("text_1", "text_2") if name not in columns]
@@ -242,22 +178,6 @@ def _check_columns(columns: list[str], config: JobConfig, source: str) -> None:
 def _record_reader(shape: str, job_key: str, rows: int | None) -> RecordReader:
     """How to read an output record back (a lost journal is rebuilt from the output)."""
     return OpenAIRecordReader(job_key, rows or 0) if shape == "openai" else read_result_record
-
-
-def _file_error_message(error: OSError, config: JobConfig) -> str:
-    path = error.filename
-    reading = path is not None and os.path.abspath(path) == os.path.abspath(config.input)
-    what = f"cannot read {config.input}" if reading else f"cannot write {config.output}"
-    detail = error.strerror or str(error)
-    if path is not None and not reading and os.path.abspath(path) != os.path.abspath(config.output):
-        detail += f" ({path})"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        advice = "free some space, then rerun the same command: it continues where this one stopped"
-    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        advice = "choose an output in a folder you can write to" if not reading else "check its permissions"
-    else:
-        advice = "fix that, then rerun the same command: it continues where this one stopped"
-    return f"{what}: {detail}; {advice}"
 
 
 def load_llm(config: JobConfig) -> Any:
