@@ -102,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_prompt_options(parser: argparse.ArgumentParser, with_rows: bool) -> None:
     group = parser.add_argument_group("prompts")
-    group.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    if with_rows:
+        group.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    else:  # one prompt typed by a person: a chat model answers it through its template
+        group.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                           help="apply the model's chat template to the prompt (default: when the model has one; "
+                           "--no-chat sends the text as it is)")
     group.add_argument("--system", metavar="TEXT", help="system message for chat prompts (implies --chat)")
     group.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template instead of the model's")
     if with_rows:
@@ -303,12 +308,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill.sampling_params import SamplingParams
 
+    if args.chat is False and (args.system is not None or args.chat_template is not None):
+        raise UsageError("--no-chat sends the prompt as it is; --system and --chat-template need the chat template")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     values = sampling_values(args)
     llm = load_llm(args)
     params = SamplingParams(**{**_defaults(llm), **values})
+    has_template = getattr(llm.get_tokenizer(), "chat_template", None) is not None
+    chat = args.chat if args.chat is not None else (has_template or args.system is not None or args.chat_template is not None)
     try:
-        if args.chat or args.system is not None or args.chat_template is not None:
+        if chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
             outputs = llm.chat(messages, params, use_tqdm=False, chat_template=read_chat_template(args.chat_template))
         else:
@@ -320,7 +329,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if len(completions) > 1:
             print(f"--- sample {c.index} ---")
         print(c.text)
+        if not c.text.strip():
+            print(f"tokenmill generate: {_why_empty(c, chat, has_template)}", file=sys.stderr)
     return 0
+
+
+def _why_empty(completion: Any, chat: bool, has_template: bool) -> str:
+    """An empty answer is a result too, but never a silent one: say what ended it."""
+    n = len(completion.token_ids)
+    if completion.finish_reason == "length":
+        why = f"it reached --max-tokens after {n} token(s) that decode to no visible text; raise --max-tokens"
+    elif isinstance(completion.stop_reason, str):
+        why = f"the stop string {completion.stop_reason!r} came first"
+    elif completion.stop_reason is not None:
+        why = f"the stop token {completion.stop_reason} came first"
+    else:
+        why = f"the model ended its answer (end of sequence) after {n} token(s)"
+    hint = "; the prompt was sent without the chat template (--no-chat), which chat models often answer with nothing" \
+        if has_template and not chat else ""
+    return f"the completion is empty: {why}{hint}"
 
 
 def _defaults(llm: Any) -> dict[str, Any]:
