@@ -46,7 +46,7 @@ class LLMEngine:
         self.args = args
         self.source = resolve_model(
             args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
-            trust_remote_code=args.trust_remote_code,
+            trust_remote_code=args.trust_remote_code, dtype=args.dtype, device=args.device, load_format=args.load_format,
         )
         self.config: EngineConfig = create_engine_config(args, self.source)
         pooling_config = resolve_pooling(args, self.source)  # None: a generative model
