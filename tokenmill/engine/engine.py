@@ -66,7 +66,9 @@ class LLMEngine:
         self.executor = Executor(self.config, self.source, args.load_format)
         self.runner = self.executor.driver.runner
         num_blocks = self.executor.num_blocks
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        # The CPU's default pool becomes resident page by page: let it grow with the work (see kv_cache.py).
+        grow = self.config.device.type == "cpu" and self.config.kv_cache_memory_bytes is None
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, grow_on_demand=grow)
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
