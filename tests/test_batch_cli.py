@@ -43,6 +43,16 @@ def test_import_is_light_and_help_works():
         assert flag in help_text
 
 
+def test_job_state_folders_are_ignored_by_git_and_dtype_help_says_what_auto_does():
+    ignored = subprocess.run(["git", "check-ignore", "results.jsonl.tokenmill/state.json", "out/x.parquet.tokenmill/lock"],
+                             cwd=REPO, capture_output=True, text=True)
+    assert ignored.stdout.split() == ["results.jsonl.tokenmill/state.json", "out/x.parquet.tokenmill/lock"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    help_text = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--help"], env=env, capture_output=True,
+                               text=True, check=True).stdout
+    assert "bf16 on CPUs with native bf16" in " ".join(help_text.split()) and "fp32 on CPU," not in help_text
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

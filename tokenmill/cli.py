@@ -155,7 +155,8 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--model", "-m", default=default_model,
                    help=f"built-in name, local folder or .gguf, or a cached hub id (default: {shown})")
     g.add_argument("--max-model-len", type=int, metavar="N")
-    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: fp32 on CPU, the checkpoint's on GPU)")
+    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: bf16 on CPUs with native bf16 arithmetic, else fp32; "
+                   "on a GPU the checkpoint's 16-bit dtype, bf16 for fp32 checkpoints)")
     g.add_argument("--gpu-memory-utilization", type=float, metavar="F")
     g.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES")
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
