@@ -18,23 +18,10 @@ from tokenmill.batch.job import JobConfig, run_job
 from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.requests import PromptSettings
 
-MAX_TOKENS = 6
-GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+from test_batch_e2e import GREEDY, MAX_TOKENS, by_row, engine_left_clean, llm, read_jsonl  # noqa: F401 (fixtures)
+
 TEXTS = ["the cat sat on a warm mat", "wind blew over its fur", "the sun went down", "a mat while the cat",
          "its fur and the sun", "over the warm wind", "the cat the mat", "down went the sun"]
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
-               kv_cache_memory_bytes=32 * 2**20, max_num_seqs=4, seed=0)
-
-
-@pytest.fixture(autouse=True)
-def engine_left_clean(request):
-    yield
-    if "llm" in request.fixturenames:
-        assert not request.getfixturevalue("llm").llm_engine.has_unfinished_requests()
 
 
 def job(tmp_path, llm, input_path, output="out.jsonl", should_stop=None, **overrides):
@@ -47,20 +34,6 @@ def job(tmp_path, llm, input_path, output="out.jsonl", should_stop=None, **overr
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def by_row(records):
-    out = {}
-    for r in records:
-        key = (r["row"], r["sample_index"])
-        assert key not in out, f"row {r['row']} written twice"
-        out[key] = r
-    return out
 
 
 def reference(llm, texts, **sampling):
