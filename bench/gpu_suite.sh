@@ -2,8 +2,12 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [throughput-fp8] [gemm] [sampler] [profile] [profile-gpu] [timeline] [vllm]
-#   (default: tests kernels throughput)
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
+#   [gemm] [quant-gemm] [quant-throughput]
+#   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6]
+#   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
+#   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
+#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -40,12 +44,23 @@ for part in $parts; do
       for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
       done
-      tag "$OUT/throughput.raw" "$OUT/throughput.jsonl" ;;
+      tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
     throughput-fp8)  # kv_cache_dtype="fp8": not the protocols' bf16, recorded as its own engine
       for run in "qwen3-0.6b nano" "llama3-8b nano"; do
         RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py tokenmill_fp8kv $run 2>&1 | grep -v "^\s*$" | tail -3
       done
-      tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl" ;;
+      tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_fp8.raw" ;;
+    quant-tests)  # issue 18's GPU tests alone (also part of "tests")
+      timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
+    quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl)
+      timeout 280 python3 bench/quant_gemm_bench.py > "$OUT/quant_gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/quant_gemm.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/quant_gemm.raw"; cat "$OUT/quant_gemm.jsonl" ;;
+    quant-throughput)  # P3 with quantization="fp8" beside bf16 P3, and 8B 32-sequence decode bf16 / W4A16 / fp8
+      RESULTS="$OUT/quant_throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
+      RESULTS="$OUT/quant_throughput.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py tokenmill_fp8 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
+      for variant in bf16 w4a16 fp8; do
+        RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
     sampler)
@@ -60,14 +75,39 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
       done ;;
-    vllm)
-      cat .vllmchunk/vllm026-slim-site.tar.xz.part* | xz -d | tar -C /tmp -xf - --one-top-level=vllm-site 2>/dev/null \
-        || { mkdir -p /tmp/vllm-site; cat .vllmchunk/*.part* | xz -d | tar -C /tmp/vllm-site -xf -; }
-      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
-        PYTHONPATH=/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 RESULTS="$OUT/vllm.raw" timeout 250 \
-          python3 bench/peer_bench.py vllm $run 2>&1 | tail -3
+    p4)  # sampling: top_p/top_k/penalties, shared prefix, both shapes
+      for run in "qwen3-0.6b sampling" "llama3-8b sampling"; do
+        RESULTS="$OUT/throughput.raw" timeout 240 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -3
       done
-      tag "$OUT/vllm.raw" "$OUT/throughput.jsonl" ;;
+      tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
+    p5)  # long prompts, short outputs
+      RESULTS="$OUT/throughput.raw" timeout 150 python3 bench/peer_bench.py tokenmill qwen3-0.6b prefill 2>&1 | grep -v "^\s*$" | tail -3
+      tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
+    p6)  # embeddings, input tokens/s
+      for shape in qwen3-embed-0.6b bert-minilm; do
+        RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
+      done
+      tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
+    profile-p5)
+      timeout 150 python3 bench/profile_step.py qwen3-0.6b prefill --timeline > "$OUT/timeline_p5.txt" 2>&1; tail -12 "$OUT/timeline_p5.txt"
+      timeout 150 python3 bench/profile_step.py qwen3-0.6b prefill --gpu > "$OUT/profile_gpu_p5.txt" 2>&1; head -32 "$OUT/profile_gpu_p5.txt" ;;
+    vllm-unpack)  # join the bundle's parts (carried in .vllmchunk/, possibly over two calls) into /tmp/vllm-site
+      if [ ! -d /tmp/vllm-site/vllm ]; then
+        mkdir -p /tmp/vllm-site
+        cat /tmp/vllmchunk/*.part* .vllmchunk/*.part* 2>/dev/null | xz -d | tar -C /tmp/vllm-site -xf - || echo "vllm bundle: unpack failed"
+      fi ;;
+    vllm|vllm-p4p5|vllm-p6)
+      [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
+      export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
+      case $part in
+        vllm) for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+                RESULTS="$OUT/vllm.raw" timeout 250 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
+        vllm-p4p5) for run in "qwen3-0.6b sampling prefill" "llama3-8b sampling"; do
+                RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
+        vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
+                RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
+      esac
+      tag "$OUT/vllm.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm.raw" ;;
   esac
   echo "[$part took $(( $(date +%s) - start )) s]" | tee -a "$OUT/suite.log"
 done

@@ -8,6 +8,9 @@ Usage: python peer_bench.py ENGINE SHAPE WORKLOAD [WORKLOAD ...]
   WORKLOAD nano     256 seqs, in U[100,1024], out U[100,1024], T=0.6, eos ignored (nano-vllm's bench.py)
            uniform  1024 seqs, 512 in, 256 out, greedy, eos ignored
            big      1024 seqs, in U[100,1024], out U[100,1024], T=0.6, eos ignored
+           sampling P4: 768 seqs sharing a 256-token prefix + U[100,700] own tokens, out U[64,640],
+                    T=0.7 top_p=0.95 top_k=100 frequency/presence_penalty=0.05 repetition_penalty=1.05
+           prefill  P5: 384 seqs, in U[1000,3000], out U[16,256], T=0.2
 Prints one JSON row per workload (output tokens / wall seconds of the generate call) and appends
 it to the file named by $RESULTS when that is set. Engines with vLLM's full API get random weights via
 load_format="dummy" and token-id prompts (skip_tokenizer_init); nano-vllm gets random safetensors."""
@@ -56,15 +59,26 @@ def model_dir(shape, with_weights):
 
 
 def workload(name):
+    """prompts (token-id lists), per-prompt output lengths, sampling settings shared by all."""
     seed(0)
     if name in ("nano", "big"):
         n = 256 if name == "nano" else 1024
         prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(n)]
         outs = [randint(100, 1024) for _ in range(n)]
-        return prompts, outs, 0.6
+        return prompts, outs, dict(temperature=0.6)
     if name == "uniform":
         prompts = [[randint(0, 10000) for _ in range(512)] for _ in range(1024)]
-        return prompts, [256] * 1024, 0.0
+        return prompts, [256] * 1024, dict(temperature=0.0)
+    if name == "sampling":
+        prefix = [randint(0, 10000) for _ in range(256)]
+        prompts = [prefix + [randint(0, 10000) for _ in range(randint(100, 700))] for _ in range(768)]
+        outs = [randint(64, 640) for _ in range(768)]
+        return prompts, outs, dict(temperature=0.7, top_p=0.95, top_k=100, frequency_penalty=0.05,
+                                   presence_penalty=0.05, repetition_penalty=1.05)
+    if name == "prefill":
+        prompts = [[randint(0, 10000) for _ in range(randint(1000, 3000))] for _ in range(384)]
+        outs = [randint(16, 256) for _ in range(384)]
+        return prompts, outs, dict(temperature=0.2)
     raise SystemExit(f"unknown workload {name}")
 
 
@@ -87,8 +101,8 @@ def main():
     init_s = time.time() - t0
     llm.generate(wrap([[1, 2, 3, 4]] * 4), SamplingParams(max_tokens=8, ignore_eos=True, **extra), use_tqdm=False)
     for name in names:
-        prompts, outs, temp = workload(name)
-        sps = [SamplingParams(temperature=temp, ignore_eos=True, max_tokens=o, **extra) for o in outs]
+        prompts, outs, settings = workload(name)
+        sps = [SamplingParams(ignore_eos=True, max_tokens=o, **settings, **extra) for o in outs]
         t = time.time()
         res = llm.generate(wrap(prompts), sps, use_tqdm=False)
         dt = time.time() - t

@@ -24,8 +24,8 @@ def main() -> None:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
-    prompts, outs, temperature = workload(name)
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
+    prompts, outs, settings = workload(name)
+    params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:4], params[:4], use_tqdm=False)
     if on_gpu:
@@ -90,7 +90,7 @@ def timeline(llm, inputs, params) -> None:
     thin tail of the batch, where per-step costs that do not shrink with the batch dominate. Each
     line also gives the time the host spent blocked on the GPU (``StepResult.wait``): near zero
     means the host is the bottleneck there, near the step time means the GPU is."""
-    from tokenmill.worker.model_runner import StepResult
+    from tokenmill.engine.step import StepResult
 
     engine = llm.llm_engine
     step = engine.step

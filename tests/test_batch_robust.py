@@ -90,15 +90,15 @@ def test_logprobs_past_max_logprobs_is_a_clear_error_in_generate(llm, tiny_llama
 
 def test_a_row_that_fails_inside_a_step_fails_alone(tmp_path, llm, monkeypatch):
     """Whatever slips past validation and raises inside an engine step fails only its own row."""
-    runner = llm.llm_engine.runner
-    execute = runner.execute
+    executor = llm.llm_engine.executor
+    execute = executor.execute_model
 
-    def poisoned(scheduled, *args, **kwargs):
-        if any(item.seq.request.request_id == "row-5" for item in scheduled):
+    def poisoned(plan, *args, **kwargs):
+        if any(item.seq.request.request_id == "row-5" for item in plan.scheduled):
             raise RuntimeError("selected index k out of range")
-        return execute(scheduled, *args, **kwargs)
+        return execute(plan, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", poisoned)
+    monkeypatch.setattr(executor, "execute_model", poisoned)
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
     summary = job(tmp_path, llm, path)
     monkeypatch.undo()
