@@ -109,6 +109,23 @@ def test_a_row_that_fails_inside_a_step_fails_alone(tmp_path, llm, monkeypatch):
     assert [records[(i, 0)]["text"] for i in good] == reference(llm, [TEXTS[i] for i in good])
 
 
+def test_an_engine_that_fails_on_every_row_stops_the_job(tmp_path, llm, monkeypatch):
+    """Row after row failing alone means the engine, not the rows: stop (finished rows kept) rather
+    than write the whole file as error rows."""
+    from tokenmill.batch.job import EngineFailure
+
+    def broken(plan, *args, **kwargs):
+        raise RuntimeError("internal error")
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS * 3])
+    monkeypatch.setattr(llm.llm_engine.executor, "execute_model", broken)
+    with pytest.raises(EngineFailure, match="internal error"):
+        job(tmp_path, llm, path)
+    monkeypatch.undo()
+    failed = [r for r in read_jsonl(tmp_path / "out.jsonl") if r["error"]]
+    assert 0 < len(failed) < len(TEXTS) * 3
+
+
 # --- 2-6. rows read as meant ------------------------------------------------------------------
 
 

@@ -3,8 +3,9 @@
 Importing this module stays light (argparse only): torch and transformers load when a command
 builds an engine, so `tokenmill --help` and `tokenmill models` answer at once.
 
-Exit codes: 0 success; 2 a usage error (bad flag, bad value, an output that cannot be resumed as
-asked); 3 the job finished but some rows failed (see the summary and the rows' ``error``);
+Exit codes: 0 success; 1 the engine failed whatever it ran (finished rows are kept; rerun to
+continue); 2 a usage error (bad flag, bad value, an output that cannot be resumed as asked or
+written); 3 the job finished but some rows failed (see the summary and the rows' ``error``);
 130 interrupted (rerun the same command to continue).
 """
 
@@ -21,6 +22,7 @@ from tokenmill.batch.pooling import DEFAULT_EMBEDDING_MODEL, POOLING_JOB_TASKS
 from tokenmill.batch.readers import INPUT_FORMATS
 
 EXIT_USAGE = 2
+EXIT_ENGINE_FAILED = 1
 _CHAT_MAX_TOKENS = 256
 
 # flag dest -> SamplingParams field
@@ -274,7 +276,7 @@ class _StopRequests:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tokenmill.batch.job import JobConfig, run_job
+    from tokenmill.batch.job import EngineFailure, JobConfig, run_job
     from tokenmill.batch.requests import PromptSettings
 
     try:
@@ -300,6 +302,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run_job(config, stderr=sys.stderr, should_stop=stop)
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:  # ResumeError too
         raise UsageError(str(e)) from None
+    except EngineFailure as e:
+        print(f"tokenmill run: error: {e}", file=sys.stderr)
+        return EXIT_ENGINE_FAILED
     finally:
         stop.restore(previous)
     print(summary.report(), file=sys.stderr)

@@ -12,6 +12,7 @@ finished row is written at the end of the step that finished it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -36,6 +37,7 @@ _INFLIGHT_PER_SEQ = 2
 _MAX_PENDING_ERRORS = 256  # commit early when a stretch of bad rows piles up
 _SHOWN_ERRORS = 5
 _WHERE_PREFIXES = ("row ", "line ", "record ")  # how a row error names its row
+_ENGINE_BROKEN_AFTER = 8  # rows failing alone in the engine one after another, none finishing in between
 # Engine options that change speed or memory but not what is generated: a resumed run may change them.
 _THROUGHPUT_ONLY = {
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
@@ -65,6 +67,10 @@ class JobConfig:
 
 class OutputError(ValueError):
     """The output (or the input) cannot be written or read: a read-only folder, a full disk..."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine fails whatever it runs (not one row's fault): the job stops, finished rows kept."""
 
 
 def job_settings(config: JobConfig, input_format: str, input_info: Any, output_shape: str) -> dict[str, Any]:
@@ -142,7 +148,8 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             except KeyboardInterrupt:
                 interrupted = True
             except BaseException:
-                loop.drop_inflight()  # the engine outlives the job (tests, notebooks): leave it empty
+                with contextlib.suppress(Exception):
+                    loop.drop_inflight()  # the engine outlives the job (tests, notebooks): leave it empty
                 raise
             if interrupted:
                 loop.abort()
@@ -232,6 +239,7 @@ class _Loop:
         self.inflight: dict[str, _InFlight] = {}
         self.pending: list[tuple[RowResult, _InFlight | None]] = []  # finished rows (and their flight)
         self.retry: deque[list[RawRow]] = deque()  # rows to run again apart, a group at a time (_isolate)
+        self.lone_failures = 0  # rows that failed alone in the engine since a row last finished
         self.errors: list[str] = []
         from jinja2 import TemplateError  # chat templates can raise their own errors for odd conversations
 
@@ -350,6 +358,7 @@ class _Loop:
             flight.generated_seen = generated
             self.progress.on_tokens(flight.raw.index, prompt, delta)
             if out.finished:
+                self.lone_failures = 0
                 del self.inflight[out.request_id]
                 req = flight.request
                 result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req))
@@ -382,6 +391,11 @@ class _Loop:
         self.drop_inflight()
         rows = sorted((f.raw for f in flights), key=lambda raw: raw.index)
         if len(rows) == 1:
+            self.lone_failures += 1
+            if self.lone_failures >= _ENGINE_BROKEN_AFTER:
+                raise EngineFailure(f"{self.lone_failures} rows in a row failed inside the engine, each on its own, the "
+                                    f"last with {type(error).__name__}: {error}; the engine itself looks broken. The "
+                                    "finished rows are kept: rerun the same command to continue") from error
             flight = flights[0]
             message = f"the engine failed on this row: {type(error).__name__}: {error}"
             self._fail(flight.raw.index, flight.request.row_id, _row_message(flight.raw, RuntimeError(message)), flight.request)
@@ -462,4 +476,4 @@ def _is_device_failure(error: BaseException) -> bool:
     return isinstance(error, fatal) or "CUDA error" in str(error)
 
 
-__all__ = ["JobConfig", "JobSummary", "OutputError", "ResumeError", "run_job", "DEFAULT_MODEL"]
+__all__ = ["JobConfig", "JobSummary", "EngineFailure", "OutputError", "ResumeError", "run_job", "DEFAULT_MODEL"]
