@@ -93,7 +93,7 @@ class PoolingEngine:
         for request_id in ids:
             request = self.requests.pop(request_id, None)
             if request is not None:
-                self.scheduler.finish(request.sequences[0])
+                self.scheduler.abort(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
