@@ -12,6 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# tests/conftest.py pins torch to one thread unless OMP_NUM_THREADS is set (right for 2 busy CI cores); the GPU
+# machine has 16, so the test parts below set 8. The benchmarks keep torch's default.
+export TESTS_OMP=${OMP_NUM_THREADS:-8}
 parts=${*:-tests kernels throughput}
 # Pass COMMIT=<sha> from your checkout: the device's copy of .git can lag the working tree it runs.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -37,7 +40,7 @@ for part in $parts; do
   case $part in
     tests|engine-tests)
       [ "$part" = tests ] && sel=tests/gpu || sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py"
-      timeout 330 python3 -m pytest $sel -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      OMP_NUM_THREADS=$TESTS_OMP timeout 330 python3 -m pytest $sel -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)
       timeout 120 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
     throughput)
@@ -51,7 +54,7 @@ for part in $parts; do
       done
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_fp8.raw" ;;
     quant-tests)  # issue 18's GPU tests alone (also part of "tests")
-      timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
+      OMP_NUM_THREADS=$TESTS_OMP timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
     quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl)
       timeout 280 python3 bench/quant_gemm_bench.py > "$OUT/quant_gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/quant_gemm.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/quant_gemm.raw"; cat "$OUT/quant_gemm.jsonl" ;;
     quant-throughput)  # P3 with quantization="fp8" beside bf16 P3, and 8B 32-sequence decode bf16 / W4A16 / fp8

@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tokenmill, and the random batches of tests/support/
 
+from support.kernel_cases import make_paged_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
-from tokenmill.kernels.testing import make_paged_batch  # noqa: E402
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (KINDS.md)
 
@@ -152,7 +153,7 @@ def run_case(
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
     """The fused qkv prologue vs the unfused sequence (q_norm, k_norm, v copy, rotary, store_kv)."""
     from tokenmill.kernels.reference import qkv_prologue_ref
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.kv_store import store_kv
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
     from tokenmill.kernels.triton.rmsnorm import rms_norm

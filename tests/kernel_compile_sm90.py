@@ -132,7 +132,7 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
 def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None:
     import torch
 
-    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from support.kernel_cases import rope_cos_sin_cache
     from tokenmill.kernels.triton import activation, kv_store, paged_attention, qkv_prologue, rmsnorm, rotary, sampling
 
     start = len(report)

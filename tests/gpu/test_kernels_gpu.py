@@ -112,7 +112,7 @@ def _scenario(name: str, seed: int) -> tuple[list[int], list[int]]:
 
 
 def _batch(scenario: str, heads: str, block_size: int, dtype: torch.dtype, seed: int = 0, **kw: Any) -> Any:
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     num_heads, num_kv_heads, head_dim = HEADS[heads]
     query_lens, seq_lens = _scenario(scenario, seed)
@@ -399,7 +399,7 @@ def test_head_rms_norm_on_qkv_view(dtype: str) -> None:
                          ids=["qwen3", "llama3-8b", "partial-rotary", "tiny"])
 def test_rotary(shape: tuple[int, int, int, int, int], dtype: str) -> None:
     from tokenmill.kernels.reference import rotary_embedding_ref_
-    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from support.kernel_cases import rope_cos_sin_cache
     from tokenmill.kernels.triton.rotary import rotary_embedding_
 
     tokens, hq, hk, dim, rot = shape
@@ -444,7 +444,7 @@ QKV_SHAPES = {  # name: (tokens, heads, block_size, strided qkv)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("shape", list(QKV_SHAPES))
 def test_qkv_prologue(shape: str, qk_norm: bool, dtype: str) -> None:
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
     tokens, heads, block_size, strided = QKV_SHAPES[shape]
@@ -460,7 +460,7 @@ def test_qkv_prologue(shape: str, qk_norm: bool, dtype: str) -> None:
 
 
 def test_qkv_prologue_fp32_into_bf16_cache() -> None:
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
     case = make_qkv_prologue_case(
@@ -487,7 +487,7 @@ def test_layer_fused_matches_unfused(scenario: str, arch: str) -> None:
     rounding contract, so only fp32 summation order may differ), with the Triton attention after both."""
     from tokenmill.attention.metadata import ForwardContext
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import assert_close_per_head, tiny_attention_layer
+    from support.kernel_cases import assert_close_per_head, tiny_attention_layer
 
     dt = _dtype("bfloat16")
     num_heads, num_kv_heads, head_dim = HEADS["qwen3-0.6b"]
@@ -515,7 +515,7 @@ def test_forward_qkv_never_syncs_and_replays_in_a_graph() -> None:
     from tokenmill.attention.metadata import QKVPrologue
     from tokenmill.attention.triton_backend import TritonAttentionBackend
     from tokenmill.kernels import reference
-    from tokenmill.kernels.testing import assert_close_per_head, rope_cos_sin_cache
+    from support.kernel_cases import assert_close_per_head, rope_cos_sin_cache
 
     dt = torch.bfloat16
     batch = _batch("decode256", "qwen3-0.6b", 16, dt, seed=8, num_pad_tokens=5)
