@@ -248,3 +248,21 @@ def cross_encoder_llm(tiny_cross_encoder_dir):
     from tokenmill import LLM
 
     return LLM(str(tiny_cross_encoder_dir), **POOLING_ENGINE)
+
+
+# --- Ray: one local cluster for the whole test session ------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster with 2 CPUs and no dashboard, started once and shared by every Ray test
+    (starting one costs ~10 s); the tests skip when ray is not installed."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    if started:
+        ray.shutdown()

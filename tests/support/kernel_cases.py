@@ -140,6 +140,46 @@ def make_paged_batch(
 
 
 @dataclass
+class VarlenBatch:
+    """A pooling step's packed prompts: q, k, v strided views of one random qkv projection output."""
+
+    qkv: torch.Tensor  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+    q: torch.Tensor  # [T, num_heads, head_dim]
+    k: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor  # [T, num_kv_heads, head_dim]
+    cu_seqlens: torch.Tensor  # [B + 1] int32
+
+
+def make_varlen_batch(
+    lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    num_pad_tokens: int = 0,
+    seed: int = 0,
+) -> VarlenBatch:
+    """Sequences of ``lens`` tokens packed back to back (a 0 is an empty sequence), then
+    ``num_pad_tokens`` rows that belong to no sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lens) + num_pad_tokens
+    qkv = torch.randn((tokens, (num_heads + 2 * num_kv_heads) * head_dim), generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return VarlenBatch(
+        qkv=qkv,
+        q=q.view(tokens, num_heads, head_dim),
+        k=k.view(tokens, num_kv_heads, head_dim),
+        v=v.view(tokens, num_kv_heads, head_dim),
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
+    )
+
+
+@dataclass
 class QKVPrologueCase:
     """Inputs of ``qkv_prologue`` (one layer's qkv output, rope cache, paged cache, slots, norm
     weights) and the check of a kernel's results against the twin ``reference.qkv_prologue_ref``."""

@@ -10,6 +10,9 @@ left is the largest of three estimates, each at this run's recent rate:
     generated tokens left / generated tokens per second
     the longest running row's tokens left / steps per second   (one token per row per step)
 
+(With several engines side by side, ``--replicas``, their steps add up: a row advances at one
+engine's step rate, the total over ``engines``.)
+
 The last one matters at the tail, when the few long rows left decide the time. On a terminal the
 line is redrawn in place a few times a second; otherwise (a log file, CI) a plain line is printed
 every ``log_interval`` seconds.
@@ -62,8 +65,10 @@ class _Row:
 
 class Progress:
     def __init__(self, total_rows: int | None, resumed_rows: int = 0, stream: TextIO | None = None,
-                 enabled: bool = True, log_interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
+                 enabled: bool = True, log_interval: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 engines: int = 1):
         self.total_rows = total_rows
+        self.engines = max(engines, 1)  # engines whose steps are counted (replicas)
         self.resumed_rows = resumed_rows
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
@@ -169,6 +174,7 @@ class Progress:
         if rates is None:
             return None
         prompt_rate, generated_rate, step_rate = rates
+        step_rate /= self.engines
         expected = _Expectation(self._fractions)
         generated_left, longest = 0.0, 0.0
         for row in self.rows.values():
