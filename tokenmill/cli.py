@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any, Sequence
 
-from tokenmill.batch.job import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
+from tokenmill.batch.config import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
 from tokenmill.batch.pooling import DEFAULT_EMBEDDING_MODEL, POOLING_JOB_TASKS
 from tokenmill.batch.readers import INPUT_FORMATS
 
@@ -367,7 +367,7 @@ def _why_empty(completion: Any, chat: bool, has_template: bool) -> str:
 
 
 def _defaults(llm: Any) -> dict[str, Any]:
-    from tokenmill.batch.job import base_sampling
+    from tokenmill.batch.loop import base_sampling
 
     return base_sampling(llm, {})
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.batch.job import JobConfig
+    from tokenmill.batch.config import JobConfig
     from tokenmill.batch.progress import Progress
 
 ProgressEvent = tuple[str, tuple[Any, ...]]  # (Progress method name, its arguments)
