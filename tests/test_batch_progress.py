@@ -124,3 +124,47 @@ def test_disabled_prints_nothing():
 
 def test_format_duration():
     assert [format_duration(s) for s in (0, 59.4, 61, 3600 * 2 + 65)] == ["0s", "59s", "1m01s", "2h01m"]
+
+
+def test_replicas_progress_replayed_on_the_parent_matches_one_progress():
+    """--replicas: each replica records its progress calls (decode tokens summed per row between
+    flushes) and the parent replays them; with the steps of two engines counted per engine, the
+    parent's line reads as one Progress fed every call directly."""
+    from tokenmill.batch.replica_messages import ProgressRecorder, replay_progress
+
+    clock, rng = Clock(), random.Random(1)
+    lengths = [rng.randint(1, 20) for _ in range(30)]
+    direct = Progress(total_rows=len(lengths), stream=io.StringIO(), clock=clock)
+    parent = Progress(total_rows=len(lengths), stream=io.StringIO(), clock=clock, engines=2)
+    recorders = [ProgressRecorder(), ProgressRecorder()]
+    waiting = list(enumerate(lengths))
+    running: dict[int, list[int]] = {}
+    while waiting or running:
+        for shard, recorder in enumerate(recorders):  # two engines, one step each per tick
+            mine = [key for key in running if key % 2 == shard]
+            for key, length in [w for w in waiting if w[0] % 2 == shard][: 3 - len(mine)]:
+                waiting.remove((key, length))
+                running[key] = [length, 0]
+                for p in (direct, recorder):
+                    p.on_submitted(key, 20)
+            for key in [key for key in running if key % 2 == shard]:
+                state = running[key]
+                for p in (direct, recorder):
+                    p.on_tokens(key, 7 if state[1] == 0 else 0, 1)
+                state[1] += 1
+                if state[1] == state[0]:
+                    for p in (direct, recorder):
+                        p.on_row_done(key, failed=key == 5)
+                    del running[key]
+            recorder.on_step()
+            if rng.random() < 0.4:
+                replay_progress(recorder.take(), parent)
+        direct.on_step()
+        clock.now += 0.1
+        for recorder in recorders:
+            replay_progress(recorder.take(), parent)
+        a, b = direct.snapshot(), parent.snapshot()
+        assert (a.rows_done, a.failed, direct.prompt_tokens, direct.generated_tokens, direct.inflight) == \
+               (b.rows_done, b.failed, parent.prompt_tokens, parent.generated_tokens, parent.inflight)
+        assert (a.eta_s is None) == (b.eta_s is None) and (a.eta_s is None or abs(a.eta_s - b.eta_s) < 1e-6)
+    assert parent.rows_done == len(lengths) and parent.failed == 1 and parent.inflight == 0
