@@ -348,3 +348,28 @@ def test_a_missing_column_fails_before_the_model_loads(tmp_path, fmt):
         with pytest.raises(ValueError, match=needle) as info:
             run_job(JobConfig(prompt=prompt, **base))
         assert "title" in str(info.value)  # the columns there are
+
+
+def test_a_read_only_output_folder_exits_2_with_advice(tmp_path, capsys, monkeypatch):
+    """As a read-only folder answers (faked: root may write anywhere): EACCES for whatever the job
+    creates in it. Exit 2, the file named, what to do, no traceback."""
+    from tokenmill.cli import main
+
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": TEXTS[0]}])
+    mkdir, open_ = os.mkdir, os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).startswith(str(folder)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return (open_ if refuse.call == "open" else mkdir)(path, *args, **kwargs)
+
+    for call, real in (("mkdir", mkdir), ("open", open_)):
+        refuse.call = call
+        monkeypatch.setattr(os, call, refuse)
+        code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(folder / "out.jsonl"), "--no-progress"])
+        monkeypatch.setattr(os, call, real)
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        assert f"cannot write {folder / 'out.jsonl'}" in err and "folder you can write to" in err, err
