@@ -3,16 +3,21 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [quant-gemm] [quant-throughput]
-#   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6] [ray]
+#   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
+#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [ray]
+#   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
-#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). ray: P1 through
-#   tokenmill.ray against plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried.
+#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
+#   workload with tutorial sampling settings (bench/workload_bench.py). ray: P1 through tokenmill.ray against
+#   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off in every part (device README: a program using it can take a shared host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # tests/conftest.py pins torch to one thread unless OMP_NUM_THREADS is set (right for 2 busy CI cores); the GPU
 # machine has 16, so the test parts below set 8. The benchmarks keep torch's default.
 export TESTS_OMP=${OMP_NUM_THREADS:-8}
@@ -65,10 +70,22 @@ for part in $parts; do
         RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
+    controls-tests)  # issue 17's GPU tests alone (also part of "tests"): sleep memory, wake/reload/update, cpu_offload, profiler
+      timeout 300 python3 -m pytest tests/gpu/test_engine_controls_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/controls_tests.log" | tail -15 ;;
+    offload)  # what cpu_offload_gb costs: 64x128 greedy decode with none / half of the weights streamed from pinned CPU memory
+      for run in "qwen3-0.6b 0" "qwen3-0.6b 0.5" "llama3-8b 0" "llama3-8b 0.5"; do
+        RESULTS="$OUT/offload.raw" timeout 200 python3 bench/offload_bench.py $run 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
-    sampler)
-      timeout 60 python3 bench/sampler_bench.py --device cuda --repeats 20 2>&1 | tee "$OUT/sampler.txt" ;;
+    sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
+      timeout 150 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
+      grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
+    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all
+      [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
+      RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape 2>&1 | grep '^{'
+      tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
     timeline)
@@ -112,21 +129,31 @@ for part in $parts; do
       done
       tag "$OUT/ray.raw" "$OUT/throughput.jsonl"; : > "$OUT/ray.raw"
       PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout 200 python3 -m pytest tests/gpu/test_ray_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ray_tests.log" | tail -4 ;;
+    tp2)  # two GPUs: the tensor-parallel GPU tests (NCCL all-reduces in decode graphs), then P3 at TP=2 beside P3 at TP=1
+      OMP_NUM_THREADS=$TESTS_OMP timeout 330 python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_nccl_graphs_gpu.py \
+        -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/tp2_tests.log" | tail -8
+      RESULTS="$OUT/tp2.raw" timeout 170 python3 bench/peer_bench.py tokenmill llama3-8b nano 2>&1 | grep '^{'
+      RESULTS="$OUT/tp2.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 python3 bench/peer_bench.py tokenmill_tp2 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -3
+      tag "$OUT/tp2.raw" "$OUT/throughput.jsonl"; : > "$OUT/tp2.raw" ;;
     vllm-unpack)  # join the bundle's parts (carried in .vllmchunk/, possibly over two calls) into /tmp/vllm-site
       if [ ! -d /tmp/vllm-site/vllm ]; then
         mkdir -p /tmp/vllm-site
         cat /tmp/vllmchunk/*.part* .vllmchunk/*.part* 2>/dev/null | xz -d | tar -C /tmp/vllm-site -xf - || echo "vllm bundle: unpack failed"
       fi ;;
-    vllm|vllm-p4p5|vllm-p6)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
+        vllm-tp2)  # P3 at TP=2 (two GPUs); its all-reduce without symmetric memory (multicast stays off)
+              VLLM_ALLREDUCE_USE_SYMM_MEM=0 RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 400 \
+                python3 bench/peer_bench.py vllm_tp2 llama3-8b nano 2>&1 | tail -3 ;;
         vllm) for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
                 RESULTS="$OUT/vllm.raw" timeout 250 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p4p5) for run in "qwen3-0.6b sampling prefill" "llama3-8b sampling"; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
+        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b 2>&1 | grep '^{' ;;
       esac
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm.raw" ;;
   esac

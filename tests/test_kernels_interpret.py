@@ -215,6 +215,13 @@ for _dt in ("float32", "float16"):
     for _vocab in (37, 2048, 5003):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
+# Penalties, logit bias, top-k / top-p / min-p and the draw (three kernels and the draw): one row of
+# each kind (see _check_sample_tokens), over vocabularies that hold a wide row's bracket at once
+# (5003) or need sweeps to narrow it (20000, past the 8,192-token bracket).
+_case("sample_tokens", "sample-tokens-v5003-float32", dtype="float32", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v5003-float16", dtype="float16", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", vocab=20000, rows=[0, 3, 5, 11])
+
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 
@@ -224,7 +231,7 @@ CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm
 SLOW_CASES = {
     "attn-mixed-260seqs-bq4-float16": 51, "attn-random3-float32": 46, "attn-decode-260seqs-g2-d32-float32": 37,
     "attn-prefill-auto-bs16-g4-d128-float32": 26, "attn-random6-float16": 19, "attn-random7-float32": 18,
-    "attn-random2-float16": 11,
+    "attn-random2-float16": 11, "sample-tokens-v5003-float16": 15,
 }
 assert SLOW_CASES.keys() <= CASES.keys(), "a slow case that is not a case"
 
@@ -654,6 +661,36 @@ def _check_gumbel_argmax(p: dict[str, Any]) -> None:
     assert len(set(draws.tolist())) > 8, draws.tolist()
 
 
+def _check_sample_tokens(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import sample_ref
+    from support.kernel_cases import sampling_rows
+    from tokenmill.kernels.triton.sampling import sample_tokens
+
+    logits, temperature, keys, counters, filters, state = sampling_rows(p["vocab"], getattr(torch, p["dtype"]), p["vocab"])
+    if p["rows"] is not None:  # a subset of the rows (the state tables stay whole)
+        take = torch.tensor(p["rows"])
+        logits, temperature, keys, counters = (t[take] for t in (logits, temperature, keys, counters))
+        filters = type(filters)(*(f[take] for f in filters))
+        state = state._replace(**{name: getattr(state, name)[take] for name in
+                                  ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+    got = sample_tokens(logits, temperature, keys, counters, filters, state)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    if p["rows"] is not None:
+        return
+    # Each row depends on its own inputs only: a row alone draws what it drew in the batch.
+    for row in (1, 9):
+        alone = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
+        one_filters = type(filters)(*(f[row : row + 1] for f in filters))
+        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
+                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        assert sample_tokens(*alone, one_filters, one_state).tolist() == got[row : row + 1].tolist()
+    # Without filters or state, the plain draw matches its twin too.
+    assert sample_tokens(logits, temperature, keys, counters).tolist() == sample_ref(logits, temperature, keys, counters).tolist()
+
+
 def _check_launch_configs(p: dict[str, Any]) -> None:
     import random
 
@@ -737,6 +774,7 @@ _CHECKS = {
     "layer_norm": _check_layer_norm,
     "silu_and_mul": _check_silu_and_mul,
     "gumbel_argmax": _check_gumbel_argmax,
+    "sample_tokens": _check_sample_tokens,
     "qkv_prologue": _check_qkv_prologue,
     "layer": _check_layer,
     "lazy_import": _check_lazy_import,

@@ -22,6 +22,10 @@ class MadeUpRequest:
     params: SamplingParams
     needs_prompt_logprobs: bool = False
 
+    @property
+    def sampler_needs(self) -> int:
+        return self.params.sampler_needs
+
 
 @dataclass
 class MadeUpSequence:
