@@ -7,6 +7,7 @@
 #   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [ray]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
+#   [kernels-p5] [p5-overlap] [p3-overlap]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -109,6 +110,15 @@ for part in $parts; do
         RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
+    kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep
+      timeout 240 python3 bench/kernels_bench.py --p5 --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
+      cat "$OUT/kernels_p5.raw"; : > "$OUT/kernels_p5.raw" ;;
+    p3-overlap|p5-overlap)  # two micro-batches on two streams (TOKENMILL_OVERLAP): the run without, then with
+      [ "$part" = p3-overlap ] && run="llama3-8b nano" places=decode || run="qwen3-0.6b prefill" places=mixed
+      RESULTS="$OUT/overlap.raw" timeout 200 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -2
+      RESULTS="$OUT/overlap.raw" TOKENMILL_OVERLAP=$places PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 \
+        python3 bench/peer_bench.py tokenmill_overlap $run 2>&1 | grep -v "^\s*$" | tail -2
+      tag "$OUT/overlap.raw" "$OUT/throughput.jsonl"; : > "$OUT/overlap.raw" ;;
     p6-host)  # the pooling engine's host µs per request on this machine's CPU (forward stubbed), both P6 input shapes
       for shape in bert qwen3; do
         timeout 120 python3 bench/pooling_host_bench.py $shape >> "$OUT/pooling_host.raw" 2>>"$OUT/suite.log"

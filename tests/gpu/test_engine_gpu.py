@@ -114,6 +114,26 @@ def test_cuda_graphs_equal_eager(gpu_models):
         assert a == b
 
 
+def test_two_micro_batches_equal_one_batch_on_gpu(gpu_models, monkeypatch):
+    """TOKENMILL_OVERLAP (two micro-batches on two streams): decode graphs of >= 64 rows cut in
+    halves and mixed steps cut between decodes and prompt chunks give the tokens of the one-batch
+    engine (fp32, so the different GEMM shapes cannot flip ties), greedy and seeded."""
+    path = gpu_models["llama"]
+    inputs = [{"prompt_token_ids": p} for p in _prompts(90, seed=13)]
+    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=96, max_num_batched_tokens=700,
+                   gpu_memory_utilization=0.3, dtype="float32")
+    one = LLM(path, **options)
+    monkeypatch.setenv("TOKENMILL_OVERLAP", "decode,mixed")
+    two = LLM(path, **options)
+    runner = two.llm_engine.executor.runner
+    assert runner.overlap.decode and runner.overlap.mixed and runner.graphs.side_stream is not None
+    for params in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, detokenize=False),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True, detokenize=False)):
+        expected = [o.outputs[0].token_ids for o in one.generate(inputs, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in two.generate(inputs, params, use_tqdm=False)]
+        assert got == expected
+
+
 def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
     """Step N+1 runs on the GPU while the host reads step N back: same tokens as reading every
     step back first (fp32, so batch-shape changes cannot flip ties), with sequences stopping
@@ -217,8 +237,9 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
     _check_teacher_forced(prompts, outputs, reference_logprobs, slack=0.02)
 
 
+@pytest.mark.parametrize("overlap", ["", "decode,mixed"], ids=["one-batch", "micro-batches"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager):
+def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, overlap, monkeypatch):
     """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
     (chunked prefill, prefix hits, decode at every batch size, greedy, sampled, filtered and
     penalised rows) compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
@@ -232,6 +253,7 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager):
                   tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("TOKENMILL_OVERLAP", overlap)  # micro-batches: B's fresh metadata, halves' split counts
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
               max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1)
     rng = random.Random(5)

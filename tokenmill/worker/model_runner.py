@@ -28,6 +28,7 @@ from tokenmill.engine.step import (
 from tokenmill.sampling_params import SamplerNeeds, SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
+from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, PenaltyState, step_rows
 
@@ -45,6 +46,7 @@ class ModelRunner:
         vocab_size: int,
         seed: int,
         kv_cache_dtype: torch.dtype,
+        overlap: Overlap = Overlap(),
     ):
         self.model = model
         self.backend = backend
@@ -75,6 +77,9 @@ class ModelRunner:
         self.penalties = PenaltyState(vocab_size, device, is_done)
         self.logit_bias = LogitBiasState(vocab_size, device, is_done)
         self.bad_words = BadWordState(device, is_done)
+        # Two micro-batches on two streams (an experiment, off by default: micro_batches.py).
+        self.overlap = overlap
+        self._side_stream = torch.cuda.Stream(device) if overlap.mixed and device.type == "cuda" else None
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -116,7 +121,8 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
+            self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device,
+            overlap=self.overlap.decode,
         )
         self.graphs.capture()
 
@@ -166,6 +172,12 @@ class ModelRunner:
         batch = self._sampling_batch([s.seq for s in sampled]) if sampled else None
         if self.graphs is not None and meta.is_pure_decode and meta.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        elif self.overlap.mixed and not meta.is_pure_decode and 0 < meta.num_leading_decodes < meta.num_seqs:
+            # The decodes (memory-bound attention) beside the prompt chunks (compute-bound GEMMs).
+            hidden = forward_micro_batches(
+                self.model, input_ids, positions, meta, self.kv_caches, self.backend, meta.num_leading_decodes,
+                self._side_stream,
+            )
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(input_ids, positions, ctx)
