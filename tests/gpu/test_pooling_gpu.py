@@ -63,7 +63,7 @@ def test_qwen3_embedder_on_gpu_bf16(tiny_qwen3_dir, random_sentences):
     from transformers import AutoModel, AutoTokenizer
 
     llm = LLM(str(tiny_qwen3_dir), runner="pooling", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=512)
-    texts = random_sentences(50, seed=24, high=80)
+    texts = random_sentences(50, seed=24, high=60)  # at most 218 tokens: the tiny model has 256 positions
     outputs = llm.embed(texts, use_tqdm=False)
     hf = AutoModel.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).cuda().eval()
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
@@ -99,7 +99,8 @@ def test_steps_never_sync_and_compile_nothing_after_warm_up(model, tiny_bert_emb
     llm = LLM(str(path), runner="pooling", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=512)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(5)
-    prompts = [{"prompt_token_ids": torch.randint(5, 200, (int(n),), generator=gen).tolist()}
+    vocab = engine.config.vocab_size  # 133 for the tiny BERT, 289 for the tiny Qwen3
+    prompts = [{"prompt_token_ids": torch.randint(5, vocab, (int(n),), generator=gen).tolist()}
                for n in torch.randint(1, 48, (80,), generator=gen)]
     llm.embed(prompts[:4], use_tqdm=False)  # warm-up: compiles
     torch.cuda.synchronize()

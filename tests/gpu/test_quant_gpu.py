@@ -80,6 +80,8 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
         xq, x_scale = quantize_fp8(x)
         want_q, want_s = quantize_fp8_ref(x)
+        # Independent of the twin: max |x| / 448 correctly rounded (fp64 quotient rounded once to fp32).
+        assert torch.equal(x_scale, (x.float().abs().amax(dim=1).double() / 448.0).float()), f"M={m}"
         assert torch.equal(x_scale, want_s) and torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)), f"M={m}"
         want = fp8_linear_ref(xq, x_scale, wq, w_scale, None, torch.bfloat16)
         got = fp8_gemm(xq, x_scale, wq, w_scale, None, torch.bfloat16)
@@ -145,7 +147,8 @@ def test_quantized_checkpoint_matches_hf_on_reference_weights_on_gpu(tmp_path, k
         folder, reference = compressed_tensors_checkpoint(tmp_path, preset)
     else:
         folder, reference = gptq_awq_checkpoint(tmp_path, kind, symmetric=kind == "gptq")
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, dtype="bfloat16")
+    # The tiny checkpoints have 256 positions; the prompts take at most 150 + 8.
+    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, gpu_memory_utilization=0.3, dtype="bfloat16")
     slack = 0.5 if "fp8" in kind else 0.15
     clear, agree, worst = _teacher_forced(llm, functools.partial(_hf_logprobs, str(reference), torch.float32),
                                           _prompts(6), 8, slack)
@@ -155,7 +158,15 @@ def test_quantized_checkpoint_matches_hf_on_reference_weights_on_gpu(tmp_path, k
 def test_fp8_engine_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
     """quantization="fp8" (weights per channel, activations per token, fp8 tensor cores) on a bf16
     checkpoint, teacher-forced against HF bf16 on the original weights: top-1 agreement >= 97% of the
-    positions where HF's top two are more than 0.25 apart."""
+    positions where HF's top two are more than 1.0 apart.
+
+    The margin comes from fp8's own noise on this model: e4m3 keeps 3 mantissa bits (a rounding
+    error up to 1/16 of each weight and activation), which through 4 random layers moves each
+    logprob by ~0.2 (std), so the difference of two logits by ~0.28. Plain-torch W8A8 on the CPU
+    (quantize_rows weights, quantize_fp8_ref activations, fp32 products) agrees with bf16 on only
+    86.5% of the positions more than 0.25 apart (the GPU engine: 81 of 94, 86%), and its largest
+    gap at a disagreement was 0.63; a 1.0 margin is ~3.5 sigma. Only ~7% of this model's positions
+    are that clear, hence 64 prompts (~70 expected)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tokenmill import LLM
@@ -169,9 +180,9 @@ def test_fp8_engine_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
             param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.04)
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, quantization="fp8")
-    prompts = [[random.Random(i).randrange(1, 1024) for _ in range(20 + 30 * i)] for i in range(12)]
-    clear, agree, _ = _teacher_forced(llm, functools.partial(_hf_logprobs, str(tmp_path), torch.bfloat16), prompts, 16, 0.25)
-    assert clear >= 50 and agree >= 0.97 * clear, (clear, agree)
+    prompts = [[random.Random(i).randrange(1, 1024) for _ in range(20 + 30 * (i % 12))] for i in range(64)]
+    clear, agree, _ = _teacher_forced(llm, functools.partial(_hf_logprobs, str(tmp_path), torch.bfloat16), prompts, 16, 1.0)
+    assert clear >= 30 and agree >= 0.97 * clear, (clear, agree)
 
 
 def test_kv_cache_gets_the_memory_quantized_weights_free(tmp_path):

@@ -352,7 +352,11 @@ def quantize_fp8_ref(x: torch.Tensor, static_scale: torch.Tensor | None = None) 
     if static_scale is not None:
         scales = static_scale.float().reshape(1).expand(x.shape[0])
     else:
-        scales = torch.clamp(xf.abs().amax(dim=1) / 448.0, min=1.0 / (448.0 * 512.0))
+        amax = xf.abs().amax(dim=1)
+        # Divided by a tensor, not the number 448: on CUDA torch divides by a Python scalar as a
+        # multiplication by its rounded reciprocal, an ulp off the correctly rounded quotient on
+        # ~60% of rows; tensor / tensor is IEEE division on every device, as the kernel's div_rn.
+        scales = torch.clamp(amax / torch.full_like(amax, 448.0), min=1.0 / (448.0 * 512.0))
     codes = (xf / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return codes, scales.contiguous()
 
