@@ -60,6 +60,9 @@ class EngineArgs:
     convert: str = "auto"  # "auto" | "none" | "embed" | "classify"
     task: str | None = None  # vLLM's older spelling: "generate" | "embed" | "classify" | "score"
     pooler_config: Any = None  # a PoolerConfig or a dict of its fields
+    # Every request's logits a function of its own tokens only, bit for bit, whatever else is in the
+    # batch, chunking or prefix-cache hits (batch-invariant kernels; docs/batch.md says what it costs).
+    deterministic: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -105,6 +108,11 @@ class EngineArgs:
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",
         )
+        _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "True or False")
+        _check(
+            not self.deterministic or self.tensor_parallel_size == 1, "deterministic", self.deterministic,
+            "False with tensor_parallel_size > 1 (an all-reduce's summation order depends on its size)",
+        )
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,7 @@ class EngineConfig:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    deterministic: bool = False  # batch-invariant kernels (tokenmill/kernels/batch_invariant.py)
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -216,6 +225,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
         tensor_parallel_size=args.tensor_parallel_size,
+        deterministic=args.deterministic,
     )
 
 

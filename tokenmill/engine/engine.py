@@ -50,6 +50,8 @@ class LLMEngine:
         )
         self.config: EngineConfig = create_engine_config(args, self.source)
         pooling_config = resolve_pooling(args, self.source)  # None: a generative model
+        if pooling_config is not None and args.deterministic:
+            raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
         if pooling_config is not None:
             self.config = pooling_config.engine_config(self.config, args)
         self.model_config = self.config  # vLLM code reads llm_engine.model_config.max_model_len

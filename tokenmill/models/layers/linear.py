@@ -54,6 +54,9 @@ def _new_param(shape: tuple[int, ...], loader: Any) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along its output dim; each rank returns its slice of y."""
 
+    # The product itself; deterministic mode swaps in a batch-invariant one (kernels/batch_invariant.py).
+    matmul = staticmethod(F.linear)
+
     def __init__(
         self,
         input_size: int,
@@ -79,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -168,6 +171,8 @@ class RowParallelLinear(nn.Module):
     added once, after the reduction, so it is not counted ``tp_size`` times.
     """
 
+    matmul = staticmethod(F.linear)  # as in ColumnParallelLinear
+
     def __init__(
         self,
         input_size: int,
@@ -195,7 +200,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight)
         if self.tp_size > 1 and self.reduce_results:
             torch.distributed.all_reduce(y, group=self.tp_group)
         # Without the reduction the caller sums the ranks' outputs, so only rank 0 adds the bias.
