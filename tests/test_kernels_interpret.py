@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+import kernel_checks_deterministic as deterministic
 import kernel_compile_sm90 as sm90
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +192,7 @@ for _dt in ("float32", "float16"):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
+CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +225,7 @@ def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]
     compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
     interpreted = [n for n in selected if CASES[n][0] != "compile_sm90"]
     # Attention cases are the slow ones: deal them round-robin so both workers finish together.
-    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer"))
+    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer", "det_attention"))
     shards = [interpreted[0::2], interpreted[1::2]]
     procs = [_spawn(shard, interpret=True) for shard in shards if shard]
     if compiled:
@@ -615,6 +617,7 @@ _CHECKS = {
     "lazy_import": _check_lazy_import,
     "launch_configs": _check_launch_configs,
     "precompile": _check_precompile,
+    **deterministic.CHECKS,
 }
 
 

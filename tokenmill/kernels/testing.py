@@ -316,8 +316,8 @@ def patch_triton_interpreter_for_numpy() -> None:
 
 @contextlib.contextmanager
 def interpreter_dot_in_fixed_order() -> Iterator[None]:
-    """Under TRITON_INTERPRET=1, make ``tl.dot`` compute every output element by the same chain of fp32
-    multiply-adds over k in order, whatever its row or column in the tile.
+    """Under TRITON_INTERPRET=1, make ``tl.dot`` compute every row of its output by a call of its own, so
+    a row's bits do not depend on its place in the tile or on the other rows.
 
     A tensor-core MMA computes each element of its tile the same way wherever the element sits; the
     interpreter's dot is a numpy (BLAS) matmul whose rounding depends on the row's place in the tile
@@ -335,9 +335,9 @@ def interpreter_dot_in_fixed_order() -> Iterator[None]:
         if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8 operands: as before
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         a32, b32 = a.data.astype(np.float32), b.data.astype(np.float32)
-        acc = d.data.astype(np.float32)  # a new array
-        for k in range(a32.shape[-1]):
-            acc += a32[..., :, k : k + 1] * b32[..., k : k + 1, :]
+        # One product per row: each row's call is the same whatever the other rows hold.
+        rows = [np.matmul(a32[..., i : i + 1, :], b32) for i in range(a32.shape[-2])]
+        acc = np.concatenate(rows, axis=-2) + d.data.astype(np.float32)
         return interpreter.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
 
     builder.create_dot = create_dot
