@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from tokenmill.batch.journal import Journal, ResumeError, fingerprint, sidecar_dir
+from tokenmill.batch.journal import Journal, ResumeError, fingerprint, recorded_settings, sidecar_dir
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
 from tokenmill.batch.pooling import PoolingRows, pooling_parquet_schema, pooling_records
 from tokenmill.batch.progress import Progress, format_duration
@@ -145,6 +145,7 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
     out_fmt = output_format(output)
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
+    config = keep_deterministic(config, stderr)
     settings = job_settings(config, fmt, info, shape)
     data_path = output if out_fmt == "jsonl" else os.path.join(sidecar_dir(output), "staging.jsonl")
     with Journal.open(output, data_path, settings, overwrite=config.overwrite, fsync_interval=config.fsync_interval) as journal:
@@ -185,6 +186,22 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
             run_s=time.monotonic() - run_started, complete=not interrupted, interrupted=interrupted,
             repaired_bytes=journal.repaired_bytes, errors=errors,
         )
+
+
+def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:
+    """A deterministic run resumed without saying so stays deterministic: the journal recorded
+    ``deterministic`` among its engine settings, and the rows written before and after a resume
+    must come from the same kernels. An explicit ``deterministic=False`` against such a journal is
+    a settings change (refused); otherwise False is dropped, so it matches a run that never said."""
+    explicit = config.engine.get("deterministic")
+    recorded = not config.overwrite and bool(((recorded_settings(config.output) or {}).get("engine") or {}).get("deterministic"))
+    if explicit is None and recorded:
+        if stderr is not None:
+            print(f"resuming a deterministic run: {config.output} continues in deterministic mode", file=stderr)
+        return dataclasses.replace(config, engine={**config.engine, "deterministic": True})
+    if explicit is False and not recorded:
+        return dataclasses.replace(config, engine={k: v for k, v in config.engine.items() if k != "deterministic"})
+    return config
 
 
 def load_llm(config: JobConfig) -> Any:
