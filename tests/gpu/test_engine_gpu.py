@@ -205,8 +205,8 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
     _check_teacher_forced(prompts, outputs, reference_logprobs, slack=0.02)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager):
+@pytest.mark.parametrize("enforce_eager, deterministic", [(False, False), (True, False), (False, True)])
+def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, deterministic):
     """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
     (chunked prefill, prefix hits, decode at every batch size, greedy, sampled and top-p rows)
     compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
@@ -221,7 +221,8 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager):
                   hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
-              max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1)
+              max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1,
+              deterministic=deterministic)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 3000) for _ in range(rng.choice([1, 2, 5, 9, 17, 100, 700, 1500]))] for _ in range(60)]
     prompts += [prompts[6][:600] + p[:3] for p in prompts[:5]]  # prefix hits
