@@ -102,3 +102,19 @@ def test_killed_and_resumed_deterministic_run_writes_the_uninterrupted_lines(tmp
     assert proc.returncode == 0, err
     assert "continues in deterministic mode" in err and "resumed:" in err
     assert sorted(output.read_bytes().splitlines()) == expected
+
+
+def test_keep_deterministic_reads_the_journal(tmp_path):
+    """The mode a journal recorded wins over a missing flag; an explicit False matches a run that never said."""
+    from tokenmill.batch.job import JobConfig, keep_deterministic
+
+    output = tmp_path / "out.jsonl"
+    fresh = JobConfig(input="in.jsonl", output=str(output), engine={"deterministic": False, "dtype": "bfloat16"})
+    assert keep_deterministic(fresh).engine == {"dtype": "bfloat16"}
+    state = Path(str(output) + ".tokenmill")
+    state.mkdir()
+    (state / "state.json").write_text(json.dumps({"settings": {"engine": {"deterministic": True}}}))
+    assert keep_deterministic(JobConfig(input="in.jsonl", output=str(output))).engine == {"deterministic": True}
+    assert keep_deterministic(fresh).engine == {"deterministic": False, "dtype": "bfloat16"}  # then refused as a change
+    overwrite = JobConfig(input="in.jsonl", output=str(output), overwrite=True)
+    assert keep_deterministic(overwrite).engine == {}
