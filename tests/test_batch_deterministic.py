@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from test_batch_resume import lines_in, wait_until
+
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 24
 WORDS = "a light rain fell on the quiet town while the old clock struck nine and dogs barked".split()
@@ -37,21 +39,6 @@ def command(input_path: Path, output: Path, model: Path, *extra: str) -> list[st
 def start(cmd: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def lines_in(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
-def wait_until(proc: subprocess.Popen, ready, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, f"the job ended before the kill point: {proc.communicate()}"
-        assert time.monotonic() < deadline, "the job made no progress"
-        time.sleep(0.002)
 
 
 @pytest.mark.slow  # seven engine starts in subprocesses (without --deterministic, 14 of the 24 lines differ)
@@ -86,7 +73,7 @@ def test_killed_and_resumed_deterministic_run_writes_the_uninterrupted_lines(tmp
         # The second attempt resumes without the flag: the journal keeps the run deterministic.
         flags = [] if attempt == 1 else ["--deterministic"]
         proc = start(command(input_path, output, tiny_qwen3_dir, *flags))
-        wait_until(proc, ready)
+        wait_until(proc, ready, timeout=180)
         time.sleep(rng.random() * 0.05)  # somewhere inside the step that follows
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)

@@ -110,6 +110,14 @@ def _locate_rows(
 
 
 @triton.jit
+def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM: tl.constexpr):
+    """q[token, head] of the tile's rows (0 for invalid rows)."""
+    dims = tl.arange(0, HEAD_DIM)
+    rows = q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head
+    return tl.load(rows + dims[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _attend_tiles(
     q,
     k_cache_ptr,
@@ -156,6 +164,33 @@ def _attend_tiles(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _store_normalised(out_ptr, acc, l, token, head, valid, stride_o_tok, stride_o_head, HEAD_DIM: tl.constexpr):
+    """out[token, head] = acc / l for the valid rows. A real row saw at least its own key, so l > 0
+    there (the guard is for padded rows and malformed padding sequences: 0, not NaN)."""
+    dims = tl.arange(0, HEAD_DIM)
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+@triton.jit
+def _store_partial(
+    part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, head, valid, slot,
+    stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM: tl.constexpr,
+):
+    """The unnormalised (acc, m, l) of the valid rows, in partial slot ``slot`` (a split or a key part)."""
+    dims = tl.arange(0, HEAD_DIM)
+    pa = part_acc_ptr + token * stride_pa_tok + head * stride_pa_head + slot * stride_pa_split
+    tl.store(pa[:, None] + dims[None, :], acc, mask=valid[:, None])
+    pml = token * stride_pml_tok + head * stride_pml_head + slot
+    tl.store(part_m_ptr + pml, m, mask=valid)
+    tl.store(part_l_ptr + pml, l, mask=valid)
 
 
 # Host ints that change from step to step are not specialised on (Triton would otherwise compile a
@@ -206,12 +241,7 @@ def _paged_attention_kernel(
     )
     if q_first >= query_len:
         return  # a spare program of the static grid
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
+    q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
     # This split's share of the block's key tiles.
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -223,21 +253,11 @@ def _paged_attention_kernel(
     )
 
     if NUM_SPLITS == 1:
-        # Every real row saw at least its own key, so l_i > 0 there (the guard is for padded rows
-        # and malformed padding sequences, which then get 0 rather than NaN).
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
+        _store_normalised(out_ptr, acc, l_i, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
     else:
         # Unnormalised partials; an empty split stores acc 0, m -inf, l 0, which the merge weighs 0.
-        pa = part_acc_ptr + token * stride_pa_tok + row_head * stride_pa_head + split * stride_pa_split
-        tl.store(pa[:, None] + dims[None, :], acc, mask=row_valid[:, None])
-        pml = token * stride_pml_tok + row_head * stride_pml_head + split
-        tl.store(part_m_ptr + pml, m_i, mask=row_valid)
-        tl.store(part_l_ptr + pml, l_i, mask=row_valid)
+        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, token, row_head, row_valid, split,
+                       stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -361,12 +381,7 @@ def _paged_attention_fixed_split_kernel(
     )
     if q_first >= query_len:
         return  # a spare program of the static grid
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
+    q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
     table = block_tables_ptr + seq * stride_bt_seq
     num_tiles = tl.cdiv(kv_end, TILE_N)
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -382,18 +397,10 @@ def _paged_attention_fixed_split_kernel(
         if split_programs == 1:
             m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
         else:
-            pa = part_acc_ptr + token * stride_pa_tok + row_head * stride_pa_head + part * stride_pa_split
-            tl.store(pa[:, None] + dims[None, :], acc, mask=row_valid[:, None])
-            pml = token * stride_pml_tok + row_head * stride_pml_head + part
-            tl.store(part_m_ptr + pml, m, mask=row_valid)
-            tl.store(part_l_ptr + pml, l, mask=row_valid)
+            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, row_head, row_valid, part,
+                           stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
     if split_programs == 1:
-        out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
-        tl.store(
-            out_ptr + token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
+        _store_normalised(out_ptr, acc_run, l_run, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs", *_PART_STRIDES])
@@ -438,12 +445,8 @@ def _merge_parts_kernel(
         pa = part_acc_ptr + token * stride_pa_tok + heads * stride_pa_head + part * stride_pa_split
         acc = tl.load(pa[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
-    out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
-    tl.store(
-        out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None],
-    )
+    _store_normalised(out_ptr, acc_run, l_run, tl.full([GROUP_P], token, tl.int32), heads, valid, stride_o_tok, stride_o_head,
+                      HEAD_DIM)
 
 
 @dataclass(frozen=True)
