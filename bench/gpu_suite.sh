@@ -2,7 +2,8 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8] [gemm]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
+#   [gemm] [quant-gemm] [quant-throughput]
 #   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6]
 #   [deterministic] [throughput-det] [vllm-det]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
@@ -59,6 +60,17 @@ for part in $parts; do
       timeout 300 python3 -m pytest tests/gpu/test_deterministic_gpu.py "tests/gpu/test_engine_gpu.py::test_no_kernel_is_compiled_during_a_run" \
         -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests_det.log" | tail -12
       timeout 240 python3 bench/deterministic_bench.py --quick > "$OUT/det.raw" 2>>"$OUT/suite.log"; tag "$OUT/det.raw" "$OUT/kernels.jsonl"; cat "$OUT/det.raw" ;;
+    quant-tests)  # issue 18's GPU tests alone (also part of "tests")
+      timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
+    quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl)
+      timeout 280 python3 bench/quant_gemm_bench.py > "$OUT/quant_gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/quant_gemm.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/quant_gemm.raw"; cat "$OUT/quant_gemm.jsonl" ;;
+    quant-throughput)  # P3 with quantization="fp8" beside bf16 P3, and 8B 32-sequence decode bf16 / W4A16 / fp8
+      RESULTS="$OUT/quant_throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
+      RESULTS="$OUT/quant_throughput.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py tokenmill_fp8 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
+      for variant in bf16 w4a16 fp8; do
+        RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
     sampler)

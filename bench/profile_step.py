@@ -90,7 +90,7 @@ def timeline(llm, inputs, params) -> None:
     thin tail of the batch, where per-step costs that do not shrink with the batch dominate. Each
     line also gives the time the host spent blocked on the GPU (``StepResult.wait``): near zero
     means the host is the bottleneck there, near the step time means the GPU is."""
-    from tokenmill.worker.model_runner import StepResult
+    from tokenmill.engine.step import StepResult
 
     engine = llm.llm_engine
     step = engine.step

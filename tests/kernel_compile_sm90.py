@@ -70,10 +70,18 @@ for _name in _COMPILE_MATMUL:
 for _name in ("p1-decode-bf16-d128-g2", "longctx-decode-split-bf16-d128-g4", "prefill-bf16-d128-g2", "decode-bf16-d256-g8-split",
               "prefill-fp32-d128-g2"):
     _case("compile_sm90", f"sm90-det-attn-{_name}", kernel="attention", shape=_name, deterministic=True)
+# Quantized GEMMs on Llama-3-8B's shapes: W4A16 decode (split-K) and prefill tiles, fp8 activation
+# quantization and the Triton fp8 GEMM.
+for _m in (1, 32, 64, 256):
+    _case("compile_sm90", f"sm90-w4a16-m{_m}-bf16", kernel="w4a16", m=_m)
+_case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zeros=True, bias=True)
+_case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
+for _m in (16, 256):
+    _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-bf16", kernel="fp8_gemm", m=_m)
 
 
 _SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
-_TRITON_DTYPES = {"torch.float8_e4m3fn": "fp8e4nv", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64"}
+_TRITON_DTYPES = {"torch.float8_e4m3fn": "fp8e4nv", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64", "torch.uint8": "u8"}
 
 
 def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
@@ -199,6 +207,24 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             rope_cos_sin_cache(64, dim), torch.empty((2, 8, bs, kv_heads, dim), dtype=getattr(torch, p.get("cache_dtype", dtype_name))),
             torch.zeros(tokens, dtype=torch.int64), heads, weight, weight, 1e-6,
         )
+    elif kernel == "w4a16":
+        from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
+
+        n, k = 6144, 4096  # Llama-3-8B's qkv projection
+        zeros = torch.empty((k // 128, n), dtype=torch.uint8) if p.get("zeros") else None
+        w4a16_gemm(torch.empty((p["m"], k), dtype=bf16), torch.empty((k // 8, n), dtype=torch.int32),
+                   torch.empty((k // 128, n), dtype=bf16), zeros, 128, torch.empty(n, dtype=bf16) if p.get("bias") else None,
+                   torch.zeros(4096, dtype=torch.int32))
+    elif kernel == "quantize_fp8":
+        from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+
+        quantize_fp8(torch.empty((64, 14336), dtype=bf16))
+    elif kernel == "fp8_gemm":
+        from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
+
+        fp8 = torch.float8_e4m3fn
+        fp8_gemm(torch.empty((p["m"], 4096), dtype=fp8), torch.empty(p["m"]), torch.empty((6144, 4096), dtype=fp8),
+                 torch.empty(6144), None, bf16)
     launched = report[start:]
     assert launched, "the wrapper launched no kernel"
     for entry in launched:
@@ -206,6 +232,9 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         assert entry["shared"] <= _SM90_MAX_SHARED, f"{entry['kernel']} needs {entry['shared']} B of shared memory"
         # fp32 is a test-only path (FMA dots); a few spilled bytes there cost nothing we ship.
         if entry["float_inputs"]:
+            assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
+        if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel"):
+            assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"

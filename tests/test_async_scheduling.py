@@ -81,7 +81,7 @@ def test_prompt_logprobs_and_chunked_prefill(tiny_llama_dir, engines, prompts):
 def test_preemption_under_a_tiny_pool(tiny_llama_dir, engines, prompts):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = engines[0].generate(as_inputs(prompts), params, use_tqdm=False)
-    per_block = engines[0].llm_engine.runner.kv_bytes_per_block()
+    per_block = engines[0].llm_engine.executor.runner.kv_bytes_per_block()
     small = make_llm(tiny_llama_dir, async_scheduling=True, kv_cache_memory_bytes=9 * per_block, enable_prefix_caching=False)
     got = small.generate(as_inputs(prompts), params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0

@@ -42,7 +42,7 @@ def test_bad_prompt_fails_whole_call_before_work(llm, prompt, message):
 
 
 def test_request_that_cannot_fit_the_cache_is_refused(tiny_llama_dir, llm):
-    per_block = llm.llm_engine.runner.kv_bytes_per_block()
+    per_block = llm.llm_engine.executor.runner.kv_bytes_per_block()
     small = make_llm(tiny_llama_dir, max_model_len=64, kv_cache_memory_bytes=3 * per_block)
     with pytest.raises(ValueError, match=r"prompts\[0\] may grow to 50 tokens \(4 KV blocks\) but the KV cache holds only 2"):
         small.generate(as_inputs([list(range(3, 43))]), GREEDY, use_tqdm=False)

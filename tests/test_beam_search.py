@@ -129,8 +129,17 @@ def scripted_logprobs(ids: list[int], prompt_len: int, eos_ids: tuple[int, ...])
     return torch.log_softmax(logits, dim=-1)
 
 
-class _Discard:
-    """The scheduler calls BeamSearch.advance makes, for a search run without an engine."""
+class _Host:
+    """The scheduler's part in BeamSearch.advance, for a search run without an engine."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt = prompt
+        self.seq_ids = itertools.count()
+
+    def new_sequence(self, req: Request, index: int) -> Sequence:
+        seq = Sequence(next(self.seq_ids), index, req, self.prompt)
+        seq.logprobs = []
+        return seq
 
     def finish(self, seq) -> None:
         pass
@@ -144,19 +153,13 @@ def scripted_search(prompt: list[int], params: BeamSearchParams, eos_ids: tuple[
     search = BeamSearch(params, set() if params.ignore_eos else set(eos_ids), params.max_tokens)
     request = Request("scripted", None, prompt, SamplingParams())
     request.beam = search
-    seq_ids = itertools.count()
-
-    def new_sequence(req: Request, index: int) -> Sequence:
-        seq = Sequence(next(seq_ids), index, req, prompt)
-        seq.logprobs = []
-        return seq
-
-    request.sequences = [new_sequence(request, 0)]
+    host = _Host(prompt)
+    request.sequences = [host.new_sequence(request, 0)]
     while not search.done:
         for seq in request.sequences:
             top = scripted_logprobs(prompt + seq.output_token_ids, len(prompt), eos_ids).topk(search.num_candidates)
             search.report(seq, top.indices.tolist(), top.values.tolist())
-        search.advance(request, _Discard(), new_sequence)
+        request.sequences = search.advance(request.sequences, host)
     return [(hyp.token_ids, hyp.score) for hyp in search.finished]
 
 
@@ -221,7 +224,7 @@ def mechanism_reference(llama_eos_dir, prompts):
 )
 def test_engine_mechanisms_leave_beams_unchanged(options, blocks, llama, llama_eos_dir, prompts, mechanism_reference):
     if blocks is not None:
-        options = dict(options, kv_cache_memory_bytes=(blocks + 1) * llama.llm_engine.runner.kv_bytes_per_block())
+        options = dict(options, kv_cache_memory_bytes=(blocks + 1) * llama.llm_engine.executor.runner.kv_bytes_per_block())
     llm = make_llm(llama_eos_dir, **options)
     width, length_penalty = MECHANISM_CASE
     outputs = run(llm, prompts, BeamSearchParams(width, MAX_TOKENS, length_penalty=length_penalty))
@@ -247,18 +250,19 @@ def test_beams_share_their_parents_blocks(llama_eos_dir, prompts, monkeypatch):
     prompt = prompts[2]  # 40 tokens: two full blocks of 16
     engine.add_request("beams", {"prompt_token_ids": prompt}, BeamSearchParams(4, MAX_TOKENS, ignore_eos=True))
     shared_steps = 0
-    execute = engine.runner.execute
+    execute = engine.executor.execute_model
 
-    def inspecting_execute(scheduled):
+    def inspecting_execute(plan):
         nonlocal shared_steps
+        scheduled = plan.scheduled
         if len(scheduled) == 4:  # every beam of the group runs in this step
             heads = {tuple(item.seq.block_ids[:2]) for item in scheduled}
             assert len(heads) == 1, "every beam holds the prompt's two full blocks"
             assert all(engine.kv.pool.ref_counts[block] == 4 for block in next(iter(heads)))
             shared_steps += 1
-        return execute(scheduled)
+        return execute(plan)
 
-    monkeypatch.setattr(engine.runner, "execute", inspecting_execute)
+    monkeypatch.setattr(engine.executor, "execute_model", inspecting_execute)
     while engine.has_unfinished_requests():
         engine.step()
     assert shared_steps == MAX_TOKENS - 1  # all steps after the prompt's

@@ -161,11 +161,12 @@ def test_torch_backend_each_token_matches_reference_and_is_invariant(dtype):
 def test_every_linear_layer_and_the_lm_head_use_the_batch_invariant_matmul(alone_llm):
     from tokenmill.kernels.batch_invariant import batch_invariant_linear
 
-    model = alone_llm.llm_engine.runner.model
-    layers = [m for m in model.modules() if hasattr(m, "matmul")]
-    assert len(layers) == 4 * model.num_layers + 1  # qkv, o, gate_up, down per layer; the lm_head
-    assert all(m.matmul is batch_invariant_linear for m in layers)
-    assert alone_llm.llm_engine.runner.backend.deterministic
+    model = alone_llm.llm_engine.executor.runner.model
+    methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
+    assert len(methods) == 4 * model.num_layers  # qkv, o, gate_up, down per layer
+    assert all(method.matmul is batch_invariant_linear for method in methods)
+    assert model.lm_head.matmul is batch_invariant_linear
+    assert alone_llm.llm_engine.executor.runner.backend.deterministic
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -180,3 +181,8 @@ def test_bad_deterministic_settings_are_refused(tiny_qwen3_dir, kwargs, message)
 def test_pooling_models_refuse_deterministic(tiny_bert_embedder_dir):
     with pytest.raises(ValueError, match="deterministic=True"):
         LLM(str(tiny_bert_embedder_dir), device="cpu", deterministic=True)
+
+
+def test_quantized_models_refuse_deterministic(tiny_qwen3_dir):
+    with pytest.raises(ValueError, match="deterministic=True"):
+        LLM(str(tiny_qwen3_dir), quantization="fp8", **MODEL_OPTIONS, deterministic=True)

@@ -83,7 +83,7 @@ def test_prefix_cache_hit_gives_same_output(tiny_llama_dir, llama_llm, llama_pro
 def test_preemption_under_a_tiny_kv_pool_gives_same_output(tiny_llama_dir, llama_llm, llama_prompts):
     params = GREEDY.clone(max_tokens=30)
     expected = token_ids(llama_llm.generate(as_inputs(llama_prompts), params, use_tqdm=False))
-    per_block = llama_llm.llm_engine.runner.kv_bytes_per_block()
+    per_block = llama_llm.llm_engine.executor.runner.kv_bytes_per_block()
     small = make_llm(tiny_llama_dir, kv_cache_memory_bytes=9 * per_block, enable_prefix_caching=False)
     outputs = small.generate(as_inputs(llama_prompts), params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
@@ -128,7 +128,7 @@ def test_per_prompt_sampling_params(llama_llm, llama_prompts):
 
 
 def test_kv_cache_is_sized_from_kv_cache_memory_bytes(tiny_llama_dir, llama_llm):
-    per_block = llama_llm.llm_engine.runner.kv_bytes_per_block()
+    per_block = llama_llm.llm_engine.executor.runner.kv_bytes_per_block()
     llm = make_llm(tiny_llama_dir, kv_cache_memory_bytes=20 * per_block + 5)
     assert llm.llm_engine.kv.pool.num_blocks == 20
-    assert torch.all(llm.llm_engine.runner.kv_caches[0][:, 0] == 0)  # the null block is zeroed
+    assert torch.all(llm.llm_engine.executor.runner.kv_caches[0][:, 0] == 0)  # the null block is zeroed

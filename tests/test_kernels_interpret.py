@@ -29,6 +29,7 @@ import pytest
 
 import kernel_checks_deterministic as deterministic
 import kernel_compile_sm90 as sm90
+import quant_kernel_checks
 
 REPO = Path(__file__).resolve().parents[1]
 _RESULT_PREFIX = sm90.RESULT_PREFIX
@@ -191,6 +192,7 @@ for _dt in ("float32", "float16"):
     for _vocab in (37, 2048, 5003):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
+CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 
@@ -618,6 +620,7 @@ _CHECKS = {
     "launch_configs": _check_launch_configs,
     "precompile": _check_precompile,
     **deterministic.CHECKS,
+    **quant_kernel_checks.CHECKS,
 }
 
 

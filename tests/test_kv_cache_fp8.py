@@ -61,8 +61,8 @@ def test_fp8_cache_holds_more_blocks_and_survives_preemption_and_prefix_hits(tin
     fp32 = make_llm(tiny_llama_dir)
     fp8 = make_llm(tiny_llama_dir, kv_cache_dtype="fp8_e4m3")
     assert fp8.llm_engine.config.kv_cache_dtype == torch.float8_e4m3fn
-    per_block = fp8.llm_engine.runner.kv_bytes_per_block()
-    assert 4 * per_block == fp32.llm_engine.runner.kv_bytes_per_block()  # 1 byte a value against 4
+    per_block = fp8.llm_engine.executor.runner.kv_bytes_per_block()
+    assert 4 * per_block == fp32.llm_engine.executor.runner.kv_bytes_per_block()  # 1 byte a value against 4
     prompts = random_prompts(fp8.llm_engine.config.vocab_size, [30, 30, 12], seed=5)
     prompts[1][:20] = prompts[0][:20]  # the second prompt hits the first one's fp8 blocks
     params = GREEDY.clone(max_tokens=30)

@@ -72,8 +72,8 @@ def test_encode_defaults_to_the_model_task(bert_classifier_llm):
 
 def test_runner_task_and_convert(tiny_llama_dir, tiny_bert_embedder_dir, tiny_bert_classifier_dir):
     llm = LLM(str(tiny_llama_dir), task="embed", **ENGINE)  # vLLM's older spelling of runner="pooling"
-    assert llm.llm_engine.pooling.pooling.architecture == "LlamaModel"
-    assert llm.llm_engine.pooling.pooling.pooler.pooling_type == "LAST"
+    assert llm.llm_engine.pooling.architecture == "LlamaModel"
+    assert llm.llm_engine.pooling.pooler.pooling_type == "LAST"
     with pytest.raises(ValueError, match="BertModel is a pooling model .*cannot generate.*LLM.embed"):
         LLM(str(tiny_bert_embedder_dir), runner="generate", **ENGINE)
     with pytest.raises(ValueError, match="convert='classify'.*ForSequenceClassification.*LlamaForCausalLM"):

@@ -47,7 +47,7 @@ def test_bert_classifier_raw_logits_and_labels(bert_classifier_llm, tiny_bert_cl
     with torch.no_grad():
         logits = hf(**tok("the lazy dog", return_tensors="pt")).logits[0]
     torch.testing.assert_close(torch.tensor(out.outputs.probs), logits, rtol=0, atol=1e-5)
-    assert bert_classifier_llm.llm_engine.pooling.pooling.labels == ("negative", "neutral", "positive")
+    assert bert_classifier_llm.llm_engine.pooling.labels == ("negative", "neutral", "positive")
 
 
 # --- cross-encoder -------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def test_bert_embedder_follows_its_sentence_transformers_config(tiny_bert_embedd
     from sentence_transformers import SentenceTransformer
 
     llm = LLM(str(tiny_bert_embedder_dir), max_num_batched_tokens=64, **ENGINE)
-    config = llm.llm_engine.pooling.pooling
+    config = llm.llm_engine.pooling
     assert (config.pooler.pooling_type, config.pooler.normalize) == ("CLS", False)
     assert llm.llm_engine.config.max_model_len == 48  # sentence_bert_config.json's max_seq_length
     texts = random_sentences(8, seed=4, high=40)
@@ -112,7 +112,7 @@ def test_qwen3_classifier_probabilities_match_transformers(tiny_qwen3_classifier
             ids = tok(text, return_tensors="pt")["input_ids"]
             expected = hf(input_ids=ids).logits[0].softmax(-1)
             torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, rtol=0, atol=1e-5)
-    assert llm.llm_engine.pooling.pooling.labels == ("billing", "bug", "praise", "other")
+    assert llm.llm_engine.pooling.labels == ("billing", "bug", "praise", "other")
 
 
 # --- a decoder as an embedder (last-token and mean pooling of the final hidden state) ----------
@@ -156,7 +156,7 @@ def test_decoder_mean_pooling_and_base_model_checkpoint(tiny_qwen3_dir, qwen3_hi
     (tmp_path / "tokenizer.json").write_bytes((tiny_qwen3_dir / "tokenizer.json").read_bytes())
     (tmp_path / "tokenizer_config.json").write_bytes((tiny_qwen3_dir / "tokenizer_config.json").read_bytes())
     llm = LLM(str(tmp_path), pooler_config={"pooling_type": "MEAN"}, **ENGINE)
-    assert llm.llm_engine.pooling.pooling.architecture == "Qwen3Model"
+    assert llm.llm_engine.pooling.architecture == "Qwen3Model"
     texts = random_sentences(4, seed=7, high=25)
     for out in llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False):
         expected = qwen3_hidden(out.prompt_token_ids).mean(0)

@@ -75,7 +75,7 @@ def test_each_distinct_constraint_compiles_once(tiny):
     for _ in range(2):
         for schema in SCHEMAS[:2]:
             constrained(tiny, ["a"], StructuredOutputsParams(json=dict(schema)), max_tokens=60)
-        compiled.append(dict(tiny.llm_engine._grammars._compiled))
+        compiled.append(dict(tiny.llm_engine.intake.grammars._compiled))
     first, second = compiled
     assert first.keys() == second.keys() and all(first[k] is second[k] for k in first)
     assert all(StructuredOutputsParams(json=s).key in first for s in SCHEMAS[:2])

@@ -26,7 +26,7 @@ _PUBLIC = {
     "BeamSearchOutput": "tokenmill.outputs",
     "BeamSearchSequence": "tokenmill.outputs",
     "PoolingParams": "tokenmill.pooling_params",
-    "PoolerConfig": "tokenmill.pooling_config",
+    "PoolerConfig": "tokenmill.pooling.config",
     "PoolingOutput": "tokenmill.outputs",
     "PoolingRequestOutput": "tokenmill.outputs",
     "EmbeddingOutput": "tokenmill.outputs",
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
         ScoringOutput,
         ScoringRequestOutput,
     )
-    from tokenmill.pooling_config import PoolerConfig
+    from tokenmill.pooling.config import PoolerConfig
     from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
     from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,8 @@ if TYPE_CHECKING:
     import torch
 
     from tokenmill.models.source import ModelSource
+    from tokenmill.pooling.config import PoolingModelConfig
+    from tokenmill.quantization.config import QuantizationConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -39,6 +42,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
+    # None: the checkpoint's own (config.json's quantization_config), or full precision; "fp8":
+    # quantize a full-precision checkpoint while loading. See tokenmill/quantization/config.py.
+    quantization: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # Launch step N+1 before step N's sampled ids are read back (None: on GPUs, where the host work
@@ -55,7 +61,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
     tokenizer_mode: str = "auto"
-    # Pooling models (vLLM's names; see tokenmill/pooling_config.py).
+    # Pooling models (vLLM's names; see tokenmill/pooling/config.py).
     runner: str = "auto"  # "auto" | "generate" | "pooling"
     convert: str = "auto"  # "auto" | "none" | "embed" | "classify"
     task: str | None = None  # vLLM's older spelling: "generate" | "embed" | "classify" | "score"
@@ -99,7 +105,7 @@ class EngineArgs:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _check(self.tokenizer_mode in ("auto", "hf"), "tokenizer_mode", self.tokenizer_mode, "'auto' or 'hf' (both load the Hugging Face tokenizer)")
-        from tokenmill.pooling_config import CONVERTS, RUNNERS, TASK_SPELLINGS
+        from tokenmill.pooling.config import CONVERTS, RUNNERS, TASK_SPELLINGS
 
         _check(self.runner in RUNNERS, "runner", self.runner, f"one of {RUNNERS}")
         _check(self.convert in CONVERTS, "convert", self.convert, f"one of {CONVERTS}")
@@ -136,6 +142,9 @@ class EngineConfig:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    quantization: "QuantizationConfig | None" = None  # the linear layers' weights; None: the model's dtype
+    # How a pooling model pools (tokenmill/pooling/); None: a generative model.
+    pooling: "PoolingModelConfig | None" = None
     deterministic: bool = False  # batch-invariant kernels (tokenmill/kernels/batch_invariant.py)
 
 
@@ -191,10 +200,36 @@ def model_max_len(hf_config: Any) -> int:
     return 2048
 
 
-def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
+def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
+    """The settings the engine runs with, for this model: generation, or a pooling model's
+    (whole-prompt steps: every prompt must fit one step's token budget)."""
+    from tokenmill.pooling.config import resolve_pooling
+
+    config = _base_config(args, source)
+    pooling = resolve_pooling(source, args.runner, args.convert, args.task, args.pooler_config)
+    if pooling is None:
+        return config
+    if args.deterministic:
+        raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
+    max_model_len, batched = pooling.step_limits(
+        config.max_model_len, config.max_num_batched_tokens, max_model_len_given=args.max_model_len is not None,
+        batched_given=args.max_num_batched_tokens is not None, tensor_parallel_size=config.tensor_parallel_size,
+    )
+    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched, pooling=pooling)
+
+
+def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     import torch
 
+    from tokenmill.quantization.config import resolve_quantization
+
     hf_config = source.hf_config
+    quantization = resolve_quantization(args.quantization, hf_config)
+    if quantization is not None and args.deterministic:
+        raise ValueError(
+            f"LLM(deterministic=True) needs full-precision weights: the {quantization.method} GEMMs choose their tile "
+            "by batch size, so their rows are not batch-invariant"
+        )
     device = resolve_device(args.device)
     limit = model_max_len(hf_config)
     max_model_len = args.max_model_len or limit
@@ -225,6 +260,7 @@ def create_engine_config(args: EngineArgs, source: "ModelSource") -> EngineConfi
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=quantization,
         deterministic=args.deterministic,
     )
 

@@ -11,10 +11,11 @@ import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from tokenmill.config import EngineArgs
-from tokenmill.engine.engine import LLMEngine
-from tokenmill.inputs import PromptType, one_per_prompt, prompt_list, render_chat_prompt
 from tokenmill.engine.beam_search import beam_search_output
-from tokenmill.llm_pooling import PoolingMethods
+from tokenmill.engine_factory import create_engine
+from tokenmill.inputs import PromptType, one_per_prompt, prompt_list, render_chat_prompt
+from tokenmill.pooling.llm_methods import PoolingMethods
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.outputs import BeamSearchOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -34,7 +35,8 @@ _GENERATION_DEFAULTS = {
 class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score for pooling models
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any):
         self.args = EngineArgs.from_kwargs(model, **kwargs)
-        self.llm_engine = LLMEngine(self.args)
+        # LLMEngine for a generative model, PoolingEngine for a pooling model (engine/protocol.py).
+        self.llm_engine = create_engine(self.args)
         self._request_counter = itertools.count()
         # Request ids from enqueue() in order (a dict for membership tests), collected by wait_for_completion().
         self._queued: dict[str, None] = {}
@@ -258,7 +260,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         return prompts
 
     def _submit(
-        self, prompts: list[PromptType], params: list[SamplingParams], kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+        self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
+        kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
     ) -> list[str]:
         """Add every request to the engine, or none: one invalid prompt rejects the whole call.
 
@@ -277,8 +280,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         return ids
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams] | list[BeamSearchParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+        self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams], use_tqdm: bool
+    ) -> list[Any]:
         return self._collect(self._submit(prompts, params), use_tqdm)
 
     def _step(self, finished_only: bool = False) -> list[RequestOutput]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from tokenmill.pooling_config import PoolerConfig
+    from tokenmill.pooling.config import PoolerConfig
 
 PoolingTask = Literal["embed", "token_embed", "classify", "score"]
 POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "score")

@@ -227,7 +227,7 @@ def test_engine_outputs_do_not_depend_on_the_batch_cache_or_chunking(model_dir):
     del alone_llm
     # CUDA graphs on (decode batches padded to buckets), prefix cache on, 256-token chunks.
     mixed_llm = LLM(model_dir, deterministic=True, max_num_batched_tokens=256, max_num_seqs=48, **options)
-    assert mixed_llm.llm_engine.runner.graphs is not None
+    assert mixed_llm.llm_engine.executor.runner.graphs is not None
     for trial, size in enumerate((3, 17, 60)):
         assert _mixed(mixed_llm, probes, size, trial) == alone, f"a probe changed in a batch of {size} others"
     for i, (p, sp) in enumerate(probes):  # again alone, now with its prompt in the prefix cache

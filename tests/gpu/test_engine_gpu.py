@@ -104,10 +104,10 @@ def test_cuda_graphs_equal_eager(gpu_models):
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True, detokenize=False)
     graphed = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3,
                   dtype="float32")
-    assert graphed.llm_engine.runner.graphs is not None
+    assert graphed.llm_engine.executor.runner.graphs is not None
     eager = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3,
                 enforce_eager=True, dtype="float32")
-    assert eager.llm_engine.runner.graphs is None
+    assert eager.llm_engine.executor.runner.graphs is None
     for sp in (params, seeded):
         a = [o.outputs[0].token_ids for o in graphed.generate(prompts, sp, use_tqdm=False)]
         b = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
@@ -145,7 +145,7 @@ def test_prefix_hits_chunked_prefill_and_preemption_on_gpu(gpu_models):
     base = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, enable_prefix_caching=False,
                dtype="float32")
     expected = [o.outputs[0].token_ids for o in base.generate(inputs, params, use_tqdm=False)]
-    per_block = base.llm_engine.runner.kv_bytes_per_block()
+    per_block = base.llm_engine.executor.runner.kv_bytes_per_block()
     stressed = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=64,
                    kv_cache_memory_bytes=70 * per_block, dtype="float32")
     got = [o.outputs[0].token_ids for o in stressed.generate(inputs, params, use_tqdm=False)]
@@ -191,7 +191,7 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
     # A fixed pool: earlier tests' engines may still hold memory that a utilisation budget counts.
     llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, kv_cache_memory_bytes=2**28, dtype="float32",
               kv_cache_dtype="fp8")
-    assert llm.llm_engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert llm.llm_engine.executor.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     reference = _hf_fp32_fp8_kv_model(path)
     prompts = _prompts(6, seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=FIRST_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)

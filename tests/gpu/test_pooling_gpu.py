@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenmill import LLM
+from tokenmill.pooling.engine import PoolingEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,7 +27,7 @@ def _hf_probs(path, texts: list[str], pair: bool = False) -> torch.Tensor:
 
 def test_bert_classifier_on_gpu(tiny_bert_classifier_dir, random_sentences):
     llm = LLM(str(tiny_bert_classifier_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0)
-    assert llm.llm_engine.pooling is not None
+    assert isinstance(llm.llm_engine, PoolingEngine)
     texts = random_sentences(40, seed=21, high=40)
     got = torch.tensor([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)])
     torch.testing.assert_close(got, _hf_probs(tiny_bert_classifier_dir, texts), rtol=0, atol=1e-4)

@@ -40,8 +40,10 @@ class PoolingRows:
     """Turns rows into pooling requests for one task, and their outputs into row results."""
 
     def __init__(self, task: str, llm: Any, settings: PromptSettings, job_params: dict[str, Any]):
-        engine = llm.llm_engine.pooling
-        if engine is None:
+        from tokenmill.pooling.engine import PoolingEngine
+
+        engine = llm.llm_engine
+        if not isinstance(engine, PoolingEngine):
             raise ValueError(f"--task {task} needs a pooling model, but {llm.llm_engine.config.model!r} runs as a generative model")
         self.task, self.engine, self.settings, self.job_params = task, engine, settings, dict(job_params)
         head = engine.pooling.head
@@ -78,7 +80,7 @@ class PoolingRows:
     def result(self, request: RowRequest, outputs: list["PoolingRequestOutput"]) -> "RowResult":
         """The row's result from its finished engine outputs (in the order of its parts)."""
         from tokenmill.batch.results import RowResult
-        from tokenmill.llm_pooling import embedding_score
+        from tokenmill.pooling.llm_methods import embedding_score
 
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         data = outputs[0].outputs.data

@@ -19,7 +19,9 @@ from tokenmill.worker.worker import Worker
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.distributed.worker_processes import WorkerProcesses
+    from tokenmill.engine.step import SchedulerOutput, StepResult
     from tokenmill.models.source import ModelSource
+    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,20 @@ class Executor:
         driver.runner.model = MirroredModel(driver.model, self.workers)
         logger.info("tensor parallel: %d ranks, workers %s", self.world_size, [p.pid for p in self.workers.procs])
         return driver
+
+    # ---- the engine's calls, served by rank 0 ------------------------------------------------
+    def execute_model(self, plan: "SchedulerOutput") -> "StepResult":
+        """Launch one step (see `ModelRunner.execute`); the other ranks follow rank 0's model calls."""
+        return self.driver.execute_model(plan)
+
+    def use_grammars(self, grammars: Any) -> None:
+        """Structured outputs: the grammars whose bitmasks mask the logits (sampling runs on rank 0)."""
+        self.driver.use_grammars(grammars)
+
+    @property
+    def runner(self) -> "ModelRunner":
+        """Rank 0's runner, for inspection (tests and benchmarks read its KV cache and graphs)."""
+        return self.driver.runner
 
     def collective_rpc(
         self,

@@ -25,7 +25,7 @@ with no continuation is freed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.outputs import (
     BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput, SampleLogprobs,
@@ -34,7 +34,22 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request, Sequence
-    from tokenmill.engine.scheduler import Scheduler
+
+
+class BeamHost(Protocol):
+    """What a search step may do to the scheduler's sequences (the `Scheduler` is one)."""
+
+    def new_sequence(self, request: "Request", index: int) -> "Sequence":
+        """A fresh sequence of ``request`` (its id, sampling state), not queued yet."""
+        ...
+
+    def finish(self, seq: "Sequence") -> None:
+        """Free a beam that does not continue."""
+        ...
+
+    def add_forks(self, seqs: list["Sequence"]) -> None:
+        """Queue new beams (they share their parent's full blocks when admitted)."""
+        ...
 
 
 def candidates_per_step(beam_width: int, num_eos_ids: int) -> int:
@@ -95,18 +110,15 @@ class BeamSearch:
     def ready(self, beams: list["Sequence"]) -> bool:
         return all(seq.seq_id in self._reports for seq in beams)
 
-    def advance(
-        self, request: "Request", scheduler: "Scheduler", new_sequence: Callable[["Request", int], "Sequence"]
-    ) -> None:
-        """One search step over the reports of all live beams: extend, fork and free sequences."""
-        beams = request.sequences
+    def advance(self, beams: list["Sequence"], host: BeamHost) -> list["Sequence"]:
+        """One search step over the reports of all live beams (a request's sequences): extend,
+        fork and free sequences; returns the next live beams (none once the search is done)."""
         entries = self._logprob_entries(beams)
         chosen = self._step(beams, entries)
         if self.done:
             for beam in beams:
-                scheduler.finish(beam)
-            request.sequences = []
-            return
+                host.finish(beam)
+            return []
         # Forks copy their parent before any parent takes its own next token.
         continuing: list[tuple["Sequence", Candidate]] = []
         forks = []
@@ -114,7 +126,7 @@ class BeamSearch:
         for cand in chosen:
             parent = cand.parent
             if parent.seq_id in kept:
-                child = new_sequence(request, 0)  # beams are hypotheses, not numbered samples
+                child = host.new_sequence(parent.request, 0)  # beams are hypotheses, not numbered samples
                 child.output_token_ids = list(parent.output_token_ids)
                 child.logprobs = list(parent.logprobs)
                 child.fork_parent = parent
@@ -126,14 +138,14 @@ class BeamSearch:
         for beam in beams:
             beam.fork_parent = None  # admitted long ago; let old generations be garbage collected
             if beam.seq_id not in kept:
-                scheduler.finish(beam)
+                host.finish(beam)
         for child, cand in continuing:
             child.output_token_ids.append(cand.token)
             child.logprobs.append(entries[cand.parent.seq_id])
             child.cumulative_logprob = cand.cumulative_logprob
             child.on_hold = False
-        request.sequences = [child for child, _ in continuing]
-        scheduler.add_forks(forks)
+        host.add_forks(forks)
+        return [child for child, _ in continuing]
 
     def completions(self, tokenizer: Any) -> list[CompletionOutput]:
         """The finished hypotheses, best first, as completions (what vLLM's server returns)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tokenmill.engine.request import Sequence
+from tokenmill.engine.step import NULL_BLOCK  # noqa: F401  (block 0; BlockPool never hands it out)
 
 _ROOT_HASH = 0x9E3779B97F4A7C15  # parent key of a sequence's first block
 
@@ -24,9 +25,6 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     # Python's tuple hash of ints is deterministic across runs (no hash randomisation for ints);
     # a 64-bit collision between two different prefixes is astronomically unlikely.
     return hash((parent, tokens))
-
-
-NULL_BLOCK = 0  # never handed out: padding in block tables and slot mappings points here
 
 
 class BlockPool:

@@ -9,15 +9,25 @@ beams (see `tokenmill.engine.beam_search`).
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from tokenmill.engine.beam_search import BeamSearch
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
     from tokenmill.outputs import SampleLogprobs
     from tokenmill.sampling_params import SamplingParams
+
+
+ParamsT = TypeVar("ParamsT")  # SamplingParams; PoolingParams for pooling requests (tokenmill/pooling/)
+
+
+def max_output_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The length rule: a sequence ends after ``max_tokens`` outputs or when it fills max_model_len."""
+    room = max_model_len - num_prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 class SequenceStatus(enum.Enum):
@@ -30,7 +40,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     seq_id: int
     index: int  # sample index within its request (CompletionOutput.index)
-    request: "Request"
+    request: "Request[Any]"
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     # How many of all_token_ids already have their keys/values in the cache.
@@ -112,11 +122,11 @@ class Sequence:
 
 
 @dataclass(eq=False)
-class Request:
+class Request(Generic[ParamsT]):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: "SamplingParams"
+    params: ParamsT
     arrival_time: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -126,19 +136,23 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     beam: "BeamSearch | None" = None  # set for LLM.beam_search requests; sequences are then its live beams
+    # Outputs each sequence may have (`max_output_tokens`, set at intake; no limit until then).
+    max_output_tokens: int = sys.maxsize
 
     @property
     def needs_sync(self) -> bool:
         """Its next step depends on this step's results on the host, so the engine must read each
         step back before scheduling the next: sampling that reads every earlier output id, or a
         beam search (beam selection picks which sequences continue with which tokens)."""
-        return self.beam is not None or self.params.reads_output_history
+        params: Any = self.params  # a generation request's SamplingParams (pooling never asks)
+        return self.beam is not None or params.reads_output_history
 
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and some prompt position has none yet (a preempted lead recomputes)."""
         done = len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
-        return self.params.prompt_logprobs is not None and done < len(self.prompt_token_ids)
+        params: Any = self.params  # SamplingParams; PoolingRequest answers False itself
+        return params.prompt_logprobs is not None and done < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -16,51 +16,85 @@ as soon as that token is read back.
 
 Sequences ``on_hold`` (beams waiting for the rest of their beam group, see
 `tokenmill.engine.beam_search`) are skipped; they are freed first if nothing else can run.
+
+The scheduler also keeps the books of each step: `update_after_launch` counts a launched plan's
+tokens as computed, and `update_from_output` appends the sampled tokens once they are read back,
+applies the stop conditions (`check_stop`, the one place they are written) and finishes
+sequences, or hands a beam group's candidates to its `BeamSearch`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import Callable, Protocol
 
-from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
+from tokenmill.engine.step import ScheduledSequence, SchedulerOutput, StepResult
 
 
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
-    samples: bool  # this step reaches its last known token, so a new token is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
-    num_preempted: int
+class BlockAllocator(Protocol):
+    """What the scheduler asks of the KV cache's bookkeeping: `KVCacheManager`, or `NoKVCache`
+    for pooling models, which keep nothing between steps."""
 
     @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def block_size(self) -> int: ...
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of a waiting sequence's tokens."""
+        ...
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        """Reserve blocks for ``num_new_tokens`` more tokens (after ``prefix_blocks``); False if they don't fit."""
+        ...
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Offer the sequence's newly computed full blocks to later prompts."""
+        ...
+
+    def free(self, seq: Sequence) -> None: ...
+
+
+def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None:
+    """Set ``seq.finish_reason`` (and stop_reason) if ``token``, just appended, ends the sequence:
+    a stop token or stop string once min_tokens are out, else the length rule (max_tokens or
+    max_model_len, `Request.max_output_tokens`). Feeds the token to the detokenizer."""
+    params = seq.params
+    num_out = len(seq.output_token_ids)
+    stop_allowed = num_out >= params.min_tokens
+    stop_string = seq.detokenizer.add_token(token, stop_allowed) if seq.detokenizer is not None else None
+    if stop_allowed:
+        if token in params.all_stop_token_ids:
+            seq.finish_reason = "stop"
+            seq.stop_reason = None if token in eos_token_ids and token not in params.stop_token_ids else token
+            return
+        if stop_string is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_string
+            return
+    if num_out >= seq.request.max_output_tokens:
+        seq.finish_reason = "length"
 
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-        chunked_prefill: bool = True,
+        self, kv: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
+        eos_token_ids: frozenset[int] = frozenset(),
+        new_sequence: Callable[[Request, int], Sequence] | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # the model's: a stop on one of them has no stop_reason
+        # Makes the sequences that beam searches fork (the engine's intake: ids, detokenizers).
+        self._new_sequence = new_sequence
         # Off for models that compute a prompt in one step (pooling models, no KV cache): a waiting
         # sequence is admitted only when all of it fits this step's remaining budget.
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
+        self._finished_seq_ids: set[int] = set()
 
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
@@ -68,9 +102,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Sequence]:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        scheduled: list[ScheduledSequence[Sequence]] = []
         preempted = 0
 
         i = 0
@@ -104,13 +138,80 @@ class Scheduler:
             self._preempt(held)
             preempted += 1
             budget = self._admit_waiting(scheduled, budget)
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+        finished, self._finished_seq_ids = self._finished_seq_ids, set()
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished)
+
+    # ---- a step's books ---------------------------------------------------------------------
+    def update_after_launch(self, plan: SchedulerOutput[Sequence]) -> None:
+        """The plan is on the device (the runner has read where each sequence starts): its tokens
+        count as computed, newly full blocks join the prefix cache, and each sampled token is in
+        flight until `update_from_output` reads it."""
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.kv.commit_computed(item.seq)
+            if item.samples:
+                item.seq.num_inflight += 1
+
+    def update_from_output(self, result: StepResult[Sequence]) -> list[int]:
+        """Take in a launched step's sampled tokens (waiting for them if need be): append each to
+        its sequence and apply the stop conditions, finishing sequences that stop; a beam reports
+        its candidates instead, and a beam group whose beams have all reported advances.
+
+        Returns the rows whose token was taken. A sequence that stopped or was aborted while the
+        step was in flight drops its token.
+        """
+        samples = result.read()
+        if samples is None:
+            return []
+        kept = []
+        beam_requests: dict[Request, None] = {}
+        now = time.monotonic()
+        for row, item in enumerate(result.sampled):
+            seq = item.seq
+            seq.num_inflight -= 1
+            if seq.is_finished:
+                continue
+            kept.append(row)
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.beam is not None:
+                assert samples.top_ids is not None and samples.top_logprobs is not None, "beams ask for logprobs"
+                request.beam.report(seq, samples.top_ids[row], samples.top_logprobs[row])
+                beam_requests[request] = None
+                continue
+            token = samples.token_ids[row]
+            seq.output_token_ids.append(token)
+            if seq.grammar is not None and not seq.grammar.is_terminated():
+                seq.grammar.accept_token(token)
+            check_stop(seq, token, self.eos_token_ids)
+            if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+                seq.finish_reason = "stop"  # the constraint is complete: nothing more may follow
+            if seq.finish_reason is not None:
+                self.finish(seq)
+        for request in beam_requests:
+            assert request.beam is not None
+            if request.beam.ready(request.sequences):
+                request.sequences = request.beam.advance(request.sequences, self)
+        return kept
+
+    def abort(self, request: Request) -> None:
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.finish(seq)
+
+    # ---- beam searches (BeamHost) ------------------------------------------------------------
+    def new_sequence(self, request: Request, index: int) -> Sequence:
+        if self._new_sequence is None:
+            raise RuntimeError("this scheduler was built without new_sequence, so beams cannot fork")
+        return self._new_sequence(request, index)
 
     def add_forks(self, seqs: list[Sequence]) -> None:
         """New beams go to the front of the queue, like preempted sequences: their group waits for them."""
         self.waiting.extendleft(reversed(seqs))
 
-    def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> int:
+    def _admit_waiting(self, scheduled: list[ScheduledSequence[Sequence]], budget: int) -> int:
         held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
@@ -136,11 +237,10 @@ class Scheduler:
         return budget
 
     def _has_no_room(self, seq: Sequence) -> bool:
-        """No token may follow the ones already sampled: the sequence ends at length."""
-        max_tokens = seq.params.max_tokens
-        return seq.num_tokens >= self.max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens)
+        """No token may follow the ones already sampled (in flight included): it ends at length."""
+        return seq.num_output_tokens >= seq.request.max_output_tokens
 
-    def _schedule(self, seq: Sequence, num: int) -> ScheduledSequence:
+    def _schedule(self, seq: Sequence, num: int) -> ScheduledSequence[Sequence]:
         return ScheduledSequence(seq, num, samples=seq.num_computed_tokens + num == seq.num_tokens)
 
     def _waits_for_lead(self, seq: Sequence) -> bool:
@@ -168,11 +268,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._finished_seq_ids.add(seq.seq_id)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Called once the sequence has its finish_reason: frees its blocks and forgets it."""
         seq.status = SequenceStatus.FINISHED
+        self._finished_seq_ids.add(seq.seq_id)
         self.kv.free(seq)
         if seq in self.running:
             self.running.remove(seq)

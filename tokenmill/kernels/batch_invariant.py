@@ -1,8 +1,10 @@
 """Deterministic mode's matmul: ``x @ W^T + b`` whose every row has the same bits whatever else is
 in the batch.
 
-The model's layers multiply through their ``matmul`` attribute (``F.linear`` by default);
-``use_batch_invariant_matmuls`` points it here for every layer of a model. On a GPU the product is
+The model's full-precision products go through a ``matmul`` attribute (``F.linear`` by default) of
+the linear layers' ``UnquantizedLinearMethod`` and of the lm_head; ``use_batch_invariant_matmuls``
+points it here for a whole model. (Quantized GEMMs pick their tile by M: deterministic mode refuses
+them.) On a GPU the product is
 the Triton kernel of ``kernels/triton/matmul.py`` (one tile shape per weight, no split-K); cuBLAS
 is not used because its kernel choice follows M.
 
@@ -49,7 +51,9 @@ def _chunked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def use_batch_invariant_matmuls(model: nn.Module) -> None:
-    """Make every layer of ``model`` that multiplies through ``matmul`` use ``batch_invariant_linear``."""
+    """Make every full-precision product of ``model`` use ``batch_invariant_linear``: the linear layers'
+    ``UnquantizedLinearMethod`` and the lm_head multiply through a ``matmul`` attribute."""
     for module in model.modules():
-        if getattr(module, "matmul", None) is F.linear:
-            module.matmul = batch_invariant_linear
+        for owner in (module, getattr(module, "quant_method", None)):
+            if getattr(owner, "matmul", None) is F.linear:
+                owner.matmul = batch_invariant_linear

@@ -221,3 +221,40 @@ def qkv_prologue_ref(
     rotary_embedding_ref_(positions, q, k, cos_sin_cache)
     store_kv_ref(k, v, kv_cache, slot_mapping)
     return q
+
+
+def w4a16_linear_ref(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [ceil(K/8), N] int32, 4-bit codes packed along K
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor | None,  # [G, N] uint8, None: 8
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """Dequantize the 4-bit weight to fp32 (``(u - z) * s``), then one fp32 matmul."""
+    from tokenmill.quantization.int4 import Int4Weights
+
+    weight = Int4Weights(qweight, scales, zeros, x.shape[1], group_size).dequantize(torch.float32)
+    y = x.float() @ weight.t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def quantize_fp8_ref(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: scale = max(max |x| / 448, 1 / (448 * 512)) (or the static one), codes =
+    x / scale saturated to +-448 as float8 e4m3 -> (codes [M, K], fp32 scales [M])."""
+    xf = x.float()
+    if static_scale is not None:
+        scales = static_scale.float().reshape(1).expand(x.shape[0])
+    else:
+        scales = torch.clamp(xf.abs().amax(dim=1) / 448.0, min=1.0 / (448.0 * 512.0))
+    codes = (xf / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes, scales.contiguous()
+
+
+def fp8_linear_ref(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ bias), the fp8 products summed in fp32."""
+    y = (xq.float() @ wq.float().t()) * x_scale.float()[:, None] * w_scale.float()[None, :]
+    return (y if bias is None else y + bias.float()).to(out_dtype)

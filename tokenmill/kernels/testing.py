@@ -345,3 +345,27 @@ def interpreter_dot_in_fixed_order() -> Iterator[None]:
         yield
     finally:
         builder.create_dot = original
+
+
+def patch_triton_interpreter_fp8_rounding() -> None:
+    """triton 3.6's interpreter rounds a downcast to float8 e4m3 by adding one to the mantissa
+    without carrying into the exponent, so a value that rounds up to the next power of two comes
+    out at half of it (31.8 -> 16 instead of 32). Hardware (cvt.rn.satfinite) rounds correctly; so
+    does torch, which the patched conversion uses for fp32/fp16 -> e4m3. Only for tests under
+    TRITON_INTERPRET=1."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_tokenmill_patched", False):
+        return
+
+    def patched(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
+        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
+            values = torch.from_numpy(np.ascontiguousarray(input).astype(np.float32))
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    patched._tokenmill_patched = True  # type: ignore[attr-defined]
+    interpreter._convert_float = patched

@@ -35,6 +35,8 @@ from tokenmill.models.weights import load_hf_weights
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from tokenmill.quantization.config import QuantizationConfig
+
 
 # The causal LM of each model_type, whose architecture switches (q/k/v bias, q/k norm) the backbone takes.
 _FAMILIES: dict[str, type[LlamaForCausalLM]] = {
@@ -51,7 +53,8 @@ class DecoderEmbeddingModel(nn.Module):
     default_pooling_type = "LAST"
     takes_token_type_ids = False
 
-    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
+                 quant_config: "QuantizationConfig | None" = None):
         super().__init__()
         self.config = config
         family = _FAMILIES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
@@ -59,7 +62,7 @@ class DecoderEmbeddingModel(nn.Module):
             raise ValueError(f"model_type={getattr(config, 'model_type', None)!r} is not supported as a pooling decoder; "
                              f"supported: {sorted(_FAMILIES)}")
         qkv_bias = bool(getattr(config, "attention_bias", False)) if family.qkv_bias is None else family.qkv_bias
-        self.model = LlamaModel(config, TensorParallel(tp_rank, tp_size, tp_group), qkv_bias, family.qk_norm)
+        self.model = LlamaModel(config, TensorParallel(tp_rank, tp_size, tp_group), qkv_bias, family.qk_norm, quant_config)
         self.num_layers: int = config.num_hidden_layers  # the runner passes one (absent) cache per layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -79,8 +82,9 @@ class DecoderEmbeddingModel(nn.Module):
 class DecoderForSequenceClassification(DecoderEmbeddingModel):
     """The decoder plus HF's ``score`` head: last token's hidden state -> one logit per label."""
 
-    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
-        super().__init__(config, tp_rank, tp_size, tp_group)
+    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
+                 quant_config: "QuantizationConfig | None" = None):
+        super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
         self.num_labels: int = config.num_labels
         self.score = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=False)
 

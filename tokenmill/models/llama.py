@@ -28,11 +28,13 @@ from tokenmill.models.layers.linear import MergedColumnParallelLinear, QKVParall
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.weights import hf_weight_names, load_hf_weights
+from tokenmill.quantization import linear_method
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from tokenmill.models.checkpoint_tensor import CheckpointTensor
+    from tokenmill.quantization.config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +67,19 @@ class TensorParallel:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
+                 quant: "QuantizationConfig | None" = None, prefix: str = ""):
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, qkv_bias, **tp.kwargs())
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, **tp.kwargs())
+        qkv_method = linear_method(quant, [f"{prefix}.{p}_proj" for p in "qkv"])
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, qkv_bias, **tp.kwargs(),
+                                          quant_method=qkv_method)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, o_bias, **tp.kwargs(),
+                                        quant_method=linear_method(quant, [f"{prefix}.o_proj"]))
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         # Qwen3 normalises every head of q and k (over head_dim) before rotating them.
@@ -90,14 +96,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: "PretrainedConfig", tp: TensorParallel):
+    def __init__(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None" = None,
+                 prefix: str = ""):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, **tp.kwargs())
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, **tp.kwargs())
+        gate_up_method = linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, **tp.kwargs(),
+                                                       quant_method=gate_up_method)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, **tp.kwargs(),
+                                           quant_method=linear_method(quant, [f"{prefix}.down_proj"]))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,10 +115,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
+                 quant: "QuantizationConfig | None" = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, tp, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config, tp)
+        self.self_attn = LlamaAttention(config, layer_idx, tp, qkv_bias, qk_norm, quant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,11 +138,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: "PretrainedConfig", tp: TensorParallel, qkv_bias: bool, qk_norm: bool):
+    """``quant``: the checkpoint's quantization (linear layers only: embeddings, norms and the LM head stay
+    in the model's dtype); ``prefix``: this module's name in the checkpoint, which the quantization
+    config's ignore lists and targets refer to."""
+
+    def __init__(self, config: "PretrainedConfig", tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
+                 quant: "QuantizationConfig | None" = None, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp.kwargs())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm, quant, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,12 +170,13 @@ class LlamaForCausalLM(nn.Module):
     # load_weights hands every tensor to a weight_loader, which reads only this rank's slice.
     supports_lazy_weights: bool = True
 
-    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
+                 quant_config: "QuantizationConfig | None" = None):
         super().__init__()
         self.config = config
         tp = TensorParallel(tp_rank, tp_size, tp_group)
         qkv_bias = bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, tp, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, tp, qkv_bias, self.qk_norm, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp.kwargs())
         if self.tie_word_embeddings:

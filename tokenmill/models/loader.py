@@ -10,6 +10,7 @@ disk only the slice it keeps.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import zlib
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from tokenmill.models.registry import architecture_of, get_model_class
 
 if TYPE_CHECKING:
     from tokenmill.models.source import ModelSource
+    from tokenmill.quantization.config import QuantizationConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -52,10 +54,13 @@ def load_model(
     tp_group: Any = None,
     seed: int = 0,
     architecture: str | None = None,
+    quantization: "QuantizationConfig | None" = None,
 ) -> nn.Module:
     """The model of ``source`` in eval mode with gradients off, on ``device`` in ``dtype``.
 
     ``architecture`` overrides the config's (a causal LM run as an embedder loads as its base model).
+    ``quantization`` (tokenmill.quantization.config) gives its linear layers quantized weights;
+    ``dtype`` is then the dtype of activations, embeddings, norms and the LM head.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {list(LOAD_FORMATS)}")
@@ -69,9 +74,15 @@ def load_model(
     if fmt != "dummy" and source.weights_path is None:
         raise ValueError(f"model {source.name!r} has no weight files: {_describe_missing(source)}")
     model_cls = get_model_class(architecture or architecture_of(source.hf_config))
+    extra: dict[str, Any] = {}
+    if quantization is not None:
+        if "quant_config" not in inspect.signature(model_cls.__init__).parameters:
+            raise ValueError(f"quantization={quantization.describe()} is not supported for {model_cls.__name__}; "
+                             "quantized weights load into the Llama-family decoders (Llama, Mistral, Qwen2, Qwen3)")
+        extra["quant_config"] = quantization
     device = torch.device(device)
     with torch.no_grad(), _default_dtype(dtype), device:
-        model = model_cls(source.hf_config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        model = model_cls(source.hf_config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, **extra)
     with torch.no_grad():
         if fmt == "dummy":
             init_dummy_weights(model, seed)
@@ -84,6 +95,10 @@ def load_model(
 
             assert source.weights_path is not None
             model.load_weights(iter_gguf_weights(source.weights_path))
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -157,7 +172,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
     Each parameter gets its own generator seeded from (seed, name), so a replicated parameter
     is identical on every tensor-parallel rank and results do not depend on creation order.
-    Norm weights are 1 and other weights N(0, 0.02), which keeps activations and logits finite.
+    Norm weights are 1 and other weights N(0, 0.02), which keeps activations and logits finite;
+    quantized layers' parameters bring their own ``dummy_init`` (random codes, scales to match).
     """
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -165,5 +181,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             continue
         generator = torch.Generator(device=param.device)
         generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        custom = getattr(param, "dummy_init", None)
+        if custom is not None:
+            custom(param.data, generator)
+            continue
         values = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
         param.data.copy_(values * 0.02)

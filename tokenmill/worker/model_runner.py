@@ -2,7 +2,8 @@
 runs the model, and samples the next token of every sequence that reached its last token.
 
 The runner owns the device state (model, KV cache tensors, attention backend, sampler); the
-scheduler and cache manager only hand it ids and counts.
+scheduler and cache manager only hand it ids and counts, in a `SchedulerOutput` (engine/step.py,
+the one engine module the runner knows).
 """
 
 from __future__ import annotations
@@ -11,50 +12,20 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
-
 import numpy as np
 
 import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
-from tokenmill.engine.kv_cache import NULL_BLOCK
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import ScheduledSequence
+from tokenmill.engine.step import (
+    NULL_BLOCK, PromptLogprobs, SamplerOutput, ScheduledSequence, SchedulerOutput, StepResult, StepSequence,
+)
 from tokenmill.sampling_params import SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
-from tokenmill.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from tokenmill.worker.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptLogprobs:
-    """Log-probabilities of prompt tokens[first : first + len(token_logprobs)], from one prefill chunk."""
-
-    request: "Request"
-    first: int  # prompt position of the first token scored
-    token_logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
-
-
-@dataclass
-class StepResult:
-    """One launched step. ``output`` holds host tensors that are filled asynchronously on a GPU:
-    read them only after `wait`, which blocks until this step (not any later one) is done."""
-
-    sampled: list[ScheduledSequence]  # the sequences that got a new token, in row order
-    output: SamplerOutput | None
-    prompt_logprobs: list[PromptLogprobs] | None = None
-    ready: "torch.cuda.Event | None" = None
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
 
 
 class ModelRunner:
@@ -162,9 +133,10 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
+    def execute(self, plan: SchedulerOutput) -> StepResult:
         """Launch one step. On a GPU this returns once the work is queued: the sampled ids come
         back through `StepResult.wait`, so the host can schedule the next step meanwhile."""
+        scheduled = plan.scheduled
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
         sampled = [scheduled[i] for i in sample_rows]
         # Built before the forward is launched, so its host work and copies overlap with the GPU.
@@ -217,7 +189,7 @@ class ModelRunner:
                 k = request.params.prompt_logprobs
                 top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
                 found.append(PromptLogprobs(
-                    request, start + 1, chosen.tolist(), ranks.tolist(),
+                    seq, start + 1, chosen.tolist(), ranks.tolist(),
                     top_ids.tolist() if top_ids is not None else None, top_lp.tolist() if top_lp is not None else None,
                 ))
             offset += query_len
@@ -273,7 +245,7 @@ class ModelRunner:
             input_ids[self._tensor(dst, torch.int64)] = self._last_sampled[self._tensor(src, torch.int64)]
         return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
 
-    def _block_table(self, seqs: list, seq_lens: list[int]) -> torch.Tensor:
+    def _block_table(self, seqs: list[StepSequence], seq_lens: list[int]) -> torch.Tensor:
         """[B, max_blocks] int32 block ids, padded with the null block (built in numpy: this runs every step)."""
         bs = self.block_size
         counts = np.fromiter((-(-n // bs) for n in seq_lens), np.int64, len(seqs))
@@ -296,7 +268,7 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _sampling_batch(self, seqs: list) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[StepSequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
         temperature = self._tensor([p.temperature for p in params], torch.float32)
         all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from tokenmill.engine.step import SamplerOutput
+
 
 @dataclass
 class SamplingBatch:
@@ -52,16 +54,6 @@ class SamplingBatch:
     # Structured outputs: xgrammar's packed allowed-token bitmask and the function applying it.
     grammar_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32
     apply_grammar: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor  # [N] int64
-    # Only when some row asked for logprobs; taken from the raw (unpenalised, untempered) logits.
-    sampled_logprobs: torch.Tensor | None = None  # [N]
-    sampled_ranks: torch.Tensor | None = None  # [N], 1 = most likely
-    top_ids: torch.Tensor | None = None  # [N, K]
-    top_logprobs: torch.Tensor | None = None  # [N, K]
 
 
 class Sampler:

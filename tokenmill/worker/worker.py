@@ -19,6 +19,7 @@ from tokenmill.worker.sizing import choose_num_blocks
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.engine.step import SchedulerOutput, StepResult
     from tokenmill.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Worker:
         self.config = dataclasses.replace(config, device=self.device)  # sizing reads this rank's device
         self.model = load_model(
             source, config.dtype, self.device, load_format,
-            tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed,
+            tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed, quantization=config.quantization,
         )
         if config.deterministic:
             from tokenmill.kernels.batch_invariant import use_batch_invariant_matmuls
@@ -77,6 +78,14 @@ class Worker:
                 logger.warning("CUDA graphs are not used with tensor_parallel_size > 1: decode steps run eagerly")
             return
         self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+
+    def execute_model(self, plan: "SchedulerOutput") -> "StepResult":
+        """Launch one step on this rank (rank 0's; the other ranks follow its model calls)."""
+        return self.runner.execute(plan)
+
+    def use_grammars(self, grammars: Any) -> None:
+        """The engine's GrammarCache, which masks the logits of sequences with structured outputs."""
+        self.runner.grammars = grammars
 
     def apply_model(self, func: Callable[[torch.nn.Module], _R]) -> _R:
         """func(this rank's model): LLM.apply_model."""

@@ -57,7 +57,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
-    matmul = staticmethod(F.linear)  # as in ColumnParallelLinear
+    matmul = staticmethod(F.linear)  # as in UnquantizedLinearMethod (linear.py)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits: call compute_logits(hidden)")

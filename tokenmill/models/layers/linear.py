@@ -6,6 +6,12 @@ A transformer block needs two kinds of split to avoid communication inside the b
 - row parallel: each rank owns a slice of the *input* features (o_proj, down_proj) and produces
   a partial sum; one all-reduce per block half restores the full activation.
 
+What a layer stores and how it multiplies belongs to its *linear method*: ``UnquantizedLinearMethod``
+below (the model's dtype), or the fp8 / 4-bit methods of ``tokenmill.quantization``. The method
+creates the layer's parameters, says how each lies along the output and input features
+(``ParamLayout``, packed or grouped), prepares them after loading and computes ``x W^T``. The
+layers only decide which features this rank keeps (a ``Placement``).
+
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``, which takes the
 *full* Hugging Face tensor (a ``torch.Tensor``, or a CheckpointTensor that reads from disk only
 what ``narrow`` asks for) and copies in this rank's slice. With ``tp_size == 1`` every layer is
@@ -14,7 +20,8 @@ a plain ``F.linear`` and no ``torch.distributed`` call is ever made.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,19 +50,105 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight, shar
     param.data.copy_(loaded_weight[...])  # [...]: the whole tensor, read from disk if it is lazy
 
 
-def _new_param(shape: tuple[int, ...], loader: Any) -> nn.Parameter:
+@dataclass(frozen=True)
+class ParamLayout:
+    """Which dims of a parameter run along the output and input features, and how many features
+    one stored element covers there (8 for int4 packed in int32, the group size for group scales)."""
+
+    output_dim: int | None = None
+    input_dim: int | None = None
+    output_pack: int = 1
+    input_pack: int = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The part of a checkpoint tensor this rank keeps, in features (unpacked): output features
+    [row_src, row_src + rows) go to [row_dst, row_dst + rows) of the parameter, input features
+    [col_src, col_src + cols) are kept; the checkpoint tensor has full_rows x full_cols features."""
+
+    row_dst: int
+    row_src: int
+    rows: int
+    col_src: int
+    cols: int
+    full_rows: int
+    full_cols: int
+
+
+def new_param(shape: tuple[int, ...], loader: Any, layout: ParamLayout | None = None, dtype: torch.dtype | None = None) -> nn.Parameter:
     # torch.empty: weights are always overwritten by the loader, so skip the costly random init.
     # Device and dtype come from the caller's torch.device / default-dtype context.
-    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
+    param.feature_layout = layout  # type: ignore[attr-defined]
     return param
+
+
+def load_placed(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
+    """Copy this rank's part of ``loaded`` into ``param`` as its ParamLayout describes it (or hand it
+    to the parameter's own ``place`` hook: per-tensor scales, weights quantized while loading)."""
+    hook: Callable[[nn.Parameter, LoadedWeight, Placement], None] | None = getattr(param, "place", None)
+    if hook is not None:
+        hook(param, loaded, where)
+        return
+    layout: ParamLayout = param.feature_layout  # type: ignore[attr-defined]
+    expected = list(param.shape)
+    cuts: list[tuple[int, int | None, int, int]] = []  # (dim, src start or None: all, dst start, length) in stored elements
+    for dim, pack, dst, src, size, full in (
+        (layout.output_dim, layout.output_pack, where.row_dst, where.row_src, where.rows, where.full_rows),
+        (layout.input_dim, layout.input_pack, 0, where.col_src, where.cols, where.full_cols),
+    ):
+        if dim is None:
+            continue
+        expected[dim] = -(-full // pack)
+        whole = size == full  # the whole extent is read, so a partial last pack is fine
+        if dst % pack or (not whole and (src % pack or size % pack)):
+            raise ValueError(
+                f"features [{src}, {src + size}) of {full} (placed at {dst}) do not fall on the {pack}-feature "
+                "boundaries this parameter is stored in (packed or grouped); choose a tensor_parallel_size that splits them evenly"
+            )
+        cuts.append((dim, None if whole else src // pack, dst // pack, expected[dim] if whole else size // pack))
+    check_shape(param, loaded, tuple(expected))
+    source, target = loaded, param.data
+    for dim, src, dst, length in cuts:
+        if src is not None:
+            source = source.narrow(dim, src, length)
+        target = target.narrow(dim, dst, length)
+    target.copy_(source if isinstance(source, torch.Tensor) else source[...])
+
+
+class LinearMethod(Protocol):
+    """How a linear layer stores its weight and computes ``x W^T + b`` (see the module docstring)."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, loader: Any) -> None:
+        """Register the layer's weight parameters for a per-rank [output_size, input_size] weight."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded checkpoint tensors into what ``apply`` reads (once, after loading)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, input_size] -> x W^T (+ bias) [T, output_size] in x's dtype."""
+
+
+class UnquantizedLinearMethod:
+    """The weight in the model's dtype, one matmul: the full-precision GEMM of every layer lives here."""
+
+    # The product itself; deterministic mode swaps in a batch-invariant one (kernels/batch_invariant.py).
+    matmul = staticmethod(F.linear)
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, loader: Any) -> None:
+        layer.weight = new_param((output_size, input_size), loader, ParamLayout(output_dim=0, input_dim=1))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.matmul(x, layer.weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along its output dim; each rank returns its slice of y."""
-
-    # The product itself; deterministic mode swaps in a batch-invariant one (kernels/batch_invariant.py).
-    matmul = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -65,6 +158,7 @@ class ColumnParallelLinear(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: Any = None,
+        quant_method: LinearMethod | None = None,
     ):
         super().__init__()
         self.input_size = input_size
@@ -73,16 +167,19 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size = tp_size
         self.tp_group = tp_group
         self.output_size_per_partition = divide(output_size, tp_size, "output features")
-        self.weight = _new_param((self.output_size_per_partition, input_size), self.weight_loader)
-        self.bias = _new_param((self.output_size_per_partition,), self.weight_loader) if bias else None
+        self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, self.output_size_per_partition, self.weight_loader)
+        self.bias = new_param((self.output_size_per_partition,), self.weight_loader, ParamLayout(output_dim=0)) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
-        check_shape(param, loaded_weight, (self.output_size, *param.shape[1:]))
-        size = param.shape[0]
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        size = self.output_size_per_partition
+        load_placed(param, loaded_weight, self._placement(0, self.tp_rank * size, size, self.output_size))
+
+    def _placement(self, row_dst: int, row_src: int, rows: int, full_rows: int) -> Placement:
+        return Placement(row_dst, row_src, rows, 0, self.input_size, full_rows, self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -100,20 +197,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: Any = None,
+        quant_method: LinearMethod | None = None,
     ):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             divide(size, tp_size, "output features")
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, tp_group)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, tp_group, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"merged linear needs shard_id in 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         full = self.output_sizes[shard_id]
-        check_shape(param, loaded_weight, (full, *param.shape[1:]))
         size = full // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        load_placed(param, loaded_weight, self._placement(offset, self.tp_rank * size, size, full))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -134,6 +231,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: Any = None,
+        quant_method: LinearMethod | None = None,
     ):
         self.head_dim = head_dim
         self.total_num_heads = total_num_heads
@@ -149,7 +247,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         # The per-rank output is q_size + 2 * kv_size; express it as a "full" size for the base class.
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias, tp_rank, tp_size, tp_group)
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias, tp_rank, tp_size, tp_group, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
         if shard_id == "q":
@@ -160,8 +258,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKV linear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
         d = self.head_dim
-        check_shape(param, loaded_weight, (full_rows * d, *param.shape[1:]))
-        param.data.narrow(0, offset * d, size * d).copy_(loaded_weight.narrow(0, start * d, size * d))
+        load_placed(param, loaded_weight, self._placement(offset * d, start * d, size * d, full_rows * d))
 
 
 class RowParallelLinear(nn.Module):
@@ -170,8 +267,6 @@ class RowParallelLinear(nn.Module):
     The input is expected already split (the output of a column-parallel layer). The bias is
     added once, after the reduction, so it is not counted ``tp_size`` times.
     """
-
-    matmul = staticmethod(F.linear)  # as in ColumnParallelLinear
 
     def __init__(
         self,
@@ -182,6 +277,7 @@ class RowParallelLinear(nn.Module):
         tp_size: int = 1,
         tp_group: Any = None,
         reduce_results: bool = True,
+        quant_method: LinearMethod | None = None,
     ):
         super().__init__()
         self.input_size = input_size
@@ -191,16 +287,17 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, tp_size, "input features")
-        self.weight = _new_param((output_size, self.input_size_per_partition), self.weight_loader)
-        self.bias = _new_param((output_size,), default_weight_loader) if bias else None
+        self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, self.input_size_per_partition, output_size, self.weight_loader)
+        self.bias = new_param((output_size,), default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: Any = None) -> None:
-        check_shape(param, loaded_weight, (self.output_size, self.input_size))
         size = self.input_size_per_partition
-        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
+        where = Placement(0, 0, self.output_size, self.tp_rank * size, size, self.output_size, self.input_size)
+        load_placed(param, loaded_weight, where)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight)
+        y = self.quant_method.apply(self, x, None)
         if self.tp_size > 1 and self.reduce_results:
             torch.distributed.all_reduce(y, group=self.tp_group)
         # Without the reduction the caller sums the ranks' outputs, so only rank 0 adds the bias.

@@ -4,8 +4,8 @@
     vectors = [o.outputs.embedding for o in llm.embed(["a cat", "a dog"])]
     scores = llm.score("a cat", ["a kitten", "a car"])      # cosine similarity, 1-to-N
 
-`LLM` inherits these; they run through the same engine as generation (`LLMEngine`, which hands
-pooling requests to `engine/pooling.py`).
+`LLM` inherits these. A pooling model's `LLM` runs a `PoolingEngine` (chosen when it starts);
+these methods refuse a generative model, and LLM's generation methods refuse a pooling model.
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ from tokenmill.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from tokenmill.pooling.engine import PoolingEngine
 from tokenmill.pooling_params import POOLING_TASKS, PoolingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.engine import LLMEngine
-    from tokenmill.engine.pooling import PoolingEngine
+    from tokenmill.engine.protocol import Engine
     from tokenmill.inputs import PromptType
 
 
 class PoolingMethods:
-    llm_engine: "LLMEngine"
+    llm_engine: "Engine"
+
+    def _run(self, prompts: Sequence[Any], params: Sequence[Any], use_tqdm: bool) -> list[Any]:
+        """Submit every prompt and collect the outputs in input order (`LLM._run`)."""
+        raise NotImplementedError
 
     def encode(
         self,
@@ -50,7 +54,7 @@ class PoolingMethods:
             raise ValueError(f"pooling_task={pooling_task!r} is invalid: must be None or one of {POOLING_TASKS}")
         prompts = prompt_list(prompts)
         params = _params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
-        return self._run(prompts, params, use_tqdm)  # type: ignore[attr-defined]
+        return self._run(prompts, params, use_tqdm)
 
     def embed(
         self,
@@ -133,12 +137,12 @@ class PoolingMethods:
         if len(first) == 1:
             first = first * len(second)
         prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens) for a, b in zip(first, second)]
-        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)  # type: ignore[attr-defined]
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
         return [ScoringRequestOutput.from_base(o) for o in outputs]
 
     def _pooling_engine(self, method: str) -> "PoolingEngine":
-        engine = self.llm_engine.pooling
-        if engine is None:
+        engine = self.llm_engine
+        if not isinstance(engine, PoolingEngine):
             raise ValueError(
                 f"LLM.{method}() needs a pooling model, but {self.llm_engine.config.model!r} runs as a generative "
                 "model: use generate() or chat(), or start it as an embedder of its hidden states with "
@@ -148,8 +152,8 @@ class PoolingMethods:
 
     def _refuse_pooling_model(self, method: str) -> None:
         """Generation methods on a pooling model fail at once, saying which methods fit."""
-        engine = self.llm_engine.pooling
-        if engine is not None:
+        engine = self.llm_engine
+        if isinstance(engine, PoolingEngine):
             raise ValueError(engine.generation_refused(f"LLM.{method}()"))
 
 

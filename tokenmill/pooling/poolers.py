@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.pooling_config import POOLING_TYPES, Activation
+from tokenmill.pooling.config import POOLING_TYPES, Activation
 
 
 def pool(hidden: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pooling_type: str) -> torch.Tensor:

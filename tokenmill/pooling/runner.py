@@ -17,11 +17,13 @@ from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
 from tokenmill.attention.prefill import PrefillAttentionBackend, whole_prompt_metadata
-from tokenmill.models.pooler import activate, finish_embeddings, pool
+from tokenmill.pooling.poolers import activate, finish_embeddings, pool
+from tokenmill.pooling.request import PoolingRequest
 
 if TYPE_CHECKING:
-    from tokenmill.engine.scheduler import ScheduledSequence
-    from tokenmill.pooling_config import PoolingModelConfig
+    from tokenmill.engine.request import Sequence
+    from tokenmill.engine.step import SchedulerOutput
+    from tokenmill.pooling.config import PoolingModelConfig
 
 
 class PoolingRunner:
@@ -36,34 +38,34 @@ class PoolingRunner:
         self.no_cache: list = [None] * getattr(model, "num_layers", 0)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list["ScheduledSequence"]) -> list[torch.Tensor]:
+    def execute(self, plan: "SchedulerOutput[Sequence]") -> list[torch.Tensor]:
         """The pooled output of every scheduled sequence (whole prompts), as CPU float32 tensors."""
-        seqs = [item.seq for item in scheduled]
-        lens = [item.num_tokens for item in scheduled]
+        seqs = [item.seq for item in plan.scheduled]
+        lens = [item.num_tokens for item in plan.scheduled]
         assert all(n == seq.num_prompt_tokens for n, seq in zip(lens, seqs)), "pooling runs whole prompts"
         return self._outputs(self._forward(seqs, lens), seqs, lens)
 
-    def _forward(self, seqs: list, lens: list[int]) -> torch.Tensor:
+    def _forward(self, seqs: list["Sequence"], lens: list[int]) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch of whole prompts."""
         dev = self.device
         ids = torch.tensor([t for seq in seqs for t in seq.prompt_token_ids], dtype=torch.int64).to(dev)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(dev)
         ctx = ForwardContext(whole_prompt_metadata(lens, dev), self.no_cache, self.backend)
-        types = [seq.request.token_type_ids for seq in seqs]
+        types = [_pooling_request(seq).token_type_ids for seq in seqs]
         if not (self.pooling.takes_token_type_ids and any(t is not None for t in types)):
             return self.model(ids, positions, ctx)
         flat = [t for n, tt in zip(lens, types) for t in (tt if tt is not None else [0] * n)]
         return self.model(ids, positions, ctx, token_type_ids=torch.tensor(flat, dtype=torch.int64).to(dev))
 
-    def _outputs(self, hidden: torch.Tensor, seqs: list, lens: list[int]) -> list[torch.Tensor]:
+    def _outputs(self, hidden: torch.Tensor, seqs: list["Sequence"], lens: list[int]) -> list[torch.Tensor]:
         """Each sequence's result: its rows pooled, then its task's head and post-processing."""
         dev = self.device
         first_token = [0, *itertools.accumulate(lens)]
         groups: dict[tuple, list[int]] = defaultdict(list)
         for row, seq in enumerate(seqs):
-            p = seq.request.params
+            p = _pooling_request(seq).params
             groups[(p.task, p.dimensions, p.normalize, p.use_activation)].append(row)
-        results: list[torch.Tensor | None] = [None] * len(seqs)
+        results: dict[int, torch.Tensor] = {}
         pooled = None
         for (task, dimensions, normalize, use_activation), rows in groups.items():
             if task == "token_embed":
@@ -84,4 +86,10 @@ class PoolingRunner:
                 out = activate(logits, activation) if use_activation else logits
             for row, value in zip(rows, out.cpu()):
                 results[row] = value
-        return results  # type: ignore[return-value]
+        return [results[row] for row in range(len(seqs))]
+
+
+def _pooling_request(seq: "Sequence") -> PoolingRequest:
+    request = seq.request
+    assert isinstance(request, PoolingRequest), "the pooling engine makes only PoolingRequests"
+    return request

@@ -13,14 +13,12 @@ module's ``config.json``, ``sentence_bert_config.json``), then the user's ``pool
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from tokenmill.config import EngineArgs, EngineConfig
     from tokenmill.models.source import ModelSource
 
 PoolingType = Literal["CLS", "LAST", "MEAN"]
@@ -89,7 +87,7 @@ TASK_SPELLINGS: dict[str, tuple[str, str]] = {
 TASK_METHODS = {"embed": "embed()", "token_embed": "encode(pooling_task='token_embed')", "classify": "classify()", "score": "score()"}
 # sentence-transformers 1_Pooling/config.json flags -> our pooling type.
 _ST_POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
-_ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+_ST_ACTIVATIONS: dict[str, Activation] = {"Sigmoid": "sigmoid", "Identity": "identity"}
 
 
 @dataclass(frozen=True)
@@ -114,32 +112,38 @@ class PoolingModelConfig:
             return ("embed", "token_embed")
         return ("classify", "score") if self.score_activation is not None else ("classify",)
 
-    def engine_config(self, config: "EngineConfig", args: "EngineArgs") -> "EngineConfig":
-        """``config`` adjusted for whole-prompt steps: every prompt must fit one step's token budget."""
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling models run on one device "
+    def step_limits(
+        self, max_model_len: int, max_num_batched_tokens: int, *, max_model_len_given: bool, batched_given: bool,
+        tensor_parallel_size: int,
+    ) -> tuple[int, int]:
+        """(max_model_len, max_num_batched_tokens) for whole-prompt steps: every prompt must fit one
+        step's token budget. ``*_given``: the user set that value (else it was a default)."""
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: pooling models run on one device "
                              "(tensor parallelism is for generation); use tensor_parallel_size=1")
-        max_model_len = config.max_model_len
-        if args.max_model_len is None and self.max_seq_length is not None:
+        if not max_model_len_given and self.max_seq_length is not None:
             max_model_len = min(max_model_len, self.max_seq_length)
-        batched = config.max_num_batched_tokens
-        if args.max_num_batched_tokens is None:
+        batched = max_num_batched_tokens
+        if not batched_given:
             batched = max(batched, max_model_len)
         elif batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a pooling model "
                 "computes each prompt in one step, so raise max_num_batched_tokens or lower max_model_len"
             )
-        return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched)
+        return max_model_len, batched
 
 
-def resolve_pooling(args: "EngineArgs", source: "ModelSource") -> PoolingModelConfig | None:
-    """The pooling settings of the model, or None when it runs as a generative model."""
+def resolve_pooling(
+    source: "ModelSource", runner: str = "auto", convert: str = "auto", task: str | None = None, pooler_config: Any = None,
+) -> PoolingModelConfig | None:
+    """The pooling settings of the model, or None when it runs as a generative model (the
+    arguments are LLM()'s of the same names)."""
     from tokenmill.models.registry import architecture_of, embedding_architecture_of, get_model_class, pooling_task_of
 
     arch = architecture_of(source.hf_config)
     head = pooling_task_of(arch)
-    runner, convert = _runner_and_convert(args)
+    runner, convert = _runner_and_convert(runner, convert, task)
     if runner == "auto":
         runner = "pooling" if head else "generate"
     if runner == "generate":
@@ -165,7 +169,7 @@ def resolve_pooling(args: "EngineArgs", source: "ModelSource") -> PoolingModelCo
         raise ValueError(f"{arch} has no pooling head; use convert='embed' to embed with its final hidden states")
     config = source.hf_config
     model_cls = get_model_class(architecture)
-    user = PoolerConfig.coerce(args.pooler_config)
+    user = PoolerConfig.coerce(pooler_config)
     st = _sentence_transformers(source.config_dir) if head == "embed" else {}
     defaults = PoolerConfig(pooling_type=st.get("pooling_type") or model_cls.default_pooling_type,
                             normalize=st.get("normalize"))
@@ -185,14 +189,13 @@ def resolve_pooling(args: "EngineArgs", source: "ModelSource") -> PoolingModelCo
     )
 
 
-def _runner_and_convert(args: "EngineArgs") -> tuple[str, str]:
-    runner, convert = args.runner, args.convert
-    if args.task is None:
+def _runner_and_convert(runner: str, convert: str, task: str | None) -> tuple[str, str]:
+    if task is None:
         return runner, convert
-    task_runner, task_convert = TASK_SPELLINGS[args.task]
+    task_runner, task_convert = TASK_SPELLINGS[task]
     for name, given, implied in (("runner", runner, task_runner), ("convert", convert, task_convert)):
         if given != "auto" and implied != "auto" and given != implied:
-            raise ValueError(f"LLM(task={args.task!r}) means {name}={implied!r}, but {name}={given!r} was given")
+            raise ValueError(f"LLM(task={task!r}) means {name}={implied!r}, but {name}={given!r} was given")
     return (task_runner if runner == "auto" else runner), (task_convert if convert == "auto" else convert)
 
 
@@ -217,7 +220,7 @@ def _score_activation(config: Any) -> Activation:
     name = str(saved).rsplit(".", 1)[-1]
     if name not in _ST_ACTIVATIONS:
         raise ValueError(f"the cross-encoder's activation {saved!r} is not supported; supported: {sorted(_ST_ACTIVATIONS)}")
-    return _ST_ACTIVATIONS[name]  # type: ignore[return-value]
+    return _ST_ACTIVATIONS[name]
 
 
 def _labels(config: Any, num_labels: int) -> tuple[str, ...]:

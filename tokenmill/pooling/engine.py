@@ -1,46 +1,37 @@
-"""The pooling side of LLMEngine: requests for embeddings, class probabilities and scores.
+"""PoolingEngine: the engine of a pooling model (embeddings, class probabilities, scores).
 
-A pooling request is prefill-only: it finishes in the step that computes its prompt. Requests go
-through the same `Scheduler` as generation (FIFO admission under ``max_num_seqs`` and the token
-budget), with chunked prefill off, so every prompt is computed whole in one step, and with no KV
-cache: attention runs over each prompt alone (`attention/prefill.py`) and nothing is kept
-between steps. `LLMEngine` hands every call to this class when the model is a pooling model.
+`create_engine` picks it instead of `LLMEngine` when the model is a pooling model; both serve
+the `Engine` protocol (tokenmill/engine/protocol.py). A pooling request is prefill-only: it finishes
+in the step that computes its prompt. Requests go through the same `Scheduler` as generation
+(FIFO admission under ``max_num_seqs`` and the token budget), with chunked prefill off, so every
+prompt is computed whole in one step, and with no KV cache: attention runs over each prompt
+alone (`attention/prefill.py`) and nothing is kept between steps. The model is loaded on one
+rank: no Executor, no sampler, no decode graphs.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Request, Sequence
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.request import Sequence
+from tokenmill.engine.scheduler import BlockAllocator, Scheduler
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
-from tokenmill.pooling_config import TASK_METHODS, PoolingModelConfig
+from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
+from tokenmill.pooling.request import PoolingRequest
+from tokenmill.pooling.runner import PoolingRunner
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.worker.pooling_runner import PoolingRunner
 
 if TYPE_CHECKING:
     from tokenmill.models.source import ModelSource
 
 
-@dataclass(eq=False)
-class PoolingRequest(Request):
-    params: PoolingParams  # type: ignore[assignment]  # resolved: task and defaults filled in
-    token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT cross-encoders)
-
-    @property
-    def needs_prompt_logprobs(self) -> bool:
-        return False
-
-
-class NoKVCache:
-    """The scheduler's cache manager for models that keep no KV cache: every allocation succeeds."""
+class NoKVCache(BlockAllocator):
+    """The block allocator of a model that keeps no KV cache: every allocation succeeds, nothing is cached."""
 
     block_size = 1
-    num_usable_blocks = 0
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
         return True
@@ -48,23 +39,29 @@ class NoKVCache:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         return []
 
+    def commit_computed(self, seq: Sequence) -> None:
+        pass
+
     def free(self, seq: Sequence) -> None:
         pass
 
 
 class PoolingEngine:
-    def __init__(self, config: EngineConfig, source: "ModelSource", pooling: PoolingModelConfig, tokenizer: Any,
-                 load_format: str = "auto"):
+    def __init__(self, config: EngineConfig, source: "ModelSource", tokenizer: Any, load_format: str = "auto"):
         from tokenmill.models.loader import load_model
 
+        if config.pooling is None:
+            raise ValueError(f"model {config.model!r} is not a pooling model; LLMEngine serves it")
+        pooling: PoolingModelConfig = config.pooling
         self.config = config
+        self.model_config = config  # vLLM code reads llm_engine.model_config.max_model_len
+        self.source = source
         self.pooling = pooling
         self.tokenizer = tokenizer
         model = load_model(source, config.dtype, config.device, load_format, seed=config.seed,
-                           architecture=pooling.architecture)
+                           architecture=pooling.architecture, quantization=config.quantization)
         self.runner = PoolingRunner(model, config.device, pooling)
-        self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens,  # type: ignore[arg-type]
-                                   config.max_model_len, chunked_prefill=False)
+        self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens, chunked_prefill=False)
         self.requests: dict[str, PoolingRequest] = {}
         self._next_seq_id = 0
 
@@ -104,6 +101,9 @@ class PoolingEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        return True  # a pooling model keeps no cache
+
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """A pooling model runs on one rank without a Worker: only apply_model(func) is served."""
@@ -120,7 +120,7 @@ class PoolingEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any request; the token budget is too small")
             return []
-        pooled = self.runner.execute(plan.scheduled)
+        pooled = self.runner.execute(plan)
         now = time.monotonic()
         outputs = []
         for item, data in zip(plan.scheduled, pooled):

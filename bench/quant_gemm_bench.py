@@ -1,0 +1,113 @@
+"""Quantized GEMMs on Llama-3-8B's projections against bf16 cuBLAS (torch's F.linear).
+
+W4A16 (issue 18's target: >= 2.5x the bf16 GEMM at decode sizes M 1-64): our Triton kernel with
+the engine's own choice of tiles and K split, and the best of a small sweep of tiles/splits (so a
+better heuristic shows up as a gap between the two). FP8 at M 16-4096: activation quantization
+alone, ``torch._scaled_mm`` (cuBLASLt, rowwise scales), our Triton fp8 GEMM, and the engine's
+whole fp8 linear (quantize + _scaled_mm) against bf16.
+
+Every timing is a CUDA-graph replay (bench/kernels_bench.py's timer) cycling through enough
+copies of the weights to exceed the 60 MB L2 twice over, so weights come from HBM as they do in
+a decode step that reads every layer. One JSON row per (shape, M, kind).
+    python bench/quant_gemm_bench.py [w4a16] [fp8]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_bench import _provenance, _time_graph  # noqa: E402
+
+from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8  # noqa: E402
+from tokenmill.kernels.triton.w4a16_gemm import choose_config, counters_needed, w4a16_gemm  # noqa: E402
+from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+L2_BYTES = 60 * 2**20
+
+
+def _copies(weight_bytes: int) -> int:
+    return max(2, -(-2 * L2_BYTES // weight_bytes))
+
+
+def _cycled(calls: list) -> tuple[float, float]:
+    """Per-call microseconds of calls[i] run one after another (one graph replay runs them all)."""
+    median, low = _time_graph(lambda: [c() for c in calls], calls_per_graph=1)
+    return median / len(calls), low / len(calls)
+
+
+def bench_w4a16() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in SHAPES.items():
+        copies = _copies(n * k // 2)
+        packed = [torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32) for _ in range(copies)]
+        scales = [(torch.rand(k // 128, n, device="cuda") * 0.004).to(torch.bfloat16) for _ in range(copies)]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
+        counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])
+            auto = choose_config(m, n, k, 128, sms)
+            auto_us, _ = _cycled([lambda i=i: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters) for i in range(copies)])
+            best = (auto_us, auto)
+            for block_n in (32, 64, 128):
+                for split in (1, 2, 4, 8, 16):
+                    for stages in (3, 4):
+                        cfg = dict(auto, BLOCK_N=block_n, split_k=split, num_stages=stages)
+                        try:
+                            us, _ = _cycled([lambda i=i, cfg=cfg: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters, cfg)
+                                             for i in range(copies)])
+                        except Exception as exc:  # noqa: BLE001  (a config that does not fit: skip it)
+                            print(f"# {name} M={m} {cfg}: {repr(exc)[:100]}", file=sys.stderr)
+                            continue
+                        if us < best[0]:
+                            best = (us, cfg)
+            row = {**_provenance("w4a16_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
+                   "bf16_cublas_us": round(bf16_us, 2), "w4a16_us": round(auto_us, 2), "w4a16_config": auto,
+                   "speedup": round(bf16_us / auto_us, 2), "w4a16_gbps": round(n * k / 2 / auto_us / 1e3, 1),
+                   "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1]}
+            print(json.dumps(row), flush=True)
+
+
+def bench_fp8() -> None:
+    for name, (n, k) in SHAPES.items():
+        copies = _copies(n * k)
+        fp8 = [quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
+        for m in (16, 64, 256, 1024, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_fp8(x)
+            bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])
+            quant_us, _ = _time_graph(lambda: quantize_fp8(x))
+            scaled_us, _ = _cycled([lambda w=w, s=s: torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :],
+                                                                         out_dtype=torch.bfloat16) for w, s in fp8])
+            triton_us, _ = _cycled([lambda w=w, s=s: fp8_gemm(xq, xs, w, s, None, torch.bfloat16) for w, s in fp8])
+            flops = 2 * m * n * k
+            row = {**_provenance("fp8_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
+                   "bf16_cublas_us": round(bf16_us, 2), "quantize_us": round(quant_us, 2),
+                   "scaled_mm_us": round(scaled_us, 2), "triton_fp8_us": round(triton_us, 2),
+                   "linear_speedup": round(bf16_us / (quant_us + min(scaled_us, triton_us)), 2),
+                   "bf16_tflops": round(flops / bf16_us / 1e6, 1), "scaled_mm_tflops": round(flops / scaled_us / 1e6, 1),
+                   "triton_fp8_tflops": round(flops / triton_us / 1e6, 1)}
+            print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("quant_gemm_bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    parts = sys.argv[1:] or ["w4a16", "fp8"]
+    if "w4a16" in parts:
+        bench_w4a16()
+    if "fp8" in parts:
+        bench_fp8()
+
+
+if __name__ == "__main__":
+    main()

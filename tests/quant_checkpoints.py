@@ -1,0 +1,199 @@
+"""Tiny quantized checkpoints made without tokenmill, and the full-precision weights they stand for.
+
+- compressed-tensors: the package's own scheme presets, its qparam computation and its compressors
+  write the folder; its decompressors, run on the tensors read back from the file, give the
+  reference weights.
+- GPTQ and AWQ: random 4-bit codes, zero points and fp16 scales are drawn first; the reference
+  weight is ``(code - zero) * scale`` of those integers. The folder holds them packed per each
+  format's documented layout (GPTQ: codes packed along the input features, zeros stored minus one;
+  AWQ: packed along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7), packed by compressed-tensors'
+  ``pack_to_int32`` (8 codes a word, lowest index in the lowest bits).
+
+Each builder returns (quantized folder, reference folder): the reference is the same HF model in
+fp32 with the reference weights, for transformers to run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _load_tests_conftest() -> Any:
+    # By file, not "import conftest": under tests/gpu that name is tests/gpu/conftest.py.
+    spec = importlib.util.spec_from_file_location("tokenmill_tests_conftest", Path(__file__).with_name("conftest.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tiny = _load_tests_conftest()
+_common, _randomize, build_tiny_tokenizer = _tiny._common, _tiny._randomize, _tiny.build_tiny_tokenizer
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def tiny_config(family: str = "llama", **overrides: Any) -> Any:
+    """Large enough for 128-feature groups: hidden 256 (2 groups), intermediate 384 (3 groups)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    kwargs = _common(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                     tie_word_embeddings=False, **overrides)
+    if family == "qwen2":
+        return Qwen2Config(**kwargs, architectures=["Qwen2ForCausalLM"])
+    return LlamaConfig(**kwargs, architectures=["LlamaForCausalLM"])
+
+
+def random_model(config: Any, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def _save_reference(model: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path) -> Path:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in weights:
+                param.copy_(weights[name])
+    model.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama", seed: int = 0,
+                                  group_size: int | None = None) -> tuple[Path, Path]:
+    """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC), its
+    4-bit groups of ``group_size`` features when given (the presets use 128)."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import load_file
+
+    config = tiny_config(family)
+    model = random_model(config, seed)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None:
+        scheme.weights.group_size = group_size
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+                              show_progress=False)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        weight, args = module.weight.data, module.quantization_scheme.weights
+        if args.strategy == "group":
+            grouped = weight.unflatten(-1, (-1, args.group_size))
+            low, high = grouped.amin(-1), grouped.amax(-1)
+        elif args.strategy == "channel":
+            low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
+        else:
+            low, high = weight.amin(), weight.amax()
+        scale, zero_point = calculate_qparams(low, high, args)  # what llm-compressor's min-max observer does
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+        if hasattr(module, "input_scale"):
+            module.input_scale.data.fill_(0.02)  # a static activation scale (calibration is not our concern)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    folder = root / f"ct-{preset.lower()}-{family}-seed{seed}-g{group_size}"
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    build_tiny_tokenizer().save_pretrained(folder)
+
+    # The reference: compressed-tensors' decompression of the tensors as written to the file.
+    stored = load_file(folder / "model.safetensors")
+    quant_config = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    group = quant_config.config_groups["group_0"]
+    decompressor = BaseCompressor.get_value_from_registry(group.format or quant_config.format)
+    weights: dict[str, torch.Tensor] = {}
+    for name in {n.rsplit(".", 1)[0] for n in stored if n.rsplit(".", 2)[-2] in PROJECTIONS}:
+        local = {n[len(name) + 1 :]: t for n, t in stored.items() if n.startswith(name + ".")}
+        weights[f"{name}.weight"] = decompressor.decompress(local, group)["weight"].float()
+    return folder, _save_reference(random_model(tiny_config(family), seed), weights, root / f"{folder.name}-reference")
+
+
+def _draw_int4(weight: torch.Tensor, group_size: int, symmetric: bool, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Codes [N, K], zeros [N, G] and fp16 scales [N, G] near the weight's magnitude, and the reference weight."""
+    n, k = weight.shape
+    groups = k // group_size
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.full((n, groups), 8) if symmetric else torch.randint(1, 16, (n, groups), generator=gen)
+    scales = (weight.abs().unflatten(1, (groups, group_size)).amax(-1) / 8 * (0.5 + torch.rand(n, groups, generator=gen)))
+    scales = scales.to(torch.float16)
+    expanded = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
+    reference = (codes - expanded(zeros)).float() * expanded(scales).float()
+    return codes, zeros, scales, reference
+
+
+def _pack(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    # pack_to_int32 takes signed 4-bit values and stores value + 8: hand it code - 8.
+    return pack_to_int32((codes - 8).to(torch.int8), 4, packed_dim=dim)
+
+
+def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "llama", group_size: int = 128,
+                        seed: int = 0) -> tuple[Path, Path]:
+    """A GPTQ (v1 format, desc_act=False) or AWQ (GEMM) folder; see the module docstring."""
+    from safetensors.torch import save_file
+
+    config = tiny_config(family)
+    model = random_model(config, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    tensors: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        if module.rsplit(".", 1)[-1] not in PROJECTIONS or kind != "weight":
+            tensors[name] = param.detach().clone()
+            continue
+        codes, zeros, scales, weights[name] = _draw_int4(param.detach(), group_size, symmetric, gen)
+        k = codes.shape[1]
+        if fmt == "gptq":
+            tensors[f"{module}.qweight"] = _pack(codes.t(), 0)  # [K/8, N]
+            tensors[f"{module}.qzeros"] = _pack(zeros.t() - 1, 1)  # [G, N/8], stored minus one
+            tensors[f"{module}.g_idx"] = (torch.arange(k) // group_size).to(torch.int32)
+        else:
+            order = torch.tensor(AWQ_ORDER)
+            in_awq_order = lambda t: t.unflatten(1, (-1, 8))[..., order].flatten(1)  # noqa: E731
+            tensors[f"{module}.qweight"] = _pack(in_awq_order(codes.t()), 1)  # [K, N/8]
+            tensors[f"{module}.qzeros"] = _pack(in_awq_order(zeros.t()), 1)  # [G, N/8]
+        tensors[f"{module}.scales"] = scales.t().contiguous()  # [G, N]
+    folder = root / f"{fmt}-{'sym' if symmetric else 'asym'}-{family}-seed{seed}-g{group_size}"
+    folder.mkdir(parents=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    quant = ({"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
+              "checkpoint_format": "gptq"} if fmt == "gptq" else
+             {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": not symmetric, "version": "gemm"})
+    config.quantization_config = quant
+    config.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return folder, _save_reference(random_model(tiny_config(family), seed), weights, root / f"{folder.name}-reference")
+
+
+def fp8_fake_quantized_reference(root: Path, folder: Path, family: str = "llama") -> Path:
+    """The full-precision checkpoint in ``folder`` with every projection quantized to fp8 per output
+    channel and back by compressed-tensors (what quantization="fp8" should load)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    args = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]).weights
+    weights = {}
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 2)[-2] in PROJECTIONS:
+            w = param.detach()
+            scale, zero_point = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), args)
+            weights[name] = dequantize(quantize(w, scale, zero_point, args), scale, zero_point, args).float()
+    return _save_reference(model, weights, root / f"{folder.name}-fp8-reference")

@@ -1,0 +1,188 @@
+"""Cases and checks of the quantized-GEMM kernels (W4A16, fp8 activation quantization, fp8 GEMM)
+against their plain-torch twins, run by test_kernels_interpret.py's interpreter workers.
+
+Random inputs of awkward shapes: K not a multiple of 8 (a partly filled last word) or of the group
+(a partial last group), N not a multiple of the tile, M from 1 to past the split-K range, forced
+K splits that leave splits uneven, fp16 and fp32 activations; outputs poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def _case(check: str, name: str, **params: Any) -> None:
+    CASES[name] = (check, params)
+
+
+_W4A16 = [
+    # (m, n, k, group, zeros, bias, forced config)
+    (1, 64, 256, 128, False, False, None),
+    (7, 72, 200, 64, True, True, None),  # K = 3 groups + 8: partial last group, auto split
+    (64, 100, 384, 128, True, False, None),
+    (130, 33, 160, 32, False, True, None),  # past the split-K range: the large-M tiles
+    (5, 96, 416, -1, True, False, None),  # one group per output channel
+    (3, 80, 520, 64, True, True, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, split_k=3)),
+    (33, 64, 1024, 128, False, False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, split_k=8)),
+]
+for _dt in ("float32", "float16"):
+    for _i, (_m, _n, _k, _g, _z, _b, _cfg) in enumerate(_W4A16):
+        _case("w4a16", f"w4a16-m{_m}-n{_n}-k{_k}-g{_g}-{'asym' if _z else 'sym'}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k,
+              group=_g, zeros=_z, bias=_b, config=_cfg, seed=_i)
+    _case("quantize_fp8", f"quantize-fp8-dynamic-{_dt}", dtype=_dt, m=5, k=300, static=False)
+    _case("quantize_fp8", f"quantize-fp8-dynamic-long-rows-{_dt}", dtype=_dt, m=3, k=4100, static=False)
+    _case("quantize_fp8", f"quantize-fp8-static-saturating-{_dt}", dtype=_dt, m=4, k=200, static=True)
+    for _m, _n, _k in ((1, 70, 300), (20, 128, 128), (130, 72, 260)):
+        _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k, bias=_m == 20)
+
+# Whole layers through their linear methods: the kernel path (what runs on a GPU, forced here) against
+# the same layer dequantized at load (the CPU path), merged column-parallel and row-parallel with bias.
+for _dt in ("float32", "float16"):
+    for _scheme in ("gptq-asym-g64", "awq-g32", "fp8-at-load", "fp8-static"):
+        _case("quant_layer", f"layer-{_scheme}-{_dt}", dtype=_dt, scheme=_scheme)
+
+
+def _check_quant_layer(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill import quantization
+    from tokenmill.kernels.testing import patch_triton_interpreter_fp8_rounding
+    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from tokenmill.quantization.config import Fp8Scheme, Int4Scheme
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    schemes = {"gptq-asym-g64": Int4Scheme("gptq", 64, False, True), "awq-g32": Int4Scheme("awq", 32, False),
+               "fp8-at-load": Fp8Scheme("channel", "dynamic", quantize_at_load=True), "fp8-static": Fp8Scheme("tensor", "static")}
+    scheme = schemes[p["scheme"]]
+    gen = torch.Generator().manual_seed(7)
+    k, halves, n_row = 192, [64, 64], 48
+
+    def tensors(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        if isinstance(scheme, Fp8Scheme):
+            w = torch.randn(rows, cols, generator=gen) * 0.1
+            if scheme.quantize_at_load:
+                return {"weight": w}
+            scale = float(torch.rand(1, generator=gen)) * 0.002 + 0.0005  # a different scale per shard
+            return {"weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale": torch.tensor([scale]),
+                    "input_scale": torch.tensor([0.01])}
+        g = scheme.group_size
+        bits = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
+        out = {"qzeros": bits(cols // g, rows // 8), "scales": (0.01 + 0.02 * torch.rand(cols // g, rows, generator=gen)).half()}
+        if scheme.layout == "gptq":
+            out.update(qweight=bits(cols // 8, rows), g_idx=(torch.arange(cols) // g).to(torch.int32))
+        else:
+            out["qweight"] = bits(cols, rows // 8)
+        return out
+
+    merged_parts = [tensors(h, k) for h in halves]
+    row_part = tensors(n_row, sum(halves) // 2)
+    bias = torch.randn(n_row, generator=gen)
+    outputs = []
+    for kernels in (False, True):
+        quantization.runs_kernels = lambda device, kernels=kernels: kernels  # type: ignore[assignment]
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            merged = MergedColumnParallelLinear(k, halves, quant_method=_method(scheme))
+            row = RowParallelLinear(sum(halves) // 2, n_row, bias=True, quant_method=_method(scheme))
+        finally:
+            torch.set_default_dtype(previous)
+        params = dict(merged.named_parameters())
+        for shard, part in enumerate(merged_parts):
+            for name, tensor in part.items():
+                merged.weight_loader(params[name], tensor, shard)
+        row_params = dict(row.named_parameters())
+        for name, tensor in row_part.items():
+            row.weight_loader(row_params[name], tensor)
+        row.bias.data.copy_(bias)
+        for layer in (merged, row):
+            layer.quant_method.process_weights_after_loading(layer)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+        hidden = merged(x)
+        outputs.append((hidden, row(hidden[:, : sum(halves) // 2].contiguous())))
+    quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    for got, want in zip(outputs[1], outputs[0]):
+        if isinstance(scheme, Fp8Scheme):  # the kernel path also rounds activations to fp8 (3 mantissa bits)
+            torch.testing.assert_close(got.float(), want.float(), atol=0.1 * float(want.abs().max()), rtol=0.1)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), atol=tol * float(want.abs().max()), rtol=tol)
+
+
+def _method(scheme: Any) -> Any:
+    from tokenmill.quantization.config import Fp8Scheme, Int4Scheme, QuantizationConfig
+    from tokenmill.quantization import linear_method
+
+    assert isinstance(scheme, (Fp8Scheme, Int4Scheme))
+    return linear_method(QuantizationConfig("test", ((("Linear",), scheme),)), ["layer"])
+
+
+def _check_w4a16(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import w4a16_linear_ref
+    from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(p["seed"])
+    m, n, k, group = p["m"], p["n"], p["k"], p["group"]
+    groups = 1 if group == -1 else -(-k // group)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (-(-k // 8), n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (0.02 + 0.1 * torch.rand(groups, n, generator=gen)).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8) if p["zeros"] else None
+    bias = torch.randn(n, generator=gen).to(dtype) if p["bias"] else None
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    counters = torch.zeros(4096, dtype=torch.int32)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    got = w4a16_gemm(x, qweight, scales, zeros, k if group == -1 else group, bias, counters, p["config"], out=out)
+    expected = w4a16_linear_ref(x, qweight, scales, zeros, k if group == -1 else group, bias)
+    assert got.data_ptr() == out.data_ptr()
+    scale = float(expected.float().abs().max())
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol * scale, rtol=tol)
+    assert int(counters.abs().sum()) == 0, "split-K counters were not reset"
+
+
+def _check_quantize_fp8(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import quantize_fp8_ref
+    from tokenmill.kernels.testing import patch_triton_interpreter_fp8_rounding
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(p["m"], p["k"], generator=gen) * 3).to(dtype)
+    x[1] = 0  # an all-zero row: the smallest scale, codes 0
+    static = torch.tensor([0.004]) if p["static"] else None  # 448 * 0.004 = 1.8: most values saturate
+    got_q, got_s = quantize_fp8(x, static)
+    want_q, want_s = quantize_fp8_ref(x, static)
+    assert torch.equal(got_s, want_s), (got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), "codes differ from the twin"
+
+
+def _check_fp8_gemm(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import fp8_linear_ref
+    from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(2)
+    m, n, k = p["m"], p["n"], p["k"]
+    xq = (torch.randn(m, k, generator=gen) * 40).to(torch.float8_e4m3fn)
+    wq = (torch.randn(n, k, generator=gen) * 40).to(torch.float8_e4m3fn)
+    x_scale, w_scale = torch.rand(m, generator=gen) * 0.01, torch.rand(n, generator=gen) * 0.01
+    bias = torch.randn(n, generator=gen).to(dtype) if p["bias"] else None
+    got = fp8_gemm(xq, x_scale, wq, w_scale, bias, dtype)
+    expected = fp8_linear_ref(xq, x_scale, wq, w_scale, bias, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol * float(expected.float().abs().max()), rtol=tol)
+
+
+CHECKS = {"w4a16": _check_w4a16, "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
+          "quant_layer": _check_quant_layer}

@@ -1,0 +1,149 @@
+"""Quantized checkpoints and quantization="fp8" on the CPU (weights dequantized at load), against
+Hugging Face transformers in fp32 on the reference weights (see tests/quant_checkpoints.py for how
+each checkpoint and its reference are made without tokenmill): greedy tokens identical, logprobs
+within 1e-4. Also: tensor-parallel slices of packed weights, dummy quantized weights, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from quant_checkpoints import compressed_tensors_checkpoint, fp8_fake_quantized_reference, gptq_awq_checkpoint, tiny_config
+from reference import hf_greedy, hf_model
+from tokenmill import LLM, SamplingParams
+
+pytest.importorskip("compressed_tensors")
+
+PROMPTS = [[5, 80, 123, 44, 9], [200, 17], [33, 34, 35, 36, 37, 38, 39, 40, 41]]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("quantized")
+
+
+def _check_against_hf(folder: Path, reference: Path, **llm_kwargs) -> LLM:
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22, **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    model = hf_model(str(reference))
+    for prompt, output in zip(PROMPTS, outputs):
+        tokens, logprobs = hf_greedy(model, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens
+        ours = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+        assert ours == pytest.approx(logprobs, abs=1e-4)
+    return llm
+
+
+@pytest.mark.parametrize("preset, family", [("W4A16", "llama"), ("W4A16_ASYM", "qwen2"), ("FP8", "llama"),
+                                            ("FP8_DYNAMIC", "qwen2")])
+def test_compressed_tensors_checkpoint_matches_hf_on_its_decompressed_weights(root, preset, family):
+    folder, reference = compressed_tensors_checkpoint(root, preset, family)
+    llm = _check_against_hf(folder, reference)
+    assert llm.llm_engine.config.quantization.method == "compressed-tensors"
+
+
+@pytest.mark.parametrize("fmt, symmetric", [("gptq", True), ("gptq", False), ("awq", False)])
+def test_gptq_and_awq_checkpoints_match_hf_on_the_dequantized_integers(root, fmt, symmetric):
+    folder, reference = gptq_awq_checkpoint(root, fmt, symmetric)
+    llm = _check_against_hf(folder, reference)
+    assert llm.llm_engine.config.quantization.method == fmt
+
+
+def test_quantization_fp8_quantizes_a_full_precision_checkpoint_while_loading(root, tiny_llama_dir):
+    reference = fp8_fake_quantized_reference(root, tiny_llama_dir)
+    _check_against_hf(tiny_llama_dir, reference, quantization="fp8")
+
+
+def test_fp8_checkpoint_with_quant_method_fp8(root):
+    """quant_method "fp8" (per-tensor scales, static activations): the compressed-tensors FP8 tensors
+    under the other config, which names the same weight / weight_scale / input_scale tensors."""
+    ct_folder, reference = compressed_tensors_checkpoint(root, "FP8", "llama", seed=3)
+    folder = root / "fp8-method"
+    shutil.copytree(ct_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert _check_against_hf(folder, reference).llm_engine.config.quantization.method == "fp8"
+
+
+@pytest.mark.parametrize("kind", ["ct-asym", "gptq"])
+def test_tensor_parallel_ranks_hold_their_slices_of_packed_weights(root, kind):
+    """Each of two ranks dequantizes exactly its rows (column parallel) or columns (row parallel)
+    of the reference weights; group 64 so the 384 inputs of down_proj split at a group edge."""
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.quantization.config import resolve_quantization
+
+    if kind == "gptq":
+        folder, reference = gptq_awq_checkpoint(root / "tp", "gptq", False, group_size=64)
+    else:
+        folder, reference = compressed_tensors_checkpoint(root / "tp", "W4A16_ASYM", "llama", seed=5, group_size=64)
+    source = resolve_model(str(folder))
+    quant = resolve_quantization(None, source.hf_config)
+    full = hf_model(str(reference)).model.layers[1]
+    for rank in (0, 1):
+        layer = load_model(source, torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=2, quantization=quant).model.layers[1]
+        q, k = full.self_attn.q_proj.weight, full.self_attn.k_proj.weight
+        half_q, half_k = q.shape[0] // 2, k.shape[0] // 2
+        qkv = torch.cat([q[rank * half_q : (rank + 1) * half_q], k[rank * half_k : (rank + 1) * half_k],
+                         full.self_attn.v_proj.weight[rank * half_k : (rank + 1) * half_k]])
+        torch.testing.assert_close(layer.self_attn.qkv_proj.weight, qkv, rtol=0, atol=0)
+        down = full.mlp.down_proj.weight
+        torch.testing.assert_close(layer.mlp.down_proj.weight, down[:, rank * 192 : (rank + 1) * 192], rtol=0, atol=0)
+
+
+def test_dummy_weights_for_a_w4a16_config(root):
+    """load_format="dummy" with a quantization_config makes random packed weights (the GPU benchmarks'
+    8B W4A16 model); on the CPU they dequantize to finite weights of the usual magnitude."""
+    folder = root / "dummy-w4a16"
+    config = tiny_config()
+    config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    config.save_pretrained(folder)
+    llm = LLM(str(folder), device="cpu", load_format="dummy", skip_tokenizer_init=True, max_model_len=32,
+              kv_cache_memory_bytes=2**22)
+    weight = llm.llm_engine.executor.driver.model.model.layers[0].mlp.down_proj.weight
+    assert torch.isfinite(weight).all() and 0.005 < float(weight.std()) < 0.05
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_unsupported_quantization_is_refused_with_what_is_supported(tiny_llama_dir, root):
+    with pytest.raises(ValueError, match=r"quantization='bitsandbytes'.*supported: None, 'fp8', 'compressed-tensors', 'gptq', 'awq'"):
+        LLM(str(tiny_llama_dir), device="cpu", quantization="bitsandbytes")
+    with pytest.raises(ValueError, match="needs a checkpoint quantized that way"):
+        LLM(str(tiny_llama_dir), device="cpu", quantization="gptq")
+    folder, _ = gptq_awq_checkpoint(root / "refuse", "gptq", True)
+    with pytest.raises(ValueError, match=r"quantization='awq'\) does not match the checkpoint.*'gptq'"):
+        LLM(str(folder), device="cpu", quantization="awq")
+    for change, message in (({"desc_act": True}, "desc_act=True is not supported"),
+                            ({"bits": 8}, "bits=8 is not supported; supported: 4"),
+                            ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported")):
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"].update(change)
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), device="cpu")
+        config["quantization_config"] = {k: v for k, v in config["quantization_config"].items() if k not in change}
+        config["quantization_config"].update({"bits": 4, "desc_act": False, "quant_method": "gptq"})
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_unsupported_compressed_tensors_scheme_is_refused(root):
+    from tokenmill.quantization.config import resolve_quantization
+
+    config = tiny_config()
+    config.quantization_config = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+                                      "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}},
+    }
+    with pytest.raises(ValueError, match=r"config_groups.group_0.weights=.*not supported; supported: FP8 W8A8"):
+        resolve_quantization(None, config)

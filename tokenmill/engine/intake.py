@@ -1,0 +1,158 @@
+"""Request intake: `add_request`'s arguments → a validated `Request` with its sequences.
+
+Everything that can be wrong with a request is found here, before the engine takes it: the
+prompt (tokenized, truncated, checked against the vocabulary and max_model_len), whether its
+longest possible sequence fits the KV cache (so the scheduler never waits on a request that can
+never run), token ids in the logit controls, beam widths. The engine's additions to the
+sampling parameters are filled in: stop ids (with the model's eos), bad_words tokenised, one
+grammar matcher per sample, and the length limit (`Request.max_output_tokens`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Container
+
+from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.request import Request, Sequence, max_output_tokens
+from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.structured_outputs import GrammarCache
+
+
+class Intake:
+    def __init__(
+        self, config: "EngineConfig", tokenizer: Any, num_usable_blocks: int,
+        on_grammars: Callable[["GrammarCache"], None],
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_usable_blocks = num_usable_blocks
+        # Called once, with the GrammarCache built for the first structured request (the runner
+        # masks logits with it).
+        self._on_grammars = on_grammars
+        self.grammars: GrammarCache | None = None
+        self._next_seq_id = 0
+
+    def make_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
+        index: int | None, ids_in_use: Container[str],
+    ) -> Request:
+        """A ValueError names what is wrong; nothing changes anywhere until the request is returned."""
+        params = params if params is not None else SamplingParams()
+        where = f"prompts[{index}]" if index is not None else "prompt"
+        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if beam_params is not None:
+            params = self._beam_sampling_params(beam_params, where)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        if request_id in ids_in_use:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        config = self.config
+        processed = parse_prompt(prompt, self.tokenizer, index)
+        if params.truncate_prompt_tokens is not None:
+            keep = config.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            processed.token_ids = processed.token_ids[-keep:]
+        validate_prompt_ids(processed.token_ids, config.vocab_size, config.max_model_len, where)
+        self._check_fits_cache(processed.token_ids, params, where)
+        params = self._with_stop_ids(params)
+        params = self._with_logit_controls(params, where)
+        matchers = self._grammar_matchers(params, where)
+        request = Request(request_id, processed.prompt, processed.token_ids, params)
+        request.max_output_tokens = max_output_tokens(params.max_tokens, len(processed.token_ids), config.max_model_len)
+        if beam_params is not None:
+            request.beam = BeamSearch(beam_params, params.all_stop_token_ids, max(1, request.max_output_tokens))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        for i in range(params.num_samples):
+            request.sequences.append(self.new_sequence(request, i))
+            request.sequences[-1].grammar = matchers[i] if matchers else None
+        return request
+
+    def new_sequence(self, request: Request, index: int) -> Sequence:
+        """Sample ``index`` of the request (or a forked beam): a fresh id, its draw key, logprobs
+        list and detokenizer as its parameters ask."""
+        params = request.params
+        seq = Sequence(self._next_seq_id, index, request, request.prompt_token_ids)
+        self._next_seq_id += 1
+        if params.seed is not None:
+            # A 63-bit draw key of its own for each of the request's sequences (see worker/sampler.py).
+            seq.seed = (params.seed if index == 0 else hash((params.seed, index))) & (2**63 - 1)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.detokenize and self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output,
+            )
+        return seq
+
+    # ---- checks and the engine's additions ------------------------------------------------
+    def _with_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.config.eos_token_ids
+        if stop_ids != params.all_stop_token_ids:
+            params = params.clone()
+            params.all_stop_token_ids = stop_ids
+        return params
+
+    def _grammar_matchers(self, params: SamplingParams, where: str) -> list | None:
+        """One matcher per sample, from a grammar compiled once per distinct constraint."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        if self.grammars is None:
+            from tokenmill.structured_outputs import GrammarCache
+
+            self.grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
+            self._on_grammars(self.grammars)
+        try:
+            return [self.grammars.matcher(params.structured_outputs) for _ in range(params.num_samples)]
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+
+    def _with_logit_controls(self, params: SamplingParams, where: str) -> SamplingParams:
+        """Check token ids against the vocabulary and tokenize bad_words (vLLM: each word as is and
+        with a leading space, since both spellings occur mid-text)."""
+        vocab = self.config.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: SamplingParams.bad_words needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        params = params.clone()
+        params.bad_words_token_ids = sequences
+        return params
+
+    def _check_fits_cache(self, token_ids: list[int], params: SamplingParams, where: str) -> None:
+        longest = len(token_ids) + (params.max_tokens or self.config.max_model_len)
+        longest = min(longest, self.config.max_model_len)
+        needed = -(-longest // self.config.block_size)
+        if needed > self.num_usable_blocks:
+            raise ValueError(
+                f"{where} may grow to {longest} tokens ({needed} KV blocks) but the KV cache holds only "
+                f"{self.num_usable_blocks} blocks; lower max_tokens or max_model_len, or give the cache "
+                "more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
+            )
+
+    def _beam_sampling_params(self, params: BeamSearchParams, where: str) -> SamplingParams:
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(
+                f"{where}: BeamSearchParams.beam_width={params.beam_width} is invalid: must be <= max_num_seqs "
+                f"({self.config.max_num_seqs}), since all beams of a prompt run in one batch"
+            )
+        return beam_sampling_params(params, len(self.config.eos_token_ids))

@@ -1,0 +1,106 @@
+"""From the engine's request state to what the user gets: logprob dicts, `RequestOutput`s.
+
+After the scheduler has taken in a step's tokens (`Scheduler.update_from_output`), the output
+processor records the logprobs that step produced (each entry a dict of `Logprob`s with decoded
+tokens, the sampled token first, then the top-k) and builds the `RequestOutput`s: the best ``n``
+of ``best_of`` samples, only what is new for DELTA streams, a beam search's finished hypotheses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.engine.request import Request, Sequence
+from tokenmill.engine.step import StepResult
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def record_prompt_logprobs(self, result: StepResult[Sequence]) -> None:
+        for chunk in result.prompt_logprobs or ():
+            request = chunk.seq.request
+            assert request.prompt_logprobs is not None, "the runner scores prompts only when asked"
+            k = request.params.prompt_logprobs
+            for i, (lp, rank) in enumerate(zip(chunk.token_logprobs, chunk.ranks)):
+                position = chunk.first + i
+                if position < len(request.prompt_logprobs):
+                    continue  # already scored before a preemption
+                token = request.prompt_token_ids[position]
+                entry = {token: Logprob(lp, rank, self._token_text(token))}
+                if k and chunk.top_ids is not None and chunk.top_logprobs is not None:
+                    for r, (tid, tlp) in enumerate(zip(chunk.top_ids[i], chunk.top_logprobs[i]), start=1):
+                        entry.setdefault(tid, Logprob(tlp, r, self._token_text(tid)))
+                request.prompt_logprobs.append(entry)
+
+    def record_sample_logprobs(self, result: StepResult[Sequence], rows: list[int]) -> None:
+        """The logprobs of the tokens taken from ``rows`` (`Scheduler.update_from_output`), for
+        sequences that asked for them, and the sums best_of ranks by."""
+        samples = result.read()
+        if samples is None or samples.logprobs is None:
+            return
+        sampled_lp, ranks = samples.logprobs, samples.ranks
+        assert ranks is not None
+        for row in rows:
+            seq = result.sampled[row].seq
+            if seq.request.beam is not None:
+                continue  # a beam's logprobs are its search's (BeamSearch.advance)
+            token = samples.token_ids[row]
+            if seq.params.best_of is not None:
+                seq.best_of_logprob += sampled_lp[row]
+            if seq.params.logprobs is not None:
+                assert seq.logprobs is not None
+                k = seq.params.logprobs
+                entry = {token: Logprob(sampled_lp[row], ranks[row], self._token_text(token))}
+                if k and samples.top_ids is not None and samples.top_logprobs is not None:
+                    for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:k], samples.top_logprobs[row][:k]), start=1):
+                        entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += sampled_lp[row]
+
+    def request_output(self, request: Request) -> RequestOutput:
+        if request.beam is not None:  # its sequences are live beams; the output is the finished ones
+            completions = request.beam.completions(self.tokenizer) if request.beam.done else []
+        else:
+            completions = self._sample_completions(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            outputs=completions,
+            finished=request.is_finished,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _sample_completions(self, request: Request) -> list[CompletionOutput]:
+        delta = request.params.output_kind is RequestOutputKind.DELTA
+        completions = []
+        sequences = request.sequences
+        if request.params.num_samples > request.params.n:
+            # best_of: the n samples with the highest cumulative logprob (only final outputs are whole).
+            sequences = sorted(sequences, key=lambda s: s.best_of_logprob, reverse=True)[: request.params.n]
+        for index, seq in enumerate(sequences):
+            first_token, first_char = (seq.num_emitted_tokens, seq.num_emitted_chars) if delta else (0, 0)
+            text = seq.text if seq.is_finished or seq.detokenizer is None else seq.detokenizer.settled_text
+            if delta:
+                seq.num_emitted_tokens, seq.num_emitted_chars = len(seq.output_token_ids), len(text)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text[first_char:],
+                    token_ids=seq.output_token_ids[first_token:],
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=seq.logprobs[first_token:] if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return completions
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

@@ -1,0 +1,39 @@
+"""The engine behind `LLM`, chosen once when it starts (`tokenmill.engine_factory`): `LLMEngine`
+for a generative model, `PoolingEngine` (tokenmill/pooling/) for a pooling model. Both serve
+this small protocol, which `LLM` and the batch job drive; everything else is particular to one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.inputs import PromptType
+    from tokenmill.models.source import ModelSource
+
+
+class Engine(Protocol):
+    config: "EngineConfig"
+    source: "ModelSource"
+    tokenizer: Any  # None with skip_tokenizer_init
+
+    def add_request(self, request_id: str, prompt: "PromptType", params: Any = None, *, index: int | None = None) -> None:
+        """Validate and queue one request; a ValueError leaves the engine untouched."""
+        ...
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None: ...
+
+    def step(self, finished_only: bool = False) -> list[Any]:
+        """Run one step; the outputs of the requests it advanced (or only of those it finished)."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...

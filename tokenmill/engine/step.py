@@ -1,0 +1,171 @@
+"""What crosses from the scheduler to the runner and back: the plan of one step and its result.
+
+This module is the only part of `tokenmill.engine` that the workers import. The runner sees a
+sequence through `StepSequence`, the few fields it reads to build a batch and sample, so it
+can be driven by a test with made-up sequences and plans; the scheduler's `Sequence` has them all.
+Nothing here imports torch at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.sampling_params import SamplingParams
+
+NULL_BLOCK = 0  # never handed out: padding in block tables and slot mappings points here
+
+
+class StepRequest(Protocol):
+    """The request fields the runner reads (prompt logprobs are scored once per request)."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def params(self) -> "SamplingParams": ...
+
+    @property
+    def needs_prompt_logprobs(self) -> bool: ...
+
+
+class StepSequence(Protocol):
+    """The sequence fields the runner reads: its tokens, its blocks and its sampling settings."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def index(self) -> int: ...  # sample index within its request: only sample 0 scores the prompt
+
+    @property
+    def request(self) -> StepRequest: ...
+
+    @property
+    def params(self) -> "SamplingParams": ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...  # where this step's tokens start
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+    @property
+    def seed(self) -> int | None: ...
+
+    @property
+    def grammar(self) -> Any: ...  # an xgrammar matcher, or None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_known_tokens(self) -> int: ...  # the rest (one token at most) is still in flight
+
+    @property
+    def num_output_tokens(self) -> int: ...  # including tokens still in flight
+
+    def token_at(self, position: int) -> int: ...
+
+    def tokens(self, start: int, end: int) -> list[int]: ...
+
+
+S = TypeVar("S", bound=StepSequence)
+
+
+@dataclass
+class ScheduledSequence(Generic[S]):
+    seq: S
+    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+    samples: bool  # this step reaches its last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput(Generic[S]):
+    """One step's plan."""
+
+    scheduled: list[ScheduledSequence[S]]
+    num_batched_tokens: int
+    num_preempted: int
+    # Sequences that finished, were aborted or were preempted since the previous plan (including
+    # this plan's preemptions): the runner may drop any per-sequence state it keeps for them. Ids
+    # are never reused; a preempted sequence that comes back is computed from its first token.
+    finished_seq_ids: set[int] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: "torch.Tensor"  # [N] int64
+    # Only when some row asked for logprobs; taken from the raw (unpenalised, untempered) logits.
+    sampled_logprobs: "torch.Tensor | None" = None  # [N]
+    sampled_ranks: "torch.Tensor | None" = None  # [N], 1 = most likely
+    top_ids: "torch.Tensor | None" = None  # [N, K]
+    top_logprobs: "torch.Tensor | None" = None  # [N, K]
+
+
+@dataclass
+class PromptLogprobs(Generic[S]):
+    """Log-probabilities of prompt tokens[first : first + len(token_logprobs)], from one prefill
+    chunk of ``seq`` (sample 0 of its request)."""
+
+    seq: S
+    first: int  # prompt position of the first token scored
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled rows on the host, as Python lists (the logprob fields only when asked for)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class StepResult(Generic[S]):
+    """One launched step. ``output`` holds host tensors that are filled asynchronously on a GPU:
+    read them only after `wait`, which blocks until this step (not any later one) is done."""
+
+    sampled: list[ScheduledSequence[S]]  # the sequences that got a new token, in row order
+    output: SamplerOutput | None
+    prompt_logprobs: list[PromptLogprobs[S]] | None = None
+    ready: "torch.cuda.Event | None" = None
+    _host: SampledTokens | None = field(default=None, repr=False)
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+    def read(self) -> SampledTokens | None:
+        """Wait for the step, then its sampled rows as lists (converted once); None if nothing sampled."""
+        self.wait()
+        if self.output is None:
+            return None
+        if self._host is None:
+            out = self.output
+            self._host = SampledTokens(
+                out.token_ids.tolist(),
+                *(t.tolist() if t is not None else None
+                  for t in (out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs)),
+            )
+        return self._host

@@ -1,0 +1,225 @@
+"""Which quantization a model runs with: from ``LLM(quantization=...)`` and config.json's ``quantization_config``.
+
+Two kinds of weights are supported, each with the checkpoint layouts that carry it:
+- FP8 (float8 e4m3 weights, activations quantized to fp8 per token or with a static per-tensor
+  scale): compressed-tensors ``float-quantized`` W8A8 (per-tensor or per-channel weight scales),
+  checkpoints with ``quant_method: "fp8"`` (per-tensor scales), and ``quantization="fp8"`` on a
+  bf16/fp16/fp32 checkpoint (per-channel scales computed while loading).
+- W4A16 (4-bit integer weights in groups along the input features, 16-bit activations):
+  compressed-tensors ``pack-quantized``, GPTQ (``desc_act=False``) and AWQ (GEMM layout).
+
+Everything else is refused here with the field, the value and what is supported, before any
+weight is read. ``QuantizationConfig`` is frozen and plain data: it travels to tensor-parallel
+worker processes inside the EngineConfig.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# vLLM's names for the methods we run; vLLM's kernel-specific spellings load the same checkpoints.
+SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """float8 e4m3 weights with fp32 scales; activations quantized to fp8 before each GEMM."""
+
+    weight_scales: Literal["tensor", "channel"]
+    activations: Literal["dynamic", "static"]  # dynamic: a scale per token; static: the checkpoint's input_scale
+    quantize_at_load: bool = False  # the checkpoint holds full-precision weights (quantization="fp8")
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    """4-bit integer weights, a scale (and a zero point when asymmetric) per group of input features."""
+
+    layout: Literal["compressed-tensors", "gptq", "awq"]
+    group_size: int  # -1: one group over all input features (per-channel)
+    symmetric: bool
+    gptq_zeros_minus_one: bool = False  # GPTQ's original ("v1") format stores each zero point minus 1
+
+
+Scheme = Fp8Scheme | Int4Scheme
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str  # one of SUPPORTED_METHODS
+    # (targets, scheme) in config order: a layer takes the first group that names it ("Linear" names all).
+    groups: tuple[tuple[tuple[str, ...], Scheme], ...]
+    ignore: tuple[str, ...] = ()  # module names, "re:<regex>" patterns or suffixes kept in full precision
+
+    def scheme_for(self, module_names: Sequence[str]) -> Scheme | None:
+        """The scheme of a layer whose checkpoint modules are ``module_names`` (several for stacked
+        q/k/v or gate/up, which must agree), or None when the layer stays in full precision."""
+        found = {name: self._scheme_of(name) for name in module_names}
+        schemes = set(found.values())
+        if len(schemes) > 1:
+            raise ValueError(
+                f"quantization_config gives the projections stacked into one matmul different schemes: {found}; "
+                "tokenmill needs q/k/v (and gate/up) quantized alike"
+            )
+        return schemes.pop()
+
+    def _scheme_of(self, name: str) -> Scheme | None:
+        if any(_matches(pattern, name) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(target == "Linear" or _matches(target, name) for target in targets):
+                return scheme
+        return None
+
+    def describe(self) -> str:
+        return f"{self.method} ({', '.join(sorted({_describe(s) for _, s in self.groups}))})"
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def _describe(scheme: Scheme) -> str:
+    if isinstance(scheme, Fp8Scheme):
+        return f"fp8 weights per {scheme.weight_scales}, {scheme.activations} activation scales"
+    group = "per channel" if scheme.group_size == -1 else f"group {scheme.group_size}"
+    return f"{scheme.layout} int4 {group} {'symmetric' if scheme.symmetric else 'asymmetric'}"
+
+
+def resolve_quantization(quantization: str | None, hf_config: Any) -> QuantizationConfig | None:
+    """What the model runs with: the checkpoint's own quantization_config, or ``quantization="fp8"``
+    applied at load time to a full-precision checkpoint. ValueError for anything we do not run."""
+    if quantization is not None:
+        if not isinstance(quantization, str) or _ALIASES.get(quantization, quantization) not in SUPPORTED_METHODS:
+            raise ValueError(
+                f"LLM(quantization={quantization!r}) is not supported; supported: None, {', '.join(map(repr, SUPPORTED_METHODS))} "
+                "(pre-quantized checkpoints are detected from config.json, so None is enough for them)"
+            )
+        quantization = _ALIASES.get(quantization, quantization)
+    stored = getattr(hf_config, "quantization_config", None)
+    if stored is not None and not isinstance(stored, dict):
+        stored = stored.to_dict()  # a transformers QuantizationConfigMixin
+    if not stored:
+        if quantization in (None, "fp8"):
+            return None if quantization is None else QuantizationConfig(
+                "fp8", ((("Linear",), Fp8Scheme("channel", "dynamic", quantize_at_load=True)),)
+            )
+        raise ValueError(
+            f"LLM(quantization={quantization!r}) needs a checkpoint quantized that way, but config.json has no "
+            "quantization_config; for weights quantized while loading use quantization='fp8'"
+        )
+    method = stored.get("quant_method")
+    method = _ALIASES.get(method, method)
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(
+            f"config.json's quantization_config.quant_method={method!r} is not supported; "
+            f"supported: {', '.join(map(repr, SUPPORTED_METHODS))}"
+        )
+    if quantization is not None and quantization != method:
+        raise ValueError(
+            f"LLM(quantization={quantization!r}) does not match the checkpoint, whose config.json says "
+            f"quant_method={method!r}; pass quantization=None (or {method!r})"
+        )
+    parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8_checkpoint}[method]
+    return parse(stored)
+
+
+def _refuse(where: str, value: Any, supported: str) -> ValueError:
+    return ValueError(f"quantization_config.{where}={value!r} is not supported; supported: {supported}")
+
+
+def _compressed_tensors(cfg: dict) -> QuantizationConfig:
+    if cfg.get("kv_cache_scheme"):
+        raise _refuse("kv_cache_scheme", cfg["kv_cache_scheme"], "null (use LLM(kv_cache_dtype='fp8') for an fp8 cache)")
+    if cfg.get("sparsity_config"):
+        raise _refuse("sparsity_config", cfg["sparsity_config"], "empty (dense weights)")
+    groups = []
+    for name, group in (cfg.get("config_groups") or {}).items():
+        targets = tuple(group.get("targets") or ())
+        if not targets:
+            raise _refuse(f"config_groups.{name}.targets", group.get("targets"), "a list of module names")
+        groups.append((targets, _compressed_tensors_scheme(f"config_groups.{name}", group, cfg.get("format"))))
+    if not groups:
+        raise _refuse("config_groups", cfg.get("config_groups"), "at least one group")
+    return QuantizationConfig("compressed-tensors", tuple(groups), tuple(cfg.get("ignore") or ()))
+
+
+def _compressed_tensors_scheme(where: str, group: dict, default_format: str | None) -> Scheme:
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    fmt = group.get("format") or default_format
+    supported = ("FP8 W8A8 (float-quantized, 8-bit float weights per tensor or channel, activations per token "
+                 "or per tensor) and W4A16 (pack-quantized, 4-bit int weights per group or channel)")
+    if group.get("output_activations"):
+        raise _refuse(f"{where}.output_activations", group["output_activations"], "null")
+    if weights.get("type") == "float" and weights.get("num_bits") == 8:
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise _refuse(f"{where}.format", fmt, "'float-quantized' for fp8 weights")
+        if weights.get("strategy") not in ("tensor", "channel"):
+            raise _refuse(f"{where}.weights.strategy", weights.get("strategy"), "'tensor' or 'channel' for fp8 weights")
+        if not inputs or inputs.get("type") != "float" or inputs.get("num_bits") != 8:
+            raise _refuse(f"{where}.input_activations", inputs, f"8-bit float activations; schemes we run: {supported}")
+        dynamic, strategy = bool(inputs.get("dynamic")), inputs.get("strategy")
+        if (dynamic and strategy != "token") or (not dynamic and strategy != "tensor"):
+            raise _refuse(f"{where}.input_activations", inputs, "dynamic per-token or static per-tensor fp8 scales")
+        return Fp8Scheme(weights["strategy"], "dynamic" if dynamic else "static")
+    if weights.get("type") == "int" and weights.get("num_bits") == 4 and not inputs:
+        if fmt != "pack-quantized":
+            raise _refuse(f"{where}.format", fmt, "'pack-quantized' for 4-bit weights")
+        strategy = weights.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise _refuse(f"{where}.weights.strategy", strategy, "'group' or 'channel' for 4-bit weights")
+        if weights.get("actorder") not in (None, False, "static"):
+            raise _refuse(f"{where}.weights.actorder", weights["actorder"], "null or 'static' (no g_idx permutation)")
+        group_size = int(weights["group_size"]) if strategy == "group" else -1
+        return Int4Scheme("compressed-tensors", _check_group(f"{where}.weights.group_size", group_size),
+                          bool(weights.get("symmetric", True)))
+    raise _refuse(f"{where}.weights", weights, supported)
+
+
+def _check_group(where: str, group_size: int) -> int:
+    # The W4A16 kernel walks K in tiles of 32-128 features that must stay inside one group.
+    if group_size != -1 and (group_size <= 0 or group_size % 32 != 0):
+        raise _refuse(where, group_size, "-1 (per channel) or a multiple of 32 (128 is usual)")
+    return group_size
+
+
+def _gptq(cfg: dict) -> QuantizationConfig:
+    if cfg.get("bits", 4) != 4:
+        raise _refuse("bits", cfg.get("bits"), "4")
+    if cfg.get("desc_act"):
+        raise _refuse("desc_act", cfg["desc_act"], "false (activation-order checkpoints permute the input features)")
+    if cfg.get("dynamic"):
+        raise _refuse("dynamic", cfg["dynamic"], "empty (one scheme for every layer)")
+    fmt = cfg.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("checkpoint_format", fmt, "'gptq' or 'gptq_v2'")
+    scheme = Int4Scheme("gptq", _check_group("group_size", int(cfg.get("group_size", 128))), bool(cfg.get("sym", True)),
+                        gptq_zeros_minus_one=fmt == "gptq")
+    return QuantizationConfig("gptq", ((("Linear",), scheme),), tuple(cfg.get("modules_to_not_convert") or ()))
+
+
+def _awq(cfg: dict) -> QuantizationConfig:
+    bits = cfg.get("bits", cfg.get("w_bit", 4))
+    if bits != 4:
+        raise _refuse("bits", bits, "4")
+    version = str(cfg.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("version", cfg.get("version"), "'gemm' (the layout AutoAWQ writes by default)")
+    group_size = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
+    scheme = Int4Scheme("awq", _check_group("group_size", group_size), not cfg.get("zero_point", True))
+    return QuantizationConfig("awq", ((("Linear",), scheme),), tuple(cfg.get("modules_to_not_convert") or ()))
+
+
+def _fp8_checkpoint(cfg: dict) -> QuantizationConfig:
+    if cfg.get("weight_block_size"):
+        raise _refuse("weight_block_size", cfg["weight_block_size"], "null (per-tensor weight scales)")
+    activations = cfg.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise _refuse("activation_scheme", activations, "'dynamic' or 'static'")
+    ignore = tuple(cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or ())
+    return QuantizationConfig("fp8", ((("Linear",), Fp8Scheme("tensor", activations)),), ignore)

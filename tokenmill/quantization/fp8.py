@@ -1,0 +1,126 @@
+"""The FP8 W8A8 linear method: float8 e4m3 weights with per-output-channel fp32 scales.
+
+Weights come from an fp8 checkpoint (compressed-tensors ``float-quantized``, ``quant_method:
+"fp8"``) or are quantized while loading (``quantization="fp8"``: each row's scale is its largest
+magnitude over 448, computed shard by shard as the loader hands the rows over, so no
+full-precision copy of the model is ever held). Per-tensor checkpoint scales are spread over the
+rows of their shard, so q/k/v or gate/up stacked with different scales stay exact.
+
+On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or the checkpoint's
+static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
+``torch._scaled_mm`` (cuBLASLt) for bf16 outputs with K and N multiples of 16, our Triton fp8 GEMM
+otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill import quantization
+from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement, UnquantizedLinearMethod, new_param
+from tokenmill.quantization.config import Fp8Scheme
+
+FP8_MAX = 448.0
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (float8 e4m3 [N, K], fp32 scales [N]): each row scaled so its largest magnitude is 448
+    (compressed-tensors' symmetric per-channel float8 quantization)."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+class Fp8LinearMethod:
+    def __init__(self, scheme: Fp8Scheme):
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, loader: Any) -> None:
+        self.dtype = torch.get_default_dtype()
+        layer.weight = new_param((output_size, input_size), loader, ParamLayout(0, 1), dtype=torch.float8_e4m3fn)
+        if self.scheme.quantize_at_load:
+            # Not a checkpoint tensor: a buffer, filled as the weight's rows are quantized.
+            layer.register_buffer("weight_scale", torch.empty(output_size, dtype=torch.float32), persistent=False)
+            layer.weight.place = lambda param, loaded, where: _quantize_into(layer, loaded, where)  # type: ignore[attr-defined]
+            layer.weight.dummy_init = lambda data, generator: _dummy_quantized(layer, generator)  # type: ignore[attr-defined]
+            return
+        layer.weight_scale = new_param((output_size,), loader, None, dtype=torch.float32)
+        layer.weight_scale.place = _place_weight_scale  # type: ignore[attr-defined]
+        layer.weight_scale.dummy_init = lambda data, generator: data.fill_(1.0)  # type: ignore[attr-defined]
+        if self.scheme.activations == "static":
+            layer.input_scale = new_param((1,), loader, None, dtype=torch.float32)
+            layer.input_scale.data.zero_()  # the loader keeps the largest of the stacked shards' scales
+            layer.input_scale.place = _place_input_scale  # type: ignore[attr-defined]
+            layer.input_scale.dummy_init = lambda data, generator: data.fill_(0.05)  # type: ignore[attr-defined]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight, scale = layer.weight.data, layer.weight_scale.data.float()
+        del layer.weight_scale
+        if not quantization.runs_kernels(weight.device):
+            layer.weight = nn.Parameter((weight.float() * scale[:, None]).to(self.dtype), requires_grad=False)
+            if hasattr(layer, "input_scale"):
+                del layer.input_scale
+            layer.quant_method = UnquantizedLinearMethod()
+            return
+        layer.register_buffer("weight_scale", scale.contiguous(), persistent=False)
+        n, k = weight.shape
+        self.use_scaled_mm = self.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and hasattr(torch, "_scaled_mm")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8
+
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
+        if self.use_scaled_mm:
+            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
+                                 out_dtype=x.dtype)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, bias, x.dtype)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def _rows_of(loaded: LoadedWeight, where: Placement) -> torch.Tensor:
+    """This rank's [rows, cols] part of a full-precision checkpoint weight."""
+    if tuple(loaded.shape) != (where.full_rows, where.full_cols):
+        raise ValueError(f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"expected {(where.full_rows, where.full_cols)}")
+    part = loaded.narrow(0, where.row_src, where.rows) if where.rows != where.full_rows else loaded[...]
+    return part.narrow(1, where.col_src, where.cols) if where.cols != where.full_cols else part
+
+
+def _quantize_into(layer: nn.Module, loaded: LoadedWeight, where: Placement) -> None:
+    codes, scales = quantize_rows(_rows_of(loaded, where).to(layer.weight.device))
+    layer.weight.data[where.row_dst : where.row_dst + where.rows] = codes
+    layer.weight_scale[where.row_dst : where.row_dst + where.rows] = scales
+
+
+def _dummy_quantized(layer: nn.Module, generator: torch.Generator) -> None:
+    values = torch.randn(layer.weight.shape, generator=generator, device=layer.weight.device) * 0.02
+    codes, scales = quantize_rows(values)
+    layer.weight.data.copy_(codes)
+    layer.weight_scale.copy_(scales)
+
+
+def _place_weight_scale(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
+    """A per-tensor scale ([] or [1]) fills the shard's rows; a per-channel one ([N] or [N, 1]) is sliced."""
+    rows = param.data[where.row_dst : where.row_dst + where.rows]
+    if loaded.shape in ((), (1,)):
+        rows.fill_(float(loaded[...].reshape(())))
+        return
+    if tuple(loaded.shape) not in ((where.full_rows,), (where.full_rows, 1)):
+        raise ValueError(f"weight_scale has shape {tuple(loaded.shape)}; expected [], [1], [{where.full_rows}] "
+                         f"or [{where.full_rows}, 1] (per-tensor or per-channel)")
+    rows.copy_(loaded.narrow(0, where.row_src, where.rows).reshape(-1))
+
+
+def _place_input_scale(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
+    # q/k/v (gate/up) share one input, so one activation scale: the largest is safe for all of them.
+    if loaded.shape not in ((), (1,)):
+        raise ValueError(f"input_scale has shape {tuple(loaded.shape)}; expected a per-tensor scale ([] or [1])")
+    param.data.clamp_(min=float(loaded[...].reshape(())))
+

@@ -1,0 +1,146 @@
+"""The W4A16 linear method: 4-bit weights from compressed-tensors, GPTQ or AWQ checkpoints.
+
+The layer gets the checkpoint's own tensors under their own names (so loading, tensor-parallel
+slicing included, is the layers' generic ``load_placed`` with each tensor's packing described by
+a ParamLayout); ``process_weights_after_loading`` converts them to our one layout
+(``int4.Int4Weights``). On a GPU the weight stays packed and ``apply`` runs the Triton W4A16
+GEMM; elsewhere it is dequantized once into the model's dtype and the layer becomes an ordinary
+unquantized one (correct, not fast).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill import quantization
+from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement, UnquantizedLinearMethod, new_param
+from tokenmill.quantization import int4
+from tokenmill.quantization.config import Int4Scheme
+
+# Dummy weights (load_format="dummy"): random codes around zero point 8 times this scale have a
+# standard deviation near 0.02, like the full-precision dummy weights.
+_DUMMY_SCALE = 0.02 / 4.6
+
+
+class W4A16LinearMethod:
+    def __init__(self, scheme: Int4Scheme):
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, loader: Any) -> None:
+        n, k, g = output_size, input_size, self.scheme.group_size
+        groups = 1 if g == -1 else -(-k // g)
+        per_group = g if g != -1 else 1  # per channel: the group dim is not split (ParamLayout input_dim None)
+        self.dtype = torch.get_default_dtype()
+        self.in_features = k
+        layout = self.scheme.layout
+        if layout == "compressed-tensors":
+            params: dict[str, tuple[tuple[int, ...], torch.dtype, ParamLayout]] = {
+                "weight_packed": ((n, -(-k // 8)), torch.int32, ParamLayout(0, 1, 1, 8)),
+                "weight_scale": ((n, groups), torch.float32, ParamLayout(0, 1 if g != -1 else None, 1, per_group)),
+            }
+            if not self.scheme.symmetric:
+                params["weight_zero_point"] = ((-(-n // 8), groups), torch.int32, ParamLayout(0, 1 if g != -1 else None, 8, per_group))
+        else:
+            qweight = ((-(-k // 8), n), ParamLayout(1, 0, 1, 8)) if layout == "gptq" else ((k, -(-n // 8)), ParamLayout(1, 0, 8, 1))
+            params = {
+                "qweight": (qweight[0], torch.int32, qweight[1]),
+                "qzeros": ((groups, -(-n // 8)), torch.int32, ParamLayout(1, 0 if g != -1 else None, 8, per_group)),
+                "scales": ((groups, n), torch.float32, ParamLayout(1, 0 if g != -1 else None, 1, per_group)),
+            }
+        for name, (shape, dtype, param_layout) in params.items():
+            param = new_param(shape, loader, param_layout, dtype=dtype)
+            param.dummy_init = _dummy_init(name, self.scheme)  # type: ignore[attr-defined]
+            setattr(layer, name, param)
+        if layout == "compressed-tensors":
+            layer.weight_shape = _checked_param((2,), torch.int64, loader, _place_weight_shape)
+        elif layout == "gptq":
+            layer.g_idx = _checked_param((k,), torch.int32, loader, self._place_g_idx)
+
+    def _place_g_idx(self, param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
+        # desc_act=False checkpoints still save g_idx; it must be the plain order feature // group.
+        idx = loaded[...].to(torch.int64)
+        g = self.scheme.group_size if self.scheme.group_size != -1 else where.full_cols
+        if idx.shape != (where.full_cols,) or not torch.equal(idx, torch.arange(where.full_cols) // g):
+            raise ValueError("g_idx is not the plain group order (an act-order checkpoint?); desc_act=True is not supported")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        s, k = self.scheme, self.in_features
+        if s.layout == "compressed-tensors":
+            zero_point = getattr(layer, "weight_zero_point", None)
+            weights = int4.from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data,
+                                                   None if zero_point is None else zero_point.data, k, s.group_size)
+            names = ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"]
+        elif s.layout == "gptq":
+            weights = int4.from_gptq(layer.qweight.data, layer.qzeros.data, layer.scales.data, k, s.group_size,
+                                     s.gptq_zeros_minus_one)
+            names = ["qweight", "qzeros", "scales", "g_idx"]
+        else:
+            weights = int4.from_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, k, s.group_size)
+            names = ["qweight", "qzeros", "scales"]
+        for name in names:
+            if hasattr(layer, name):
+                delattr(layer, name)
+        if not quantization.runs_kernels(weights.qweight.device):
+            # CPU: dequantize once; from now on this is an ordinary full-precision layer.
+            layer.weight = nn.Parameter(weights.dequantize(self.dtype), requires_grad=False)
+            layer.quant_method = UnquantizedLinearMethod()
+            return
+        from tokenmill.kernels.triton.w4a16_gemm import counters_needed
+
+        # The narrowest float that holds the checkpoint's scales exactly (GPTQ's fp16, compressed-tensors'
+        # model dtype); fp32 rather than rounding them. The kernel reads any of them.
+        exact = [dt for dt in (torch.bfloat16, torch.float16) if torch.equal(weights.scales.to(dt).float(), weights.scales)]
+        scales = weights.scales.to(exact[0] if exact else torch.float32)
+        layer.register_buffer("qweight_kn", weights.qweight, persistent=False)
+        layer.register_buffer("scales_gn", scales.contiguous(), persistent=False)
+        layer.register_buffer("zeros_gn", weights.zeros, persistent=False)
+        layer.register_buffer("splitk_counters", torch.zeros(counters_needed(weights.qweight.shape[1]), dtype=torch.int32,
+                                                             device=weights.qweight.device), persistent=False)
+        self.group_size = weights.group_size
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
+
+        lead = x.shape[:-1]
+        y = w4a16_gemm(x.reshape(-1, x.shape[-1]), layer.qweight_kn, layer.scales_gn, layer.zeros_gn, self.group_size,
+                       bias, layer.splitk_counters)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def _checked_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Any, place: Any) -> nn.Parameter:
+    """A checkpoint tensor that is only checked while loading, then dropped (kept as a parameter so
+    the loader expects it and counts it)."""
+    param = new_param(shape, loader, None, dtype=dtype)
+    param.place = place  # type: ignore[attr-defined]
+    param.dummy_init = lambda data, generator: None  # type: ignore[attr-defined]
+    return param
+
+
+def _place_weight_shape(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
+    shape = tuple(int(v) for v in loaded[...].tolist())
+    if shape != (where.full_rows, where.full_cols):
+        raise ValueError(f"weight_shape says {shape}, the model expects {(where.full_rows, where.full_cols)}")
+
+
+def _dummy_init(name: str, scheme: Int4Scheme) -> Any:
+    """Random codes, scales near _DUMMY_SCALE (fp16 values, as GPTQ stores them), and zero points that
+    are 8 for symmetric schemes (stored as 7 by GPTQ's v1 format) and random otherwise."""
+    if name in ("weight_scale", "scales"):
+        return _dummy_scales
+    if name in ("qzeros", "weight_zero_point") and scheme.symmetric:
+        stored = 8 - int(scheme.gptq_zeros_minus_one)
+        word = sum(stored << (4 * j) for j in range(8))
+        return lambda data, generator: data.fill_(word - 2**32 if word >= 2**31 else word)
+    return _dummy_bits
+
+
+def _dummy_bits(data: torch.Tensor, generator: torch.Generator) -> None:
+    data.copy_(torch.randint(-(2**31), 2**31 - 1, data.shape, generator=generator, device=data.device, dtype=torch.int64))
+
+
+def _dummy_scales(data: torch.Tensor, generator: torch.Generator) -> None:
+    noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
+    data.copy_(((0.75 + 0.5 * noise) * _DUMMY_SCALE).half())
