@@ -138,9 +138,8 @@ def test_attention_token_bits_do_not_depend_on_the_batch(layout):
         expected = reference.paged_attention_ref(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, dim**-0.5)
         torch.testing.assert_close(whole.float(), expected.float(), atol=2e-2, rtol=2e-2)
         rng = random.Random(layout)
-        positions = [rng.randrange(n) for n in lens for _ in range(3 if DRYRUN else 40)] + [lens[0] - 1, lens[1] - 1]
-        decodes = [(0 if i < len(positions) // 2 else 1, p, 1) for i, p in enumerate(positions)]
-        decodes = [(s, min(p, lens[s] - 1), 1) for s, p, _ in decodes]
+        decodes = [(s, rng.randrange(n), 1) for s, n in enumerate(lens) for _ in range(3 if DRYRUN else 40)]
+        decodes += [(s, n - 1, 1) for s, n in enumerate(lens)]
         runs = [
             ([(0, 0, lens[0]), (1, 0, lens[1])], 4),
             (decodes, 1),

@@ -136,9 +136,14 @@ def _attend_tiles(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DETERMINISTIC: tl.constexpr = False,
 ):
     """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order;
-    returns the running max m (log2 units), the sum l and the unnormalised output acc."""
+    returns the running max m (log2 units), the sum l and the unnormalised output acc.
+
+    ``DETERMINISTIC``: a tile that a row cannot see leaves its state bit for bit unchanged (the
+    rescale is exactly 1 where the max did not move, not left to exp2(0) rounding to 1), so a row
+    gets the same bits whether its block runs past its own position (prefill) or not (decode)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -158,6 +163,8 @@ def _attend_tiles(
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
+        if DETERMINISTIC:
+            alpha = tl.where(m_new == m_i, 1.0, alpha)
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
@@ -312,8 +319,8 @@ def _merge_part(m_run, l_run, acc_run, m, l, acc):
     """
     m_new = tl.maximum(m_run, m)
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.exp2(m_run - m_shift)
-    b = tl.exp2(m - m_shift)
+    a = tl.where(m_run == m_new, 1.0, tl.exp2(m_run - m_shift))  # exactly 1 where the max stays (as in _attend_tiles)
+    b = tl.where(m == m_new, 1.0, tl.exp2(m - m_shift))
     l_new = tl.fma(l_run, a, l * b)
     acc_new = tl.fma(acc_run, a[:, None], acc * b[:, None])
     return m_new, l_new, acc_new
@@ -392,7 +399,7 @@ def _paged_attention_fixed_split_kernel(
         m, l, acc = _attend_tiles(
             q, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
             tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION, DETERMINISTIC=True,
         )
         if split_programs == 1:
             m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
