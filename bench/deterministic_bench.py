@@ -106,7 +106,7 @@ def attention_rows() -> None:
 
 def prefill_rows() -> None:
     """16 prompts of 1000 tokens prefilled in one step (P3's heads): attention time, default and deterministic."""
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch  # tests/ is on sys.path through kernels_bench
     from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
 
     for heads, kv_heads, model in ((16, 8, "qwen3-0.6b"), (32, 8, "llama3-8b")):

@@ -4,15 +4,19 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [quant-gemm] [quant-throughput]
-#   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6]
+#   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
-#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them).
+#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). ray: P1 through
+#   tokenmill.ray against plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# tests/conftest.py pins torch to one thread unless OMP_NUM_THREADS is set (right for 2 busy CI cores); the GPU
+# machine has 16, so the test parts below set 8. The benchmarks keep torch's default.
+export TESTS_OMP=${OMP_NUM_THREADS:-8}
 parts=${*:-tests kernels throughput}
 # Pass COMMIT=<sha> from your checkout: the device's copy of .git can lag the working tree it runs.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -38,9 +42,9 @@ for part in $parts; do
   case $part in
     tests|engine-tests)
       [ "$part" = tests ] && sel=tests/gpu || sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py"
-      timeout 330 python3 -m pytest $sel -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      OMP_NUM_THREADS=$TESTS_OMP timeout 330 python3 -m pytest $sel -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)
-      timeout 120 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
+      timeout 180 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
     throughput)
       for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
@@ -61,7 +65,7 @@ for part in $parts; do
         -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests_det.log" | tail -12
       timeout 240 python3 bench/deterministic_bench.py --quick > "$OUT/det.raw" 2>>"$OUT/suite.log"; tag "$OUT/det.raw" "$OUT/kernels.jsonl"; cat "$OUT/det.raw" ;;
     quant-tests)  # issue 18's GPU tests alone (also part of "tests")
-      timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
+      OMP_NUM_THREADS=$TESTS_OMP timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
     quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl)
       timeout 280 python3 bench/quant_gemm_bench.py > "$OUT/quant_gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/quant_gemm.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/quant_gemm.raw"; cat "$OUT/quant_gemm.jsonl" ;;
     quant-throughput)  # P3 with quantization="fp8" beside bf16 P3, and 8B 32-sequence decode bf16 / W4A16 / fp8
@@ -98,9 +102,26 @@ for part in $parts; do
         RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
+    p6-host)  # the pooling engine's host µs per request on this machine's CPU (forward stubbed), both P6 input shapes
+      for shape in bert qwen3; do
+        timeout 120 python3 bench/pooling_host_bench.py $shape >> "$OUT/pooling_host.raw" 2>>"$OUT/suite.log"
+      done
+      tag "$OUT/pooling_host.raw" "$OUT/kernels.jsonl"; cat "$OUT/pooling_host.raw"; : > "$OUT/pooling_host.raw" ;;
+    varlen-sweep)  # varlen attention tile variants on both P6 steps (the default launch rows come with kernels)
+      timeout 240 python3 bench/kernels_bench.py --varlen-sweep 2>>"$OUT/suite.log" | grep '"varlen_attention"' > "$OUT/varlen.raw"
+      tag "$OUT/varlen.raw" "$OUT/kernels.jsonl"; cat "$OUT/varlen.raw" ;;
     profile-p5)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b prefill --timeline > "$OUT/timeline_p5.txt" 2>&1; tail -12 "$OUT/timeline_p5.txt"
       timeout 150 python3 bench/profile_step.py qwen3-0.6b prefill --gpu > "$OUT/profile_gpu_p5.txt" 2>&1; head -32 "$OUT/profile_gpu_p5.txt" ;;
+    ray)  # P1 through tokenmill.ray (1 replica, then 2 sharing the GPU) against plain LLM.generate in the same
+          # lease, and tests/gpu/test_ray_gpu.py; ray comes from the carried .raybundle/
+      mkdir -p /tmp/ray-site && tar -C /tmp/ray-site -xJf .raybundle/ray260-py312-slim.tar.xz
+      RESULTS="$OUT/ray.raw" timeout 170 python3 bench/peer_bench.py tokenmill qwen3-0.6b nano 2>&1 | grep '^{'
+      for n in 1 2; do
+        PYTHONPATH="/tmp/ray-site:$PYTHONPATH" RESULTS="$OUT/ray.raw" timeout 240 python3 bench/ray_bench.py --replicas $n qwen3-0.6b nano 2>&1 | grep '^{'
+      done
+      tag "$OUT/ray.raw" "$OUT/throughput.jsonl"; : > "$OUT/ray.raw"
+      PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout 200 python3 -m pytest tests/gpu/test_ray_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ray_tests.log" | tail -4 ;;
     vllm-unpack)  # join the bundle's parts (carried in .vllmchunk/, possibly over two calls) into /tmp/vllm-site
       if [ ! -d /tmp/vllm-site/vllm ]; then
         mkdir -p /tmp/vllm-site

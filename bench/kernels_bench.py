@@ -10,8 +10,10 @@ Prints one JSON line per measured configuration to stdout (the first is the defa
 shape; the second, bench "qkv_prologue", times the fused norm + rope + KV-store kernel against
 the five launches it replaces on the same decode shape (Qwen3's qk-norm on); --sweep adds
 tile/warp/stage variants, --long adds few-sequence 32K-context decode with and without
-split-KV). Usage:
-    python bench/kernels_bench.py [--sweep] [--long] [--seqs 256 --ctx 1000 ...]
+split-KV). Then one row per P6 shape for the varlen attention of pooling models (a 64K-token step
+of packed prompts: achieved TFLOP/s, and the speedup over the padded-group SDPA path it replaced);
+--varlen-sweep adds its tile variants. Usage:
+    python bench/kernels_bench.py [--sweep] [--long] [--varlen-sweep] [--seqs 256 --ctx 1000 ...]
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tokenmill, and the random batches of tests/support/
 
+from support.kernel_cases import make_paged_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
-from tokenmill.kernels.testing import make_paged_batch  # noqa: E402
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (KINDS.md)
 
@@ -152,7 +155,7 @@ def run_case(
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
     """The fused qkv prologue vs the unfused sequence (q_norm, k_norm, v copy, rotary, store_kv)."""
     from tokenmill.kernels.reference import qkv_prologue_ref
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.kv_store import store_kv
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
     from tokenmill.kernels.triton.rmsnorm import rms_norm
@@ -210,6 +213,86 @@ def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> 
     }
 
 
+def _time_events(fn: Any, calls: int = 10, repeats: int = 10) -> tuple[float, float]:
+    """Median and min microseconds per call, from CUDA events around ``calls`` eager calls (for code
+    that syncs or allocates per call and so cannot be captured in a graph)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times), min(times)
+
+
+# P6's two shapes as one pooling step: (heads, kv heads, head_dim, causal, lengths U[lo, hi], step tokens).
+VARLEN_CASES = {
+    "p6-qwen3-embed-step64k": (16, 8, 128, True, (8, 384), 65536),
+    "p6-minilm-step64k": (12, 12, 32, False, (8, 128), 65536),
+}
+
+
+def run_varlen_case(label: str, config: Any | None = None, compare_sdpa: bool = True) -> dict[str, Any]:
+    """The varlen kernel on one pooling step of packed prompts (q, k, v strided views of the qkv
+    output, as the models pass them), checked against the twin, timed in a CUDA graph; beside it the
+    padded-group torch SDPA path it replaces (``attention/prefill.py``). FLOPs count the two
+    matmuls over the visible (query, key) pairs only: L^2 per sequence, or L(L+1)/2 causal."""
+    from tokenmill.attention.prefill import prefill_attention, whole_prompt_metadata
+    from tokenmill.kernels.reference import varlen_attention_ref
+    from support.kernel_cases import make_varlen_batch
+    from tokenmill.kernels.triton.varlen_attention import choose_config, varlen_attention
+
+    heads, kv_heads, dim, causal, (lo, hi), step_tokens = VARLEN_CASES[label]
+    rng = random.Random(0)
+    lens: list[int] = []
+    while sum(lens) + hi <= step_tokens:
+        lens.append(rng.randint(lo, hi))
+    dtype = torch.bfloat16
+    batch = make_varlen_batch(lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device="cuda")
+    scale = dim**-0.5
+    config = config or choose_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)
+    out = torch.empty_like(batch.q)
+
+    def call() -> None:
+        varlen_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, causal=causal, max_seqlen=hi, out=out, config=config)
+
+    call()
+    check = slice(0, int(batch.cu_seqlens[min(len(lens), 64)]))  # the twin loops in Python: check the first 64 sequences
+    expected = varlen_attention_ref(batch.q[check], batch.k[check], batch.v[check], batch.cu_seqlens[: min(len(lens), 64) + 1], scale, causal)
+    err = (out[check].float() - expected.float()).abs().max().item()
+    if not err < 5e-2:
+        raise SystemExit(f"{label}: wrong result (max abs err {err}) with {config}")
+    us_median, us_min = _time_graph(call)
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+    flops = 4 * pairs * heads * dim
+    row = {
+        **_provenance("varlen_attention", label),
+        "tokens": sum(lens),
+        "seqs": len(lens),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "causal": causal,
+        "dtype": "bfloat16",
+        "config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_warps", "num_stages")},
+        "us_median": round(us_median, 2),
+        "us_min": round(us_min, 2),
+        "tflops": round(flops / (us_median * 1e-6) / 1e12, 1),
+        "max_abs_err": err,
+    }
+    if compare_sdpa:
+        meta = whole_prompt_metadata(lens, torch.device("cuda"))
+        sdpa_us, _ = _time_events(lambda: prefill_attention(batch.q, batch.k, batch.v, meta, scale, causal))
+        row.update(sdpa_groups_us_median=round(sdpa_us, 1), speedup_vs_sdpa_groups=round(sdpa_us / us_median, 2))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=256)
@@ -222,6 +305,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
     parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
+    parser.add_argument("--varlen-sweep", action="store_true", help="also time varlen attention tile/warp/stage variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
@@ -245,6 +329,19 @@ def main() -> None:
     for splits in (2, 4):
         cfg = AttentionLaunchConfig(block_q=1, tile_n=64, num_splits=splits, num_warps=4, num_stages=3)
         print(json.dumps(run_case(args, tail_lens, f"p1-tail-decode-splits{splits}", cfg)), flush=True)
+    for label in VARLEN_CASES:  # P6: one pooling step of packed whole prompts
+        print(json.dumps(run_varlen_case(label)), flush=True)
+    if args.varlen_sweep:
+        from tokenmill.kernels.triton.varlen_attention import VarlenAttentionConfig
+
+        for label in VARLEN_CASES:
+            for block_q, tile_n, num_warps, num_stages in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
+                                                           (128, 64, 8, 3), (128, 32, 4, 3), (32, 32, 4, 2), (64, 32, 4, 4)):
+                cfg = VarlenAttentionConfig(block_q, tile_n, num_warps, num_stages)
+                try:
+                    print(json.dumps(run_varlen_case(label, cfg, compare_sdpa=False)), flush=True)
+                except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
+                    print(json.dumps({"bench": "varlen_attention", "case": label, "config": cfg.__dict__, "error": repr(exc)[:300]}), flush=True)
     if args.sweep:
         for tile_n in (32, 64, 128):
             for num_warps in (2, 4, 8):

@@ -68,7 +68,7 @@ def _check_matmul(p: dict[str, Any]) -> None:
 def _check_matmul_invariance(p: dict[str, Any]) -> None:
     import torch
 
-    from tokenmill.kernels.testing import interpreter_dot_in_fixed_order
+    from support.triton_interpreter import interpreter_dot_in_fixed_order
     from tokenmill.kernels.triton.matmul import matmul
 
     dtype = getattr(torch, p["dtype"])
@@ -94,7 +94,8 @@ def _check_attention(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels import reference
-    from tokenmill.kernels.testing import interpreter_dot_in_fixed_order, make_paged_batch
+    from support.kernel_cases import make_paged_batch
+    from support.triton_interpreter import interpreter_dot_in_fixed_order
     from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
 
     dtype = getattr(torch, p["dtype"])

@@ -41,7 +41,19 @@ _COMPILE_ATTENTION = {
 }
 for _name in _COMPILE_ATTENTION:
     _case("compile_sm90", f"sm90-attn-{_name}", kernel="attention", shape=_name)
-for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul", "gumbel_argmax"):
+_COMPILE_VARLEN = {
+    # name: (dtype, heads, kv_heads, head_dim, causal); q, k, v strided views of one qkv output
+    "qwen3-embed-causal-bf16-d128-g2": ("bfloat16", 16, 8, 128, True),
+    "minilm-bidir-bf16-d32": ("bfloat16", 12, 12, 32, False),
+    "bert-base-bidir-fp16-d64": ("float16", 12, 12, 64, False),
+    "causal-bf16-d256-g4": ("bfloat16", 16, 4, 256, True),
+    "bidir-bf16-d80-padded": ("bfloat16", 8, 8, 80, False),
+    "causal-fp32-d128-g2": ("float32", 4, 2, 128, True),
+}
+for _name in _COMPILE_VARLEN:
+    _case("compile_sm90", f"sm90-varlen-{_name}", kernel="varlen_attention", shape=_name)
+for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul", "gumbel_argmax",
+                "add_layer_norm"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
 _COMPILE_QKV_PROLOGUE = {
     # name: (dtype, tokens, heads, kv_heads, head_dim, block_size, qk_norm)
@@ -145,8 +157,18 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
 def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None:
     import torch
 
-    from tokenmill.kernels.testing import rope_cos_sin_cache
-    from tokenmill.kernels.triton import activation, kv_store, paged_attention, qkv_prologue, rmsnorm, rotary, sampling
+    from support.kernel_cases import rope_cos_sin_cache
+    from tokenmill.kernels.triton import (
+        activation,
+        kv_store,
+        layernorm,
+        paged_attention,
+        qkv_prologue,
+        rmsnorm,
+        rotary,
+        sampling,
+        varlen_attention,
+    )
 
     start = len(report)
     bf16 = torch.bfloat16
@@ -175,6 +197,14 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         for n, k in _COMPILE_MATMUL[p["shape"]]:
             bias = torch.empty(n, dtype=dtype) if dtype == torch.float16 else None
             matmul(torch.empty((256, k), dtype=dtype), torch.empty((n, k), dtype=dtype), bias)
+    elif kernel == "varlen_attention":
+        dtype_name, heads, kv_heads, dim, causal = _COMPILE_VARLEN[p["shape"]]
+        tokens = 1024
+        qkv = torch.empty((tokens, (heads + 2 * kv_heads) * dim), dtype=getattr(torch, dtype_name))
+        q, k, v = (x.view(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+        varlen_attention.varlen_attention(
+            q, k, v, torch.zeros(9, dtype=torch.int32), dim**-0.5, causal=causal, max_seqlen=512,
+        )
     elif kernel == "kv_store":
         qkv = torch.empty((64, 32 * 128), dtype=bf16)
         k = qkv[:, 16 * 128 : 24 * 128].view(64, 8, 128)
@@ -182,6 +212,9 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         kv_store.store_kv(k, k, torch.empty((2, 8, 16, 8, 128), dtype=cache_dtype), torch.zeros(64, dtype=torch.int64))
     elif kernel == "rms_norm":
         rmsnorm.rms_norm(torch.empty((64, 4096), dtype=bf16), torch.empty(4096, dtype=bf16), 1e-6)
+    elif kernel == "add_layer_norm":
+        x = torch.empty((64, 384), dtype=bf16)
+        layernorm.add_layer_norm(x, torch.empty_like(x), torch.empty(384, dtype=bf16), torch.empty(384, dtype=bf16), 1e-12)
     elif kernel == "fused_add_rms_norm":
         x = torch.empty((64, 1024), dtype=bf16)
         rmsnorm.fused_add_rms_norm(x, torch.empty_like(x), torch.empty(1024, dtype=bf16), 1e-6)
@@ -236,7 +269,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel"):
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
-        if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel") and entry["float_inputs"]:
+        if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
         if entry["kernel"] == "_matmul_kernel" and entry["float_inputs"]:
             # A warpgroup MMA at every M (mma.sync would round differently: see kernels/triton/matmul.py).

@@ -15,25 +15,13 @@ fp32 with the reference weights, for transformers to run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _load_tests_conftest() -> Any:
-    # By file, not "import conftest": under tests/gpu that name is tests/gpu/conftest.py.
-    spec = importlib.util.spec_from_file_location("tokenmill_tests_conftest", Path(__file__).with_name("conftest.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_tiny = _load_tests_conftest()
-_common, _randomize, build_tiny_tokenizer = _tiny._common, _tiny._randomize, _tiny.build_tiny_tokenizer
+from support.tiny_models import build_tiny_tokenizer, randomize_weights, tiny_config_kwargs
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -43,8 +31,8 @@ def tiny_config(family: str = "llama", **overrides: Any) -> Any:
     """Large enough for 128-feature groups: hidden 256 (2 groups), intermediate 384 (3 groups)."""
     from transformers import LlamaConfig, Qwen2Config
 
-    kwargs = _common(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
-                     tie_word_embeddings=False, **overrides)
+    kwargs = tiny_config_kwargs(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                                tie_word_embeddings=False, **overrides)
     if family == "qwen2":
         return Qwen2Config(**kwargs, architectures=["Qwen2ForCausalLM"])
     return LlamaConfig(**kwargs, architectures=["LlamaForCausalLM"])
@@ -55,7 +43,7 @@ def random_model(config: Any, seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     return model.eval()
 
 

@@ -48,7 +48,7 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill import quantization
-    from tokenmill.kernels.testing import patch_triton_interpreter_fp8_rounding
+    from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
     from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
     from tokenmill.quantization.config import Fp8Scheme, Int4Scheme
 
@@ -150,7 +150,7 @@ def _check_quantize_fp8(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import quantize_fp8_ref
-    from tokenmill.kernels.testing import patch_triton_interpreter_fp8_rounding
+    from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
     from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 
     patch_triton_interpreter_fp8_rounding()

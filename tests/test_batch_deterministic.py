@@ -1,7 +1,8 @@
 """`tokenmill run --deterministic` killed at random moments and resumed writes exactly the lines of an
 uninterrupted run: the same rows, texts and logprobs bit for bit (in completion order, which depends
 on timing, so the files are compared line by line after sorting). Sampled rows (seeded per row by
-the job) and greedy ones, chunked prefill, shared prefixes and a small batch, in bf16 on the CPU.
+the job) and greedy ones, chunked prefill, shared prefixes and small batches whose size changes from
+attempt to attempt, in bf16 on the CPU.
 
 The journal records the mode: a resume that does not repeat the flag stays deterministic, and one
 that asks for --no-deterministic is refused.
@@ -72,6 +73,7 @@ def test_killed_and_resumed_deterministic_run_writes_the_uninterrupted_lines(tmp
     for attempt, (ready, sig) in enumerate(kills):
         # The second attempt resumes without the flag: the journal keeps the run deterministic.
         flags = [] if attempt == 1 else ["--deterministic"]
+        flags += ["--max-num-seqs", str(2 + attempt % 3)]  # and each attempt batches its rows differently
         proc = start(command(input_path, output, tiny_qwen3_dir, *flags))
         wait_until(proc, ready, timeout=180)
         time.sleep(rng.random() * 0.05)  # somewhere inside the step that follows

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tokenmill.batch.job import JobConfig, run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,6 +51,7 @@ def wait_until(proc: subprocess.Popen, ready, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
+@pytest.mark.slow  # six CLI processes, each importing torch and loading a model
 def test_kill_and_resume_exactly_once(tmp_path, tiny_llama_dir):
     rows = [{"id": f"r{i}", "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + i % 9))} for i in range(ROWS)]
     input_path = tmp_path / "in.jsonl"

@@ -129,7 +129,7 @@ def test_torch_backend_each_token_matches_reference_and_is_invariant(dtype):
     prefilled whole, in a chunk, beside other sequences."""
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.kernels.reference import paged_attention_ref, store_kv_ref
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     lens = [23, 9]
     batch = make_paged_batch(lens, lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=dtype, seed=4)

@@ -80,6 +80,32 @@ def test_prefix_cache_hit_gives_same_output(tiny_llama_dir, llama_llm, llama_pro
     assert all(o.num_cached_tokens >= 32 for o in outputs)
 
 
+def test_prefix_key_collision_never_reuses_another_prompts_block(tiny_llama_dir, llama_prompts, monkeypatch):
+    """Every prefix-cache key forced equal, so each block's key collides with every other's: a hit
+    is checked on the block's token ids, so no prompt computes on another prompt's keys and values."""
+    from tokenmill.engine import kv_cache
+
+    first, second = llama_prompts[2], llama_prompts[5]  # 40 and 33 tokens, different from the first block on
+    cold = make_llm(tiny_llama_dir, enable_prefix_caching=False)
+    expected = [token_ids(cold.generate(as_inputs([p]), GREEDY, use_tqdm=False))[0] for p in (first, second, first)]
+    monkeypatch.setattr(kv_cache, "chain_hash", lambda parent, tokens: b"one key for every block")
+
+    def one_by_one() -> tuple[list[list[int]], list[int]]:
+        llm = make_llm(tiny_llama_dir)  # prefix caching on; each prompt finds the cache its predecessors left
+        outputs = [llm.generate(as_inputs([p]), GREEDY, use_tqdm=False)[0] for p in (first, second, first)]
+        return token_ids(outputs), [o.num_cached_tokens for o in outputs]
+
+    outputs, cached = one_by_one()
+    assert outputs == expected
+    # second reuses nothing; first again hits its own first block (16 tokens), and no more: the
+    # one key now names that block, whose tokens are not first's second block.
+    assert cached == [0, 0, 16]
+    # The key alone, as the lookup was before the token check: second computes on first's block.
+    monkeypatch.setattr(kv_cache.BlockPool, "lookup", lambda self, key, tokens: self.cached.get(key))
+    outputs, cached = one_by_one()
+    assert cached[1] > 0 and outputs[1] != expected[1]
+
+
 def test_preemption_under_a_tiny_kv_pool_gives_same_output(tiny_llama_dir, llama_llm, llama_prompts):
     params = GREEDY.clone(max_tokens=30)
     expected = token_ids(llama_llm.generate(as_inputs(llama_prompts), params, use_tqdm=False))

@@ -95,6 +95,8 @@ for _dt in ("float32", "float16"):
     _case("rms_norm", f"rmsnorm-2d-{_dt}", dtype=_dt, shape=[5, 96], residual=False, strided=False)
     _case("rms_norm", f"rmsnorm-residual-{_dt}", dtype=_dt, shape=[7, 256], residual=True, strided=False)
     _case("rms_norm", f"rmsnorm-heads-strided-{_dt}", dtype=_dt, shape=[3, 4, 64], residual=False, strided=True)
+    _case("layer_norm", f"layernorm-residual-d384-{_dt}", dtype=_dt, shape=[7, 384], residual=True)
+    _case("layer_norm", f"layernorm-plain-d96-{_dt}", dtype=_dt, shape=[5, 96], residual=False)
     _case("rotary", f"rope-full-{_dt}", dtype=_dt, tokens=5, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64)
     _case("rotary", f"rope-partial-{_dt}", dtype=_dt, tokens=3, num_heads=3, num_kv_heads=1, head_dim=64, rotary_dim=48)
     # The fused qkv prologue (norm, rope, store): GQA 1/2/4, head_dim 64/128, blocks 16/32, with and
@@ -128,7 +130,26 @@ for _dt in ("float32", "float16"):
         "attention", f"attn-mixed-bs64-g1-d32-{_dt}", dtype=_dt, block_size=64, num_heads=2, num_kv_heads=2,
         head_dim=32, query_lens=[5, 1], seq_lens=[130, 65], pad=0,
     )
-
+    # Packed whole prompts without a cache (pooling): bidirectional (BERT) and causal (decoders),
+    # GQA 1/2/3/4, head_dim 32/48 (padded to 64)/64/128, lengths 1, tile multiples and not, an empty
+    # sequence, tokens past the last sequence (not written), q/k/v as strided views of one qkv.
+    _case("varlen", f"varlen-bidir-g1-d32-{_dt}", dtype=_dt, num_heads=2, num_kv_heads=2, head_dim=32,
+          lens=[1, 5, 17, 40, 0, 16], causal=False, pad=2)
+    _case("varlen", f"varlen-causal-g2-d64-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=2, head_dim=64,
+          lens=[33, 1, 16, 7], causal=True, pad=0)
+    _case("varlen", f"varlen-causal-g3-d48-bq4-{_dt}", dtype=_dt, num_heads=6, num_kv_heads=2, head_dim=48,
+          lens=[20, 9, 1], causal=True, pad=1, config={"block_q": 4, "tile_n": 16})
+    _case("varlen", f"varlen-bidir-g2-d128-bq8-t32-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=2, head_dim=128,
+          lens=[70, 3], causal=False, pad=0, config={"block_q": 8, "tile_n": 32})
+    _case("varlen", f"varlen-bidir-g1-d8-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=4, head_dim=8,
+          lens=[3, 19, 1], causal=False, pad=1)  # the tiny test models' heads, padded to 16
+    _case("varlen", f"varlen-causal-g4-d64-bq2-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=1, head_dim=64,
+          lens=[2, 31, 64, 5], causal=True, pad=3, config={"block_q": 2, "tile_n": 16})
+# The automatic fp16 shape (128-row tiles, 64-key tiles) under both masks.
+_case("varlen", "varlen-auto-causal-g2-d64-float16", dtype="float16", num_heads=4, num_kv_heads=2, head_dim=64,
+      lens=[150, 64, 1, 65], causal=True, pad=1)
+_case("varlen", "varlen-auto-bidir-g1-d32-float16", dtype="float16", num_heads=2, num_kv_heads=2, head_dim=32,
+      lens=[128, 9, 129], causal=False, pad=0)
 
 # More sequences than one vector load of the sequence search covers (256): its loop must iterate.
 _case(
@@ -166,6 +187,9 @@ def _random_attention_cases(count: int) -> None:
 
 
 _random_attention_cases(8)
+# Whole pooling models on the GPU path's attention (the varlen backend, and for the decoder the fused
+# qkv prologue) against transformers: a BERT encoder (bidirectional) and a Qwen3 embedder (causal, GQA).
+_case("pooling_varlen", "pooling-varlen-bert-and-qwen3-vs-transformers")
 _case("kv_store", "kvstore-bs32-f32-into-f16", dtype="float32", cache_dtype="float16", block_size=32, num_kv_heads=3, head_dim=128, tokens=7)
 _case("kv_store", "kvstore-bs16-d32-float32", dtype="float32", cache_dtype="float32", block_size=16, num_kv_heads=1, head_dim=32, tokens=4)
 # Attention reading an fp8 cache. (Storing into fp8 is checked on the GPU only: the interpreter's
@@ -195,6 +219,16 @@ for _dt in ("float32", "float16"):
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
+
+# The slowest cases under the interpreter (seconds each, measured one worker on a busy 2-core
+# machine; together ~2/3 of the interpreter's time): marked slow, so `-m "not slow"` leaves them
+# out; CI runs them.
+SLOW_CASES = {
+    "attn-mixed-260seqs-bq4-float16": 51, "attn-random3-float32": 46, "attn-decode-260seqs-g2-d32-float32": 37,
+    "attn-prefill-auto-bs16-g4-d128-float32": 26, "attn-random6-float16": 19, "attn-random7-float32": 18,
+    "attn-random2-float16": 11,
+}
+assert SLOW_CASES.keys() <= CASES.keys(), "a slow case that is not a case"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +261,8 @@ def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]
     compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
     interpreted = [n for n in selected if CASES[n][0] != "compile_sm90"]
     # Attention cases are the slow ones: deal them round-robin so both workers finish together.
-    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer", "det_attention"))
+    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer", "varlen", "pooling_varlen", "det_attention"))
+    interpreted.sort(key=lambda n: -SLOW_CASES.get(n, 0))  # the slowest first, split between the two
     shards = [interpreted[0::2], interpreted[1::2]]
     procs = [_spawn(shard, interpret=True) for shard in shards if shard]
     if compiled:
@@ -242,7 +277,7 @@ def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]
     return results
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
 def test_kernel_matches_reference_under_interpreter(name: str, interpreter_results: dict[str, str | None]) -> None:
     if name not in interpreter_results:
         pytest.fail(f"worker returned no result for {name}")
@@ -259,7 +294,7 @@ def test_reference_attention_matches_torch_backend() -> None:
 
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.kernels.reference import paged_attention_ref, store_kv_ref
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     for query_lens, seq_lens in (([1, 1, 1], [5, 17, 40]), ([1, 7, 3, 2], [16, 7, 35, 2])):
         batch = make_paged_batch(
@@ -286,7 +321,7 @@ def _check_attention(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels import reference
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
     from tokenmill.kernels.triton.kv_store import store_kv
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_config, paged_attention
 
@@ -329,12 +364,79 @@ def _check_attention(p: dict[str, Any]) -> None:
     assert torch.isnan(out[n:]).all(), "padding rows were written"
 
 
+def _check_varlen(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import varlen_attention_ref
+    from support.kernel_cases import make_varlen_batch
+    from tokenmill.kernels.triton.varlen_attention import VarlenAttentionConfig, varlen_attention
+
+    dtype = getattr(torch, p["dtype"])
+    batch = make_varlen_batch(p["lens"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"],
+                              dtype=dtype, num_pad_tokens=p["pad"], seed=len(p["lens"]))
+    assert not batch.q.is_contiguous(), "q, k and v should be strided views of one qkv output"
+    config = VarlenAttentionConfig(num_warps=4, num_stages=1, **p["config"]) if "config" in p else None
+    scale = p["head_dim"] ** -0.5
+    out = torch.full_like(batch.q, float("nan"))
+    got = varlen_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, causal=p["causal"],
+                           max_seqlen=max(p["lens"]), out=out, config=config)
+    assert got is out
+    expected = varlen_attention_ref(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, p["causal"])
+    n = sum(p["lens"])
+    torch.testing.assert_close(out[:n], expected[:n], **_tol(dtype), msg=lambda m: f"{config}: {m}")
+    assert torch.isnan(out[n:]).all(), "rows past the last sequence were written"
+    # The other mask gives a different answer wherever a sequence has two tokens or more.
+    other = varlen_attention_ref(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, not p["causal"])
+    assert not torch.allclose(out[:n], other[:n], **_tol(dtype)), "causal and bidirectional agree: the test cannot tell them apart"
+
+
+def _check_pooling_varlen(p: dict[str, Any]) -> None:
+    """LLM.embed through the pooling runner with `VarlenAttentionBackend` (what CUDA runs) on tiny
+    random models, against transformers' fp32 hidden states: CLS for BERT, last token for Qwen3."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    from tokenmill import LLM, PoolingParams
+    from tokenmill.attention.varlen_backend import VarlenAttentionBackend
+
+    lens = [1, 5, 17, 40, 2, 33, 16]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in lens]
+    models = {
+        "bert": (transformers.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=96, max_position_embeddings=64), transformers.BertModel, 0),
+        "qwen3": (transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                           rms_norm_eps=1e-5, tie_word_embeddings=True), transformers.Qwen3Model, -1),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (config, cls, row) in models.items():
+            torch.manual_seed(5)
+            hf = cls(config).eval()
+            with torch.no_grad():
+                for param_name, param in hf.named_parameters():  # weights far from init, norms off 1
+                    noise = torch.randn(param.shape, generator=gen)
+                    param.copy_(1.0 + 0.2 * noise if param_name.endswith(("norm.weight", "LayerNorm.weight")) else 0.3 * noise)
+            hf.save_pretrained(f"{tmp}/{name}")
+            llm = LLM(f"{tmp}/{name}", runner="pooling", device="cpu", dtype="float32", seed=0, skip_tokenizer_init=True,
+                      max_num_seqs=4)
+            llm.llm_engine.runner.backend = VarlenAttentionBackend()  # the CUDA choice, here interpreted
+            outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts], PoolingParams(normalize=False), use_tqdm=False)
+            with torch.no_grad():
+                for ids, out in zip(prompts, outputs):
+                    expected = hf(input_ids=torch.tensor([ids])).last_hidden_state[0, row]
+                    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"{name}, {len(ids)} tokens: {m}")
+
+
 def _check_backend(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     dtype = getattr(torch, p["dtype"])
     batch = make_paged_batch(
@@ -413,11 +515,31 @@ def _check_rms_norm(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got_out, exp_out, **tol)
 
 
+def _check_layer_norm(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import add_layer_norm_ref
+    from tokenmill.kernels.triton.layernorm import add_layer_norm
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(19)
+    rows, n = p["shape"]
+    # x a strided view (a wider buffer's left part), values off-centre so the mean matters.
+    x = (torch.randn((rows, n + 32), generator=gen) * 3 + 1.5).to(dtype)[:, :n]
+    residual = torch.randn((rows, n), generator=gen).to(dtype) if p["residual"] else None
+    weight = (1.0 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
+    bias = (0.5 * torch.randn(n, generator=gen)).to(dtype)
+    out = torch.full((rows, n), float("nan"), dtype=dtype)
+    got = add_layer_norm(x, residual, weight, bias, 1e-12, out=out)
+    assert got is out
+    torch.testing.assert_close(got, add_layer_norm_ref(x, residual, weight, bias, 1e-12), **_tol(dtype))
+
+
 def _check_rotary(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import rotary_embedding_ref_
-    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from support.kernel_cases import rope_cos_sin_cache
     from tokenmill.kernels.triton.rotary import rotary_embedding_
 
     dtype = getattr(torch, p["dtype"])
@@ -438,7 +560,7 @@ def _check_rotary(p: dict[str, Any]) -> None:
 def _check_qkv_prologue(p: dict[str, Any]) -> None:
     import torch
 
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
     dtype = getattr(torch, p["dtype"])
@@ -463,7 +585,7 @@ def _check_layer(p: dict[str, Any]) -> None:
     from tokenmill.attention.metadata import ForwardContext
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import make_paged_batch, tiny_attention_layer
+    from support.kernel_cases import make_paged_batch, tiny_attention_layer
 
     dtype = getattr(torch, p["dtype"])
     hq, hk, d = p["num_heads"], p["num_kv_heads"], p["head_dim"]
@@ -609,9 +731,12 @@ def _check_lazy_import(p: dict[str, Any]) -> None:
 _CHECKS = {
     "attention": _check_attention,
     "backend": _check_backend,
+    "varlen": _check_varlen,
+    "pooling_varlen": _check_pooling_varlen,
     "kv_store": _check_kv_store,
     "rms_norm": _check_rms_norm,
     "rotary": _check_rotary,
+    "layer_norm": _check_layer_norm,
     "silu_and_mul": _check_silu_and_mul,
     "gumbel_argmax": _check_gumbel_argmax,
     "qkv_prologue": _check_qkv_prologue,
@@ -631,14 +756,13 @@ def _worker_main(names: list[str]) -> None:
     torch.set_num_threads(1)
     import tokenmill.attention.triton_backend  # noqa: F401  (must stay triton-free at import)
     import tokenmill.kernels.reference  # noqa: F401
-    import tokenmill.kernels.testing  # noqa: F401
 
     try:
         import tokenmill  # noqa: F401  (the package root may still be a stub while others write it)
     except ImportError:
         pass
     triton_was_imported = "triton" in sys.modules
-    from tokenmill.kernels.testing import patch_triton_interpreter_for_numpy
+    from support.triton_interpreter import patch_triton_interpreter_for_numpy
 
     patch_triton_interpreter_for_numpy()
 

@@ -52,6 +52,21 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_one_token_to_compute():
     assert kv.find_cached_prefix(diverging) == first_blocks[:1]
 
 
+def test_a_key_collision_is_a_miss_unless_the_block_holds_the_same_tokens(monkeypatch):
+    from tokenmill.engine import kv_cache
+
+    monkeypatch.setattr(kv_cache, "chain_hash", lambda parent, tokens: b"one key for every block")
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    first = make_seq(list(range(12)))
+    compute(kv, first, 12)
+    first_blocks = list(first.block_ids)
+    kv.free(first)
+    assert kv.find_cached_prefix(make_seq([0, 1, 2, 99, 4, 5, 6, 7, 8], seq_id=1)) == []
+    # The same first block is a real hit; the second block's key then finds the first block
+    # again (the only one under that key), whose tokens differ: the hit stops there.
+    assert kv.find_cached_prefix(make_seq(list(range(12)), seq_id=2)) == first_blocks[:1]
+
+
 def test_shared_blocks_are_reference_counted():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     a = make_seq(list(range(9)))

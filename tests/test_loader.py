@@ -3,7 +3,6 @@ and the errors a user sees when something is missing or broken."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -180,26 +179,10 @@ def test_builtin_listing() -> None:
 # --- GGUF and the built-in ----------------------------------------------------------------------
 
 
-def _hf_gguf_reference(gguf_path: Path, config) -> torch.nn.Module:
-    """HF's own GGUF loading: AutoModelForCausalLM.from_pretrained(gguf_file=...) when accelerate is
-    installed, else the same steps it performs (tensors dequantized and renamed by load_gguf_checkpoint)."""
-    from transformers import AutoModelForCausalLM
-
-    if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with no_init_weights():  # every weight is overwritten below; skip 135M random draws
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head
-    model.tie_weights()
-    return model.eval()
-
-
-def test_gguf_file_matches_hf_and_converted_builtin(smollm2_gguf_path: Path, smollm2_source: ModelSource, paged_cache):
+@pytest.mark.slow  # transformers' GGUF loading (~20 CPU-s a session, shared with test_smollm2) and ours, twice
+def test_gguf_file_matches_hf_and_converted_builtin(
+    smollm2_gguf_path: Path, smollm2_source: ModelSource, smollm2_hf_gguf: torch.nn.Module, paged_cache
+) -> None:
     source = resolve_model(str(smollm2_gguf_path))
     assert source.weights_format == "gguf" and source.config_dir is None
     assert source.tokenizer_kwargs == {"gguf_file": SMOLLM2_GGUF}
@@ -207,7 +190,7 @@ def test_gguf_file_matches_hf_and_converted_builtin(smollm2_gguf_path: Path, smo
     tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 1780, 314, 253]
     got = _prefill(ours, paged_cache, tokens)
     with torch.no_grad():
-        want = _hf_gguf_reference(smollm2_gguf_path, source.hf_config)(torch.tensor([tokens])).logits[0]
+        want = smollm2_hf_gguf(torch.tensor([tokens])).logits[0]
     assert want.std() > 1.0
     torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
     # The built-in's one-time conversion wrote exactly these weights.

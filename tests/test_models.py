@@ -228,11 +228,8 @@ def test_weight_loader_rejects_wrong_shape() -> None:
 
 
 def _tp_worker(rank: int, world: int, init_address: str, model_dirs: list[str], tokens: list[list[int]], out: str) -> None:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
     import torch.distributed as dist
-    from conftest import PagedCache
+    from support.paged_cache import PagedCache  # (spawn gives this process the parent's sys.path)
 
     dist.init_process_group("gloo", init_method=init_address, rank=rank, world_size=world)
     try:

@@ -42,6 +42,7 @@ def test_enqueue_chat(llm):
     assert token_ids(outputs)[0] == token_ids(outputs)[1] == token_ids(llm.chat(conversation, GREEDY, use_tqdm=False))[0]
 
 
+@pytest.mark.slow  # 10,000 requests under tracemalloc
 def test_imap_streams_10000_prompts_with_flat_memory(llm):
     vocab = llm.llm_engine.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # all 25 example products, 48 tokens each, on the built-in model
 def test_readme_python_example_runs(monkeypatch, capsys):
     text = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(import json.*?)```", text, re.S).group(1)

@@ -3,11 +3,9 @@ and logprobs against transformers' own GGUF loading, text, stop strings and chat
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from reference import hf_greedy, hf_model
+from reference import hf_greedy
 from tokenmill import LLM, SamplingParams
 
 QUESTIONS = ["Write one sentence about rivers.", "What is the capital of France?", "Name three colors."]
@@ -18,26 +16,19 @@ def llm():
     return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512, seed=0)
 
 
-@pytest.fixture(scope="module")
-def hf_gguf(llm):
-    from tokenmill.models.builtin import cache_dir, find_builtin, locate_gguf
-
-    path = Path(locate_gguf(find_builtin("smollm2-135m-instruct"), cache_dir()))
-    return hf_model(str(path.parent), path.name)
-
-
 def chat_ids(llm, question: str) -> list[int]:
     return llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
 
 
-def test_greedy_matches_transformers_gguf_loading(llm, hf_gguf):
+@pytest.mark.slow  # transformers' GGUF loading (~20 CPU-s a session, shared with test_loader), greedy by full forwards
+def test_greedy_matches_transformers_gguf_loading(llm, smollm2_hf_gguf):
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf_gguf, prompt, 12)
+        ref_tokens, ref_logprobs = hf_greedy(smollm2_hf_gguf, prompt, 12)
         completion = output.outputs[0]
         assert completion.token_ids == ref_tokens
         ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]

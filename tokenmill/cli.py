@@ -21,6 +21,7 @@ from tokenmill.batch.pooling import DEFAULT_EMBEDDING_MODEL, POOLING_JOB_TASKS
 from tokenmill.batch.readers import INPUT_FORMATS
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1  # the job could not go on (a replica kept dying); a rerun continues
 _CHAT_MAX_TOKENS = 256
 
 # flag dest -> SamplingParams field
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--fsync-interval", type=float, default=1.0, metavar="SECONDS",
                      help="fsync the output at most this often (0: every commit); a killed process loses nothing "
                      "either way, this bounds what a power failure can cost (default: 1)")
+    job.add_argument("--replicas", type=int, default=1, metavar="N",
+                     help="run N engines on this host, one per GPU (tensor_parallel_size GPUs each) or N CPU "
+                     "processes sharing the cores; one output, the same resume guarantee (default: 1)")
+    job.add_argument("--ray", metavar="ADDRESS", dest="ray_address",
+                     help="run the job on a Ray cluster through Ray Data ('auto', 'local' or ray://host:port; "
+                     "needs pip install 'tokenmill[ray]'); --replicas sets the number of engines (default: one per "
+                     "GPU of the cluster); see docs/scale-out.md")
     job.add_argument("--no-progress", action="store_true", help="no progress line on stderr (the summary is still printed)")
     job.add_argument("--progress-interval", type=float, default=10.0, metavar="SECONDS",
                      help="seconds between progress lines when stderr is not a terminal (default: 10)")
@@ -272,6 +280,7 @@ class _StopRequests:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tokenmill.batch.job import JobConfig, run_job
+    from tokenmill.batch.replica_messages import ReplicaError
     from tokenmill.batch.requests import PromptSettings
 
     try:
@@ -281,6 +290,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.max_inflight is not None and args.max_inflight < 1:
         raise UsageError(f"--max-inflight={args.max_inflight} is invalid: must be >= 1")
+    if args.replicas < 1:
+        raise UsageError(f"--replicas={args.replicas} is invalid: must be >= 1")
     _check_task_flags(args)
     generate = args.task == "generate"
     config = JobConfig(
@@ -289,7 +300,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed, engine=engine_kwargs(args), task=args.task, pooling={} if generate else pooling_values(args),
         chat_template=read_chat_template(args.chat_template), overwrite=args.overwrite,
         max_inflight=args.max_inflight, fsync_interval=args.fsync_interval, progress=not args.no_progress,
-        log_interval=args.progress_interval,
+        log_interval=args.progress_interval, replicas=args.replicas, ray_address=args.ray_address,
     )
     stop = _StopRequests()
     previous = stop.install()
@@ -297,6 +308,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run_job(config, stderr=sys.stderr, should_stop=stop)
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:  # ResumeError too
         raise UsageError(str(e)) from None
+    except ReplicaError as e:  # replicas that kept dying or failed: the finished rows are kept
+        print(f"tokenmill run: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         stop.restore(previous)
     print(summary.report(), file=sys.stderr)

@@ -211,11 +211,13 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         return config
     if args.deterministic:
         raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
-    max_model_len, batched = pooling.step_limits(
-        config.max_model_len, config.max_num_batched_tokens, max_model_len_given=args.max_model_len is not None,
-        batched_given=args.max_num_batched_tokens is not None, tensor_parallel_size=config.tensor_parallel_size,
+    max_model_len, batched, seqs = pooling.step_limits(
+        config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
+        max_model_len_given=args.max_model_len is not None, batched_given=args.max_num_batched_tokens is not None,
+        seqs_given=args.max_num_seqs is not None, tensor_parallel_size=config.tensor_parallel_size, device=config.device,
     )
-    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched, pooling=pooling)
+    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched, max_num_seqs=seqs,
+                               pooling=pooling)
 
 
 def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:

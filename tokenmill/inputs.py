@@ -37,7 +37,7 @@ def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> Proce
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not _is_token_list(ids):
                 raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {_short(ids)}")
             return ProcessedPrompt(prompt.get("prompt"), list(ids))
         if "prompt" in prompt:
@@ -59,6 +59,8 @@ def validate_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len
             f"{where} has {len(token_ids)} tokens, more than max_model_len={max_model_len}; "
             "shorten it or raise max_model_len"
         )
+    if min(token_ids) >= 0 and max(token_ids) < vocab_size:  # the common case, without a Python loop
+        return
     bad = next((t for t in token_ids if t < 0 or t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
@@ -103,6 +105,14 @@ def render_chat_prompt(
         return_dict=False,
     )
     return list(ids)
+
+
+def _is_token_list(ids: Any) -> bool:
+    """A list or tuple of ints (bools are not token ids). Checked by the set of element types
+    first, a C loop; only a list holding other types (int subclasses, say) is looked at one by one."""
+    if not isinstance(ids, (list, tuple)):
+        return False
+    return set(map(type, ids)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
 
 
 def _tokenize(text: str, tokenizer: Any, where: str) -> list[int]:

@@ -28,7 +28,7 @@ def _require_cuda(request: pytest.FixtureRequest) -> None:
         # Self-check of the GPU tests on the CPU interpreter (see test_kernels_gpu.py's docstring).
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("TOKENMILL_KERNEL_DRYRUN=1 needs TRITON_INTERPRET=1 as well")
-        from tokenmill.kernels.testing import patch_triton_interpreter_for_numpy
+        from support.triton_interpreter import patch_triton_interpreter_for_numpy
 
         patch_triton_interpreter_for_numpy()
         return

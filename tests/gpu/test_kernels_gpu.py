@@ -112,7 +112,7 @@ def _scenario(name: str, seed: int) -> tuple[list[int], list[int]]:
 
 
 def _batch(scenario: str, heads: str, block_size: int, dtype: torch.dtype, seed: int = 0, **kw: Any) -> Any:
-    from tokenmill.kernels.testing import make_paged_batch
+    from support.kernel_cases import make_paged_batch
 
     num_heads, num_kv_heads, head_dim = HEADS[heads]
     query_lens, seq_lens = _scenario(scenario, seed)
@@ -399,7 +399,7 @@ def test_head_rms_norm_on_qkv_view(dtype: str) -> None:
                          ids=["qwen3", "llama3-8b", "partial-rotary", "tiny"])
 def test_rotary(shape: tuple[int, int, int, int, int], dtype: str) -> None:
     from tokenmill.kernels.reference import rotary_embedding_ref_
-    from tokenmill.kernels.testing import rope_cos_sin_cache
+    from support.kernel_cases import rope_cos_sin_cache
     from tokenmill.kernels.triton.rotary import rotary_embedding_
 
     tokens, hq, hk, dim, rot = shape
@@ -444,7 +444,7 @@ QKV_SHAPES = {  # name: (tokens, heads, block_size, strided qkv)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize("shape", list(QKV_SHAPES))
 def test_qkv_prologue(shape: str, qk_norm: bool, dtype: str) -> None:
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
     tokens, heads, block_size, strided = QKV_SHAPES[shape]
@@ -460,7 +460,7 @@ def test_qkv_prologue(shape: str, qk_norm: bool, dtype: str) -> None:
 
 
 def test_qkv_prologue_fp32_into_bf16_cache() -> None:
-    from tokenmill.kernels.testing import make_qkv_prologue_case
+    from support.kernel_cases import make_qkv_prologue_case
     from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
     case = make_qkv_prologue_case(
@@ -487,7 +487,7 @@ def test_layer_fused_matches_unfused(scenario: str, arch: str) -> None:
     rounding contract, so only fp32 summation order may differ), with the Triton attention after both."""
     from tokenmill.attention.metadata import ForwardContext
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.testing import assert_close_per_head, tiny_attention_layer
+    from support.kernel_cases import assert_close_per_head, tiny_attention_layer
 
     dt = _dtype("bfloat16")
     num_heads, num_kv_heads, head_dim = HEADS["qwen3-0.6b"]
@@ -515,7 +515,7 @@ def test_forward_qkv_never_syncs_and_replays_in_a_graph() -> None:
     from tokenmill.attention.metadata import QKVPrologue
     from tokenmill.attention.triton_backend import TritonAttentionBackend
     from tokenmill.kernels import reference
-    from tokenmill.kernels.testing import assert_close_per_head, rope_cos_sin_cache
+    from support.kernel_cases import assert_close_per_head, rope_cos_sin_cache
 
     dt = torch.bfloat16
     batch = _batch("decode256", "qwen3-0.6b", 16, dt, seed=8, num_pad_tokens=5)
@@ -549,3 +549,122 @@ def test_forward_qkv_never_syncs_and_replays_in_a_graph() -> None:
         expected = reference.paged_attention_ref(q_ref, expected_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
         n = batch.num_real_tokens
         torch.testing.assert_close(out[:n].float(), expected[:n].float(), **_attn_tol(dt), msg=lambda m: f"trial {trial}: {m}")
+
+
+# ---------------------------------------------------------------- varlen attention (pooling: whole prompts, no cache)
+VARLEN_HEADS = {  # name: (num_heads, num_kv_heads, head_dim)
+    "qwen3-0.6b": (16, 8, 128),
+    "minilm": (12, 12, 32),
+    "bert-base": (12, 12, 64),
+    "llama3-8b": (32, 8, 128),
+    "g4-d256": (16, 4, 256),
+    "g3-d80": (12, 4, 80),  # head_dim padded to 128 in the kernel
+}
+VARLEN_SCENARIOS = {  # name: lengths of one step's packed prompts
+    "p6-qwen3": lambda rng: [rng.randint(8, 384) for _ in range(_count(96))],
+    "p6-minilm": lambda rng: [rng.randint(8, 128) for _ in range(_count(512))],
+    # Lengths around the 64-key and 64/128-token tiles (a dry run keeps only the short ones).
+    "edges": lambda rng: [1, 2, 17, 0, 3] if DRYRUN else [1, 2, 63, 64, 65, 127, 128, 129, 1, 0, 3],
+    "long": lambda rng: [_len(4096), _len(1500), 1, _len(777)],
+}
+
+
+def _check_varlen(heads: str, lens: list[int], dtype: torch.dtype, causal: bool, config: Any = None, pad: int = 3) -> None:
+    from tokenmill.kernels.reference import varlen_attention_ref
+    from support.kernel_cases import make_varlen_batch
+    from tokenmill.kernels.triton.varlen_attention import varlen_attention
+
+    num_heads, num_kv_heads, head_dim = VARLEN_HEADS[heads]
+    batch = make_varlen_batch(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                              device=DEVICE, num_pad_tokens=pad, seed=len(lens))
+    scale = head_dim**-0.5
+    out = torch.full_like(batch.q, float("nan"))
+    varlen_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, causal=causal, max_seqlen=max(lens), out=out, config=config)
+    expected = varlen_attention_ref(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, causal)
+    n = sum(lens)
+    torch.testing.assert_close(out[:n].float(), expected[:n].float(), **_attn_tol(dtype), msg=lambda m: f"{config}: {m}")
+    assert torch.isnan(out[n:]).all(), "rows past the last sequence were written"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("heads", list(VARLEN_HEADS))
+@pytest.mark.parametrize("scenario", list(VARLEN_SCENARIOS))
+def test_varlen_attention_matches_reference(scenario: str, heads: str, causal: bool, dtype: str) -> None:
+    lens = VARLEN_SCENARIOS[scenario](random.Random(11))
+    _check_varlen(heads, lens, _dtype(dtype), causal)
+
+
+VARLEN_CONFIGS = [  # (block_q, tile_n, num_warps, num_stages)
+    (16, 16, 4, 2), (32, 32, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 3), (32, 64, 8, 4),
+]
+
+
+@pytest.mark.parametrize("cfg", VARLEN_CONFIGS, ids=lambda c: "bq{}-n{}-w{}-st{}".format(*c))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_varlen_attention_forced_configs(cfg: tuple[int, int, int, int], causal: bool) -> None:
+    """Every launch-shape knob gives the same answer (the benchmark's sweep must be correct)."""
+    from tokenmill.kernels.triton.varlen_attention import VarlenAttentionConfig
+
+    config = VarlenAttentionConfig(block_q=cfg[0], tile_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+    _check_varlen("qwen3-0.6b", VARLEN_SCENARIOS["edges"](None), _dtype("bfloat16"), causal, config)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_varlen_attention_fp32(causal: bool) -> None:
+    _check_varlen("g3-d80", VARLEN_SCENARIOS["edges"](None), torch.float32, causal)
+
+
+@pytest.mark.skipif(DRYRUN, reason="CUDA only")
+def test_varlen_backend_never_syncs() -> None:
+    """A pooling step's attention, both entry points, launches without a host sync."""
+    from tokenmill.attention.metadata import AttentionMetadata, QKVPrologue
+    from tokenmill.attention.varlen_backend import VarlenAttentionBackend
+    from support.kernel_cases import make_varlen_batch, rope_cos_sin_cache
+
+    lens = VARLEN_SCENARIOS["p6-qwen3"](random.Random(2))
+    batch = make_varlen_batch(lens, num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device=DEVICE)
+    tokens = batch.qkv.shape[0]
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    meta = AttentionMetadata(empty, batch.cu_seqlens, batch.cu_seqlens.diff(), torch.empty(len(lens), 0, dtype=torch.int32, device=DEVICE),
+                             0, lens, lens, max(lens), max(lens))
+    positions = torch.cat([torch.arange(n, device=DEVICE) for n in lens])
+    weight = torch.ones(128, dtype=torch.bfloat16, device=DEVICE)
+    prologue = QKVPrologue(16, 8, 128, rope_cos_sin_cache(512, 128, device=DEVICE), weight, weight, 1e-6)
+    backend = VarlenAttentionBackend()
+
+    def step() -> None:
+        backend.attend(batch.q, batch.k, batch.v, meta, 0.1, causal=False)
+        backend.forward_qkv(batch.qkv.contiguous(), positions, prologue, None, meta, 0.1)
+
+    step()  # compile first: the first launch of a new specialisation may sync
+    torch.cuda.synchronize()
+    contiguous = batch.qkv.contiguous()  # made before the check: the step itself copies nothing
+    assert contiguous.shape[0] == tokens
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.attend(batch.q, batch.k, batch.v, meta, 0.1, causal=False)
+        backend.forward_qkv(contiguous, positions, prologue, None, meta, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- add + LayerNorm (BERT's post-norm)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("shape", [(65536, 384), (333, 768), (5, 1024), (1, 96)])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "plain"])
+def test_add_layer_norm(shape: tuple[int, int], dtype: str, residual: bool) -> None:
+    from tokenmill.kernels.reference import add_layer_norm_ref
+    from tokenmill.kernels.triton.layernorm import add_layer_norm
+
+    dt = _dtype(dtype)
+    shape = (_count(shape[0]), shape[1])
+    gen = torch.Generator(device=DEVICE).manual_seed(shape[0])
+    x = (torch.randn(shape, generator=gen, device=DEVICE) * 4 + 2).to(dt)
+    res = torch.randn(shape, generator=gen, device=DEVICE).to(dt) if residual else None
+    weight = (1 + 0.2 * torch.randn(shape[1], generator=gen, device=DEVICE)).to(dt)
+    bias = (0.3 * torch.randn(shape[1], generator=gen, device=DEVICE)).to(dt)
+    out = torch.full_like(x, float("nan"))
+    got = add_layer_norm(x, res, weight, bias, 1e-12, out=out)
+    torch.testing.assert_close(got, add_layer_norm_ref(x, res, weight, bias, 1e-12), **_ulp_tol(dt))

@@ -39,3 +39,81 @@ def test_qwen3_classifier_on_gpu_bf16(tiny_qwen3_classifier_dir, random_sentence
     texts = random_sentences(40, seed=22, high=60)
     got = torch.tensor([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)])
     torch.testing.assert_close(got, _hf_probs(tiny_qwen3_classifier_dir, texts), rtol=0, atol=3e-2)
+
+
+# ---- the packed GPU path: varlen attention, fused LayerNorm, one copy each way, steps in flight
+
+
+def test_bert_embedder_on_gpu_matches_sentence_transformers(tiny_bert_embedder_dir, random_sentences):
+    """CLS embeddings through the varlen kernel (bidirectional, head_dim 8 padded to 16) and the
+    fused add+LayerNorm, with asynchronous steps, against sentence-transformers on the same GPU."""
+    from sentence_transformers import SentenceTransformer
+
+    llm = LLM(str(tiny_bert_embedder_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=256)
+    assert llm.llm_engine.config.async_scheduling
+    texts = random_sentences(60, seed=23, high=45)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    expected = SentenceTransformer(str(tiny_bert_embedder_dir), device="cuda").encode(texts, convert_to_tensor=True).float().cpu()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_qwen3_embedder_on_gpu_bf16(tiny_qwen3_dir, random_sentences):
+    """Last-token embeddings of a decoder (causal varlen kernel after the fused qkv prologue) in
+    bf16 against transformers' fp32 hidden states."""
+    from transformers import AutoModel, AutoTokenizer
+
+    llm = LLM(str(tiny_qwen3_dir), runner="pooling", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=512)
+    texts = random_sentences(50, seed=24, high=80)
+    outputs = llm.embed(texts, use_tqdm=False)
+    hf = AutoModel.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).cuda().eval()
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    with torch.no_grad():
+        for text, out in zip(texts, outputs):
+            ids = tok(text, return_tensors="pt")["input_ids"].cuda()
+            expected = torch.nn.functional.normalize(hf(input_ids=ids).last_hidden_state[0, -1].float(), dim=0).cpu()
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=0, atol=3e-2)
+
+
+def _kernel_variants() -> dict[str, int]:
+    """How many compiled variants each pooling-path Triton kernel holds (Triton's own caches)."""
+    from tokenmill.kernels.triton import activation, layernorm, qkv_prologue, rmsnorm, varlen_attention
+
+    kernels = {
+        "varlen": varlen_attention._varlen_attention_kernel, "layernorm": layernorm._layer_norm_kernel,
+        "rmsnorm": rmsnorm._rms_norm_kernel, "silu": activation._silu_and_mul_kernel, "qkv": qkv_prologue._qkv_prologue_kernel,
+    }
+    counts = {}
+    for name, kernel in kernels.items():
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        counts[name] = sum(len(entry[0]) for entry in caches.values())
+    return counts
+
+
+@pytest.mark.parametrize("model", ["bert", "qwen3"])
+def test_steps_never_sync_and_compile_nothing_after_warm_up(model, tiny_bert_embedder_dir, tiny_qwen3_dir):
+    """After one warm-up call, steps of other sizes (odd and even token counts, any alignment of
+    the packed segments) launch without a host sync and compile no new kernel variant."""
+    path = tiny_bert_embedder_dir if model == "bert" else tiny_qwen3_dir
+    llm = LLM(str(path), runner="pooling", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=512)
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(5, 200, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(1, 48, (80,), generator=gen)]
+    llm.embed(prompts[:4], use_tqdm=False)  # warm-up: compiles
+    torch.cuda.synchronize()
+    before = _kernel_variants()
+    for i, prompt in enumerate(prompts[4:]):
+        engine.add_request(f"s{i}", prompt, None)
+    launched = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while batch := engine._next_batch():
+            launched.append((batch, engine.runner.launch(batch)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(launched) > 3, "expected several steps of different sizes"
+    done = [o for step in launched for o in engine._finish(step)]
+    assert len(done) == len(prompts) - 4 and not engine.has_unfinished_requests()
+    assert _kernel_variants() == before, "a step compiled a new kernel variant"

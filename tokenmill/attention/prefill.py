@@ -111,11 +111,18 @@ def _group(starts: list[int], lens: list[int], device: torch.device) -> _Group:
 
 
 class PrefillAttentionBackend:
-    """The attention backend of decoders run as pooling models: causal, whole prompts, no cache.
+    """The attention backend of pooling models on the CPU: whole prompts, no cache (torch; the
+    GPU twin is `VarlenAttentionBackend` in ``varlen_backend.py``).
 
-    It has the shape of the paged backends (`AttentionBackend`) so the decoder layers run unchanged;
-    the ``kv_cache`` they hand over is ignored (the runner passes none).
+    Encoders call ``attend`` (bidirectional). ``forward`` has the shape of the paged backends
+    (`AttentionBackend`) so decoder layers run unchanged: causal, and the ``kv_cache`` they hand
+    over is ignored (the runner passes none).
     """
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float, causal: bool
+    ) -> torch.Tensor:
+        return prefill_attention(q, k, v, meta, scale, causal)
 
     def forward(
         self,

@@ -57,6 +57,8 @@ class JobConfig:
     log_interval: float = 10.0
     task: str = "generate"  # or a pooling task: "embed", "classify", "score" (see batch/pooling.py)
     pooling: dict[str, Any] = field(default_factory=dict)  # job-wide PoolingParams values (rows may override)
+    replicas: int = 1  # engine processes on this host (batch/replicas.py), or Ray replicas with ray_address
+    ray_address: str | None = None  # run on a Ray cluster through Ray Data (batch/ray_job.py)
 
 
 @dataclass
@@ -155,14 +157,17 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
                               time.monotonic() - started, 0.0, complete=True, already_complete=True)
         progress = Progress(info.rows, journal.resumed_rows, stream=stderr, enabled=config.progress,
                             log_interval=config.log_interval)
-        run_started = time.monotonic()
         interrupted, errors = False, []
         if info.rows is None or journal.resumed_rows < info.rows:
-            if llm is None:
-                llm = load_llm(config)
-            run_started = time.monotonic()
-            progress.start = run_started
-            loop = _Loop(config, llm, journal, progress, fmt, shape, fingerprint(settings), should_stop)
+            if config.replicas > 1 or config.ray_address is not None:
+                if llm is not None:
+                    raise ValueError("replicas load their own models: pass no llm with replicas or ray_address")
+                loop: Any = _parallel_loop(config, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
+            else:
+                if llm is None:
+                    llm = load_llm(config)
+                progress.start = time.monotonic()  # the summary's throughput leaves model loading out
+                loop = _Loop(config, llm, journal, progress, fmt, shape, fingerprint(settings), should_stop)
             try:
                 interrupted = not loop.run(read_rows(input_path, fmt))
             except KeyboardInterrupt:
@@ -183,7 +188,7 @@ def run_job(config: JobConfig, llm: Any = None, stderr: TextIO | None = None,
             output=output, rows_total=info.rows, rows_done=total.rows, failed=total.failed,
             resumed_rows=journal.resumed_rows, prompt_tokens=journal.current.prompt_tokens,
             completion_tokens=journal.current.completion_tokens, wall_s=time.monotonic() - started,
-            run_s=time.monotonic() - run_started, complete=not interrupted, interrupted=interrupted,
+            run_s=time.monotonic() - progress.start, complete=not interrupted, interrupted=interrupted,
             repaired_bytes=journal.repaired_bytes, errors=errors,
         )
 
@@ -202,6 +207,19 @@ def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobCo
     if explicit is False and not recorded:
         return dataclasses.replace(config, engine={k: v for k, v in config.engine.items() if k != "deterministic"})
     return config
+
+
+def _parallel_loop(config: JobConfig, journal: Journal, progress: Progress, fmt: str, shape: str, job_key: str,
+                   should_stop: Callable[[], bool] | None, stderr: TextIO | None) -> Any:
+    """The job loop spread over several engines: replica processes on this host, or a Ray cluster.
+    Either has `_Loop`'s interface (run, abort, errors) and commits through the same journal."""
+    if config.ray_address is not None:
+        from tokenmill.batch.ray_job import RayJobLoop
+
+        return RayJobLoop(config, journal, progress, fmt, shape, job_key, should_stop)
+    from tokenmill.batch.replicas import ReplicaPool
+
+    return ReplicaPool(config, journal, progress, fmt, shape, job_key, should_stop, stderr)
 
 
 def load_llm(config: JobConfig) -> Any:

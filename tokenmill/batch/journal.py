@@ -168,6 +168,10 @@ class Journal:
         byte = index >> 3
         return byte < len(self._done) and bool(self._done[byte] & (1 << (index & 7)))
 
+    def done_bitmap(self) -> bytes:
+        """The finished rows as a bitmap (bit ``index & 7`` of byte ``index >> 3``), for replicas."""
+        return bytes(self._done)
+
     def _mark(self, index: int) -> None:
         byte = index >> 3
         if byte >= len(self._done):

@@ -19,14 +19,13 @@ import logging
 import os
 import pickle
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from tokenmill.distributed.child_process import exit_with_parent
 from tokenmill.distributed.messages import Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
 from tokenmill.distributed.mirror import replay
 from tokenmill.distributed.process_group import connect_store, create_group, rank_device
@@ -40,7 +39,7 @@ def main(argv: list[str]) -> int:
     except EOFError:
         return 1  # rank 0 went away before sending the set-up
     sys.path.extend(p for p in setup.sys_path if p not in sys.path)
-    _exit_with_parent(os.getppid())
+    exit_with_parent(os.getppid())
     # Rank 0 logs the same warnings (same config, same model); errors still show.
     logging.getLogger("tokenmill").setLevel(logging.ERROR)
     try:
@@ -89,17 +88,6 @@ def run_rpc(worker: Worker, call: RpcCall) -> Reply:
         return Reply(call.call_id, True, dumps_value(result, "the result of collective_rpc"))
     except Exception:
         return Reply(call.call_id, False, error=traceback.format_exc())
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Exit when rank 0's process is gone, even if this one is stuck in a collective."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tokenmill-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ Failure handling, in one place:
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,9 +22,9 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from tokenmill.distributed.child_process import describe_exit, start_module, stop_children
 from tokenmill.distributed.messages import Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
 from tokenmill.distributed.process_group import abort_group, create_group, create_store
 
@@ -37,7 +34,6 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.models.source import ModelSource
 
-STOP_GRACE_S = 5.0  # a worker told to stop exits at once; this bounds one that does not
 DEATH_GRACE_S = 2.0  # after a failed collective, how long to wait for the dead rank's exit to show
 
 
@@ -84,19 +80,8 @@ class WorkerProcesses:
         return self._shared.failure
 
     def _start(self, setup: WorkerSetup) -> None:
-        mine, theirs = socket.socketpair()
-        package_root = str(Path(__file__).resolve().parents[2])  # the tokenmill that runs here
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        with theirs:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.distributed.worker_process", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                env=env,
-                start_new_session=True,  # Ctrl-C reaches rank 0 only, which stops the workers in order
-            )
+        proc, conn = start_module("tokenmill.distributed.worker_process")
         self.procs.append(proc)
-        conn = Connection(mine.detach())
         self.conns.append(conn)
         send(conn, setup)
         watchdog = threading.Thread(
@@ -195,7 +180,7 @@ class WorkerProcesses:
             proc.wait(timeout=DEATH_GRACE_S)
         if self.failure is None:
             code = proc.returncode
-            state = _describe_exit(code) if code is not None else "its control pipe closed"
+            state = describe_exit(code) if code is not None else "its control pipe closed"
             self._shared.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died {when}: {state}"
         self.stop(graceful=False)
         raise WorkerDiedError(_dead_message(self.failure or ""))
@@ -214,7 +199,7 @@ def _watch(shared: _Shared, rank: int, proc: subprocess.Popen) -> None:
     code = proc.wait()
     if shared.stopping.is_set() or shared.failure is not None:
         return
-    shared.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {_describe_exit(code)}"
+    shared.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {describe_exit(code)}"
     with contextlib.suppress(Exception):
         abort_group(shared.group)
 
@@ -224,32 +209,7 @@ def _stop_workers(shared: _Shared, graceful: bool = True) -> None:
     if shared.stopping.is_set():
         return
     shared.stopping.set()
-    if graceful:
-        for conn in shared.conns:
-            with contextlib.suppress(OSError):
-                send(conn, Stop())
-    deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0.0)
-    for proc in shared.procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    for conn in shared.conns:
-        conn.close()
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    stop_children(shared.procs, shared.conns, (lambda conn: send(conn, Stop())) if graceful else None)
 
 
 def _dead_message(reason: str) -> str:

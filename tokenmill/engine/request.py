@@ -46,8 +46,8 @@ class Sequence:
     # How many of all_token_ids already have their keys/values in the cache.
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    # Hashes of this sequence's full blocks, in order; extends as blocks fill.
-    block_hashes: list[int] = field(default_factory=list)
+    # Prefix-cache keys of this sequence's full blocks, in order; extends as blocks fill.
+    block_hashes: list[bytes] = field(default_factory=list)
     # How many of block_ids are already indexed in the prefix cache (so each step indexes only new ones).
     num_committed_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

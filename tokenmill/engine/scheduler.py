@@ -34,8 +34,7 @@ from tokenmill.engine.step import ScheduledSequence, SchedulerOutput, StepResult
 
 
 class BlockAllocator(Protocol):
-    """What the scheduler asks of the KV cache's bookkeeping: `KVCacheManager`, or `NoKVCache`
-    for pooling models, which keep nothing between steps."""
+    """What the scheduler asks of the KV cache's bookkeeping (`KVCacheManager`; tests use fakes)."""
 
     @property
     def block_size(self) -> int: ...
@@ -87,8 +86,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids  # the model's: a stop on one of them has no stop_reason
         # Makes the sequences that beam searches fork (the engine's intake: ids, detokenizers).
         self._new_sequence = new_sequence
-        # Off for models that compute a prompt in one step (pooling models, no KV cache): a waiting
-        # sequence is admitted only when all of it fits this step's remaining budget.
+        # Off: a waiting sequence is admitted only when all of it fits this step's remaining budget.
+        # (Pooling models, which compute each prompt in one step, have a queue of their own.)
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -88,6 +88,34 @@ def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y.to(x.dtype)
 
 
+def varlen_attention_ref(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype; rows of tokens past cu_seqlens[B] are 0
+    """Attention of each packed sequence over itself alone (no cache): sequence i is the tokens
+    ``cu_seqlens[i]:cu_seqlens[i+1]``; token j sees every token of its sequence (bidirectional,
+    BERT) or those at positions ``<= j`` (causal, a decoder). GQA as in HF ``repeat_kv``."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    starts = cu_seqlens.tolist()
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        if hi == lo:
+            continue
+        query = q[lo:hi].float()
+        keys = k[lo:hi].float().repeat_interleave(group, dim=1)
+        values = v[lo:hi].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        if causal:
+            pos = torch.arange(hi - lo, device=q.device)
+            scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    return out
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm over the last dim: fp32 statistics, row rounded to x.dtype, then times weight."""
     xf = x.float()
@@ -102,6 +130,17 @@ def fused_add_rms_norm_ref(
     decoder layer does (``hidden = residual + hidden`` in the model dtype, then the next norm)."""
     summed = (x.float() + residual.float()).to(x.dtype)
     return rms_norm_ref(summed, weight, eps), summed
+
+
+def add_layer_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``layer_norm(x + residual)`` as HF's post-norm BERT block computes it: the sum rounded to
+    x.dtype, then fp32 statistics and affine map, rounded once (torch's layer_norm); no add when
+    ``residual`` is None."""
+    summed = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    normed = torch.nn.functional.layer_norm(summed.float(), (x.shape[-1],), weight.float(), bias.float(), eps)
+    return normed.to(x.dtype)
 
 
 def rotary_embedding_ref_(

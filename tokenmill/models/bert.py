@@ -2,7 +2,8 @@
 (classifiers and cross-encoders).
 
 A post-norm transformer with bidirectional attention: every token sees its whole sequence, so a
-prompt is computed in one step and nothing is cached (see `tokenmill/attention/prefill.py`).
+prompt is computed in one step and nothing is cached (attention comes from the runner's whole-prompt
+backend: `tokenmill/attention/prefill.py` on the CPU, `varlen_backend.py` on the GPU).
 Input is the runner's flat batch: ``input_ids``, ``positions`` and ``token_type_ids`` are [T] over
 the tokens of all sequences, and ``ctx.attn`` says which tokens belong to which sequence.
 
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
-from tokenmill.attention.prefill import prefill_attention
 from tokenmill.models.layers.embedding import VocabParallelEmbedding
 from tokenmill.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.models.layers.norm import LayerNorm
 from tokenmill.models.llama import TensorParallel
 from tokenmill.models.weights import load_hf_weights
 
@@ -47,7 +48,7 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp.kwargs())
         self.position_embeddings = VocabParallelEmbedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = VocabParallelEmbedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids)
@@ -55,7 +56,7 @@ class BertEmbeddings(nn.Module):
             hidden = hidden + self.token_type_embeddings.weight[0]  # every token in segment 0
         else:
             hidden = hidden + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(hidden + self.position_embeddings(positions))
+        return self.LayerNorm(hidden, self.position_embeddings(positions))
 
 
 class BertSelfAttention(nn.Module):
@@ -72,7 +73,8 @@ class BertSelfAttention(nn.Module):
         tokens = hidden.shape[0]
         q, k, v = (x.reshape(tokens, self.num_heads, self.head_dim)
                    for x in self.qkv_proj(hidden).split([self.q_size] * 3, dim=-1))
-        out = prefill_attention(q, k, v, ctx.attn, self.head_dim**-0.5, causal=False)
+        # The runner's whole-prompt backend: torch on the CPU, the Triton varlen kernel on the GPU.
+        out = ctx.backend.attend(q, k, v, ctx.attn, self.head_dim**-0.5, causal=False)  # type: ignore[attr-defined]
         return out.reshape(tokens, self.q_size)
 
 
@@ -82,10 +84,10 @@ class BertSelfOutput(nn.Module):
     def __init__(self, config: "PretrainedConfig", in_features: int, tp: TensorParallel):
         super().__init__()
         self.dense = RowParallelLinear(in_features, config.hidden_size, bias=True, **tp.kwargs())
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(hidden) + residual)
+        return self.LayerNorm(self.dense(hidden), residual)
 
 
 class BertAttention(nn.Module):

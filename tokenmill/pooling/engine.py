@@ -2,48 +2,34 @@
 
 `create_engine` picks it instead of `LLMEngine` when the model is a pooling model; both serve
 the `Engine` protocol (tokenmill/engine/protocol.py). A pooling request is prefill-only: it finishes
-in the step that computes its prompt. Requests go through the same `Scheduler` as generation
-(FIFO admission under ``max_num_seqs`` and the token budget), with chunked prefill off, so every
-prompt is computed whole in one step, and with no KV cache: attention runs over each prompt
-alone (`attention/prefill.py`) and nothing is kept between steps. The model is loaded on one
-rank: no Executor, no sampler, no decode graphs.
+in the step that computes its prompt, and there is no KV cache, no preemption and no chunking,
+so the generation `Scheduler` has nothing to do here. Requests wait in a FIFO queue; each step
+takes whole prompts from its front while they fit the token budget (``max_num_batched_tokens``,
+at least ``max_model_len``, so every prompt fits one step) and ``max_num_seqs``. The model is
+loaded on one rank: no Executor, no sampler, no decode graphs.
+
+With asynchronous scheduling (on by default on GPUs) ``step`` launches the next batch before it
+reads back the one in flight, so the host builds outputs and the next batch while the device
+computes; a step's results come back from the call after the one that launched it. The work per
+request in the loop is a few attribute reads and two small output objects; everything per token
+is numpy or the device (`runner.py`).
 """
 
 from __future__ import annotations
 
-import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Sequence
-from tokenmill.engine.scheduler import BlockAllocator, Scheduler
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
 from tokenmill.pooling.request import PoolingRequest
-from tokenmill.pooling.runner import PoolingRunner
+from tokenmill.pooling.runner import LaunchedStep, PoolingRunner
 from tokenmill.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from tokenmill.models.source import ModelSource
-
-
-class NoKVCache(BlockAllocator):
-    """The block allocator of a model that keeps no KV cache: every allocation succeeds, nothing is cached."""
-
-    block_size = 1
-
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
-        return True
-
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        return []
-
-    def commit_computed(self, seq: Sequence) -> None:
-        pass
-
-    def free(self, seq: Sequence) -> None:
-        pass
 
 
 class PoolingEngine:
@@ -61,9 +47,11 @@ class PoolingEngine:
         model = load_model(source, config.dtype, config.device, load_format, seed=config.seed,
                            architecture=pooling.architecture, quantization=config.quantization)
         self.runner = PoolingRunner(model, config.device, pooling)
-        self.scheduler = Scheduler(NoKVCache(), config.max_num_seqs, config.max_num_batched_tokens, chunked_prefill=False)
-        self.requests: dict[str, PoolingRequest] = {}
-        self._next_seq_id = 0
+        self.requests: dict[str, PoolingRequest] = {}  # queued or in flight; aborting removes one
+        self.waiting: deque[PoolingRequest] = deque()
+        self.in_flight: tuple[list[PoolingRequest], LaunchedStep] | None = None
+        # Requests of one call share their PoolingParams object: resolve it once, not per request.
+        self._resolved: dict[tuple, PoolingParams] = {}
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: Any = None, *, index: int | None = None) -> None:
@@ -75,25 +63,18 @@ class PoolingEngine:
             raise ValueError(self.generation_refused(f"a request with {type(params).__name__}"))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        task = params.task or self.pooling.head
-        if task not in self.pooling.tasks:
-            raise ValueError(self.unsupported(task))
-        params = params.resolved(task, self.pooling.pooler)
-        self._check_dimensions(params)
+        params = self._resolve(params)
         text, ids, token_types = self._tokenize(prompt, params, index, where)
         validate_prompt_ids(ids, self.config.vocab_size, self.config.max_model_len, where)
-        request = PoolingRequest(request_id, text, ids, params, token_type_ids=token_types)
-        request.sequences.append(Sequence(self._next_seq_id, 0, request, ids))
-        self._next_seq_id += 1
+        request = PoolingRequest(request_id, text, ids, params, token_types)
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        self.waiting.append(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for request_id in ids:
-            request = self.requests.pop(request_id, None)
-            if request is not None:
-                self.scheduler.finish(request.sequences[0])
+        """Forget these requests: a queued one is skipped when its turn comes, the result of one in
+        flight is dropped when it comes back."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -113,25 +94,64 @@ class PoolingEngine:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[PoolingRequestOutput]:
-        """Compute the next batch of whole prompts; every request in it finishes (so
-        ``finished_only`` changes nothing)."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not place any request; the token budget is too small")
-            return []
-        pooled = self.runner.execute(plan)
-        now = time.monotonic()
+        """Launch the next batch of whole prompts and return the outputs of the batch before it
+        (asynchronous scheduling), or of this one (otherwise). Every request of a batch finishes
+        in it, so ``finished_only`` changes nothing."""
+        batch = self._next_batch()
+        launched = (batch, self._launch(batch)) if batch else None
+        if not self.config.async_scheduling:
+            return self._finish(launched) if launched is not None else []
+        previous, self.in_flight = self.in_flight, launched
+        return self._finish(previous) if previous is not None else []
+
+    def _next_batch(self) -> list[PoolingRequest]:
+        """Whole prompts from the front of the queue while they fit the step (aborted ones skipped)."""
+        budget, room = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        batch: list[PoolingRequest] = []
+        waiting, live = self.waiting, self.requests
+        while waiting and room:
+            request = waiting[0]
+            if live.get(request.request_id) is not request:  # aborted
+                waiting.popleft()
+                continue
+            n = len(request.prompt_token_ids)
+            if n > budget:
+                # step_limits keeps the budget >= max_model_len, so only a later step can take it.
+                assert batch, "a prompt longer than a whole step's token budget was accepted"
+                break
+            waiting.popleft()
+            batch.append(request)
+            budget -= n
+            room -= 1
+        return batch
+
+    def _launch(self, batch: list[PoolingRequest]) -> LaunchedStep:
+        try:
+            return self.runner.launch(batch)
+        except BaseException:
+            self._forget(batch)  # they left the queue: without this the engine would wait for them forever
+            raise
+
+    def _finish(self, launched: tuple[list[PoolingRequest], LaunchedStep]) -> list[PoolingRequestOutput]:
+        """Outputs of a launched batch (waiting for the device), less the requests aborted meanwhile."""
+        batch, step = launched
+        try:
+            results = step.results()
+        except BaseException:
+            self._forget(batch)
+            raise
+        live = self.requests
         outputs = []
-        for item, data in zip(plan.scheduled, pooled):
-            seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
-            self.scheduler.finish(seq)
-            request = seq.request
-            request.finished_time = now
-            del self.requests[request.request_id]
-            outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, True))
+        for request, data in zip(batch, results):
+            if live.get(request.request_id) is request:
+                del live[request.request_id]
+                outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, True))
         return outputs
+
+    def _forget(self, batch: list[PoolingRequest]) -> None:
+        for request in batch:
+            if self.requests.get(request.request_id) is request:
+                del self.requests[request.request_id]
 
     def pair_prompt(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
         """A cross-encoder's input for a text pair: the tokenizer joins the two as a pair
@@ -186,6 +206,20 @@ class PoolingEngine:
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in types)):
             raise ValueError(f"{where}.token_type_ids must be {length} integers in [0, {limit}), one per prompt token")
         return list(types)
+
+    def _resolve(self, params: PoolingParams) -> PoolingParams:
+        """The request's params for its task with the model's defaults filled in; checked, and
+        shared by every request that asks the same (the engine never modifies them)."""
+        key = (params.task, params.truncate_prompt_tokens, params.dimensions, params.normalize, params.use_activation)
+        resolved = self._resolved.get(key)
+        if resolved is None:
+            task = params.task or self.pooling.head
+            if task not in self.pooling.tasks:
+                raise ValueError(self.unsupported(task))
+            resolved = params.resolved(task, self.pooling.pooler)
+            self._check_dimensions(resolved)
+            self._resolved[key] = resolved
+        return resolved
 
     def _check_dimensions(self, params: PoolingParams) -> None:
         dims = params.dimensions

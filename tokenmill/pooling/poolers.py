@@ -20,14 +20,15 @@ from tokenmill.pooling.config import POOLING_TYPES, Activation
 
 
 def pool(hidden: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pooling_type: str) -> torch.Tensor:
-    """hidden [T, H] of a flat batch; starts and lens [B] (int64, on hidden's device) -> [B, H]."""
+    """hidden [T, H] of a flat batch; starts and lens [B] (integers on hidden's device) -> [B, H].
+    Nothing here waits for the device (the lengths stay there)."""
     if pooling_type == "CLS":
         return hidden[starts]
     if pooling_type == "LAST":
         return hidden[starts + lens - 1]
     if pooling_type == "MEAN":
         # Sum each sequence's rows in fp32 (index_add over a per-token sequence id), then divide.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens, output_size=hidden.shape[0])
         sums = torch.zeros(len(lens), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_of_token, hidden.float())
         return (sums / lens[:, None].float()).to(hidden.dtype)

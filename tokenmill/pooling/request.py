@@ -1,18 +1,17 @@
-"""A pooling request: one sequence, its prompt computed whole in one step, then pooled."""
+"""A pooling request: a prompt computed whole in one step, then pooled. It needs none of a
+generation request's state (sequences, blocks, sampling), so it is a small record of its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request
 from tokenmill.pooling_params import PoolingParams
 
 
-@dataclass(eq=False)
-class PoolingRequest(Request[PoolingParams]):
-    # params: the PoolingParams resolved at intake (task and defaults filled in)
+@dataclass(eq=False, slots=True)
+class PoolingRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: PoolingParams  # resolved at intake: task and defaults filled in
     token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT cross-encoders)
-
-    @property
-    def needs_prompt_logprobs(self) -> bool:
-        return False

@@ -1,15 +1,15 @@
-"""Random paged batches for the kernel tests (CPU interpreter and GPU) and the kernel benchmark.
+"""Random kernel inputs for the kernel tests (CPU interpreter and GPU) and bench/kernels_bench.py.
 
-Plain torch, no triton. A batch is what the runner would hand the attention backend for one
-step: new tokens of several sequences flattened into T rows, each sequence's context scattered
-over randomly chosen (non-contiguous) cache blocks, the cache filled with random history, and
-optional CUDA-graph padding (extra tokens with slot -1 past ``query_start_loc[B]``).
+Plain torch, no triton: random paged batches, fused-qkv-prologue cases with their check, a tiny
+attention layer and the standard rope cache. A paged batch is what the runner would hand the
+attention backend for one step: new tokens of several sequences flattened into T rows, each
+sequence's context scattered over randomly chosen (non-contiguous) cache blocks, the cache filled
+with random history, and optional CUDA-graph padding (extra tokens with slot -1 past
+``query_start_loc[B]``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,46 @@ def make_paged_batch(
         block_tables=tables.to(device),
         query_lens_host=list(query_lens),
         seq_lens_host=list(seq_lens),
+    )
+
+
+@dataclass
+class VarlenBatch:
+    """A pooling step's packed prompts: q, k, v strided views of one random qkv projection output."""
+
+    qkv: torch.Tensor  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+    q: torch.Tensor  # [T, num_heads, head_dim]
+    k: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor  # [T, num_kv_heads, head_dim]
+    cu_seqlens: torch.Tensor  # [B + 1] int32
+
+
+def make_varlen_batch(
+    lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    num_pad_tokens: int = 0,
+    seed: int = 0,
+) -> VarlenBatch:
+    """Sequences of ``lens`` tokens packed back to back (a 0 is an empty sequence), then
+    ``num_pad_tokens`` rows that belong to no sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lens) + num_pad_tokens
+    qkv = torch.randn((tokens, (num_heads + 2 * num_kv_heads) * head_dim), generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return VarlenBatch(
+        qkv=qkv,
+        q=q.view(tokens, num_heads, head_dim),
+        k=k.view(tokens, num_kv_heads, head_dim),
+        v=v.view(tokens, num_kv_heads, head_dim),
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
     )
 
 
@@ -287,85 +327,3 @@ def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32).to(device)
-
-
-def patch_triton_interpreter_for_numpy() -> None:
-    """numpy >= 2.4 refuses int() of a 1-element array, which triton 3.6's interpreter does for
-    ``range(lo, hi)`` with run-time bounds (triton-lang/triton#9171, fixed upstream by #9172).
-    Wrap its tensor patching so ``__index__`` takes the element explicitly (harmless where triton
-    is fixed; skipped with an older numpy). Only for tests under TRITON_INTERPRET=1."""
-    import numpy as np
-    import triton.runtime.interpreter as interpreter
-
-    try:
-        int(np.zeros(1, dtype=np.int32))
-        return
-    except TypeError:
-        pass
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_tokenmill_patched", False):
-        return
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._tokenmill_patched = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
-@contextlib.contextmanager
-def interpreter_dot_in_fixed_order() -> Iterator[None]:
-    """Under TRITON_INTERPRET=1, make ``tl.dot`` compute every row of its output by a call of its own, so
-    a row's bits do not depend on its place in the tile or on the other rows.
-
-    A tensor-core MMA computes each element of its tile the same way wherever the element sits; the
-    interpreter's dot is a numpy (BLAS) matmul whose rounding depends on the row's place in the tile
-    (rows 10-15 of a 16-row fp32 product differ from the same data in rows 0-5). The batch-invariance
-    checks of the deterministic kernels need the hardware's property, so they run under this; the
-    bits it gives are not the GPU's, only equally independent of a row's place. Tests only.
-    """
-    import numpy as np
-    import triton.runtime.interpreter as interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-
-    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
-        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8 operands: as before
-            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-        a32, b32 = a.data.astype(np.float32), b.data.astype(np.float32)
-        # One product per row: each row's call is the same whatever the other rows hold.
-        rows = [np.matmul(a32[..., i : i + 1, :], b32) for i in range(a32.shape[-2])]
-        acc = np.concatenate(rows, axis=-2) + d.data.astype(np.float32)
-        return interpreter.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
-
-    builder.create_dot = create_dot
-    try:
-        yield
-    finally:
-        builder.create_dot = original
-
-
-def patch_triton_interpreter_fp8_rounding() -> None:
-    """triton 3.6's interpreter rounds a downcast to float8 e4m3 by adding one to the mantissa
-    without carrying into the exponent, so a value that rounds up to the next power of two comes
-    out at half of it (31.8 -> 16 instead of 32). Hardware (cvt.rn.satfinite) rounds correctly; so
-    does torch, which the patched conversion uses for fp32/fp16 -> e4m3. Only for tests under
-    TRITON_INTERPRET=1."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._convert_float
-    if getattr(original, "_tokenmill_patched", False):
-        return
-
-    def patched(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
-        if output_dtype == tl.float8e4nv and input_dtype in (tl.float32, tl.float16):
-            values = torch.from_numpy(np.ascontiguousarray(input).astype(np.float32))
-            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return original(input, input_dtype, output_dtype, rounding_mode)
-
-    patched._tokenmill_patched = True  # type: ignore[attr-defined]
-    interpreter._convert_float = patched

@@ -1,0 +1,171 @@
+"""`tokenmill run --replicas 2` on the CPU: the parent killed with SIGKILL at a random moment, stopped
+with SIGTERM, one replica killed with SIGKILL; after the reruns every row is in the output exactly
+once, bad rows are error rows, and the greedy text equals a single-process run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenmill.batch.job import JobConfig, run_job
+from tokenmill.batch.replicas import plan_replicas
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = 40
+BAD_ROWS = {7: {"id": "bad-prompt", "prompt": 12}, 23: {"id": "bad-params", "prompt": "the cat", "sampling_params": {"top_p": 3}}}
+WORDS = "the cat sat on a warm mat while wind blew over its fur".split()
+SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 128, "kv_cache_memory_bytes": 32 * 2**20, "max_num_seqs": 1}
+
+
+def write_input(path: Path) -> None:
+    rows = [{"id": f"r{i}", "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + i % 9))} for i in range(ROWS)]
+    for index, row in BAD_ROWS.items():
+        rows[index] = row
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json at all\n")
+
+
+def start(input_path: Path, output: Path, model: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    flags = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--model", str(model), "--dtype", "float32",
+             "--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 * 2**20), "--max-num-seqs", "1"]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "run", str(input_path), "-o", str(output), "--replicas", "2",
+           "--fsync-interval", "0", "--progress-interval", "0.5", *flags, *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def lines_in(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def wait_until(proc: subprocess.Popen, ready, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the job ended before the kill point: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the job made no progress"
+        time.sleep(0.005)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def replica_pids(parent: int) -> list[int]:
+    """The parent's children that are replicas (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"tokenmill.batch.replica_process" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+@pytest.mark.slow
+def test_replicas_killed_and_resumed_exactly_once(tmp_path, tiny_llama_dir):
+    input_path = tmp_path / "in.jsonl"
+    write_input(input_path)
+    output = tmp_path / "out.jsonl"
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    note = f"(random kill point seed {seed})"
+
+    # The reference: one process, same settings.
+    whole = run_job(JobConfig(input=str(input_path), output=str(tmp_path / "whole.jsonl"), model=str(tiny_llama_dir),
+                              sampling=SAMPLING, engine=ENGINE, progress=False))
+    assert whole.exit_code == 3 and whole.failed == len(BAD_ROWS) + 1
+    expected = {r["row"]: r for r in map(json.loads, open(tmp_path / "whole.jsonl"))}
+
+    # 1. SIGKILL of the parent at a random moment; its replicas must not outlive it.
+    proc = start(input_path, output, tiny_llama_dir)
+    threshold = rng.randint(1, ROWS // 2)
+    wait_until(proc, lambda: lines_in(output) >= threshold)
+    replicas = replica_pids(proc.pid)
+    assert len(replicas) == 2
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(map(alive, replicas)):
+        assert time.monotonic() < deadline, f"replicas {replicas} outlived their killed parent"
+        time.sleep(0.1)
+    after_kill = lines_in(output)
+
+    # 2. SIGTERM: a tidy stop (the replicas commit what finished), exit code 130.
+    proc = start(input_path, output, tiny_llama_dir)
+    wait_until(proc, lambda: lines_in(output) >= after_kill + 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "rerun the same command" in err
+
+    # 3. SIGKILL of one replica: a replacement takes its unfinished rows; the job completes.
+    before = lines_in(output)
+    proc = start(input_path, output, tiny_llama_dir)
+    wait_until(proc, lambda: lines_in(output) >= before + 2 and len(replica_pids(proc.pid)) == 2)
+    victim = replica_pids(proc.pid)[rng.randrange(2)]
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 3, err  # done, with the bad rows failed
+    assert f"(pid {victim}) died: killed by SIGKILL; starting a replacement" in err, err
+    assert f"{ROWS + 1}/{ROWS + 1} rows, {len(BAD_ROWS) + 1} failed" in err, err
+
+    records = [json.loads(line) for line in open(output)]
+    rows = [r["row"] for r in records]
+    assert sorted(rows) == list(range(ROWS + 1)), f"not every row exactly once {note}"
+    got = {r["row"]: r for r in records}
+    assert {i: r["text"] for i, r in got.items()} == {i: r["text"] for i, r in expected.items()}, note
+    for index in (*BAD_ROWS, ROWS):
+        assert got[index]["error"] == expected[index]["error"] and got[index]["error"]
+    assert "top_p" in got[23]["error"] and "line 41" in got[ROWS]["error"]
+
+    # Complete: the same command only reports.
+    proc = start(input_path, output, tiny_llama_dir)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and "already complete" in err and lines_in(output) == ROWS + 1
+
+
+def test_replica_that_cannot_load_its_model_is_a_usage_error(tmp_path):
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text('{"prompt": "hi"}\n')
+    proc = start(input_path, tmp_path / "out.jsonl", tmp_path / "no-such-model")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert "no-such-model" in err and "Traceback" not in err
+
+
+def test_plan_replicas_splits_cores_and_gpus(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    plans = plan_replicas({"device": "cpu", "max_num_seqs": 4}, 3)
+    assert [p.num_threads for p in plans] == [2, 2, 2] and all(p.engine["device"] == "cpu" for p in plans)
+    assert plans[0].engine["max_num_seqs"] == 4
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    plans = plan_replicas({"device": "cuda", "tensor_parallel_size": 2}, 2)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["3,5", "6,7"] and plans[0].num_threads is None
+    with pytest.raises(ValueError, match="--replicas 3 with tensor_parallel_size 2 needs 6 GPUs, but 4 are visible"):
+        plan_replicas({"device": "cuda", "tensor_parallel_size": 2}, 3)
+    with pytest.raises(ValueError, match="--device cuda:1 cannot apply"):
+        plan_replicas({"device": "cuda:1"}, 2)
+    with pytest.raises(ValueError, match="--replicas=0 is invalid"):
+        plan_replicas({"device": "cpu"}, 0)
