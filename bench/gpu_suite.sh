@@ -3,9 +3,10 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [quant-gemm] [quant-throughput]
+#   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
 #   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
+#   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). ray: P1 through
@@ -14,6 +15,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off in every part (device README: a program using it can take a shared host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # tests/conftest.py pins torch to one thread unless OMP_NUM_THREADS is set (right for 2 busy CI cores); the GPU
 # machine has 16, so the test parts below set 8. The benchmarks keep torch's default.
 export TESTS_OMP=${OMP_NUM_THREADS:-8}
@@ -75,6 +78,13 @@ for part in $parts; do
         RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
+    controls-tests)  # issue 17's GPU tests alone (also part of "tests"): sleep memory, wake/reload/update, cpu_offload, profiler
+      timeout 300 python3 -m pytest tests/gpu/test_engine_controls_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/controls_tests.log" | tail -15 ;;
+    offload)  # what cpu_offload_gb costs: 64x128 greedy decode with none / half of the weights streamed from pinned CPU memory
+      for run in "qwen3-0.6b 0" "qwen3-0.6b 0.5" "llama3-8b 0" "llama3-8b 0.5"; do
+        RESULTS="$OUT/offload.raw" timeout 200 python3 bench/offload_bench.py $run 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
     sampler)
@@ -122,6 +132,12 @@ for part in $parts; do
       done
       tag "$OUT/ray.raw" "$OUT/throughput.jsonl"; : > "$OUT/ray.raw"
       PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout 200 python3 -m pytest tests/gpu/test_ray_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/ray_tests.log" | tail -4 ;;
+    tp2)  # two GPUs: the tensor-parallel GPU tests (NCCL all-reduces in decode graphs), then P3 at TP=2 beside P3 at TP=1
+      OMP_NUM_THREADS=$TESTS_OMP timeout 330 python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_nccl_graphs_gpu.py \
+        -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/tp2_tests.log" | tail -8
+      RESULTS="$OUT/tp2.raw" timeout 170 python3 bench/peer_bench.py tokenmill llama3-8b nano 2>&1 | grep '^{'
+      RESULTS="$OUT/tp2.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 python3 bench/peer_bench.py tokenmill_tp2 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -3
+      tag "$OUT/tp2.raw" "$OUT/throughput.jsonl"; : > "$OUT/tp2.raw" ;;
     vllm-unpack)  # join the bundle's parts (carried in .vllmchunk/, possibly over two calls) into /tmp/vllm-site
       if [ ! -d /tmp/vllm-site/vllm ]; then
         mkdir -p /tmp/vllm-site
@@ -135,10 +151,13 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6)
+    vllm|vllm-p4p5|vllm-p6|vllm-tp2)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
+        vllm-tp2)  # P3 at TP=2 (two GPUs); its all-reduce without symmetric memory (multicast stays off)
+              VLLM_ALLREDUCE_USE_SYMM_MEM=0 RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 400 \
+                python3 bench/peer_bench.py vllm_tp2 llama3-8b nano 2>&1 | tail -3 ;;
         vllm) for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
                 RESULTS="$OUT/vllm.raw" timeout 250 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p4p5) for run in "qwen3-0.6b sampling prefill" "llama3-8b sampling"; do

@@ -1,6 +1,8 @@
 """Tensor parallelism on the CPU over gloo: two ranks (this process and one worker process).
 
-Greedy tokens with tensor_parallel_size=2 must equal those of one rank and of Hugging Face;
+Greedy tokens with tensor_parallel_size=2 must equal those of one rank and of Hugging Face (also
+with decode steps going through mirrored graph replays, and with random weights sliced from one
+seeded model);
 collective_rpc / apply_model must reach both ranks (checked against HF's unsplit weights); a
 killed worker must surface as a RuntimeError within seconds and leave no process behind; and
 a rank must read only its slices of the checkpoint.
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from reference import hf_greedy, hf_model
+from support.processes import check_worker_killed_during_generate, child_pids
 from tokenmill import LLM, SamplingParams
 
 # A small step budget splits the longer prompts into prefill chunks, so steps mix chunks and decodes.
@@ -34,20 +37,6 @@ def make_llm(path: Path, tp: int, **kwargs) -> LLM:
 def random_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-
-
-def child_pids() -> set[int]:
-    """This process's live or unreaped children (read from /proc: zombies count too)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-                found.add(int(entry.name))
-    return found
 
 
 def worker_pids(llm: LLM) -> list[int]:
@@ -153,25 +142,7 @@ def test_collective_rpc_errors_and_timeouts_leave_the_llm_working(llama_tp2, lla
 
 def test_worker_killed_during_generate_raises_and_leaves_no_process(tiny_llama_dir):
     before = child_pids()
-    llm = make_llm(tiny_llama_dir, 2)
-    (worker,) = worker_pids(llm)
-    calls = []
-    started = []
-
-    def kill_on_fourth_token(token_ids, logits):  # runs on rank 0 between two steps' collectives
-        calls.append(1)
-        if len(calls) == 4:
-            started.append(time.monotonic())
-            os.kill(worker, signal.SIGKILL)
-        return logits
-
-    params = GREEDY.clone(max_tokens=64, logits_processors=[kill_on_fourth_token])
-    with pytest.raises(RuntimeError, match=r"rank 1 .*SIGKILL"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-    assert time.monotonic() - started[0] < 5.0
-    with pytest.raises(RuntimeError, match="cannot run more steps"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
-    assert child_pids() - before == set()
+    check_worker_killed_during_generate(make_llm(tiny_llama_dir, 2), GREEDY, before)
 
 
 def test_worker_killed_between_generates_raises_and_leaves_no_process(llama_tp1, tiny_llama_dir):
@@ -186,6 +157,57 @@ def test_worker_killed_between_generates_raises_and_leaves_no_process(llama_tp1,
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 5.0
     assert child_pids() - before == set()
+
+
+def test_decode_graph_replays_are_mirrored_on_every_rank(llama_tp1, tiny_llama_dir):
+    """Decode graphs under TP (CUDA-only) stood in for by an eager twin with the same run(): rank 0's
+    replays must reach rank 1 with the same inputs (else its collectives would not pair and the
+    tokens would differ), steps over the stand-in's max batch run eagerly, and both ranks run alike."""
+    from support.eager_graphs import graph_runs, install_eager_graphs
+
+    from tokenmill.distributed.mirror import MirroredGraphs
+
+    llm = make_llm(tiny_llama_dir, 2)
+    try:
+        llm.collective_rpc(install_eager_graphs, args=(2,))  # 4 prompts: decode steps of 1-4 sequences
+        llm.llm_engine.executor.mirror_decode_graphs()
+        assert isinstance(llm.llm_engine.executor.runner.graphs, MirroredGraphs)
+        _greedy_matches(llm, llama_tp1, tiny_llama_dir, seed=3)
+        rank0, rank1 = llm.collective_rpc(graph_runs)
+        assert rank0 == rank1 and rank0 and max(rank0) <= 2
+        assert llama_tp1.llm_engine.executor.runner.graphs is None
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
+def test_seeded_full_weights_are_one_model_at_tp2_and_tp1(tiny_llama_dir):
+    """The GPU tests' dummy 8B model (tests/support/seeded_weights.py), at the tiny shape: each rank
+    keeps its slices of one seeded full model, so TP=2, TP=1 and HF with those weights agree."""
+    from support.seeded_weights import hf_seeded_model, load_seeded_weights
+
+    prompts = random_prompts(289, seed=4)
+    outputs = []
+    for tp in (2, 1):
+        llm = make_llm(tiny_llama_dir, tp, load_format="dummy")
+        try:
+            llm.collective_rpc(load_seeded_weights, args=(str(tiny_llama_dir), 7))
+            outputs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+        finally:
+            llm.llm_engine.executor.shutdown()
+    reference = hf_seeded_model(tiny_llama_dir, 7)
+    for prompt, a, b in zip(prompts, *outputs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)[0]
+
+
+def test_nvlink_multicast_stays_off_unless_the_user_turned_it_on(monkeypatch):
+    from tokenmill.distributed.process_group import keep_nvlink_multicast_off
+
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
+    keep_nvlink_multicast_off()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "0"  # the user's own setting stands
 
 
 def test_heads_not_divisible_by_tp_size_is_a_value_error(tiny_llama_dir):

@@ -5,13 +5,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from tokenmill.engine_args_table import VLLM_ARGUMENTS, Handling, check_value, unimplemented_fields
 
 if TYPE_CHECKING:
+    import argparse
+
     import torch
 
     from tokenmill.models.source import ModelSource
     from tokenmill.pooling.config import PoolingModelConfig
+    from tokenmill.profiler import ProfilerConfig
     from tokenmill.quantization.config import QuantizationConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -25,11 +30,46 @@ _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # with at least 70 GiB, where the larger batch amortises weight reads and per-step host work.
 _DEFAULT_SEQS, _DEFAULT_BATCHED_TOKENS = 256, 8192
 _LARGE_GPU_SEQS, _LARGE_GPU_BATCHED_TOKENS, _LARGE_GPU_BYTES = 1024, 16384, 70 * 2**30
+_DEFAULT_BLOCK_SIZE = 16
+# "slow" asks transformers for the Python tokenizer (use_fast=False; where a model has none,
+# transformers gives the fast one); "auto" and "hf" load the default one.
+_TOKENIZER_MODES = ("auto", "hf", "slow")
+# generation_config.json keys that map onto SamplingParams fields (vLLM's generation_config="auto"
+# and override_generation_config).
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# Sections of vLLM's config objects tokenmill reads: field -> the values it implements (the
+# first is vLLM's default). Anything else is refused by name.
+_STRUCTURED_OUTPUTS_FIELDS = {
+    "backend": ("auto", "xgrammar"),
+    "disable_any_whitespace": (False,),
+    "disable_additional_properties": (False,),
+    "reasoning_parser": ("",),
+    "reasoning_parser_plugin": ("",),
+    "enable_in_reasoning": (False,),
+}
+# backend "nccl" is vLLM's default: a torch.distributed group (NCCL between GPUs, gloo on CPUs).
+_WEIGHT_TRANSFER_FIELDS = {"backend": ("nccl",)}
+
+# vLLM's arguments that are not fields of our own (engine_args_table.py): accepted as keywords
+# with vLLM's defaults, and checked by EngineArgs.validate.
+_VllmOnlyArguments = dataclasses.make_dataclass("_VllmOnlyArguments", unimplemented_fields(), kw_only=True)
 
 
 @dataclass
-class EngineArgs:
-    """The keyword arguments of `LLM(...)`, with vLLM's names and defaults."""
+class EngineArgs(_VllmOnlyArguments):
+    """The keyword arguments of `LLM(...)`, with vLLM's names and defaults.
+
+    The fields below are the ones tokenmill implements; every other vLLM argument is accepted
+    too (a keyword-only field of the base class), at its default or wherever it makes no
+    difference, and refused otherwise: see tokenmill/engine_args_table.py.
+    """
 
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None
@@ -40,12 +80,19 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
-    block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # the KV pool's block count (null block included), unsized
+    block_size: int | None = _DEFAULT_BLOCK_SIZE  # None: 16
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
     # None: the checkpoint's own (config.json's quantization_config), or full precision; "fp8":
     # quantize a full-precision checkpoint while loading. See tokenmill/quantization/config.py.
     quantization: str | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = True  # None: True
+    # False: a prompt is admitted only when all of it fits one step (max_num_batched_tokens is
+    # then raised to max_model_len); None / True: long prompts are computed in chunks.
+    enable_chunked_prefill: bool | None = None
+    # GiB of each rank's weights kept in pinned CPU memory and streamed to the GPU layer by layer
+    # ahead of use (tokenmill/worker/offload.py); ignored on the CPU, where weights live anyway.
+    cpu_offload_gb: float = 0
     enforce_eager: bool = False
     # Launch step N+1 before step N's sampled ids are read back (None: on GPUs, where the host work
     # then overlaps the device's; on a CPU the two cannot overlap).
@@ -57,15 +104,31 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     device: str = "auto"
     generation_config: str = "auto"
+    # generation_config.json keys laid over the model's (or vLLM's) defaults, e.g. {"temperature": 0.5}.
+    override_generation_config: dict[str, Any] | None = None
+    chat_template: str | None = None  # LLM.chat's template when a call gives none (text or a file path)
+    # config.json fields replaced before the model is built: a dict, or a function config -> config.
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
     gguf_file: str | None = None
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
     tokenizer_mode: str = "auto"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary
     # Pooling models (vLLM's names; see tokenmill/pooling/config.py).
     runner: str = "auto"  # "auto" | "generate" | "pooling"
     convert: str = "auto"  # "auto" | "none" | "embed" | "classify"
     task: str | None = None  # vLLM's older spelling: "generate" | "embed" | "classify" | "score"
     pooler_config: Any = None  # a PoolerConfig or a dict of its fields
+    # Engine controls and observability (vLLM's names).
+    # disable_log_stats=False collects the metrics LLM.get_metrics() reads (needs prometheus-client).
+    served_model_name: str | list[str] | None = None  # the metrics' model_name label (default: model)
+    # LLM.start_profile's torch.profiler settings: {"profiler": "torch", "torch_profiler_dir": ...}
+    # (tokenmill/profiler.py); None: from VLLM_TORCH_PROFILER_DIR if set.
+    profiler_config: Any = None
+    structured_outputs_config: Any = None  # {"backend": "auto" | "xgrammar"}: grammars are xgrammar's
+    weight_transfer_config: Any = None  # {"backend": "nccl"} (tokenmill/weight_transfer.py)
+    # "module.Class" (or the class): its methods join every rank's Worker, for collective_rpc.
+    worker_extension_cls: str | type = ""
     # Every request's logits a function of its own tokens only, bit for bit, whatever else is in the
     # batch, chunking or prefix-cache hits (batch-invariant kernels; docs/batch.md says what it costs).
     deterministic: bool = False
@@ -77,7 +140,10 @@ class EngineArgs:
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise TypeError(f"LLM() got an unknown keyword argument {name!r}{hint} (accepted: {', '.join(known)})")
+                raise TypeError(
+                    f"LLM() got an unknown keyword argument {name!r}{hint} (tokenmill takes vLLM's LLM and "
+                    "EngineArgs arguments: tokenmill/engine_args_table.py lists them)"
+                )
         args = cls(model=model, **kwargs)
         args.validate()
         return args
@@ -87,7 +153,8 @@ class EngineArgs:
         _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
-        _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size, "a power of two")
+        _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
+               "block_size", self.block_size, "a power of two (or None: 16)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
         _check(
@@ -104,7 +171,13 @@ class EngineArgs:
         )
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
-        _check(self.tokenizer_mode in ("auto", "hf"), "tokenizer_mode", self.tokenizer_mode, "'auto' or 'hf' (both load the Hugging Face tokenizer)")
+        _check(self.tokenizer_mode in _TOKENIZER_MODES, "tokenizer_mode", self.tokenizer_mode,
+               "'auto' or 'hf' (the Hugging Face tokenizer), or 'slow' (its Python version where the model has one)")
+        _check(_is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, ">= 0, or -1 for the whole vocabulary")
+        self._validate_engine_controls()
+        for name, argument in VLLM_ARGUMENTS.items():
+            if argument.handling is not Handling.IMPLEMENTED:
+                check_value(name, getattr(self, name))
         from tokenmill.pooling.config import CONVERTS, RUNNERS, TASK_SPELLINGS
 
         _check(self.runner in RUNNERS, "runner", self.runner, f"one of {RUNNERS}")
@@ -119,6 +192,49 @@ class EngineArgs:
             not self.deterministic or self.tensor_parallel_size == 1, "deterministic", self.deterministic,
             "False with tensor_parallel_size > 1 (an all-reduce's summation order depends on its size)",
         )
+
+    def _validate_engine_controls(self) -> None:
+        """The arguments tokenmill added for vLLM's engine controls and config sections."""
+        _check(self.enable_prefix_caching in (None, True, False), "enable_prefix_caching", self.enable_prefix_caching, "None, True or False")
+        _check(self.enable_chunked_prefill in (None, True, False), "enable_chunked_prefill", self.enable_chunked_prefill, "None, True or False")
+        _check(_is_number(self.cpu_offload_gb) and self.cpu_offload_gb >= 0, "cpu_offload_gb", self.cpu_offload_gb,
+               "a number of GiB >= 0")
+        _check(self.num_gpu_blocks_override is None or (_is_int(self.num_gpu_blocks_override) and self.num_gpu_blocks_override >= 2),
+               "num_gpu_blocks_override", self.num_gpu_blocks_override, "None or an integer >= 2")
+        _check(self.hf_overrides is None or isinstance(self.hf_overrides, dict) or callable(self.hf_overrides),
+               "hf_overrides", self.hf_overrides, "None, a dict of config.json fields or a function config -> config")
+        overrides = self.override_generation_config or {}
+        _check(isinstance(overrides, dict) and set(overrides) <= set(GENERATION_CONFIG_FIELDS), "override_generation_config",
+               self.override_generation_config, f"a dict with keys among {sorted(GENERATION_CONFIG_FIELDS)}")
+        _check(self.chat_template is None or isinstance(self.chat_template, str), "chat_template", self.chat_template,
+               "None, a Jinja template or the path of a file holding one")
+        _check(self.served_model_name is None or isinstance(self.served_model_name, str)
+               or (isinstance(self.served_model_name, (list, tuple)) and all(isinstance(n, str) for n in self.served_model_name)),
+               "served_model_name", self.served_model_name, "None, a name or a list of names")
+        _check(isinstance(self.worker_extension_cls, (str, type)), "worker_extension_cls", self.worker_extension_cls,
+               "'' or a class (or its 'module.Class' name)")
+        config_section("structured_outputs_config", self.structured_outputs_config, _STRUCTURED_OUTPUTS_FIELDS)
+        config_section("weight_transfer_config", self.weight_transfer_config, _WEIGHT_TRANSFER_FIELDS)
+        from tokenmill.profiler import resolve_profiler_config
+
+        resolve_profiler_config(self.profiler_config)  # raises on an unknown or unsupported setting
+
+    # ---- vLLM's command-line helpers ------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: "argparse.ArgumentParser") -> "argparse.ArgumentParser":
+        """Add an option for every argument (``--max-model-len`` or ``--max_model_len``), defaulting
+        to `EngineArgs`' defaults, so ``LLM(**vars(parser.parse_args()))`` works as with vLLM."""
+        from tokenmill.engine_args_cli import add_engine_options
+
+        return add_engine_options(parser, fields(EngineArgs))
+
+    @classmethod
+    def from_cli_args(cls, args: "argparse.Namespace") -> "EngineArgs":
+        """EngineArgs from parsed options; attributes that are not arguments (a script's own) are left out."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        engine_args = cls(**values)
+        engine_args.validate()
+        return engine_args
 
 
 @dataclass(frozen=True)
@@ -142,6 +258,14 @@ class EngineConfig:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    # False: a prompt is admitted only when all of it fits one step.
+    chunked_prefill: bool = True
+    cpu_offload_bytes: int = 0  # of each rank's weights, streamed from pinned CPU memory (worker/offload.py)
+    num_gpu_blocks_override: int | None = None
+    log_stats: bool = False  # collect the metrics of LLM.get_metrics() (tokenmill/metrics/)
+    served_model_name: str = ""  # the metrics' model_name label
+    profiler: "ProfilerConfig | None" = None  # LLM.start_profile's settings; None: profiling off
+    worker_extension_cls: str | type = ""  # its methods join every rank's Worker (collective_rpc)
     quantization: "QuantizationConfig | None" = None  # the linear layers' weights; None: the model's dtype
     # How a pooling model pools (tokenmill/pooling/); None: a generative model.
     pooling: "PoolingModelConfig | None" = None
@@ -209,6 +333,8 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     pooling = resolve_pooling(source, args.runner, args.convert, args.task, args.pooler_config)
     if pooling is None:
         return config
+    if config.cpu_offload_bytes:
+        raise ValueError(f"LLM(cpu_offload_gb={args.cpu_offload_gb}) is for generative models; {source.name!r} is a pooling model")
     if args.deterministic:
         raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
     max_model_len, batched, seqs = pooling.step_limits(
@@ -244,13 +370,25 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     max_num_seqs = args.max_num_seqs or seqs
     dtype = resolve_dtype(args.dtype, device, hf_config)
     batched = args.max_num_batched_tokens or max(batched, max_num_seqs)
+    chunked_prefill = args.enable_chunked_prefill is not False
+    if not chunked_prefill:
+        # vLLM's rule: without chunks every prompt must fit one step.
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"LLM(max_num_batched_tokens={args.max_num_batched_tokens}) is smaller than max_model_len={max_model_len} "
+                "with enable_chunked_prefill=False, so a long prompt could never be scheduled; raise it or allow chunks"
+            )
+        batched = max(batched, max_model_len)
+    from tokenmill.profiler import resolve_profiler_config
+
+    served = args.served_model_name
     return EngineConfig(
         model=source.name,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size or _DEFAULT_BLOCK_SIZE,
+        enable_prefix_caching=args.enable_prefix_caching is not False,
         enforce_eager=args.enforce_eager,
         async_scheduling=device.type == "cuda" if args.async_scheduling is None else args.async_scheduling,
         device=device,
@@ -262,6 +400,13 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
         tensor_parallel_size=args.tensor_parallel_size,
+        chunked_prefill=chunked_prefill,
+        cpu_offload_bytes=int(args.cpu_offload_gb * 2**30),
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        log_stats=not args.disable_log_stats,
+        served_model_name=(served if isinstance(served, str) else served[0]) if served else source.name,
+        profiler=resolve_profiler_config(args.profiler_config),
+        worker_extension_cls=args.worker_extension_cls,
         quantization=quantization,
         deterministic=args.deterministic,
     )
@@ -283,6 +428,30 @@ def eos_token_ids(hf_config: Any, generation_config: dict) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def config_section(name: str, value: Any, implemented: dict[str, tuple]) -> dict[str, Any]:
+    """A vLLM config section (a dict, or an object with its fields as attributes) as a dict of the
+    fields given, each checked against the values tokenmill implements (the first: vLLM's default)."""
+    if value is None:
+        return {}
+    given = value if isinstance(value, dict) else {k: v for k, v in vars(value).items() if not k.startswith("_")}
+    for field_name, field_value in given.items():
+        allowed = implemented.get(field_name)
+        if allowed is None:
+            raise ValueError(f"LLM({name}={{{field_name!r}: ...}}) is invalid: tokenmill knows the fields {sorted(implemented)}")
+        if field_value not in allowed:
+            raise ValueError(f"LLM({name}={{{field_name!r}: {field_value!r}}}) is not supported by tokenmill: "
+                             f"supported: {' or '.join(repr(v) for v in allowed)}")
+    return dict(given)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

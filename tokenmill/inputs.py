@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 PromptType = str | dict
@@ -51,6 +52,39 @@ def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> Proce
     )
 
 
+def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs: dict[str, Any]) -> list[Any]:
+    """Text prompts tokenized with ``tokenizer(text, **tokenization_kwargs)`` (vLLM's
+    ``tokenization_kwargs``, e.g. ``{"add_special_tokens": False}`` or truncation); a prompt that
+    already has token ids is left as it is."""
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got {type(tokenization_kwargs).__name__}")
+    found = []
+    for i, prompt in enumerate(prompts):
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if text is None or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            found.append(prompt)
+            continue
+        if tokenizer is None:
+            raise ValueError(f"prompts[{i}] is text but the tokenizer was not loaded (skip_tokenizer_init=True)")
+        try:
+            ids = tokenizer(text, **tokenization_kwargs)["input_ids"]
+        except TypeError as exc:
+            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not tokenizer arguments: {exc}") from exc
+        found.append({**(prompt if isinstance(prompt, dict) else {}), "prompt": text, "prompt_token_ids": list(ids)})
+    return found
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A chat template given as text, or the path of a file holding one (vLLM's chat_template=)."""
+    if value is None:
+        return None
+    if Path(value).expanduser().is_file():
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat_template={value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def validate_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int, where: str) -> None:
     if not token_ids:
         raise ValueError(f"{where} is empty: a prompt needs at least one token")
@@ -74,11 +108,13 @@ def render_chat_prompt(
     continue_final_message: bool = False,
     tools: list[dict] | None = None,
     where: str = "messages",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template.
 
     transformers renders templates in a sandboxed Jinja environment, so a template cannot reach
-    Python objects it was not given.
+    Python objects it was not given. ``chat_template_kwargs`` are more variables for the template
+    (e.g. Qwen3's ``enable_thinking``).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
@@ -103,6 +139,7 @@ def render_chat_prompt(
         tools=tools,
         tokenize=True,
         return_dict=False,
+        **(chat_template_kwargs or {}),
     )
     return list(ids)
 

@@ -7,29 +7,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
-from tokenmill.config import EngineArgs
+from tokenmill.config import GENERATION_CONFIG_FIELDS, EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
-from tokenmill.inputs import PromptType, one_per_prompt, prompt_list, render_chat_prompt
+from tokenmill.inputs import PromptType, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts
 from tokenmill.pooling.llm_methods import PoolingMethods
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.outputs import BeamSearchOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _R = TypeVar("_R")
-
-# generation_config.json keys that map onto SamplingParams fields (vLLM's generation_config="auto").
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+ProgressOption = bool | Callable[..., Any]  # vLLM's use_tqdm: on/off, or a tqdm-like factory
 
 
 class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score for pooling models
@@ -43,18 +35,29 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         # Enqueued requests that finished while another call (generate, imap, ...) stepped the engine.
         self._queued_done: dict[str, RequestOutput] = {}
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """An LLM with these EngineArgs (vLLM's constructor)."""
+        return cls(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
+
     # ---- information ----------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The number of ranks (tensor parallel; tokenmill has no data or pipeline parallelism)."""
+        return self.llm_engine.config.tensor_parallel_size
+
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams carrying the model's generation_config.json defaults (vLLM's 'auto')."""
-        if self.args.generation_config == "vllm":
-            return SamplingParams()
-        found = self.llm_engine.source.generation_config
-        if self.args.generation_config != "auto":  # a folder holding generation_config.json
+        """SamplingParams carrying the model's generation_config.json defaults (vLLM's 'auto'), with
+        ``override_generation_config`` laid over them."""
+        found: dict[str, Any] = {}
+        if self.args.generation_config == "auto":
+            found = dict(self.llm_engine.source.generation_config)
+        elif self.args.generation_config != "vllm":  # a folder holding generation_config.json
             found = _read_generation_config(self.args.generation_config)
-        overrides = {field: found[key] for key, field in _GENERATION_DEFAULTS.items() if found.get(key) is not None}
+        found.update(self.args.override_generation_config or {})
+        overrides = {field: found[key] for key, field in GENERATION_CONFIG_FIELDS.items() if found.get(key) is not None}
         if not found.get("do_sample", True):
             overrides["temperature"] = 0.0
         return SamplingParams(**overrides)
@@ -64,25 +67,48 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
+        *,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in input order."""
+        """Complete every prompt; outputs come back in input order.
+
+        vLLM's keywords: ``tokenization_kwargs`` go to the tokenizer for text prompts; ``priority``
+        (one int per prompt) is checked and, as in vLLM under first-come-first-served scheduling,
+        has no effect; ``lora_request`` and ``mm_processor_kwargs`` must be None (no LoRA, text only).
+        """
         self._refuse_pooling_model("generate")
-        prompts = prompt_list(prompts)
+        prompts = self._prepared(prompt_list(prompts), lora_request, priority, tokenization_kwargs, mm_processor_kwargs)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def chat(
         self,
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or a list of conversations."""
-        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools)
+        """Generate replies to one conversation (a list of messages) or a list of conversations.
+
+        The conversation is rendered straight to token ids with the chat template (the template's
+        own BOS is the only one); ``chat_template_kwargs`` are more template variables (e.g.
+        ``{"enable_thinking": False}``). ``chat_template`` defaults to LLM(chat_template=...), then
+        to the tokenizer's.
+        """
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs, chat_template_content_format)
+        prompts = self._prepared(prompts, lora_request, None, tokenization_kwargs, mm_processor_kwargs)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def beam_search(
@@ -121,9 +147,14 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        use_tqdm: ProgressOption = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Queue prompts without running them; returns their request ids (all or none are queued)."""
-        prompts = prompt_list(prompts)
+        prompts = self._prepared(prompt_list(prompts), lora_request, priority, tokenization_kwargs, mm_processor_kwargs)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)))
         self._queued.update(dict.fromkeys(ids))
         return ids
@@ -132,16 +163,24 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self,
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: ProgressOption = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
-        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools)
-        return self.enqueue(prompts, sampling_params)
+        prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs, chat_template_content_format)
+        return self.enqueue(prompts, sampling_params, lora_request, None, use_tqdm, tokenization_kwargs, mm_processor_kwargs)
 
-    def wait_for_completion(self, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run until every enqueued request is done; outputs in the order they were enqueued."""
+    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: ProgressOption = True) -> list[RequestOutput]:
+        """Run until every enqueued request is done; outputs in the order they were enqueued
+        (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
         ids, self._queued = list(self._queued), {}
         done, self._queued_done = self._queued_done, {}
         return self._collect(ids, use_tqdm, done)
@@ -204,8 +243,72 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         finally:
             engine.abort_request(list(mine))
 
-    def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+    # ---- engine controls (tokenmill/engine/controls.py; every rank through collective_rpc) ----
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the cached prefixes; False while requests hold blocks, unless
+        ``reset_running_requests`` preempts them first (they are recomputed)."""
+        if self.llm_engine.config.pooling is not None:
+            return self.llm_engine.reset_prefix_cache()
+        return self._generation_engine("reset_prefix_cache").reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def reset_mm_cache(self) -> None:
+        """Text-only models have no multimodal cache: nothing to reset."""
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free the KV cache; level 1 moves the weights to pinned CPU memory, level 2 discards them
+        (refill with ``collective_rpc("reload_weights")`` or `update_weights` after waking). ``mode``:
+        "abort" unfinished requests, or "wait" for them (enqueued ones keep their outputs)."""
+        engine = self._generation_engine("sleep")
+        if mode == "wait":
+            while engine.has_unfinished_requests():
+                self._step(finished_only=True)
+        engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` of "weights" and "kv_cache" (None: both); generate once both are back."""
+        self._generation_engine("wake_up").wake_up(tags)
+
+    def get_metrics(self) -> list[Any]:
+        """vLLM's metric objects (tokenmill.metrics.reader): needs LLM(disable_log_stats=False)."""
+        return self._generation_engine("get_metrics").get_metrics()
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start a torch.profiler trace on every rank (profiler_config or VLLM_TORCH_PROFILER_DIR names the folder)."""
+        self._generation_engine("start_profile").start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the traces and write them (one Chrome trace per rank)."""
+        self._generation_engine("stop_profile").stop_profile()
+
+    # ---- weight transfer for RL loops (tokenmill/weight_transfer.py) --------------------------
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        """Join the trainer's group on every rank: ``{"init_info": {"master_address", "master_port",
+        "rank_offset", "world_size"}}`` (or a WeightTransferInitRequest)."""
+        from tokenmill.weight_transfer import request_info
+
+        info = request_info(request, "init_info", "init_weight_transfer_engine")
+        self._generation_engine("init_weight_transfer_engine").init_weight_transfer_engine(info)
+
+    def start_weight_update(self) -> None:
+        self._generation_engine("start_weight_update").start_weight_update()
+
+    def update_weights(self, request: Any) -> None:
+        """Replace named weights in place on every rank: ``{"update_info": {"names": [...], "tensors": [...]}}``
+        from this process, or ``{"names", "dtype_names", "shapes"}`` broadcast by the trainer; bumps the
+        weight version and forgets the prefix cache."""
+        from tokenmill.weight_transfer import request_info
+
+        info = request_info(request, "update_info", "update_weights")
+        self._generation_engine("update_weights").update_weights(info)
+
+    def finish_weight_update(self) -> None:
+        self._generation_engine("finish_weight_update").finish_weight_update()
+
+    def update_weight_version(self, version: int) -> None:
+        self._generation_engine("update_weight_version").update_weight_version(version)
+
+    def get_weight_version(self) -> int:
+        return self._generation_engine("get_weight_version").get_weight_version()
 
     # ---- every tensor-parallel rank ---------------------------------------------------------
     def collective_rpc(
@@ -242,22 +345,55 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         add_generation_prompt: bool,
         continue_final_message: bool,
         tools: list[dict] | None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> list[PromptType]:
         self._refuse_pooling_model("chat")
+        if content_format != "auto":
+            raise ValueError(f"chat_template_content_format={content_format!r} is not supported by tokenmill: "
+                             "supported: 'auto' (message contents reach the template as given)")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
+        template = load_chat_template(chat_template or self.args.chat_template)
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
             ids = render_chat_prompt(
-                tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
-                where=f"messages[{i}]",
+                tokenizer, conversation, template, add_generation_prompt, continue_final_message, tools,
+                where=f"messages[{i}]", chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
         return prompts
+
+    def _prepared(
+        self, prompts: list[PromptType], lora_request: Any, priority: list[int] | None,
+        tokenization_kwargs: dict[str, Any] | None, mm_processor_kwargs: dict[str, Any] | None,
+    ) -> list[PromptType]:
+        """Check vLLM's per-call keywords and apply ``tokenization_kwargs`` to text prompts."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: tokenmill serves text-only models")
+        if priority is not None and (
+            not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)
+        ):
+            raise ValueError(f"priority must be a list of {len(prompts)} integers, one per prompt; got {priority!r:.100}")
+        if tokenization_kwargs:
+            prompts = tokenize_prompts(prompts, self.get_tokenizer(), tokenization_kwargs)
+        return prompts
+
+    def _generation_engine(self, method: str) -> Any:
+        """The LLMEngine (its engine controls), or a clear error for a pooling model."""
+        if self.llm_engine.config.pooling is not None:
+            raise ValueError(f"LLM.{method}() is available for generative models; {self.llm_engine.config.model!r} "
+                             "is served as a pooling model")
+        return self.llm_engine
 
     def _submit(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
@@ -280,7 +416,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         return ids
 
     def _run(
-        self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams], use_tqdm: bool
+        self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
+        use_tqdm: ProgressOption,
     ) -> list[Any]:
         return self._collect(self._submit(prompts, params), use_tqdm)
 
@@ -293,14 +430,14 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         return outputs
 
     def _collect(
-        self, ids: list[str], use_tqdm: bool, done: dict[str, RequestOutput] | None = None
+        self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None
     ) -> list[RequestOutput]:
         """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
         (``done``: outputs of some of them that already finished)."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
-        progress = _Progress(len(ids), enabled=use_tqdm)
+        progress = _Progress(len(ids), use_tqdm)
         for request_id, output in (done or {}).items():
             results[order[request_id]] = output
             progress.finished(output)
@@ -337,9 +474,11 @@ def _read_generation_config(folder: str) -> dict:
 class _Progress:
     """tqdm bar: requests done, with generated tokens per second (prompt tokens for pooling models)."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, use_tqdm: ProgressOption):
         self.bar = None
-        if enabled:
+        if callable(use_tqdm):  # vLLM: a tqdm-like factory, e.g. functools.partial(tqdm, leave=False)
+            self.bar = use_tqdm(total=total, desc="Processed prompts")
+        elif use_tqdm:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

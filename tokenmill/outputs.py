@@ -88,6 +88,13 @@ class PoolingOutput:
 
     data: "torch.Tensor"
 
+    def __eq__(self, other: object) -> bool:
+        """Equal tensors (shape and values), as vLLM compares them; dataclass equality would ask a
+        tensor comparison for one bool and raise."""
+        import torch
+
+        return isinstance(other, PoolingOutput) and torch.equal(self.data, other.data)
+
 
 @dataclass
 class PoolingRequestOutput:

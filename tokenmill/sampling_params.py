@@ -69,6 +69,8 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] | None = None
     structured_outputs: "StructuredOutputsParams | None" = None
     guided_decoding: "StructuredOutputsParams | None" = None  # vLLM's older name for structured_outputs
+    # vLLM's free-form arguments for custom sampling code and plugins; tokenmill's own sampling reads none.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine: the model's eos ids (from its config and generation_config).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token-id sequences.
@@ -179,6 +181,7 @@ class SamplingParams:
             self.bad_words,
             "None or a list of non-empty strings",
         )
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args, "None or a dict")
         _check(
             self.logits_processors is None or all(callable(f) for f in self.logits_processors),
             "logits_processors",
@@ -254,6 +257,15 @@ class BeamSearchParams:
                 ok, allowed = _is_number(value) and math.isfinite(value), "a finite number"
             _check(ok, name, value, allowed, owner="BeamSearchParams")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0", owner="BeamSearchParams")
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM's import path ``sampling_params.StructuredOutputsParams`` (loaded lazily, like the module it lives in)."""
+    if name in ("StructuredOutputsParams", "GuidedDecodingParams"):
+        from tokenmill import structured_outputs
+
+        return getattr(structured_outputs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_int(value: Any) -> bool:

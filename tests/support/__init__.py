@@ -7,6 +7,9 @@ Fixtures stay in tests/conftest.py; this package holds the plain code behind the
 - ``tiny_models``: tiny random Hugging Face models and tokenizers (the conftest fixtures save them)
 - ``paged_cache``: ``PagedCache``, a model driven step by step like the runner drives it
 - ``kernel_cases``: random paged batches and qkv-prologue cases for the kernel tests and benchmark
+- ``seeded_weights``: random weights that are one model at every tensor_parallel_size (a seeded full tensor sliced per rank)
+- ``processes``: ``child_pids``, the processes a test left behind
+- ``eager_graphs``: a CPU stand-in for the decode CUDA graphs (their tensor-parallel mirroring over gloo)
 - ``triton_interpreter``: fix-ups of Triton's CPU interpreter (numpy, fp8 rounding) and its dot made
   row-invariant for the deterministic kernels' checks (``TRITON_INTERPRET=1`` only)
 

@@ -3,8 +3,9 @@
 With one rank there are no processes and collective_rpc is a local call. With N ranks:
 start the workers and join the process group, load rank 0's shard (the workers load theirs at
 the same time), size the KV cache on every rank and keep the minimum (every rank must hold
-the same blocks), allocate it everywhere, and route rank 0's model calls through a
-MirroredModel so the workers follow each step.
+the same blocks), allocate it everywhere (capturing each rank's decode CUDA graphs on a GPU), and route rank 0's
+model calls and graph replays through MirroredModel and MirroredGraphs so the workers follow
+each step.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker import Worker, worker_class
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -31,12 +32,13 @@ class Executor:
         self.world_size = config.tensor_parallel_size
         self.workers: "WorkerProcesses | None" = None
         if self.world_size == 1:
-            self.driver = Worker(config, source, load_format)
+            self.driver = worker_class(config.worker_extension_cls)(config, source, load_format)
         else:
             self.driver = self._start_tensor_parallel(config, source, load_format)
         try:
             self.num_blocks: int = min(self.collective_rpc("determine_num_blocks"))
             self.collective_rpc("initialize_cache", args=(self.num_blocks,))
+            self.mirror_decode_graphs()
         except BaseException:
             self.shutdown()
             raise
@@ -57,7 +59,7 @@ class Executor:
             torch.set_num_threads(threads)
         self.workers = WorkerProcesses(config, source, load_format, device, threads)
         try:
-            driver = Worker(config, source, load_format, 0, device, self.workers.group)
+            driver = worker_class(config.worker_extension_cls)(config, source, load_format, 0, device, self.workers.group)
             self.workers.wait_until_ready()
         except BaseException:
             self.workers.stop(graceful=False)
@@ -66,6 +68,16 @@ class Executor:
         driver.runner.model = MirroredModel(driver.model, self.workers)
         logger.info("tensor parallel: %d ranks, workers %s", self.world_size, [p.pid for p in self.workers.procs])
         return driver
+
+    def mirror_decode_graphs(self) -> None:
+        """With several ranks, route rank 0's decode-graph replays through MirroredGraphs, so every
+        rank replays the same graph (each rank captured its own, all at once, in initialize_cache).
+        Called after the graphs are captured; a no-op with one rank or without graphs."""
+        from tokenmill.distributed.mirror import MirroredGraphs
+
+        runner = self.driver.runner
+        if self.workers is not None and runner.graphs is not None and not isinstance(runner.graphs, MirroredGraphs):
+            runner.graphs = MirroredGraphs(runner.graphs, self.workers)
 
     # ---- the engine's calls, served by rank 0 ------------------------------------------------
     def execute_model(self, plan: "SchedulerOutput") -> "StepResult":
@@ -108,7 +120,7 @@ class Executor:
         call_id = self.workers.send_rpc(method, args, kwargs)
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
         try:
-            with mirroring_paused(self.driver.runner.model):
+            with mirroring_paused(self.driver.runner.model, self.driver.runner.graphs):
                 mine = self.driver.execute_method(method, args, kwargs)
         except Exception:
             self.workers.check_alive()  # a worker's death explains a failed collective best

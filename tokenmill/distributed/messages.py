@@ -53,6 +53,15 @@ class ForwardCall:
 
 
 @dataclass(frozen=True)
+class DecodeGraphCall:
+    """Replay the decode CUDA graph of the batch's bucket (every rank captured the same buckets);
+    the graph's inputs arrive as one packed broadcast of ``payload_bytes``."""
+
+    specs: tuple[TensorSpec, ...]
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
 class LogitsCall:
     """Run compute_logits on hidden rows that arrive by broadcast (its all-gather needs every rank)."""
 

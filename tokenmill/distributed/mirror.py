@@ -7,13 +7,17 @@ control pipes) and broadcasts the call's tensors from rank 0 over the process gr
 every rank runs the same call on its own shard, so the all-reduces and all-gathers inside the
 layers pair up. Workers discard what their calls return: rank 0 alone samples.
 
-Two calls are mirrored:
+Three calls are mirrored:
 - ``model(input_ids, positions, ctx)``: the inputs and every tensor of the attention metadata
   go as one packed byte payload (one broadcast); the metadata's host values go in the header.
   Each rank uses its own KV cache (its KV heads) and attention backend.
 - ``model.compute_logits(hidden)``: the hidden rows go by broadcast. The vocabulary-parallel
   head all-gathers the logits, so every rank must compute them for the same rows, and only
   rank 0 knows which rows the runner picked (sampling rows, prompt-logprob chunks).
+- ``graphs.run(...)``: a decode step replayed from CUDA graphs (worker/cuda_graphs.py). Every
+  rank captured the same batch buckets at once (the all-reduces inside each graph pair up as
+  NCCL collectives captured with it), so a replay on rank 0 needs the same bucket's replay on
+  every other rank; the graph's inputs go as one packed broadcast, outside the graph.
 
 Mirroring calls rather than steps keeps the runner unaware of tensor parallelism: however it
 prepares a batch (even from sampled ids it keeps on the device), what reaches the model is
@@ -30,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.attention.metadata import AttentionMetadata, ForwardContext
-from tokenmill.distributed.messages import ForwardCall, LogitsCall, TensorSpec
+from tokenmill.distributed.messages import DecodeGraphCall, ForwardCall, LogitsCall, TensorSpec
 
 if TYPE_CHECKING:
     from tokenmill.worker.worker import Worker
@@ -44,7 +48,7 @@ class Announcer(Protocol):
 
     group: Any
 
-    def announce(self, message: ForwardCall | LogitsCall) -> None: ...
+    def announce(self, message: ForwardCall | LogitsCall | DecodeGraphCall) -> None: ...
 
     def step_guard(self) -> ContextManager[None]: ...
 
@@ -140,24 +144,59 @@ class MirroredModel:
             return self.model.compute_logits(hidden)
 
 
+class MirroredGraphs:
+    """Rank 0's decode graphs under tensor parallelism: each replay is announced to the other
+    ranks, which replay the same bucket's graph with the inputs broadcast here. Every other
+    attribute (max_batch, buckets...) is the graphs' own."""
+
+    def __init__(self, graphs: Any, followers: Announcer):
+        self.graphs = graphs
+        self.followers = followers
+        self.mirroring = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "graphs":
+            raise AttributeError(name)
+        return getattr(self.graphs, name)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        inputs = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                      seq_lens=seq_lens, block_tables=block_tables)
+        if not self.mirroring:
+            return self.graphs.run(**inputs)
+        with self.followers.step_guard():
+            payload, specs = pack(inputs, input_ids.device)
+            self.followers.announce(DecodeGraphCall(specs, payload.numel()))
+            dist.broadcast(payload, group=self.followers.group, group_src=0)
+            return self.graphs.run(**inputs)
+
+
 @contextlib.contextmanager
-def mirroring_paused(model: Any) -> Any:
-    """Within: rank 0's calls run locally only (no-op when the model is not a MirroredModel)."""
-    if not isinstance(model, MirroredModel):
-        yield
-        return
-    model.mirroring = False
+def mirroring_paused(*mirrored: Any) -> Any:
+    """Within: rank 0's calls run locally only (objects other than a MirroredModel or
+    MirroredGraphs, such as None or a one-rank model, are left alone)."""
+    paused = [m for m in mirrored if isinstance(m, (MirroredModel, MirroredGraphs))]
+    for m in paused:
+        m.mirroring = False
     try:
         yield
     finally:
-        model.mirroring = True
+        for m in paused:
+            m.mirroring = True
 
 
 # ---- ranks 1..N-1 ---------------------------------------------------------------------------
 
 
 @torch.inference_mode()
-def replay(call: ForwardCall | LogitsCall, worker: "Worker", group: Any) -> None:
+def replay(call: ForwardCall | LogitsCall | DecodeGraphCall, worker: "Worker", group: Any) -> None:
     """Run on this rank the call rank 0 announced, with the tensors it broadcasts."""
     runner = worker.runner
     if isinstance(call, LogitsCall):
@@ -168,6 +207,11 @@ def replay(call: ForwardCall | LogitsCall, worker: "Worker", group: Any) -> None
     payload = torch.empty(call.payload_bytes, dtype=torch.uint8, device=runner.device)
     dist.broadcast(payload, group=group, group_src=0)
     tensors = unpack(payload, call.specs)
+    if isinstance(call, DecodeGraphCall):
+        if runner.graphs is None:
+            raise RuntimeError(f"rank 0 replayed a decode graph, but rank {worker.rank} captured none")
+        runner.graphs.run(**tensors)
+        return
     input_ids, positions = tensors.pop("input_ids"), tensors.pop("positions")
     attn = AttentionMetadata(**tensors, **call.attn_values) if call.attn_values is not None else None
     worker.model(input_ids, positions, ForwardContext(attn, runner.kv_caches, runner.backend))

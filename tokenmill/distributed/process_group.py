@@ -11,6 +11,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,10 @@ import torch.distributed as dist
 # collective, so an idle engine never runs into it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STORE_HOST = "127.0.0.1"  # one host: the ranks meet on the loopback interface
+# NVLink multicast (NVLS) stays off unless the user's environment turns it on: tokenmill's
+# collectives are small (decode activations), where it gains little, and on shared hosts a program
+# that used it has put every GPU of the host out of service. NCCL reads these when it first starts.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def create_store(world_size: int) -> dist.TCPStore:
@@ -36,11 +42,18 @@ def connect_store(port: int, world_size: int) -> dist.TCPStore:
 def create_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> Any:
     """Join the group; returns when every rank has joined (or raises after COLLECTIVE_TIMEOUT)."""
     if device.type == "cuda":
+        keep_nvlink_multicast_off()
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     return dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+
+
+def keep_nvlink_multicast_off() -> None:
+    """Set NVLINK_MULTICAST_OFF in this process's environment, leaving any value already there."""
+    for name, value in NVLINK_MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -29,7 +29,7 @@ from tokenmill.distributed.child_process import exit_with_parent
 from tokenmill.distributed.messages import Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
 from tokenmill.distributed.mirror import replay
 from tokenmill.distributed.process_group import connect_store, create_group, rank_device
-from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker import Worker, worker_class
 
 
 def main(argv: list[str]) -> int:
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         send(conn, Joining())
         group = create_group(store, setup.rank, config.tensor_parallel_size, device)
         torch.manual_seed(config.seed)
-        worker = Worker(config, setup.source, setup.load_format, setup.rank, device, group)
+        worker = worker_class(config.worker_extension_cls)(config, setup.source, setup.load_format, setup.rank, device, group)
     except BaseException:
         send(conn, Reply(-1, False, error=traceback.format_exc()))
         return 1

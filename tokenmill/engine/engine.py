@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.executor import Executor
+from tokenmill.engine.controls import EngineControls
 from tokenmill.engine.intake import Intake
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
@@ -34,13 +35,24 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.config import EngineArgs
+    from tokenmill.metrics.stats import EngineMetrics
     from tokenmill.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight transfer, metrics
     """The engine of a generative model (`tokenmill.engine_factory.create_engine` picks it)."""
+
+    @classmethod
+    def from_engine_args(cls, engine_args: "EngineArgs", usage_context: Any = None) -> "LLMEngine":
+        """vLLM's constructor: the engine for ``engine_args`` (a generative model's; `LLM` serves pooling models)."""
+        from tokenmill.engine_inputs import resolve_engine_inputs
+
+        engine_args.validate()
+        config, source, tokenizer = resolve_engine_inputs(engine_args)
+        return cls(config, source, tokenizer, engine_args.load_format)
 
     def __init__(self, config: EngineConfig, source: "ModelSource", tokenizer: Any, load_format: str = "auto"):
         if config.pooling is not None:
@@ -56,7 +68,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.intake = Intake(self.config, self.tokenizer, self.kv.num_usable_blocks, self.executor.use_grammars)
         self.scheduler = Scheduler(
-            self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+            self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,
             eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -64,6 +76,12 @@ class LLMEngine:
         self._in_flight: StepResult[Sequence] | None = None  # launched, not yet read back
         self._history_readers: set[str] = set()  # live requests that force synchronous steps (needs_sync)
         self.stats = EngineStats()
+        self.metrics = _start_metrics(config)
+        self.asleep: set[str] = set()  # "weights" / "kv_cache" while asleep (LLM.sleep)
+        self.weight_version = 0  # bumped by update_weights
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -78,8 +96,13 @@ class LLMEngine:
 
         With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
         """
+        if self.asleep:
+            raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.asleep))} freed by sleep()); "
+                               "call wake_up() before adding requests")
         request = self.intake.make_request(request_id, prompt, params, index, self.requests)
         self.requests[request_id] = request
+        if self.metrics is not None:
+            self.metrics.request_added(request)
         if request.needs_sync:
             self._history_readers.add(request_id)
         self.scheduler.add(request)
@@ -91,6 +114,8 @@ class LLMEngine:
             if request is not None:
                 self._history_readers.discard(request_id)
                 self.scheduler.abort(request)
+                if self.metrics is not None:
+                    self.metrics.request_aborted()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -125,7 +150,15 @@ class LLMEngine:
             outputs += self._read_back(previous, finished_only)
         if not overlap and self._in_flight is not None:
             outputs += self._read_back(self._take_in_flight(), finished_only)
+        if self.metrics is not None:
+            self.metrics.engine_state(len(self.scheduler.running), len(self.scheduler.waiting),
+                                      self.kv.num_usable_blocks - self.kv.num_free_blocks, self.kv.num_usable_blocks)
         return outputs
+
+    def _settle(self) -> None:
+        """Read back the step still in flight (its requests are all finished or aborted)."""
+        if self._in_flight is not None:
+            self._read_back(self._take_in_flight(), finished_only=True)
 
     def _take_in_flight(self) -> StepResult[Sequence] | None:
         result, self._in_flight = self._in_flight, None
@@ -134,6 +167,8 @@ class LLMEngine:
     def _launch(self, plan: SchedulerOutput[Sequence]) -> StepResult[Sequence]:
         result = self.executor.execute_model(plan)
         self.stats.record(plan.num_batched_tokens)
+        if self.metrics is not None:
+            self.metrics.step_launched(plan)
         self.scheduler.update_after_launch(plan)
         return result
 
@@ -144,25 +179,42 @@ class LLMEngine:
         rows = self.scheduler.update_from_output(result)
         self.output_processor.record_sample_logprobs(result, rows)
         self.stats.num_generated_tokens += len(rows)
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.tokens_read([result.sampled[row].seq for row in rows], now)
         outputs = []
         for request in dict.fromkeys(result.sampled[row].seq.request for row in rows):
             if request.is_finished:
-                request.finished_time = time.monotonic()
+                request.finished_time = now
                 del self.requests[request.request_id]
                 self._history_readers.discard(request.request_id)
             final_only = finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY
             if request.is_finished or not final_only:
                 outputs.append(self.output_processor.request_output(request))
+                if request.is_finished and self.metrics is not None:
+                    self.metrics.request_finished(request, outputs[-1], now)
         return outputs
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.pool.reset_prefix_cache()
 
     def collective_rpc(
         self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor."""
         return self.executor.collective_rpc(method, timeout, args, kwargs)
+
+
+def _start_metrics(config: EngineConfig) -> "EngineMetrics | None":
+    """The metrics recorder with disable_log_stats=False (None when off, or without prometheus-client)."""
+    if not config.log_stats:
+        return None
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        logger.warning("disable_log_stats=False but prometheus-client is not installed: no metrics are collected "
+                       "(pip install 'tokenmill[metrics]')")
+        return None
+    from tokenmill.metrics.stats import EngineMetrics
+
+    return EngineMetrics(config.served_model_name, config.max_model_len)
 
 
 class EngineStats:

@@ -194,6 +194,11 @@ class Scheduler:
                 request.sequences = request.beam.advance(request.sequences, self)
         return kept
 
+    def preempt_all(self) -> None:
+        """Preempt every running sequence (they free their blocks and are recomputed later, in order)."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def abort(self, request: Request) -> None:
         for seq in request.sequences:
             if not seq.is_finished:

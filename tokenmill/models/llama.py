@@ -203,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden_size] -> [N, vocab_size] in the model's dtype (the runner passes only rows it samples from)."""
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]]) -> None:
-        """Copy Hugging Face-named tensors into this rank's parameters; every weight must be covered once."""
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False) -> None:
+        """Copy Hugging Face-named tensors into this rank's parameters; every weight must be covered
+        once, unless ``partial`` (update_weights replaces some of them)."""
 
         def rename(name: str) -> str | None:
             if name.endswith(IGNORED_SUFFIXES):
@@ -213,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                 return None  # tied: the embedding is the head; HF ignores this copy too
             return name
 
-        load_hf_weights(self, weights, STACKED, rename)
+        load_hf_weights(self, weights, STACKED, rename, partial=partial)
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""

@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,18 +55,22 @@ def load_model(
     seed: int = 0,
     architecture: str | None = None,
     quantization: "QuantizationConfig | None" = None,
+    place: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """The model of ``source`` in eval mode with gradients off, on ``device`` in ``dtype``.
 
     ``architecture`` overrides the config's (a causal LM run as an embedder loads as its base model).
     ``quantization`` (tokenmill.quantization.config) gives its linear layers quantized weights;
     ``dtype`` is then the dtype of activations, embeddings, norms and the LM head.
+    ``place``: the model is built on the CPU (its tensors allocated, not touched) and ``place(model)``
+    moves each tensor where it is to live before the weights are read (cpu_offload_gb keeps some
+    layers in pinned CPU memory this way, without ever holding the whole model on the GPU).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; allowed: {list(LOAD_FORMATS)}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point dtype")
-    fmt = source.weights_format if load_format == "auto" else load_format
+    fmt = weights_format(source, load_format)
     if fmt != "dummy" and fmt != source.weights_format:
         raise ValueError(
             f"load_format={load_format!r} but model {source.name!r} holds {source.weights_format} weights"
@@ -80,21 +84,16 @@ def load_model(
             raise ValueError(f"quantization={quantization.describe()} is not supported for {model_cls.__name__}; "
                              "quantized weights load into the Llama-family decoders (Llama, Mistral, Qwen2, Qwen3)")
         extra["quant_config"] = quantization
+    if place is not None and quantization is not None:
+        raise ValueError(f"quantization={quantization.describe()} with cpu_offload_gb is not supported; "
+                         "use one or the other")
     device = torch.device(device)
-    with torch.no_grad(), _default_dtype(dtype), device:
+    with torch.no_grad(), _default_dtype(dtype), torch.device("cpu") if place is not None else device:
         model = model_cls(source.hf_config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, **extra)
+    if place is not None:
+        place(model)
     with torch.no_grad():
-        if fmt == "dummy":
-            init_dummy_weights(model, seed)
-        elif fmt == "safetensors":
-            assert source.weights_path is not None
-            lazy = bool(getattr(model, "supports_lazy_weights", False))
-            model.load_weights(iter_safetensors(source.weights_path, _wanted_names(model), lazy=lazy))
-        else:
-            from tokenmill.models.gguf_weights import iter_gguf_weights
-
-            assert source.weights_path is not None
-            model.load_weights(iter_gguf_weights(source.weights_path))
+        fill_weights(model, source, fmt, seed)
         for module in model.modules():
             method = getattr(module, "quant_method", None)
             if method is not None:
@@ -102,6 +101,27 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def fill_weights(model: nn.Module, source: "ModelSource", fmt: str, seed: int) -> None:
+    """Read the checkpoint's tensors into the model's parameters (``fmt``: "safetensors", "gguf" or
+    "dummy"); also `Worker.reload_weights` after a level-2 sleep."""
+    if fmt == "dummy":
+        init_dummy_weights(model, seed)
+    elif fmt == "safetensors":
+        assert source.weights_path is not None
+        lazy = bool(getattr(model, "supports_lazy_weights", False))
+        model.load_weights(iter_safetensors(source.weights_path, _wanted_names(model), lazy=lazy))
+    else:
+        from tokenmill.models.gguf_weights import iter_gguf_weights
+
+        assert source.weights_path is not None
+        model.load_weights(iter_gguf_weights(source.weights_path))
+
+
+def weights_format(source: "ModelSource", load_format: str) -> str:
+    """The format ``load_format`` reads ``source`` in ("auto": the source's own)."""
+    return source.weights_format if load_format == "auto" else load_format
 
 
 def _wanted_names(model: nn.Module) -> set[str] | None:

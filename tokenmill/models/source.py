@@ -10,6 +10,7 @@ Anything else is a ValueError that lists every place that was looked at.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,29 @@ def resolve_model(
             return _from_local(model, snapshot, tokenizer, gguf_file, trust_remote_code)
         tried.append(f"Hugging Face cache for {model!r} (not found: {reason}; hub downloads are not available)")
     raise ValueError(f"cannot find model {model!r}; tried: " + "; ".join(tried))
+
+
+def apply_hf_overrides(source: ModelSource, overrides: Any) -> ModelSource:
+    """The source with config.json fields replaced (vLLM's ``hf_overrides``): a dict whose values
+    replace the config's (a dict given for a nested config updates that config's fields), or a
+    function taking the config and returning the one to use."""
+    import copy
+
+    config = copy.deepcopy(source.hf_config)
+    if callable(overrides):
+        config = overrides(config)
+    else:
+        _update_config(config, overrides)
+    return dataclasses.replace(source, hf_config=config)
+
+
+def _update_config(config: Any, overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+            _update_config(current, value)  # a nested config (text_config, ...): update its fields
+        else:
+            setattr(config, key, value)
 
 
 def _from_local(

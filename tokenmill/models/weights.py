@@ -42,9 +42,11 @@ def load_hf_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     stacked: Stacked,
     rename: Callable[[str], str | None] = lambda name: name,
+    partial: bool = False,
 ) -> None:
     """Copy checkpoint tensors into ``model``. ``rename`` maps a checkpoint name to the HF name this
-    model uses (e.g. adds a prefix), or to None for a tensor it deliberately does not use."""
+    model uses (e.g. adds a prefix), or to None for a tensor it deliberately does not use.
+    ``partial``: tensors may be missing (an update of some weights); unknown ones are still an error."""
     params = dict(model.named_parameters())
     expected = hf_weight_names(model, stacked)
     loaded: set[str] = set()
@@ -64,7 +66,7 @@ def load_hf_weights(
         except ValueError as exc:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from exc
         loaded.add(local)
-    missing = sorted(expected - loaded)
+    missing = [] if partial else sorted(expected - loaded)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match {type(model).__name__}: "

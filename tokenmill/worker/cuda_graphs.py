@@ -5,7 +5,9 @@ not the arithmetic, would set the pace. Capturing the forward once per bucket an
 costs one launch. Everything a replay reads lives in static buffers filled before each replay:
 token ids, positions, slots (-1 for padding rows, so they store nothing), query starts and
 context lengths (padding rows get no query tokens and no context, so attention skips them) and
-block tables. The attention backend is told the
+block tables. Under tensor parallelism each graph also holds the NCCL all-reduces of its
+forward (the communicator exists by then: the profiling forward used it); every rank captures
+and replays the same buckets (distributed/mirror.py). The attention backend is told the
 largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
 every replay.
 """
@@ -88,7 +90,10 @@ class DecodeGraphs:
             self._forward(batch)  # warm-up: compiles the Triton kernels for this shape outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: only this thread's calls are checked during capture. Under tensor
+            # parallelism NCCL's watchdog thread polls the events of collectives finished before
+            # the capture; in the default (global) mode that poll would invalidate it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = self._forward(batch)
             pool = graph.pool()
             self.graphs[batch] = (graph, hidden)

@@ -71,6 +71,12 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [_lazy_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
 
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache and what reads it (decode graphs, the last step's sampled ids): sleep."""
+        self.graphs = None
+        self.kv_caches = []
+        self._last_sampled, self._last_rows = None, {}
+
     def precompile_kernels(self, max_model_len: int) -> None:
         """Compile every Triton kernel variant the steps can launch, on several threads, before the
         first step (GPU only): attention's variants and the draw kernel. The layers' other kernels

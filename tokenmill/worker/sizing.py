@@ -1,10 +1,10 @@
 """How many KV-cache blocks to allocate.
 
-``kv_cache_memory_bytes`` wins when given. On a GPU the pool takes what is left of
-``gpu_memory_utilization`` of the card after the weights and a measured activation peak. On
-the CPU the pool defaults to 4 GiB (vLLM's CPU default); since the tensors are allocated
-untouched, pages only become resident as tokens are written. Either way the pool is never
-larger than ``max_num_seqs`` full-length sequences need.
+``num_gpu_blocks_override`` is taken as it is. Otherwise ``kv_cache_memory_bytes`` wins when
+given. On a GPU the pool takes what is left of ``gpu_memory_utilization`` of the card after the
+weights and a measured activation peak. On the CPU the pool defaults to 4 GiB (vLLM's CPU
+default); since the tensors are allocated untouched, pages only become resident as tokens are
+written. Either way the pool is never larger than ``max_num_seqs`` full-length sequences need.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ CPU_DEFAULT_KV_BYTES = 4 * 1024**3
 
 
 def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner") -> int:
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override  # vLLM's num_gpu_blocks_override: the pool as given, unsized
     per_block = runner.kv_bytes_per_block()
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     enough = config.max_num_seqs * blocks_per_seq + 1  # +1: the null block

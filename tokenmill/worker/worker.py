@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 
 from tokenmill.models.loader import load_model
+from tokenmill.profiler import Profiler
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.offload import LayerOffloader
 from tokenmill.worker.sizing import choose_num_blocks
+from tokenmill.worker.sleep import WeightStash
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class Worker:
@@ -40,9 +44,17 @@ class Worker:
         self.tp_size = config.tensor_parallel_size
         self.device = device if device is not None else config.device
         self.config = dataclasses.replace(config, device=self.device)  # sizing reads this rank's device
+        self.source, self.load_format = source, load_format
+        # cpu_offload_gb: some decoder layers live in pinned CPU memory (a GPU feature: on the CPU
+        # the weights are in CPU memory anyway).
+        self.offloader = LayerOffloader(config.cpu_offload_bytes, self.device) \
+            if config.cpu_offload_bytes and self.device.type == "cuda" else None
+        if config.cpu_offload_bytes and self.offloader is None and rank == 0:
+            logger.info("cpu_offload_gb has no effect on the CPU: the weights are in CPU memory already")
         self.model = load_model(
             source, config.dtype, self.device, load_format,
             tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed, quantization=config.quantization,
+            place=self.offloader.place if self.offloader is not None else None,
         )
         if config.deterministic:
             from tokenmill.kernels.batch_invariant import use_batch_invariant_matmuls
@@ -60,6 +72,11 @@ class Worker:
         )
         # Before the profiling forward, so no kernel variant is first compiled in the middle of a run.
         self.runner.precompile_kernels(config.max_model_len)
+        self.num_blocks = 0
+        self.profiler = Profiler(config.profiler, rank, self.device.type == "cuda") if config.profiler else None
+        self.asleep: set[str] = set()  # of "weights", "kv_cache" (LLM.sleep)
+        self._stash: WeightStash | None = None
+        self._weight_receiver: Any = None  # the trainer's group (init_weight_transfer_engine)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit this rank (the engine takes the minimum over ranks).
@@ -69,14 +86,20 @@ class Worker:
         return choose_num_blocks(self.config, self.runner)
 
     def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        if self.tp_size > 1:
-            # A replayed graph would skip the announcements the workers follow (mirror.py).
-            if self.rank == 0:
-                logger.warning("CUDA graphs are not used with tensor_parallel_size > 1: decode steps run eagerly")
+        if self.offloader is not None:
+            # Each forward streams the offloaded layers through staging buffers; the copy dominates anyway.
+            logger.info("CUDA graphs are not used with cpu_offload_gb: decode steps run eagerly")
             return
+        # Under tensor parallelism every rank captures here at the same time (collective_rpc), so
+        # the warm-up forwards' all-reduces pair up and each graph holds the NCCL collectives of
+        # its bucket; rank 0's replays are then mirrored (Executor.mirror_decode_graphs).
         self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
 
     def execute_model(self, plan: "SchedulerOutput") -> "StepResult":
@@ -87,6 +110,79 @@ class Worker:
         """The engine's GrammarCache, which masks the logits of sequences with structured outputs."""
         self.runner.grammars = grammars
 
+    # ---- LLM.sleep / wake_up -------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (and the decode graphs that read it); level 1 keeps the weights in
+        pinned CPU memory, level 2 discards them (tokenmill/worker/sleep.py)."""
+        if self.asleep:
+            raise RuntimeError(f"rank {self.rank} is already asleep ({sorted(self.asleep)}); wake_up first")
+        self.runner.free_kv_cache()
+        if self.offloader is not None:
+            self.offloader.free_buffers()
+        self._stash = WeightStash(self.model, discard=level == 2)
+        self.asleep = {"weights", "kv_cache"}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (all when ``tags`` is None); once both are
+        back, the decode graphs are captured again."""
+        tags = list(SLEEP_TAGS) if tags is None else tags
+        woke = False
+        if "weights" in tags and "weights" in self.asleep:
+            assert self._stash is not None
+            self._stash.restore()
+            self._stash = None
+            if self.offloader is not None:
+                self.offloader.allocate_buffers()
+            self.asleep.discard("weights")
+            woke = True
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            self.runner.allocate_kv_cache(self.num_blocks)
+            self.asleep.discard("kv_cache")
+            woke = True
+        if woke and not self.asleep:
+            self._capture_graphs()
+
+    def reload_weights(self) -> None:
+        """Read the checkpoint into the model again (after a level-2 sleep and wake_up(["weights"]))."""
+        from tokenmill.models.loader import fill_weights, weights_format
+
+        if self.config.quantization is not None:
+            raise ValueError("reload_weights is not supported for quantized models")
+        if "weights" in self.asleep:
+            raise RuntimeError("reload_weights while the weights sleep: wake_up(tags=['weights']) first")
+        with torch.no_grad():
+            fill_weights(self.model, self.source, weights_format(self.source, self.load_format), self.config.seed)
+
+    # ---- LLM.start_profile / stop_profile -------------------------------------------------------
+    def start_profile(self, prefix: str | None = None) -> None:
+        assert self.profiler is not None, "the engine checks that profiling is configured"
+        self.profiler.start(prefix)
+
+    def stop_profile(self) -> None:
+        assert self.profiler is not None, "the engine checks that profiling is configured"
+        self.profiler.stop()
+
+    # ---- weight transfer (tokenmill/weight_transfer.py) -------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from tokenmill.weight_transfer import WeightReceiver
+
+        self._weight_receiver = WeightReceiver(init_info, self.rank, self.device)
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: updates are copied into the parameters in place."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        from tokenmill.weight_transfer import load_named_tensors, named_tensors
+
+        load_named_tensors(self.model, named_tensors(update_info, self._weight_receiver))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish: every update was applied when it arrived."""
+
     def apply_model(self, func: Callable[[torch.nn.Module], _R]) -> _R:
         """func(this rank's model): LLM.apply_model."""
         return func(self.model)
@@ -96,6 +192,26 @@ class Worker:
         if isinstance(method, str):
             return getattr(self, method)(*args, **(kwargs or {}))
         return method(self, *args, **(kwargs or {}))
+
+
+def worker_class(extension: str | type = "") -> type[Worker]:
+    """`Worker`, or with ``worker_extension_cls`` a subclass that has the extension's methods too
+    (vLLM's way to add methods for collective_rpc, e.g. an RL loop's weight-sync helpers)."""
+    if not extension:
+        return Worker
+    if isinstance(extension, str):
+        import importlib
+
+        module, _, name = extension.rpartition(".")
+        try:
+            extension = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"worker_extension_cls={extension!r} cannot be imported: {exc}") from exc
+    assert isinstance(extension, type)
+    clash = sorted(n for n in vars(extension) if not n.startswith("__") and hasattr(Worker, n))
+    if clash:
+        raise ValueError(f"worker_extension_cls {extension.__name__} redefines Worker's {clash}")
+    return type(f"{extension.__name__}Worker", (Worker, extension), {})
 
 
 def attention_backend(device: torch.device, deterministic: bool = False) -> Any:

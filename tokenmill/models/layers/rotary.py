@@ -98,9 +98,15 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.rope = rope
-        inv_freq = inverse_frequencies(head_dim, rope)
+        self.build_buffers()
+
+    def build_buffers(self) -> None:
+        """The cos/sin table, computed on the default device (the one the model is built on, or the
+        one a model built elsewhere will run on: cpu_offload_gb calls this again there, so the table's
+        values are the device's own)."""
+        inv_freq = inverse_frequencies(self.head_dim, self.rope)
         # fp32 outer product, as HF does (it multiplies inside an fp32 matmul with autocast off).
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq.to(torch.float32))
         # [max_position, head_dim]: cos of the half angles, then sin. Kept fp32 and cast at use,
         # which is what HF does with its freshly computed fp32 cos/sin.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)

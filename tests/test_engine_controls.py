@@ -1,0 +1,375 @@
+"""The engine controls on the CPU: sleep / wake_up, metrics (vLLM's shapes, read through the real
+prometheus-client), the torch.profiler trace, weight transfer (same process and over a gloo group,
+checked against Hugging Face's greedy tokens of the other model), layer offloading (against
+Hugging Face's logits), and the same controls reaching both ranks under tensor parallelism."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import threading
+
+import pytest
+import torch
+
+from reference import hf_greedy, hf_model, hf_next_logprobs
+from tokenmill import LLM, SamplingParams
+
+pytest.importorskip("prometheus_client")
+
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_bytes=8 * 2**20, max_num_seqs=8, seed=0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": p} for p in ([5, 70, 91, 13, 8], [200, 4], list(range(3, 40)))]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_tokens(path: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(hf_greedy(hf_model(path), p["prompt_token_ids"], GREEDY.max_tokens)[0]) for p in PROMPTS)
+
+
+def hf_tokens(path) -> list[list[int]]:
+    """Hugging Face's greedy tokens for PROMPTS (computed once per model)."""
+    return [list(tokens) for tokens in _hf_tokens(str(path))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), disable_log_stats=False, **OPTIONS)
+
+
+# ---- sleep / wake_up --------------------------------------------------------------------------------
+def test_sleep_level_1_frees_the_kv_cache_and_waking_gives_the_same_outputs(llm, tiny_llama_dir):
+    expected = hf_tokens(tiny_llama_dir)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    runner = llm.llm_engine.executor.runner
+    weights = [p.data_ptr() for p in runner.model.parameters()]
+    llm.sleep(level=1)
+    assert llm.llm_engine.is_sleeping() and runner.kv_caches == []
+    assert [p.data_ptr() for p in runner.model.parameters()] == weights  # CPU weights stay where they are
+    with pytest.raises(RuntimeError, match="asleep.*wake_up"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.wake_up(tags=["weights"])
+    assert llm.llm_engine.is_sleeping()  # the KV cache is still away
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.llm_engine.is_sleeping()
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    state = {m.labels["sleep_state"]: m.value for m in llm.get_metrics() if m.name == "vllm:engine_sleep_state"}
+    assert state == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+
+
+def test_sleep_forgets_the_prefix_cache(llm):
+    prompt = [{"prompt_token_ids": list(range(3, 40))}]
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0  # the cache's contents are gone
+
+
+def test_sleep_level_2_discards_the_weights_until_reloaded_or_updated(llm, tiny_llama_dir):
+    from safetensors.torch import load_file
+
+    expected = hf_tokens(tiny_llama_dir)
+    model = llm.llm_engine.executor.runner.model
+    llm.sleep(level=2)
+    assert all(p.numel() == 0 for p in model.parameters())
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    llm.sleep(level=2)
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    with pytest.raises(RuntimeError, match="wake_up\\(tags=\\['weights'\\]\\) first"):
+        llm.update_weights({"update_info": {"names": list(tensors), "tensors": list(tensors.values())}})
+    llm.wake_up()
+    llm.update_weights({"update_info": {"names": list(tensors), "tensors": list(tensors.values())}})
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+def test_sleep_waits_for_enqueued_requests_or_aborts_them(llm):
+    expected = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm.enqueue(PROMPTS, GREEDY)
+    llm.sleep(level=1, mode="wait")
+    llm.wake_up()
+    assert token_ids(llm.wait_for_completion(use_tqdm=False)) == expected
+    llm.enqueue(PROMPTS, GREEDY)
+    llm.sleep(level=1)  # mode="abort"
+    llm.wake_up()
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="sleep\\(level=3\\) is invalid"):
+        llm.sleep(level=3)
+    with pytest.raises(ValueError, match="mode='keep'.*not supported"):
+        llm.sleep(level=1, mode="keep")
+    with pytest.raises(ValueError, match="unknown tags \\['weight'\\]"):
+        llm.wake_up(tags=["weight"])
+    llm.sleep(level=1)
+    llm.wake_up(tags=["weights", "scheduling"])  # vLLM's third tag: scheduling is never paused here
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.llm_engine.is_sleeping()
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+# ---- metrics ----------------------------------------------------------------------------------------
+def _by_name(metrics) -> dict:
+    found: dict = {}
+    for metric in metrics:
+        found.setdefault(metric.name, []).append(metric)
+    return found
+
+
+def test_metrics_count_tokens_requests_latencies_and_cache_hits(tiny_llama_dir):
+    from tokenmill.metrics.reader import Counter, Gauge, Histogram
+
+    fresh = LLM(str(tiny_llama_dir), disable_log_stats=False, served_model_name="tiny", **OPTIONS)
+    params = [GREEDY, GREEDY.clone(max_tokens=3), SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[]),
+              GREEDY.clone(n=2, temperature=1.0, seed=1)]
+    prompts = PROMPTS + [{"prompt_token_ids": [11, 12, 13]}]
+    outputs = fresh.generate(prompts, params, use_tqdm=False)
+    completions = [c for o in outputs for c in o.outputs]
+    metrics = _by_name(fresh.get_metrics())
+    value = lambda name: metrics[name][0].value  # noqa: E731
+    assert all(m.labels["model_name"] == "tiny" and m.labels["engine"] == "0" for ms in metrics.values() for m in ms)
+    assert isinstance(metrics["vllm:prompt_tokens"][0], Counter)
+    assert value("vllm:prompt_tokens") == sum(len(p["prompt_token_ids"]) for p in prompts)
+    assert value("vllm:generation_tokens") == sum(len(c.token_ids) for c in completions)
+    by_reason = {m.labels["finished_reason"]: m.value for m in metrics["vllm:request_success"]}
+    assert by_reason == {"stop": sum(c.finish_reason == "stop" for c in completions),
+                         "length": sum(c.finish_reason == "length" for c in completions), "abort": 0}
+    ttft = metrics["vllm:time_to_first_token_seconds"][0]
+    assert isinstance(ttft, Histogram) and ttft.count == len(prompts) and ttft.buckets["+Inf"] == ttft.count
+    itl = metrics["vllm:inter_token_latency_seconds"][0]
+    assert itl.count == sum(len(c.token_ids) - 1 for c in completions) and itl.sum > 0
+    assert metrics["vllm:e2e_request_latency_seconds"][0].count == len(prompts)
+    assert isinstance(metrics["vllm:kv_cache_usage_perc"][0], Gauge)
+    assert value("vllm:kv_cache_usage_perc") == 0.0  # everything finished and freed its blocks
+
+    long_prompt = [{"prompt_token_ids": list(range(3, 60))}]
+    first = fresh.generate(long_prompt, GREEDY, use_tqdm=False)[0]
+    again = fresh.generate(long_prompt, GREEDY, use_tqdm=False)[0]
+    metrics = _by_name(fresh.get_metrics())
+    assert again.num_cached_tokens > first.num_cached_tokens  # the first shares a prefix with PROMPTS[2]
+    assert value("vllm:prefix_cache_queries") == sum(len(p["prompt_token_ids"]) for p in prompts) + 2 * 57
+    hits = sum(o.num_cached_tokens for o in [*outputs, first, again])
+    assert value("vllm:prefix_cache_hits") == hits
+
+    fresh.enqueue(long_prompt, GREEDY)
+    fresh.llm_engine.step()
+    usage = _by_name(fresh.get_metrics())["vllm:kv_cache_usage_perc"][0].value
+    assert 0.0 < usage <= 1.0
+    fresh.llm_engine.abort_request(list(fresh.llm_engine.requests))
+    aborted = {m.labels["finished_reason"]: m.value for m in _by_name(fresh.get_metrics())["vllm:request_success"]}
+    assert aborted["abort"] == 1
+
+
+def test_preemptions_are_counted(tiny_llama_dir):
+    tight = LLM(str(tiny_llama_dir), disable_log_stats=False, **{**OPTIONS, "kv_cache_memory_bytes": None},
+                num_gpu_blocks_override=12, block_size=4)
+    tight.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (10, 12, 9, 11)],
+                   GREEDY.clone(max_tokens=20), use_tqdm=False)
+    counted = _by_name(tight.get_metrics())["vllm:num_preemptions"][0].value
+    assert counted == tight.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_the_reader_turns_a_prometheus_registry_into_vllms_shapes():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+    from prometheus_client import Histogram as PromHistogram
+
+    from tokenmill.metrics.reader import Counter, Histogram, Vector, get_metrics_snapshot
+
+    registry = CollectorRegistry()
+    accepted = PromCounter("vllm:spec_decode_num_accepted_tokens_per_pos", "d", ["engine", "position"], registry=registry)
+    for position, count in ((0, 10), (2, 3)):
+        accepted.labels("0", str(position)).inc(count)
+    PromCounter("vllm:prompt_tokens", "d", ["engine"], registry=registry).labels("0").inc(7)
+    PromCounter("other:ignored", "d", registry=registry).inc()
+    latency = PromHistogram("vllm:e2e_request_latency_seconds", "d", ["engine"], buckets=[0.5, 2.0], registry=registry)
+    for seconds in (0.1, 1.0, 5.0):
+        latency.labels("0").observe(seconds)
+    found = {m.name: m for m in get_metrics_snapshot(registry)}
+    assert set(found) == {"vllm:spec_decode_num_accepted_tokens_per_pos", "vllm:prompt_tokens", "vllm:e2e_request_latency_seconds"}
+    assert found["vllm:spec_decode_num_accepted_tokens_per_pos"] == Vector(
+        "vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": "0"}, [10, 0, 3])
+    assert found["vllm:prompt_tokens"] == Counter("vllm:prompt_tokens", {"engine": "0"}, 7)
+    assert found["vllm:e2e_request_latency_seconds"] == Histogram(
+        "vllm:e2e_request_latency_seconds", {"engine": "0"}, 3, 6.1, {"0.5": 1, "2.0": 2, "+Inf": 3})
+
+
+# ---- profiling --------------------------------------------------------------------------------------
+def test_start_and_stop_profile_write_a_chrome_trace(tiny_llama_dir, tmp_path, monkeypatch, llm):
+    with pytest.raises(ValueError, match="profiler_config=.*VLLM_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "from_env"))
+    profiled = LLM(str(tiny_llama_dir), **OPTIONS)
+    profiled.start_profile(profile_prefix="run1")
+    profiled.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    profiled.stop_profile()
+    traces = list((tmp_path / "from_env").glob("run1_tp0.*.pt.trace.json.gz"))
+    assert len(traces) == 1
+    trace = json.loads(gzip.decompress(traces[0].read_bytes()))
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert any(str(n).startswith("aten::") for n in names)
+
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")
+    folder = tmp_path / "from_config"
+    configured = LLM(str(tiny_llama_dir), profiler_config={"profiler": "torch", "torch_profiler_dir": str(folder),
+                                                            "torch_profiler_use_gzip": False}, **OPTIONS)
+    configured.start_profile()
+    configured.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    configured.stop_profile()
+    assert len(list(folder.glob("tokenmill_tp0.*.pt.trace.json"))) == 1
+    with pytest.raises(RuntimeError, match="without start_profile"):
+        configured.stop_profile()
+
+
+# ---- weight transfer --------------------------------------------------------------------------------
+def _llama_like(root, tiny_llama_dir, name: str, seed: int, **fields):
+    """The tiny Llama's config (rope scaling included), with ``fields`` changed and weights drawn from ``seed``."""
+    from transformers import AutoConfig
+
+    from support.tiny_models import save_tiny_model
+
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return save_tiny_model(root, name, config, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tiny_models_root, tiny_llama_dir):
+    """The tiny Llama with other weights: the 'trained' model."""
+    return _llama_like(tiny_models_root, tiny_llama_dir, "llama_other", seed=11)
+
+
+def _checkpoint(path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return list(load_file(str(path / "model.safetensors")).items())
+
+
+def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_llama_dir, other_llama_dir):
+    from tokenmill.weight_transfer import WeightTransferUpdateRequest
+
+    engine = LLM(str(tiny_llama_dir), **OPTIONS)
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(tiny_llama_dir)
+    target = hf_tokens(other_llama_dir)
+    assert target != hf_tokens(tiny_llama_dir)
+    cached = engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)  # leaves its blocks in the prefix cache
+    assert engine.get_weight_version() == 0
+    pairs = _checkpoint(other_llama_dir)
+    engine.start_weight_update()
+    half = len(pairs) // 2  # two chunks, as a trainer sends them
+    engine.update_weights({"update_info": {"names": [n for n, _ in pairs[:half]], "tensors": [t for _, t in pairs[:half]]}})
+    engine.update_weights(WeightTransferUpdateRequest({"names": [n for n, _ in pairs[half:]], "tensors": [t for _, t in pairs[half:]]}))
+    engine.finish_weight_update()
+    assert engine.get_weight_version() == 2
+    outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == target
+    assert outputs[2].num_cached_tokens == 0 and cached  # the old weights' blocks were forgotten
+    engine.update_weight_version(40)
+    assert engine.get_weight_version() == 40
+    with pytest.raises(ValueError, match="unexpected tensors"):
+        engine.update_weights({"update_info": {"names": ["model.no_such.weight"], "tensors": [torch.zeros(1)]}})
+    with pytest.raises(ValueError, match="call init_weight_transfer_engine first"):
+        engine.update_weights({"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}})
+
+
+def test_update_weights_over_a_torch_distributed_group(tiny_llama_dir, other_llama_dir):
+    from tokenmill.weight_transfer import WeightSender
+
+    engine = LLM(str(tiny_llama_dir), **OPTIONS)
+    sender = WeightSender("127.0.0.1", 0, world_size=1 + engine.get_world_size())
+    _alongside(lambda: engine.init_weight_transfer_engine({"init_info": sender.init_info()}), sender.connect)
+    pairs = [(name, tensor.to(torch.bfloat16)) for name, tensor in _checkpoint(other_llama_dir)]  # a bf16 trainer
+    info = WeightSender.update_info(pairs)
+    assert info["dtype_names"][0] == "bfloat16"
+    _alongside(lambda: engine.update_weights({"update_info": info}), lambda: sender.send(pairs))
+    assert engine.get_weight_version() == 1
+    rounded = [(n, t.float()) for n, t in pairs]
+    reference = _llama_with(other_llama_dir, rounded)
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == [
+        hf_greedy(reference, p["prompt_token_ids"], GREEDY.max_tokens)[0] for p in PROMPTS]
+
+
+def _alongside(engine_side, trainer_side) -> None:
+    """Run the engine's blocking call in a thread while this thread plays the trainer."""
+    failures = []
+
+    def run():
+        try:
+            engine_side()
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    trainer_side()
+    thread.join(timeout=60)
+    if failures:
+        raise failures[0]
+
+
+def _llama_with(path, pairs):
+    """Hugging Face's model of ``path`` with these tensors (the bf16-rounded weights the trainer sent)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.load_state_dict(dict(pairs), strict=False)
+    return model
+
+
+# ---- layer offloading (cpu_offload_gb's mechanism, run on the CPU) ----------------------------------
+def test_offloaded_layers_stream_through_the_staging_buffers(tiny_models_root, tiny_llama_dir, paged_cache):
+    """Four layers, all offloaded, share two staging buffers: each forward must copy every layer
+    in before it runs, so logits match Hugging Face even with the buffers poisoned between forwards."""
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.worker.offload import LayerOffloader
+
+    path = _llama_like(tiny_models_root, tiny_llama_dir, "llama_4layers", seed=5, num_hidden_layers=4)
+    offloader = LayerOffloader(2**40, torch.device("cpu"))
+    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"), place=offloader.place)
+    assert len(offloader.layers) == 4 and len(offloader._buffers) == 2
+    layer_params = [p for layer in offloader.layers for p in layer.parameters()]
+    reference = hf_model(str(path))
+    cache = paged_cache(model)
+    ids = [5, 9, 30, 200, 7, 8, 41]
+    with torch.inference_mode():
+        for chunk_start, chunk_end in ((0, 4), (4, 7)):
+            for buffer in offloader._buffers:
+                buffer.fill_(0xFF)  # NaNs in every staging buffer
+            logits = cache.step([(0, ids[chunk_start:chunk_end])])[0]
+            expected = torch.stack([hf_next_logprobs(reference, ids[: i + 1]) for i in range(chunk_start, chunk_end)])
+            assert torch.allclose(torch.log_softmax(logits.float(), -1), expected, atol=1e-4)
+            # Between forwards the parameters are their own CPU tensors again, not buffer views.
+            assert all(p.untyped_storage().data_ptr() not in {b.data_ptr() for b in offloader._buffers} for p in layer_params)
+
+
+def test_choose_layers_spreads_them_and_covers_the_budget():
+    from tokenmill.worker.offload import choose_layers
+
+    assert choose_layers([10] * 8, 40) == [1, 3, 5, 7]
+    assert choose_layers([10] * 8, 41) == [1, 2, 4, 5, 7] or len(choose_layers([10] * 8, 41)) == 5
+    assert choose_layers([10] * 4, 1) == [3]
+    assert choose_layers([10] * 4, 10**9) == [0, 1, 2, 3]
+    assert choose_layers([10] * 4, 0) == []
+
+
+# ---- tensor parallelism: the controls reach both ranks ---------------------------------------------
+@pytest.mark.slow
+def test_sleep_and_update_weights_reach_every_rank(tiny_llama_dir, other_llama_dir):
+    engine = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS)
+    expected = hf_tokens(tiny_llama_dir)
+    engine.sleep(level=2)
+    assert engine.collective_rpc(lambda w: sum(p.numel() for p in w.model.parameters())) == [0, 0]
+    engine.wake_up()
+    engine.collective_rpc("reload_weights")
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    pairs = _checkpoint(other_llama_dir)
+    engine.update_weights({"update_info": {"names": [n for n, _ in pairs], "tensors": [t for _, t in pairs]}})
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(other_llama_dir)

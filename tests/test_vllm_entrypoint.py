@@ -1,0 +1,260 @@
+"""vLLM's assertions on its `LLM` entrypoint (tests/entrypoints/llm/ of vLLM) that make sense without
+a GPU, run against tokenmill: several sampling params, priority, empty and out-of-vocabulary prompts,
+max_model_len caps, chat with one BOS and several conversations, prompt logprobs (against Hugging
+Face), collective_rpc, several LLMs in one process with their own stats, vLLM's per-call keywords
+and import paths, and the engine arguments with an effect (hf_overrides, chunked prefill off, a fixed block count,
+generation-config overrides, the LLM-level chat template)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from reference import hf_greedy, hf_model, hf_next_logprobs
+from tokenmill import LLM, EngineArgs, SamplingParams
+
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=48, kv_cache_memory_bytes=8 * 2**20, max_num_seqs=8, seed=0)
+PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is", "The future of AI is"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), **OPTIONS)
+
+
+def test_multiple_sampling_params(llm):
+    params = [SamplingParams(temperature=0.01, top_p=0.95), SamplingParams(temperature=0.3, top_p=0.95),
+              SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=0.99, top_p=0.95)]
+    assert len(llm.generate(PROMPTS, params, use_tqdm=False)) == len(PROMPTS)
+    with pytest.raises(ValueError, match="got 3 sampling_params for 4 prompts"):
+        llm.generate(PROMPTS, params[:3], use_tqdm=False)
+    assert len(llm.generate(PROMPTS, params[0], use_tqdm=False)) == len(PROMPTS)
+    assert len(llm.generate(PROMPTS, use_tqdm=False)) == len(PROMPTS)
+
+
+def test_priority_and_lora_request_as_vllm_checks_them(llm):
+    assert len(llm.generate(PROMPTS, None, use_tqdm=False, priority=None, lora_request=None)) == len(PROMPTS)
+    assert len(llm.generate(PROMPTS, None, use_tqdm=False, priority=[0] * len(PROMPTS))) == len(PROMPTS)
+    assert len(llm.generate(PROMPTS[0], None, use_tqdm=False, priority=[0])) == 1  # one text prompt is one request
+    for wrong in ([0] * (len(PROMPTS) - 1), [], [0.5] * len(PROMPTS)):
+        with pytest.raises(ValueError, match=f"priority must be a list of {len(PROMPTS)} integers"):
+            llm.generate(PROMPTS, None, use_tqdm=False, priority=wrong)
+    assert len(llm.enqueue(PROMPTS, GREEDY, lora_request=None, priority=[3] * len(PROMPTS))) == len(PROMPTS)
+    assert len(llm.wait_for_completion(use_tqdm=False)) == len(PROMPTS)
+
+
+def test_empty_and_out_of_vocabulary_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [999999]}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # a refused call leaves nothing queued
+
+
+def test_max_model_len_caps_prompt_plus_output(llm):
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=OPTIONS["max_model_len"] + 10, ignore_eos=True), use_tqdm=False)
+    for output in outputs:
+        assert len(output.prompt_token_ids) + len(output.outputs[0].token_ids) == OPTIONS["max_model_len"]
+        assert output.outputs[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_match_hugging_face(llm, tiny_llama_dir):
+    output = llm.generate("the cat sat on the mat", SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = output.prompt_token_ids
+    assert len(output.prompt_logprobs) == len(ids) and output.prompt_logprobs[0] is None
+    reference = hf_model(str(tiny_llama_dir))
+    for position in range(1, len(ids)):
+        entry = output.prompt_logprobs[position]
+        expected = hf_next_logprobs(reference, ids[:position])
+        assert ids[position] in entry and 2 <= len(entry) <= 3
+        assert abs(entry[ids[position]].logprob - float(expected[ids[position]])) < 1e-4
+        assert entry[ids[position]].rank == int((expected > expected[ids[position]]).sum()) + 1
+
+
+class EchoExtension:
+    """A worker extension (vLLM's worker_extension_cls): its methods join the Worker."""
+
+    def echo_rank(self) -> int:
+        return self.rank
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def test_collective_rpc_and_a_worker_extension(tiny_llama_dir, llm):
+    assert llm.collective_rpc(lambda worker: worker.rank) == [0]
+    assert llm.get_world_size() == 1 and llm.get_world_size(include_dp=False) == 1
+    extended = LLM(str(tiny_llama_dir), worker_extension_cls=EchoExtension, **OPTIONS)
+    assert extended.collective_rpc("echo_rank") == [0]
+    assert extended.collective_rpc("parameter_count") == [sum(p.numel() for p in hf_model(str(tiny_llama_dir)).parameters())]
+    with pytest.raises(ValueError, match="cannot be imported"):
+        LLM(str(tiny_llama_dir), worker_extension_cls="no_such_module.Extension", **OPTIONS)
+
+
+def test_several_llms_in_one_process(llm, tiny_llama_dir, tiny_qwen2_dir):
+    prompts = [{"prompt_token_ids": [5, 70, 91, 13]}, {"prompt_token_ids": [200, 4]}]
+    first = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    other = LLM(str(tiny_qwen2_dir), disable_log_stats=False, **OPTIONS)
+    second = token_ids(other.generate(prompts, GREEDY, use_tqdm=False))
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == first
+    assert first == [hf_greedy(hf_model(str(tiny_llama_dir)), p["prompt_token_ids"], 6)[0] for p in prompts]
+    assert second == [hf_greedy(hf_model(str(tiny_qwen2_dir)), p["prompt_token_ids"], 6)[0] for p in prompts]
+    with_stats = other.generate(prompts, GREEDY, use_tqdm=False)  # vLLM's test_log_stats: every output has metrics
+    assert all(o.metrics is not None and o.metrics.first_token_time is not None for o in with_stats)
+    generated = {m.name: m.value for m in other.get_metrics() if m.name == "vllm:generation_tokens"}
+    assert generated == {"vllm:generation_tokens": 24}  # its own registry: the other LLM's tokens are not counted
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        llm.get_metrics()
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with a tokenizer that adds BOS to every encode, as Llama's does."""
+    from tokenizers import processors
+
+    from support.tiny_models import build_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("bos") / "llama"
+    shutil.copytree(tiny_llama_dir, folder)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{{ marker | default('') }}")
+
+
+def test_chat_has_one_bos_and_takes_template_kwargs(bos_model_dir):
+    llm = LLM(str(bos_model_dir), chat_template=BOS_TEMPLATE, **OPTIONS)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id  # a naive render-then-encode would double it
+    messages = [{"role": "user", "content": "the cat"}]
+    output = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert output.prompt_token_ids[0] == tokenizer.bos_token_id != output.prompt_token_ids[1]
+    system = [{"role": "system", "content": "be brief"}]
+    both = llm.chat([system + messages, messages], GREEDY, use_tqdm=False)  # several conversations at once
+    assert len(both) == 2 and both[1].prompt_token_ids == output.prompt_token_ids
+    assert both[0].prompt_token_ids.count(tokenizer.bos_token_id) == 1
+    marked = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={"marker": "sat on"})[0]
+    assert marked.prompt.endswith("assistant\nsat on")
+    assert marked.prompt_token_ids[: len(output.prompt_token_ids)] == output.prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format='openai' is not supported"):
+        llm.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_generate_keywords_of_vllm(llm):
+    tokenizer = llm.get_tokenizer()
+    text = "the weather is fine today"
+    out = llm.generate([text], GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True, "max_length": 3},
+                       priority=[0])[0]
+    assert out.prompt_token_ids == tokenizer(text, truncation=True, max_length=3)["input_ids"]
+    assert len(out.prompt_token_ids) == 3
+    with pytest.raises(ValueError, match="priority must be a list of 2 integers"):
+        llm.generate([text, text], GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate([text], GREEDY, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
+        llm.generate([text], GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})
+    from tqdm import tqdm
+
+    bars = []
+
+    def factory(**kwargs):
+        bars.append(tqdm(disable=True, **kwargs))
+        return bars[-1]
+
+    extra = GREEDY.clone(extra_args={"my_plugin": {"alpha": 1}})
+    assert token_ids(llm.generate([text], extra, use_tqdm=factory)) == token_ids(llm.generate([text], GREEDY, use_tqdm=False))
+    assert bars and bars[0].total == 1
+    with pytest.raises(ValueError, match=r"SamplingParams.extra_args=5 is invalid"):
+        SamplingParams(extra_args=5)
+
+
+def test_reset_prefix_cache_with_running_requests(llm):
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 33)]
+    expected = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+    llm.enqueue(prompts, GREEDY)
+    llm.llm_engine.step()
+    assert not llm.reset_prefix_cache()  # running requests hold blocks
+    assert llm.reset_prefix_cache(reset_running_requests=True)  # preempted, then recomputed
+    assert token_ids(llm.wait_for_completion(use_tqdm=False)) == expected
+    assert llm.reset_mm_cache() is None
+    assert llm.reset_prefix_cache(reset_connector=True)  # no KV connector: nothing more to reset
+
+
+def test_import_paths_of_vllm_scripts():
+    from tokenmill import distributed, structured_outputs
+    from tokenmill.distributed import cleanup_dist_env_and_memory
+    from tokenmill.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
+    from tokenmill.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    assert StructuredOutputsParams is structured_outputs.StructuredOutputsParams
+    assert GuidedDecodingParams is structured_outputs.GuidedDecodingParams
+    assert all(issubclass(kind, Metric) for kind in (Counter, Gauge, Histogram, Vector))
+    assert cleanup_dist_env_and_memory is distributed.cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory(shutdown_ray=False)
+    from tokenmill import EngineArgs as TopEngineArgs
+    from tokenmill import LLMEngine
+
+    assert callable(LLMEngine.from_engine_args) and TopEngineArgs is EngineArgs
+    assert callable(EngineArgs.add_cli_args) and callable(EngineArgs.from_cli_args)  # used in test_engine_args_table
+
+
+def test_pooling_output_equality():
+    from tokenmill import PoolingOutput, PoolingRequestOutput
+
+    data = torch.tensor([0.25, -1.0, 3.0])
+    assert PoolingOutput(data) == PoolingOutput(data.clone())
+    assert PoolingOutput(data) != PoolingOutput(data + 1)
+    assert PoolingOutput(data) != PoolingOutput(data[:2])
+    assert PoolingOutput(data) != data
+    assert PoolingRequestOutput("0", PoolingOutput(data), [1, 2], True) == PoolingRequestOutput("0", PoolingOutput(data.clone()), [1, 2], True)
+
+
+def test_engine_arguments_with_an_effect(tiny_llama_dir):
+    base = {**OPTIONS, "max_model_len": None}
+    overridden = LLM(str(tiny_llama_dir), hf_overrides={"max_position_embeddings": 96}, **base)
+    assert overridden.llm_engine.config.max_model_len == 96
+    by_function = LLM(str(tiny_llama_dir), hf_overrides=lambda c: setattr(c, "max_position_embeddings", 80) or c, **base)
+    assert by_function.llm_engine.config.max_model_len == 80
+
+    defaults = LLM(str(tiny_llama_dir), override_generation_config={"temperature": 0.0, "max_new_tokens": 5},
+                   num_gpu_blocks_override=12, **OPTIONS)
+    assert (defaults.get_default_sampling_params().temperature, defaults.get_default_sampling_params().max_tokens) == (0.0, 5)
+    assert defaults.llm_engine.kv.pool.num_blocks == 12
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (30, 7, 41)]
+    chunked = LLM(str(tiny_llama_dir), max_num_batched_tokens=16, **OPTIONS)
+    whole = LLM(str(tiny_llama_dir), enable_chunked_prefill=False, **OPTIONS)
+    assert whole.llm_engine.scheduler.chunked_prefill is False
+    assert whole.llm_engine.config.max_num_batched_tokens >= OPTIONS["max_model_len"]
+    assert token_ids(whole.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False))
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16.*enable_chunked_prefill=False"):
+        LLM(str(tiny_llama_dir), enable_chunked_prefill=False, max_num_batched_tokens=16, **OPTIONS)
+
+
+def test_llm_from_engine_args(tiny_llama_dir, llm):
+    engine_args = EngineArgs(model=str(tiny_llama_dir), **OPTIONS)
+    again = LLM.from_engine_args(engine_args)
+    prompts = [{"prompt_token_ids": [9, 8, 7]}]
+    assert token_ids(again.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("method, args", [("sleep", ()), ("get_metrics", ()), ("start_profile", ()),
+                                          ("update_weights", ({"update_info": {}},)), ("get_weight_version", ())])
+def test_engine_controls_of_a_pooling_model_are_clear_errors(bert_embedder_llm, method, args):
+    with pytest.raises(ValueError, match=f"LLM.{method}\\(\\) is available for generative models"):
+        getattr(bert_embedder_llm, method)(*args)
+    assert bert_embedder_llm.get_world_size() == 1
+

@@ -1,0 +1,154 @@
+"""The generation engine's controls between steps (vLLM's names): sleep and wake-up, the prefix
+cache, profiling, weight transfer for RL loops and metrics.
+
+Each one that touches device state goes through `Executor.collective_rpc`, so every
+tensor-parallel rank does its part (the `Worker` methods of the same names); the engine keeps
+the books: what is asleep, the weight version, the prefix cache index, the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.distributed.executor import Executor
+    from tokenmill.engine.kv_cache import KVCacheManager
+    from tokenmill.engine.request import Request
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.metrics.reader import Metric
+    from tokenmill.metrics.stats import EngineMetrics
+
+logger = logging.getLogger(__name__)
+SLEEP_LEVELS = (1, 2)
+SLEEP_MODES = ("abort", "wait")
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineControls:
+    """Mixed into `LLMEngine`, which provides the attributes below."""
+
+    config: "EngineConfig"
+    executor: "Executor"
+    kv: "KVCacheManager"
+    scheduler: "Scheduler"
+    requests: dict[str, "Request"]
+    metrics: "EngineMetrics | None"
+    asleep: set[str]  # of SLEEP_TAGS
+    weight_version: int
+
+    if TYPE_CHECKING:
+        def step(self, finished_only: bool = False) -> list[Any]: ...
+
+        def abort_request(self, request_ids: Any) -> None: ...
+
+        def _settle(self) -> None: ...
+
+    # ---- sleep ----------------------------------------------------------------------------------
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free the KV cache on every rank; level 1 keeps the weights in pinned CPU memory, level 2
+        discards them. ``mode``: "abort" the unfinished requests, or "wait" for them (their outputs
+        are dropped; `LLM.sleep` keeps them). The prefix cache is forgotten with the KV cache."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep(level={level!r}) is invalid: must be 1 (weights to CPU memory) or 2 (weights discarded)")
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"sleep(mode={mode!r}) is not supported by tokenmill: supported: {' or '.join(map(repr, SLEEP_MODES))}")
+        if self.asleep:
+            raise RuntimeError("the engine is already asleep; wake_up() first")
+        if mode == "wait":
+            while self.requests:
+                self.step(finished_only=True)
+        self.abort_request(list(self.requests))
+        self._settle()
+        self.kv.pool.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", args=(level,))
+        self.asleep = set(SLEEP_TAGS)
+        if self.metrics is not None:
+            self.metrics.record_sleep_level(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (every rank); None: both. vLLM's third tag,
+        "scheduling" (waking from a level-0 pause), is accepted: tokenmill never pauses scheduling."""
+        if tags is not None:
+            tags = [t for t in tags if t != "scheduling"]
+            unknown = [t for t in tags if t not in SLEEP_TAGS]
+            if unknown:
+                raise ValueError(f"wake_up(tags={tags!r}): unknown tags {unknown}; known: {[*SLEEP_TAGS, 'scheduling']}")
+        self.executor.collective_rpc("wake_up", args=(tags,))
+        # Waking captures the decode graphs again on every rank; under tensor parallelism rank 0's
+        # new graphs must announce their replays to the workers like the first ones did.
+        self.executor.mirror_decode_graphs()
+        self.asleep -= set(SLEEP_TAGS if tags is None else tags)
+        if self.metrics is not None and not self.asleep:
+            self.metrics.record_sleep_level(0)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    # ---- caches -----------------------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix. Blocks in use cannot be forgotten, so this returns False while
+        requests run, unless ``reset_running_requests`` preempts them first (they are recomputed).
+        ``reset_connector``: there is no KV connector, nothing to reset."""
+        if reset_running_requests:
+            self.scheduler.preempt_all()
+        return self.kv.pool.reset_prefix_cache()
+
+    def reset_mm_cache(self) -> None:
+        """No multimodal models, so no multimodal cache: nothing to do."""
+
+    # ---- profiling --------------------------------------------------------------------------------
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self._check_profiling("start_profile")
+        self.executor.collective_rpc("start_profile", args=(profile_prefix,))
+
+    def stop_profile(self) -> None:
+        self._check_profiling("stop_profile")
+        self.executor.collective_rpc("stop_profile")
+
+    def _check_profiling(self, method: str) -> None:
+        if self.config.profiler is None:
+            raise ValueError(
+                f"{method}() needs profiling turned on: LLM(..., profiler_config={{'profiler': 'torch', "
+                "'torch_profiler_dir': '/path/to/traces'}) or the environment variable VLLM_TORCH_PROFILER_DIR"
+            )
+
+    # ---- weight transfer (tokenmill/weight_transfer.py) ---------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.executor.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.executor.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Replace the named tensors on every rank, bump the weight version, forget the prefix cache."""
+        if self.config.quantization is not None:
+            raise ValueError(f"update_weights on quantized weights ({self.config.quantization.describe()}) is not supported")
+        if not isinstance(update_info, dict):
+            raise ValueError(f"update_weights: update_info must be a dict, got {type(update_info).__name__}")
+        if "weights" in self.asleep:
+            raise RuntimeError("update_weights while the weights sleep: wake_up(tags=['weights']) first")
+        self.executor.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        self.weight_version += 1
+        if not self.reset_prefix_cache():
+            logger.warning("update_weights while requests run: their cached prefix blocks keep the old weights' keys "
+                           "and values until they finish")
+
+    def finish_weight_update(self) -> None:
+        self.executor.collective_rpc("finish_weight_update")
+
+    def update_weight_version(self, version: int) -> None:
+        self.weight_version = version
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
+
+    # ---- metrics ----------------------------------------------------------------------------------
+    def get_metrics(self) -> list["Metric"]:
+        if self.metrics is None:
+            if self.config.log_stats:
+                raise ValueError("get_metrics() needs prometheus-client: pip install 'tokenmill[metrics]'")
+            raise ValueError("get_metrics() needs metrics collected: LLM(..., disable_log_stats=False) "
+                             "(off by default, as in vLLM's LLM)")
+        return self.metrics.snapshot()

@@ -1,0 +1,49 @@
+"""What an engine is built from: the resolved model, its settings and its tokenizer.
+
+`create_engine` (tokenmill/engine_factory.py) then picks the engine that serves the model;
+`LLMEngine.from_engine_args` (vLLM's constructor) builds the generation engine from the same.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineArgs, EngineConfig
+    from tokenmill.models.source import ModelSource
+
+
+def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSource", Any]:
+    """The model (with ``hf_overrides`` applied), the engine's settings and the tokenizer (None with
+    skip_tokenizer_init); seeds torch's generator with ``args.seed``."""
+    import torch
+
+    from tokenmill.config import resolve_config
+    from tokenmill.models.source import apply_hf_overrides, resolve_model
+
+    source = resolve_model(
+        args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
+        trust_remote_code=args.trust_remote_code,
+    )
+    if args.hf_overrides:
+        source = apply_hf_overrides(source, args.hf_overrides)
+    config = resolve_config(args, source)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args)
+    torch.manual_seed(args.seed)
+    return config, source, tokenizer
+
+
+def load_tokenizer(source: "ModelSource", args: "EngineArgs") -> Any:
+    from tokenmill.models.source import tokenizer_class
+
+    path = source.tokenizer_path
+    kwargs = dict(source.tokenizer_kwargs)
+    if args.tokenizer_revision:
+        kwargs["revision"] = args.tokenizer_revision
+    if args.tokenizer_mode == "slow":
+        kwargs["use_fast"] = False
+    try:
+        cls = tokenizer_class(path, kwargs)
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except Exception as exc:  # transformers raises many types; the user needs the path
+        raise ValueError(f"could not load the tokenizer from {path!r}: {exc}") from exc
