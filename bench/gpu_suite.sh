@@ -4,13 +4,16 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
-#   [sampler] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack] [vllm] [vllm-p4p5] [vllm-p6] [ray]
+#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
+#   [kernels-p5] [p5-overlap] [p3-overlap]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
-#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). ray: P1 through
-#   tokenmill.ray against plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried.
+#   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
+#   workload with tutorial sampling settings (bench/workload_bench.py). ray: P1 through tokenmill.ray against
+#   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -87,8 +90,13 @@ for part in $parts; do
       tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
-    sampler)
-      timeout 60 python3 bench/sampler_bench.py --device cuda --repeats 20 2>&1 | tee "$OUT/sampler.txt" ;;
+    sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
+      timeout 150 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
+      grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
+    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all
+      [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
+      RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape 2>&1 | grep '^{'
+      tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
     timeline)
@@ -112,6 +120,15 @@ for part in $parts; do
         RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
+    kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep
+      timeout 240 python3 bench/kernels_bench.py --p5 --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
+      cat "$OUT/kernels_p5.raw"; : > "$OUT/kernels_p5.raw" ;;
+    p3-overlap|p5-overlap)  # two micro-batches on two streams (TOKENMILL_OVERLAP): the run without, then with
+      [ "$part" = p3-overlap ] && run="llama3-8b nano" places=decode || run="qwen3-0.6b prefill" places=mixed
+      RESULTS="$OUT/overlap.raw" timeout 200 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -2
+      RESULTS="$OUT/overlap.raw" TOKENMILL_OVERLAP=$places PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 \
+        python3 bench/peer_bench.py tokenmill_overlap $run 2>&1 | grep -v "^\s*$" | tail -2
+      tag "$OUT/overlap.raw" "$OUT/throughput.jsonl"; : > "$OUT/overlap.raw" ;;
     p6-host)  # the pooling engine's host µs per request on this machine's CPU (forward stubbed), both P6 input shapes
       for shape in bert qwen3; do
         timeout 120 python3 bench/pooling_host_bench.py $shape >> "$OUT/pooling_host.raw" 2>>"$OUT/suite.log"
@@ -151,7 +168,7 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-tp2)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
@@ -164,6 +181,7 @@ for part in $parts; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
+        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b 2>&1 | grep '^{' ;;
       esac
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm.raw" ;;
   esac

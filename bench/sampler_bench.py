@@ -1,93 +1,102 @@
-"""Micro-benchmark of the sampler at N=256 rows, V=151,936 (Qwen's vocab): the top-k / top-p filters
-(the old sort-based versions against the sort-free radix-select ones in tokenmill/worker/sampler.py),
-and a whole temperature-only draw from bf16 logits (P1's case): the old torch passes against the
-one-pass kernel path the Sampler takes now on a GPU.
+"""Micro-benchmark of the GPU sampler kernels (``kernels/triton/sampling.sample_tokens``) at the
+settings users take: temperature only, top-k / top-p / min-p, penalties, all of them, on
+bf16 logits of Qwen's vocabulary (151,936) at 64 / 256 / 1,024 rows.
 
-    python bench/sampler_bench.py [--device cuda] [--rows 256] [--vocab 151936] [--repeats 5]
+    python bench/sampler_bench.py [--rows 64 256 1024] [--vocab 151936] [--repeats 20] [--json]
 
-Prints the median ms per call. The old top-k read max k from the device (a host sync); the new one
-takes it from the host, as the runner does. Logits are random normal times a per-row scale (peaked to flat rows),
-top_p uniform in [0.5, 1), top_k uniform in [1, 100].
+Two kinds of logits: "flat", the spread of a random-weight model (normal, std 0.9 after a
+temperature of 0.7: what P4 and the chat workloads sample from; top-p keeps most of the
+vocabulary there), and "peaked", a real model's shape (normal, std 3, so a few dozen tokens hold
+most of the mass). Penalties read per-sequence state like the engine's: 500 prompt tokens and 300
+output tokens per row. Prints the median µs per call (CUDA events, after warm-up); with --json,
+one JSON row per case (rows, logits, case, us) for bench/results.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
-import time
-from typing import Callable
 
 import torch
 
-from tokenmill.worker.sampler import Sampler, SamplingBatch, _top_k, _top_p
+from tokenmill.kernels.triton.sampling import Filters, RowState, sample_tokens
+
+# case -> (top_k, top_p, min_p, repetition_penalty) at temperature 0.7
+CASES = {
+    "temperature": (0, 1.0, 0.0, 1.0),
+    "top_k 50": (50, 1.0, 0.0, 1.0),
+    "top_p 0.9": (0, 0.9, 0.0, 1.0),
+    "top_k 100 + top_p 0.95": (100, 0.95, 0.0, 1.0),
+    "min_p 0.05": (0, 1.0, 0.05, 1.0),
+    "repetition 1.1": (0, 1.0, 0.0, 1.1),
+    "top_k 50 + top_p 0.9 + repetition 1.1": (50, 0.9, 0.0, 1.1),
+}
 
 
-def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The previous implementation: a full [N, V] sort, softmax, cumsum and scatter back."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+def penalty_state(rows: int, vocab: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+    outputs = torch.randint(0, vocab, (rows, 300), device=device, generator=gen)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
+    words = -(-vocab // 32)
+    dense = torch.zeros(rows, words * 32, dtype=torch.int64, device=device)
+    dense.scatter_(1, torch.randint(0, vocab, (rows, 500), device=device, generator=gen), 1)
+    bits = (dense.view(rows, words, 32) << torch.arange(32, device=device)).sum(-1).to(torch.int32)
+    return counts, bits
 
 
-def topk_max_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """The previous implementation: topk(max k), which reads max k back to the host."""
-    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def torch_draw(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The previous draw: upcast, greedy argmax, temperature, softmax, exponential race, argmax."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    probs = torch.softmax(logits / torch.where(temperature == 0.0, 1.0, temperature)[:, None], dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.where(temperature == 0.0, greedy, (probs / race).argmax(dim=-1))
-
-
-def median_ms(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
+def median_us(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    scale = torch.rand(args.rows, 1, generator=gen, device=device) * 4
-    logits = torch.randn(args.rows, args.vocab, generator=gen, device=device) * scale
-    top_p = torch.rand(args.rows, generator=gen, device=device) * 0.5 + 0.5
-    top_k = torch.randint(1, 101, (args.rows,), generator=gen, device=device)
-    print(f"device={device} rows={args.rows} vocab={args.vocab} threads={torch.get_num_threads()}, median ms per call")
-    cases = {
-        "top_p sort (old)": lambda: sorted_top_p(logits, top_p),
-        "top_p radix (new)": lambda: _top_p(logits, top_p),
-        "top_k topk(max k) (old)": lambda: topk_max_top_k(logits, top_k),
-        "top_k host max k (new)": lambda: _top_k(logits, top_k, 100),
-    }
-    bf16 = logits.to(torch.bfloat16)
-    temperature = torch.full((args.rows,), 0.6, device=device)
-    draw = SamplingBatch(temperature=temperature, all_greedy=False, top_k=None, max_top_k=0, top_p=None, min_p=None,
-                         draw_keys=torch.arange(args.rows, device=device), draw_counters=torch.zeros(args.rows, dtype=torch.int64, device=device))
-    sampler = Sampler()
-    cases["draw T=0.6, torch passes (old)"] = lambda: torch_draw(bf16, temperature, gen)
-    cases["draw T=0.6, Sampler (new)"] = lambda: sampler(bf16, draw).token_ids
-    for name, fn in cases.items():
-        print(f"{name:34s} {median_ms(fn, device, args.repeats):9.2f} ms")
+    print(f"# {torch.cuda.get_device_name()} vocab={args.vocab} bf16, median µs per sample_tokens call (event-timed)")
+    print(f"{'rows':>5} {'logits':>7}  " + "  ".join(f"{name:>14.14}" for name in CASES))
+    for rows in args.rows:
+        counts, bits = penalty_state(rows, args.vocab, device, gen)
+        temperature = torch.full((rows,), 0.7, device=device)
+        keys = torch.randint(0, 2**62, (rows,), device=device, generator=gen)
+        counters = torch.arange(rows, device=device)
+        slots = torch.arange(rows, dtype=torch.int32, device=device)
+        no_bias = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        for kind, std in (("flat", 0.9 * 0.7), ("peaked", 3.0 * 0.7)):
+            # logits = std * normal at T = 1 becomes the described spread after dividing by 0.7
+            logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * std).to(torch.bfloat16)
+            line = []
+            for name, (top_k, top_p, min_p, repetition) in CASES.items():
+                filters = None
+                if top_k or top_p < 1.0 or min_p:
+                    filters = Filters(torch.full((rows,), top_k, device=device), torch.full((rows,), top_p, device=device),
+                                      torch.full((rows,), min_p, device=device))
+                state = None
+                if repetition != 1.0:
+                    factor = torch.full((rows,), repetition, device=device)
+                    zeros = torch.zeros(rows, device=device)
+                    state = RowState(no_bias, torch.zeros(1, args.vocab, device=device), slots, counts, bits, factor,
+                                     zeros, zeros)
+                us = median_us(lambda: sample_tokens(logits, temperature, keys, counters, filters, state), args.repeats)
+                line.append(us)
+                if args.json:
+                    print(json.dumps({"rows": rows, "vocab": args.vocab, "logits": kind, "case": name, "us": round(us, 1)}))
+            print(f"{rows:>5} {kind:>7}  " + "  ".join(f"{us:>14.1f}" for us in line))
 
 
 if __name__ == "__main__":

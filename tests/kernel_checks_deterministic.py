@@ -124,10 +124,13 @@ def _check_attention(p: dict[str, Any]) -> None:
             starts.append(starts[-1] + count)
         seq_lens = [start + count for _, start, count in items]
         out = torch.full_like(q, float("nan"))
+        # As the backend passes it: the leading one-token sequences (the default mode's decode launch).
+        num_decode_seqs = next((i for i, (_, _, count) in enumerate(items) if count != 1), len(items))
         paged_attention(
             q, cache, torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
             batch.block_tables[[s for s, _, _ in items]], scale, max_query_len=max(c for _, _, c in items),
-            max_seq_len=max(lens), out=out, config=dataclasses.replace(config, num_splits=splits),
+            max_seq_len=max(lens), num_decode_seqs=num_decode_seqs, out=out,
+            config=dataclasses.replace(config, num_splits=splits),
         )
         assert torch.isnan(out[len(rows):]).all(), "padding rows were written"
         return out[: len(rows)], rows
@@ -143,6 +146,7 @@ def _check_attention(p: dict[str, Any]) -> None:
             ([(s, pos, 1) for s, n in enumerate(lens) for pos in (0, n // 3, n - 1)], 1),  # decodes side by side
             ([(0, lens[0] - 1, 1)], 3),  # one decode alone, its parts over three programs
             ([(0, 5, lens[0] - 5), *((s, n - 1, 1) for s, n in enumerate(lens) if s)], 1),  # a chunk beside decodes
+            ([*((s, n - 1, 1) for s, n in enumerate(lens) if s), (0, 5, lens[0] - 5)], 2),  # decodes first, one launch
             ([(s, 1, n // 2) for s, n in enumerate(lens)] + [(0, 0, 1)], 2),  # first halves after a 1-token prefix
         ]
         for items, splits in runs:
@@ -157,7 +161,7 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
 
     import torch
 
-    from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs
+    from tokenmill.kernels.triton.paged_attention import choose_config, choose_configs, launch_configs
 
     rng = random.Random(1)
     cpu = torch.device("cpu")
@@ -176,6 +180,12 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
                 )
                 # One compiled variant for every step: only the (run-time) number of split programs varies.
                 assert dataclasses.replace(config, num_splits=1) == listed, (config, listed)
+                # A mixed step stays one launch: no decode tile of its own for its leading decodes.
+                assert choose_configs(
+                    num_tokens=num_seqs * max_query_len, num_seqs=num_seqs + 1, num_decode_seqs=1, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_query_len=max_query_len,
+                    max_seq_len=max_model_len, device=cpu, deterministic=True,
+                )[0] is None
                 splits.add(config.num_splits)
             assert (max(splits) > 1) == (max_model_len > listed.part_keys), splits
 

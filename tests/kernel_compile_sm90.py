@@ -53,7 +53,7 @@ _COMPILE_VARLEN = {
 for _name in _COMPILE_VARLEN:
     _case("compile_sm90", f"sm90-varlen-{_name}", kernel="varlen_attention", shape=_name)
 for _kernel in ("kv_store", "rms_norm", "fused_add_rms_norm", "head_rms_norm", "rotary", "silu_and_mul", "gumbel_argmax",
-                "add_layer_norm"):
+                "add_layer_norm", "sample_tokens"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
 _COMPILE_QKV_PROLOGUE = {
     # name: (dtype, tokens, heads, kv_heads, head_dim, block_size, qk_norm)
@@ -113,7 +113,7 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
         bound = self.signature.bind(*args, **kwargs)
         signature: dict[str, str] = {}
         constexprs: dict[str, Any] = {}
@@ -231,6 +231,15 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         rows = 256
         sampling.gumbel_argmax(torch.empty((rows, 151936), dtype=bf16), torch.ones(rows),
                                torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
+    elif kernel == "sample_tokens":  # every kernel of the filtered, penalised draw
+        rows, vocab = 256, 151936
+        ids = torch.zeros(rows, dtype=torch.int64)
+        slots = torch.zeros(rows, dtype=torch.int32)
+        floats = torch.ones(rows)
+        state = sampling.RowState(slots, torch.empty((4, vocab)), slots, torch.empty((4, vocab), dtype=torch.int32),
+                                  torch.empty((4, vocab // 32), dtype=torch.int32), floats, floats, floats)
+        sampling.sample_tokens(torch.empty((rows, vocab), dtype=bf16), floats, ids, ids,
+                               sampling.Filters(ids, floats, floats), state)
     elif kernel == "qkv_prologue":
         dtype_name, tokens, heads, kv_heads, dim, bs, qk_norm = _COMPILE_QKV_PROLOGUE[p["shape"]]
         dtype = getattr(torch, dtype_name)

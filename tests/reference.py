@@ -63,9 +63,10 @@ def hf_beam_search(
     return hypotheses
 
 
-# Chi-square critical value, 9 degrees of freedom, p = 0.001: a correct sampler exceeds it once in a
-# thousand seeds (the draw tests use fixed seeds, so they are deterministic).
-CHI2_9DOF_P001 = 27.88
+# Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler exceeds them once
+# in a thousand seeds (the draw tests use fixed seeds, so they are deterministic).
+CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+CHI2_9DOF_P001 = CHI2_P001[9]
 
 
 def draw_test_logits() -> torch.Tensor:

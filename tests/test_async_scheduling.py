@@ -89,13 +89,75 @@ def test_preemption_under_a_tiny_pool(tiny_llama_dir, engines, prompts):
 
 
 def test_requests_reading_their_history_step_synchronously(engines, prompts):
-    # A repetition penalty needs every earlier id on the host: while such a request is live the
-    # engine reads each step back before scheduling the next, and outputs stay exact.
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5 if i == 0 else 1.0)
+    # A Python logits processor reads every earlier id on the host: while such a request is live
+    # the engine reads each step back before scheduling the next, and outputs stay exact.
+    def no_repeats(output_ids, logits):
+        logits[list(output_ids)] = float("-inf")
+        return logits
+
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logits_processors=[no_repeats] if i == 0 else None)
               for i in range(len(prompts))]
     expected, got, overlapped = run_both(engines, prompts, params)
     assert completions(got) == completions(expected)
-    assert overlapped < 3  # at most the steps after the penalised request finished
+    assert overlapped < 3  # at most the steps after that request finished
+
+
+def _penalty_workload(engines, prompts) -> list[SamplingParams]:
+    """Every penalty and logit control that keeps its state on the device, mixed over the batch:
+    greedy and seeded sampled rows (unseeded draws would differ with the number of steps), n > 1,
+    min_tokens held against stop ids that the unconstrained run does produce, and multi-token bad
+    words taken from that run's own outputs."""
+    probe = engines[0].generate(as_inputs(prompts), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)
+    out = [o.outputs[0].token_ids for o in probe]
+    tokenizer = engines[0].get_tokenizer()
+    bad_words = [tokenizer.decode(out[1][3:5]), tokenizer.decode(out[4][:1])]
+    stops = [out[0][1], out[2][0]]
+    settings = [
+        dict(temperature=0, repetition_penalty=1.4),
+        dict(temperature=0.9, seed=5, frequency_penalty=0.8, presence_penalty=0.3, top_k=20),
+        dict(temperature=0, bad_words=bad_words, repetition_penalty=1.2),
+        dict(temperature=0, min_tokens=6, stop_token_ids=stops, presence_penalty=1.0),
+        dict(temperature=1.1, seed=9, n=3, repetition_penalty=1.3, top_p=0.8, logit_bias={out[5][2]: 4.0}),
+        dict(temperature=0, allowed_token_ids=sorted(set(out[6] + out[7]))[:6], frequency_penalty=0.5),
+        dict(temperature=0.7, seed=11, bad_words=bad_words, min_p=0.05, logit_bias={out[3][0]: -100.0}),
+        dict(temperature=0),
+    ]
+    return [SamplingParams(max_tokens=14, ignore_eos=True, **settings[i % len(settings)]) for i in range(len(prompts))]
+
+
+def test_penalties_and_logit_controls_overlap_and_match_sync(engines, prompts):
+    params = _penalty_workload(engines, prompts)
+    expected, got, overlapped = run_both(engines, prompts, params)
+    assert completions(got) == completions(expected)
+    assert overlapped >= 10  # the engine no longer waits for each step of these requests
+    plain = engines[0].generate(as_inputs(prompts), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+                                use_tqdm=False)
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0 and p.n == 1]
+    assert any(expected[i].outputs[0].token_ids != plain[i].outputs[0].token_ids for i in greedy_rows)
+
+
+def test_penalties_under_preemption(tiny_llama_dir, engines, prompts):
+    # A pool that cannot hold every sequence: sequences are preempted and recomputed. The plan
+    # reports them to the runner, which drops their penalty counts, bans and recent ids and rebuilds
+    # them from the tokens the host knows when they sample again.
+    params = [p.clone(max_tokens=30) for p in _penalty_workload(engines, prompts)]
+    expected = engines[0].generate(as_inputs(prompts), params, use_tqdm=False)
+    per_block = engines[0].llm_engine.executor.runner.kv_bytes_per_block()
+    small = make_llm(tiny_llama_dir, async_scheduling=True, kv_cache_memory_bytes=9 * per_block, enable_prefix_caching=False)
+    penalties = small.llm_engine.executor.runner.penalties
+    refilled = []
+    fill = penalties._fill
+
+    def spy(new, to_device):
+        refilled.extend(len(seq.output_token_ids) for _, seq in new if seq.output_token_ids)
+        fill(new, to_device)
+
+    penalties._fill = spy
+    got = small.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert refilled, "no preempted sequence with outputs had its penalty state rebuilt"
+    assert completions(got) == completions(expected)
 
 
 @pytest.mark.parametrize("max_tokens", [100, 7])

@@ -113,6 +113,17 @@ for _dt in ("float32", "float16"):
         "layer", f"layer-llama-bias-g1-d128-bs32-{_dt}", dtype=_dt, qk_norm=False, qkv_bias=True, num_heads=2, num_kv_heads=2,
         head_dim=128, block_size=32, query_lens=[1, 1, 4], seq_lens=[40, 7, 4],
     )
+    # A step as two micro-batches (worker/micro_batches.py): decodes, then chunks after context; and
+    # a decode batch cut in halves as the overlapped decode graphs cut it. B's metadata is derived
+    # on the device, which only the Triton backend reads (the torch backend loops on host lists).
+    _case(
+        "micro_batches", f"micro-mixed-g2-d64-bs16-{_dt}", dtype=_dt, num_heads=4, num_kv_heads=2, head_dim=64,
+        block_size=16, query_lens=[1, 1, 1, 9, 4], seq_lens=[20, 33, 7, 9, 30], split=3,
+    )
+    _case(
+        "micro_batches", f"micro-decode-halves-g1-d64-bs16-{_dt}", dtype=_dt, num_heads=2, num_kv_heads=2, head_dim=64,
+        block_size=16, query_lens=[1] * 6, seq_lens=[5, 17, 40, 9, 16, 2], split=3,
+    )
     _case("silu_and_mul", f"silu-2d-{_dt}", dtype=_dt, shape=[3, 192])
     _case("silu_and_mul", f"silu-3d-{_dt}", dtype=_dt, shape=[2, 3, 2600])
     # Long prompt with a prefix hit under the automatic prefill shape (several 128-row query
@@ -130,6 +141,21 @@ for _dt in ("float32", "float16"):
         "attention", f"attn-mixed-bs64-g1-d32-{_dt}", dtype=_dt, block_size=64, num_heads=2, num_kv_heads=2,
         head_dim=32, query_lens=[5, 1], seq_lens=[130, 65], pad=0,
     )
+
+    # A P5-like mixed step, scaled down: decodes first, then long chunks after prefix context
+    # (several wide query blocks each, unmasked tiles before the diagonal), a fresh ragged prompt, a
+    # decode among the prefills (it stays in the prefill launch) and a short chunk.
+    _case(
+        "attention", f"attn-p5-mixed-auto-bs16-g2-d128-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
+        head_dim=128, query_lens=[1, 1, 1, 150, 97, 1, 33], seq_lens=[300, 45, 129, 400, 97, 70, 160], pad=1,
+    )
+    # The same step in one launch (decodes in the prefill tile), as before the split.
+    _case(
+        "attention", f"attn-p5-mixed-one-launch-bs16-g2-d128-{_dt}", dtype=_dt, block_size=16, num_heads=4,
+        num_kv_heads=2, head_dim=128, query_lens=[1, 1, 1, 150, 97, 1, 33], seq_lens=[300, 45, 129, 400, 97, 70, 160],
+        pad=1, split_decodes=False,
+    )
+
     # Packed whole prompts without a cache (pooling): bidirectional (BERT) and causal (decoders),
     # GQA 1/2/3/4, head_dim 32/48 (padded to 64)/64/128, lengths 1, tile multiples and not, an empty
     # sequence, tokens past the last sequence (not written), q/k/v as strided views of one qkv.
@@ -150,6 +176,14 @@ _case("varlen", "varlen-auto-causal-g2-d64-float16", dtype="float16", num_heads=
       lens=[150, 64, 1, 65], causal=True, pad=1)
 _case("varlen", "varlen-auto-bidir-g1-d32-float16", dtype="float16", num_heads=2, num_kv_heads=2, head_dim=32,
       lens=[128, 9, 129], causal=False, pad=0)
+
+# The prefill launch after 3 decodes needs its one spare query block (block_q 4: blocks of the
+# 6-token chunk start at 3 // 4 + 3, the last sequence's at 9 // 4 + 4), and both launches split.
+_case(
+    "attention", "attn-split-decodes-spare-block-float16", dtype="float16", block_size=16, num_heads=4, num_kv_heads=2,
+    head_dim=64, query_lens=[1, 1, 1, 6, 1], seq_lens=[40, 17, 3, 26, 9], pad=0,
+    config={"block_q": 4, "tile_n": 16, "num_splits": 2}, decode_config={"block_q": 1, "tile_n": 16, "num_splits": 3},
+)
 
 # More sequences than one vector load of the sequence search covers (256): its loop must iterate.
 _case(
@@ -183,6 +217,7 @@ def _random_attention_cases(count: int) -> None:
             block_size=rng.choice([16, 32]), num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
             head_dim=rng.choice([64, 128]), query_lens=query_lens, seq_lens=seq_lens, pad=rng.randint(0, 2),
             config={"block_q": rng.choice([1, 2, 4, 16]), "tile_n": rng.choice([16, 32, 64]), "num_splits": rng.choice([1, 2, 3, 5])},
+            split_decodes=(i // 2) % 2 == 0,
         )
 
 
@@ -216,6 +251,13 @@ for _dt in ("float32", "float16"):
     for _vocab in (37, 2048, 5003):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
+# Penalties, logit bias, top-k / top-p / min-p and the draw (three kernels and the draw): one row of
+# each kind (see _check_sample_tokens), over vocabularies that hold a wide row's bracket at once
+# (5003) or need sweeps to narrow it (20000, past the 8,192-token bracket).
+_case("sample_tokens", "sample-tokens-v5003-float32", dtype="float32", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v5003-float16", dtype="float16", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", vocab=20000, rows=[0, 3, 5, 11])
+
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
@@ -226,7 +268,7 @@ CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_
 SLOW_CASES = {
     "attn-mixed-260seqs-bq4-float16": 51, "attn-random3-float32": 46, "attn-decode-260seqs-g2-d32-float32": 37,
     "attn-prefill-auto-bs16-g4-d128-float32": 26, "attn-random6-float16": 19, "attn-random7-float32": 18,
-    "attn-random2-float16": 11,
+    "attn-random2-float16": 11, "sample-tokens-v5003-float16": 15,
 }
 assert SLOW_CASES.keys() <= CASES.keys(), "a slow case that is not a case"
 
@@ -323,7 +365,7 @@ def _check_attention(p: dict[str, Any]) -> None:
     from tokenmill.kernels import reference
     from support.kernel_cases import make_paged_batch
     from tokenmill.kernels.triton.kv_store import store_kv
-    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_config, paged_attention
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig, choose_configs, paged_attention
 
     dtype = getattr(torch, p["dtype"])
     batch = make_paged_batch(
@@ -343,20 +385,28 @@ def _check_attention(p: dict[str, Any]) -> None:
         cache = cache_ref.clone()
 
     meta = batch.metadata()
+    # The leading one-token sequences get their own decode launch (as the backend does), unless
+    # the case runs the whole step through one launch.
+    num_decode_seqs = 0
+    if p.get("split_decodes", True):
+        while num_decode_seqs < len(p["query_lens"]) and p["query_lens"][num_decode_seqs] == 1:
+            num_decode_seqs += 1
     if "config" in p:
         config = AttentionLaunchConfig(num_warps=4, num_stages=1, **p["config"])
     else:
-        config = choose_config(
-            num_tokens=batch.q.shape[0], num_seqs=len(p["seq_lens"]), num_heads=p["num_heads"],
-            num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], dtype=dtype,
+        _, config = choose_configs(
+            num_tokens=batch.q.shape[0], num_seqs=len(p["seq_lens"]), num_decode_seqs=num_decode_seqs,
+            num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], dtype=dtype,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, device=batch.q.device,
         )
     if "expect_splits" in p:
         assert config.num_splits == p["expect_splits"], f"heuristic chose {config}"
+    decode_config = AttentionLaunchConfig(num_warps=4, num_stages=1, **p["decode_config"]) if "decode_config" in p else None
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(
         batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
-        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, out=out, config=config,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_decode_seqs=num_decode_seqs, out=out,
+        config=config, decode_config=decode_config,
     )
     expected = reference.paged_attention_ref(batch.q, cache_ref, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
     n = batch.num_real_tokens
@@ -611,6 +661,39 @@ def _check_layer(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got_cache, expected_cache, **_tol(dtype))
 
 
+def _check_micro_batches(p: dict[str, Any]) -> None:
+    """One attention layer over a step cut into two micro-batches, with the Triton backend, against
+    the whole step through the Torch backend."""
+    import torch
+
+    from tokenmill.attention.metadata import ForwardContext
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from support.kernel_cases import make_paged_batch, tiny_attention_layer
+    from tokenmill.worker.micro_batches import forward_micro_batches
+
+    dtype = getattr(torch, p["dtype"])
+    hq, hk, d = p["num_heads"], p["num_kv_heads"], p["head_dim"]
+    layer = tiny_attention_layer(num_heads=hq, num_kv_heads=hk, head_dim=d, qk_norm=True, qkv_bias=False, dtype=dtype, seed=5)
+    batch = make_paged_batch(
+        p["query_lens"], p["seq_lens"], num_heads=hq, num_kv_heads=hk, head_dim=d, block_size=p["block_size"],
+        dtype=dtype, seed=7,
+    )
+    num_tokens = batch.slot_mapping.shape[0]
+    rows = torch.randn((num_tokens, 96), generator=torch.Generator().manual_seed(9)).to(dtype)
+
+    def model(input_ids: Any, positions: Any, ctx: Any) -> Any:  # the model's signature: ids pick the rows
+        return layer(positions, rows[input_ids], ctx)
+
+    ids = torch.arange(num_tokens)
+    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    with torch.no_grad():
+        expected = model(ids, batch.positions(), ForwardContext(batch.metadata(), [ref_cache], TorchAttentionBackend()))
+        out = forward_micro_batches(model, ids, batch.positions(), batch.metadata(), [cache], TritonAttentionBackend(), p["split"], None)
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+    torch.testing.assert_close(cache, ref_cache, **_tol(dtype))
+
+
 def _check_silu_and_mul(p: dict[str, Any]) -> None:
     import torch
 
@@ -654,6 +737,36 @@ def _check_gumbel_argmax(p: dict[str, Any]) -> None:
     flat = logits[5].expand(16, vocab).contiguous()
     draws = gumbel_argmax(flat, torch.ones(16), keys[5].expand(16).contiguous(), torch.arange(16))
     assert len(set(draws.tolist())) > 8, draws.tolist()
+
+
+def _check_sample_tokens(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import sample_ref
+    from support.kernel_cases import sampling_rows
+    from tokenmill.kernels.triton.sampling import sample_tokens
+
+    logits, temperature, keys, counters, filters, state = sampling_rows(p["vocab"], getattr(torch, p["dtype"]), p["vocab"])
+    if p["rows"] is not None:  # a subset of the rows (the state tables stay whole)
+        take = torch.tensor(p["rows"])
+        logits, temperature, keys, counters = (t[take] for t in (logits, temperature, keys, counters))
+        filters = type(filters)(*(f[take] for f in filters))
+        state = state._replace(**{name: getattr(state, name)[take] for name in
+                                  ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+    got = sample_tokens(logits, temperature, keys, counters, filters, state)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    if p["rows"] is not None:
+        return
+    # Each row depends on its own inputs only: a row alone draws what it drew in the batch.
+    for row in (1, 9):
+        alone = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
+        one_filters = type(filters)(*(f[row : row + 1] for f in filters))
+        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
+                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        assert sample_tokens(*alone, one_filters, one_state).tolist() == got[row : row + 1].tolist()
+    # Without filters or state, the plain draw matches its twin too.
+    assert sample_tokens(logits, temperature, keys, counters).tolist() == sample_ref(logits, temperature, keys, counters).tolist()
 
 
 def _check_launch_configs(p: dict[str, Any]) -> None:
@@ -739,8 +852,10 @@ _CHECKS = {
     "layer_norm": _check_layer_norm,
     "silu_and_mul": _check_silu_and_mul,
     "gumbel_argmax": _check_gumbel_argmax,
+    "sample_tokens": _check_sample_tokens,
     "qkv_prologue": _check_qkv_prologue,
     "layer": _check_layer,
+    "micro_batches": _check_micro_batches,
     "lazy_import": _check_lazy_import,
     "launch_configs": _check_launch_configs,
     "precompile": _check_precompile,

@@ -22,6 +22,10 @@ class MadeUpRequest:
     params: SamplingParams
     needs_prompt_logprobs: bool = False
 
+    @property
+    def sampler_needs(self) -> int:
+        return self.params.sampler_needs
+
 
 @dataclass
 class MadeUpSequence:
@@ -132,3 +136,94 @@ def test_prompt_logprobs_of_each_chunk(runner, tiny_llama_dir):
             expected = hf_next_logprobs(hf, prompt[:position])
             assert logprob == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
             assert chunk.top_ids[i] == expected.topk(2).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def overlap_runner(tiny_llama_dir):
+    """A runner that runs mixed steps as two micro-batches (on the CPU: one after the other)."""
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.worker.micro_batches import Overlap
+    from tokenmill.worker.model_runner import ModelRunner
+
+    cpu = torch.device("cpu")
+    source = resolve_model(str(tiny_llama_dir))
+    model = load_model(source, torch.float32, cpu)
+    runner = ModelRunner(model, TorchAttentionBackend(), cpu, torch.float32, BLOCK_SIZE, source.hf_config.vocab_size, 0,
+                         torch.float32, overlap=Overlap(mixed=True))
+    runner.allocate_kv_cache(16)
+    return runner
+
+
+def test_mixed_steps_as_two_micro_batches(overlap_runner, tiny_llama_dir, monkeypatch):
+    """Decodes in front of prompt chunks, cut into two micro-batches: the tokens are HF's."""
+    import tokenmill.worker.model_runner as model_runner
+
+    cuts = []
+    real = model_runner.forward_micro_batches
+
+    def spy(*args, **kwargs):
+        cuts.append(args[6])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "forward_micro_batches", spy)
+    hf = hf_model(str(tiny_llama_dir))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    a = MadeUpSequence(1, MadeUpRequest([18, 44, 101], greedy), block_ids=[6, 3])
+    b = MadeUpSequence(2, MadeUpRequest([9, 250, 77, 12, 140], greedy), block_ids=[12, 1])
+    c = MadeUpSequence(3, MadeUpRequest([5, 77, 140, 9, 31, 200, 64, 12, 3, 250], greedy), block_ids=[9, 2, 14])
+    a.output_token_ids.append(_run(overlap_runner, [(a, 3)]).read().token_ids[0])  # a's prompt alone: one batch
+    assert cuts == []
+    # a decodes in front of b's whole prompt and c's first chunk (prefix of nothing yet).
+    first = _run(overlap_runner, [(a, 1), (b, 5), (c, 6)])
+    assert cuts == [1]
+    # a and b decode in front of the rest of c's prompt (its first 6 tokens are context now).
+    for seq, token in zip((a, b), first.read().token_ids):
+        assert token == int(hf_next_logprobs(hf, seq.tokens(0, seq.num_known_tokens)).argmax())
+        seq.output_token_ids.append(token)
+    second = _run(overlap_runner, [(a, 1), (b, 1), (c, 4)])
+    assert cuts == [1, 2]
+    for seq, token in zip((a, b, c), second.read().token_ids):
+        assert token == int(hf_next_logprobs(hf, seq.tokens(0, seq.num_known_tokens)).argmax())
+
+
+def test_micro_batch_forward_equals_one_forward(overlap_runner):
+    """The cut changes nothing but the order of work: the hidden states of a mixed step agree with
+    one forward of the whole step (same kernels, same rows; only matmul blocking may differ)."""
+    from tokenmill.attention.metadata import ForwardContext
+    from tokenmill.worker.micro_batches import forward_micro_batches
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    d = MadeUpSequence(7, MadeUpRequest([3, 5, 8, 13, 21], greedy), block_ids=[4, 13], num_computed_tokens=4)
+    e = MadeUpSequence(8, MadeUpRequest([40, 2, 99, 7, 61, 6, 30], greedy), block_ids=[10, 15], num_computed_tokens=2)
+    runner = overlap_runner
+    input_ids, positions, meta, _ = runner._prepare([ScheduledSequence(d, 1, True), ScheduledSequence(e, 5, True)])
+    with torch.inference_mode():
+        whole = runner.model(input_ids, positions, ForwardContext(meta, runner.kv_caches, runner.backend))
+        cut = forward_micro_batches(runner.model, input_ids, positions, meta, runner.kv_caches, runner.backend, 1, None)
+    assert cut.shape == whole.shape
+    torch.testing.assert_close(cut, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_split_metadata_of_a_padded_decode_graph_batch():
+    """A graph batch of 6 rows with 2 real ones, cut at 3: B starts past the real rows and gets
+    no tokens; its tensors are fresh copies (aligned), A's are views of the step's."""
+    from tokenmill.attention.metadata import AttentionMetadata
+    from tokenmill.worker.micro_batches import split_metadata
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([17, 30, -1, -1, -1, -1]), query_start_loc=torch.tensor([0, 1, 2, 2, 2, 2, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 9, 0, 0, 0, 0], dtype=torch.int32), block_tables=torch.arange(12, dtype=torch.int32).view(6, 2),
+        block_size=16, query_lens_host=[1] * 6, seq_lens_host=[64] * 6, max_query_len=1, max_seq_len=64,
+    )
+    tokens_a, a, b = split_metadata(meta, 3)
+    assert tokens_a == 3
+    assert a.query_start_loc.tolist() == [0, 1, 2, 2] and a.seq_lens.data_ptr() == meta.seq_lens.data_ptr()
+    assert b.query_start_loc.tolist() == [0, 0, 0, 0]
+    assert b.seq_lens.tolist() == [0, 0, 0] and b.block_tables.tolist() == [[6, 7], [8, 9], [10, 11]]
+    assert b.slot_mapping.tolist() == [-1, -1, -1]
+    assert b.seq_lens.data_ptr() != meta.seq_lens[3:].data_ptr()
+    # Real rows past the cut: B's starts are rebased on the device.
+    meta.query_start_loc.copy_(torch.arange(7, dtype=torch.int32))
+    assert split_metadata(meta, 3)[2].query_start_loc.tolist() == [0, 1, 2, 3]

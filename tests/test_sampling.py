@@ -13,6 +13,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from reference import hf_model, hf_next_logprobs
 from test_generate import as_inputs, make_llm, random_prompts
 from tokenmill import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,22 @@ def test_logit_bias_shifts_exactly_the_given_tokens(llm, hf, prompts):
     assert_teacher_forced(hf, prompts[1], tokens, adjust)
     forced = greedy_with_controls(llm, prompts[1], logit_bias={7: 100.0})
     assert forced == [7] * 8
+
+
+def test_one_params_edited_between_calls_samples_with_its_current_settings(llm, hf, prompts):
+    # FINAL_ONLY, ignore_eos and no stop ids: the engine keeps the caller's object rather than a
+    # copy, so a snapshot of what the sampler needs must not outlive the call.
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    plain = llm.generate(as_inputs([prompts[1]]), params, use_tqdm=False)[0].outputs[0].token_ids
+    forced_token = next(t for t in range(5, 100) if t not in plain)
+    params.logit_bias = {forced_token: 100.0}
+    forced = llm.generate(as_inputs([prompts[1]]), params, use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [forced_token] * 8
+    params.logit_bias = None
+    params.presence_penalty, params.repetition_penalty = 0.5, 1.5
+    penalised = llm.generate(as_inputs([prompts[1]]), params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        assert penalised == _penalised_greedy(hf, prompts[1], 8, 0.5, 0.0, 1.5)
 
 
 def test_allowed_token_ids_restrict_greedy_and_sampled_tokens(llm, hf, prompts):

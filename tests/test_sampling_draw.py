@@ -5,6 +5,8 @@ against the softmax itself.
   checked here through its plain-torch twin (``reference.gumbel_argmax_ref``'s noise); the Triton
   kernel is checked against that twin in tests/test_kernels_interpret.py and tests/gpu.
 - The CPU form, the exponential race with a generator seeded per row, through the Sampler itself.
+- With top-k / top-p / min-p, both forms against the softmax renormalised over the kept tokens (the
+  GPU form through its twin: Gumbel noise over the scores >= ``reference.filter_threshold_ref``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import CHI2_9DOF_P001, draw_test_logits, softmax_chi_square
-from tokenmill.kernels.reference import gumbel_noise_ref, philox_ref
+from reference import CHI2_9DOF_P001, CHI2_P001, draw_test_logits, softmax_chi_square
+from tokenmill.kernels.reference import filter_threshold_ref, gumbel_noise_ref, philox_ref
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 
 _DRAWS = 40_000
@@ -68,3 +70,45 @@ def test_cpu_draw_is_a_function_of_key_and_counter() -> None:
     assert first[0] == first[2] and first[0] != first[1]
     again = Sampler()(logits[:1], _batch(1, 1.0, torch.tensor([5]))).token_ids.tolist()
     assert again == first[:1]
+
+
+# (top_k, top_p, min_p) at temperature 1.5 over draw_test_logits: each keeps 4 to 7 of its 10 tokens.
+FILTERS = [(6, 1.0, 0.0), (0, 0.9, 0.0), (7, 0.8, 0.0), (0, 1.0, 0.1), (5, 0.95, 0.05)]
+
+
+def kept_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    threshold = filter_threshold_ref(logits / temperature, top_k, top_p, min_p)
+    kept = logits / temperature >= threshold
+    assert 3 <= int(kept.sum()) <= 7 and int(kept.sum()) < int(torch.isfinite(logits).sum())
+    return logits.masked_fill(~kept, float("-inf"))
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", FILTERS)
+def test_filtered_gumbel_draws_follow_the_renormalised_softmax(top_k, top_p, min_p) -> None:
+    logits, temperature = draw_test_logits(), 1.5
+    allowed = kept_logits(logits, temperature, top_k, top_p, min_p)
+    noise = gumbel_noise_ref(key=777, counter=torch.arange(_DRAWS), vocab_size=logits.shape[0])
+    samples = (allowed / temperature + noise).argmax(dim=-1)
+    dof = int(torch.isfinite(allowed).sum()) - 1
+    assert softmax_chi_square(samples, allowed, temperature) < CHI2_P001[dof]
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", FILTERS)
+def test_filtered_cpu_draws_follow_the_renormalised_softmax(top_k, top_p, min_p) -> None:
+    logits, temperature = draw_test_logits(), 1.5
+    allowed = kept_logits(logits, temperature, top_k, top_p, min_p)
+    rows = 4_000
+    batch = _batch(rows, temperature, torch.arange(rows))
+    batch.top_k, batch.max_top_k = torch.full((rows,), top_k), top_k
+    batch.top_p, batch.min_p = torch.full((rows,), top_p), torch.full((rows,), min_p)
+    samples = torch.cat([
+        Sampler()(logits.expand(rows, -1).contiguous(), _batch_with(batch, torch.arange(rows) + start)).token_ids
+        for start in range(0, 20_000, rows)
+    ])
+    dof = int(torch.isfinite(allowed).sum()) - 1
+    assert softmax_chi_square(samples, allowed, temperature) < CHI2_P001[dof]
+
+
+def _batch_with(batch: SamplingBatch, counters: torch.Tensor) -> SamplingBatch:
+    batch.draw_counters = counters
+    return batch

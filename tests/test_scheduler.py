@@ -249,3 +249,26 @@ def test_check_stop(token, params, num_prompt, expected):
     seq = Sequence(0, 0, request, request.prompt_token_ids, output_token_ids=[8, token])
     check_stop(seq, token, frozenset({EOS}))
     assert (seq.finish_reason, seq.stop_reason) == expected
+
+
+@pytest.mark.parametrize("num_blocks", [64, 14], ids=["roomy", "preempting"])
+def test_a_mixed_step_lists_its_decodes_before_its_prompt_chunks(num_blocks):
+    """Long prompts arriving while others decode (P5's shape, scaled down): in every step the
+    decoding sequences come first, so the attention backend can give them their own launch
+    (AttentionMetadata.num_leading_decodes); also when the pool runs dry and sequences are
+    preempted and recomputed."""
+    import random
+
+    rng = random.Random(3)
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=8, budget=24)
+    for i in range(14):
+        add(scheduler, prompt(rng.randint(5, 20), 100 * i), max_tokens=rng.randint(2, 9))
+    mixed = 0
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        decoding = [item.seq.num_computed_tokens >= item.seq.num_prompt_tokens for item in plan.scheduled]
+        assert decoding == sorted(decoding, reverse=True), planned(plan)
+        mixed += any(decoding) and not all(decoding)
+        scheduler.update_from_output(launch(scheduler, plan))
+    assert mixed >= 5
+    assert (scheduler.num_preemptions > 0) == (num_blocks == 14)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from enum import IntEnum
+from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -22,6 +22,18 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+class SamplerNeeds(IntFlag):
+    """What a request's sampling needs beyond temperature (``SamplingParams.sampler_needs``): the
+    runner skips every per-row pass whose need no row of a step has."""
+
+    FILTERS = 1  # top-k, top-p or min-p
+    PENALTIES = 2  # repetition, frequency or presence
+    LOGIT_BIAS = 4  # logit_bias or allowed_token_ids
+    BAD_WORDS = 8
+    MIN_TOKENS = 16
+    PROCESSORS = 32  # Python logits processors
 
 
 class RequestOutputKind(IntEnum):
@@ -210,11 +222,32 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def sampler_needs(self) -> int:
+        """``SamplerNeeds`` bits, as a plain int. Each condition is the one its sampling state (or
+        pass) uses to take a row. The runner reads it through ``Request.sampler_needs``, computed
+        once per request after intake has filled ``bad_words_token_ids``: not cached here, since a
+        caller may edit and reuse one SamplingParams between calls."""
+        needs = SamplerNeeds(0)
+        if self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0:
+            needs |= SamplerNeeds.FILTERS
+        if self.uses_penalties:
+            needs |= SamplerNeeds.PENALTIES
+        if self.logit_bias or self.allowed_token_ids:
+            needs |= SamplerNeeds.LOGIT_BIAS
+        if self.bad_words_token_ids:
+            needs |= SamplerNeeds.BAD_WORDS
+        if self.min_tokens > 0:
+            needs |= SamplerNeeds.MIN_TOKENS
+        if self.logits_processors:
+            needs |= SamplerNeeds.PROCESSORS
+        return int(needs)
+
+    @property
     def reads_output_history(self) -> bool:
-        """Whether sampling the next token needs the ids of every earlier one on the host
-        (penalties, bad words, logits processors, a grammar): such requests step synchronously."""
-        return bool(self.uses_penalties or self.bad_words_token_ids or self.logits_processors
-                    or self.structured_outputs is not None)
+        """Whether sampling the next token needs the ids of every earlier one on the host (Python
+        logits processors, a grammar's matcher): such requests step synchronously. Penalties and
+        bad words keep their history on the device (worker/sampling_state.py)."""
+        return bool(self.logits_processors or self.structured_outputs is not None)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)

@@ -114,10 +114,31 @@ def test_cuda_graphs_equal_eager(gpu_models):
         assert a == b
 
 
+def test_two_micro_batches_equal_one_batch_on_gpu(gpu_models, monkeypatch):
+    """TOKENMILL_OVERLAP (two micro-batches on two streams): decode graphs of >= 64 rows cut in
+    halves and mixed steps cut between decodes and prompt chunks give the tokens of the one-batch
+    engine (fp32, so the different GEMM shapes cannot flip ties), greedy and seeded."""
+    path = gpu_models["llama"]
+    inputs = [{"prompt_token_ids": p} for p in _prompts(90, seed=13)]
+    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=96, max_num_batched_tokens=700,
+                   gpu_memory_utilization=0.3, dtype="float32")
+    one = LLM(path, **options)
+    monkeypatch.setenv("TOKENMILL_OVERLAP", "decode,mixed")
+    two = LLM(path, **options)
+    runner = two.llm_engine.executor.runner
+    assert runner.overlap.decode and runner.overlap.mixed and runner.graphs.side_stream is not None
+    for params in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, detokenize=False),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True, detokenize=False)):
+        expected = [o.outputs[0].token_ids for o in one.generate(inputs, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in two.generate(inputs, params, use_tqdm=False)]
+        assert got == expected
+
+
 def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
     """Step N+1 runs on the GPU while the host reads step N back: same tokens as reading every
     step back first (fp32, so batch-shape changes cannot flip ties), with sequences stopping
-    mid-batch (their in-flight token dropped) and seeded sampling."""
+    mid-batch (their in-flight token dropped), seeded sampling, and penalties, logit bias, allowed
+    ids, min_tokens and top-k / top-p / min-p, whose state stays on the GPU."""
     path = gpu_models["qwen3"]
     inputs = [{"prompt_token_ids": p} for p in _prompts(48, seed=11)]
     options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3, dtype="float32")
@@ -128,11 +149,22 @@ def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
     greedy = [SamplingParams(temperature=0.0, max_tokens=10 + i % 17, stop_token_ids=stop_ids, detokenize=False)
               for i in range(len(inputs))]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, n=2, max_tokens=24, ignore_eos=True, detokenize=False)
-    for params in (greedy, seeded):
+    controls = [
+        dict(temperature=0.0, repetition_penalty=1.3),
+        dict(temperature=0.7, seed=3, top_p=0.9, top_k=50, repetition_penalty=1.1, n=2),
+        dict(temperature=1.0, seed=4, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.05),
+        dict(temperature=0.0, min_tokens=12, stop_token_ids=stop_ids[:1], presence_penalty=0.8),
+        dict(temperature=0.9, seed=5, logit_bias={stop_ids[0]: 3.0, 7: -100.0}, top_p=0.95),
+        dict(temperature=0.0, allowed_token_ids=sorted(set(probe[3].outputs[0].token_ids))[:8], repetition_penalty=1.5),
+    ]
+    controlled = [SamplingParams(max_tokens=24, ignore_eos=True, detokenize=False, **controls[i % len(controls)])
+                  for i in range(len(inputs))]
+    for params in (greedy, seeded, controlled):
+        before = fast.llm_engine.stats.num_overlapped_steps
         expected = [[c.token_ids for c in o.outputs] for o in sync.generate(inputs, params, use_tqdm=False)]
         got = [[c.token_ids for c in o.outputs] for o in fast.generate(inputs, params, use_tqdm=False)]
         assert got == expected
-    assert fast.llm_engine.stats.num_overlapped_steps > 20
+        assert fast.llm_engine.stats.num_overlapped_steps - before > 15
 
 
 def test_prefix_hits_chunked_prefill_and_preemption_on_gpu(gpu_models):
@@ -205,11 +237,12 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
     _check_teacher_forced(prompts, outputs, reference_logprobs, slack=0.02)
 
 
+@pytest.mark.parametrize("overlap", ["", "decode,mixed"], ids=["one-batch", "micro-batches"])
 @pytest.mark.parametrize("enforce_eager, deterministic", [(False, False), (True, False), (False, True)])
-def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, deterministic):
+def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, deterministic, overlap, monkeypatch):
     """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
-    (chunked prefill, prefix hits, decode at every batch size, greedy, sampled and top-p rows)
-    compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
+    (chunked prefill, prefix hits, decode at every batch size, greedy, sampled, filtered and
+    penalised rows) compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
     other test, so no earlier test in this process can have compiled its variants."""
     import json
 
@@ -220,14 +253,21 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
                   tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("TOKENMILL_OVERLAP", overlap)  # micro-batches: B's fresh metadata, halves' split counts
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
               max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1,
               deterministic=deterministic)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 3000) for _ in range(rng.choice([1, 2, 5, 9, 17, 100, 700, 1500]))] for _ in range(60)]
     prompts += [prompts[6][:600] + p[:3] for p in prompts[:5]]  # prefix hits
+    # Every variant of the sampling kernels: with and without filters (top-p, top-k, min-p) and
+    # per-sequence state (penalties, a logit bias), bans in place (min_tokens).
     params = [SamplingParams(temperature=[0.0, 0.8, 1.0][i % 3], top_p=0.9 if i % 7 == 0 else 1.0, seed=i,
-                             max_tokens=rng.choice([1, 3, 30, 200, 500]), ignore_eos=True, detokenize=False)
+                             top_k=40 if i % 5 == 1 else 0, min_p=0.05 if i % 9 == 4 else 0.0,
+                             repetition_penalty=1.1 if i % 4 == 2 else 1.0, logit_bias={5: 2.0} if i % 11 == 3 else None,
+                             min_tokens=2 if i % 13 == 6 else 0,
+                             max_tokens=rng.choice([3, 30, 200, 500]) if i % 13 == 6 else rng.choice([1, 3, 30, 200, 500]),
+                             ignore_eos=True, detokenize=False)
               for i in range(len(prompts))]
     compiled: list[str] = []
 

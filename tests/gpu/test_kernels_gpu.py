@@ -103,6 +103,17 @@ def _scenario(name: str, seed: int) -> tuple[list[int], list[int]]:
         add(_len(2048), _len(2048))
         add(_len(1024), _len(4096))
         add(1, _len(5000))
+    elif name == "p5_mixed":  # a P5 step: running decodes first, then chunks under a 16,384-token budget
+        for _ in range(_count(256)):
+            add(1, rng.randint(_len(1000), _len(3000)))
+        done = rng.randint(_len(100), _len(2000))  # a prompt cut by the previous step continues
+        rest = rng.randint(1, _len(1000))
+        add(rest, done + rest)
+        left = _len(16384) - _count(256) - rest
+        while left > 0:  # fresh prompts, the last one cut
+            n = min(left, rng.randint(_len(1000), _len(3000)))
+            add(n, n)
+            left -= n
     elif name == "few_long_decode":  # split-KV territory: few programs, long contexts
         for _ in range(_count(4)):
             add(1, rng.randint(_len(16384), _len(32768)))
@@ -122,8 +133,10 @@ def _batch(scenario: str, heads: str, block_size: int, dtype: torch.dtype, seed:
     )
 
 
-def _check_attention(batch: Any, config: Any = None) -> None:
-    """Store with the kernel (== reference store), attend with poisoned output, compare."""
+def _check_attention(batch: Any, config: Any = None, split_decodes: bool = True) -> None:
+    """Store with the kernel (== reference store), attend with poisoned output, compare. The leading
+    one-token sequences get their own decode launch, as the backend runs them, unless
+    ``split_decodes`` is off (the whole step in one launch)."""
     from tokenmill.kernels import reference
     from tokenmill.kernels.triton.kv_store import store_kv
     from tokenmill.kernels.triton.paged_attention import paged_attention
@@ -136,10 +149,14 @@ def _check_attention(batch: Any, config: Any = None) -> None:
     assert torch.equal(cache, expected_cache), "kv store differs from reference"
     del expected_cache
     meta = batch.metadata()
+    num_decode_seqs = 0
+    while split_decodes and num_decode_seqs < len(batch.query_lens_host) and batch.query_lens_host[num_decode_seqs] == 1:
+        num_decode_seqs += 1
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(
         batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
-        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, out=out, config=config,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_decode_seqs=num_decode_seqs, out=out,
+        config=config,
     )
     expected = reference.paged_attention_ref(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
     n = batch.num_real_tokens
@@ -184,6 +201,23 @@ def test_attention_forced_configs(scenario: str, cfg: tuple[int, int, int, int, 
         pytest.skip("too slow for the interpreter")
     config = AttentionLaunchConfig(block_q=cfg[0], tile_n=cfg[1], num_splits=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
     _check_attention(_batch(scenario, "qwen3-0.6b", 16, _dtype("bfloat16"), seed=3, num_pad_tokens=1), config)
+
+
+@pytest.mark.parametrize("heads", ["qwen3-0.6b", "llama3-8b", "g4-d256"])
+@pytest.mark.parametrize("split_decodes", [True, False], ids=["split", "one-launch"])
+def test_attention_p5_mixed_step(split_decodes: bool, heads: str) -> None:
+    """A long-prompt step: 256 decodes in front of prefill chunks (a continued prompt, fresh ones),
+    the decodes in a launch of their own or in the prefill launch with everything else."""
+    _check_attention(_batch("p5_mixed", heads, 16, _dtype("bfloat16"), seed=8, num_pad_tokens=2), split_decodes=split_decodes)
+
+
+@pytest.mark.parametrize("cfg", [(1, 64, 1, 4, 3), (16, 64, 2, 4, 3), (64, 64, 4, 8, 3)], ids=lambda c: "bq{}-n{}-s{}".format(*c[:3]))
+def test_attention_mixed_one_launch(cfg: tuple[int, int, int, int, int]) -> None:
+    """The mixed scenario without the decode launch: forced shapes over every sequence."""
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
+
+    config = AttentionLaunchConfig(block_q=cfg[0], tile_n=cfg[1], num_splits=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
+    _check_attention(_batch("mixed", "qwen3-0.6b", 16, _dtype("bfloat16"), seed=12, num_pad_tokens=1), config, split_decodes=False)
 
 
 @pytest.mark.parametrize("scenario", ["mixed", "few_long_decode", "prefill_long"])

@@ -1,11 +1,18 @@
-"""The sampler's draw kernel (``kernels/triton/sampling.py``) on a CUDA GPU at real sizes.
+"""The sampler's kernels (``kernels/triton/sampling.py``) on a CUDA GPU at real sizes.
 
-- Against its plain-torch twin (``reference.gumbel_argmax_ref``, whose Philox is checked against
-  Random123's known answers in tests/test_sampling_draw.py) on bf16/fp16/fp32 logits of Qwen's and
-  Llama's vocabularies. The GPU's ``log`` may differ from torch's in the last bits, so a row may
-  pick another token only where the twin's two best scores are that close.
+- The draw against its plain-torch twin (``reference.gumbel_argmax_ref``, whose Philox is checked
+  against Random123's known answers in tests/test_sampling_draw.py) on bf16/fp16/fp32 logits of
+  Qwen's and Llama's vocabularies. The GPU's ``log`` may differ from torch's in the last bits, so a
+  row may pick another token only where the twin's two best scores are that close.
 - Its draws against the softmax itself, by a chi-square test over 40,000 rows.
 - Greedy rows against ``torch.argmax``.
+- The filtered, penalised draw (``sample_tokens``: statistics, threshold and wide-threshold
+  kernels, then the draw) against ``reference.sample_ref`` on every kind of row
+  (``tests/support/kernel_cases.sampling_rows``): the thresholds must be the twin's, except where the GPU's
+  ``exp``/``log`` rounding can move a cut (a top-p budget within 1e-5 of a cumulative mass, a
+  min-p cut within a few ulps), and the tokens as for the draw.
+- Top-k / top-p / min-p draws against the softmax renormalised over the kept tokens (chi-square),
+  on an 11-token row and on the same row spread over Qwen's vocabulary.
 
 ``TOKENMILL_KERNEL_DRYRUN=1 TRITON_INTERPRET=1`` runs it on the CPU interpreter with fewer rows.
 """
@@ -79,3 +86,106 @@ def test_gumbel_argmax_greedy_rows_are_torch_argmax() -> None:
     zeros = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
     got = gumbel_argmax(logits, torch.zeros(rows, device=DEVICE), zeros, zeros)
     assert torch.equal(got, logits.argmax(dim=-1))
+
+
+def _expected_thresholds(logits, temperature, filters, state):
+    """The twin's scores and thresholds (reference.sample_ref's steps)."""
+    from tokenmill.kernels.reference import filter_threshold_ref, penalize_ref, prompt_mask_ref
+
+    x = logits.float().cpu()
+    bias_slots, bias, penalty_slots, counts, prompt_bits, rep, freq, pres = (t.cpu() for t in state)
+    rows = torch.nonzero(bias_slots >= 0).flatten()
+    x[rows] += bias[bias_slots[rows].long()]
+    rows = torch.nonzero(penalty_slots >= 0).flatten()
+    slots = penalty_slots[rows].long()
+    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows], freq[rows], pres[rows])
+    scores, thresholds = [], []
+    for row, t in enumerate(temperature.tolist()):
+        k, p, m = (float(f[row]) for f in filters)
+        s = x[row] / torch.tensor(t) if t > 0 else x[row]
+        scores.append(s)
+        filtered = t > 0 and (0 < k < x.shape[1] or p < 1.0 or m > 0.0)
+        thresholds.append(filter_threshold_ref(s, int(k), p, m) if filtered else float("-inf"))
+    return scores, thresholds
+
+
+def _cut_is_a_rounding_tie(s: torch.Tensor, k: int, p: float, m: float, got: float, want: float) -> bool:
+    """Whether two thresholds differ only because exp/log round differently: both sit where the
+    top-p budget meets the cumulative mass to 1e-5, or both within a few ulps of min-p's cut."""
+    top = float(s.max())
+    if m > 0.0 and abs(got - want) <= 4 * abs(top) * 2**-23 + 1e-30:
+        return True
+    if p >= 1.0:
+        return False
+    kept = s[s >= (s.sort(descending=True).values[k - 1] if 0 < k < len(s) else float("-inf"))].double()
+    mass = torch.exp(kept - top)
+    budget = p * float(mass.sum())
+    near = [float(mass[kept >= v].sum()) for v in (got, want)] + [float(mass[kept > v].sum()) for v in (got, want)]
+    return any(abs(x - budget) <= 1e-5 * budget for x in near)
+
+
+@pytest.mark.parametrize("vocab", [151936, 128256, 5003])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_tokens_matches_twin(vocab: int, dtype: torch.dtype) -> None:
+    from tokenmill.kernels.reference import gumbel_noise_ref, sample_ref
+    from support.kernel_cases import sampling_rows
+    from tokenmill.kernels.triton import sampling
+
+    if DRYRUN and (dtype is torch.bfloat16 or vocab > 50000):
+        pytest.skip("the interpreter's bf16 is not trustworthy; big vocabularies are slow there")
+    logits, temperature, keys, counters, filters, state = sampling_rows(vocab, dtype, seed=vocab, device=DEVICE)
+    got = sampling.sample_tokens(logits, temperature, keys, counters, filters, state).cpu()
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state)).cpu()
+    thresholds, _ = sampling._thresholds(logits, temperature, keys, counters, filters,
+                                         sampling._state_args(state, logits), False)
+    scores, expected = _expected_thresholds(logits, temperature, filters, state)
+    moved = set()
+    for row, (t_got, t_want) in enumerate(zip(thresholds.tolist(), expected)):
+        if t_got != t_want:
+            k, p, m = (float(f[row]) for f in filters)
+            assert _cut_is_a_rounding_tie(scores[row], int(k), p, m, t_got, t_want), \
+                f"row {row}: threshold {t_got} against the twin's {t_want}"
+            moved.add(row)
+    for row in torch.nonzero(got != want).flatten().tolist():
+        if row in moved:
+            continue  # the kept sets differ by a rounding tie at the cut
+        t = float(temperature[row])
+        assert t > 0, f"greedy row {row}: kernel {int(got[row])}, twin {int(want[row])}"
+        s = torch.where(scores[row] >= expected[row], scores[row], float("-inf"))
+        total = s + gumbel_noise_ref(int(keys[row]), int(counters[row]), vocab)
+        gap = float(total[want[row]] - total[got[row]])
+        assert gap < 1e-4 * max(1.0, float(s[torch.isfinite(s)].abs().max())), f"row {row}: kernel loses by {gap}"
+    assert (got != want).sum() <= 1 + len(moved)
+
+
+FILTERS = [(6, 1.0, 0.0), (0, 0.9, 0.0), (7, 0.8, 0.0), (0, 1.0, 0.1), (5, 0.95, 0.05)]
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_filtered_draws_follow_the_renormalised_softmax(spread: bool) -> None:
+    """Filters at temperature 1.5 over reference.draw_test_logits keep 4 to 7 of its 10 finite
+    tokens. Spread: the same 11 logits placed 14,000 tokens apart in a 151,936-token row of -inf, so
+    the statistics, the group maxima and the gathering run as at full size (rows share one row)."""
+    from tokenmill.kernels.reference import filter_threshold_ref
+    from tokenmill.kernels.triton.sampling import Filters, sample_tokens
+
+    from reference import CHI2_P001, draw_test_logits, softmax_chi_square
+
+    rows, temperature = (64 if DRYRUN else 40_000), 1.5
+    logits = draw_test_logits()
+    positions = torch.arange(11) * 14_000 if spread and not DRYRUN else torch.arange(11)
+    row = torch.full((151936 if spread and not DRYRUN else 11,), float("-inf"))
+    row[positions] = logits
+    for top_k, top_p, min_p in FILTERS:
+        kept = logits / temperature >= filter_threshold_ref(logits / temperature, top_k, top_p, min_p)
+        allowed = logits.masked_fill(~kept, float("-inf"))
+        filters = Filters(torch.full((rows,), top_k, device=DEVICE), torch.full((rows,), top_p, device=DEVICE),
+                          torch.full((rows,), min_p, device=DEVICE))
+        drawn = sample_tokens(
+            row.to(DEVICE).expand(rows, -1), torch.full((rows,), temperature, device=DEVICE),
+            torch.full((rows,), 7, dtype=torch.int64, device=DEVICE), torch.arange(rows, device=DEVICE), filters,
+        ).cpu()
+        samples = torch.searchsorted(positions, drawn).clamp(max=10)
+        assert torch.equal(positions[samples], drawn), "drew a token of probability 0"
+        chi2 = softmax_chi_square(samples, allowed, temperature)
+        assert chi2 < CHI2_P001[int(kept.sum()) - 1] or DRYRUN, f"{(top_k, top_p, min_p)}: chi-square {chi2:.1f}"

@@ -1,7 +1,7 @@
 """Random kernel inputs for the kernel tests (CPU interpreter and GPU) and bench/kernels_bench.py.
 
 Plain torch, no triton: random paged batches, fused-qkv-prologue cases with their check, a tiny
-attention layer and the standard rope cache. A paged batch is what the runner would hand the
+attention layer, the standard rope cache, and sampling rows of every kind (``sampling_rows``). A paged batch is what the runner would hand the
 attention backend for one step: new tokens of several sequences flattened into T rows, each
 sequence's context scattered over randomly chosen (non-contiguous) cache blocks, the cache filled
 with random history, and optional CUDA-graph padding (extra tokens with slot -1 past
@@ -10,6 +10,7 @@ with random history, and optional CUDA-graph padding (extra tokens with slot -1 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,3 +328,66 @@ def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32).to(device)
+
+
+# (logit scale or kind, temperature, top_k, top_p, min_p) of each row of ``sampling_rows``.
+SAMPLING_ROWS = [
+    (3.0, 1.0, 5, 1.0, 0.0),  # top-k: the kept tokens gathered and drawn in the threshold kernel
+    (3.0, 0.7, 50, 0.9, 0.0),  # top-k then top-p
+    (6.0, 1.0, 0, 0.9, 0.0),  # top-p on peaked logits
+    (0.05, 1.0, 0, 0.9, 0.0),  # top-p on flat logits: a wide row
+    (1.0, 1.0, 300, 1.0, 0.0),  # top-k past the 256 gathered groups: wide
+    (1.0, 0.8, 300, 0.8, 0.0),  # both, wide
+    (2.0, 1.0, 0, 1.0, 0.1),  # min-p
+    (2.0, 0.0, 0, 1.0, 0.0),  # greedy
+    (2.0, 1.0, 0, 1.0, 0.0),  # no filter
+    (0.0, 1.0, 7, 0.5, 0.0),  # every logit equal
+    ("round", 1.0, 20, 0.95, 0.0),  # few distinct values: ties at the cuts
+    ("masked", 1.0, 50, 0.9, 0.0),  # ten finite logits, top_k above them
+    (1.0, 1.5, 1, 1.0, 0.0),  # top_k 1
+    (1.0, 1.0, 0, 0.3, 0.2),  # top-p below min-p's cut
+]
+
+
+def sampling_rows(vocab: int, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu") -> tuple:
+    """Inputs of ``sampling.sample_tokens`` with one row of each kind in SAMPLING_ROWS, and per-row
+    state: penalties on four rows (one greedy), a bias on four (one bans 50 tokens, one shifts 30).
+    Returns (logits, temperature, keys, counters, Filters, RowState)."""
+    from tokenmill.kernels.triton.sampling import Filters, RowState
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(SAMPLING_ROWS)
+    logits = torch.randn(rows, vocab, generator=gen)
+    temperature, top_p, min_p = torch.zeros(rows), torch.ones(rows), torch.zeros(rows)
+    top_k = torch.zeros(rows, dtype=torch.int64)
+    for i, (kind, t, k, p, mp) in enumerate(SAMPLING_ROWS):
+        if kind == "round":
+            logits[i] = (logits[i] * 2).round() / 2
+        elif kind == "masked":
+            row = torch.full((vocab,), float("-inf"))
+            keep = torch.randperm(vocab, generator=gen)[:10]
+            row[keep] = logits[i, keep]
+            logits[i] = row
+        else:
+            logits[i] *= kind
+        temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p, mp
+    counts = torch.zeros(4, vocab, dtype=torch.int32)
+    for s in range(4):
+        counts[s].index_add_(0, torch.randint(0, vocab, (30,), generator=gen), torch.ones(30, dtype=torch.int32))
+    in_prompt = torch.zeros(4, -(-vocab // 32) * 32, dtype=torch.int64)
+    in_prompt[:, :vocab] = (torch.rand(4, vocab, generator=gen) < 0.05).long()
+    prompt_bits = (in_prompt.view(4, -1, 32) << torch.arange(32)).sum(-1).to(torch.int32)
+    penalty_slots = torch.full((rows,), -1, dtype=torch.int32)
+    penalty_slots[[1, 2, 4, 7]] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    bias_slots = torch.full((rows,), -1, dtype=torch.int32)
+    bias_slots[[2, 3, 7, 13]] = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    bias = torch.zeros(2, vocab)
+    bias[0, torch.randint(0, vocab, (50,), generator=gen)] = float("-inf")
+    bias[1, torch.randint(0, vocab, (30,), generator=gen)] = torch.randn(30, generator=gen) * 3
+    state = RowState(bias_slots, bias, penalty_slots, counts, prompt_bits, torch.full((rows,), 1.3),
+                     torch.full((rows,), 0.4), torch.full((rows,), 0.2))
+    keys = torch.randint(0, 2**62, (rows,), generator=gen)
+    counters = torch.randint(0, 2**40, (rows,), generator=gen)
+    move = functools.partial(torch.Tensor.to, device=device)
+    return (move(logits.to(dtype)), move(temperature), move(keys), move(counters), Filters(*map(move, (top_k, top_p, min_p))),
+            RowState(*map(move, state)))

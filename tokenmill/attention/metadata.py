@@ -42,6 +42,19 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
 
+    @property
+    def num_leading_decodes(self) -> int:
+        """How many sequences at the front of the step have one query token. The scheduler serves
+        running sequences first, oldest first, and prompts are computed by the newest, so a
+        mixed step's decodes are its leading sequences (the attention backend and the
+        micro-batch cut rely on it only for speed)."""
+        count = 0
+        for n in self.query_lens_host:
+            if n != 1:
+                break
+            count += 1
+        return count
+
 
 class AttentionBackend(Protocol):
     """Stores the new keys/values in the paged cache, then attends over the whole context."""

@@ -41,13 +41,13 @@ class TritonAttentionBackend:
     def __init__(self, deterministic: bool = False) -> None:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
-        from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs, paged_attention
+        from tokenmill.kernels.triton.paged_attention import choose_configs, launch_configs, paged_attention
         from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
         self._store_kv = store_kv
         self._qkv_prologue = qkv_prologue
         self._paged_attention = paged_attention
-        self._choose_config = choose_config
+        self._choose_configs = choose_configs
         self._launch_configs = launch_configs
         self.deterministic = deterministic
 
@@ -89,13 +89,15 @@ class TritonAttentionBackend:
         return self._attend(q, kv_cache, meta, scale)
 
     def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
-        # The launch shape is the same for every layer of a step: choose it once per step.
-        key = ("triton_attn_config", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
-        config = meta.backend_cache.get(key)
-        if config is None:
-            config = self._choose_config(
+        # The launch shapes are the same for every layer of a step: choose them once per step.
+        key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
+        plan = meta.backend_cache.get(key)
+        if plan is None:
+            num_decode_seqs = meta.num_leading_decodes if meta.max_query_len > 1 else 0
+            decode_config, config = self._choose_configs(
                 num_tokens=q.shape[0],
                 num_seqs=meta.seq_lens.shape[0],
+                num_decode_seqs=num_decode_seqs,
                 num_heads=q.shape[1],
                 num_kv_heads=kv_cache.shape[3],
                 head_dim=q.shape[2],
@@ -105,7 +107,8 @@ class TritonAttentionBackend:
                 device=q.device,
                 deterministic=self.deterministic,
             )
-            meta.backend_cache[key] = config
+            plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config)
+        num_decode_seqs, decode_config, config = plan
         return self._paged_attention(
             q,
             kv_cache,
@@ -115,7 +118,9 @@ class TritonAttentionBackend:
             scale,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            num_decode_seqs=num_decode_seqs,
             config=config,
+            decode_config=decode_config,
         )
 
     def precompile(self, num_heads: int, kv_cache: "torch.Tensor", dtype: "torch.dtype", max_seq_len: int) -> None:

@@ -10,9 +10,10 @@ With ``async_scheduling`` (the default on GPUs) a step is launched before the pr
 sampled ids are read back: ``step`` schedules and launches step N+1, then reads step N's ids and
 does its bookkeeping while the device runs N+1. A sequence that step N finished is then computed
 once more in N+1 and that token is dropped; a sequence that reaches max_tokens is not scheduled
-again. Requests whose sampling reads all earlier output ids (penalties, bad words, logits
+again. Requests whose sampling reads all earlier output ids on the host (Python logits
 processors, grammars) and beam searches (the next beams depend on this step's logprobs) make the
-engine read each step back before scheduling the next (`Request.needs_sync`).
+engine read each step back before scheduling the next (`Request.needs_sync`); penalties and bad
+words keep their history on the device.
 """
 
 from __future__ import annotations

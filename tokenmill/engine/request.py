@@ -12,6 +12,7 @@ import enum
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -138,6 +139,13 @@ class Request(Generic[ParamsT]):
     beam: "BeamSearch | None" = None  # set for LLM.beam_search requests; sequences are then its live beams
     # Outputs each sequence may have (`max_output_tokens`, set at intake; no limit until then).
     max_output_tokens: int = sys.maxsize
+
+    @cached_property
+    def sampler_needs(self) -> int:
+        """Its params' ``SamplerNeeds``, computed once: the runner reads it for every row of every
+        step, and intake has made its additions to the params (bad words) before any step."""
+        params: Any = self.params  # a generation request's SamplingParams (pooling never asks)
+        return params.sampler_needs
 
     @property
     def needs_sync(self) -> bool:

@@ -31,6 +31,9 @@ class StepRequest(Protocol):
     @property
     def needs_prompt_logprobs(self) -> bool: ...
 
+    @property
+    def sampler_needs(self) -> int: ...  # SamplerNeeds bits of its params (see SamplingParams.sampler_needs)
+
 
 class StepSequence(Protocol):
     """The sequence fields the runner reads: its tokens, its blocks and its sampling settings."""

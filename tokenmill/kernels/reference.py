@@ -224,12 +224,87 @@ def gumbel_argmax_ref(
 ) -> torch.Tensor:  # [N] int64
     """Per row: argmax(logits) if temperature is 0, else argmax(logits / temperature + Gumbel noise),
     which is a sample of softmax(logits / temperature); ties go to the lowest token id."""
+    return sample_ref(logits, temperature, keys, counters)
+
+
+def penalize_ref(
+    logits: torch.Tensor,  # [N, V] float32
+    counts: torch.Tensor,  # [N, V] int: occurrences of each token among the row's outputs
+    prompt_mask: torch.Tensor,  # [N, V] bool: the token is in the row's prompt
+    repetition: torch.Tensor,  # [N]
+    frequency: torch.Tensor,  # [N]
+    presence: torch.Tensor,  # [N]
+) -> torch.Tensor:
+    """vLLM's penalties: a token seen in the prompt or the output has its logit divided by the
+    repetition penalty if positive, multiplied if not; then frequency * count and presence * (count > 0)
+    are subtracted."""
+    rep = repetition[:, None]
+    seen = prompt_mask | (counts > 0)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * counts.float()
+    return logits - presence[:, None] * (counts > 0).float()
+
+
+def prompt_mask_ref(prompt_bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] bool from the [S, ceil(V / 32)] int32 bitmap: token i is bit i % 32 of word i // 32."""
+    bits = (prompt_bits.long()[:, :, None] >> torch.arange(32)) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def filter_threshold_ref(scores: torch.Tensor, top_k: int, top_p: float, min_p: float) -> float:
+    """The threshold of one row's top-k, top-p and min-p (vLLM's order) over its tempered logits
+    ``scores`` [V]: the kept tokens are exactly those with scores >= it (-inf keeps all).
+
+    t_k is the k-th largest score (ties with it kept). Over the tokens >= t_k, sorted by score, t_p
+    is the first score at which the running sum of exp(score - max) (float64) reaches top_p times
+    their total: a token stays iff the tokens strictly above it hold less than top_p of the mass
+    (ties stay together). t_min = max + log(min_p), in float32. The threshold is the largest of the three."""
+    scores = scores.float().cpu()
+    vocab = scores.shape[0]
+    ordered = scores.sort(descending=True).values
+    top = ordered[0]
+    t_k = ordered[top_k - 1] if 0 < top_k < vocab else torch.tensor(float("-inf"))
+    t_p = torch.tensor(float("-inf"))
+    if top_p < 1.0:
+        kept = ordered[ordered >= t_k]
+        mass = torch.exp((kept - top).double()).cumsum(0)
+        t_p = kept[int(torch.searchsorted(mass, top_p * mass[-1]))]  # the first cumulative mass >= the budget
+    t_min = top + torch.log(torch.tensor(min_p, dtype=torch.float32)) if min_p > 0.0 else torch.tensor(float("-inf"))
+    return float(torch.stack([t_k, t_p, t_min.float()]).max())
+
+
+def sample_ref(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N]; 0 = greedy
+    keys: torch.Tensor,  # [N] int64
+    counters: torch.Tensor,  # [N] int64
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # top_k, top_p, min_p per row
+    state: tuple | None = None,  # sampling.RowState's fields
+) -> torch.Tensor:  # [N] int64
+    """``sampling.sample_tokens``: per row, the logits (fp32) plus the bias row of its bias slot,
+    then penalised from its penalty slot (slots >= 0); greedy rows take the argmax; the others the
+    argmax of scores + Gumbel noise over the scores >= the row's filter threshold, scores = logits /
+    temperature. Ties go to the lowest token id."""
+    x = logits.float().cpu()
+    vocab = x.shape[1]
+    if state is not None:
+        bias_slots, bias, penalty_slots, counts, prompt_bits, repetition, frequency, presence = (t.cpu() for t in state)
+        rows = torch.nonzero(bias_slots >= 0).flatten()
+        x[rows] = x[rows] + bias[bias_slots[rows].long()]
+        rows = torch.nonzero(penalty_slots >= 0).flatten()
+        slots = penalty_slots[rows].long()
+        x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], vocab), repetition[rows],
+                               frequency[rows], presence[rows])
     out = []
     for row, (t, key, counter) in enumerate(zip(temperature.tolist(), keys.tolist(), counters.tolist())):
-        x = logits[row].float().cpu()
-        if t > 0:
-            x = x / torch.tensor(t, dtype=torch.float32) + gumbel_noise_ref(key, counter, x.shape[0])
-        out.append(int(x.argmax()))
+        if t == 0:
+            out.append(int(x[row].argmax()))
+            continue
+        s = x[row] / torch.tensor(t, dtype=torch.float32)
+        if filters is not None:
+            top_k, top_p, min_p = (float(f[row]) for f in filters)
+            s = torch.where(s >= filter_threshold_ref(s, int(top_k), top_p, min_p), s, float("-inf"))
+        out.append(int((s + gumbel_noise_ref(key, counter, vocab)).argmax()))
     return torch.tensor(out, dtype=torch.int64, device=logits.device)
 
 

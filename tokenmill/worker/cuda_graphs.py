@@ -9,7 +9,8 @@ block tables. Under tensor parallelism each graph also holds the NCCL all-reduce
 forward (the communicator exists by then: the profiling forward used it); every rank captures
 and replays the same buckets (distributed/mirror.py). The attention backend is told the
 largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
-every replay.
+every replay. With ``overlap`` (an experiment, see micro_batches.py) a graph of at least
+``Overlap.MIN_DECODE_BATCH`` rows holds two half-batch forwards on two streams instead of one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
+from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        overlap: bool = False,
     ):
         self.model = model
         self.backend = backend
@@ -63,6 +66,7 @@ class DecodeGraphs:
         self._arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.query_start_loc = self._arange.clone()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.side_stream = torch.cuda.Stream(device) if overlap else None
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -78,8 +82,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: int) -> torch.Tensor:
-        ctx = ForwardContext(self._metadata(batch), self.kv_caches, self.backend)
-        return self.model(self.input_ids[:batch], self.positions[:batch], ctx)
+        meta = self._metadata(batch)
+        if self.side_stream is not None and batch >= Overlap.MIN_DECODE_BATCH:
+            return forward_micro_batches(
+                self.model, self.input_ids[:batch], self.positions[:batch], meta, self.kv_caches, self.backend,
+                batch // 2, self.side_stream,
+            )
+        return self.model(self.input_ids[:batch], self.positions[:batch], ForwardContext(meta, self.kv_caches, self.backend))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -8,10 +8,14 @@ the one engine module the runner knows).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import operator
 import random
 import time
+from typing import Iterable
+
 import numpy as np
 
 import torch
@@ -21,9 +25,12 @@ from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, Fo
 from tokenmill.engine.step import (
     NULL_BLOCK, PromptLogprobs, SamplerOutput, ScheduledSequence, SchedulerOutput, StepResult, StepSequence,
 )
-from tokenmill.sampling_params import SamplingType
+from tokenmill.sampling_params import SamplerNeeds, SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.kernels.sampling_args import RowState
+from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.sampler import Sampler, SamplingBatch
+from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, PenaltyState, step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +46,7 @@ class ModelRunner:
         vocab_size: int,
         seed: int,
         kv_cache_dtype: torch.dtype,
+        overlap: Overlap = Overlap(),
     ):
         self.model = model
         self.backend = backend
@@ -59,6 +67,19 @@ class ModelRunner:
         # still in flight reads its next input from here (row given by seq_id).
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[int, int] = {}
+        # Per-sequence sampling state on the device (penalties, logit bias, bad words), released
+        # for the sequences each plan reports finished or preempted. A plan with nothing scheduled
+        # is never launched, so its report is lost: a full table also takes back the slots of
+        # finished sequences itself before it grows.
+        def is_done(seq) -> bool:
+            return getattr(seq, "is_finished", False)
+
+        self.penalties = PenaltyState(vocab_size, device, is_done)
+        self.logit_bias = LogitBiasState(vocab_size, device, is_done)
+        self.bad_words = BadWordState(device, is_done)
+        # Two micro-batches on two streams (an experiment, off by default: micro_batches.py).
+        self.overlap = overlap
+        self._side_stream = torch.cuda.Stream(device) if overlap.mixed and device.type == "cuda" else None
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -100,7 +121,8 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
+            self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device,
+            overlap=self.overlap.decode,
         )
         self.graphs.capture()
 
@@ -143,12 +165,19 @@ class ModelRunner:
         """Launch one step. On a GPU this returns once the work is queued: the sampled ids come
         back through `StepResult.wait`, so the host can schedule the next step meanwhile."""
         scheduled = plan.scheduled
+        self.release_sequences(plan.finished_seq_ids)
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
         sampled = [scheduled[i] for i in sample_rows]
         # Built before the forward is launched, so its host work and copies overlap with the GPU.
         batch = self._sampling_batch([s.seq for s in sampled]) if sampled else None
         if self.graphs is not None and meta.is_pure_decode and meta.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        elif self.overlap.mixed and not meta.is_pure_decode and 0 < meta.num_leading_decodes < meta.num_seqs:
+            # The decodes (memory-bound attention) beside the prompt chunks (compute-bound GEMMs).
+            hidden = forward_micro_batches(
+                self.model, input_ids, positions, meta, self.kv_caches, self.backend, meta.num_leading_decodes,
+                self._side_stream,
+            )
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(input_ids, positions, ctx)
@@ -162,6 +191,7 @@ class ModelRunner:
             last_hidden = hidden[meta.query_start_loc[1:][self._tensor(sample_rows, torch.int64)] - 1]
         logits = self.model.compute_logits(last_hidden)
         output = self.sampler(logits, batch)
+        self._record(batch, output.token_ids)
         self._last_sampled = output.token_ids
         self._last_rows = {item.seq.seq_id: row for row, item in enumerate(sampled)}
         return self._to_host(StepResult(sampled, output, prompt_logprobs))
@@ -274,41 +304,66 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def _columns(self, columns: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per-row columns of one dtype in one host-to-device copy. Each column starts 16-byte
+        aligned: Triton specialises kernels on pointer alignment, and a column starting 8 bytes off
+        (an odd row count) would compile a second variant in the middle of a run."""
+        rows = len(columns[0])
+        per_16_bytes = 16 // dtype.itemsize
+        host = torch.zeros((len(columns), -(-rows // per_16_bytes) * per_16_bytes), dtype=dtype)
+        host[:, :rows] = torch.tensor(columns, dtype=dtype)
+        packed = self._to_device(host)
+        return [packed[i, :rows] for i in range(len(columns))]
+
     def _sampling_batch(self, seqs: list[StepSequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
-        temperature = self._tensor([p.temperature for p in params], torch.float32)
+        # What the rows need beyond temperature: each per-row pass below runs only if some row does.
+        needs = functools.reduce(operator.or_, (s.request.sampler_needs for s in seqs), 0)
         all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
-        top_k = top_p = min_p = None
-        max_top_k = min(max(p.top_k for p in params), self.vocab_size)
-        if max_top_k > 0:
-            top_k = self._tensor([p.top_k for p in params], torch.int64)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = self._tensor([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = self._tensor([p.min_p for p in params], torch.float32)
+        # The filters come all three or none; a top_k past the vocabulary keeps everything.
+        filtered = bool(needs & SamplerNeeds.FILTERS)
+        floats = [[p.temperature for p in params]]
+        if filtered:
+            floats += [[p.top_p for p in params], [p.min_p for p in params]]
+        none = [-1] * len(seqs)
+        penalty_slots = self.penalties.slots(seqs, self._to_device) if needs & SamplerNeeds.PENALTIES else none
+        bias_slots = self.logit_bias.slots(seqs) if needs & SamplerNeeds.LOGIT_BIAS else none
+        has_state = bool(needs & (SamplerNeeds.PENALTIES | SamplerNeeds.LOGIT_BIAS))
+        if has_state:
+            floats += [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                       [p.presence_penalty for p in params]]
+        floats = self._columns(floats, torch.float32)
+        max_top_k = min(max(p.top_k for p in params), self.vocab_size) if filtered else 0
         batch = SamplingBatch(
-            temperature=temperature,
+            temperature=floats[0],
             all_greedy=all_greedy,
-            top_k=top_k,
+            top_k=self._tensor([min(p.top_k, self.vocab_size) for p in params], torch.int64) if filtered else None,
             max_top_k=max_top_k,
-            top_p=top_p,
-            min_p=min_p,
+            top_p=floats[1] if filtered else None,
+            min_p=floats[2] if filtered else None,
             # best_of ranks samples by their logprobs, so it needs them even when logprobs is None.
             max_num_logprobs=max((p.logprobs if p.logprobs is not None else 0 for p in params
                                   if p.logprobs is not None or p.best_of is not None), default=-1),
         )
         if not all_greedy:
             batch.draw_keys, batch.draw_counters = self._draw_keys(seqs)
-        if any(p.uses_penalties for p in params):
-            self._add_penalties(batch, seqs)
-        banned = []
-        for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                banned.append((row, sorted(seq.params.all_stop_token_ids)))
-        batch.banned = [b for b in banned if b[1]] or None
-        if any(p.adjusts_logits for p in params):
-            self._add_logit_controls(batch, seqs)
-        if any(s.grammar is not None for s in seqs):
+        if has_state:
+            bias, penalty = self._columns([bias_slots, penalty_slots], torch.int32)
+            batch.state = RowState(bias, self.logit_bias.bias, penalty, self.penalties.counts, self.penalties.prompt_bits,
+                                   *floats[-3:])
+            batch.bias_rows = step_rows(bias_slots, self._to_device)
+            batch.penalty_rows = step_rows(penalty_slots, self._to_device)
+        if needs & SamplerNeeds.BAD_WORDS:
+            batch.bad_words = (self.bad_words, step_rows(self.bad_words.slots(seqs), self._to_device))
+        if needs & SamplerNeeds.MIN_TOKENS:
+            # eos and stop ids may not be sampled below min_tokens (the output count includes tokens in flight).
+            banned = [(row, token) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
+                      for token in seq.params.all_stop_token_ids]
+            batch.banned = self._tensor(list(zip(*banned)), torch.int64) if banned else None
+        if needs & SamplerNeeds.PROCESSORS:
+            batch.processors = [(row, s.params.logits_processors, s.prompt_token_ids, s.output_token_ids)
+                                for row, s in enumerate(seqs) if s.params.logits_processors]
+        if self.grammars is not None and any(s.grammar is not None for s in seqs):
             batch.grammar_bitmask = self.grammars.bitmask([s.grammar for s in seqs])
             batch.apply_grammar = self.grammars.apply
         return batch
@@ -320,45 +375,21 @@ class ModelRunner:
         step_key = self._step_keys.getrandbits(63)
         keys = [s.seed if s.seed is not None else step_key for s in seqs]
         counters = [s.num_output_tokens if s.seed is not None else (1 << 32) | row for row, s in enumerate(seqs)]
-        # Two tensors, not two rows of one: a row starting 8 bytes off a 16-byte boundary (odd N)
-        # would make Triton compile a second variant of the draw kernel in the middle of a run.
-        return self._tensor(keys, torch.int64), self._tensor(counters, torch.int64)
+        keys, counters = self._columns([keys, counters], torch.int64)
+        return keys, counters
 
-    def _add_logit_controls(self, batch: SamplingBatch, seqs: list) -> None:
-        """An additive [N, V] bias (allow list, logit_bias, bad words) and the per-row processors."""
-        bias = torch.zeros(len(seqs), self.vocab_size, dtype=torch.float32)
-        processors = []
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if p.allowed_token_ids:
-                bias[row] = float("-inf")
-                bias[row, p.allowed_token_ids] = 0.0
-            if p.logit_bias:
-                bias[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()))
-            out = seq.output_token_ids
-            for word in p.bad_words_token_ids:
-                # The last token of a bad word is banned once the output ends with the rest of it.
-                if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == word[:-1]):
-                    bias[row, word[-1]] = float("-inf")
-            if p.logits_processors:
-                processors.append((row, p.logits_processors, seq.prompt_token_ids, out))
-        batch.logit_bias = self._to_device(bias)
-        batch.processors = processors or None
+    def _record(self, batch: SamplingBatch, token_ids: torch.Tensor) -> None:
+        """Bring the per-sequence device state up to date with this step's sampled ids (no sync)."""
+        if batch.penalty_rows is not None:
+            self.penalties.record(batch.penalty_rows, token_ids)
+        if batch.bad_words is not None:
+            self.bad_words.record(batch.bad_words[1], token_ids)
 
-    def _add_penalties(self, batch: SamplingBatch, seqs: list) -> None:
-        dev, vocab = self.device, self.vocab_size
-        counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=dev)
-        seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
-        for row, seq in enumerate(seqs):
-            if seq.output_token_ids:
-                out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=dev)
-                counts[row].index_add_(0, out, torch.ones(len(out), device=dev))
-            seen[row, torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=dev)] = True
-        batch.output_counts = counts
-        batch.seen_mask = seen | (counts > 0)
-        batch.presence = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)
-        batch.frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)
-        batch.repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)
+    def release_sequences(self, seq_ids: Iterable[int]) -> None:
+        """Drop the device sampling state of sequences that finished, were aborted or preempted."""
+        seq_ids = list(seq_ids)
+        for state in (self.penalties, self.logit_bias, self.bad_words):
+            state.release(seq_ids)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

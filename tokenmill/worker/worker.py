@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.models.loader import load_model
 from tokenmill.profiler import Profiler
+from tokenmill.worker.micro_batches import Overlap
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.offload import LayerOffloader
 from tokenmill.worker.sizing import choose_num_blocks
@@ -69,6 +70,9 @@ class Worker:
             block_size=config.block_size,
             vocab_size=config.vocab_size,
             seed=config.seed,
+            # Two model calls per step would not be mirrored in step on the other ranks, and two
+            # forwards on two streams would race for cpu_offload_gb's staging buffers.
+            overlap=Overlap.from_env() if self.tp_size == 1 and self.offloader is None else Overlap(),
         )
         # Before the profiling forward, so no kernel variant is first compiled in the middle of a run.
         self.runner.precompile_kernels(config.max_model_len)

@@ -18,6 +18,15 @@ How the work is cut (grid = (query blocks, kv heads, kv splits)):
   so each K/V tile is loaded from HBM once per kv head and used by the whole group. M is padded to
   at least 16 rows because tensor-core dots need every operand dimension >= 16 on the GPU; the
   padded rows are masked and cost arithmetic only, which decode has to spare (it is memory-bound).
+- Mixed steps. A decode row in a prefill-sized tile would fill one row of 64-128 and pay the
+  arithmetic of all of them, so when the host knows that the first ``num_decode_seqs`` sequences
+  are one-token decodes (the scheduler serves running sequences first), those get a launch with
+  the decode tile and the rest a second launch with the prefill tile. The second launch numbers
+  its query blocks from its first sequence's, which the host can compute since every sequence
+  before it holds one token.
+- Causal masks. In a prefill block, key tiles that end at or before the block's first position
+  are seen whole by every row and run without masks; only the one or two tiles on the diagonal
+  are masked, and tiles past the block's last position are never visited.
 - Split-KV. When the batch is small (few sequences, long contexts), B * kv_heads programs cannot
   fill 132 SMs; each program then covers 1/NUM_SPLITS of the key range, writes an unnormalised
   partial result with its running max and sum, and a second kernel merges the splits. NUM_SPLITS is
@@ -106,7 +115,7 @@ def _locate_rows(
     token = q_start + row_tok
     # Keys this block needs: up to its last real query's position.
     kv_end = cached_len + tl.minimum(q_first + BLOCK_Q, query_len)
-    return seq, q_first, query_len, token, row_head, row_valid, row_pos, kv_end
+    return seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end
 
 
 @triton.jit
@@ -120,6 +129,9 @@ def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM:
 @triton.jit
 def _attend_tiles(
     q,
+    m_i,
+    l_i,
+    acc,
     k_cache_ptr,
     v_cache_ptr,
     table,  # this sequence's row of the block table
@@ -133,39 +145,45 @@ def _attend_tiles(
     stride_c_tok,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
     DETERMINISTIC: tl.constexpr = False,
 ):
-    """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order;
-    returns the running max m (log2 units), the sum l and the unnormalised output acc.
+    """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order,
+    continuing the running max m (log2 units), sum l and unnormalised output acc.
+
+    ``MASKED=False`` is for tiles that every row sees whole (all keys before kv_end and at or before
+    each row's position): the loads and scores then carry no masks, and the arithmetic on the keys
+    is the same as with them.
 
     ``DETERMINISTIC``: a tile that a row cannot see leaves its state bit for bit unchanged (the
     rescale is exactly 1 where the max did not move, not left to exp2(0) rounding to 1), so a row
-    gets the same bits whether its block runs past its own position (prefill) or not (decode)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    gets the same bits whether its block runs past its own position (prefill) or not (decode).
+    """
     cols = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM)
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + cols
-        key_valid = key_pos < kv_end
+        # An all-true constant mask folds away: the unmasked loads are plain (pipelined) copies.
+        key_valid = key_pos < kv_end if MASKED else tl.full([TILE_N], 1, tl.int1)
         block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         key_off = block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_tok + head_off
         # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
         k = tl.load(k_cache_ptr + key_off[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0).to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        # Causality also hides keys past kv_end from real rows, since their row_pos < kv_end.
-        s = tl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if MASKED:
+            # Causality also hides keys past kv_end from real rows, since their row_pos < kv_end.
+            qk = tl.where(key_pos[None, :] <= row_pos[:, None], qk, float("-inf"))
+        # Scores in log2 units are qk * scale_log2 (> 0, so the row max scales with them); scaling
+        # inside the exponent's argument makes it one fused multiply-add per score.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
         if DETERMINISTIC:
             alpha = tl.where(m_new == m_i, 1.0, alpha)
-        p = tl.exp2(s - m_shift[:, None])
+        p = tl.exp2(qk * scale_log2 - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
@@ -202,7 +220,7 @@ def _store_partial(
 
 # Host ints that change from step to step are not specialised on (Triton would otherwise compile a
 # variant for 1, for multiples of 16 and for the rest), so the variants depend on configs alone.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "block_offset", "token_offset", "stride_bt_seq"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -215,6 +233,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     num_seqs,
+    block_offset,  # query blocks of earlier sequences that another launch covers (see _launch)
+    token_offset,  # this launch's first token: row 0 of the partial buffers
     scale_log2,
     stride_q_tok,
     stride_q_head,
@@ -240,10 +260,10 @@ def _paged_attention_kernel(
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    block_id = tl.program_id(0)
+    block_id = tl.program_id(0) + block_offset
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq, q_first, query_len, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
+    seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
     )
     if q_first >= query_len:
@@ -254,20 +274,40 @@ def _paged_attention_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    m_i, l_i, acc = _attend_tiles(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq, kv_head * stride_c_head, row_pos, kv_end,
-        tile_lo, tile_hi, scale_log2, stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION,
-    )
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt_seq
+    head_off = kv_head * stride_c_head
+    if BLOCK_Q == 1:
+        # Decode: every row sits at the last position, only the last tile can reach past it.
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, tile_lo, tile_hi, scale_log2,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True,
+        )
+    else:
+        # Prefill: a tile that ends at or before the block's first position is seen whole by every
+        # row, so it needs no mask; only the one or two tiles on the diagonal do. Tiles past the
+        # diagonal were never in range (kv_end).
+        full_end = tl.minimum(tl.maximum((cached_len + q_first + 1) // TILE_N, tile_lo), tile_hi)
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, tile_lo, full_end, scale_log2,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=False,
+        )
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, full_end, tile_hi, scale_log2,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True,
+        )
 
     if NUM_SPLITS == 1:
         _store_normalised(out_ptr, acc, l_i, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
     else:
         # Unnormalised partials; an empty split stores acc 0, m -inf, l 0, which the merge weighs 0.
-        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, token, row_head, row_valid, split,
-                       stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
+        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, token - token_offset, row_head, row_valid,
+                       split, stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "token_offset"])
 def _merge_splits_kernel(
     out_ptr,
     part_acc_ptr,
@@ -275,6 +315,7 @@ def _merge_splits_kernel(
     part_l_ptr,
     query_start_loc_ptr,
     num_seqs,
+    token_offset,
     stride_o_tok,
     stride_o_head,
     stride_pa_tok,
@@ -286,13 +327,14 @@ def _merge_splits_kernel(
     SPLITS_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    part_row = tl.program_id(0)
+    token = part_row + token_offset
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding past the last real token: leave the output alone
     splits = tl.arange(0, SPLITS_P)
     present = splits < NUM_SPLITS
-    pml = token * stride_pml_tok + head * stride_pml_head + splits
+    pml = part_row * stride_pml_tok + head * stride_pml_head + splits
     m = tl.load(part_m_ptr + pml, mask=present, other=float("-inf"))
     l = tl.load(part_l_ptr + pml, mask=present, other=0.0)
     # m_max is finite for a real token (split 0 holds key 0, which every query sees); the guards
@@ -301,7 +343,7 @@ def _merge_splits_kernel(
     m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(present, tl.exp2(m - m_shift), 0.0)
     dims = tl.arange(0, HEAD_DIM)
-    pa = part_acc_ptr + token * stride_pa_tok + head * stride_pa_head + splits * stride_pa_split
+    pa = part_acc_ptr + part_row * stride_pa_tok + head * stride_pa_head + splits * stride_pa_split
     acc = tl.load(pa[:, None] + dims[None, :], mask=present[:, None], other=0.0)
     denom = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
@@ -383,7 +425,7 @@ def _paged_attention_fixed_split_kernel(
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq, q_first, query_len, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
+    seq, q_first, query_len, _, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
         query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
     )
     if q_first >= query_len:
@@ -396,10 +438,14 @@ def _paged_attention_fixed_split_kernel(
     acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for part in range(split, tl.cdiv(num_tiles, PART_TILES), split_programs):
         tile_lo = part * PART_TILES
+        # Each part starts a fresh online softmax; every tile stays masked (one code path for all).
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m, l, acc = _attend_tiles(
-            q, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
+            q, m, l, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
             tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION, DETERMINISTIC=True,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True,
         )
         if split_programs == 1:
             m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
@@ -527,6 +573,39 @@ def choose_config(
     return _config(block_q, num_splits, group_p, head_dim, dtype)
 
 
+def choose_configs(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_decode_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+    deterministic: bool = False,
+) -> tuple[AttentionLaunchConfig | None, AttentionLaunchConfig]:
+    """The configs of a step's launches: (the leading decodes' launch, or None when one launch
+    covers the whole step; the other launch). Decodes in a prefill-sized tile would each fill one
+    row of 64-128 and pay the arithmetic of all of them, so a mixed step whose first
+    ``num_decode_seqs`` sequences are one-token decodes runs them with the decode tile.
+    ``deterministic``: always one launch, on the one tile every row shares (``choose_config``)."""
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    if deterministic or not _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
+        return None, choose_config(
+            num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            deterministic=deterministic, **shape,
+        )
+    d = num_decode_seqs
+    decode = choose_config(num_tokens=d, num_seqs=d, max_query_len=1, max_seq_len=max_seq_len, **shape)
+    rest = choose_config(
+        num_tokens=num_tokens - d, num_seqs=num_seqs - d, max_query_len=max_query_len, max_seq_len=max_seq_len, **shape
+    )
+    return decode, rest
+
+
 def launch_configs(
     *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int, deterministic: bool = False
 ) -> list[AttentionLaunchConfig]:
@@ -591,8 +670,10 @@ def paged_attention(
     *,
     max_query_len: int,
     max_seq_len: int,
+    num_decode_seqs: int = 0,
     out: torch.Tensor | None = None,
     config: AttentionLaunchConfig | None = None,
+    decode_config: AttentionLaunchConfig | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
     """Causal paged attention of the flattened batch (its keys/values already in the cache).
@@ -601,8 +682,14 @@ def paged_attention(
     shapes and the split count (see ``choose_config``); the kernels read the true lengths from the
     tensors, so the result is correct for any bounds and the launch never syncs with the device.
     Rows of tokens at or past ``query_start_loc[B]`` (CUDA-graph padding) are not written.
-    ``config`` overrides the choice (benchmarks, tests of the split path). ``compile_only``
-    compiles the kernels this call would launch and launches nothing (``precompile.py``).
+
+    ``num_decode_seqs``: the first that many sequences have exactly one query token each (a host
+    fact: the scheduler serves running decodes first). When longer queries follow, those decodes
+    get a launch of their own with the decode tile and the rest the prefill tile; a count larger
+    than the true one gives wrong results, a smaller one (0: one launch) only a slower step.
+    ``config`` overrides the choice of the (prefill or only) launch, ``decode_config`` that of the
+    decode launch (benchmarks, tests of the split path). ``compile_only`` compiles the kernels
+    this call would launch and launches nothing (``precompile.py``).
     """
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, num_heads, head_dim] with a contiguous last dim, got {tuple(q.shape)}")
@@ -612,7 +699,7 @@ def paged_attention(
             f"got {tuple(kv_cache.shape)}"
         )
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[3]
     if kv_cache.shape[4] != head_dim:
         raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} differs from q's {head_dim}")
     if num_heads % num_kv_heads:
@@ -633,39 +720,91 @@ def paged_attention(
         return out
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    if config is None:
-        config = choose_config(
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=q.dtype,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            device=q.device,
+    fixed_parts = config is not None and config.part_keys > 0
+    if fixed_parts and decode_config is not None:
+        raise ValueError(f"a deterministic config (part_keys {config.part_keys}) runs alone: decode_config must be None")
+    # A deterministic config's one tile serves decodes too: its steps stay in one launch.
+    split_decodes = not fixed_parts and _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len)
+    if config is None or (decode_config is None and split_decodes):
+        chosen_decode, chosen = choose_configs(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_decode_seqs=num_decode_seqs, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=q.dtype, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, device=q.device,
         )
+        config, decode_config = config or chosen, decode_config or chosen_decode
+    launch = functools.partial(
+        _launch, q, k_cache=kv_cache[0], v_cache=kv_cache[1], out=out, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_tables=block_tables, scale=scale, max_seq_len=max_seq_len, compile_only=compile_only,
+    )
+    if split_decodes:
+        assert decode_config is not None
+        d = num_decode_seqs
+        launch(decode_config, num_launch_seqs=d, first_seq=0, num_launch_tokens=d)
+        launch(config, num_launch_seqs=num_seqs, first_seq=d, num_launch_tokens=num_tokens - d)
+    else:
+        launch(config, num_launch_seqs=num_seqs, first_seq=0, num_launch_tokens=num_tokens)
+    return out
+
+
+def _splits_off_decodes(num_decode_seqs: int, num_seqs: int, max_query_len: int) -> bool:
+    """Whether a step's leading decodes get a launch of their own (there are some, and more)."""
+    return 0 < num_decode_seqs < num_seqs and max_query_len > 1
+
+
+def _launch(
+    q: torch.Tensor,
+    config: AttentionLaunchConfig,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_launch_seqs: int,
+    first_seq: int,
+    num_launch_tokens: int,
+    compile_only: bool,
+) -> None:
+    """One launch (plus the merge when split) over sequences ``first_seq..num_launch_seqs - 1``,
+    whose tokens are the last ``num_launch_tokens`` before the end of the batch or of sequence
+    ``num_launch_seqs - 1``. A launch that starts past sequence 0 relies on the sequences before it
+    having one token each (so its first token is ``first_seq``), and numbers its query blocks
+    from that sequence's first block, which the host can then compute."""
     if config.tile_n < 16 or config.tile_n & (config.tile_n - 1) or config.block_q < 1 or config.block_q & (config.block_q - 1):
         raise ValueError(f"tile_n must be a power of two >= 16 and block_q a power of two, got {config}")
     if config.num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {config.num_splits}")
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     block_m = max(16, config.block_q * group_p)  # tl.dot needs >= 16 rows on tensor cores
-    grid_q = num_tokens if config.block_q == 1 else num_tokens // config.block_q + num_seqs
+    token_offset = first_seq  # one token per earlier sequence
+    if config.block_q == 1:
+        block_offset, grid_q = token_offset, num_launch_tokens
+    else:
+        # Sequence i's blocks start at query_start_loc[i] // block_q + i (see _find_sequence). From
+        # a first_seq > 0 the floor of the start can gain one over the launch's own tokens: one
+        # spare program covers it.
+        block_offset = token_offset // config.block_q + first_seq
+        grid_q = num_launch_tokens // config.block_q + (num_launch_seqs - first_seq) + (1 if first_seq else 0)
     splits = config.num_splits
     fixed_parts = config.part_keys > 0
     if fixed_parts and (config.part_keys % config.tile_n or config.part_keys & (config.part_keys - 1)):
         raise ValueError(f"part_keys must be a power of two and a multiple of tile_n, got {config}")
+    assert not (fixed_parts and first_seq), "deterministic mode runs every step in one launch (see paged_attention)"
     # Partial results: one slot per split, or per key part in deterministic mode.
     slots = -(-max(max_seq_len, 1) // config.part_keys) if fixed_parts else splits
     if splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, slots, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((num_tokens, num_heads, slots), dtype=torch.float32, device=q.device)
+        # Indexed from the launch's first token: a prefill launch after the decodes skips their rows.
+        part_acc = torch.empty((num_launch_tokens, num_heads, slots, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_launch_tokens, num_heads, slots), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:  # unused by the kernel; any tensor will do as a placeholder pointer
         part_acc = part_m = part_l = out
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     pointers = (q, k_cache, v_cache, out, part_acc, part_m, part_l, query_start_loc, seq_lens, block_tables)
     strides = (
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -673,33 +812,36 @@ def paged_attention(
         part_m.stride(0), part_m.stride(1),
     )
     shape = dict(
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=config.block_q, BLOCK_M=block_m,
-        TILE_N=config.tile_n, SEARCH_BLOCK=_SEARCH_BLOCK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=config.block_q,
+        BLOCK_M=block_m, TILE_N=config.tile_n, SEARCH_BLOCK=_SEARCH_BLOCK,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     grid = (grid_q, num_kv_heads, splits)
     if fixed_parts:
         launcher(_paged_attention_fixed_split_kernel, grid, compile_only)(
-            *pointers, num_seqs, splits, scale * _LOG2E, *strides, PART_TILES=config.part_keys // config.tile_n, **shape
+            *pointers, num_launch_seqs, splits, scale * _LOG2E, *strides, PART_TILES=config.part_keys // config.tile_n,
+            **shape,
         )
     else:
         launcher(_paged_attention_kernel, grid, compile_only)(
-            *pointers, num_seqs, scale * _LOG2E, *strides, NUM_SPLITS=splits, **shape
+            *pointers, num_launch_seqs, block_offset, token_offset, scale * _LOG2E, *strides, NUM_SPLITS=splits, **shape
         )
     if splits > 1 and fixed_parts:
-        launcher(_merge_parts_kernel, (num_tokens, num_kv_heads), compile_only)(
-            out, part_acc, part_m, part_l, query_start_loc, seq_lens, num_seqs, *strides[2:4], *strides[8:],
+        launcher(_merge_parts_kernel, (num_launch_tokens, num_kv_heads), compile_only)(
+            out, part_acc, part_m, part_l, query_start_loc, seq_lens, num_launch_seqs, *strides[2:4], *strides[8:],
             GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PART_KEYS=config.part_keys, SEARCH_BLOCK=_SEARCH_BLOCK,
             num_warps=4 if head_dim * group_p >= 1024 else 2,
         )
     elif splits > 1:
-        launcher(_merge_splits_kernel, (num_tokens, num_heads), compile_only)(
+        launcher(_merge_splits_kernel, (num_launch_tokens, num_heads), compile_only)(
             out,
             part_acc,
             part_m,
             part_l,
             query_start_loc,
-            num_seqs,
+            num_launch_seqs,
+            token_offset,
             out.stride(0),
             out.stride(1),
             part_acc.stride(0),
@@ -712,4 +854,3 @@ def paged_attention(
             HEAD_DIM=head_dim,
             num_warps=4 if head_dim * splits >= 2048 else 2,
         )
-    return out

@@ -1,0 +1,76 @@
+"""The chat-style workload with the sampling settings users copy from tutorials, one setting at a
+time and all together, on any engine with vLLM's offline API (like peer_bench.py).
+
+Usage: python bench/workload_bench.py ENGINE SHAPE [VARIANT ...]
+  ENGINE   tokenmill | vllm | any importable module exposing LLM and SamplingParams
+  SHAPE    qwen3-0.6b | llama3-8b (random weights with the real shapes, from peer_bench.py)
+  VARIANT  temperature | top_p | top_k | top_k_top_p | repetition | all (default: every one, in that order)
+
+Workload ("chat"): 1,024 requests sharing a 256-token system prefix, each with its own U[16, 256]
+tokens, output U[32, 512] tokens, eos ignored, temperature 0.7 (random.seed(0)). The variants add
+top_p 0.9, top_k 50, top_k 100 with top_p 0.95 (issue 15's filter target), repetition_penalty 1.1,
+or top_p 0.9, top_k 50 and repetition_penalty 1.1 together. One LLM serves every variant (after a
+warm-up call); each prints one JSON row (output tokens / wall seconds of the generate call) and
+appends it to $RESULTS when set.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from random import randint, seed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_bench import model_dir  # noqa: E402
+
+VARIANTS = {
+    "temperature": {},
+    "top_p": dict(top_p=0.9),
+    "top_k": dict(top_k=50),
+    "top_k_top_p": dict(top_k=100, top_p=0.95),
+    "repetition": dict(repetition_penalty=1.1),
+    "all": dict(top_p=0.9, top_k=50, repetition_penalty=1.1),
+}
+
+
+def chat_workload() -> tuple[list[list[int]], list[int]]:
+    seed(0)
+    system = [randint(0, 10000) for _ in range(256)]
+    prompts = [system + [randint(0, 10000) for _ in range(randint(16, 256))] for _ in range(1024)]
+    return prompts, [randint(32, 512) for _ in prompts]
+
+
+def main() -> None:
+    engine, shape = sys.argv[1], sys.argv[2]
+    names = sys.argv[3:] or list(VARIANTS)
+    mod = importlib.import_module(engine)
+    LLM, SamplingParams = mod.LLM, mod.SamplingParams
+    start = time.time()
+    llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              gpu_memory_utilization=0.9, seed=0)
+    init_s = time.time() - start
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}] * 4, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    prompts, outs = chat_workload()
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    for name in names:
+        params = [SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=o, detokenize=False, **VARIANTS[name])
+                  for o in outs]
+        start = time.time()
+        results = llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.time() - start
+        got = sum(len(r.outputs[0].token_ids) for r in results)
+        row = dict(engine=engine, version=getattr(mod, "__version__", "?"), shape=shape, workload=f"chat-{name}",
+                   seqs=len(prompts), in_tokens=sum(map(len, prompts)), out_tokens=sum(outs), got_tokens=got,
+                   seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1), init_s=round(init_s, 1))
+        print(json.dumps(row), flush=True)
+        if os.environ.get("RESULTS"):
+            with open(os.environ["RESULTS"], "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Per-sequence sampling state kept on the device, so that penalties and logit controls need no
+host sync and no per-step rebuild from Python lists.
+
+A sequence that needs state gets a slot (a row of each tensor below) the first time it samples;
+the slot is filled then from its prompt and the output tokens the host knows (all of them: a
+sequence is never admitted with a token in flight), and updated in place from the sampled ids on
+the device after every step (``record``), whether or not the host has read them back yet. A token
+sampled for a sequence that then stops is counted too, but that sequence never samples again and
+its slot is released. Slots go only to the sequences that use a feature, in a capacity that
+doubles as needed (1, 2, 4, ...), and are freed by ``release`` (finished, aborted or preempted
+sequences; a preempted one is filled again when it samples next).
+
+Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
+- ``PenaltyState`` (repetition / frequency / presence penalties): output counts, V int32, and the
+  prompt's tokens as a bitmap, ceil(V / 32) int32: 4.125 V bytes (627 KB; 256 slots 160 MB,
+  1,024 slots 642 MB).
+- ``LogitBiasState`` (logit_bias, allowed_token_ids): one additive float32 row, 4 V bytes (608 KB).
+- ``BadWordState`` (bad_words): the words as token ids, and the last L - 1 output ids for words
+  of up to L tokens: a few hundred bytes.
+min_tokens needs no state: the host knows each sequence's output count, tokens in flight included.
+The GPU kernels read the bias and penalty tables directly (``kernels/sampling_args.RowState``);
+``apply_bias`` and ``apply_penalties`` are the same steps in torch, for the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from tokenmill.kernels.sampling_args import RowState
+from tokenmill.sampling_params import SamplerNeeds
+
+ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor onto the device (pinned, asynchronous on a GPU)
+_WILDCARD = -2  # a word position before the word's first token: matches any recent id
+
+
+class SlotTable:
+    """Slots (rows of device tensors) for sequences, by seq_id; the capacity doubles when full.
+
+    ``is_done(seq)``, if given, lets a full table take back the slots of sequences that are done
+    before it grows (for an engine that does not call ``release``)."""
+
+    def __init__(self, is_done: Callable[[object], bool] | None = None) -> None:
+        self.capacity = 1  # the tensors start with a row, so a kernel always gets a real one
+        self._slots: dict[int, int] = {}
+        self._owners: dict[int, object] = {}
+        self._free = [0]
+        self._is_done = is_done
+
+    def get(self, seq_id: int) -> int | None:
+        return self._slots.get(seq_id)
+
+    def assign(self, seq) -> int:
+        """A free slot for ``seq``, doubling the capacity first if none is free (the owner grows its tensors)."""
+        if not self._free and self._is_done is not None:
+            self.release([seq_id for seq_id, owner in self._owners.items() if self._is_done(owner)])
+        if not self._free:
+            self._free = list(range(2 * self.capacity - 1, self.capacity - 1, -1))
+            self.capacity *= 2
+        slot = self._free.pop()
+        self._slots[seq.seq_id] = slot
+        self._owners[seq.seq_id] = seq
+        return slot
+
+    def assign_rows(self, seqs: list, need: SamplerNeeds) -> tuple[list[int], list[tuple[int, object]]]:
+        """Each row's slot (-1 where its request's ``sampler_needs`` lack ``need``: the flags the
+        runner also reads to skip a state no row uses), and the (slot, seq) pairs assigned now,
+        whose tensors the owner fills."""
+        slots = [-1] * len(seqs)
+        new = []
+        for row, seq in enumerate(seqs):
+            if seq.request.sampler_needs & need:
+                slot = self._slots.get(seq.seq_id)
+                if slot is None:
+                    slot = self.assign(seq)
+                    new.append((slot, seq))
+                slots[row] = slot
+        return slots, new
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            slot = self._slots.pop(seq_id, None)
+            if slot is not None:
+                del self._owners[seq_id]
+                self._free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+@dataclass
+class StepRows:
+    """One step's rows that use a piece of state, and their slots: [P] int64 on the device."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+def step_rows(slots: list[int], to_device: ToDevice) -> StepRows | None:
+    """The rows with a slot (>= 0) and their slots, or None if no row has one."""
+    used = [(row, slot) for row, slot in enumerate(slots) if slot >= 0]
+    if not used:
+        return None
+    index = to_device(torch.tensor(list(zip(*used)), dtype=torch.int64))
+    return StepRows(index[0], index[1])
+
+
+def _grown(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
+    """``t`` with ``rows`` rows: its own first, the new ones filled."""
+    if t.shape[0] == rows:
+        return t
+    out = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
+class PenaltyState:
+    """Output-token counts and prompt-token bitmaps of the sequences with penalties."""
+
+    def __init__(self, vocab_size: int, device: torch.device, is_done: Callable[[object], bool] | None = None):
+        self.table = SlotTable(is_done)
+        self.counts = torch.zeros((1, vocab_size), dtype=torch.int32, device=device)
+        self.prompt_bits = torch.zeros((1, -(-vocab_size // 32)), dtype=torch.int32, device=device)
+
+    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
+        """Each row's slot (-1: no penalties), filling those of sequences that sample for the first time."""
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.PENALTIES)
+        if new:
+            self._fill(new, to_device)
+        return slots
+
+    def record(self, rows: StepRows, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled tokens (on the device; nothing is read back)."""
+        ones = torch.ones(1, dtype=torch.int32, device=token_ids.device).expand(rows.slots.shape[0])
+        self.counts.index_put_((rows.slots, token_ids[rows.rows]), ones, accumulate=True)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, new: list, to_device: ToDevice) -> None:
+        self.counts = _grown(self.counts, self.table.capacity)
+        self.prompt_bits = _grown(self.prompt_bits, self.table.capacity)
+        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        self.counts.index_fill_(0, slots, 0)
+        # Outputs: one count per token (index_put_ with accumulate adds repeated ids up).
+        outputs = [(slot, token) for slot, seq in new for token in seq.output_token_ids]
+        if outputs:
+            index = to_device(torch.tensor(list(zip(*outputs)), dtype=torch.int64))
+            self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
+        # The prompt as a bitmap: each distinct token adds its bit to its word (distinct bits, so
+        # the sum is their OR; bit 31 wraps to the sign when cast to int32).
+        prompt = [(i, token >> 5, 1 << (token & 31)) for i, (_, seq) in enumerate(new) for token in set(seq.prompt_token_ids)]
+        index = to_device(torch.tensor(list(zip(*prompt)), dtype=torch.int64))
+        packed = torch.zeros((len(new), self.prompt_bits.shape[1]), dtype=torch.int64, device=self.counts.device)
+        packed.index_put_((index[0], index[1]), index[2], accumulate=True)
+        self.prompt_bits.index_copy_(0, slots, packed.to(torch.int32))
+
+
+def apply_penalties(logits: torch.Tensor, state: RowState, rows: StepRows) -> torch.Tensor:
+    """The penalties of ``rows`` in plain torch from the state the GPU kernels read (the CPU's
+    sampler): vLLM's formulas, in the order and rounding of ``reference.penalize_ref``."""
+    vocab = logits.shape[1]
+    logits = logits.float().clone()
+    counts = state.counts[rows.slots]
+    bits = (state.prompt_bits[rows.slots].long()[:, :, None] >> torch.arange(32, device=logits.device)) & 1
+    seen = bits.flatten(1)[:, :vocab].bool() | (counts > 0)
+    x = logits[rows.rows]
+    rep = state.repetition[rows.rows][:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - state.frequency[rows.rows][:, None] * counts.float()
+    logits[rows.rows] = x - state.presence[rows.rows][:, None] * (counts > 0).float()
+    return logits
+
+
+class LogitBiasState:
+    """One additive float32 row per sequence with logit_bias or allowed_token_ids (-inf bans a token)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, is_done: Callable[[object], bool] | None = None):
+        self.table = SlotTable(is_done)
+        self.bias = torch.zeros((1, vocab_size), dtype=torch.float32, device=device)
+
+    def slots(self, seqs: list) -> list[int]:
+        """Each row's slot (-1: no bias), filling those of sequences that sample for the first time."""
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.LOGIT_BIAS)
+        for slot, seq in new:
+            self._fill(slot, seq.params)
+        return slots
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, slot: int, params) -> None:
+        self.bias = _grown(self.bias, self.table.capacity)
+        row = torch.zeros(self.bias.shape[1], dtype=torch.float32)
+        if params.allowed_token_ids:
+            row.fill_(float("-inf"))
+            row[params.allowed_token_ids] = 0.0
+        if params.logit_bias:
+            row[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        self.bias[slot] = row.to(self.bias.device)
+
+
+def apply_bias(logits: torch.Tensor, bias: torch.Tensor, rows: StepRows) -> None:
+    """Add the rows' bias to float32 ``logits`` in place."""
+    logits.index_add_(0, rows.rows, bias[rows.slots])
+
+
+class BadWordState:
+    """The bad words of each sequence that has some, and its last few sampled ids.
+
+    A word's last token is banned when the output ends with the rest of the word (vLLM's rule);
+    a one-token word is always banned. Words are stored right-aligned against the recent ids:
+    ``prefixes[slot, w, j]`` is the id that must be at recent position j (the newest last),
+    _WILDCARD before the word starts; ``last[slot, w]`` is the banned token (-1: no word)."""
+
+    def __init__(self, device: torch.device, is_done: Callable[[object], bool] | None = None):
+        self.device = device
+        self.table = SlotTable(is_done)
+        self.prefixes = torch.full((1, 1, 1), _WILDCARD, dtype=torch.int64, device=device)
+        self.last = torch.full((1, 1), -1, dtype=torch.int64, device=device)
+        self.recent = torch.full((1, 1), -1, dtype=torch.int64, device=device)  # -1: no output there yet
+
+    def slots(self, seqs: list) -> list[int]:
+        """Each row's slot (-1: no bad words), filling those of sequences that sample for the first time."""
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.BAD_WORDS)
+        for slot, seq in new:
+            self._fill(slot, seq)
+        return slots
+
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
+        """Ban the rows' banned tokens in ``logits``, in place (adding -inf or 0, so repeated ids are fine)."""
+        prefixes, last = self.prefixes[rows.slots], self.last[rows.slots]
+        recent = self.recent[rows.slots][:, None, :]
+        match = ((prefixes == recent) | (prefixes == _WILDCARD)).all(dim=-1) & (last >= 0)
+        penalty = torch.where(match, float("-inf"), 0.0).to(logits.dtype)
+        logits.index_put_((rows.rows[:, None].expand_as(last), last.clamp(min=0)), penalty, accumulate=True)
+
+    def record(self, rows: StepRows, token_ids: torch.Tensor) -> None:
+        """Shift this step's sampled ids into the rows' recent ids (on the device)."""
+        recent = self.recent[rows.slots]
+        self.recent[rows.slots] = torch.cat([recent[:, 1:], token_ids[rows.rows][:, None]], dim=1)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, slot: int, seq) -> None:
+        words = seq.params.bad_words_token_ids
+        count = max(len(words), self.last.shape[1])
+        width = max(max(len(w) for w in words) - 1, self.recent.shape[1])  # recent ids a word can need
+        # Grow every dimension as needed: the older recent ids of the slots already there are
+        # unknown (-1), but their own words never reach that far back.
+        rows, (n, c, w) = self.table.capacity, self.prefixes.shape
+        prefixes = torch.full((rows, count, width), _WILDCARD, dtype=torch.int64, device=self.device)
+        prefixes[:n, :c, width - w:] = self.prefixes
+        last = torch.full((rows, count), -1, dtype=torch.int64, device=self.device)
+        last[:n, :c] = self.last
+        recent = torch.full((rows, width), -1, dtype=torch.int64, device=self.device)
+        recent[:n, width - w:] = self.recent
+        self.prefixes, self.last, self.recent = prefixes, last, recent
+        own_prefixes = torch.full((count, width), _WILDCARD, dtype=torch.int64)
+        own_last = torch.full((count,), -1, dtype=torch.int64)
+        for i, word in enumerate(words):
+            if len(word) > 1:
+                own_prefixes[i, width - len(word) + 1:] = torch.tensor(word[:-1])
+            own_last[i] = word[-1]
+        history = torch.full((width,), -1, dtype=torch.int64)
+        out = seq.output_token_ids[-width:]
+        if out:
+            history[width - len(out):] = torch.tensor(out)
+        self.prefixes[slot], self.last[slot], self.recent[slot] = (
+            t.to(self.device) for t in (own_prefixes, own_last, history)
+        )
