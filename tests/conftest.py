@@ -93,14 +93,14 @@ def tiny_mistral_dir(tiny_models_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_source():
-    """The resolved built-in SmolLM2-135M-Instruct.
+    """The resolved built-in SmolLM2-135M-Instruct, stored in fp32 (the bit-faithful conversion).
 
     Uses the real cache ($TOKENMILL_CACHE or ~/.cache/tokenmill) so the one-time conversion
     (~15 s) is shared across test sessions, exactly as it is for users.
     """
     from tokenmill.models.source import resolve_model
 
-    return resolve_model("smollm2-135m-instruct")
+    return resolve_model("smollm2-135m-instruct", dtype="float32")
 
 
 @pytest.fixture(scope="session")

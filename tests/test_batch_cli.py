@@ -43,6 +43,16 @@ def test_import_is_light_and_help_works():
         assert flag in help_text
 
 
+def test_job_state_folders_are_ignored_by_git_and_dtype_help_says_what_auto_does():
+    ignored = subprocess.run(["git", "check-ignore", "results.jsonl.tokenmill/state.json", "out/x.parquet.tokenmill/lock"],
+                             cwd=REPO, capture_output=True, text=True)
+    assert ignored.stdout.split() == ["results.jsonl.tokenmill/state.json", "out/x.parquet.tokenmill/lock"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    help_text = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--help"], env=env, capture_output=True,
+                               text=True, check=True).stdout
+    assert "bf16 on CPUs with native bf16" in " ".join(help_text.split()) and "fp32 on CPU," not in help_text
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -106,7 +116,8 @@ def test_run_failed_rows_exit_3_then_resume_refuses_changed_settings(tmp_path, c
 
 def test_generate_prints_the_completion(tmp_path, capsys, tiny_llm, tiny_llama_dir):
     expected = tiny_llm.generate(["the cat sat"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].outputs[0].text
-    assert main(["generate", "the cat sat", "--max-tokens", "5", "--temperature", "0", *tiny_flags(tiny_llama_dir)]) == 0
+    argv = ["generate", "the cat sat", "--no-chat", "--max-tokens", "5", "--temperature", "0"]
+    assert main([*argv, *tiny_flags(tiny_llama_dir)]) == 0
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "the cat", "--n", "2", "--max-tokens", "3", *tiny_flags(tiny_llama_dir)]) == 0
     out = capsys.readouterr().out
@@ -114,9 +125,30 @@ def test_generate_prints_the_completion(tmp_path, capsys, tiny_llm, tiny_llama_d
     fp8 = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
               max_num_seqs=4, kv_cache_dtype="fp8")
     expected = fp8.generate(["the cat sat"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].outputs[0].text
-    argv = ["generate", "the cat sat", "--max-tokens", "5", "--temperature", "0", "--kv-cache-dtype", "fp8"]
+    argv = ["generate", "the cat sat", "--no-chat", "--max-tokens", "5", "--temperature", "0", "--kv-cache-dtype", "fp8"]
     assert main([*argv, *tiny_flags(tiny_llama_dir)]) == 0
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_applies_the_chat_template_when_the_model_has_one(capsys, tiny_llm, tiny_llama_dir):
+    params = SamplingParams(max_tokens=5, temperature=0)
+    expected = tiny_llm.chat([{"role": "user", "content": "the cat sat"}], params, use_tqdm=False)[0].outputs[0].text
+    assert main(["generate", "the cat sat", "--max-tokens", "5", "--temperature", "0", *tiny_flags(tiny_llama_dir)]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "x", "--no-chat", "--system", "be brief", *tiny_flags(tiny_llama_dir)]) == 2
+    assert "--no-chat" in capsys.readouterr().err
+
+
+def test_generate_says_why_a_completion_is_empty(capsys, tiny_llm, tiny_llama_dir):
+    params = SamplingParams(max_tokens=1, temperature=0)
+    first = tiny_llm.generate(["the cat sat"], params, use_tqdm=False)[0].outputs[0].text
+    assert first.strip(), "pick a prompt whose first token has text"
+    stop = first.strip()[0]
+    argv = ["generate", "the cat sat", "--no-chat", "--max-tokens", "5", "--temperature", "0", "--stop", stop]
+    assert main([*argv, *tiny_flags(tiny_llama_dir)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "\n"
+    assert "empty" in captured.err and f"stop string {stop!r}" in captured.err
 
 
 def test_chat_streams_replies_and_keeps_history(monkeypatch, capsys, tiny_llm, tiny_llama_dir):

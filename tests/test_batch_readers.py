@@ -98,9 +98,36 @@ def test_csv_rows_quotes_and_errors(tmp_path):
     assert "has 3 fields but the header has 2" in rows[1].error
     assert rows[2].record == {"id": "c", "prompt": "ünïcödé"}
     assert "not valid UTF-8" in rows[3].error
-    assert rows[4].error is not None and "not valid CSV" in rows[4].error
+    assert rows[4].error is not None and "quote that never closes" in rows[4].error
     assert [r.index for r in rows] == list(range(len(rows)))
     assert scan_input(str(path), "csv").rows == len(rows)
+
+
+def test_csv_quote_that_swallows_rows_fails_its_own_line_only(tmp_path):
+    """A 100-row file with one unterminated quote still has 100 rows: the quote's line is the error,
+    the lines it would have swallowed are rows again (at the end of the file, or up to a later quote)."""
+    lines = ["id,prompt"] + [f"{i},prompt {i}" for i in range(100)]
+    lines[4] = '3,"the quote never closes'
+    lines[60] = '59,"a stray quote'
+    lines[70] = '69,"another "one"'  # where the stray quote of line 61 would have stopped
+    lines[100] = '99,"at the end'  # this one runs to the end of the file
+    path = tmp_path / "in.csv"
+    path.write_text("\n".join(lines) + "\n")
+    rows = list(read_rows(str(path), "csv"))
+    assert len(rows) == 100 == scan_input(str(path), "csv").rows
+    errors = {r.index: r.error for r in rows if r.error is not None}
+    assert sorted(errors) == [3, 59, 69, 99]
+    assert errors[3].startswith("line 5 is not valid CSV") and "ran on to line 61" in errors[3]
+    assert errors[59].startswith("line 61 is not valid CSV") and "ran on to line 71" in errors[59]
+    assert errors[99] == "line 101 has a quote that never closes (the field would run to the end of the file)"
+    assert all(r.record == {"id": str(r.index), "prompt": f"prompt {r.index}"} for r in rows if r.index not in errors)
+
+
+def test_json_error_message_reads_well(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "unterminated')
+    (row,) = read_rows(str(path), "jsonl")
+    assert row.error == "line 1 is not valid JSON: Unterminated string starting at (column 12)"
 
 
 def test_csv_long_field_is_not_a_reader_error(tmp_path):

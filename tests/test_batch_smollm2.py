@@ -4,6 +4,7 @@ default model (a few rows, a few tokens, to stay fast on CI's CPU)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,10 @@ def test_example_file_is_realistic(example_rows):
         assert {"id", "product", "features", "audience", "messages"} <= set(r)
         assert r["messages"][0]["role"] == "user" and r["product"] in r["messages"][0]["content"]
         assert r["sampling_params"]["max_tokens"] >= 32  # room for a whole line on the first run
+        # Settings that suit a 135M model: mild penalties against loops, and one line only.
+        params = r["sampling_params"]
+        assert 1.0 < params["repetition_penalty"] <= 1.2 and 0.0 < params["frequency_penalty"] <= 1.0
+        assert params["stop"] == ["\n"]
 
 
 def test_products_example_on_default_model(tmp_path, llm, rows):
@@ -72,3 +77,20 @@ def test_products_with_prompt_template_and_system(tmp_path, llm, rows):
                                                                    audience=r["audience"])}] for r in rows[:1]]
     expected = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
     assert out == {r["id"]: e.outputs[0].text for r, e in zip(rows[:1], expected)}
+
+
+def loops(text: str) -> bool:
+    """Whether a word comes back three times in one short line ("Warm-to-Cool, Warm-to-Cool, ...")."""
+    words = [w.strip(".,:;!?\"'*()#").lower() for w in text.split()]
+    return any(count >= 3 for count in Counter(w for w in words if len(w) >= 5).values())
+
+
+@pytest.mark.slow
+def test_readme_job_lines_are_lines_not_loops(tmp_path, llm, example_rows):
+    """The first thing a new user sees: the README job, every row with its own settings."""
+    summary = run_job(JobConfig(input=str(EXAMPLE), output=str(tmp_path / "results.jsonl"), progress=False), llm=llm)
+    assert summary.exit_code == 0 and summary.rows_done == len(example_rows)
+    records = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert not [r["text"] for r in records if loops(r["text"])]
+    assert sum(r["finish_reason"] == "stop" for r in records) >= 0.75 * len(records)
+    assert all(r["text"].strip() for r in records)

@@ -118,3 +118,57 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
 def test_pool_needs_room_beyond_the_null_block(num_blocks):
     with pytest.raises(ValueError, match="at least 2 blocks"):
         KVCacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=True)
+
+
+def touched_blocks(kv: KVCacheManager) -> int:
+    return kv.num_usable_blocks - len(kv.pool.untouched)
+
+
+def run_many(kv: KVCacheManager, count: int, tokens: int = 6) -> None:
+    """``count`` short sequences one after another, each committing one full block (a distinct prefix)."""
+    for i in range(count):
+        seq = make_seq([1000 + i] * tokens, seq_id=i)
+        compute(kv, seq, tokens)
+        kv.free(seq)
+
+
+def test_a_pool_that_grows_on_demand_touches_what_the_work_needs():
+    """The CPU's default pool: memory becomes resident as blocks are first written, so blocks used
+    before are reused (oldest first) before a never-used one, beyond a cache of an eighth of the pool."""
+    eager = KVCacheManager(num_blocks=801, block_size=4, enable_prefix_caching=True)
+    run_many(eager, 1000)
+    assert touched_blocks(eager) == 800  # reuse oldest-first walks the whole pool
+    lazy = KVCacheManager(num_blocks=801, block_size=4, enable_prefix_caching=True, grow_on_demand=True)
+    run_many(lazy, 1000)
+    assert touched_blocks(lazy) <= 800 // 8 + 2  # the kept cache + what one sequence holds
+    assert lazy.num_free_blocks == 800
+    # Still a prefix cache, LRU: the newest prefixes hit, the oldest were evicted.
+    assert len(lazy.find_cached_prefix(make_seq([1999] * 6, seq_id=5000))) == 1
+    assert lazy.find_cached_prefix(make_seq([1000] * 6, seq_id=5001)) == []
+
+
+def test_a_pool_that_grows_on_demand_still_hands_out_every_block():
+    kv = KVCacheManager(num_blocks=9, block_size=4, enable_prefix_caching=True, grow_on_demand=True)
+    run_many(kv, 3)
+    seq = make_seq(list(range(32)), seq_id=99)
+    assert kv.allocate(seq, 32) and sorted(seq.block_ids) == list(range(1, 9))
+    assert not kv.allocate(make_seq([5] * 4, seq_id=100), 4)
+
+
+def test_the_cpu_default_pool_grows_on_demand_and_a_sized_one_does_not(tiny_llama_dir):
+    from tokenmill import LLM
+
+    prompts = [f"row {i} of many, many rows that a batch job sends" for i in range(120)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    default = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64)
+    sized = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_bytes=1 << 30)
+    kv = default.llm_engine.kv
+    assert kv.pool.untouched and not sized.llm_engine.kv.pool.untouched
+    assert kv.num_usable_blocks == sized.llm_engine.kv.num_usable_blocks == 256 * 4  # max_num_seqs full sequences
+    texts = []
+    for start in range(0, len(prompts), 8):  # a job feeding the engine a few rows at a time
+        texts += [o.outputs[0].text for o in default.generate(prompts[start:start + 8], params, use_tqdm=False)]
+    assert touched_blocks(kv) <= kv.pool.keep_freed + 8 * 4  # the kept cache, plus what 8 rows hold at once
+    assert touched_blocks(kv) < 2 * len(prompts)  # where the old pool walked 3 fresh blocks per row
+    assert texts == [o.outputs[0].text for o in sized.generate(prompts, params, use_tqdm=False)]
+    assert default.generate(prompts[-1:], params, use_tqdm=False)[0].num_cached_tokens >= 16  # still a prefix cache

@@ -183,19 +183,81 @@ def test_builtin_listing() -> None:
 def test_gguf_file_matches_hf_and_converted_builtin(
     smollm2_gguf_path: Path, smollm2_source: ModelSource, smollm2_hf_gguf: torch.nn.Module, paged_cache
 ) -> None:
-    source = resolve_model(str(smollm2_gguf_path))
-    assert source.weights_format == "gguf" and source.config_dir is None
-    assert source.tokenizer_kwargs == {"gguf_file": SMOLLM2_GGUF}
-    ours = _load(source)
+    direct = resolve_model(str(smollm2_gguf_path), load_format="gguf")  # read (and dequantized) from the file itself
+    assert direct.weights_format == "gguf" and direct.config_dir is None
+    assert direct.tokenizer_kwargs == {"gguf_file": SMOLLM2_GGUF}
+    ours = _load(direct)
     tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2, 198, 1, 4093, 198, 1780, 314, 253]
     got = _prefill(ours, paged_cache, tokens)
     with torch.no_grad():
         want = smollm2_hf_gguf(torch.tensor([tokens])).logits[0]
     assert want.std() > 1.0
     torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
-    # The built-in's one-time conversion wrote exactly these weights.
-    converted = _prefill(_load(smollm2_source), paged_cache, tokens)
-    torch.testing.assert_close(converted, got, atol=1e-5, rtol=0)
+    # The fp32 conversions (the built-in's, and the cached one of the file given by path) hold exactly these weights.
+    for converted in (smollm2_source, resolve_model(str(smollm2_gguf_path), dtype="float32")):
+        assert converted.weights_format == "safetensors"
+        torch.testing.assert_close(_prefill(_load(converted), paged_cache, tokens), got, atol=1e-5, rtol=0)
+
+
+def _stored(source: ModelSource) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(source.weights_path))
+
+
+def test_builtin_is_stored_in_the_dtype_it_runs_in(smollm2_source: ModelSource) -> None:
+    """bf16 unless fp32 is asked for: a fifth of the fp32 file's size, and the same values a bf16 run
+    of the fp32 conversion computes with (one rounding, from the dequantized fp32 values)."""
+    assert resolve_model("smollm2-135m-instruct", dtype="float32").config_dir == smollm2_source.config_dir
+    bf16 = resolve_model("smollm2-135m-instruct", dtype="bfloat16")
+    assert bf16.config_dir != smollm2_source.config_dir
+    assert resolve_model("smollm2-135m-instruct", dtype="auto", device="cpu").config_dir in (
+        bf16.config_dir, smollm2_source.config_dir)
+    fp32_tensors, bf16_tensors = _stored(smollm2_source), _stored(bf16)
+    assert fp32_tensors.keys() == bf16_tensors.keys()
+    for name, tensor in fp32_tensors.items():
+        assert tensor.dtype == torch.float32 and bf16_tensors[name].dtype == torch.bfloat16
+        assert torch.equal(bf16_tensors[name], tensor.to(torch.bfloat16)), name
+    assert bf16.weights_path.stat().st_size < 0.55 * smollm2_source.weights_path.stat().st_size
+    assert bf16.hf_config.dtype in ("bfloat16", torch.bfloat16)
+
+
+def test_builtin_sampling_defaults_follow_the_model_card(smollm2_source: ModelSource) -> None:
+    # SmolLM2-135M-Instruct's card samples with temperature 0.2 and top_p 0.9.
+    assert smollm2_source.generation_config["temperature"] == 0.2 and smollm2_source.generation_config["top_p"] == 0.9
+
+
+def test_gguf_given_by_path_is_converted_once_per_content(tmp_path: Path, tiny_llama_dir: Path, monkeypatch) -> None:
+    """Keyed by the file's content (hashed once per size and mtime): a second load reuses the conversion,
+    a copy or a touched file with the same bytes too, changed bytes convert again."""
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    conversions: list[tuple[str, str]] = []
+
+    def fake_convert(gguf_path, target, extra_meta=None, dtype="float32"):
+        conversions.append((Path(gguf_path).read_text(), dtype))
+        shutil.copytree(tiny_llama_dir, target)
+        (target / builtin.COMPLETE_MARKER).write_text("{}")
+
+    monkeypatch.setattr(builtin, "convert_gguf_to_hf", fake_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_text("version one")
+    first = resolve_model(str(gguf), dtype="float32")
+    assert first.weights_format == "safetensors" and first.config_dir is not None
+    assert resolve_model(str(gguf), dtype="float32").config_dir == first.config_dir
+    assert len(conversions) == 1
+    hashed = []
+    monkeypatch.setattr(builtin, "_hash_file", lambda path, real=builtin._hash_file: hashed.append(path) or real(path))
+    assert resolve_model(str(gguf), dtype="float32").config_dir == first.config_dir
+    assert hashed == []  # same size and mtime: the content hash is remembered, not recomputed
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(gguf, copy)  # new mtime, same bytes
+    assert resolve_model(str(copy), dtype="float32").config_dir == first.config_dir
+    assert len(hashed) == 1 and len(conversions) == 1
+    gguf.write_text("version two")
+    second = resolve_model(str(gguf), dtype="float32")
+    assert second.config_dir != first.config_dir and conversions[-1] == ("version two", "float32")
+    assert resolve_model(str(gguf), dtype="bfloat16").config_dir not in (first.config_dir, second.config_dir)
+    assert conversions[-1] == ("version two", "bfloat16") and len(conversions) == 3
 
 
 def test_folder_plus_gguf_file(smollm2_gguf_path: Path, tmp_path: Path) -> None:
@@ -207,7 +269,7 @@ def test_folder_plus_gguf_file(smollm2_gguf_path: Path, tmp_path: Path) -> None:
         resolve_model(str(folder))
     with pytest.raises(ValueError, match="c.gguf"):
         resolve_model(str(folder), gguf_file="c.gguf")
-    source = resolve_model(str(folder), gguf_file="b.gguf")
+    source = resolve_model(str(folder), gguf_file="b.gguf", load_format="gguf")
     assert source.weights_path == folder / "b.gguf" and source.tokenizer_kwargs == {"gguf_file": "b.gguf"}
     assert source.hf_config.num_hidden_layers == 30
 
@@ -232,7 +294,7 @@ def test_builtin_is_converted_once(smollm2_source: ModelSource, monkeypatch) -> 
     monkeypatch.setattr(builtin, "convert_gguf_to_hf", no_conversion)
     monkeypatch.setattr(builtin, "locate_gguf", no_conversion)
     before = (smollm2_source.config_dir / "model.safetensors").stat().st_mtime_ns
-    again = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    again = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32")
     assert again.config_dir == smollm2_source.config_dir
     assert (again.config_dir / "model.safetensors").stat().st_mtime_ns == before
 

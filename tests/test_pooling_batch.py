@@ -68,6 +68,21 @@ def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embed
         assert records[i]["embedding"] is None and message in records[i]["error"]
 
 
+def test_parquet_pooling_params_nulls_mean_not_set(tmp_path, bert_embedder_llm, texts):
+    words = texts(2)
+    rows = [{"prompt": words[0], "pooling_params": {"normalize": False, "dimensions": None}},
+            {"prompt": words[1], "pooling_params": {"normalize": None, "dimensions": None}}]  # Arrow's fill-ins
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    summary = run_job(JobConfig(input=str(source), output=str(tmp_path / "out.jsonl"), model="tiny", task="embed",
+                                progress=False, pooling={"normalize": True}), llm=bert_embedder_llm)
+    assert summary.exit_code == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    for row, normalize in ((0, False), (1, True)):  # a null normalize leaves the job's value (not the model's: off)
+        expected = bert_embedder_llm.embed(words[row], PoolingParams(normalize=normalize), use_tqdm=False)[0].outputs.embedding
+        assert records[row]["embedding"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_classify_to_parquet_has_labels_and_probabilities(tmp_path, bert_classifier_llm, texts):
     words = texts(7, seed=1)
     summary = job(tmp_path, bert_classifier_llm, [{"text": t} for t in words], "classify", output="out.parquet",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,14 @@ def test_readme_python_example_runs(monkeypatch, capsys):
     assert namespace["done"], "no marketing line finished on its own"
     assert all(isinstance(v, str) and v for v in namespace["done"].values())
     assert "lines ready" in capsys.readouterr().out
+
+
+def test_readme_generate_line_prints_text(capsys):
+    """The README's `tokenmill generate "..."` line, as a new user types it, prints a completion."""
+    from tokenmill.cli import main
+
+    line = re.search(r"^tokenmill generate .*$", (ROOT / "README.md").read_text(), re.M).group(0)
+    argv = shlex.split(line.split("#")[0])[1:]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip(), f"{line!r} printed nothing (stderr: {captured.err[-500:]})"

@@ -35,7 +35,7 @@ def test_single_stop_string_becomes_a_list_and_top_k_minus_one_means_off():
         ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "<= max_tokens"),
         ({"logprobs": -1}, "logprobs", ">= 0"),
-        ({"temperature": "hot"}, "temperature", "a number"),
+        ({"temperature": "hot"}, "temperature", "a finite number"),
         ({"stop": [""]}, "stop", "non-empty"),
         ({"stop_token_ids": [-3]}, "stop_token_ids", "non-negative"),
     ],
@@ -56,3 +56,18 @@ def test_from_optional_rejects_unknown_fields():
     assert SamplingParams.from_optional(max_tokens=5, seed=None).max_tokens == 5
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_optional(max_token=5)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", True), ("n", True), ("seed", False), ("logprobs", True), ("prompt_logprobs", True),
+    ("best_of", True), ("top_k", 2.0), ("min_tokens", True), ("truncate_prompt_tokens", True),
+    ("ignore_eos", "no"), ("ignore_eos", 1), ("skip_special_tokens", "false"), ("detokenize", None),
+    ("include_stop_str_in_output", 0), ("spaces_between_special_tokens", "yes"),
+    ("temperature", float("inf")), ("top_p", float("nan")), ("min_p", float("-inf")),
+    ("presence_penalty", float("nan")), ("repetition_penalty", float("inf")), ("temperature", True),
+    ("logit_bias", {"5": float("nan")}), ("logit_bias", {"5": float("inf")}), ("stop_token_ids", [True]),
+])
+def test_types_are_strict_and_numbers_finite(field, value):
+    """As vLLM's request models check them: bool is not an integer, a string is not a bool, inf/nan are refused."""
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})

@@ -3,8 +3,9 @@
 Importing this module stays light (argparse only): torch and transformers load when a command
 builds an engine, so `tokenmill --help` and `tokenmill models` answer at once.
 
-Exit codes: 0 success; 2 a usage error (bad flag, bad value, an output that cannot be resumed as
-asked); 3 the job finished but some rows failed (see the summary and the rows' ``error``);
+Exit codes: 0 success; 1 the engine failed whatever it ran (finished rows are kept; rerun to
+continue); 2 a usage error (bad flag, bad value, an output that cannot be resumed as asked or
+written); 3 the job finished but some rows failed (see the summary and the rows' ``error``);
 130 interrupted (rerun the same command to continue).
 """
 
@@ -16,12 +17,12 @@ import signal
 import sys
 from typing import Any, Sequence
 
-from tokenmill.batch.job import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
+from tokenmill.batch.config import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
 from tokenmill.batch.pooling import DEFAULT_EMBEDDING_MODEL, POOLING_JOB_TASKS
 from tokenmill.batch.readers import INPUT_FORMATS
 
 EXIT_USAGE = 2
-EXIT_FAILED = 1  # the job could not go on (a replica kept dying); a rerun continues
+EXIT_FAILED = 1  # the job could not go on (the engine fails every row, a replica kept dying); a rerun continues
 _CHAT_MAX_TOKENS = 256
 
 # flag dest -> SamplingParams field
@@ -110,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_prompt_options(parser: argparse.ArgumentParser, with_rows: bool) -> None:
     group = parser.add_argument_group("prompts")
-    group.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    if with_rows:
+        group.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    else:  # one prompt typed by a person: a chat model answers it through its template
+        group.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                           help="apply the model's chat template to the prompt (default: when the model has one; "
+                           "--no-chat sends the text as it is)")
     group.add_argument("--system", metavar="TEXT", help="system message for chat prompts (implies --chat)")
     group.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template instead of the model's")
     if with_rows:
@@ -158,7 +164,8 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--model", "-m", default=default_model,
                    help=f"built-in name, local folder or .gguf, or a cached hub id (default: {shown})")
     g.add_argument("--max-model-len", type=int, metavar="N")
-    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: fp32 on CPU, the checkpoint's on GPU)")
+    g.add_argument("--dtype", metavar="DTYPE", help="auto, float32, float16 or bfloat16 (auto: bf16 on CPUs with native bf16 arithmetic, else fp32; "
+                   "on a GPU the checkpoint's 16-bit dtype, bf16 for fp32 checkpoints)")
     g.add_argument("--gpu-memory-utilization", type=float, metavar="F")
     g.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES")
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
@@ -279,7 +286,7 @@ class _StopRequests:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tokenmill.batch.job import JobConfig, run_job
+    from tokenmill.batch.job import EngineFailure, JobConfig, run_job
     from tokenmill.batch.replica_messages import ReplicaError
     from tokenmill.batch.requests import PromptSettings
 
@@ -308,7 +315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run_job(config, stderr=sys.stderr, should_stop=stop)
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:  # ResumeError too
         raise UsageError(str(e)) from None
-    except ReplicaError as e:  # replicas that kept dying or failed: the finished rows are kept
+    except (EngineFailure, ReplicaError) as e:  # a broken engine, replicas that kept dying: finished rows are kept
         print(f"tokenmill run: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
@@ -320,12 +327,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill.sampling_params import SamplingParams
 
+    if args.chat is False and (args.system is not None or args.chat_template is not None):
+        raise UsageError("--no-chat sends the prompt as it is; --system and --chat-template need the chat template")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     values = sampling_values(args)
     llm = load_llm(args)
     params = SamplingParams(**{**_defaults(llm), **values})
+    has_template = getattr(llm.get_tokenizer(), "chat_template", None) is not None
+    chat = args.chat if args.chat is not None else (has_template or args.system is not None or args.chat_template is not None)
     try:
-        if args.chat or args.system is not None or args.chat_template is not None:
+        if chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
             outputs = llm.chat(messages, params, use_tqdm=False, chat_template=read_chat_template(args.chat_template))
         else:
@@ -337,11 +348,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if len(completions) > 1:
             print(f"--- sample {c.index} ---")
         print(c.text)
+        if not c.text.strip():
+            print(f"tokenmill generate: {_why_empty(c, chat, has_template)}", file=sys.stderr)
     return 0
 
 
+def _why_empty(completion: Any, chat: bool, has_template: bool) -> str:
+    """An empty answer is a result too, but never a silent one: say what ended it."""
+    n = len(completion.token_ids)
+    if completion.finish_reason == "length":
+        why = f"it reached --max-tokens after {n} token(s) that decode to no visible text; raise --max-tokens"
+    elif isinstance(completion.stop_reason, str):
+        why = f"the stop string {completion.stop_reason!r} came first"
+    elif completion.stop_reason is not None:
+        why = f"the stop token {completion.stop_reason} came first"
+    else:
+        why = f"the model ended its answer (end of sequence) after {n} token(s)"
+    hint = "; the prompt was sent without the chat template (--no-chat), which chat models often answer with nothing" \
+        if has_template and not chat else ""
+    return f"the completion is empty: {why}{hint}"
+
+
 def _defaults(llm: Any) -> dict[str, Any]:
-    from tokenmill.batch.job import base_sampling
+    from tokenmill.batch.loop import base_sampling
 
     return base_sampling(llm, {})
 

@@ -258,6 +258,7 @@ class EngineConfig:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs per position a request may ask for; -1: vocab_size
     # False: a prompt is admitted only when all of it fits one step.
     chunked_prefill: bool = True
     cpu_offload_bytes: int = 0  # of each rank's weights, streamed from pinned CPU memory (worker/offload.py)
@@ -400,6 +401,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         vocab_size=hf_config.vocab_size,
         eos_token_ids=frozenset(eos_token_ids(hf_config, source.generation_config)),
         tensor_parallel_size=args.tensor_parallel_size,
+        max_logprobs=args.max_logprobs,
         chunked_prefill=chunked_prefill,
         cpu_offload_bytes=int(args.cpu_offload_gb * 2**30),
         num_gpu_blocks_override=args.num_gpu_blocks_override,

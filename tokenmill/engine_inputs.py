@@ -23,7 +23,7 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
 
     source = resolve_model(
         args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, dtype=args.dtype, device=args.device, load_format=args.load_format,
     )
     if args.hf_overrides:
         source = apply_hf_overrides(source, args.hf_overrides)

@@ -113,9 +113,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
             try:  # JSON rows carry the ids as strings
-                self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
-                _check(False, "logit_bias", self.logit_bias, "a dict of integer token ids -> numbers")
+                bias = {0: math.nan}
+            _check(all(math.isfinite(v) for v in bias.values()), "logit_bias", self.logit_bias,
+                   "a dict of integer token ids -> finite numbers")
+            self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in bias.items()}
         self._validate()
         if self.temperature < _GREEDY_EPS:
             # Greedy ignores the filtering knobs; normalising keeps the sampler's fast path simple.
@@ -124,12 +127,21 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
+        # Types as strict as vLLM's request models: a bool is not an integer, a string is not a
+        # bool, and a float must be finite (JSON rows can carry true, "no", Infinity or NaN).
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, value, "a number")
+            _check(_is_number(value) and math.isfinite(value), name, value, "a finite number")
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+            _check(_is_int(value), name, value, "an integer")
+        for name in ("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, value, "an integer or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "True or False")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(
             self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= self.n),
@@ -142,7 +154,6 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or >= 1")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
@@ -173,7 +184,7 @@ class SamplingParams:
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "non-negative integers",

@@ -14,7 +14,9 @@ A commit appends the results' lines to the data file, then one journal line nami
 On resume the journal is replayed up to its last complete line whose ``end`` the data file
 reaches; the data file is cut back to that end. Whatever a crash left after it (a half-written
 line, lines whose journal entry never made it) disappears and those rows run again: every row is
-in the output exactly once, and no finished row is recomputed.
+in the output exactly once, and no finished row is recomputed. A journal that was deleted is
+rebuilt from the data file's complete lines (each names its row); a missing or damaged
+``state.json`` cannot be rebuilt (it holds the settings), and the error says so.
 
 Durability: lines reach the OS on every commit, so a killed process (even ``kill -9``) loses
 nothing committed. fsync (data first, then journal) runs at most every ``fsync_interval``
@@ -30,7 +32,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tokenmill.batch.writers import AppendFile, write_atomic
 
@@ -39,6 +41,11 @@ STATE_VERSION = 1
 
 class ResumeError(ValueError):
     """The output cannot be resumed as asked (settings changed, not ours, in use)."""
+
+
+# One output record -> (row index, failed, the row's prompt tokens, this record's generated tokens),
+# or None when the record is not a result; rebuilds a lost journal from the data file.
+RecordReader = Callable[[dict[str, Any]], "tuple[int, bool, int, int] | None"]
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Journal:
         self.previous = Tally()  # rows finished by earlier attempts
         self.current = Tally()  # rows finished by this one
         self.repaired_bytes = 0  # torn or uncommitted output cut off on resume
+        self.rebuilt_rows: int | None = None  # rows read back from the data file when the journal was lost
         self._done = bytearray()
         self._lock_fd = lock_fd
         self._data: AppendFile | None = None
@@ -86,8 +94,11 @@ class Journal:
 
     @classmethod
     def open(cls, output: str, data_path: str, settings: dict[str, Any], *, overwrite: bool = False,
-             fsync_interval: float = 1.0) -> "Journal":
-        """Start fresh, or resume what a previous attempt with the same settings left."""
+             fsync_interval: float = 1.0, read_record: RecordReader | None = None) -> "Journal":
+        """Start fresh, or resume what a previous attempt with the same settings left.
+
+        ``read_record`` reads an output record back, to rebuild a journal that was deleted.
+        """
         folder = sidecar_dir(output)
         os.makedirs(folder, exist_ok=True)
         lock_fd = _lock(folder, output)
@@ -97,14 +108,19 @@ class Journal:
                 _clear(output, folder)
             state = None
             if os.path.exists(state_path):
-                with open(state_path, "rb") as f:
-                    state = json.load(f)
+                state = _read_state(state_path)
                 if not _same_settings(state, settings) and not state.get("complete") and not _has_results(folder, data_path):
                     state = None  # an attempt that wrote nothing (e.g. the model failed to load): nothing to mix
+            elif _has_results(folder, os.path.join(folder, "staging.jsonl")):
+                raise ResumeError(
+                    f"{state_path} is missing, but {folder} holds the results of an earlier attempt: without that "
+                    "file its settings are unknown, so resuming could mix results. Pass --overwrite to start over, "
+                    "or write to another output"
+                )
             if state is None:
                 if os.path.isdir(output) or (os.path.exists(output) and os.path.getsize(output) > 0):
                     raise ResumeError(
-                        f"{output} exists and was not written by a resumable tokenmill run; "
+                        f"{output} exists and was not written by a resumable tokenmill run (there is no {state_path}); "
                         "pass --overwrite to replace it, or choose another output"
                     )
                 _clear(output, folder)  # leftovers of a first attempt that died before its state
@@ -121,15 +137,18 @@ class Journal:
                     raise ResumeError(f"{output} was removed after its run completed; pass --overwrite to run again")
                 journal.previous = Tally(**state["summary"])
                 return journal
-            journal._replay()
+            journal._replay(read_record)
             return journal
         except BaseException:
             os.close(lock_fd)
             raise
 
-    def _replay(self) -> None:
+    def _replay(self, read_record: RecordReader | None = None) -> None:
         journal_path = os.path.join(self.dir, "journal.jsonl")
         data_size = os.path.getsize(self.data_path) if os.path.exists(self.data_path) else 0
+        if not os.path.exists(journal_path) and data_size and read_record is not None:
+            self._rebuild(read_record, data_size)
+            return
         committed_end, journal_end = 0, 0
         if os.path.exists(journal_path):
             with open(journal_path, "rb") as f:
@@ -149,6 +168,42 @@ class Journal:
                     committed_end, journal_end = end, journal_end + len(line)
         self.repaired_bytes = data_size - committed_end
         self._open_files(committed_end, journal_end)
+
+    def _rebuild(self, read_record: RecordReader, data_size: int) -> None:
+        """The journal is gone but the data file holds finished rows: read them back from it.
+
+        Each complete line that reads as a result counts; the first one that does not (a torn tail)
+        ends what is trusted, and the file is cut there. The rows found become one journal entry,
+        so the next resume replays a journal again.
+        """
+        rows: list[int] = []
+        failed: list[int] = []
+        tally = Tally()
+        end = 0
+        with open(self.data_path, "rb") as f:
+            for line in f:
+                try:
+                    found = read_record(json.loads(line)) if line.endswith(b"\n") else None
+                except (ValueError, KeyError, TypeError):
+                    found = None
+                if found is None:
+                    break
+                index, row_failed, prompt_tokens, completion_tokens = found
+                if not self.is_done(index):  # a row's first record (n > 1 writes one per sample)
+                    self._mark(index)
+                    rows.append(index)
+                    failed += [index] if row_failed else []
+                    tally.add(1, int(row_failed), prompt_tokens, 0)
+                tally.completion_tokens += completion_tokens
+                end += len(line)
+        self.repaired_bytes = data_size - end
+        self.rebuilt_rows = len(rows)
+        self._open_files(end, 0)
+        assert self._journal is not None
+        entry = {"end": end, "rows": rows, "failed": failed, "ptok": tally.prompt_tokens, "gtok": tally.completion_tokens}
+        self._journal.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+        self._journal.sync()
+        self.previous = tally
 
     def _open_files(self, data_end: int, journal_end: int) -> None:
         self._data = AppendFile(self.data_path, data_end)
@@ -250,10 +305,24 @@ def _lock(folder: str, output: str) -> int:
     return fd
 
 
+def _read_state(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            state = json.load(f)
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ResumeError(
+            f"{path} is damaged ({e}), so the settings of the earlier attempt are unknown and resuming could mix "
+            "results. Pass --overwrite to start over, or write to another output"
+        ) from None
+    return state
+
+
 def _clear(output: str, folder: str) -> None:
-    if os.path.isdir(output):
-        shutil.rmtree(output)
-    elif os.path.exists(output):
+    if os.path.isdir(output):  # an output is one file: never delete a folder the user pointed at
+        raise ResumeError(f"{output} is a directory; give the output file's path (.jsonl or .parquet)")
+    if os.path.exists(output):
         os.remove(output)
     for name in os.listdir(folder):
         if name != "lock":

@@ -15,10 +15,9 @@ OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.batch.requests import RowError, RowRequest, parse_messages
+from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
@@ -38,13 +37,6 @@ _COMMON = {
 }
 # Accepted and without effect offline.
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
-
-
-@dataclass(frozen=True)
-class OpenAIMeta:
-    custom_id: str
-    url: str
-    top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
 
 
 def build_openai_request(raw: "RawRow") -> RowRequest:
@@ -139,6 +131,29 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
     }
     return {"id": line_id, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+class OpenAIRecordReader:
+    """Reads an output line back as (row, failed, prompt tokens, generated tokens), or None.
+
+    A line names its row only through its id, which derives from the job and the row index; the
+    id -> row table is built on the first call (only a lost journal needs it).
+    """
+
+    def __init__(self, job_key: str, rows: int):
+        self.job_key, self.rows = job_key, rows
+        self._rows_by_id: dict[str, int] | None = None
+
+    def __call__(self, line: dict[str, Any]) -> tuple[int, bool, int, int] | None:
+        if self._rows_by_id is None:
+            self._rows_by_id = {_stable_id("batch_req_", self.job_key, i): i for i in range(self.rows)}
+        index = self._rows_by_id.get(line.get("id"))  # type: ignore[arg-type]
+        if index is None:
+            return None
+        response = line.get("response") or {}
+        usage = (response.get("body") or {}).get("usage") or {}
+        failed = line.get("error") is not None or response.get("status_code") != 200
+        return index, failed, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
 def _chat_choice(sample: Any, meta: OpenAIMeta) -> dict[str, Any]:

@@ -107,6 +107,7 @@ class PoolingRows:
         overrides = overrides or {}
         if not isinstance(overrides, dict):
             raise RowError(f"{where}: 'pooling_params' must be an object, got {type(overrides).__name__}", row_id)
+        overrides = {k: v for k, v in overrides.items() if v is not None}  # null: not set (Parquet structs)
         unknown = sorted(set(overrides) - PoolingParams.field_names())
         if unknown:
             raise RowError(f"{where}: unknown pooling parameter(s) {unknown} in pooling_params", row_id)

@@ -4,7 +4,7 @@
       reads the input, skips rows the journal has ──► Dataset ──► map_batches(JobReplica) ──┐
       Journal: the only writer of the output ◄──────── commit units (encoded lines + rows) ◄──┘
 
-Each replica runs the job's own loop (`job._Loop`) over the rows of each batch it is given, so a
+Each replica runs the job's own loop (`loop.JobLoop`) over the rows of each batch it is given, so a
 row becomes exactly the records a single-process run writes (prompt settings, per-row seeds,
 OpenAI format, pooling tasks, error rows). The driver commits what comes back through the same
 journal, so a killed driver resumes like any job: the rerun skips the journaled rows. A replica
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from tokenmill.batch.replica_messages import ProgressRecorder, ReplicaError, replay_progress
 
 if TYPE_CHECKING:
-    from tokenmill.batch.job import JobConfig
+    from tokenmill.batch.config import JobConfig
     from tokenmill.batch.journal import Journal
     from tokenmill.batch.progress import Progress
     from tokenmill.batch.readers import RawRow
@@ -34,7 +34,7 @@ _SHOWN_ERRORS = 5  # as many row failures as the single-process summary shows
 
 
 class RayJobLoop:
-    """The job loop on a Ray cluster: the interface of `job._Loop` (run, abort, errors)."""
+    """The job loop on a Ray cluster: the interface of `loop.JobLoop` (run, abort, errors)."""
 
     def __init__(self, config: "JobConfig", journal: "Journal", progress: "Progress", input_format: str,
                  output_shape: str, job_key: str, should_stop: Callable[[], bool] | None = None):
@@ -171,14 +171,14 @@ class JobReplica:
     """A Ray Data actor: one LLM and the job loop; a batch of input rows in, their commit units out."""
 
     def __init__(self, config: "JobConfig", input_format: str, output_shape: str, job_key: str, num_threads: int | None):
-        from tokenmill.batch.job import _Loop, load_llm
+        from tokenmill.batch.loop import JobLoop, load_llm
 
         if num_threads is not None:
             import torch
 
             torch.set_num_threads(num_threads)
         self.link = _CollectedCommits()
-        self.loop = _Loop(config, load_llm(config), self.link, self.link, input_format, output_shape,  # type: ignore[arg-type]
+        self.loop = JobLoop(config, load_llm(config), self.link, self.link, input_format, output_shape,  # type: ignore[arg-type]
                           job_key)
 
     def __call__(self, batch: Any) -> Any:

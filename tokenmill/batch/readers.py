@@ -136,7 +136,7 @@ def _decode_jsonl_line(index: int, line_no: int, raw: bytes) -> RawRow:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return RawRow(index, None, f"{where} is not valid JSON: {e.msg} at column {e.colno}", where)
+        return RawRow(index, None, f"{where} is not valid JSON: {e.msg} (column {e.colno})", where)
     except RecursionError:
         return RawRow(index, None, f"{where} is not valid JSON: nested too deeply", where)
     if not isinstance(obj, dict):
@@ -152,11 +152,43 @@ def _json_type(value: Any) -> str:
 # --- CSV / TSV ---------------------------------------------------------------------------------
 
 
+class _Lines:
+    """A text file's lines for csv.reader, numbered, keeping those of the record being read so that
+    they can be read again."""
+
+    def __init__(self, file: Any):
+        self._file = file
+        self._again: list[tuple[int, str]] = []  # lines to read again, the next one last
+        self._next_number = 1
+        self.taken: list[tuple[int, str]] = []  # (line number, text) of the current record
+
+    def __iter__(self) -> "_Lines":
+        return self
+
+    def __next__(self) -> str:
+        if self._again:
+            number, text = self._again.pop()
+        else:
+            text = next(self._file)
+            number, self._next_number = self._next_number, self._next_number + 1
+        self.taken.append((number, text))
+        return text
+
+    def read_again(self, lines: list[tuple[int, str]]) -> None:
+        self._again.extend(reversed(lines))
+
+
 def _csv_records(path: str, fmt: str) -> Iterator[tuple[int, list[str] | None, str | None]]:
-    """Raw CSV records after the header: (line number, fields or None, error or None)."""
+    """Raw CSV records after the header: (line number, fields or None, error or None).
+
+    A record that is not valid CSV is an error on its first line, and the lines after that one are
+    read again as records of their own: an unterminated quote would otherwise swallow every line
+    up to the next quote (or the end of the file) into one bad record, and those rows would vanish.
+    """
     # Undecodable bytes survive as surrogates so that one bad row does not stop the file.
     with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
-        reader = csv.reader(f, delimiter="\t" if fmt == "tsv" else ",", strict=True)
+        lines = _Lines(f)
+        reader = csv.reader(lines, delimiter="\t" if fmt == "tsv" else ",", strict=True)
         _raise_field_limit()
         try:
             next(reader)
@@ -165,22 +197,40 @@ def _csv_records(path: str, fmt: str) -> Iterator[tuple[int, list[str] | None, s
         except csv.Error as e:
             raise ValueError(f"{path}: cannot read the CSV header: {e}") from None
         while True:
-            line_no = reader.line_num + 1
+            lines.taken = []
             try:
                 fields = next(reader)
             except StopIteration:
                 return
             except csv.Error as e:
-                yield line_no, None, f"line {line_no} is not valid CSV: {e}"
+                (line_no, _), *swallowed = lines.taken
+                yield line_no, None, _csv_error(line_no, e, swallowed)
+                lines.read_again(swallowed)
                 continue
             if fields:  # csv yields [] for a blank line
-                yield line_no, fields, None
+                yield lines.taken[0][0], fields, None
+
+
+def _csv_error(line_no: int, error: csv.Error, swallowed: list[tuple[int, str]]) -> str:
+    if str(error) == "unexpected end of data":
+        return f"line {line_no} has a quote that never closes (the field would run to the end of the file)"
+    ran_on = f" (a quoted field ran on to line {swallowed[-1][0]})" if swallowed else ""
+    return f"line {line_no} is not valid CSV: {error}{ran_on}"
 
 
 def _raise_field_limit() -> None:
     # The default (128 KiB) turns long prompts into errors; a very long prompt should reach the
     # engine and fail there with "longer than max_model_len", which says what to change.
     csv.field_size_limit(1 << 30)
+
+
+def input_columns(path: str, fmt: str) -> list[str] | None:
+    """The columns every row has (the CSV header, the Parquet schema); None for JSONL, which has no schema."""
+    if fmt in ("csv", "tsv"):
+        return _csv_header(path, fmt)
+    if fmt == "parquet":
+        return list(_parquet_file(path).schema_arrow.names)
+    return None
 
 
 def _csv_header(path: str, fmt: str) -> list[str]:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.batch.job import JobConfig
+    from tokenmill.batch.config import JobConfig
     from tokenmill.batch.progress import Progress
 
 ProgressEvent = tuple[str, tuple[Any, ...]]  # (Progress method name, its arguments)
-_PROGRESS_METHODS = frozenset({"on_submitted", "on_tokens", "on_row_done"})
+_PROGRESS_METHODS = frozenset({"on_submitted", "on_tokens", "on_step", "on_row_done", "on_dropped"})
 
 
 class ReplicaError(RuntimeError):
@@ -87,21 +87,35 @@ class ProgressRecorder:
 
     def __init__(self, flush_interval_s: float = 0.5):
         self.events: list[ProgressEvent] = []
+        self.decoded: dict[Any, int] = {}  # generated tokens per row not yet in an event
         self.flush_interval_s = flush_interval_s
         self.last_flush = time.monotonic()
 
-    def on_submitted(self) -> None:
-        self.events.append(("on_submitted", ()))
+    def on_submitted(self, key: Any, bound: int, samples: int = 1) -> None:
+        self.events.append(("on_submitted", (key, bound, samples)))
 
-    def on_tokens(self, prompt: int, generated: int) -> None:
-        last = self.events[-1] if self.events else None
-        if not prompt and last is not None and last[0] == "on_tokens" and not last[1][0]:
-            self.events[-1] = ("on_tokens", (0, last[1][1] + generated))  # decode steps: one event, summed
-        else:
-            self.events.append(("on_tokens", (prompt, generated)))
+    def on_tokens(self, key: Any, prompt: int, generated: int) -> None:
+        if prompt:
+            self.events.append(("on_tokens", (key, prompt, generated)))
+        else:  # decode steps: one event per row and flush, summed
+            self.decoded[key] = self.decoded.get(key, 0) + generated
 
-    def on_row_done(self, failed: bool, prompt: int = 0, generated: int = 0, was_inflight: bool = False) -> None:
-        self.events.append(("on_row_done", (failed, prompt, generated, was_inflight)))
+    def on_step(self) -> None:
+        self.events.append(("on_step", ()))
+
+    def on_row_done(self, key: Any, failed: bool) -> None:
+        self._settle(key)
+        self.events.append(("on_row_done", (key, failed)))
+
+    def on_dropped(self, key: Any) -> None:
+        self._settle(key)
+        self.events.append(("on_dropped", (key,)))
+
+    def _settle(self, key: Any) -> None:
+        """A row's summed decode tokens go out before the event that ends it."""
+        generated = self.decoded.pop(key, 0)
+        if generated:
+            self.events.append(("on_tokens", (key, 0, generated)))
 
     def maybe_draw(self) -> None:
         pass  # the parent draws
@@ -110,6 +124,8 @@ class ProgressRecorder:
         return time.monotonic() - self.last_flush >= self.flush_interval_s
 
     def take(self) -> list[ProgressEvent]:
+        for key in list(self.decoded):
+            self._settle(key)
         events, self.events = self.events, []
         self.last_flush = time.monotonic()
         return events

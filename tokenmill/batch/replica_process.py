@@ -1,6 +1,6 @@
 """One replica of `tokenmill run --replicas N`: ``python -m tokenmill.batch.replica_process FD``.
 
-A replica is the ordinary job loop (`job._Loop`: bounded in-flight requests, a commit per step)
+A replica is the ordinary job loop (`loop.JobLoop`: bounded in-flight requests, a commit per step)
 with its own engine, over its shard of the input (the rows whose index % N is its number). Only
 the journal and the progress line are not its own: a commit is sent to the parent, which is the
 one writer of the output and the journal, and progress calls are forwarded to the parent's line.
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
 
 
 def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
-    from tokenmill.batch.job import _Loop, load_llm
+    from tokenmill.batch.loop import JobLoop, load_llm
     from tokenmill.batch.readers import read_rows
 
     config = setup.config
@@ -98,7 +98,7 @@ def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
             torch.set_num_threads(setup.num_threads)
         llm = load_llm(config)
         send(conn, Ready())
-        loop = _Loop(config, llm, link, link, setup.input_format, setup.output_shape,  # type: ignore[arg-type]
+        loop = JobLoop(config, llm, link, link, setup.input_format, setup.output_shape,  # type: ignore[arg-type]
                      setup.job_key, link.should_stop)
         complete = loop.run(shard_rows(read_rows(config.input, setup.input_format), setup.shard, setup.shards))
         if not complete:

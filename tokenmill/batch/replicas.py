@@ -3,7 +3,7 @@
     parent (this process)                        replica k (tokenmill.batch.replica_process)
       Journal: the only writer of the output ◄──── Commit: encoded lines + the rows they finish
       Progress line                         ◄──── ProgressEvents
-      restarts a replica that dies                 _Loop over rows with index % N == k, own LLM
+      restarts a replica that dies                 JobLoop over rows with index % N == k, own LLM
 
 Each replica runs the ordinary job loop over its shard of the input (rows whose index % N is its
 number) and sends every commit to the parent, which writes it to the output and the journal
@@ -43,7 +43,7 @@ from tokenmill.distributed.child_process import STOP_GRACE_S, describe_exit, sta
 from tokenmill.distributed.messages import receive, send
 
 if TYPE_CHECKING:
-    from tokenmill.batch.job import JobConfig
+    from tokenmill.batch.config import JobConfig
     from tokenmill.batch.journal import Journal
     from tokenmill.batch.progress import Progress
 
@@ -194,6 +194,9 @@ class ReplicaPool:
         pid = replica.proc.pid
         code = replica.proc.wait()
         self._close(replica)
+        shards = len(self.replicas)  # its rows in flight left with it: their work is left again
+        for key in [key for key in self.progress.rows if key % shards == replica.shard]:
+            self.progress.on_dropped(key)
         if self._stopping:
             replica.finished = True  # its unfinished rows run in the next attempt
             return

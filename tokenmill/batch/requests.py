@@ -5,7 +5,8 @@ A generic row (JSONL, CSV, Parquet) finds its prompt, in this order of precedenc
   2. ``--text-field F``: the row's field F;
   3. the row's own ``messages`` (chat), ``prompt`` (text) or ``prompt_token_ids``.
 Text becomes a chat turn with ``--chat`` (or ``--system``, which needs a chat). A row may override
-sampling values in a ``sampling_params`` object (a JSON string in CSV).
+sampling values in a ``sampling_params`` object (a JSON string in CSV); a null value there means
+"not set" (Parquet structs fill the keys a row did not set with nulls).
 
 Everything here is checked before the engine sees it; a problem raises `RowError`, which the job
 turns into an error row. The OpenAI batch format has its own translation in `openai_batch.py`.
@@ -21,7 +22,6 @@ from string import Formatter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.batch.openai_batch import OpenAIMeta
     from tokenmill.batch.readers import RawRow
     from tokenmill.sampling_params import SamplingParams
 
@@ -51,6 +51,15 @@ class PromptSettings:
             raise ValueError("--prompt-template and --text-field both say where the prompt is; pass one of them")
 
 
+@dataclass(frozen=True)
+class OpenAIMeta:
+    """What an OpenAI batch line's output needs from its request (see openai_batch.py)."""
+
+    custom_id: str
+    url: str
+    top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
+
+
 @dataclass
 class RowRequest:
     """A row ready for the engine. Exactly one of prompt, prompt_token_ids and messages is set."""
@@ -61,7 +70,7 @@ class RowRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling values set by the row
-    openai: "OpenAIMeta | None" = None
+    openai: OpenAIMeta | None = None
 
 
 def template_fields(template: str) -> list[str]:
@@ -144,7 +153,7 @@ def _row_overrides(record: dict[str, Any], where: str, row_id: Any) -> dict[str,
             raise RowError(f"{where}: 'sampling_params' is not a JSON object: {overrides[:80]!r}", row_id) from None
     if not isinstance(overrides, dict):
         raise RowError(f"{where}: 'sampling_params' must be an object, got {type(overrides).__name__}", row_id)
-    return dict(overrides)
+    return {k: v for k, v in overrides.items() if v is not None}
 
 
 def _fill_template(template: str, record: dict[str, Any], where: str, row_id: Any) -> str:
@@ -214,28 +223,64 @@ def sampling_field_names() -> set[str]:
 
 
 def row_sampling_params(
-    base: dict[str, Any], overrides: dict[str, Any], index: int, base_seed: int, row_id: Any = None
+    base: dict[str, Any], overrides: dict[str, Any], index: int, base_seed: int, row_id: Any = None, where: str | None = None
 ) -> "SamplingParams":
     """SamplingParams for one row: the job's values, then the row's own, then a per-row seed.
 
     A sampled (temperature > 0) row without a seed of its own gets one derived from the job seed
     and the row index, so its samples do not depend on which rows share its batch: a resumed
-    run samples exactly what an uninterrupted one would have.
+    run samples exactly what an uninterrupted one would have. Whatever ``output_kind`` the row
+    names, the job reads whole outputs (CUMULATIVE): it writes each row once, complete.
     """
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
+    where = where or f"row {index}"
     allowed = sampling_field_names()
     unknown = sorted(set(overrides) - allowed)
     if unknown:
-        raise RowError(f"row {index}: unknown sampling parameter(s) {unknown} in sampling_params", row_id)
+        raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params", row_id)
     values = {**base, **overrides}
     try:
         params = SamplingParams(**values)
     except (ValueError, TypeError) as e:
-        raise RowError(f"row {index}: {e}", row_id) from None
+        raise RowError(f"{where}: {e}", row_id) from None
+    params.output_kind = RequestOutputKind.CUMULATIVE
     if params.seed is None and params.temperature > 0:
         params.seed = derive_seed(base_seed, index)
     return params
+
+
+def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_seqs: int) -> None:
+    """Refuse values no run of this engine can serve (a ValueError naming the field and the limit):
+    more tokens than a sequence may hold, or more samples than run in one batch."""
+    if params.max_tokens is not None and params.max_tokens > max_model_len:
+        raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} is invalid: must be <= max_model_len "
+                         f"({max_model_len}), the most tokens a sequence holds")
+    if params.num_samples > max_num_seqs:
+        name = "best_of" if params.best_of is not None else "n"
+        raise ValueError(f"SamplingParams.{name}={params.num_samples} is invalid: must be <= max_num_seqs "
+                         f"({max_num_seqs}), since a row's samples run in one batch")
+
+
+def check_columns(columns: list[str], settings: PromptSettings, source: str) -> None:
+    """For inputs with a schema (CSV header, Parquet): the columns the prompt settings read must exist.
+
+    Checked before the model loads, so a typo costs a second, not a model load and a file of error rows.
+    """
+    have = set(columns)
+    shown = sorted(columns)[:20]
+    if settings.id_field is not None and settings.id_field not in have:
+        raise ValueError(f"{source} has no column {settings.id_field!r} (--id-field); its columns: {shown}")
+    if settings.prompt_template is not None:
+        missing = [n for n in template_fields(settings.prompt_template) if n.split(".")[0].split("[")[0] not in have]
+        if missing:
+            raise ValueError(f"{source} has no column(s) {missing} used by --prompt-template; its columns: {shown}")
+    elif settings.text_field is not None:
+        if settings.text_field not in have:
+            raise ValueError(f"{source} has no column {settings.text_field!r} (--text-field); its columns: {shown}")
+    elif not have & {"prompt", "messages", "prompt_token_ids"}:
+        raise ValueError(f"{source} has no 'prompt', 'messages' or 'prompt_token_ids' column (its columns: {shown}); "
+                         "pass --text-field or --prompt-template")
 
 
 def derive_seed(base_seed: int, index: int) -> int:

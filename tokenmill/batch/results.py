@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.batch.openai_batch import OpenAIMeta
+    from tokenmill.batch.requests import OpenAIMeta
     from tokenmill.outputs import RequestOutput
 
 
@@ -83,3 +83,12 @@ def generic_records(result: RowResult) -> list[dict[str, Any]]:
          "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob, "error": None}
         for s in result.samples
     ]
+
+
+def read_result_record(record: dict[str, Any]) -> tuple[int, bool, int, int] | None:
+    """A generic or pooling record read back: (row, failed, the row's prompt tokens, generated
+    tokens), or None if it is not one (a lost journal is rebuilt from these)."""
+    row = record.get("row")
+    if not isinstance(row, int) or isinstance(row, bool) or row < 0:
+        return None
+    return row, record.get("error") is not None, int(record.get("prompt_tokens") or 0), int(record.get("completion_tokens") or 0)

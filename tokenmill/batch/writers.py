@@ -12,6 +12,7 @@ staging file intact and the next run converts again; OUTPUT is never seen half-w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,32 @@ def output_format(path: str) -> str:
     if ext in (".parquet", ".pq"):
         return "parquet"
     raise ValueError(f"cannot tell the output format of {path!r} from its extension; use .jsonl or .parquet")
+
+
+def check_output_path(output: str) -> None:
+    """An output is one regular file: never a folder (``--overwrite`` would delete it) and never a
+    symbolic link (a Parquet output is renamed into place, which would replace the link)."""
+    if os.path.islink(output):
+        raise ValueError(f"{output} is a symbolic link (to {os.readlink(output)}); give the real path as the output")
+    if os.path.isdir(output):
+        raise ValueError(f"{output} is a directory; give the output file's path (.jsonl or .parquet)")
+
+
+def describe_file_error(error: OSError, input_path: str, output: str) -> str:
+    """What failed (reading the input or writing the output), why, and what to do about it."""
+    path = error.filename
+    reading = path is not None and os.path.abspath(path) == os.path.abspath(input_path)
+    what = f"cannot read {input_path}" if reading else f"cannot write {output}"
+    detail = error.strerror or str(error)
+    if path is not None and not reading and os.path.abspath(path) != os.path.abspath(output):
+        detail += f" ({path})"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = "free some space, then rerun the same command: it continues where this one stopped"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = "check its permissions" if reading else "choose an output in a folder you can write to"
+    else:
+        advice = "fix that, then rerun the same command: it continues where this one stopped"
+    return f"{what}: {detail}; {advice}"
 
 
 def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:

@@ -66,7 +66,9 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         # the engine steps rank 0's runner (tokenmill/distributed/ when there are several ranks).
         self.executor = Executor(config, source, load_format)
         num_blocks = self.executor.num_blocks
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        # The CPU's default pool becomes resident page by page: let it grow with the work (see kv_cache.py).
+        grow = config.device.type == "cpu" and config.kv_cache_memory_bytes is None
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, grow_on_demand=grow)
         self.intake = Intake(self.config, self.tokenizer, self.kv.num_usable_blocks, self.executor.use_grammars)
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,

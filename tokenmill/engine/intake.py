@@ -51,6 +51,8 @@ class Intake:
             raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if request_id in ids_in_use:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if beam_params is None:
+            self._check_logprobs(params, where)
         config = self.config
         processed = parse_prompt(prompt, self.tokenizer, index)
         if params.truncate_prompt_tokens is not None:
@@ -137,6 +139,20 @@ class Intake:
         params = params.clone()
         params.bad_words_token_ids = sequences
         return params
+
+    def _check_logprobs(self, params: SamplingParams, where: str) -> None:
+        """vLLM's rule: at most ``max_logprobs`` alternatives per position (-1: the vocabulary), and
+        never more than the vocabulary holds (asking for more would fail inside the step)."""
+        vocab, most = self.config.vocab_size, self.config.max_logprobs
+        if most == -1 or most >= vocab:
+            limit, allowed = vocab, f"<= the size of the vocabulary ({vocab})"
+        else:
+            limit = most
+            allowed = f"<= max_logprobs ({most}); LLM(max_logprobs=N) raises the limit, -1 allows the whole vocabulary"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{where}: SamplingParams.{name}={value} is invalid: must be {allowed}")
 
     def _check_fits_cache(self, token_ids: list[int], params: SamplingParams, where: str) -> None:
         longest = len(token_ids) + (params.max_tokens or self.config.max_model_len)

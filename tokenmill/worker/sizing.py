@@ -4,7 +4,9 @@
 given. On a GPU the pool takes what is left of ``gpu_memory_utilization`` of the card after the
 weights and a measured activation peak. On the CPU the pool defaults to 4 GiB (vLLM's CPU
 default); since the tensors are allocated untouched, pages only become resident as tokens are
-written. Either way the pool is never larger than ``max_num_seqs`` full-length sequences need.
+written, and that pool reuses blocks it has written before touching new ones (engine/kv_cache.py),
+so memory follows the work. Either way the pool is never larger than ``max_num_seqs`` full-length
+sequences need.
 """
 
 from __future__ import annotations

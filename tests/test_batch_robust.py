@@ -1,0 +1,375 @@
+"""`tokenmill run` against rows, files and paths meant to knock it over (issue 20), on a tiny random Llama:
+poison rows fail alone and never stop a resume, broken quoting and Arrow's nulls are read as meant,
+bad types and impossible bounds are error rows, bad outputs are clear errors, a lost journal is
+rebuilt from the output."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.batch.job import JobConfig, run_job
+from tokenmill.batch.journal import ResumeError
+from tokenmill.batch.requests import PromptSettings
+
+from test_batch_e2e import GREEDY, MAX_TOKENS, by_row, engine_left_clean, llm, read_jsonl  # noqa: F401 (fixtures)
+
+TEXTS = ["the cat sat on a warm mat", "wind blew over its fur", "the sun went down", "a mat while the cat",
+         "its fur and the sun", "over the warm wind", "the cat the mat", "down went the sun"]
+
+
+def job(tmp_path, llm, input_path, output="out.jsonl", should_stop=None, **overrides):
+    options = dict(input=str(input_path), output=str(tmp_path / output), model="tiny", sampling=dict(GREEDY),
+                   progress=False)
+    options.update(overrides)
+    return run_job(JobConfig(**options), llm=llm, should_stop=should_stop)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def reference(llm, texts, **sampling):
+    outs = llm.generate(texts, SamplingParams(**{**GREEDY, **sampling}), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+# --- 1. rows that used to crash the engine step -------------------------------------------------
+
+
+def test_poison_logprobs_rows_fail_alone_and_a_rerun_does_not_crash(tmp_path, llm):
+    rows = [{"prompt": TEXTS[0]}, {"prompt": TEXTS[1], "sampling_params": {"logprobs": 100000}},
+            {"prompt": TEXTS[2]}, {"prompt": TEXTS[3], "sampling_params": {"prompt_logprobs": 100000}},
+            {"prompt": TEXTS[4], "sampling_params": {"logprobs": 3}}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = job(tmp_path, llm, path)
+    assert summary.exit_code == 3 and summary.rows_done == 5 and summary.failed == 2
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert "logprobs=100000" in records[(1, None)]["error"] and "20" in records[(1, None)]["error"]
+    assert "prompt_logprobs=100000" in records[(3, None)]["error"]
+    expected = reference(llm, [TEXTS[0], TEXTS[2], TEXTS[4]])
+    assert [records[(i, 0)]["text"] for i in (0, 2, 4)] == expected
+    assert records[(4, 0)]["cumulative_logprob"] is not None
+    again = job(tmp_path, llm, path)
+    assert again.already_complete and again.exit_code == 3
+
+
+def test_openai_body_logprobs_past_the_limit_is_a_400(tmp_path, llm):
+    lines = [{"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": TEXTS[0], "max_tokens": 3}},
+             {"custom_id": "poison", "url": "/v1/completions", "body": {"prompt": TEXTS[1], "logprobs": 100000}}]
+    path = write_jsonl(tmp_path / "batch.jsonl", [{"method": "POST", **line} for line in lines])
+    summary = job(tmp_path, llm, path)
+    assert summary.exit_code == 3 and summary.failed == 1
+    out = {r["custom_id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["ok"]["response"]["status_code"] == 200
+    assert out["poison"]["response"]["status_code"] == 400
+    assert "logprobs=100000" in out["poison"]["response"]["body"]["error"]["message"]
+
+
+def test_logprobs_past_max_logprobs_is_a_clear_error_in_generate(llm, tiny_llama_dir):
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=21 .*max_logprobs \(20\)"):
+            llm.generate(["the cat"], SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)
+    everything = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64,
+                     kv_cache_memory_bytes=8 * 2**20, max_num_seqs=2, max_logprobs=-1)
+    vocab = everything.llm_engine.config.vocab_size
+    with pytest.raises(ValueError, match=rf"logprobs={vocab + 1} .*vocabulary \({vocab}\)"):
+        everything.generate(["the cat"], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    out = everything.generate(["the cat"], SamplingParams(max_tokens=2, temperature=0.0, logprobs=vocab), use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs[0]) == vocab  # every token, as vLLM's max_logprobs=-1 allows
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(str(tiny_llama_dir), max_logprobs=-2)
+
+
+def test_a_row_that_fails_inside_a_step_fails_alone(tmp_path, llm, monkeypatch):
+    """Whatever slips past validation and raises inside an engine step fails only its own row."""
+    executor = llm.llm_engine.executor
+    execute = executor.execute_model
+
+    def poisoned(plan, *args, **kwargs):
+        if any(item.seq.request.request_id == "row-5" for item in plan.scheduled):
+            raise RuntimeError("selected index k out of range")
+        return execute(plan, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "execute_model", poisoned)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    summary = job(tmp_path, llm, path)
+    monkeypatch.undo()
+    assert summary.exit_code == 3 and summary.rows_done == len(TEXTS) and summary.failed == 1
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert "selected index k out of range" in records[(5, None)]["error"]
+    good = [i for i in range(len(TEXTS)) if i != 5]
+    assert [records[(i, 0)]["text"] for i in good] == reference(llm, [TEXTS[i] for i in good])
+
+
+def test_an_engine_that_fails_on_every_row_stops_the_job(tmp_path, llm, monkeypatch):
+    """Row after row failing alone means the engine, not the rows: stop (finished rows kept) rather
+    than write the whole file as error rows."""
+    from tokenmill.batch.job import EngineFailure
+
+    def broken(plan, *args, **kwargs):
+        raise RuntimeError("internal error")
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS * 3])
+    monkeypatch.setattr(llm.llm_engine.executor, "execute_model", broken)
+    with pytest.raises(EngineFailure, match="internal error"):
+        job(tmp_path, llm, path)
+    monkeypatch.undo()
+    failed = [r for r in read_jsonl(tmp_path / "out.jsonl") if r["error"]]
+    assert 0 < len(failed) < len(TEXTS) * 3
+
+
+# --- 2-6. rows read as meant ------------------------------------------------------------------
+
+
+def test_csv_with_an_unterminated_quote_loses_no_row(tmp_path, llm):
+    lines = ["id,prompt"] + [f"{i},{t}" for i, t in enumerate(TEXTS)]
+    lines[4] = '3,"the cat sat on a mat'  # the quote never closes: it would swallow every later line
+    path = tmp_path / "in.csv"
+    path.write_text("\n".join(lines) + "\n")
+    summary = job(tmp_path, llm, path)
+    assert summary.rows_total == len(TEXTS) == summary.rows_done and summary.failed == 1
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert "line 5" in records[(3, None)]["error"] and "quote" in records[(3, None)]["error"]
+    good = [i for i in range(len(TEXTS)) if i != 3]
+    assert [records[(i, 0)]["text"] for i in good] == reference(llm, [TEXTS[i] for i in good])
+
+
+def test_parquet_struct_nulls_mean_not_set(tmp_path, llm):
+    rows = [{"prompt": TEXTS[0], "sampling_params": {"max_tokens": 3, "temperature": None}},
+            {"prompt": TEXTS[1], "sampling_params": {"max_tokens": None, "temperature": 0.0}}]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert pq.read_table(path).to_pylist()[1]["sampling_params"]["max_tokens"] is None  # Arrow's fill-in
+    summary = job(tmp_path, llm, path)
+    assert summary.exit_code == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert records[(0, 0)]["completion_tokens"] == 3 and records[(1, 0)]["completion_tokens"] == MAX_TOKENS
+
+
+def test_a_delta_or_final_only_row_still_gets_its_whole_output(tmp_path, llm):
+    rows = [{"prompt": TEXTS[0], "sampling_params": {"output_kind": 1}},
+            {"prompt": TEXTS[1], "sampling_params": {"output_kind": 2}}]
+    summary = job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", rows))
+    assert summary.exit_code == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert [records[(i, 0)]["text"] for i in (0, 1)] == reference(llm, TEXTS[:2])
+    assert all(records[(i, 0)]["completion_tokens"] == MAX_TOKENS for i in (0, 1))
+
+
+BAD_VALUES = [
+    ('{"max_tokens": true}', "SamplingParams.max_tokens=True"),
+    ('{"ignore_eos": "no"}', "SamplingParams.ignore_eos='no'"),
+    ('{"temperature": Infinity}', "SamplingParams.temperature=inf"),
+    ('{"top_p": NaN}', "SamplingParams.top_p=nan"),
+    ('{"logprobs": true}', "SamplingParams.logprobs=True"),
+    ('{"seed": 1.5}', "SamplingParams.seed=1.5"),
+    ('{"max_tokens": 1e12}', "SamplingParams.max_tokens=1000000000000.0"),
+    ('{"max_tokens": 1000000000000}', "max_model_len (128)"),
+    ('{"n": 1000000}', "max_num_seqs (4)"),
+    ('{"n": 2, "best_of": 1000}', "max_num_seqs (4)"),
+    ('{"skip_special_tokens": 0}', "SamplingParams.skip_special_tokens=0"),
+]
+
+
+def test_bad_types_and_impossible_bounds_are_error_rows(tmp_path, llm):
+    lines = [json.dumps({"prompt": TEXTS[0]})]
+    lines += ['{"prompt": "%s", "sampling_params": %s}' % (TEXTS[1], value) for value, _ in BAD_VALUES]
+    summary = job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", lines))
+    assert summary.rows_done == len(lines) and summary.failed == len(BAD_VALUES)
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert records[(0, 0)]["text"] == reference(llm, TEXTS[:1])[0]
+    for row, (value, needle) in enumerate(BAD_VALUES, start=1):
+        assert needle in records[(row, None)]["error"], (value, records[(row, None)]["error"])
+
+
+def test_job_wide_values_past_the_engine_are_refused_before_any_row(tmp_path, llm):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:2]])
+    with pytest.raises(ValueError, match=r"--max-tokens.*max_model_len \(128\)"):
+        job(tmp_path, llm, path, sampling={**GREEDY, "max_tokens": 1000})
+    assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").stat().st_size == 0
+
+
+# --- 7. outputs that cannot be written ---------------------------------------------------------
+
+
+def test_output_under_a_file_is_a_clear_error(tmp_path, llm):
+    (tmp_path / "file").write_text("x")
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": TEXTS[0]}])
+    with pytest.raises(ValueError, match=r"cannot write .*file/out\.jsonl"):
+        job(tmp_path, llm, path, output="file/out.jsonl")
+
+
+def test_disk_full_is_a_clear_error_and_a_rerun_finishes(tmp_path, llm, monkeypatch):
+    from tokenmill.batch import writers
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    write = writers.AppendFile.write
+    calls = []
+
+    def full_after_two(self, data):
+        calls.append(len(data))
+        if len(calls) > 4:  # two commits (data + journal each), then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, data)
+
+    monkeypatch.setattr(writers.AppendFile, "write", full_after_two)
+    with pytest.raises(ValueError, match=r"out\.jsonl.*No space left on device.*rerun"):
+        job(tmp_path, llm, path, max_inflight=2)
+    monkeypatch.undo()
+    assert not llm.llm_engine.has_unfinished_requests()  # the failed attempt dropped what it ran
+    summary = job(tmp_path, llm, path)
+    assert summary.exit_code == 0 and summary.resumed_rows > 0
+    assert sorted(by_row(read_jsonl(tmp_path / "out.jsonl"))) == [(i, 0) for i in range(len(TEXTS))]
+
+
+def test_directory_output_is_refused_even_with_overwrite(tmp_path, llm):
+    folder = tmp_path / "out.jsonl"
+    folder.mkdir()
+    (folder / "precious.txt").write_text("keep me")
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": TEXTS[0]}])
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="is a directory"):
+            job(tmp_path, llm, path, overwrite=overwrite)
+    assert (folder / "precious.txt").read_text() == "keep me"
+
+
+def test_symlinked_output_is_refused(tmp_path, llm):
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text("somebody's data\n")
+    (tmp_path / "out.jsonl").symlink_to(target)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": TEXTS[0]}])
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="symbolic link"):
+            job(tmp_path, llm, path, overwrite=overwrite)
+    assert target.read_text() == "somebody's data\n" and (tmp_path / "out.jsonl").is_symlink()
+
+
+def test_cli_output_errors_exit_2(tmp_path, capsys):
+    from tokenmill.cli import main
+
+    (tmp_path / "file").write_text("x")
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": TEXTS[0]}])
+    code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "file" / "out.jsonl"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot write" in err and "Traceback" not in err
+
+
+# --- 8. damaged resume state -------------------------------------------------------------------
+
+
+class StopAfter:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self):
+        self.steps -= 1
+        return self.steps < 0
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "openai"])
+def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt):
+    if fmt == "openai":
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": t}}
+                 for i, t in enumerate(TEXTS)]
+        path = write_jsonl(tmp_path / "in.jsonl", lines)
+    else:
+        path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    output = "out.parquet" if fmt == "parquet" else "out.jsonl"
+    first = job(tmp_path, llm, path, output=output, max_inflight=2, should_stop=StopAfter(8))
+    assert first.interrupted and 0 < first.rows_done < len(TEXTS)
+    sidecar = tmp_path / f"{output}.tokenmill"
+    os.remove(sidecar / "journal.jsonl")
+    second = job(tmp_path, llm, path, output=output)
+    assert second.exit_code == 0 and second.resumed_rows == first.rows_done
+    if fmt == "parquet":
+        records = pq.read_table(tmp_path / output).to_pylist()
+    else:
+        records = read_jsonl(tmp_path / output)
+    if fmt == "openai":
+        assert sorted(r["custom_id"] for r in records) == sorted(f"c{i}" for i in range(len(TEXTS)))
+    else:
+        assert sorted(by_row(records)) == [(i, 0) for i in range(len(TEXTS))]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path, llm, damage):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(6))
+    state = tmp_path / "out.jsonl.tokenmill" / "state.json"
+    if damage == "garbage":
+        state.write_text("{not json")
+    else:
+        state.unlink()
+    with pytest.raises(ResumeError, match=r"state\.json.*--overwrite"):
+        job(tmp_path, llm, path)
+    assert job(tmp_path, llm, path, overwrite=True).exit_code == 0
+
+
+# --- 13. glitches ------------------------------------------------------------------------------
+
+
+def test_error_messages_name_the_row_once(tmp_path, llm):
+    lines = ['{"prompt": "x", "sampling_params": {"temperature": -1}}', '{"prompt": "unterminated']
+    summary = job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", lines))
+    assert summary.failed == 2
+    report = summary.report()
+    assert "row 0: row 0" not in report and "line 1: line 1" not in report and "at at" not in report
+    assert "line 1: " in report and "line 2" in report
+
+
+def test_an_empty_input_says_so(tmp_path, llm):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n\n")
+    summary = job(tmp_path, llm, path)
+    assert summary.rows_done == 0 and "no rows" in summary.report()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_missing_column_fails_before_the_model_loads(tmp_path, fmt):
+    rows = [{"title": "a"}, {"title": "b"}]
+    path = tmp_path / f"in.{fmt}"
+    if fmt == "csv":
+        path.write_text("title\na\nb\n")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    base = dict(input=str(path), output=str(tmp_path / "out.jsonl"), model="/nonexistent/model", progress=False)
+    for prompt, needle in [(PromptSettings(text_field="body"), "'body'"),
+                           (PromptSettings(prompt_template="About {title} and {body}"), "'body'"),
+                           (PromptSettings(id_field="sku"), "'sku'"),
+                           (PromptSettings(), "'prompt'")]:
+        with pytest.raises(ValueError, match=needle) as info:
+            run_job(JobConfig(prompt=prompt, **base))
+        assert "title" in str(info.value)  # the columns there are
+
+
+def test_a_read_only_output_folder_exits_2_with_advice(tmp_path, capsys, monkeypatch):
+    """As a read-only folder answers (faked: root may write anywhere): EACCES for whatever the job
+    creates in it. Exit 2, the file named, what to do, no traceback."""
+    from tokenmill.cli import main
+
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": TEXTS[0]}])
+    mkdir, open_ = os.mkdir, os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).startswith(str(folder)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return (open_ if refuse.call == "open" else mkdir)(path, *args, **kwargs)
+
+    for call, real in (("mkdir", mkdir), ("open", open_)):
+        refuse.call = call
+        monkeypatch.setattr(os, call, refuse)
+        code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(folder / "out.jsonl"), "--no-progress"])
+        monkeypatch.setattr(os, call, real)
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        assert f"cannot write {folder / 'out.jsonl'}" in err and "folder you can write to" in err, err

@@ -1,0 +1,332 @@
+"""The `tokenmill run` loop: stream rows in, keep a bounded number of requests in flight, write each result as it finishes.
+
+    rows ──► build request ──► engine.add_request ──► engine.step() ──► finished? ──► journal.commit
+      │            │ bad row                                                             ▲
+      │            └──────────────────────────► error row ───────────────────────────────┘
+      └─ rows the journal says are done are skipped (resume)
+
+Memory stays flat whatever the input size: the reader streams, at most ``max_inflight`` requests
+(a few times ``max_num_seqs``, enough to keep every batch full) are inside the engine, and every
+finished row is written at the end of the step that finished it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from tokenmill.batch.config import JobConfig
+from tokenmill.batch.openai_batch import build_openai_request, openai_record
+from tokenmill.batch.pooling import PoolingRows, pooling_records
+from tokenmill.batch.readers import RawRow
+from tokenmill.batch.requests import RowError, RowRequest, build_row_request, check_engine_limits, row_sampling_params
+from tokenmill.batch.results import RowResult, generic_records, result_from_output
+from tokenmill.batch.writers import encode_lines
+
+if TYPE_CHECKING:
+    from tokenmill.batch.journal import Journal
+    from tokenmill.batch.progress import Progress
+
+_INFLIGHT_PER_SEQ = 2
+_MAX_PENDING_ERRORS = 256  # commit early when a stretch of bad rows piles up
+_SHOWN_ERRORS = 5
+_WHERE_PREFIXES = ("row ", "line ", "record ")  # how a row error names its row
+_ENGINE_BROKEN_AFTER = 8  # rows failing alone in the engine one after another, none finishing in between
+
+
+class EngineFailure(RuntimeError):
+    """The engine fails whatever it runs (not one row's fault): the job stops, finished rows kept."""
+
+
+def load_llm(config: JobConfig) -> Any:
+    from tokenmill import LLM
+
+    engine = dict(config.engine)
+    if config.task != "generate":
+        engine.setdefault("runner", "pooling")
+    return LLM(model=config.model, seed=config.seed, **engine)
+
+
+def base_sampling(llm: Any, explicit: dict[str, Any]) -> dict[str, Any]:
+    """The model's defaults (generation_config), then the job's explicit values."""
+    from tokenmill.batch.requests import sampling_field_names
+
+    names = sampling_field_names()
+    defaults = llm.get_default_sampling_params()
+    values = {name: getattr(defaults, name) for name in names if hasattr(defaults, name)}
+    values.update(explicit)
+    return values
+
+
+@dataclass
+class _InFlight:
+    raw: RawRow  # kept to run the row again if a step fails (see JobLoop._isolate)
+    request: RowRequest
+    prompt_tokens: int = 0  # as reported to the progress (0 until the first output)
+    generated_seen: int = 0
+    # Pooling rows: the engine requests of the row and the outputs of those already finished.
+    part_ids: list[str] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+class JobLoop:
+    """Rows in, finished rows committed to ``journal``: the loop of a single-engine job, and of each
+    replica (whose journal and progress are stand-ins that forward to the parent)."""
+
+    def __init__(self, config: JobConfig, llm: Any, journal: Journal, progress: Progress, fmt: str, shape: str,
+                 job_key: str, should_stop: Callable[[], bool] | None = None):
+        self.config, self.llm, self.journal, self.progress = config, llm, journal, progress
+        self.should_stop = should_stop or (lambda: False)
+        self._committing = False  # True while a commit is half done (an interrupt landed inside it)
+        self.engine = llm.llm_engine
+        self.tokenizer = llm.get_tokenizer()
+        self.fmt, self.shape, self.job_key = fmt, shape, job_key
+        self.model_name = config.model
+        self.created = int(time.time())
+        self.base = base_sampling(llm, config.sampling)
+        self.pooling = PoolingRows(config.task, llm, config.prompt, config.pooling) if config.task != "generate" else None
+        self.keep_logprobs = self.base.get("logprobs") is not None
+        self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * _max_num_seqs(self.engine, config)
+        self.max_model_len = self.engine.config.max_model_len
+        if self.pooling is None:
+            self._check_job_limits()
+        self.inflight: dict[str, _InFlight] = {}
+        self.pending: list[tuple[RowResult, _InFlight | None]] = []  # finished rows (and their flight)
+        self.retry: deque[list[RawRow]] = deque()  # rows to run again apart, a group at a time (_isolate)
+        self.lone_failures = 0  # rows that failed alone in the engine since a row last finished
+        self.errors: list[str] = []
+        from jinja2 import TemplateError  # chat templates can raise their own errors for odd conversations
+
+        self._row_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, TemplateError)
+
+    def run(self, rows: Any) -> bool:
+        """Feed the engine until every row is written; False when stopped early by ``should_stop``."""
+        exhausted = False
+        while True:
+            if self.should_stop():
+                return False
+            if self.retry:
+                if not self.inflight:  # one group at a time, alone in the engine
+                    for raw in self.retry.popleft():
+                        self._submit(raw)
+            else:
+                while not exhausted and len(self.inflight) < self.max_inflight:
+                    raw = next(rows, None)
+                    if raw is None:
+                        exhausted = True
+                    elif not self.journal.is_done(raw.index):
+                        self._submit(raw)
+                        if len(self.pending) >= _MAX_PENDING_ERRORS:
+                            self._commit()
+            if self.inflight:
+                try:
+                    self._step()
+                except Exception as error:  # noqa: BLE001  (a row broke the step: find it, see _isolate)
+                    self._isolate(error)
+            elif exhausted and not self.retry:
+                self._commit()
+                return True
+            self._commit()
+            self.progress.maybe_draw()
+
+    def _check_job_limits(self) -> None:
+        """Job-wide values no row could run with are a usage error, before any row runs."""
+        limits = {"max_tokens": (self.max_model_len, "max_model_len"), "n": (self.engine.config.max_num_seqs, "max_num_seqs")}
+        for name, (limit, what) in limits.items():
+            value = self.config.sampling.get(name)
+            if value is not None and value > limit:
+                raise ValueError(f"--{name.replace('_', '-')} {value} is more than this engine's {what} ({limit}); "
+                                 f"lower it, or raise --{what.replace('_', '-')}")
+
+    def _submit(self, raw: RawRow) -> None:
+        request: RowRequest | None = None
+        row_id = None
+        bound, samples = 0, 1  # what the row may generate at most (progress and ETA)
+        try:
+            if raw.error is not None:
+                raise RowError(raw.error)
+            if self.pooling is not None:
+                request, parts = self.pooling.build(raw)
+                row_id = request.row_id
+            else:
+                request = build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)
+                row_id = request.row_id
+                where = raw.where or f"row {raw.index}"
+                params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id, where)
+                try:
+                    check_engine_limits(params, self.max_model_len, self.engine.config.max_num_seqs)
+                except ValueError as e:
+                    raise RowError(f"{where}: {e}", row_id) from None
+                samples = params.n
+                bound = (params.max_tokens or self.max_model_len) * samples
+                parts = [(f"row-{raw.index}", self._prompt(request, raw.index), params)]
+            flight = _InFlight(raw, request, part_ids=[request_id for request_id, _, _ in parts])
+            try:
+                for request_id, prompt, params in parts:
+                    self.engine.add_request(request_id, prompt, params)
+                    self.inflight[request_id] = flight
+            except self._row_errors:
+                added = [request_id for request_id in flight.part_ids if request_id in self.inflight]
+                self.engine.abort_request(added)  # all of the row's requests run, or none
+                for request_id in added:
+                    del self.inflight[request_id]
+                raise
+            self.progress.on_submitted(raw.index, bound, samples)
+        except self._row_errors as e:
+            if isinstance(e, RowError) and e.row_id is not None:
+                row_id = e.row_id
+            self._fail(raw.index, row_id, _row_message(raw, e), request)
+
+    def _prompt(self, request: RowRequest, index: int) -> Any:
+        if request.messages is not None:
+            from tokenmill.inputs import render_chat_prompt
+
+            ids = render_chat_prompt(self.tokenizer, request.messages, chat_template=self.config.chat_template,
+                                     where=f"row {index} messages")
+            return {"prompt_token_ids": ids}
+        if request.prompt_token_ids is not None:
+            return {"prompt_token_ids": request.prompt_token_ids}
+        return request.prompt
+
+    def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None) -> None:
+        meta = request.openai if request is not None else None
+        self.pending.append((RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=meta), None))
+        if len(self.errors) < _SHOWN_ERRORS:
+            self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        self.progress.on_step()
+        for out in outputs:
+            flight = self.inflight.get(out.request_id)
+            if flight is None:
+                continue
+            if self.pooling is not None:
+                self._pooled(flight, out)
+                continue
+            prompt = 0
+            if not flight.prompt_tokens:
+                prompt = flight.prompt_tokens = len(out.prompt_token_ids or [])
+            generated = sum(len(c.token_ids) for c in out.outputs)
+            delta = generated - flight.generated_seen
+            flight.generated_seen = generated
+            self.progress.on_tokens(flight.raw.index, prompt, delta)
+            if out.finished:
+                self.lone_failures = 0
+                del self.inflight[out.request_id]
+                req = flight.request
+                result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req))
+                self.pending.append((result, flight))
+
+    def _pooled(self, flight: _InFlight, out: Any) -> None:
+        """A pooling request is done (each finishes in one step); the row is, once all its parts are."""
+        del self.inflight[out.request_id]
+        flight.outputs[out.request_id] = out
+        flight.prompt_tokens += len(out.prompt_token_ids)
+        self.progress.on_tokens(flight.raw.index, len(out.prompt_token_ids), 0)
+        if len(flight.outputs) == len(flight.part_ids):
+            assert self.pooling is not None
+            result = self.pooling.result(flight.request, [flight.outputs[i] for i in flight.part_ids])
+            self.pending.append((result, flight))
+
+    def _isolate(self, error: Exception) -> None:
+        """A step raised: find the row behind it, so that it fails alone and the job goes on.
+
+        Whatever slipped past the checks made when a row was read (a value the engine cannot serve,
+        a bug a strange row triggers) surfaces here, with no way to tell which request caused it.
+        Every row in flight is taken out and run again in two halves, one half at a time; a half
+        that fails again is halved again, until the row that fails on its own becomes an error row.
+        Rows run again give the same results (greedy, or their own per-row seed). A failure of the
+        device itself (out of memory, a CUDA error) is no row's fault and stops the job.
+        """
+        if _is_device_failure(error):
+            raise error
+        flights = list({id(f): f for f in self.inflight.values()}.values())
+        self.drop_inflight()
+        rows = sorted((f.raw for f in flights), key=lambda raw: raw.index)
+        if len(rows) == 1:
+            self.lone_failures += 1
+            if self.lone_failures >= _ENGINE_BROKEN_AFTER:
+                raise EngineFailure(f"{self.lone_failures} rows in a row failed inside the engine, each on its own, the "
+                                    f"last with {type(error).__name__}: {error}; the engine itself looks broken. The "
+                                    "finished rows are kept: rerun the same command to continue") from error
+            flight = flights[0]
+            message = f"the engine failed on this row: {type(error).__name__}: {error}"
+            self._fail(flight.raw.index, flight.request.row_id, _row_message(flight.raw, RuntimeError(message)), flight.request)
+            return
+        half = len(rows) // 2
+        self.retry.extendleft([rows[half:], rows[:half]])  # extendleft reverses: the first half runs first
+
+    def _commit(self) -> None:
+        if not self.pending:
+            return
+        self._committing = True
+        records: list[dict[str, Any]] = []
+        rows, failed, prompt_tokens, completion_tokens = [], [], 0, 0
+        for result, _ in self.pending:
+            if self.shape == "openai":
+                records.append(openai_record(result, self.model_name, self.created, self.job_key))
+            elif self.pooling is not None:
+                records.extend(pooling_records(result, self.config.task))
+            else:
+                records.extend(generic_records(result))
+            rows.append(result.index)
+            if result.failed:
+                failed.append(result.index)
+            prompt_tokens += result.prompt_tokens
+            completion_tokens += result.completion_tokens
+        self.journal.commit(encode_lines(records), rows, failed, prompt_tokens, completion_tokens)
+        for result, flight in self.pending:
+            self.progress.on_row_done(flight.raw.index if flight is not None else None, result.failed)
+        self.pending = []
+        self._committing = False
+
+    def drop_inflight(self) -> None:
+        """Take every running row out of the engine unfinished (a rerun, or a retry, computes it again)."""
+        if self.inflight:
+            self.engine.abort_request(list(self.inflight))
+            for flight in self.inflight.values():
+                self.progress.on_dropped(flight.raw.index)
+            self.inflight.clear()
+
+    def abort(self) -> None:
+        """Stop early: keep what finished, drop what runs (a rerun recomputes those rows).
+
+        If the interrupt landed inside a commit, committing again could write rows twice; the
+        half-done commit is left as a crash would leave it, for the next run's journal replay.
+        """
+        self.drop_inflight()
+        if not self._committing:
+            self._commit()
+
+
+def _max_num_seqs(engine: Any, config: JobConfig) -> int:
+    for holder in (getattr(engine, "config", None), getattr(engine, "scheduler_config", None), getattr(engine, "scheduler", None)):
+        value = getattr(holder, "max_num_seqs", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return int(config.engine.get("max_num_seqs") or 256)
+
+
+def _asks_logprobs(request: RowRequest) -> bool:
+    return request.overrides.get("logprobs") is not None
+
+
+def _fallback_id(fmt: str, index: int) -> Any:
+    return None if fmt == "openai" else index
+
+
+def _row_message(raw: RawRow, error: BaseException) -> str:
+    message = str(error) or type(error).__name__
+    if isinstance(error, RowError) or message.startswith(_WHERE_PREFIXES):
+        return message
+    return f"{raw.where or f'row {raw.index}'}: {message}"
+
+
+def _is_device_failure(error: BaseException) -> bool:
+    import torch
+
+    fatal = (MemoryError, torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", MemoryError))
+    return isinstance(error, fatal) or "CUDA error" in str(error)
