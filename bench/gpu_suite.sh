@@ -6,6 +6,7 @@
 #   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
 #   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [ray]
+#   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
@@ -60,6 +61,15 @@ for part in $parts; do
         RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py tokenmill_fp8kv $run 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_fp8.raw" ;;
+    throughput-det)  # deterministic=True (issue 21): P1-P3 in deterministic mode, rows tagged tokenmill_deterministic
+      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+        RESULTS="$OUT/throughput_det.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 240 python3 bench/peer_bench.py tokenmill_deterministic $run 2>&1 | grep -v "^\s*$" | tail -3
+      done
+      tag "$OUT/throughput_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_det.raw" ;;
+    deterministic)  # deterministic mode's GPU tests, then its kernels against the default ones
+      timeout 300 python3 -m pytest tests/gpu/test_deterministic_gpu.py "tests/gpu/test_engine_gpu.py::test_no_kernel_is_compiled_during_a_run" \
+        -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests_det.log" | tail -12
+      timeout 240 python3 bench/deterministic_bench.py --quick > "$OUT/det.raw" 2>>"$OUT/suite.log"; tag "$OUT/det.raw" "$OUT/kernels.jsonl"; cat "$OUT/det.raw" ;;
     quant-tests)  # issue 18's GPU tests alone (also part of "tests")
       OMP_NUM_THREADS=$TESTS_OMP timeout 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
     quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl)
@@ -150,6 +160,14 @@ for part in $parts; do
         mkdir -p /tmp/vllm-site
         cat /tmp/vllmchunk/*.part* .vllmchunk/*.part* 2>/dev/null | xz -d | tar -C /tmp/vllm-site -xf - || echo "vllm bundle: unpack failed"
       fi ;;
+    vllm-det)  # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) on P1-P3, rows tagged "engine": "vllm" with "mode"
+      [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
+      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+        PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_BATCH_INVARIANT=1 RESULTS="$OUT/vllm_det.raw" \
+          timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3
+      done
+      sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
+      tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
     vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0

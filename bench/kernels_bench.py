@@ -270,7 +270,8 @@ def run_step_case(
     out = torch.full_like(batch.q, float("nan"))
     common = dict(
         k_cache=batch.kv_cache[0], v_cache=batch.kv_cache[1], out=out, query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=scale, compile_only=False,
+        seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=scale, max_seq_len=max_s,
+        compile_only=False,
     )
     side = torch.cuda.Stream()
 

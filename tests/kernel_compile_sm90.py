@@ -69,6 +69,19 @@ _case("compile_sm90", "sm90-attn-p1-decode-fp8cache", kernel="attention", shape=
 _case("compile_sm90", "sm90-attn-prefill-fp8cache", kernel="attention", shape="prefill-bf16-d128-g2", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-qkv_prologue-decode-fp8cache", kernel="qkv_prologue", shape="qwen3-0.6b-decode-bf16", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-kv_store-fp8cache", kernel="kv_store", cache_dtype="float8_e4m3fn")
+# Deterministic mode: the batch-invariant matmul on the four projections and the lm_head of both
+# P1-P3 models (one tile per weight: wgmma, no spills), and the fixed-split attention variant.
+_COMPILE_MATMUL = {
+    "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
+    "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
+    "bias-fp16-tails": [(200, 72)],
+    "fp32": [(512, 256)],
+}
+for _name in _COMPILE_MATMUL:
+    _case("compile_sm90", f"sm90-det-matmul-{_name}", kernel="matmul", shape=_name)
+for _name in ("p1-decode-bf16-d128-g2", "longctx-decode-split-bf16-d128-g4", "prefill-bf16-d128-g2", "decode-bf16-d256-g8-split",
+              "prefill-fp32-d128-g2"):
+    _case("compile_sm90", f"sm90-det-attn-{_name}", kernel="attention", shape=_name, deterministic=True)
 # Quantized GEMMs on Llama-3-8B's shapes: W4A16 decode (split-K) and prefill tiles, fp8 activation
 # quantization and the Triton fp8 GEMM.
 for _m in (1, 32, 64, 256):
@@ -168,10 +181,22 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         qkv = torch.empty((tokens, (heads + 2 * kv_heads) * dim), dtype=dtype)
         q = qkv[:, : heads * dim].view(tokens, heads, dim)  # the model's strided view
         cache = torch.empty((2, 8, bs, kv_heads, dim), dtype=getattr(torch, p.get("cache_dtype", dtype_name)))
+        config = paged_attention.choose_config(
+            num_tokens=tokens, num_seqs=seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+            max_query_len=qlen, max_seq_len=max_seq, device=torch.device("cpu"), deterministic=p.get("deterministic", False),
+        )
         paged_attention.paged_attention(
             q, cache, torch.zeros(seqs + 1, dtype=torch.int32), torch.zeros(seqs, dtype=torch.int32),
             torch.zeros((seqs, max_seq // bs), dtype=torch.int32), dim**-0.5, max_query_len=qlen, max_seq_len=max_seq,
+            config=config,
         )
+    elif kernel == "matmul":
+        from tokenmill.kernels.triton.matmul import matmul
+
+        dtype = {"fp32": torch.float32, "bias-fp16-tails": torch.float16}.get(p["shape"], bf16)
+        for n, k in _COMPILE_MATMUL[p["shape"]]:
+            bias = torch.empty(n, dtype=dtype) if dtype == torch.float16 else None
+            matmul(torch.empty((256, k), dtype=dtype), torch.empty((n, k), dtype=dtype), bias)
     elif kernel == "varlen_attention":
         dtype_name, heads, kv_heads, dim, causal = _COMPILE_VARLEN[p["shape"]]
         tokens = 1024
@@ -253,8 +278,11 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel"):
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
-        if entry["kernel"] in ("_paged_attention_kernel", "_varlen_attention_kernel") and entry["float_inputs"]:
+        if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
+        if entry["kernel"] == "_matmul_kernel" and entry["float_inputs"]:
+            # A warpgroup MMA at every M (mma.sync would round differently: see kernels/triton/matmul.py).
+            assert entry["wgmma"] and not entry["mma_sync"], "the batch-invariant matmul is not on wgmma"
 
 
 def _compile_worker_main(names: list[str]) -> None:

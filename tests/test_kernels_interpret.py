@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+import kernel_checks_deterministic as deterministic
 import kernel_compile_sm90 as sm90
 import quant_kernel_checks
 
@@ -259,6 +260,7 @@ _case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", voc
 
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
+CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 
 # The slowest cases under the interpreter (seconds each, measured one worker on a busy 2-core
 # machine; together ~2/3 of the interpreter's time): marked slow, so `-m "not slow"` leaves them
@@ -301,7 +303,7 @@ def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]
     compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
     interpreted = [n for n in selected if CASES[n][0] != "compile_sm90"]
     # Attention cases are the slow ones: deal them round-robin so both workers finish together.
-    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer", "varlen", "pooling_varlen"))
+    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer", "varlen", "pooling_varlen", "det_attention"))
     interpreted.sort(key=lambda n: -SLOW_CASES.get(n, 0))  # the slowest first, split between the two
     shards = [interpreted[0::2], interpreted[1::2]]
     procs = [_spawn(shard, interpret=True) for shard in shards if shard]
@@ -857,6 +859,7 @@ _CHECKS = {
     "lazy_import": _check_lazy_import,
     "launch_configs": _check_launch_configs,
     "precompile": _check_precompile,
+    **deterministic.CHECKS,
     **quant_kernel_checks.CHECKS,
 }
 

@@ -39,7 +39,7 @@ _POOLING_FLAGS = ("dimensions", "normalize", "use_activation", "truncate_prompt_
 _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
     "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
-    "load_format", "trust_remote_code", "kv_cache_dtype",
+    "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic",
 )
 
 
@@ -179,6 +179,9 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--revision", metavar="REV")
     g.add_argument("--load-format", metavar="FORMAT", help="auto, safetensors, gguf or dummy (random weights)")
     g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="every row's output independent of the batch, cache and resumes, bit for bit on one GPU "
+                        "model and software version; slower (docs/batch.md). A resumed run keeps the mode it started with")
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -129,6 +129,9 @@ class EngineArgs(_VllmOnlyArguments):
     weight_transfer_config: Any = None  # {"backend": "nccl"} (tokenmill/weight_transfer.py)
     # "module.Class" (or the class): its methods join every rank's Worker, for collective_rpc.
     worker_extension_cls: str | type = ""
+    # Every request's logits a function of its own tokens only, bit for bit, whatever else is in the
+    # batch, chunking or prefix-cache hits (batch-invariant kernels; docs/batch.md says what it costs).
+    deterministic: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -183,6 +186,11 @@ class EngineArgs(_VllmOnlyArguments):
         _check(
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",
+        )
+        _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "True or False")
+        _check(
+            not self.deterministic or self.tensor_parallel_size == 1, "deterministic", self.deterministic,
+            "False with tensor_parallel_size > 1 (an all-reduce's summation order depends on its size)",
         )
 
     def _validate_engine_controls(self) -> None:
@@ -262,6 +270,7 @@ class EngineConfig:
     quantization: "QuantizationConfig | None" = None  # the linear layers' weights; None: the model's dtype
     # How a pooling model pools (tokenmill/pooling/); None: a generative model.
     pooling: "PoolingModelConfig | None" = None
+    deterministic: bool = False  # batch-invariant kernels (tokenmill/kernels/batch_invariant.py)
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -327,6 +336,8 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         return config
     if config.cpu_offload_bytes:
         raise ValueError(f"LLM(cpu_offload_gb={args.cpu_offload_gb}) is for generative models; {source.name!r} is a pooling model")
+    if args.deterministic:
+        raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
     max_model_len, batched, seqs = pooling.step_limits(
         config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
         max_model_len_given=args.max_model_len is not None, batched_given=args.max_num_batched_tokens is not None,
@@ -343,6 +354,11 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
 
     hf_config = source.hf_config
     quantization = resolve_quantization(args.quantization, hf_config)
+    if quantization is not None and args.deterministic:
+        raise ValueError(
+            f"LLM(deterministic=True) needs full-precision weights: the {quantization.method} GEMMs choose their tile "
+            "by batch size, so their rows are not batch-invariant"
+        )
     device = resolve_device(args.device)
     limit = model_max_len(hf_config)
     max_model_len = args.max_model_len or limit
@@ -394,6 +410,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         profiler=resolve_profiler_config(args.profiler_config),
         worker_extension_cls=args.worker_extension_cls,
         quantization=quantization,
+        deterministic=args.deterministic,
     )
 
 

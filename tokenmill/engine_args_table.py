@@ -353,7 +353,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
 
 
 # EngineArgs fields of tokenmill's own, which vLLM does not have.
-TOKENMILL_ONLY = ("gguf_file",)
+TOKENMILL_ONLY = ("gguf_file", "deterministic")  # deterministic: vLLM has an env var, VLLM_BATCH_INVARIANT=1
 
 
 def check_value(name: str, value: Any) -> None:

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _require_cuda(request: pytest.FixtureRequest) -> None:
-    if os.environ.get("TOKENMILL_KERNEL_DRYRUN") == "1" and request.module.__name__.endswith(("test_kernels_gpu", "test_sampler_kernel_gpu")):
+    if os.environ.get("TOKENMILL_KERNEL_DRYRUN") == "1" and request.module.__name__.endswith(("test_kernels_gpu", "test_sampler_kernel_gpu", "test_deterministic_gpu")):
         # Self-check of the GPU tests on the CPU interpreter (see test_kernels_gpu.py's docstring).
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("TOKENMILL_KERNEL_DRYRUN=1 needs TRITON_INTERPRET=1 as well")

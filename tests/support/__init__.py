@@ -10,7 +10,8 @@ Fixtures stay in tests/conftest.py; this package holds the plain code behind the
 - ``seeded_weights``: random weights that are one model at every tensor_parallel_size (a seeded full tensor sliced per rank)
 - ``processes``: ``child_pids``, the processes a test left behind
 - ``eager_graphs``: a CPU stand-in for the decode CUDA graphs (their tensor-parallel mirroring over gloo)
-- ``triton_interpreter``: a numpy fix-up of Triton's CPU interpreter (``TRITON_INTERPRET=1`` only)
+- ``triton_interpreter``: fix-ups of Triton's CPU interpreter (numpy, fp8 rounding) and its dot made
+  row-invariant for the deterministic kernels' checks (``TRITON_INTERPRET=1`` only)
 
 HF-transformers reference computations (the oracle the engine is held to) stay in tests/reference.py.
 """

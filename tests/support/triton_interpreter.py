@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,6 +32,39 @@ def patch_triton_interpreter_for_numpy() -> None:
 
     patched._tokenmill_patched = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+
+
+@contextlib.contextmanager
+def interpreter_dot_in_fixed_order() -> Iterator[None]:
+    """Under TRITON_INTERPRET=1, make ``tl.dot`` compute every row of its output by a call of its own, so
+    a row's bits do not depend on its place in the tile or on the other rows.
+
+    A tensor-core MMA computes each element of its tile the same way wherever the element sits; the
+    interpreter's dot is a numpy (BLAS) matmul whose rounding depends on the row's place in the tile
+    (rows 10-15 of a 16-row fp32 product differ from the same data in rows 0-5). The batch-invariance
+    checks of the deterministic kernels need the hardware's property, so they run under this; the
+    bits it gives are not the GPU's, only equally independent of a row's place. Tests only.
+    """
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8 operands: as before
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a32, b32 = a.data.astype(np.float32), b.data.astype(np.float32)
+        # One product per row: each row's call is the same whatever the other rows hold.
+        rows = [np.matmul(a32[..., i : i + 1, :], b32) for i in range(a32.shape[-2])]
+        acc = np.concatenate(rows, axis=-2) + d.data.astype(np.float32)
+        return interpreter.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original
 
 
 def patch_triton_interpreter_fp8_rounding() -> None:

@@ -29,7 +29,15 @@ class TorchAttentionBackend:
 
     Pure-decode steps (one new token per sequence) run as one padded batch per layer; steps
     with prefill chunks run one sequence at a time with a causal mask offset by the cached length.
+
+    ``deterministic``: one call per new token over exactly its keys ``0..position``, so the call's
+    shapes, hence its bits, depend only on the token's position and its sequence's keys. (A batched
+    call is not batch-invariant on the CPU: its padding to the longest context and its number of
+    query rows change how the kernel blocks the reduction.) Slower, most of all for long prompts.
     """
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     def forward(
         self,
@@ -41,6 +49,8 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        if self.deterministic:
+            return self._each_token(q, kv_cache, meta, scale)
         if meta.is_pure_decode:
             return self._decode(q, kv_cache, meta, scale)
         return self._mixed(q, kv_cache, meta, scale)
@@ -64,15 +74,8 @@ class TorchAttentionBackend:
         return out.squeeze(2)
 
     def _mixed(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-        flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
-        start = 0
-        for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-            slots = _context_slots(meta, i, seq_len)
-            keys = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-            values = flat_v[slots].transpose(0, 1).to(q.dtype)
+        for start, query_len, seq_len, keys, values in _sequence_contexts(q, kv_cache, meta):
             query = q[start : start + query_len].transpose(0, 1)  # [H, Lq, D]
             mask = None
             if query_len > 1:
@@ -83,8 +86,29 @@ class TorchAttentionBackend:
             out[start : start + query_len] = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             ).transpose(0, 1)
-            start += query_len
         return out
+
+    def _each_token(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for start, query_len, seq_len, keys, values in _sequence_contexts(q, kv_cache, meta):
+            for token, position in enumerate(range(seq_len - query_len, seq_len), start):
+                out[token] = F.scaled_dot_product_attention(
+                    q[token].unsqueeze(1), keys[:, : position + 1], values[:, : position + 1], scale=scale, enable_gqa=True
+                ).squeeze(1)
+        return out
+
+
+def _sequence_contexts(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    """Per sequence: its first token's row, query and context lengths, and its keys and values
+    [Hkv, L, D] in q's dtype (strides independent of L: slicing them is what _each_token relies on)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        slots = _context_slots(meta, i, seq_len)
+        yield start, query_len, seq_len, flat_k[slots].transpose(0, 1).to(q.dtype), flat_v[slots].transpose(0, 1).to(q.dtype)
+        start += query_len
 
 
 def _context_slots(meta: AttentionMetadata, seq_idx: int, seq_len: int) -> torch.Tensor:

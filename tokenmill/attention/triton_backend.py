@@ -32,9 +32,13 @@ if TYPE_CHECKING:
 
 
 class TritonAttentionBackend:
-    """Paged attention for CUDA tensors (or any device under ``TRITON_INTERPRET=1``)."""
+    """Paged attention for CUDA tensors (or any device under ``TRITON_INTERPRET=1``).
 
-    def __init__(self) -> None:
+    ``deterministic``: every step launches the batch-invariant variant (one tile shape for decode
+    and prefill, fixed key parts merged in order; ``choose_config(deterministic=True)``).
+    """
+
+    def __init__(self, deterministic: bool = False) -> None:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
         from tokenmill.kernels.triton.paged_attention import choose_configs, launch_configs, paged_attention
@@ -45,6 +49,7 @@ class TritonAttentionBackend:
         self._paged_attention = paged_attention
         self._choose_configs = choose_configs
         self._launch_configs = launch_configs
+        self.deterministic = deterministic
 
     def forward(
         self,
@@ -100,6 +105,7 @@ class TritonAttentionBackend:
                 max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len,
                 device=q.device,
+                deterministic=self.deterministic,
             )
             plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config)
         num_decode_seqs, decode_config, config = plan
@@ -130,7 +136,8 @@ class TritonAttentionBackend:
         seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
         block_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         configs = self._launch_configs(
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_seq_len=max_seq_len
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_seq_len=max_seq_len,
+            deterministic=self.deterministic,
         )
         for config in configs:
             self._paged_attention(

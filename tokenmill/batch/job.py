@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, TextIO
 
 from tokenmill.batch.config import DEFAULT_MODEL, JobConfig
-from tokenmill.batch.journal import Journal, RecordReader, ResumeError, fingerprint, sidecar_dir
+from tokenmill.batch.journal import Journal, RecordReader, ResumeError, fingerprint, recorded_settings, sidecar_dir
 from tokenmill.batch.loop import EngineFailure, JobLoop, load_llm
 from tokenmill.batch.openai_batch import OpenAIRecordReader
 from tokenmill.batch.pooling import pooling_parquet_schema
@@ -81,6 +81,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     out_fmt = output_format(output)
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
+    config = keep_deterministic(config, stderr)
     columns = input_columns(input_path, fmt)
     if columns is not None and info.rows:  # fail fast, before the model loads
         _check_columns(columns, config, input_path)
@@ -134,6 +135,22 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             run_s=time.monotonic() - progress.start, complete=not interrupted, interrupted=interrupted,
             repaired_bytes=journal.repaired_bytes, rebuilt_rows=journal.rebuilt_rows, errors=errors, input=input_path,
         )
+
+
+def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:
+    """A deterministic run resumed without saying so stays deterministic: the journal recorded
+    ``deterministic`` among its engine settings, and the rows written before and after a resume
+    must come from the same kernels. An explicit ``deterministic=False`` against such a journal is
+    a settings change (refused); otherwise False is dropped, so it matches a run that never said."""
+    explicit = config.engine.get("deterministic")
+    recorded = not config.overwrite and bool(((recorded_settings(config.output) or {}).get("engine") or {}).get("deterministic"))
+    if explicit is None and recorded:
+        if stderr is not None:
+            print(f"resuming a deterministic run: {config.output} continues in deterministic mode", file=stderr)
+        return dataclasses.replace(config, engine={**config.engine, "deterministic": True})
+    if explicit is False and not recorded:
+        return dataclasses.replace(config, engine={k: v for k, v in config.engine.items() if k != "deterministic"})
+    return config
 
 
 def _check_columns(columns: list[str], config: JobConfig, source: str) -> None:

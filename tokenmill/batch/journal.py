@@ -335,6 +335,15 @@ def _has_results(folder: str, data_path: str) -> bool:
     return any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (journal, data_path))
 
 
+def recorded_settings(output: str) -> dict[str, Any] | None:
+    """The settings an earlier attempt at ``output`` recorded, if any (read without the lock)."""
+    try:
+        with open(os.path.join(sidecar_dir(output), "state.json"), "rb") as f:
+            return json.load(f).get("settings")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _same_settings(state: dict[str, Any], settings: dict[str, Any]) -> bool:
     return state.get("version") == STATE_VERSION and state.get("fingerprint") == fingerprint(settings)
 

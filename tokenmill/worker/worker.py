@@ -57,9 +57,13 @@ class Worker:
             tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed, quantization=config.quantization,
             place=self.offloader.place if self.offloader is not None else None,
         )
+        if config.deterministic:
+            from tokenmill.kernels.batch_invariant import use_batch_invariant_matmuls
+
+            use_batch_invariant_matmuls(self.model)
         self.runner = ModelRunner(
             model=self.model,
-            backend=attention_backend(self.device),
+            backend=attention_backend(self.device, config.deterministic),
             device=self.device,
             dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
@@ -214,14 +218,16 @@ def worker_class(extension: str | type = "") -> type[Worker]:
     return type(f"{extension.__name__}Worker", (Worker, extension), {})
 
 
-def attention_backend(device: torch.device) -> Any:
+def attention_backend(device: torch.device, deterministic: bool = False) -> Any:
     if device.type == "cuda":
         try:
             from tokenmill.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend()
+            return TritonAttentionBackend(deterministic)
         except ImportError as exc:
+            if deterministic:  # the torch fallback's CUDA kernels make no batch-invariance promise
+                raise RuntimeError(f"deterministic=True on a GPU needs Triton: {exc}") from exc
             logger.warning("Triton attention is unavailable (%s); using the plain-torch backend", exc)
     from tokenmill.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(deterministic)

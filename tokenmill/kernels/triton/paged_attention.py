@@ -38,6 +38,7 @@ Softmax is the online (flash) form in fp32 with exp2 and the scale folded into l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ _MAX_SPLITS = 64
 # A prefill tile already holds 16-128 query rows of work; beyond 4 splits only a short chunk
 # against a long context would gain, and each allowed count is one more variant to compile.
 _MAX_PREFILL_SPLITS = 4
+# Deterministic mode's fixed key parts (a multiple of every tile_n): long enough that merging parts
+# costs little next to attending over them, short enough to split one long sequence over many SMs.
+DETERMINISTIC_PART_KEYS = 512
 # Wide enough to find the sequence of any program with one vector load when B <= 256.
 _SEARCH_BLOCK = 256
 
@@ -74,6 +78,52 @@ def _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q: tl.constexp
             first_block = starts // BLOCK_Q + idx
         count += tl.sum((in_range & (first_block <= block_id)).to(tl.int32), axis=0)
     return tl.minimum(count, num_seqs - 1)
+
+
+@triton.jit
+def _locate_rows(
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    block_id,
+    kv_head,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    """The sequence, query rows and key range of one program's query block.
+
+    Row r of the score tile is query token ``q_first + r // GROUP_P``, head ``r % GROUP_P`` of the
+    group. The caller returns at once when ``q_first >= query_len`` (a spare program of the grid).
+    """
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q, SEARCH_BLOCK)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if BLOCK_Q == 1:
+        first_block = q_start
+    else:
+        first_block = q_start // BLOCK_Q + seq
+    q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
+    cached_len = tl.load(seq_lens_ptr + seq) - query_len  # keys that were in the cache before this step
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = q_first + rows // GROUP_P
+    row_head = kv_head * GROUP + rows % GROUP_P
+    row_valid = (rows // GROUP_P < BLOCK_Q) & (row_tok < query_len) & (rows % GROUP_P < GROUP)
+    row_pos = cached_len + row_tok  # absolute position: the last key this row may see
+    token = q_start + row_tok
+    # Keys this block needs: up to its last real query's position.
+    kv_end = cached_len + tl.minimum(q_first + BLOCK_Q, query_len)
+    return seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end
+
+
+@triton.jit
+def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM: tl.constexpr):
+    """q[token, head] of the tile's rows (0 for invalid rows)."""
+    dims = tl.arange(0, HEAD_DIM)
+    rows = q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head
+    return tl.load(rows + dims[None, :], mask=valid[:, None], other=0.0)
 
 
 @triton.jit
@@ -98,6 +148,7 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    DETERMINISTIC: tl.constexpr = False,
 ):
     """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order,
     continuing the running max m (log2 units), sum l and unnormalised output acc.
@@ -105,6 +156,10 @@ def _attend_tiles(
     ``MASKED=False`` is for tiles that every row sees whole (all keys before kv_end and at or before
     each row's position): the loads and scores then carry no masks, and the arithmetic on the keys
     is the same as with them.
+
+    ``DETERMINISTIC``: a tile that a row cannot see leaves its state bit for bit unchanged (the
+    rescale is exactly 1 where the max did not move, not left to exp2(0) rounding to 1), so a row
+    gets the same bits whether its block runs past its own position (prefill) or not (decode).
     """
     cols = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -126,12 +181,41 @@ def _attend_tiles(
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
+        if DETERMINISTIC:
+            alpha = tl.where(m_new == m_i, 1.0, alpha)
         p = tl.exp2(qk * scale_log2 - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _store_normalised(out_ptr, acc, l, token, head, valid, stride_o_tok, stride_o_head, HEAD_DIM: tl.constexpr):
+    """out[token, head] = acc / l for the valid rows. A real row saw at least its own key, so l > 0
+    there (the guard is for padded rows and malformed padding sequences: 0, not NaN)."""
+    dims = tl.arange(0, HEAD_DIM)
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+@triton.jit
+def _store_partial(
+    part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, head, valid, slot,
+    stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM: tl.constexpr,
+):
+    """The unnormalised (acc, m, l) of the valid rows, in partial slot ``slot`` (a split or a key part)."""
+    dims = tl.arange(0, HEAD_DIM)
+    pa = part_acc_ptr + token * stride_pa_tok + head * stride_pa_head + slot * stride_pa_split
+    tl.store(pa[:, None] + dims[None, :], acc, mask=valid[:, None])
+    pml = token * stride_pml_tok + head * stride_pml_head + slot
+    tl.store(part_m_ptr + pml, m, mask=valid)
+    tl.store(part_l_ptr + pml, l, mask=valid)
 
 
 # Host ints that change from step to step are not specialised on (Triton would otherwise compile a
@@ -179,41 +263,17 @@ def _paged_attention_kernel(
     block_id = tl.program_id(0) + block_offset
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q, SEARCH_BLOCK)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if BLOCK_Q == 1:
-        first_block = q_start
-    else:
-        first_block = q_start // BLOCK_Q + seq
-    q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
+    seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
+    )
     if q_first >= query_len:
         return  # a spare program of the static grid
-    seq_len = tl.load(seq_lens_ptr + seq)
-    cached_len = seq_len - query_len  # keys that were in the cache before this step
-
-    # Row r of the score tile is query token q_first + r // GROUP_P, head r % GROUP_P of the group.
-    rows = tl.arange(0, BLOCK_M)
-    row_tok = q_first + rows // GROUP_P
-    row_head = kv_head * GROUP + rows % GROUP_P
-    row_valid = (rows // GROUP_P < BLOCK_Q) & (row_tok < query_len) & (rows % GROUP_P < GROUP)
-    row_pos = cached_len + row_tok  # absolute position: the last key this row may see
-    token = q_start + row_tok
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
-
-    # Keys this block needs: up to its last real query's position; then this split's share of them.
-    kv_end = cached_len + tl.minimum(q_first + BLOCK_Q, query_len)
+    q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
+    # This split's share of the block's key tiles.
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -240,22 +300,11 @@ def _paged_attention_kernel(
         )
 
     if NUM_SPLITS == 1:
-        # Every real row saw at least its own key, so l_i > 0 there (the guard is for padded rows
-        # and malformed padding sequences, which then get 0 rather than NaN).
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
+        _store_normalised(out_ptr, acc, l_i, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
     else:
         # Unnormalised partials; an empty split stores acc 0, m -inf, l 0, which the merge weighs 0.
-        part_row = token - token_offset
-        pa = part_acc_ptr + part_row * stride_pa_tok + row_head * stride_pa_head + split * stride_pa_split
-        tl.store(pa[:, None] + dims[None, :], acc, mask=row_valid[:, None])
-        pml = part_row * stride_pml_tok + row_head * stride_pml_head + split
-        tl.store(part_m_ptr + pml, m_i, mask=row_valid)
-        tl.store(part_l_ptr + pml, l_i, mask=row_valid)
+        _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, token - token_offset, row_head, row_valid,
+                       split, stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "token_offset"])
@@ -301,6 +350,158 @@ def _merge_splits_kernel(
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _merge_part(m_run, l_run, acc_run, m, l, acc):
+    """Fold one key part's (m, l, acc) into the running (m, l, acc) of its rows, in fp32.
+
+    The one merge rule of the fixed-split kernels: the attention kernel applies it part after part
+    in registers, the merge kernel to parts read back from memory, and both must round alike. So
+    the two products-and-sums are explicit fma's (no contraction left to the compiler), and an
+    empty part (m -inf, l 0, acc 0) leaves a row that has seen a key bit for bit unchanged.
+    """
+    m_new = tl.maximum(m_run, m)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.where(m_run == m_new, 1.0, tl.exp2(m_run - m_shift))  # exactly 1 where the max stays (as in _attend_tiles)
+    b = tl.where(m == m_new, 1.0, tl.exp2(m - m_shift))
+    l_new = tl.fma(l_run, a, l * b)
+    acc_new = tl.fma(acc_run, a[:, None], acc * b[:, None])
+    return m_new, l_new, acc_new
+
+
+# The part slots of the partial buffers follow max_seq_len, so their strides change between launches.
+_PART_STRIDES = ["stride_pa_tok", "stride_pa_head", "stride_pml_tok", "stride_pml_head"]
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq", "split_programs", *_PART_STRIDES])
+def _paged_attention_fixed_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_seqs,
+    split_programs,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt_seq,
+    stride_pa_tok,
+    stride_pa_head,
+    stride_pa_split,
+    stride_pml_tok,
+    stride_pml_head,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PART_TILES: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Deterministic mode: a row's keys are cut into parts of PART_TILES * TILE_N keys from key 0,
+    each part is an online softmax over its tiles in order, and the parts are merged in order by
+    ``_merge_part``; so a row's bits depend only on its own position and keys, not on the batch,
+    the launch's parallelism (``split_programs``) or whether it is decoded or prefilled.
+
+    With one program per block (``split_programs == 1``) it merges its parts in registers and
+    writes the output. With more, program ``split`` does parts split, split + split_programs, ...
+    and writes each one's (m, l, acc) for ``_merge_parts_kernel``, which merges them the same way.
+    Parts past a row's own position are empty for that row (a prefill block's later rows need
+    them), and merging an empty part changes nothing.
+    """
+    block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq, q_first, query_len, _, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
+    )
+    if q_first >= query_len:
+        return  # a spare program of the static grid
+    q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
+    table = block_tables_ptr + seq * stride_bt_seq
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for part in range(split, tl.cdiv(num_tiles, PART_TILES), split_programs):
+        tile_lo = part * PART_TILES
+        # Each part starts a fresh online softmax; every tile stays masked (one code path for all).
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m, l, acc = _attend_tiles(
+            q, m, l, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
+            tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True,
+        )
+        if split_programs == 1:
+            m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
+        else:
+            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, row_head, row_valid, part,
+                           stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
+    if split_programs == 1:
+        _store_normalised(out_ptr, acc_run, l_run, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["num_seqs", *_PART_STRIDES])
+def _merge_parts_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    stride_o_tok,
+    stride_o_head,
+    stride_pa_tok,
+    stride_pa_head,
+    stride_pa_split,
+    stride_pml_tok,
+    stride_pml_head,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PART_KEYS: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    """One token's heads of one kv head: merge its parts 0, 1, ... up to its own position, in order."""
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding past the last real token: leave the output alone
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, token, 1, SEARCH_BLOCK)
+    position = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + token
+    heads = kv_head * GROUP + tl.arange(0, GROUP_P)
+    valid = tl.arange(0, GROUP_P) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    m_run = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc_run = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+    for part in range(0, position // PART_KEYS + 1):
+        pml = token * stride_pml_tok + heads * stride_pml_head + part
+        m = tl.load(part_m_ptr + pml, mask=valid, other=float("-inf"))
+        l = tl.load(part_l_ptr + pml, mask=valid, other=0.0)
+        pa = part_acc_ptr + token * stride_pa_tok + heads * stride_pa_head + part * stride_pa_split
+        acc = tl.load(pa[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
+    _store_normalised(out_ptr, acc_run, l_run, tl.full([GROUP_P], token, tl.int32), heads, valid, stride_o_tok, stride_o_head,
+                      HEAD_DIM)
+
+
 @dataclass(frozen=True)
 class AttentionLaunchConfig:
     """Tile shapes of one launch. Any values give the same result; they only change speed."""
@@ -310,6 +511,9 @@ class AttentionLaunchConfig:
     num_splits: int  # key-range splits per (query block, kv head); 1 = no merge kernel
     num_warps: int
     num_stages: int
+    # Deterministic mode (> 0): keys are cut into parts of this many keys from key 0 (a multiple
+    # of tile_n), merged in order, and num_splits only says how many programs share the parts.
+    part_keys: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,6 +532,7 @@ def choose_config(
     max_query_len: int,
     max_seq_len: int,
     device: torch.device,
+    deterministic: bool = False,
 ) -> AttentionLaunchConfig:
     """Pick tile shapes and the split count from static bounds (shapes and two host upper bounds).
 
@@ -337,8 +542,22 @@ def choose_config(
     for fp32). Splits are added only while the grid has fewer than two programs per SM, and only
     as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
     the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
+
+    ``deterministic``: one tile for every step, decode or prefill (the 16-row one: a row's dots and
+    reductions then run on the same tile shape, hence round alike, wherever it is computed), fixed
+    parts of ``DETERMINISTIC_PART_KEYS`` keys, and as many programs per block as fill the GPU (that
+    only changes who computes which part; see ``_paged_attention_fixed_split_kernel``).
     """
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
+    if deterministic:
+        config = _deterministic_config(group_p, head_dim, dtype)
+        programs = max(1, (num_tokens // config.block_q + num_seqs) * num_kv_heads)
+        num_splits = 1
+        if programs < 2 * num_sms:
+            wanted = min(math.ceil(2 * num_sms / programs), -(-max_seq_len // config.part_keys), _MAX_SPLITS)
+            num_splits = _next_power_of_2(wanted)
+        return dataclasses.replace(config, num_splits=num_splits)
     if max_query_len <= 1:
         block_q, max_splits = 1, _MAX_SPLITS
     else:
@@ -346,7 +565,6 @@ def choose_config(
         block_q, max_splits = (narrow if max_query_len <= narrow else wide), _MAX_PREFILL_SPLITS
     grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     programs = max(1, grid_q * num_kv_heads)
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
     num_splits = 1
     if programs < 2 * num_sms:
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
@@ -367,15 +585,18 @@ def choose_configs(
     max_query_len: int,
     max_seq_len: int,
     device: torch.device,
+    deterministic: bool = False,
 ) -> tuple[AttentionLaunchConfig | None, AttentionLaunchConfig]:
     """The configs of a step's launches: (the leading decodes' launch, or None when one launch
     covers the whole step; the other launch). Decodes in a prefill-sized tile would each fill one
     row of 64-128 and pay the arithmetic of all of them, so a mixed step whose first
-    ``num_decode_seqs`` sequences are one-token decodes runs them with the decode tile."""
+    ``num_decode_seqs`` sequences are one-token decodes runs them with the decode tile.
+    ``deterministic``: always one launch, on the one tile every row shares (``choose_config``)."""
     shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
-    if not _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
+    if deterministic or not _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
         return None, choose_config(
-            num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len, **shape
+            num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            deterministic=deterministic, **shape,
         )
     d = num_decode_seqs
     decode = choose_config(num_tokens=d, num_seqs=d, max_query_len=1, max_seq_len=max_seq_len, **shape)
@@ -386,11 +607,16 @@ def choose_configs(
 
 
 def launch_configs(
-    *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int
+    *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int, deterministic: bool = False
 ) -> list[AttentionLaunchConfig]:
     """Every config ``choose_config`` can return for these heads and contexts up to ``max_seq_len``:
-    the kernel variants to compile before a run, so that none is compiled in the middle of one."""
+    the kernel variants to compile before a run, so that none is compiled in the middle of one.
+    (Deterministic mode has one attention variant, whatever its split count, plus the merge kernel,
+    which a launch with two splits compiles.)"""
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
+    if deterministic:
+        config = _deterministic_config(group_p, head_dim, dtype)
+        return [dataclasses.replace(config, num_splits=2 if max_seq_len > config.part_keys else 1)]
     by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
     configs = []
     for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in _prefill_block_qs(group_p, head_dim, dtype))):
@@ -419,6 +645,14 @@ def _config(block_q: int, num_splits: int, group_p: int, head_dim: int, dtype: t
         num_warps = 8 if not fp32 and (block_q * group_p >= 128 or head_dim >= 256) else 4
         num_stages = 2 if fp32 else 3
     return AttentionLaunchConfig(block_q, tile_n, num_splits, num_warps, num_stages)
+
+
+def _deterministic_config(group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
+    """Deterministic mode's one tile: the narrow prefill tile (16 rows of tokens x heads), for decode
+    too, with decode's warps and stages."""
+    narrow, _ = _prefill_block_qs(group_p, head_dim, dtype)
+    decode = _config(1, 1, group_p, head_dim, dtype)
+    return dataclasses.replace(decode, block_q=narrow, part_keys=DETERMINISTIC_PART_KEYS)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -486,7 +720,12 @@ def paged_attention(
         return out
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    if config is None or (decode_config is None and _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len)):
+    fixed_parts = config is not None and config.part_keys > 0
+    if fixed_parts and decode_config is not None:
+        raise ValueError(f"a deterministic config (part_keys {config.part_keys}) runs alone: decode_config must be None")
+    # A deterministic config's one tile serves decodes too: its steps stay in one launch.
+    split_decodes = not fixed_parts and _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len)
+    if config is None or (decode_config is None and split_decodes):
         chosen_decode, chosen = choose_configs(
             num_tokens=num_tokens, num_seqs=num_seqs, num_decode_seqs=num_decode_seqs, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=q.dtype, max_query_len=max_query_len,
@@ -495,9 +734,9 @@ def paged_attention(
         config, decode_config = config or chosen, decode_config or chosen_decode
     launch = functools.partial(
         _launch, q, k_cache=kv_cache[0], v_cache=kv_cache[1], out=out, query_start_loc=query_start_loc, seq_lens=seq_lens,
-        block_tables=block_tables, scale=scale, compile_only=compile_only,
+        block_tables=block_tables, scale=scale, max_seq_len=max_seq_len, compile_only=compile_only,
     )
-    if _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
+    if split_decodes:
         assert decode_config is not None
         d = num_decode_seqs
         launch(decode_config, num_launch_seqs=d, first_seq=0, num_launch_tokens=d)
@@ -523,6 +762,7 @@ def _launch(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_seq_len: int,
     num_launch_seqs: int,
     first_seq: int,
     num_launch_tokens: int,
@@ -552,55 +792,48 @@ def _launch(
         block_offset = token_offset // config.block_q + first_seq
         grid_q = num_launch_tokens // config.block_q + (num_launch_seqs - first_seq) + (1 if first_seq else 0)
     splits = config.num_splits
+    fixed_parts = config.part_keys > 0
+    if fixed_parts and (config.part_keys % config.tile_n or config.part_keys & (config.part_keys - 1)):
+        raise ValueError(f"part_keys must be a power of two and a multiple of tile_n, got {config}")
+    assert not (fixed_parts and first_seq), "deterministic mode runs every step in one launch (see paged_attention)"
+    # Partial results: one slot per split, or per key part in deterministic mode.
+    slots = -(-max(max_seq_len, 1) // config.part_keys) if fixed_parts else splits
     if splits > 1:
         # Indexed from the launch's first token: a prefill launch after the decodes skips their rows.
-        part_acc = torch.empty((num_launch_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((num_launch_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((num_launch_tokens, num_heads, slots, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_launch_tokens, num_heads, slots), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:  # unused by the kernel; any tensor will do as a placeholder pointer
         part_acc = part_m = part_l = out
-    launcher(_paged_attention_kernel, (grid_q, num_kv_heads, splits), compile_only)(
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_acc,
-        part_m,
-        part_l,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        num_launch_seqs,
-        block_offset,
-        token_offset,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        part_acc.stride(0),
-        part_acc.stride(1),
-        part_acc.stride(2) if splits > 1 else 0,
-        part_m.stride(0),
-        part_m.stride(1),
-        GROUP=group,
-        GROUP_P=group_p,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=config.block_q,
-        BLOCK_M=block_m,
-        TILE_N=config.tile_n,
-        NUM_SPLITS=splits,
-        SEARCH_BLOCK=_SEARCH_BLOCK,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps,
+    pointers = (q, k_cache, v_cache, out, part_acc, part_m, part_l, query_start_loc, seq_lens, block_tables)
+    strides = (
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2) if splits > 1 else 0,
+        part_m.stride(0), part_m.stride(1),
+    )
+    shape = dict(
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=config.block_q,
+        BLOCK_M=block_m, TILE_N=config.tile_n, SEARCH_BLOCK=_SEARCH_BLOCK,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1:
+    grid = (grid_q, num_kv_heads, splits)
+    if fixed_parts:
+        launcher(_paged_attention_fixed_split_kernel, grid, compile_only)(
+            *pointers, num_launch_seqs, splits, scale * _LOG2E, *strides, PART_TILES=config.part_keys // config.tile_n,
+            **shape,
+        )
+    else:
+        launcher(_paged_attention_kernel, grid, compile_only)(
+            *pointers, num_launch_seqs, block_offset, token_offset, scale * _LOG2E, *strides, NUM_SPLITS=splits, **shape
+        )
+    if splits > 1 and fixed_parts:
+        launcher(_merge_parts_kernel, (num_launch_tokens, num_kv_heads), compile_only)(
+            out, part_acc, part_m, part_l, query_start_loc, seq_lens, num_launch_seqs, *strides[2:4], *strides[8:],
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PART_KEYS=config.part_keys, SEARCH_BLOCK=_SEARCH_BLOCK,
+            num_warps=4 if head_dim * group_p >= 1024 else 2,
+        )
+    elif splits > 1:
         launcher(_merge_splits_kernel, (num_launch_tokens, num_heads), compile_only)(
             out,
             part_acc,

@@ -134,6 +134,9 @@ class LinearMethod(Protocol):
 class UnquantizedLinearMethod:
     """The weight in the model's dtype, one matmul: the full-precision GEMM of every layer lives here."""
 
+    # The product itself; deterministic mode swaps in a batch-invariant one (kernels/batch_invariant.py).
+    matmul = staticmethod(F.linear)
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, loader: Any) -> None:
         layer.weight = new_param((output_size, input_size), loader, ParamLayout(output_dim=0, input_dim=1))
 
@@ -141,7 +144,7 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return self.matmul(x, layer.weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
