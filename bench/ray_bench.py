@@ -35,8 +35,8 @@ def main() -> None:
 
     ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    prompts, outs, temperature = workload(name)
-    items = [{"prompt_token_ids": p, "sampling_params": {"temperature": temperature, "ignore_eos": True, "max_tokens": o,
+    prompts, outs, sampling = workload(name)  # the protocol's shared settings (a dict)
+    items = [{"prompt_token_ids": p, "sampling_params": {**sampling, "ignore_eos": True, "max_tokens": o,
                                                           "detokenize": False}} for p, o in zip(prompts, outs)]
     engine = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
     if replicas == 1:
