@@ -71,6 +71,20 @@ def test_sleep_forgets_the_prefix_cache(llm):
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0  # the cache's contents are gone
 
 
+def test_sleep_shrinks_the_sampling_state_tables_back_to_one_row(llm):
+    """The per-sequence penalty and logit-bias tables grow to the busiest batch ([slots, vocab]:
+    hundreds of MB on a GPU with a large vocabulary); sleep, with every sequence gone, lets them go."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3, logit_bias={7: 2.0})
+    before = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    runner = llm.llm_engine.executor.runner
+    tables = lambda: [runner.penalties.counts, runner.penalties.prompt_bits, runner.logit_bias.bias]  # noqa: E731
+    assert all(t.shape[0] > len(PROMPTS) - 1 for t in tables())
+    llm.sleep(level=1)
+    assert [t.shape[0] for t in tables()] == [1, 1, 1]
+    llm.wake_up()
+    assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == before
+
+
 def test_sleep_level_2_discards_the_weights_until_reloaded_or_updated(llm, tiny_llama_dir):
     from safetensors.torch import load_file
 

@@ -94,6 +94,13 @@ class DecodeGraphs:
     def capture(self) -> None:
         start = time.perf_counter()
         pool = None
+        # cuBLAS keeps one workspace per (handle, stream) for the life of the process (32 MiB on
+        # Hopper). One first made during a capture lands in the graph's private pool and would
+        # outlive our graphs (and sleep); one made before would be baked into them without being
+        # ours. Dropping the cached workspaces on both sides makes the captures allocate their own
+        # inside our pool (shared by every bucket) and leaves nothing of it behind in the cache;
+        # the eager steps simply make theirs again. torch's Inductor does the same around its captures.
+        torch._C._cuda_clearCublasWorkspaces()
         # Largest first, so smaller graphs fit inside the memory pool the largest one reserved.
         for batch in reversed(self.buckets):
             self._forward(batch)  # warm-up: compiles the Triton kernels for this shape outside capture
@@ -107,6 +114,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[batch] = (graph, hidden)
         torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
         logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
     def bucket_for(self, num_seqs: int) -> int | None:

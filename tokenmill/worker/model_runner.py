@@ -67,19 +67,22 @@ class ModelRunner:
         # still in flight reads its next input from here (row given by seq_id).
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[int, int] = {}
-        # Per-sequence sampling state on the device (penalties, logit bias, bad words), released
-        # for the sequences each plan reports finished or preempted. A plan with nothing scheduled
-        # is never launched, so its report is lost: a full table also takes back the slots of
-        # finished sequences itself before it grows.
-        def is_done(seq) -> bool:
-            return getattr(seq, "is_finished", False)
-
-        self.penalties = PenaltyState(vocab_size, device, is_done)
-        self.logit_bias = LogitBiasState(vocab_size, device, is_done)
-        self.bad_words = BadWordState(device, is_done)
+        self._new_sampling_state()
         # Two micro-batches on two streams (an experiment, off by default: micro_batches.py).
         self.overlap = overlap
         self._side_stream = torch.cuda.Stream(device) if overlap.mixed and device.type == "cuda" else None
+
+    def _new_sampling_state(self) -> None:
+        """Per-sequence sampling state on the device (penalties, logit bias, bad words), released
+        for the sequences each plan reports finished or preempted. A plan with nothing scheduled
+        is never launched, so its report is lost: a full table also takes back the slots of
+        finished sequences itself before it grows. Each table starts with one row."""
+        def is_done(seq) -> bool:
+            return getattr(seq, "is_finished", False)
+
+        self.penalties = PenaltyState(self.vocab_size, self.device, is_done)
+        self.logit_bias = LogitBiasState(self.vocab_size, self.device, is_done)
+        self.bad_words = BadWordState(self.device, is_done)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -97,6 +100,9 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self._last_sampled, self._last_rows = None, {}
+        # No sequence is left (sleep aborts them): the state tables, grown to [slots, vocab] by
+        # the busiest batch (hundreds of MB with a large vocabulary), start over at one row.
+        self._new_sampling_state()
 
     def precompile_kernels(self, max_model_len: int) -> None:
         """Compile every Triton kernel variant the steps can launch, on several threads, before the
