@@ -11,6 +11,8 @@ sequences need.
 
 from __future__ import annotations
 
+import gc
+
 import logging
 from typing import TYPE_CHECKING
 
@@ -53,6 +55,11 @@ def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner") -> int:
 
 def _gpu_budget(config: "EngineConfig", runner: "ModelRunner") -> int:
     device = config.device
+    # An LLM the caller dropped keeps its GPU weights until the garbage collector breaks their
+    # reference cycles (each parameter's weight_loader is a bound method of its module); collect
+    # now, or its bytes would count as ours and shrink this engine's KV pool.
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     torch.cuda.reset_peak_memory_stats(device)
