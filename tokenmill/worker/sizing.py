@@ -12,7 +12,6 @@ sequences need.
 from __future__ import annotations
 
 import gc
-
 import logging
 from typing import TYPE_CHECKING
 
