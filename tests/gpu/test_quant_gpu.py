@@ -111,33 +111,58 @@ def _hf_logprobs(path: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(_hf(path, dtype)(torch.tensor([ids], device="cuda")).logits[0, -1].float(), dim=-1)
 
 
-def _teacher_forced(llm, reference, prompts, tokens: int, margin: float) -> tuple[int, int, float]:
-    """Along our greedy tokens: (positions where the reference's top two differ by more than
-    ``margin``, how many of those we picked its argmax, largest logprob difference of our token)."""
+def _positions(llm, reference, prompts, tokens: int, yardstick=None) -> list[tuple[float, bool, float, float]]:
+    """Along our greedy tokens, each position scored on the same prefix (so errors do not compound):
+    (the reference's top-two gap, whether we picked its argmax, |our logprob - its logprob| of our
+    token, |yardstick's logprob - its logprob| of our token, 0 without a yardstick)."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    clear = agree = 0
-    worst = 0.0
+    rows = []
     for prompt, output in zip(prompts, outputs):
         ids = list(prompt)
         for position, token in enumerate(output.outputs[0].token_ids):
             ref = reference(ids)
             top2 = torch.topk(ref, 2).values
-            worst = max(worst, abs(output.outputs[0].logprobs[position][token].logprob - float(ref[token])))
-            if float(top2[0] - top2[1]) > margin:
-                clear += 1
-                agree += token == int(ref.argmax())
+            ours = abs(output.outputs[0].logprobs[position][token].logprob - float(ref[token]))
+            noise = abs(float(yardstick(ids)[token] - ref[token])) if yardstick is not None else 0.0
+            rows.append((float(top2[0] - top2[1]), token == int(ref.argmax()), ours, noise))
             ids.append(token)
-    return clear, agree, worst
+    return rows
+
+
+def _teacher_forced(llm, reference, prompts, tokens: int, margin: float) -> tuple[int, int, float]:
+    """Along our greedy tokens: (positions where the reference's top two differ by more than
+    ``margin``, how many of those we picked its argmax, largest logprob difference of our token)."""
+    rows = _positions(llm, reference, prompts, tokens)
+    clear = [agree for gap, agree, _, _ in rows if gap > margin]
+    return len(clear), sum(clear), max(ours for _, _, ours, _ in rows)
 
 
 @pytest.mark.parametrize("kind", ["ct-w4a16-asym", "gptq", "awq", "ct-fp8-dynamic", "ct-fp8-static"])
 def test_quantized_checkpoint_matches_hf_on_reference_weights_on_gpu(tmp_path, kind):
     """Through the kernels (bf16 activations; fp8 ones for W8A8) and CUDA graphs, teacher-forced
-    against HF fp32 on the checkpoint's reference weights: W4A16 within bf16 noise, W8A8 within the
-    activations' fp8 rounding."""
+    against HF fp32 on the checkpoint's reference weights: each of our greedy tokens' logprob within
+    ``slack`` of HF's on the same prefix, and HF's argmax picked wherever HF's top two are more than
+    ``slack`` apart.
+
+    Slack: bf16 noise plus the format's own rounding. W4A16 rounds nothing beyond bf16 activations;
+    ct-w4a16-asym (min-max codes, weights the size of the original's) stays within 0.15. The GPTQ/AWQ
+    fixtures draw random codes, so their weights are ~1.5-2x larger and the model far more sensitive:
+    HF's own bf16 forward on their reference weights is up to 0.39 (gptq) / 0.20 (awq) from its fp32
+    one at the same positions, and at a gap of 0.585 (awq) even picks another token. So their slack
+    is measured here, on the same positions: 0.15 + 2x the largest |HF bf16 - HF fp32| logprob
+    difference. Why 2x: on the CPU the bf16 engine (weights dequantized to bf16, plain torch) is within
+    0.8-1.2x of HF bf16's deviation on these fixtures (worst 0.390 vs 0.391 gptq, 0.160 vs 0.197 awq,
+    0.121 vs 0.103 ct-w4a16-asym; RMS 0.082/0.083, 0.048/0.052, 0.041/0.038), and the GPU sums in other
+    orders (paged attention, split-K partials); a kernel or layout bug moves logprobs by whole units.
+    The W4A16 kernel itself matches fp64 x @ W_ref^T on these checkpoints' layers to fp32 rounding
+    (3.9e-7 of max|y|, TRITON_INTERPRET=1) and fp16 rounding (4.8e-4), so the excess is bf16 noise.
+    fp8: per-token activation rounding, emulated in fp32 (fake-quantized inputs on HF's reference),
+    moves logprobs by up to 0.49 here; with static per-layer scales calibrated max|x|/448 the greedy
+    tokens' inputs exceed the calibration range by up to 1.28x (down_proj, clipped) and the emulation
+    reaches 0.55, hence 0.75 (1.35x)."""
     from quant_checkpoints import compressed_tensors_checkpoint, gptq_awq_checkpoint
 
     from tokenmill import LLM
@@ -149,10 +174,17 @@ def test_quantized_checkpoint_matches_hf_on_reference_weights_on_gpu(tmp_path, k
         folder, reference = gptq_awq_checkpoint(tmp_path, kind, symmetric=kind == "gptq")
     # The tiny checkpoints have 256 positions; the prompts take at most 150 + 8.
     llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, gpu_memory_utilization=0.3, dtype="bfloat16")
-    slack = 0.5 if "fp8" in kind else 0.15
-    clear, agree, worst = _teacher_forced(llm, functools.partial(_hf_logprobs, str(reference), torch.float32),
-                                          _prompts(6), 8, slack)
-    assert clear >= 6 and agree == clear and worst < slack, (clear, agree, worst)
+    fp32 = functools.partial(_hf_logprobs, str(reference), torch.float32)
+    if kind in ("gptq", "awq"):
+        # Twice the prompts: the larger slack leaves fewer positions with a clear margin.
+        rows = _positions(llm, fp32, _prompts(12), 8, functools.partial(_hf_logprobs, str(reference), torch.bfloat16))
+        slack = 0.15 + 2 * max(noise for *_, noise in rows)
+    else:
+        rows = _positions(llm, fp32, _prompts(6), 8)
+        slack = {"ct-w4a16-asym": 0.15, "ct-fp8-dynamic": 0.5, "ct-fp8-static": 0.75}[kind]
+    clear = [agree for gap, agree, _, _ in rows if gap > slack]
+    worst = max(ours for _, _, ours, _ in rows)
+    assert len(clear) >= 6 and all(clear) and worst < slack, (len(clear), sum(clear), worst, slack)
 
 
 def test_fp8_engine_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
