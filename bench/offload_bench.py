@@ -11,8 +11,6 @@ Prints one JSON row (peer_bench.py's fields and the above) and appends it to $RE
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from random import randint, seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_bench import CONFIGS, model_dir  # noqa: E402
+from result_row import emit  # noqa: E402
 
 SEQS, PROMPT, OUTPUT = 64, 128, 128
 
@@ -61,10 +60,7 @@ def main() -> None:
                out_tok_s=round(SEQS * OUTPUT / seconds, 1), init_s=round(init_s, 1), offload_fraction=fraction,
                offloaded_gib=round(offloaded / 2**30, 2), steps=steps,
                stream_gb_s=round(offloaded * steps / seconds / 1e9, 1) if offloaded else None)
-    print(json.dumps(row), flush=True)
-    if os.environ.get("RESULTS"):
-        with open(os.environ["RESULTS"], "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row)
 
 
 if __name__ == "__main__":

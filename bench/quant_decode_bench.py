@@ -18,6 +18,7 @@ from random import randint, seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_bench import model_dir  # noqa: E402
+from result_row import emit  # noqa: E402
 
 GPTQ_W4A16 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 
@@ -55,10 +56,7 @@ def main() -> None:
     row = dict(engine=f"tokenmill_{variant}", version=__version__, shape="llama3-8b", workload="decode32",
                seqs=32, in_tokens=32 * 512, out_tokens=32 * 512, got_tokens=got, seconds=round(seconds, 2),
                out_tok_s=round(32 * 512 / seconds, 1), init_s=round(init_s, 1))
-    print(json.dumps(row), flush=True)
-    if os.environ.get("RESULTS"):
-        with open(os.environ["RESULTS"], "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ Figures (one JSON row, appended to $RESULTS when set):
                      result back in the driver (engine start-up left out, as peer_bench leaves out LLM())
   out_tok_s_startup  output tokens / seconds of the whole dataset run, replicas' start-up included
 """
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_bench import model_dir, workload  # noqa: E402
+from result_row import emit  # noqa: E402
 
 
 def main() -> None:
@@ -59,10 +59,7 @@ def main() -> None:
                in_tokens=sum(map(len, prompts)), out_tokens=sum(outs), got_tokens=got,
                seconds=round(ended - first, 2), out_tok_s=round(sum(outs) / (ended - first), 1),
                out_tok_s_startup=round(sum(outs) / (ended - started), 1), startup_s=round(first - started, 1))
-    print(json.dumps(row), flush=True)
-    if os.environ.get("RESULTS"):
-        with open(os.environ["RESULTS"], "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row)
     ray.shutdown()
 
 

@@ -17,7 +17,6 @@ appends it to $RESULTS when set.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ from random import randint, seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_bench import model_dir  # noqa: E402
+from result_row import emit  # noqa: E402
 
 VARIANTS = {
     "temperature": {},
@@ -66,10 +66,7 @@ def main() -> None:
         row = dict(engine=engine, version=getattr(mod, "__version__", "?"), shape=shape, workload=f"chat-{name}",
                    seqs=len(prompts), in_tokens=sum(map(len, prompts)), out_tokens=sum(outs), got_tokens=got,
                    seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1), init_s=round(init_s, 1))
-        print(json.dumps(row), flush=True)
-        if os.environ.get("RESULTS"):
-            with open(os.environ["RESULTS"], "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row)
 
 
 if __name__ == "__main__":
