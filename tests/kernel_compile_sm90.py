@@ -130,7 +130,9 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
                 signature[param.name], aligned = "i1", False
             elif isinstance(value, int):
                 signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-                aligned = value % 16 == 0
+                # As Triton's launcher: a do_not_specialize int gets no divisibility hint (issue 21:
+                # hinting it here hid the matmul's unaligned, unpipelined row loads).
+                aligned = value % 16 == 0 and not param.do_not_specialize
             else:
                 signature[param.name], aligned = "fp32", False
             if aligned:
@@ -148,6 +150,7 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
         report.append({
             "kernel": self.__name__, "shared": kernel.metadata.shared, "registers": int(registers.group(1)) if registers else -1,
             "spill_bytes": spills, "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx, "options": options,
+            "sync_loads": len(re.findall(r"\bld\.global", ptx)),
             "float_inputs": any(v in ("*bf16", "*fp16") for v in signature.values()),
         })
 
@@ -273,8 +276,11 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         print(f"  sm_90 {entry}", flush=True)
         assert entry["shared"] <= _SM90_MAX_SHARED, f"{entry['kernel']} needs {entry['shared']} B of shared memory"
         # fp32 is a test-only path (FMA dots); a few spilled bytes there cost nothing we ship.
+        # The matmul's odd-shape case (K = 72, N = 200: no row is 16-byte aligned, so every load is a
+        # masked scalar one) spills 8 B; that shape only checks correctness, the model shapes must not.
+        spill_allowed = 64 if p.get("shape") == "bias-fp16-tails" else 0
         if entry["float_inputs"]:
-            assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
+            assert entry["spill_bytes"] <= spill_allowed, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel"):
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
@@ -283,6 +289,9 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] == "_matmul_kernel" and entry["float_inputs"]:
             # A warpgroup MMA at every M (mma.sync would round differently: see kernels/triton/matmul.py).
             assert entry["wgmma"] and not entry["mma_sync"], "the batch-invariant matmul is not on wgmma"
+            if p["shape"] in ("qwen3-0.6b", "llama3-8b"):
+                # Both operands stream through asynchronous copies (a plain load would stall every K step).
+                assert entry["sync_loads"] == 0, f"the matmul reads {entry['sync_loads']} operands with synchronous loads"
 
 
 def _compile_worker_main(names: list[str]) -> None:
