@@ -410,15 +410,17 @@ def _paged_attention_fixed_split_kernel(
     PART_TILES: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ONE_PROGRAM: tl.constexpr,  # split_programs == 1, known when compiling
 ):
     """Deterministic mode: a row's keys are cut into parts of PART_TILES * TILE_N keys from key 0,
     each part is an online softmax over its tiles in order, and the parts are merged in order by
     ``_merge_part``; so a row's bits depend only on its own position and keys, not on the batch,
     the launch's parallelism (``split_programs``) or whether it is decoded or prefilled.
 
-    With one program per block (``split_programs == 1``) it merges its parts in registers and
-    writes the output. With more, program ``split`` does parts split, split + split_programs, ...
-    and writes each one's (m, l, acc) for ``_merge_parts_kernel``, which merges them the same way.
+    With one program per block (``split_programs == 1``, compiled as ``ONE_PROGRAM``) it merges its
+    parts in registers and writes the output. With more, program ``split`` does parts split,
+    split + split_programs, ... and writes each one's (m, l, acc) for ``_merge_parts_kernel``, which
+    merges them the same way.
     Parts past a row's own position are empty for that row (a prefill block's later rows need
     them), and merging an empty part changes nothing.
     """
@@ -436,7 +438,13 @@ def _paged_attention_fixed_split_kernel(
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for part in range(split, tl.cdiv(num_tiles, PART_TILES), split_programs):
+    # ONE_PROGRAM is a compile-time variant: with a run-time part stride and the partial-store path
+    # compiled in, the decode launch needed 197 registers a thread (2 blocks an SM) instead of 156
+    # (3), on a memory-bound kernel (issue 21). Both variants run the same tile loop and merge.
+    first_part, part_stride = split, split_programs
+    if ONE_PROGRAM:
+        first_part, part_stride = 0, 1
+    for part in range(first_part, tl.cdiv(num_tiles, PART_TILES), part_stride):
         tile_lo = part * PART_TILES
         # Each part starts a fresh online softmax; every tile stays masked (one code path for all).
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -447,12 +455,12 @@ def _paged_attention_fixed_split_kernel(
             tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
             HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True,
         )
-        if split_programs == 1:
+        if ONE_PROGRAM:
             m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
         else:
             _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, row_head, row_valid, part,
                            stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
-    if split_programs == 1:
+    if ONE_PROGRAM:
         _store_normalised(out_ptr, acc_run, l_run, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
 
 
@@ -611,12 +619,12 @@ def launch_configs(
 ) -> list[AttentionLaunchConfig]:
     """Every config ``choose_config`` can return for these heads and contexts up to ``max_seq_len``:
     the kernel variants to compile before a run, so that none is compiled in the middle of one.
-    (Deterministic mode has one attention variant, whatever its split count, plus the merge kernel,
-    which a launch with two splits compiles.)"""
+    (Deterministic mode has one tile: its one-program variant, and when contexts can outgrow a part
+    the several-program one, whatever their count, plus the merge kernel, which it compiles.)"""
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
     if deterministic:
         config = _deterministic_config(group_p, head_dim, dtype)
-        return [dataclasses.replace(config, num_splits=2 if max_seq_len > config.part_keys else 1)]
+        return [dataclasses.replace(config, num_splits=n) for n in ((1, 2) if max_seq_len > config.part_keys else (1,))]
     by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
     configs = []
     for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in _prefill_block_qs(group_p, head_dim, dtype))):
@@ -821,7 +829,7 @@ def _launch(
     if fixed_parts:
         launcher(_paged_attention_fixed_split_kernel, grid, compile_only)(
             *pointers, num_launch_seqs, splits, scale * _LOG2E, *strides, PART_TILES=config.part_keys // config.tile_n,
-            **shape,
+            ONE_PROGRAM=splits == 1, **shape,
         )
     else:
         launcher(_paged_attention_kernel, grid, compile_only)(
