@@ -8,8 +8,11 @@ Two kinds of logits: "flat", the spread of a random-weight model (normal, std 0.
 temperature of 0.7: what P4 and the chat workloads sample from; top-p keeps most of the
 vocabulary there), and "peaked", a real model's shape (normal, std 3, so a few dozen tokens hold
 most of the mass). Penalties read per-sequence state like the engine's: 500 prompt tokens and 300
-output tokens per row. Prints the median µs per call (CUDA events, after warm-up); with --json,
-one JSON row per case (rows, logits, case, us) for bench/results.
+output tokens per row. Prints the median µs per call (CUDA events around one call, after warm-up:
+the host's launch time shows where it exceeds the GPU's) and, per case, the GPU time alone (``gpu``:
+a CUDA graph of --graph-calls calls replayed, µs per call) and the host time alone (``host``: wall
+time of --graph-calls back-to-back calls without a sync, µs per call); with --json, one JSON row per
+case (rows, logits, case, us, us_gpu, us_host) for bench/results.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -59,16 +63,46 @@ def median_us(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int, repeats: int) -> float:
+    """GPU time alone: ``calls`` calls captured in one CUDA graph, replayed; median µs per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture wants
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_us(graph.replay, repeats) / calls
+
+
+def host_us(fn, calls: int, repeats: int) -> float:
+    """Host time alone: wall time of ``calls`` back-to-back calls without a sync; median µs per call
+    (the launch queue is far deeper than ``calls``, so the GPU never holds the host back)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--graph-calls", type=int, default=10, help="calls per CUDA graph and per host timing")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    print(f"# {torch.cuda.get_device_name()} vocab={args.vocab} bf16, median µs per sample_tokens call (event-timed)")
+    print(f"# {torch.cuda.get_device_name()} vocab={args.vocab} bf16, median µs per sample_tokens call: "
+          "one call event-timed / GPU alone (CUDA graph) / host alone")
     print(f"{'rows':>5} {'logits':>7}  " + "  ".join(f"{name:>14.14}" for name in CASES))
     for rows in args.rows:
         counts, bits = penalty_state(rows, args.vocab, device, gen)
@@ -92,11 +126,15 @@ def main() -> None:
                     zeros = torch.zeros(rows, device=device)
                     state = RowState(no_bias, torch.zeros(1, args.vocab, device=device), slots, counts, bits, factor,
                                      zeros, zeros)
-                us = median_us(lambda: sample_tokens(logits, temperature, keys, counters, filters, state), args.repeats)
-                line.append(us)
+                call = lambda: sample_tokens(logits, temperature, keys, counters, filters, state)  # noqa: E731
+                us = median_us(call, args.repeats)
+                us_gpu = graph_us(call, args.graph_calls, args.repeats)
+                us_host = host_us(call, args.graph_calls, args.repeats)
+                line.append(f"{us:.0f}/{us_gpu:.0f}/{us_host:.0f}")
                 if args.json:
-                    print(json.dumps({"rows": rows, "vocab": args.vocab, "logits": kind, "case": name, "us": round(us, 1)}))
-            print(f"{rows:>5} {kind:>7}  " + "  ".join(f"{us:>14.1f}" for us in line))
+                    print(json.dumps({"rows": rows, "vocab": args.vocab, "logits": kind, "case": name, "us": round(us, 1),
+                                      "us_gpu": round(us_gpu, 1), "us_host": round(us_host, 1)}))
+            print(f"{rows:>5} {kind:>7}  " + "  ".join(f"{cell:>14}" for cell in line))
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def test_sample_tokens_matches_twin(vocab: int, dtype: torch.dtype) -> None:
     got = sampling.sample_tokens(logits, temperature, keys, counters, filters, state).cpu()
     want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state)).cpu()
     thresholds, _ = sampling._thresholds(logits, temperature, keys, counters, filters,
-                                         sampling._state_args(state, logits), False)
+                                         sampling._state_args(state, logits), True, False)
     scores, expected = _expected_thresholds(logits, temperature, filters, state)
     moved = set()
     for row, (t_got, t_want) in enumerate(zip(thresholds.tolist(), expected)):

@@ -49,8 +49,11 @@ The threshold is found without sorting, in four launches:
    exactly.
 4. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
    threshold kernel did not draw; each program writes its chunk's best score and token, and the
-   wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``).
-Without filters only the draw kernel runs.
+   wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``); a
+   row the threshold kernel drew passes its token on as chunk 0's, with score +inf.
+Without filters only the draw kernel runs. A call is host-bound up to a few hundred rows (each
+Triton launch costs tens of µs of Python), so the wrapper launches nothing it can do without: two
+torch ops after the kernels, and no placeholder tensors for absent state.
 """
 
 from __future__ import annotations
@@ -570,8 +573,10 @@ def _gumbel_argmax_kernel(
         threshold = tl.load(threshold_ptr + row)
         drawn = tl.load(chosen_ptr + row) >= 0
     if drawn:
-        tl.store(best_score_ptr + out, float("-inf"))
-        tl.store(best_token_ptr + out, first)
+        # The threshold kernel's token wins the row through chunk 0 (+inf against -inf everywhere
+        # else), so the wrapper's argmax over chunks returns it: no separate merge of the two.
+        tl.store(best_score_ptr + out, tl.where(chunk == 0, float("inf"), float("-inf")))
+        tl.store(best_token_ptr + out, tl.where(chunk == 0, tl.load(chosen_ptr + row), first))
     else:
         bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
             row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
@@ -617,13 +622,9 @@ def _check_rows(rows: int, **tensors: tuple[torch.Tensor, tuple[torch.dtype, ...
             raise ValueError(f"{name} must be a contiguous [{rows}] tensor of {dtypes}, got {tuple(t.shape)} {t.dtype}")
 
 
-def _state_args(state: RowState | None, logits: torch.Tensor) -> tuple:
-    """The kernels' state arguments; without state, slots of -1 (the filter kernels always read them)."""
+def _state_args(state: RowState, logits: torch.Tensor) -> tuple:
+    """The kernels' state arguments, checked."""
     rows, vocab = logits.shape
-    if state is None:
-        none = torch.full((rows,), -1, dtype=torch.int32, device=logits.device)
-        ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
-        return none, ones, none, none, none, ones, ones, ones, 1
     _check_rows(rows, bias_slots=(state.bias_slots, (torch.int32,)), penalty_slots=(state.penalty_slots, (torch.int32,)),
                 repetition=(state.repetition, (torch.float32,)), frequency=(state.frequency, (torch.float32,)),
                 presence=(state.presence, (torch.float32,)))
@@ -659,15 +660,15 @@ def sample_tokens(
     device = logits.device
     num_chunks = triton.cdiv(vocab, _CHUNK)
     best_score = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
-    best_token = torch.empty((rows, num_chunks), dtype=torch.int32, device=device)
+    best_token = torch.empty((rows, num_chunks), dtype=torch.int64, device=device)  # int64: the result's dtype
+    state_args = _state_args(state, logits) if state is not None else (temperature,) * 8 + (1,)  # unread
     if filters is None:
-        state_args = _state_args(state, logits) if state is not None else (temperature,) * 8 + (1,)  # unread
         threshold = chosen = temperature  # unread without filters
     else:
         _check_rows(rows, top_k=(filters.top_k, (torch.int32, torch.int64)), top_p=(filters.top_p, (torch.float32,)),
                     min_p=(filters.min_p, (torch.float32,)))
-        state_args = _state_args(state, logits)
-        threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, state_args, compile_only)
+        threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, state_args, state is not None,
+                                        compile_only)
     if rows:
         launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
             logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *state_args,
@@ -675,12 +676,12 @@ def sample_tokens(
             HAS_STATE=state is not None, num_warps=8, enable_fp_fusion=False,
         )
     winner = best_score.argmax(dim=1, keepdim=True)  # first best chunk: lowest token id on ties
-    drawn = best_token.gather(1, winner).squeeze(1).to(torch.int64)
-    return drawn if filters is None else torch.where(chosen >= 0, chosen, drawn)
+    return best_token.gather(1, winner).squeeze(1)
 
 
 def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
-                filters: Filters, state_args: tuple, compile_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                filters: Filters, state_args: tuple, has_state: bool,
+                compile_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the statistics and threshold kernels: per row the threshold and, where the threshold
     kernel drew the row itself, the token (else -1)."""
     rows, vocab = logits.shape
@@ -702,8 +703,8 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     chosen = torch.empty(rows, dtype=torch.int32, device=device)
     if rows:
         common = (logits, logits.stride(0), temperature, filters.top_k, filters.top_p, filters.min_p)
-        # The state is read at run time here (HAS_STATE=True even without any): one variant each.
-        options = dict(HAS_STATE=True, enable_fp_fusion=False)
+        # A variant without state, as the draw kernel has: no placeholder slots to fill each call.
+        options = dict(HAS_STATE=has_state, enable_fp_fusion=False)
         launcher(_row_stats_kernel, (rows, num_chunks), compile_only)(
             *common, *state_args, chunk_stats, group_max, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group,
             num_warps=8, **options,
