@@ -18,14 +18,20 @@ def _case(check: str, name: str, **params: Any) -> None:
 
 
 _W4A16 = [
-    # (m, n, k, group, zeros, bias, forced config)
+    # (m, n, k, group, zeros, bias, forced config); without a config: the engine's choice (operands
+    # swapped and K split up to M = 64, plain tiles past it).
     (1, 64, 256, 128, False, False, None),
-    (7, 72, 200, 64, True, True, None),  # K = 3 groups + 8: partial last group, auto split
+    (7, 72, 200, 64, True, True, None),  # K = 3 groups + 8: partial last group and tile, slice groups
     (64, 100, 384, 128, True, False, None),
+    (16, 128, 512, 128, True, True, None),  # whole tiles: the unmasked loads (EVEN_N, EVEN_K)
+    (17, 256, 1024, 256, False, False, None),  # a group of two tiles
+    (65, 128, 256, 128, True, True, None),  # just past the split range
     (130, 33, 160, 32, False, True, None),  # past the split-K range: the large-M tiles
     (5, 96, 416, -1, True, False, None),  # one group per output channel
-    (3, 80, 520, 64, True, True, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, split_k=3)),
-    (33, 64, 1024, 128, False, False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, split_k=8)),
+    (3, 80, 520, 64, True, True, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1, split_k=3)),
+    (33, 64, 1024, 128, False, False, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1, split_k=8)),
+    (20, 128, 384, 128, True, True, dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=1, split_k=2, SWAP=False)),
+    (200, 64, 256, 32, True, False, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, split_k=1, SWAP=True)),
 ]
 for _dt in ("float32", "float16"):
     for _i, (_m, _n, _k, _g, _z, _b, _cfg) in enumerate(_W4A16):
@@ -124,7 +130,7 @@ def _check_w4a16(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import w4a16_linear_ref
-    from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
+    from tokenmill.kernels.triton.w4a16_gemm import pack_for_kernel, w4a16_gemm
 
     dtype = getattr(torch, p["dtype"])
     gen = torch.Generator().manual_seed(p["seed"])
@@ -137,7 +143,8 @@ def _check_w4a16(p: dict[str, Any]) -> None:
     x = torch.randn(m, k, generator=gen).to(dtype)
     counters = torch.zeros(4096, dtype=torch.int32)
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    got = w4a16_gemm(x, qweight, scales, zeros, k if group == -1 else group, bias, counters, p["config"], out=out)
+    packed = pack_for_kernel(qweight, k)
+    got = w4a16_gemm(x, packed, scales, zeros, k if group == -1 else group, bias, counters, p["config"], out=out)
     expected = w4a16_linear_ref(x, qweight, scales, zeros, k if group == -1 else group, bias)
     assert got.data_ptr() == out.data_ptr()
     scale = float(expected.float().abs().max())

@@ -3,8 +3,8 @@
 The layer gets the checkpoint's own tensors under their own names (so loading, tensor-parallel
 slicing included, is the layers' generic ``load_placed`` with each tensor's packing described by
 a ParamLayout); ``process_weights_after_loading`` converts them to our one layout
-(``int4.Int4Weights``). On a GPU the weight stays packed and ``apply`` runs the Triton W4A16
-GEMM; elsewhere it is dequantized once into the model's dtype and the layer becomes an ordinary
+(``int4.Int4Weights``). On a GPU the weight stays packed (repacked once into the kernel's
+tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM; elsewhere it is dequantized once into the model's dtype and the layer becomes an ordinary
 unquantized one (correct, not fast).
 """
 
@@ -88,13 +88,14 @@ class W4A16LinearMethod:
             layer.weight = nn.Parameter(weights.dequantize(self.dtype), requires_grad=False)
             layer.quant_method = UnquantizedLinearMethod()
             return
-        from tokenmill.kernels.triton.w4a16_gemm import counters_needed
+        from tokenmill.kernels.triton.w4a16_gemm import counters_needed, pack_for_kernel
 
         # The narrowest float that holds the checkpoint's scales exactly (GPTQ's fp16, compressed-tensors'
         # model dtype); fp32 rather than rounding them. The kernel reads any of them.
         exact = [dt for dt in (torch.bfloat16, torch.float16) if torch.equal(weights.scales.to(dt).float(), weights.scales)]
         scales = weights.scales.to(exact[0] if exact else torch.float32)
-        layer.register_buffer("qweight_kn", weights.qweight, persistent=False)
+        # Repacked once for the kernel (tile-interleaved K: see kernels/triton/w4a16_gemm.py).
+        layer.register_buffer("qweight_tiles", pack_for_kernel(weights.qweight, k), persistent=False)
         layer.register_buffer("scales_gn", scales.contiguous(), persistent=False)
         layer.register_buffer("zeros_gn", weights.zeros, persistent=False)
         layer.register_buffer("splitk_counters", torch.zeros(counters_needed(weights.qweight.shape[1]), dtype=torch.int32,
@@ -105,7 +106,7 @@ class W4A16LinearMethod:
         from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
 
         lead = x.shape[:-1]
-        y = w4a16_gemm(x.reshape(-1, x.shape[-1]), layer.qweight_kn, layer.scales_gn, layer.zeros_gn, self.group_size,
+        y = w4a16_gemm(x.reshape(-1, x.shape[-1]), layer.qweight_tiles, layer.scales_gn, layer.zeros_gn, self.group_size,
                        bias, layer.splitk_counters)
         return y.reshape(*lead, y.shape[-1])
 

@@ -1,18 +1,26 @@
 """W4A16 GEMM: ``y = x W^T (+ b)`` with W stored as 4-bit codes, dequantized in registers.
 
-W lies as ``tokenmill.quantization.int4.Int4Weights``: codes [ceil(K/8), N] int32 packed along K,
-a scale per (group of K, output) and optionally a zero point. A program computes a BLOCK_M x
-BLOCK_N tile of y over a range of K: each K-tile loads the words it needs once ([BLOCK_K / 8,
-BLOCK_N] int32), shifts each word's 8 codes out into 8 rows of a [BLOCK_K, BLOCK_N] tile in
-registers, subtracts the zero point (``u - z`` is an integer in [-16, 15], exact in fp16/bf16),
-multiplies with the activations on the tensor cores, and scales the fp32 partial product by the group's scale. A
-K-tile never straddles two groups (BLOCK_K divides the group size), so a scale multiplies a whole
-[BLOCK_M, BLOCK_N] partial instead of every weight.
+The weight lies in a layout made for this kernel (``pack_for_kernel``, done once at load from
+``tokenmill.quantization.int4.Int4Weights``): K is cut into tiles of 128, and in a tile the int32
+word ``j`` (0..15) of output ``n`` holds the codes of features ``16 i + j`` in its nibbles
+``i`` = 0..7. So the nibble-``i`` codes of a tile's 16 words are one contiguous 16-feature slice of
+K, and the tile's product is eight K=16 dots ``x[:, 16i:16i+16] . ((words >> 4i) & 0xF)`` in which
+the unpacking is elementwise: the words go global -> shared memory (asynchronous copies, several
+tiles in flight) -> registers in the MMA operand's layout once, and no dequantized weight ever
+round-trips through shared memory (the old GPTQ-ordered layout needed a reshape that did: a 16 KB
+bf16 store and reload per 4 KB of words; see docs/perf.md entry 15).
 
-Small M (decode) has too few output tiles to keep 132 SMs streaming weights, so K is split over
-SPLIT_K programs per tile: each writes its fp32 partial to a workspace and counts itself in on a
-per-tile counter; the last to arrive sums the partials in split order (deterministic), adds the
-bias, writes y and resets the counter for the next launch (and the next CUDA-graph replay).
+A code becomes a bf16/fp16 value without an int->float conversion: ``0x4300 | u`` is the bf16
+bit pattern of 128 + u (``0x6400 | u`` the fp16 one of 1024 + u), and subtracting 128 + z gives the
+exact integer ``u - z``; the dot's fp32 partial is multiplied by the group's scale (a K slice never
+straddles two groups).
+
+Decode sizes (M <= SPLIT_K_MAX_M) swap the operands, ``y^T = W x^T``, so the dequantized weight is
+the warpgroup MMA's register operand (64 outputs a warpgroup) and the few tokens are its N; K is
+split over SPLIT_K programs per tile to keep every SM streaming weights: each writes its fp32
+partial to a workspace and counts itself in on a per-tile counter; the last to arrive sums the
+partials in split order (deterministic), adds the bias, writes y and resets the counter for the
+next launch (and the next CUDA-graph replay).
 """
 
 from __future__ import annotations
@@ -23,15 +31,51 @@ import triton.language as tl
 
 # Split K only while output tiles are few; past this M the tiles alone fill the GPU.
 SPLIT_K_MAX_M = 64
+K_TILE = 128  # features per packed tile: 16 words of 8 codes; every K step of the kernel is one tile
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split", "split_k"])
+@triton.jit
+def _dequantize(words, shift: tl.constexpr, zero, dtype: tl.constexpr, ASM: tl.constexpr):
+    """The codes in nibble ``shift / 4`` of ``words`` minus the zero point, exactly, as ``dtype``."""
+    if ASM and (dtype == tl.bfloat16 or dtype == tl.float16):
+        # Two words at a time: prmt gathers the 16-bit half of each that holds nibble shift / 4, one
+        # shift and one lop3 ((t & 0x000F000F) | magic) make both codes' biased floats in one register.
+        amount = tl.full(words.shape, shift % 16, tl.int32)
+        if shift < 16:
+            if dtype == tl.bfloat16:
+                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
+            else:
+                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }"
+        else:
+            if dtype == tl.bfloat16:
+                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
+            else:
+                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }"
+        if dtype == tl.bfloat16:
+            biased = tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [words, amount], dtype=tl.bfloat16, is_pure=True, pack=2)
+            return biased - (zero + 128).to(tl.bfloat16)
+        else:
+            biased = tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [words, amount], dtype=tl.float16, is_pure=True, pack=2)
+            return biased - (zero + 1024).to(tl.float16)
+    codes = (words >> shift) & 0xF
+    if dtype == tl.bfloat16:
+        biased = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + u
+        return biased - (zero + 128).to(tl.bfloat16)
+    elif dtype == tl.float16:
+        biased = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + u
+        return biased - (zero + 1024).to(tl.float16)
+    else:
+        return (codes - zero).to(dtype)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-    M, N, K, group_size, k_per_split, split_k,
+    M, N, K, num_groups, group_size, tiles_per_split, split_k,
     stride_xm, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr, SLICE_GROUPS: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, DEQUANT_ASM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -40,69 +84,140 @@ def _w4a16_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    shifts = tl.arange(0, 8) * 4
-    rw = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # One load per word ([BLOCK_K / 8, BLOCK_N]), then its 8 codes spread into K rows in registers.
-        word_rows = k0 // 8 + rw
-        words = tl.load(qw_ptr + word_rows[:, None] * N + rn[None, :], mask=(word_rows[:, None] * 8 < K) & n_ok[None, :], other=0)
-        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        group = k0 // group_size
-        if HAS_ZEROS:
-            zeros = tl.load(zero_ptr + group * N + rn, mask=n_ok, other=0).to(tl.int32)
-            w = (codes - zeros[None, :]).to(a.dtype)
+    # Loads need no masks on the usual shapes: rows past M read row M - 1 (their results are never
+    # stored), and EVEN_N / EVEN_K say N and K fill whole tiles. Fewer predicates, fewer instructions.
+    rm_in = tl.minimum(rm, M - 1)
+    n_in = n_ok
+    if EVEN_N:
+        n_in = tl.full((BLOCK_N,), 1, tl.int1)
+    k_in = tl.full((16,), 1, tl.int1)
+    rj = tl.arange(0, 16)
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    precision: tl.constexpr = "ieee" if IEEE else "tf32"
+    # Tile t of K holds features 128 t .. 128 t + 127 in rows 16 t .. 16 t + 15 of the packed words;
+    # k_begin is a multiple of 128 by construction, which keeps every x slice 16-byte aligned (the
+    # alignment the pipeliner needs to copy it asynchronously).
+    k_begin = pid_k * tiles_per_split * 128
+    k_end = tl.minimum(k_begin + tiles_per_split * 128, K)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One group per tile (SLICE_GROUPS off): its scale and zero point are loaded a tile ahead, so the
+    # loop never waits on them.
+    group = k_begin // group_size
+    scale = tl.load(scale_ptr + group * N + rn, mask=n_in, other=0.0).to(tl.float32)
+    zero = tl.full((BLOCK_N,), 8, tl.int32)
+    if HAS_ZEROS:
+        zero = tl.load(zero_ptr + group * N + rn, mask=n_in, other=0).to(tl.int32)
+    for k0 in range(k_begin, k_end, 128):
+        word_rows = k0 // 8 + rj
+        if SWAP:
+            words = tl.load(qw_ptr + word_rows[None, :] * N + rn[:, None], mask=n_in[:, None], other=0)
         else:
-            w = (codes - 8).to(a.dtype)
-        scale = tl.load(scale_ptr + group * N + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if IEEE:
-            part = tl.dot(a, w, input_precision="ieee")
+            words = tl.load(qw_ptr + word_rows[:, None] * N + rn[None, :], mask=n_in[None, :], other=0)
+        next_scale = scale
+        next_zero = zero
+        if not SLICE_GROUPS:
+            next_group = tl.minimum((k0 + 128) // group_size, num_groups - 1)
+            next_scale = tl.load(scale_ptr + next_group * N + rn, mask=n_in, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                next_zero = tl.load(zero_ptr + next_group * N + rn, mask=n_in, other=0).to(tl.int32)
+        if SWAP:
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
-            part = tl.dot(a, w)
-        acc += part * scale[None, :]
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(8):
+            rk = k0 + 16 * i + rj
+            if not EVEN_K:
+                k_in = rk < K
+            if SLICE_GROUPS:
+                # Groups of 16..64 features: each 16-feature slice has its own scale and zero point.
+                slice_group = tl.minimum((k0 + 16 * i) // group_size, num_groups - 1)
+                scale = tl.load(scale_ptr + slice_group * N + rn, mask=n_in, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    zero = tl.load(zero_ptr + slice_group * N + rn, mask=n_in, other=0).to(tl.int32)
+            if SWAP:
+                xt = tl.load(x_ptr + rm_in[None, :] * stride_xm + rk[:, None], mask=k_in[:, None], other=0.0)
+                w = _dequantize(words, 4 * i, zero[:, None], dtype, DEQUANT_ASM)
+                if SLICE_GROUPS:
+                    acc += tl.dot(w, xt, input_precision=precision) * scale[:, None]
+                else:
+                    part = tl.dot(w, xt, part, input_precision=precision)
+            else:
+                a = tl.load(x_ptr + rm_in[:, None] * stride_xm + rk[None, :], mask=k_in[None, :], other=0.0)
+                w = _dequantize(words, 4 * i, zero[None, :], dtype, DEQUANT_ASM)
+                if SLICE_GROUPS:
+                    acc += tl.dot(a, w, input_precision=precision) * scale[None, :]
+                else:
+                    part = tl.dot(a, w, part, input_precision=precision)
+        if not SLICE_GROUPS:
+            if SWAP:
+                acc += part * scale[:, None]
+            else:
+                acc += part * scale[None, :]
+            scale = next_scale
+            zero = next_zero
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         # Partials are [split_k, M, N] fp32; .cg loads read L2, where the other SMs' stores landed.
         p_ptrs = partial_ptr + rm[:, None] * N + rn[None, :]
-        tl.store(p_ptrs + pid_k * M * N, acc, mask=y_mask)
+        tl.store(p_ptrs + pid_k * M * N, out, mask=y_mask)
         tl.debug_barrier()  # every thread's partial is stored before the count (release below)
         tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(0, split_k):
-                acc += tl.load(p_ptrs + s * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(p_ptrs + s * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+                total += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(counter_ptr + tile, 0)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+            out += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def pack_for_kernel(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Codes packed along K eight to a word in feature order (``Int4Weights.qweight``, [ceil(K/8), N])
+    -> this kernel's layout, [16 * ceil(K/128), N] int32: in each 128-feature tile, word j's nibble i
+    holds feature 16 i + j (past K: the source's padding nibbles or 0; their activations are masked to 0).
+
+    Feature 16 i + j of tile t sits in source word 16 t + 2 i + j // 8, nibble j % 8; moved with
+    shifts on [tiles, 2, N] slices, so no [K, N] intermediate is made (an 8B gate_up is 117M codes)."""
+    tiles = triton.cdiv(in_features, K_TILE)
+    src = torch.nn.functional.pad(qweight, (0, 0, 0, 16 * tiles - qweight.shape[0]))
+    src = src.view(tiles, 8, 2, -1)  # [t, i, j // 8, n]
+    out = torch.zeros((tiles, 2, 8, src.shape[-1]), dtype=torch.int64, device=qweight.device)  # [t, j // 8, j % 8, n]
+    for low in range(8):
+        for i in range(8):
+            out[:, :, low] |= ((src[:, i] >> (4 * low)) & 0xF).to(torch.int64) << (4 * i)
+    out = torch.where(out >= 2**31, out - 2**32, out)  # the int32 with the same bits
+    return out.to(torch.int32).view(16 * tiles, -1)
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product (a fixed small set,
     so few variants compile: BLOCK_M from M's size class, the split a run-time argument)."""
-    block_k = 128 if group_size % 128 == 0 or group_size >= k else (64 if group_size % 64 == 0 else 32)
     if m > SPLIT_K_MAX_M:
-        return dict(BLOCK_M=64 if m <= 128 else 128, BLOCK_N=128, BLOCK_K=min(block_k, 64), num_warps=8, num_stages=3,
-                    split_k=1)
+        return dict(BLOCK_M=64 if m <= 128 else 128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=1)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    k_tiles = triton.cdiv(k, block_k)
+    k_tiles = triton.cdiv(k, K_TILE)
+    # Enough programs for ~4 a SM (each keeps num_stages - 1 tiles of words in flight), each with
+    # at least 4 K tiles to stream.
     split = 1
-    while tiles * split < 2 * num_sms and split * 2 <= min(16, k_tiles):
+    while tiles * split < 4 * num_sms and split * 2 <= min(16, k_tiles // 4):
         split *= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4, split_k=split)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=4, split_k=split)
 
 
 def counters_needed(n: int) -> int:
@@ -112,7 +227,7 @@ def counters_needed(n: int) -> int:
 
 def w4a16_gemm(
     x: torch.Tensor,
-    qweight: torch.Tensor,
+    packed: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
@@ -121,30 +236,35 @@ def w4a16_gemm(
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] fp16/bf16/fp32 -> [M, N] in x's dtype. ``counters``: int32 zeros (``counters_needed``),
-    left zeroed again. ``config`` overrides ``choose_config`` (tests force splits and tiles); ``out``
-    receives y (tests poison it)."""
+    """x [M, K] fp16/bf16/fp32, ``packed`` from ``pack_for_kernel`` -> [M, N] in x's dtype.
+    ``counters``: int32 zeros (``counters_needed``), left zeroed again. ``config`` overrides
+    ``choose_config`` (tests force splits and tiles; ``SWAP`` defaults to M <= SPLIT_K_MAX_M);
+    ``out`` receives y (tests poison it)."""
     m, k = x.shape
-    n = qweight.shape[1]
+    n = packed.shape[1]
+    if packed.shape[0] != 16 * triton.cdiv(k, K_TILE):
+        raise ValueError(f"packed weight has {packed.shape[0]} rows; K={k} needs {16 * triton.cdiv(k, K_TILE)} (pack_for_kernel)")
+    if group_size < k and group_size % 16:
+        raise ValueError(f"group_size={group_size}: the W4A16 kernel needs a multiple of 16 (or one group per row)")
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = dict(config or choose_config(m, n, k, group_size, _num_sms(x.device)))
     split = cfg.pop("split_k")
-    block_k = cfg["BLOCK_K"]
-    if group_size < k and group_size % block_k:
-        raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}")
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)  # rounding may leave fewer non-empty splits
+    cfg.setdefault("SWAP", m <= SPLIT_K_MAX_M)
+    cfg.setdefault("DEQUANT_ASM", x.device.type == "cuda")
+    k_tiles = triton.cdiv(k, K_TILE)
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)  # rounding may leave fewer non-empty splits
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     if split > 1 and grid[0] * grid[1] > counters.numel():
         raise ValueError(f"split-K over {grid[0] * grid[1]} tiles needs that many counters, got {counters.numel()}")
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     _w4a16_kernel[grid](
-        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        y, partial, counters, m, n, k, group_size, k_per_split, split, x.stride(0), y.stride(0),
-        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split > 1, IEEE=x.dtype == torch.float32,
-        **cfg,
+        x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        y, partial, counters, m, n, k, scales.shape[0], group_size, tiles_per_split, split, x.stride(0), y.stride(0),
+        SLICE_GROUPS=group_size < k and group_size % K_TILE != 0, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % K_TILE == 0, SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg,
     )
     return y
 
