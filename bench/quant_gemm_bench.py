@@ -1,8 +1,9 @@
 """Quantized GEMMs on Llama-3-8B's projections against bf16 cuBLAS (torch's F.linear).
 
 W4A16 (issue 18's target: >= 2.5x the bf16 GEMM at decode sizes M 1-64): our Triton kernel with
-the engine's own choice of tiles and K split, and the best of a small sweep of tiles/splits (so a
-better heuristic shows up as a gap between the two). FP8 at M 16-4096: activation quantization
+the engine's own choice of tiles and K split, and the best of a small sweep of its knobs (so a
+better heuristic shows up as a gap between the two), plus the operands-not-swapped and
+plain-Triton-dequant variants the engine does not launch. FP8 at M 16-4096: activation quantization
 alone, ``torch._scaled_mm`` (cuBLASLt, rowwise scales), our Triton fp8 GEMM, and the engine's
 whole fp8 linear (quantize + _scaled_mm) against bf16.
 
@@ -20,12 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_bench import _provenance, _time_graph  # noqa: E402
 
 from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8  # noqa: E402
-from tokenmill.kernels.triton.w4a16_gemm import choose_config, counters_needed, w4a16_gemm  # noqa: E402
+from tokenmill.kernels.triton.w4a16_gemm import K_TILE, choose_config, counters_needed, w4a16_gemm  # noqa: E402
 from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -42,11 +44,27 @@ def _cycled(calls: list) -> tuple[float, float]:
     return median / len(calls), low / len(calls)
 
 
+def _sweep(auto: dict) -> list[dict]:
+    """The knobs of the decode-size W4A16 kernel around the engine's choice: outputs a program,
+    pipeline stages, the K split (half and twice), and the two paths it does not take (operands not
+    swapped; the plain-Triton dequant instead of the inline-PTX one)."""
+    configs = []
+    for block_n in (64, 128):
+        for stages in (3, 4):
+            for split in sorted({max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)}):
+                configs.append(dict(auto, BLOCK_N=block_n, num_stages=stages, split_k=split))
+    configs += [dict(auto, SWAP=False), dict(auto, DEQUANT_ASM=False)]
+    return configs
+
+
 def bench_w4a16() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in SHAPES.items():
         copies = _copies(n * k // 2)
-        packed = [torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32) for _ in range(copies)]
+        # Random words in the kernel's layout ([16 * K / 128, N], what pack_for_kernel makes at load):
+        # every bit pattern is a valid set of codes, and the kernel's cost does not depend on them.
+        packed = [torch.randint(-(2**31), 2**31 - 1, (16 * triton.cdiv(k, K_TILE), n), device="cuda", dtype=torch.int32)
+                  for _ in range(copies)]
         scales = [(torch.rand(k // 128, n, device="cuda") * 0.004).to(torch.bfloat16) for _ in range(copies)]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
         counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
@@ -56,22 +74,24 @@ def bench_w4a16() -> None:
             auto = choose_config(m, n, k, 128, sms)
             auto_us, _ = _cycled([lambda i=i: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters) for i in range(copies)])
             best = (auto_us, auto)
-            for block_n in (32, 64, 128):
-                for split in (1, 2, 4, 8, 16):
-                    for stages in (3, 4):
-                        cfg = dict(auto, BLOCK_N=block_n, split_k=split, num_stages=stages)
-                        try:
-                            us, _ = _cycled([lambda i=i, cfg=cfg: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters, cfg)
-                                             for i in range(copies)])
-                        except Exception as exc:  # noqa: BLE001  (a config that does not fit: skip it)
-                            print(f"# {name} M={m} {cfg}: {repr(exc)[:100]}", file=sys.stderr)
-                            continue
-                        if us < best[0]:
-                            best = (us, cfg)
+            variant_us = {}
+            for cfg in _sweep(auto):
+                try:
+                    us, _ = _cycled([lambda i=i, cfg=cfg: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters, cfg)
+                                     for i in range(copies)])
+                except Exception as exc:  # noqa: BLE001  (a config that does not fit: skip it)
+                    print(f"# {name} M={m} {cfg}: {repr(exc)[:100]}", file=sys.stderr)
+                    continue
+                for knob in ("SWAP", "DEQUANT_ASM"):
+                    if knob in cfg:
+                        variant_us[knob] = round(us, 2)
+                if us < best[0]:
+                    best = (us, cfg)
             row = {**_provenance("w4a16_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
                    "bf16_cublas_us": round(bf16_us, 2), "w4a16_us": round(auto_us, 2), "w4a16_config": auto,
                    "speedup": round(bf16_us / auto_us, 2), "w4a16_gbps": round(n * k / 2 / auto_us / 1e3, 1),
-                   "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1]}
+                   "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1],
+                   "unswapped_us": variant_us.get("SWAP"), "plain_dequant_us": variant_us.get("DEQUANT_ASM")}
             print(json.dumps(row), flush=True)
 
 

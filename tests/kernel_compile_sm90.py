@@ -87,6 +87,8 @@ for _name in ("p1-decode-bf16-d128-g2", "longctx-decode-split-bf16-d128-g4", "pr
 for _m in (1, 32, 64, 256):
     _case("compile_sm90", f"sm90-w4a16-m{_m}-bf16", kernel="w4a16", m=_m)
 _case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zeros=True, bias=True)
+_case("compile_sm90", "sm90-w4a16-m8-asym-fp16-gate_up", kernel="w4a16", m=8, zeros=True, dtype="float16", n=28672)
+_case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=14336, group=64)
 _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
 for _m in (16, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-bf16", kernel="fp8_gemm", m=_m)
@@ -150,7 +152,7 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
         report.append({
             "kernel": self.__name__, "shared": kernel.metadata.shared, "registers": int(registers.group(1)) if registers else -1,
             "spill_bytes": spills, "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx, "options": options,
-            "sync_loads": len(re.findall(r"\bld\.global", ptx)),
+            "sync_loads": len(re.findall(r"\bld\.global", ptx)), "st_shared": len(re.findall(r"\bst\.shared", ptx)),
             "float_inputs": any(v in ("*bf16", "*fp16") for v in signature.values()),
         })
 
@@ -253,13 +255,16 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             torch.zeros(tokens, dtype=torch.int64), heads, weight, weight, 1e-6,
         )
     elif kernel == "w4a16":
-        from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
+        from tokenmill.kernels.triton.w4a16_gemm import choose_config, counters_needed, w4a16_gemm
 
-        n, k = 6144, 4096  # Llama-3-8B's qkv projection
-        zeros = torch.empty((k // 128, n), dtype=torch.uint8) if p.get("zeros") else None
-        w4a16_gemm(torch.empty((p["m"], k), dtype=bf16), torch.empty((k // 8, n), dtype=torch.int32),
-                   torch.empty((k // 128, n), dtype=bf16), zeros, 128, torch.empty(n, dtype=bf16) if p.get("bias") else None,
-                   torch.zeros(4096, dtype=torch.int32))
+        n, k, group = p.get("n", 6144), p.get("k", 4096), p.get("group", 128)  # default: Llama-3-8B's qkv projection
+        dtype = getattr(torch, p.get("dtype", "bfloat16"))
+        zeros = torch.empty((k // group, n), dtype=torch.uint8) if p.get("zeros") else None
+        # The GPU's choice, with the inline-PTX dequant the GPU runs (the CPU would pick the plain one).
+        config = dict(choose_config(p["m"], n, k, group, 132), DEQUANT_ASM=True)
+        w4a16_gemm(torch.empty((p["m"], k), dtype=dtype), torch.empty((k // 8, n), dtype=torch.int32),
+                   torch.empty((k // group, n), dtype=dtype), zeros, group, torch.empty(n, dtype=dtype) if p.get("bias") else None,
+                   torch.zeros(counters_needed(n), dtype=torch.int32), config)
     elif kernel == "quantize_fp8":
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 
@@ -286,6 +291,12 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
+        if entry["kernel"] == "_w4a16_kernel" and p["m"] <= 64:
+            # Decode sizes: the dequantized weight is the wgmma's register operand, made from words
+            # that stream in asynchronously; it never goes through shared memory (the reshape of the
+            # old GPTQ-ordered layout stored 83 values a thread; what is left is the split-K epilogue).
+            assert entry["wgmma"], "the decode-size W4A16 dot is not a warpgroup MMA"
+            assert entry["st_shared"] <= 32, f"W4A16 stores {entry['st_shared']} values a thread to shared memory"
         if entry["kernel"] == "_matmul_kernel" and entry["float_inputs"]:
             # A warpgroup MMA at every M (mma.sync would round differently: see kernels/triton/matmul.py).
             assert entry["wgmma"] and not entry["mma_sync"], "the batch-invariant matmul is not on wgmma"

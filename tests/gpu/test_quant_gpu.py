@@ -33,34 +33,75 @@ def _int4_case(n: int, k: int, group: int, zeros: bool, seed: int):
 @pytest.mark.parametrize("zeros", [False, True])
 def test_w4a16_gemm_matches_twin(n, k, zeros):
     from tokenmill.kernels.reference import w4a16_linear_ref
-    from tokenmill.kernels.triton.w4a16_gemm import counters_needed, w4a16_gemm
+    from tokenmill.kernels.triton.w4a16_gemm import counters_needed, pack_for_kernel, w4a16_gemm
 
     group = 128
     qweight, scales, z = _int4_case(n, k, group, zeros, seed=n + k)
+    packed = pack_for_kernel(qweight, k)
     counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if zeros else None
     for m in M_VALUES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        got = w4a16_gemm(x, qweight, scales, z, group, bias, counters, out=out)
+        got = w4a16_gemm(x, packed, scales, z, group, bias, counters, out=out)
         want = w4a16_linear_ref(x, qweight, scales, z, group, bias)
         scale = float(want.float().abs().max())
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * scale, rtol=1e-2, msg=f"M={m}")
         assert int(counters.abs().sum()) == 0, f"M={m}: split-K counters not reset"
 
 
+# Every knob the benchmark sweeps, and the paths the engine's choice does not take on the 8B shapes:
+# operands not swapped at decode sizes, the plain-Triton dequant (the interpreter's), fp16
+# activations (the fp16 magic number), groups of 32/64 (a scale per 16-feature slice), odd N.
+_W4A16_VARIANTS = [
+    # (n, k, group, zeros, dtype, m values, config overrides)
+    (6144, 4096, 128, False, torch.bfloat16, (1, 16, 64), dict(BLOCK_N=64)),
+    (6144, 4096, 128, True, torch.bfloat16, (1, 16, 64), dict(BLOCK_N=128, num_stages=3)),
+    (4096, 14336, 128, True, torch.bfloat16, (4, 33), dict(split_k=16)),
+    (4096, 4096, 128, True, torch.bfloat16, (8, 64), dict(SWAP=False)),
+    (4096, 4096, 128, True, torch.bfloat16, (2, 64, 300), dict(DEQUANT_ASM=False)),
+    (4104, 1032, 128, True, torch.float16, (1, 17, 64, 65, 1024), {}),
+    (1000, 4000, 64, True, torch.bfloat16, (3, 32, 128), {}),
+    (4096, 4096, 32, False, torch.float16, (5, 64, 256), {}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_W4A16_VARIANTS)))
+def test_w4a16_gemm_variants_match_twin(case):
+    from tokenmill.kernels.reference import w4a16_linear_ref
+    from tokenmill.kernels.triton.w4a16_gemm import choose_config, counters_needed, pack_for_kernel, w4a16_gemm
+
+    n, k, group, zeros, dtype, ms, overrides = _W4A16_VARIANTS[case]
+    qweight, scales, z = _int4_case(n, k, group, zeros, seed=case)
+    scales = scales.to(dtype)
+    packed = pack_for_kernel(qweight, k)
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=dtype) if zeros else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in ms:
+        config = dict(choose_config(m, n, k, group, sms), **overrides)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        got = w4a16_gemm(x, packed, scales, z, group, bias, counters, config, out=out)
+        want = w4a16_linear_ref(x, qweight, scales, z, group, bias)
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * scale, rtol=1e-2, msg=f"M={m} {config}")
+        assert int(counters.abs().sum()) == 0, f"M={m}: split-K counters not reset"
+
+
 def test_w4a16_split_k_replays_in_a_cuda_graph():
     from tokenmill.kernels.reference import w4a16_linear_ref
-    from tokenmill.kernels.triton.w4a16_gemm import counters_needed, w4a16_gemm
+    from tokenmill.kernels.triton.w4a16_gemm import counters_needed, pack_for_kernel, w4a16_gemm
 
     n, k = 4096, 14336
     qweight, scales, z = _int4_case(n, k, 128, True, seed=1)
+    packed = pack_for_kernel(qweight, k)
     counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
     x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-    w4a16_gemm(x, qweight, scales, z, 128, None, counters)  # compile outside the capture
+    w4a16_gemm(x, packed, scales, z, 128, None, counters)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = w4a16_gemm(x, qweight, scales, z, 128, None, counters)
+        y = w4a16_gemm(x, packed, scales, z, 128, None, counters)
     for _ in range(3):
         x.normal_()
         graph.replay()
