@@ -73,7 +73,7 @@ def _w4a16_kernel(
     x_ptr, qw_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
     M, N, K, num_groups, group_size, tiles_per_split, split_k,
     stride_xm, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr, SLICE_GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr, SLICE_GROUPS: tl.constexpr, GROUP_IS_TILE: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr, DEQUANT_ASM: tl.constexpr,
 ):
@@ -119,7 +119,10 @@ def _w4a16_kernel(
         next_scale = scale
         next_zero = zero
         if not SLICE_GROUPS:
-            next_group = tl.minimum((k0 + 128) // group_size, num_groups - 1)
+            if GROUP_IS_TILE:
+                next_group = tl.minimum(k0 // 128 + 1, num_groups - 1)  # no integer division in the loop
+            else:
+                next_group = tl.minimum((k0 + 128) // group_size, num_groups - 1)
             next_scale = tl.load(scale_ptr + next_group * N + rn, mask=n_in, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 next_zero = tl.load(zero_ptr + next_group * N + rn, mask=n_in, other=0).to(tl.int32)
@@ -268,7 +271,7 @@ def w4a16_gemm(
     _w4a16_kernel[grid](
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         y, partial, counters, m, n, k, scales.shape[0], group_size, tiles_per_split, split, x.stride(0), y.stride(0),
-        SLICE_GROUPS=group_size < k and group_size % K_TILE != 0, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        SLICE_GROUPS=group_size < k and group_size % K_TILE != 0, GROUP_IS_TILE=group_size == K_TILE, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % K_TILE == 0, SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg,
     )
     return y
