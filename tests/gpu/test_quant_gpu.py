@@ -58,6 +58,7 @@ _W4A16_VARIANTS = [
     (6144, 4096, 128, False, torch.bfloat16, (1, 16, 64), dict(BLOCK_N=64)),
     (6144, 4096, 128, True, torch.bfloat16, (1, 16, 64), dict(BLOCK_N=128, num_stages=3)),
     (4096, 14336, 128, True, torch.bfloat16, (4, 33), dict(split_k=16)),
+    (28672, 4096, 128, True, torch.bfloat16, (1, 33), dict(BLOCK_N=256, num_warps=8, num_stages=3)),
     (4096, 4096, 128, True, torch.bfloat16, (8, 64), dict(SWAP=False)),
     (4096, 4096, 128, True, torch.bfloat16, (2, 64, 300), dict(DEQUANT_ASM=False)),
     (4104, 1032, 128, True, torch.float16, (1, 17, 64, 65, 1024), {}),
