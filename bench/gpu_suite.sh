@@ -84,9 +84,10 @@ for part in $parts; do
     controls-tests)  # issue 17's GPU tests alone (also part of "tests"): sleep memory, wake/reload/update, cpu_offload, profiler
       timeout 300 python3 -m pytest tests/gpu/test_engine_controls_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/controls_tests.log" | tail -15 ;;
     offload)  # what cpu_offload_gb costs: 64x128 greedy decode with none / half of the weights streamed from pinned CPU memory
-      for run in "qwen3-0.6b 0" "qwen3-0.6b 0.5" "llama3-8b 0" "llama3-8b 0.5"; do
+              # (OFFLOAD_SHAPES picks the shapes; both by default)
+      for shape in ${OFFLOAD_SHAPES:-qwen3-0.6b llama3-8b}; do for fraction in 0 0.5; do run="$shape $fraction"
         RESULTS="$OUT/offload.raw" timeout 200 python3 bench/offload_bench.py $run 2>&1 | grep -v "^\s*$" | tail -2
-      done
+      done; done
       tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
