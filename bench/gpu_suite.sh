@@ -163,7 +163,7 @@ for part in $parts; do
       fi ;;
     vllm-det)  # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) on P1-P3, rows tagged "engine": "vllm" with "mode"
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
-      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+      for run in "llama3-8b nano" "qwen3-0.6b nano uniform"; do  # P3 first: the costliest case
         PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_BATCH_INVARIANT=1 RESULTS="$OUT/vllm_det.raw" \
           timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3
       done
