@@ -52,9 +52,9 @@ def _sweep(auto: dict) -> list[dict]:
     for block_n in (64, 128):
         for stages in (3, 4):
             for split in sorted({max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)}):
-                configs.append(dict(auto, BLOCK_N=block_n, num_stages=stages, split_k=split))
-    # Two warpgroups a program: more warps to hide the MMA waits (113 registers at M 64, 128 outputs),
-    # against more instructions a weight (4.8 vs 3.5 SASS at M 64; compiled for sm_90).
+                configs.append(dict(auto, BLOCK_N=block_n, num_warps=4, num_stages=stages, split_k=split))
+    # Two warpgroups a program (the engine's choice at M 33-64): more warps to hide the MMA waits
+    # (113 registers at M 64, 128 outputs), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
     configs += [dict(auto, SWAP=False), dict(auto, DEQUANT_ASM=False)]
     return configs
