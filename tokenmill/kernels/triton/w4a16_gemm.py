@@ -41,16 +41,10 @@ def _dequantize(words, shift: tl.constexpr, zero, dtype: tl.constexpr, ASM: tl.c
         # Two words at a time: prmt gathers the 16-bit half of each that holds nibble shift / 4, one
         # shift and one lop3 ((t & 0x000F000F) | magic) make both codes' biased floats in one register.
         amount = tl.full(words.shape, shift % 16, tl.int32)
-        if shift < 16:
-            if dtype == tl.bfloat16:
-                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
-            else:
-                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }"
-        else:
-            if dtype == tl.bfloat16:
-                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }"
-            else:
-                asm: tl.constexpr = "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, $3; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }"
+        half: tl.constexpr = "0x5410" if shift < 16 else "0x7632"  # prmt selector: low or high halves
+        magic: tl.constexpr = "0x43004300" if dtype == tl.bfloat16 else "0x64006400"
+        asm: tl.constexpr = ("{ .reg .b32 t; prmt.b32 t, $1, $2, " + half + "; shr.b32 t, t, $3; "
+                             "lop3.b32 $0, t, 0x000F000F, " + magic + ", 0xEA; }")
         if dtype == tl.bfloat16:
             biased = tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [words, amount], dtype=tl.bfloat16, is_pure=True, pack=2)
             return biased - (zero + 128).to(tl.bfloat16)
@@ -275,8 +269,9 @@ def w4a16_gemm(
     _w4a16_kernel[grid](
         x, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         y, partial, counters, m, n, k, scales.shape[0], group_size, tiles_per_split, split, x.stride(0), y.stride(0),
-        SLICE_GROUPS=group_size < k and group_size % K_TILE != 0, GROUP_IS_TILE=group_size == K_TILE, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % K_TILE == 0, SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg,
+        SLICE_GROUPS=group_size < k and group_size % K_TILE != 0, GROUP_IS_TILE=group_size == K_TILE,
+        EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % K_TILE == 0, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+        SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg,
     )
     return y
 
