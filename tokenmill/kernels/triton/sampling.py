@@ -649,7 +649,8 @@ def _wide_threshold_kernel(
     chunk_stats_ptr,
     bracket_ptr,  # [rows, BRACKET] float32: the histogram passes' bracket (HISTOGRAM), then sweeps' scratch
     threshold_ptr,  # [rows] float32 out
-    chosen_ptr,  # [rows] int32: -2 and -3 mark the rows to do here; set to -1 (the draw kernel draws them)
+    chosen_ptr,  # [rows] int32: -2 and -3 mark the rows to do here; set to -1, or -4 where the bracket
+    # settled the row (the draw kernel draws both)
     wide_ptr, mass_ptr, bracket_count_ptr,  # the histogram passes' results (HISTOGRAM)
     vocab_size,
     num_chunks,
@@ -692,8 +693,8 @@ def _wide_threshold_kernel(
                 below_lo = (above < target) & (tl.load(wide + 3) == 0.0)
                 if (t_p > float("-inf")) | (below_lo & (t_min >= lo)):
                     tl.store(threshold_ptr + row, tl.maximum(t_p, t_min))
-                    tl.store(chosen_ptr + row, -1)
-                    todo = -1
+                    tl.store(chosen_ptr + row, -4)  # the draw kernel draws it; -4 tells tests which path ran
+                    todo = -4
     if todo == -2:
         temperature = tl.load(temperature_ptr + row)
         top_k, top_p, min_p, _ = _row_filters(row, temperature, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
