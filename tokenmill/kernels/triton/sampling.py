@@ -481,19 +481,22 @@ def _wide_compact_kernel(
             bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
                 row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
             first = split * tokens_per_split  # a whole number of tiles
-            above = tl.zeros([TILE], dtype=tl.float32)
+            # Tiles as [TILE // 32, 32]: the placement scans 32 tokens a line, then the line totals
+            # (a 1-D scan over the whole tile costs ~70 registers more).
+            above = tl.zeros([TILE // 32, 32], dtype=tl.float32)
             for start in range(0, tokens_per_split, TILE):
-                tokens = first + start + tl.arange(0, TILE)
+                tokens = first + start + tl.arange(0, TILE // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
                 valid = tokens < vocab_size
                 s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr,
                             penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
                             frequency, presence, HAS_STATE)
                 b = _bin_of(s, lo, top, BINS)
                 counted = valid & (s >= lo)
-                kept = counted & (b >= b1) & (b < b2)
-                place = written + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-                tl.store(bracket_ptr + row.to(tl.int64) * BRACKET + place, s, mask=kept & (place < BRACKET))
-                written += tl.sum(kept.to(tl.int32), axis=0)
+                kept = (counted & (b >= b1) & (b < b2)).to(tl.int32)
+                per_line = tl.sum(kept, axis=1)
+                place = written + (tl.cumsum(per_line, axis=0) - per_line)[:, None] + tl.cumsum(kept, axis=1) - 1
+                tl.store(bracket_ptr + row.to(tl.int64) * BRACKET + place, s, mask=(kept != 0) & (place < BRACKET))
+                written += tl.sum(per_line, axis=0)
                 above += tl.where(counted & (b >= b2), tl.exp(s - top), 0.0)
             tl.store(mass_ptr + (row.to(tl.int64) * 2 + 1) * splits + split, _total(above))
 
