@@ -807,6 +807,10 @@ def _check_sample_tokens_wide(p: dict[str, Any]) -> None:
         sampling._WIDE_PROGRAMS = programs
     assert torch.equal(one_split, thresholds), (one_split.tolist(), thresholds.tolist())
     assert sampling.sample_tokens(logits, temperature, keys, counters, filters, state).tolist() == got.tolist()
+    # A caller that says no row has top-p alone gets no histogram passes; such rows still come out
+    # right (by sweeps), so a wrong hint costs time, never a wrong draw.
+    without, chosen_without = sampling._thresholds(*args[:-1], False, False)
+    assert torch.equal(without, thresholds) and not (chosen_without == -4).any()
 
 
 def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:

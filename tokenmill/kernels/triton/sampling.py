@@ -662,7 +662,7 @@ def _wide_threshold_kernel(
     BRACKET: tl.constexpr,
     PROBES: tl.constexpr,
     TILE: tl.constexpr,
-    HISTOGRAM: tl.constexpr,  # whether the histogram passes ran (else no row is marked -3)
+    HISTOGRAM: tl.constexpr,  # whether the histogram passes ran
     HAS_STATE: tl.constexpr,
 ):
     """The threshold of the rows whose kept tokens the threshold kernel could not gather: for top-p
@@ -670,9 +670,9 @@ def _wide_threshold_kernel(
     such row whose bracket held too many tokens), sweeps over the row find t_k, then t_p at or above it."""
     row = tl.program_id(0)
     todo = tl.load(chosen_ptr + row)
-    if HISTOGRAM:
-        if todo == -3:
-            todo = -2  # unless the bracket settles it
+    if todo == -3:
+        todo = -2  # unless the bracket settles it (without the histogram passes, sweeps do it)
+        if HISTOGRAM:
             count = tl.load(bracket_count_ptr + row)
             if count >= 0:
                 wide = wide_ptr + row.to(tl.int64) * 4
@@ -825,11 +825,14 @@ def sample_tokens(
     filters: Filters | None = None,
     state: RowState | None = None,
     *,
+    top_p_alone: bool = True,
     compile_only: bool = False,
 ) -> torch.Tensor:  # [N] int64 token ids
     """Per row: the argmax of the (biased, penalised) logits where temperature == 0, else a sample
     of softmax(logits / temperature) restricted by the row's filters (see the module docstring).
 
+    ``top_p_alone``: whether some row may have top-p without top-k (the caller knows it from the
+    requests' settings); False skips the histogram passes, which only such rows take.
     ``compile_only`` compiles the kernels for these inputs and launches nothing (``precompile.py``);
     the result is then meaningless."""
     if logits.dim() != 2 or logits.stride(1) != 1:
@@ -848,7 +851,7 @@ def sample_tokens(
         _check_rows(rows, top_k=(filters.top_k, (torch.int32, torch.int64)), top_p=(filters.top_p, (torch.float32,)),
                     min_p=(filters.min_p, (torch.float32,)))
         threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, state_args, state is not None,
-                                        compile_only)
+                                        compile_only, top_p_alone)
     if rows:
         launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
             logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *state_args,
@@ -860,10 +863,10 @@ def sample_tokens(
 
 
 def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
-                filters: Filters, state_args: tuple, has_state: bool,
-                compile_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                filters: Filters, state_args: tuple, has_state: bool, compile_only: bool,
+                top_p_alone: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the statistics and threshold kernels: per row the threshold and, where the threshold
-    kernel drew the row itself, the token (else -1)."""
+    kernel drew the row itself, the token (else < 0: -4 where the histogram passes settled it)."""
     rows, vocab = logits.shape
     device = logits.device
     num_chunks = triton.cdiv(vocab, _CHUNK)
@@ -903,19 +906,20 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES,
             num_warps=_NUM_WARPS_ROW, **options,
         )
-        scores = (logits, logits.stride(0), temperature, *state_args)
-        launcher(_wide_histogram_kernel, (rows, splits), compile_only)(
-            *scores, chosen, wide, hist, masses, vocab, splits, tokens_per_split, TILE=_CHUNK, BINS=_BINS,
-            num_warps=8, **options,
-        )
-        launcher(_wide_compact_kernel, (rows, splits), compile_only)(
-            *scores, chosen, wide, hist, masses, bracket, bracket_count, vocab, splits, tokens_per_split,
-            TILE=_CHUNK, BINS=_BINS, BRACKET=_BRACKET, num_warps=8, **options,
-        )
+        if top_p_alone:
+            scores = (logits, logits.stride(0), temperature, *state_args)
+            launcher(_wide_histogram_kernel, (rows, splits), compile_only)(
+                *scores, chosen, wide, hist, masses, vocab, splits, tokens_per_split, TILE=_CHUNK, BINS=_BINS,
+                num_warps=8, **options,
+            )
+            launcher(_wide_compact_kernel, (rows, splits), compile_only)(
+                *scores, chosen, wide, hist, masses, bracket, bracket_count, vocab, splits, tokens_per_split,
+                TILE=_CHUNK, BINS=_BINS, BRACKET=_BRACKET, num_warps=8, **options,
+            )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
             *common, *state_args, chunk_stats, bracket, threshold, chosen, wide, masses, bracket_count, vocab,
             num_chunks, splits, CHUNKS_P2=chunks_p2, BRACKET=_BRACKET, PROBES=_PROBES, TILE=_SWEEP_TILE,
-            HISTOGRAM=True, num_warps=_NUM_WARPS_ROW, **options,
+            HISTOGRAM=top_p_alone, num_warps=_NUM_WARPS_ROW, **options,
         )
     return threshold, chosen
 
