@@ -29,7 +29,7 @@ exactly the tokens with s >= t for one threshold t per row:
 Ties are equal tempered logits. The draw then takes the Gumbel argmax over s >= t: the same noise,
 so a filter only removes tokens from the race.
 
-The threshold is found without sorting, in four launches:
+The threshold is found without sorting, in four to six launches:
 1. ``_row_stats_kernel``, one program per (row, 2,048-token chunk), so thin batches fill the GPU:
    each chunk's max, sum of exp(s - max) and smallest finite s, and the max of every group of
    GROUP (32) consecutive tokens.
@@ -42,12 +42,24 @@ The threshold is found without sorting, in four launches:
    and t_p exactly among them (bisections that weigh 7 cut points per block-wide reduction), and
    draws the row's token right there (noise for those tokens only). This is the usual case: top-k
    up to a few hundred, top-p on peaked logits, min-p.
-3. ``_wide_threshold_kernel``, one program per row, for the others (top-p keeping a large part of
-   a flat vocabulary, a large top-k, masses of ties): it narrows a bracket [lo, hi) around t with
-   sweeps over the row that count and weigh the tokens above PROBES (8) values at once, until the
-   bracket holds at most BRACKET (8,192) tokens; those are compacted and t found among them, again
-   exactly.
-4. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
+3. Wide top-p rows (top-p without top-k keeping a large part of a broad vocabulary), in two
+   passes over a (row, split) grid, each split a run of whole tiles (enough programs to fill the
+   GPU at any batch size); launched only when the caller says a row may have top-p alone:
+   ``_wide_histogram_kernel`` counts the tokens in BINS (512) equal bins over [lo, max] (lo: the
+   larger of the threshold kernel's bound and max + log((1 - top_p) Z / V), below which all tokens
+   together weigh too little to matter) and sums their weight exactly; ``_wide_compact_kernel``
+   bounds each bin's weight by its count times exp(its edges - max), which, taken from above and
+   from below (the exact sum less the bins under the cut: tight as top_p nears 1), pins t_p to a
+   few bins, then writes those bins' tokens (~300-1,500 of a flat 151,936-token row) in token
+   order to a bracket and sums the weight above them. No atomics and every sum in a fixed order,
+   so a call gives the same bits every time.
+4. ``_wide_threshold_kernel``, one program per row: t_p exactly among a wide top-p row's bracket
+   tokens (plus the weight above it); for the other rows the threshold kernel could not settle (a
+   large top-k, masses of ties, a bracket past BRACKET tokens) it narrows a bracket [lo, hi) around
+   t with sweeps over the row that count and weigh the tokens above PROBES (8) values at once,
+   until the bracket holds at most BRACKET (8,192) tokens; those are compacted and t found among
+   them, again exactly.
+5. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
    threshold kernel did not draw; each program writes its chunk's best score and token, and the
    wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``); a
    row the threshold kernel drew passes its token on as chunk 0's, with score +inf.
@@ -501,7 +513,7 @@ def _wide_compact_kernel(
             tl.store(mass_ptr + (row.to(tl.int64) * 2 + 1) * splits + split, _total(above))
 
 
-# ---- 4. wide rows: the threshold by sweeps over the row -----------------------------------------
+# ---- 4. wide rows: the exact threshold, by the bracket or by sweeps over the row -----------------------------------------
 
 @triton.jit
 def _probe_sweep(
@@ -644,6 +656,15 @@ def _threshold_by_sweeps(
     return result
 
 
+@triton.jit
+def _bracket_threshold(bracket_ptr, count, top, target, SLOTS: tl.constexpr, PROBES: tl.constexpr):
+    """The largest of the ``count`` scores at ``bracket_ptr`` whose weight exp(s - top) at or above
+    it reaches ``target``; -inf if all of it falls short."""
+    slots = tl.arange(0, SLOTS)
+    values = tl.load(bracket_ptr + slots, mask=slots < count, other=float("-inf"))
+    return _largest_reaching(values, tl.where(slots < count, tl.exp(values - top), 0.0), target, PROBES)
+
+
 @triton.jit(do_not_specialize=["splits"])
 def _wide_threshold_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
@@ -660,6 +681,7 @@ def _wide_threshold_kernel(
     splits,
     CHUNKS_P2: tl.constexpr,
     BRACKET: tl.constexpr,
+    SMALL_BRACKET: tl.constexpr,  # a bracket of at most this many tokens is searched with 7 cut points a step
     PROBES: tl.constexpr,
     TILE: tl.constexpr,
     HISTOGRAM: tl.constexpr,  # whether the histogram passes ran
@@ -682,13 +704,15 @@ def _wide_threshold_kernel(
                 above = 0.0
                 for i in range(0, splits):  # in a fixed order: the same bits every run
                     above += tl.load(mass_ptr + (row.to(tl.int64) * 2 + 1) * splits + i)
-                slots = tl.arange(0, BRACKET)
-                values = tl.load(bracket_ptr + row.to(tl.int64) * BRACKET + slots, mask=slots < count,
-                                 other=float("-inf"))
                 t_p = float("-inf")
                 if above < target:
-                    t_p = _largest_reaching(values, tl.where(slots < count, tl.exp(values - top), 0.0),
-                                            target - above, 1)
+                    # The usual bracket fits the small search (7 cut points a step: ~7 steps, not ~20).
+                    if count <= SMALL_BRACKET:
+                        t_p = _bracket_threshold(bracket_ptr + row.to(tl.int64) * BRACKET, count, top, target - above,
+                                                 SMALL_BRACKET, 7)
+                    else:
+                        t_p = _bracket_threshold(bracket_ptr + row.to(tl.int64) * BRACKET, count, top, target - above,
+                                                 BRACKET, 1)
                 min_p = tl.load(min_p_ptr + row)
                 t_min = tl.where(min_p > 0.0, top + tl.log(min_p), float("-inf"))
                 # Not reached: t_p is below lo (if the bracket starts at lo), which is fine only
@@ -918,7 +942,8 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
             *common, *state_args, chunk_stats, bracket, threshold, chosen, wide, masses, bracket_count, vocab,
-            num_chunks, splits, CHUNKS_P2=chunks_p2, BRACKET=_BRACKET, PROBES=_PROBES, TILE=_SWEEP_TILE,
+            num_chunks, splits, CHUNKS_P2=chunks_p2, BRACKET=_BRACKET, SMALL_BRACKET=_CANDIDATES, PROBES=_PROBES,
+            TILE=_SWEEP_TILE,
             HISTOGRAM=top_p_alone, num_warps=_NUM_WARPS_ROW, **options,
         )
     return threshold, chosen
