@@ -681,7 +681,7 @@ def _wide_threshold_kernel(
     splits,
     CHUNKS_P2: tl.constexpr,
     BRACKET: tl.constexpr,
-    SMALL_BRACKET: tl.constexpr,  # a bracket of at most this many tokens is searched with 7 cut points a step
+    SMALL_BRACKET: tl.constexpr,  # a bracket of at most this many tokens is searched with 3 cut points a step
     PROBES: tl.constexpr,
     TILE: tl.constexpr,
     HISTOGRAM: tl.constexpr,  # whether the histogram passes ran
@@ -706,10 +706,10 @@ def _wide_threshold_kernel(
                     above += tl.load(mass_ptr + (row.to(tl.int64) * 2 + 1) * splits + i)
                 t_p = float("-inf")
                 if above < target:
-                    # The usual bracket fits the small search (7 cut points a step: ~7 steps, not ~20).
+                    # The usual bracket fits the small search (3 cut points a step: ~10 steps, not ~20).
                     if count <= SMALL_BRACKET:
                         t_p = _bracket_threshold(bracket_ptr + row.to(tl.int64) * BRACKET, count, top, target - above,
-                                                 SMALL_BRACKET, 7)
+                                                 SMALL_BRACKET, 3)
                     else:
                         t_p = _bracket_threshold(bracket_ptr + row.to(tl.int64) * BRACKET, count, top, target - above,
                                                  BRACKET, 1)
@@ -913,9 +913,11 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     tokens_per_split = triton.cdiv(triton.cdiv(vocab, splits), _CHUNK) * _CHUNK
     splits = triton.cdiv(vocab, tokens_per_split)
     wide = torch.empty((rows, 4), dtype=torch.float32, device=device)
-    hist = torch.empty((rows, splits, _BINS), dtype=torch.int32, device=device)
-    masses = torch.empty((rows, 2, splits), dtype=torch.float32, device=device)
-    bracket_count = torch.empty(rows, dtype=torch.int32, device=device)
+    hist = masses = bracket_count = wide  # unread without the histogram passes
+    if top_p_alone:
+        hist = torch.empty((rows, splits, _BINS), dtype=torch.int32, device=device)
+        masses = torch.empty((rows, 2, splits), dtype=torch.float32, device=device)
+        bracket_count = torch.empty(rows, dtype=torch.int32, device=device)
     if rows:
         common = (logits, logits.stride(0), temperature, filters.top_k, filters.top_p, filters.min_p)
         # A variant without state, as the draw kernel has: no placeholder slots to fill each call.
@@ -942,7 +944,7 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
             *common, *state_args, chunk_stats, bracket, threshold, chosen, wide, masses, bracket_count, vocab,
-            num_chunks, splits, CHUNKS_P2=chunks_p2, BRACKET=_BRACKET, SMALL_BRACKET=_CANDIDATES, PROBES=_PROBES,
+            num_chunks, splits, CHUNKS_P2=chunks_p2, BRACKET=_BRACKET, SMALL_BRACKET=2 * _CANDIDATES, PROBES=_PROBES,
             TILE=_SWEEP_TILE,
             HISTOGRAM=top_p_alone, num_warps=_NUM_WARPS_ROW, **options,
         )
