@@ -124,6 +124,18 @@ def _cut_is_a_rounding_tie(s: torch.Tensor, k: int, p: float, m: float, got: flo
     return any(abs(x - budget) <= 1e-5 * budget for x in near)
 
 
+def _rows_moved_by_rounding(thresholds, expected, scores, filters) -> set[int]:
+    """The rows whose threshold differs from the twin's; each must be a rounding tie at the cut."""
+    moved = set()
+    for row, (t_got, t_want) in enumerate(zip(thresholds.tolist(), expected)):
+        if t_got != t_want:
+            k, p, m = (float(f[row]) for f in filters)
+            assert _cut_is_a_rounding_tie(scores[row], int(k), p, m, t_got, t_want), \
+                f"row {row}: threshold {t_got} against the twin's {t_want}"
+            moved.add(row)
+    return moved
+
+
 @pytest.mark.parametrize("vocab", [151936, 128256, 5003])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sample_tokens_matches_twin(vocab: int, dtype: torch.dtype) -> None:
@@ -139,13 +151,7 @@ def test_sample_tokens_matches_twin(vocab: int, dtype: torch.dtype) -> None:
     thresholds, _ = sampling._thresholds(logits, temperature, keys, counters, filters,
                                          sampling._state_args(state, logits), True, False)
     scores, expected = _expected_thresholds(logits, temperature, filters, state)
-    moved = set()
-    for row, (t_got, t_want) in enumerate(zip(thresholds.tolist(), expected)):
-        if t_got != t_want:
-            k, p, m = (float(f[row]) for f in filters)
-            assert _cut_is_a_rounding_tie(scores[row], int(k), p, m, t_got, t_want), \
-                f"row {row}: threshold {t_got} against the twin's {t_want}"
-            moved.add(row)
+    moved = _rows_moved_by_rounding(thresholds, expected, scores, filters)
     for row in torch.nonzero(got != want).flatten().tolist():
         if row in moved:
             continue  # the kept sets differ by a rounding tie at the cut
@@ -241,13 +247,7 @@ def test_wide_top_p_matches_twin_and_repeats(dtype: torch.dtype) -> None:
     settled = (chosen[: len(WIDE_ROWS)] == -4).tolist()
     assert all(settled[i] for i, row in enumerate(WIDE_ROWS) if row[0] == 0.9 and row[2] == 0.0), settled
     scores, expected = _expected_thresholds(logits, temperature, filters, state)
-    moved = set()
-    for row, (t_got, t_want) in enumerate(zip(thresholds.tolist(), expected)):
-        if t_got != t_want:
-            k, p, m = (float(f[row]) for f in filters)
-            assert _cut_is_a_rounding_tie(scores[row], int(k), p, m, t_got, t_want), \
-                f"row {row}: threshold {t_got} against the twin's {t_want}"
-            moved.add(row)
+    moved = _rows_moved_by_rounding(thresholds, expected, scores, filters)
     got = sampling.sample_tokens(*dev, dev_filters, dev_state).cpu()
     assert torch.equal(got, sampling.sample_tokens(*dev, dev_filters, dev_state).cpu()), "two draws differ"
     want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state)).cpu()
