@@ -3,8 +3,8 @@
 - GEMMs: the batch-invariant Triton matmul (kernels/triton/matmul.py, one tile per weight shape)
   against cuBLAS (F.linear) on the four projections and the lm_head of Qwen3-0.6B and Llama-3-8B, at
   M = 1 ... 16384 (decode batches to prefill steps). Each row also times other wgmma tiles and says
-  whether each gives the fixed tile's bits: if they all do everywhere, the tile could follow M
-  without giving up batch invariance (a question for a later change; the engine uses one tile).
+  whether each gives the bits of the tile the engine picks at that M (``matmul_config``): the tile
+  follows M because they all do.
 - Attention: the fixed-split variant against the default launch on P1's decode shape (256 x ~1000),
   P1's thin tail (40 x ~1800), 8 x 32K contexts, and a prefill of 16 x 1000-token prompts (where
   deterministic mode gives up the wide 128-row tile).
@@ -33,8 +33,8 @@ SHAPES = {  # name: (N, K) of the weight
 }
 
 
-# Other wgmma tiles: if each gives the fixed tile's bits at every M (each output element is still one
-# chain of k16 MMAs in k order), the tile could follow M without giving up batch invariance.
+# Other wgmma tiles, each checked for the engine's tile's bits at every M (each output element is
+# still one chain of k16 MMAs in k order): the engine's tile follows M on the strength of this check.
 ALTERNATIVE_TILES = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3)]
 
 
@@ -45,8 +45,8 @@ def gemm_rows(rows: list[int]) -> None:
     for model, shapes in SHAPES.items():
         for name, (n, k) in shapes.items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-            base = matmul_config(n, k, torch.bfloat16)
             for m in rows:
+                base = matmul_config(m, n, k, torch.bfloat16)
                 if name == "lm_head" and m > 1024:
                     continue  # the lm_head sees sampled rows only
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -135,11 +135,11 @@ def prefill_rows() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="GEMMs at M = 256 and 4096 only")
+    parser.add_argument("--quick", action="store_true", help="GEMMs at M = 256, 1024 and 4096 only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("deterministic_bench.py needs a CUDA GPU")
-    gemm_rows([256, 4096] if args.quick else [1, 32, 128, 256, 1024, 4096, 16384])
+    gemm_rows([256, 1024, 4096] if args.quick else [1, 32, 128, 256, 1024, 4096, 16384])
     attention_rows()
 
 

@@ -5,7 +5,7 @@
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
 #   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
-#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [ray]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap]
@@ -84,9 +84,10 @@ for part in $parts; do
     controls-tests)  # issue 17's GPU tests alone (also part of "tests"): sleep memory, wake/reload/update, cpu_offload, profiler
       timeout 300 python3 -m pytest tests/gpu/test_engine_controls_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/controls_tests.log" | tail -15 ;;
     offload)  # what cpu_offload_gb costs: 64x128 greedy decode with none / half of the weights streamed from pinned CPU memory
-      for run in "qwen3-0.6b 0" "qwen3-0.6b 0.5" "llama3-8b 0" "llama3-8b 0.5"; do
+              # (OFFLOAD_SHAPES picks the shapes; both by default)
+      for shape in ${OFFLOAD_SHAPES:-qwen3-0.6b llama3-8b}; do for fraction in 0 0.5; do run="$shape $fraction"
         RESULTS="$OUT/offload.raw" timeout 200 python3 bench/offload_bench.py $run 2>&1 | grep -v "^\s*$" | tail -2
-      done
+      done; done
       tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
@@ -162,19 +163,22 @@ for part in $parts; do
       fi ;;
     vllm-det)  # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) on P1-P3, rows tagged "engine": "vllm" with "mode"
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
-      for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
+      for run in "llama3-8b nano" "qwen3-0.6b nano uniform"; do  # P3 first: the costliest case
         PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_BATCH_INVARIANT=1 RESULTS="$OUT/vllm_det.raw" \
           timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2|vllm-fp8)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
         vllm-tp2)  # P3 at TP=2 (two GPUs); its all-reduce without symmetric memory (multicast stays off)
               VLLM_ALLREDUCE_USE_SYMM_MEM=0 RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 400 \
                 python3 bench/peer_bench.py vllm_tp2 llama3-8b nano 2>&1 | tail -3 ;;
+        vllm-fp8)  # P3 with quantization="fp8" (issue 18's comparison for tokenmill_fp8)
+              RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 300 \
+                python3 bench/peer_bench.py vllm_fp8 llama3-8b nano 2>&1 | tail -3 ;;
         vllm) for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
                 RESULTS="$OUT/vllm.raw" timeout 250 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p4p5) for run in "qwen3-0.6b sampling prefill" "llama3-8b sampling"; do
@@ -187,3 +191,5 @@ for part in $parts; do
   esac
   echo "[$part took $(( $(date +%s) - start )) s]" | tee -a "$OUT/suite.log"
 done
+# The device tool brings back at most 8 files from $OUT: leave no empty scratch files behind.
+find "$OUT" -maxdepth 1 -type f -empty -delete

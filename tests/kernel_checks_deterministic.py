@@ -58,7 +58,7 @@ def _check_matmul(p: dict[str, Any]) -> None:
         bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
         wide = torch.randn(m, k + 24, generator=gen).to(dtype)
         x = wide[:, 8 : 8 + k]  # rows strided by k + 24
-        for config in (matmul_config(n, k, dtype), MatmulConfig(16, 32, 16, 4, 1, group_m=2)):
+        for config in (matmul_config(m, n, k, dtype), MatmulConfig(16, 32, 16, 4, 1, group_m=2)):
             out = torch.full((m, n), float("nan"), dtype=dtype)
             got = matmul(x, weight, bias, out=out, config=config)
             assert got is out
@@ -69,9 +69,14 @@ def _check_matmul_invariance(p: dict[str, Any]) -> None:
     import torch
 
     from support.triton_interpreter import interpreter_dot_in_fixed_order
+    from tokenmill.kernels.triton import matmul as module
     from tokenmill.kernels.triton.matmul import matmul
 
     dtype = getattr(torch, p["dtype"])
+    # The engine's tile follows M (64 x 64 for few programs, 128 x 128 for many); the rows here are
+    # too few to reach the switch, so both tiles also run explicitly: a row's bits must not depend
+    # on which of them computed it either.
+    tiles = [None] if dtype == torch.float32 else [None, module._SMALL_TILE, module._LARGE_TILE]
     gen = torch.Generator().manual_seed(22)
     n, k = p["n"], p["k"]
     weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
@@ -83,8 +88,9 @@ def _check_matmul_invariance(p: dict[str, Any]) -> None:
             for place in sorted({0, m // 2, m - 1}):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 x[place] = row[0]
-                got = matmul(x, weight, bias)[place]
-                assert torch.equal(got, expected[0]), f"row at {place} of {m}: max diff {(got - expected[0]).abs().max()}"
+                for tile in tiles:
+                    got = matmul(x, weight, bias, config=tile)[place]
+                    assert torch.equal(got, expected[0]), f"row at {place} of {m}, {tile}: max diff {(got - expected[0]).abs().max()}"
 
 
 def _check_attention(p: dict[str, Any]) -> None:

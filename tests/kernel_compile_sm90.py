@@ -70,7 +70,7 @@ _case("compile_sm90", "sm90-attn-prefill-fp8cache", kernel="attention", shape="p
 _case("compile_sm90", "sm90-qkv_prologue-decode-fp8cache", kernel="qkv_prologue", shape="qwen3-0.6b-decode-bf16", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-kv_store-fp8cache", kernel="kv_store", cache_dtype="float8_e4m3fn")
 # Deterministic mode: the batch-invariant matmul on the four projections and the lm_head of both
-# P1-P3 models (one tile per weight: wgmma, no spills), and the fixed-split attention variant.
+# P1-P3 models (both tiles: wgmma, no spills), and the fixed-split attention variant.
 _COMPILE_MATMUL = {
     "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
     "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
@@ -199,7 +199,8 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         dtype = {"fp32": torch.float32, "bias-fp16-tails": torch.float16}.get(p["shape"], bf16)
         for n, k in _COMPILE_MATMUL[p["shape"]]:
             bias = torch.empty(n, dtype=dtype) if dtype == torch.float16 else None
-            matmul(torch.empty((256, k), dtype=dtype), torch.empty((n, k), dtype=dtype), bias)
+            for m in (256, 4096):  # both tiles matmul_config picks: 64 x 64 (few programs), 128 x 128 (many)
+                matmul(torch.empty((m, k), dtype=dtype), torch.empty((n, k), dtype=dtype), bias)
     elif kernel == "varlen_attention":
         dtype_name, heads, kv_heads, dim, causal = _COMPILE_VARLEN[p["shape"]]
         tokens = 1024

@@ -194,9 +194,13 @@ def _probes() -> list[tuple[list[int], object]]:
     rng = random.Random(1)
     prompts = [[rng.randrange(1, 2048) for _ in range(n)] for n in (5, 90, 700, 1100)]
     prompts.append(prompts[3][:600] + prompts[0])  # shares 600 tokens with the 1100-token prompt
+    # The sampled probes also carry the filters and penalties (each has its own kernels: the
+    # threshold search and the per-sequence penalty state must be per row and in a fixed order too).
+    filters = {0: dict(top_p=0.9), 2: dict(top_k=50, min_p=0.05), 4: dict(top_k=100, top_p=0.95, repetition_penalty=1.1,
+                                                                           frequency_penalty=0.1, presence_penalty=0.1)}
     return [
         (p, SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, n=1 + (i == 2), max_tokens=24, ignore_eos=True,
-                           logprobs=2, detokenize=False))
+                           logprobs=2, detokenize=False, **filters.get(i, {})))
         for i, p in enumerate(prompts)
     ]
 

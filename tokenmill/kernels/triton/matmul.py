@@ -3,15 +3,19 @@
 
 cuBLAS chooses its kernel, tile shape and split-K by the problem's M, so the bits of one row's
 result depend on how many other rows share the call (measured on the H200: 4 of 16 seeded samples
-survived being batched with others, issue 21). Here nothing about the launch depends on M except
-the number of programs:
-- one tile shape, warp count and pipeline depth per (N, K, dtype) (``matmul_config``), chosen once;
-- no split-K: one program owns each output tile and walks K in order, BLOCK_K at a time, with the
-  same tensor-core instruction (BLOCK_M is 64, so the dot is a warpgroup ``wgmma`` on sm_90 at any
-  M; a smaller tile would switch to ``mma.sync``, whose rounding need not match);
+survived being batched with others, issue 21). Here an output element's arithmetic never depends on M:
+- no split-K: one program owns each output tile and walks K in order, BLOCK_K (64) at a time, with
+  the same tensor-core instruction (BLOCK_M is 64 or 128, so the dot is a warpgroup ``wgmma`` on
+  sm_90 at any M; a tile under 64 rows would switch to ``mma.sync``, whose rounding need not match);
 - rows past M are masked loads of zeros, which never mix into a real row.
-Each output element is therefore the same chain of MMAs over the same K slices whatever M is and
-whichever program it falls in; the CPU interpreter tests and tests/gpu check it bit for bit.
+Each output element is therefore the same chain of k16 MMAs over the same 64-deep K slices,
+accumulated in fp32 in K order, whatever M is and whichever program it falls in. The tile's rows and
+columns only say how many elements one program computes, not how: ``matmul_config`` takes 64 x 64
+tiles while they are the way to fill 132 SMs and 128 x 128 ones (8 warps) once those give two waves,
+and every tile it can pick gave the same bits on every P1-P3 projection and lm_head at M 256 and
+4,096 on the H200 (bench/deterministic_bench.py checks it on each run), while running 1.2-1.6x
+faster than one fixed tile (issue 21). The CPU interpreter tests and tests/gpu check it bit for bit,
+across the switch.
 
 W is stored as nn.Linear keeps it, [N, K] with K contiguous; its [BLOCK_K, BLOCK_N] tiles are read
 transposed straight into the dot. Accumulation is fp32; the bias is added in fp32 and the sum
@@ -93,7 +97,7 @@ def _matmul_kernel(
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """Tile shape of one weight's GEMM. Fixed per (N, K, dtype): never a function of M."""
+    """Tile shape of one GEMM launch (how many outputs a program computes, not how: see above)."""
 
     block_m: int
     block_n: int
@@ -103,17 +107,28 @@ class MatmulConfig:
     group_m: int = 8
 
 
-def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
-    """The one tile shape for a [*, K] x [K, N] product in ``dtype``.
+_SMALL_TILE = MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+_LARGE_TILE = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+_LARGE_TILE_MIN_PROGRAMS = 256  # about two waves of 132 SMs: below that 128 x 128 tiles leave SMs idle
 
-    bf16/fp16: 64-row tiles (the smallest warpgroup MMA on sm_90, and decode steps have few rows),
-    128 columns when N leaves enough column tiles to fill the GPU at decode batch sizes (N >= 4096),
-    else 64; 64-deep K slices, 4 warps, 4 stages (about 98 KB of shared memory). fp32 (tests only:
-    FMA dots in ieee fp32) takes small tiles.
+
+def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tile for an [M, K] x [K, N] product in ``dtype``.
+
+    bf16/fp16: 128 x 128 tiles with 8 warps when they make at least two waves of programs (large
+    prefill steps, the lm_head, the 8B's gate_up from M 256), else 64 x 64 with 4 warps (decode
+    batches: on the H200 at M 256 these beat 64 x 128 and 128 x 128 on every 0.6B and 8B projection
+    but gate_up-8B, and 128 x 128 beat them all at M 4,096; rows in bench/results). Both are 64 deep
+    in K, so the MMA chain of an output element is the same (see the module docstring). fp32 (tests
+    only: FMA dots in ieee fp32, where a different tile could group the products differently) keeps
+    one small tile at every M.
     """
     if dtype == torch.float32:
         return MatmulConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2)
-    return MatmulConfig(block_m=64, block_n=128 if n >= 4096 else 64, block_k=64, num_warps=4, num_stages=4)
+    large = _LARGE_TILE
+    if triton.cdiv(m, large.block_m) * triton.cdiv(n, large.block_n) >= _LARGE_TILE_MIN_PROGRAMS:
+        return large
+    return _SMALL_TILE
 
 
 def matmul(
@@ -127,7 +142,7 @@ def matmul(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ weight.T + bias`` with every row's bits independent of M and of the other rows.
 
-    ``config`` overrides the tile shape (tests); the engine always uses ``matmul_config``.
+    ``config`` overrides the tile shape (tests, benchmarks); the engine always uses ``matmul_config``.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -145,7 +160,7 @@ def matmul(
         raise ValueError(f"out must be [{m}, {n}] in {x.dtype} with a contiguous last dim")
     if m == 0 or n == 0:
         return out
-    config = config or matmul_config(n, k, x.dtype)
+    config = config or matmul_config(m, n, k, x.dtype)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     launcher(_matmul_kernel, grid, compile_only)(
         x,

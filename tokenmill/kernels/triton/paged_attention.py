@@ -646,11 +646,15 @@ def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype) -> tuple[
 
 def _config(block_q: int, num_splits: int, group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
     fp32 = dtype == torch.float32
-    tile_n = 16 if fp32 else 64 if head_dim <= 128 else 32
+    wide = not fp32 and block_q * group_p >= 128
+    # The wide tile walks keys 32 at a time: on P5's 16,384-token prefill step (Qwen3-0.6B heads,
+    # H200) 128 x 32 ran in 602 µs against 679 for 128 x 64, the best of eight tile/warp/stage rows
+    # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).
+    tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
     if block_q == 1:
         num_warps, num_stages = 4, 3
     else:
-        num_warps = 8 if not fp32 and (block_q * group_p >= 128 or head_dim >= 256) else 4
+        num_warps = 8 if wide or (not fp32 and head_dim >= 256) else 4
         num_stages = 2 if fp32 else 3
     return AttentionLaunchConfig(block_q, tile_n, num_splits, num_warps, num_stages)
 
