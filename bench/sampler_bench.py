@@ -126,7 +126,9 @@ def main() -> None:
                     zeros = torch.zeros(rows, device=device)
                     state = RowState(no_bias, torch.zeros(1, args.vocab, device=device), slots, counts, bits, factor,
                                      zeros, zeros)
-                call = lambda: sample_tokens(logits, temperature, keys, counters, filters, state)  # noqa: E731
+                alone = top_p < 1.0 and top_k == 0  # what the runner tells the sampler (SamplingBatch.top_p_alone)
+                call = lambda: sample_tokens(logits, temperature, keys, counters, filters, state,  # noqa: E731
+                                             top_p_alone=alone)
                 us = median_us(call, args.repeats)
                 us_gpu = graph_us(call, args.graph_calls, args.repeats)
                 us_host = host_us(call, args.graph_calls, args.repeats)

@@ -244,8 +244,9 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         floats = torch.ones(rows)
         state = sampling.RowState(slots, torch.empty((4, vocab)), slots, torch.empty((4, vocab), dtype=torch.int32),
                                   torch.empty((4, vocab // 32), dtype=torch.int32), floats, floats, floats)
-        sampling.sample_tokens(torch.empty((rows, vocab), dtype=bf16), floats, ids, ids,
-                               sampling.Filters(ids, floats, floats), state)
+        for top_p_alone in (True, False):  # with and without the wide top-p histogram passes
+            sampling.sample_tokens(torch.empty((rows, vocab), dtype=bf16), floats, ids, ids,
+                                   sampling.Filters(ids, floats, floats), state, top_p_alone=top_p_alone)
     elif kernel == "qkv_prologue":
         dtype_name, tokens, heads, kv_heads, dim, bs, qk_norm = _COMPILE_QKV_PROLOGUE[p["shape"]]
         dtype = getattr(torch, dtype_name)

@@ -257,6 +257,11 @@ for _dt in ("float32", "float16"):
 _case("sample_tokens", "sample-tokens-v5003-float32", dtype="float32", vocab=5003, rows=None)
 _case("sample_tokens", "sample-tokens-v5003-float16", dtype="float16", vocab=5003, rows=None)
 _case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", vocab=20000, rows=[0, 3, 5, 11])
+# Wide top-p rows through the histogram passes (several splits, a last partial tile), mixed with
+# narrow, min-p-only and greedy rows; at 9,000 tokens a row of ties overflows the bracket (sweeps).
+_case("sample_tokens_wide", "sample-tokens-wide-v5003-float32", dtype="float32", vocab=5003)
+_case("sample_tokens_wide", "sample-tokens-wide-v5003-float16", dtype="float16", vocab=5003)
+_case("sample_tokens_wide", "sample-tokens-wide-v9000-float32", dtype="float32", vocab=9000)
 
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
@@ -769,6 +774,62 @@ def _check_sample_tokens(p: dict[str, Any]) -> None:
     assert sample_tokens(logits, temperature, keys, counters).tolist() == sample_ref(logits, temperature, keys, counters).tolist()
 
 
+def _check_sample_tokens_wide(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import filter_threshold_ref, sample_ref
+    from support.kernel_cases import wide_sampling_rows
+    from tokenmill.kernels.triton import sampling
+
+    logits, temperature, keys, counters, filters, state, histogram_rows = wide_sampling_rows(
+        p["vocab"], getattr(torch, p["dtype"]), seed=p["vocab"])
+    got = sampling.sample_tokens(logits, temperature, keys, counters, filters, state)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    # The thresholds are the twin's, and the wide top-p rows were settled by the histogram passes.
+    args = (logits, temperature, keys, counters, filters, sampling._state_args(state, logits), True, False)
+    thresholds, chosen = sampling._thresholds(*args)
+    for row, s in enumerate(_twin_scores(logits, temperature, state)):
+        k, top_p, min_p = (float(f[row]) for f in filters)
+        want_t = filter_threshold_ref(s, int(k), top_p, min_p) if float(temperature[row]) > 0 else float("-inf")
+        if float(temperature[row]) > 0 and (k > 0 or top_p < 1.0 or min_p > 0.0):
+            assert float(thresholds[row]) == want_t, (row, float(thresholds[row]), want_t)
+    settled = [row for row in range(len(chosen)) if int(chosen[row]) == -4]
+    assert settled == histogram_rows, (settled, histogram_rows)
+    # Deterministic: the same call gives the same bits; and the same with one split a row.
+    again, chosen_again = sampling._thresholds(*args)
+    assert torch.equal(again, thresholds) and torch.equal(chosen_again, chosen)
+    programs = sampling._WIDE_PROGRAMS
+    try:
+        sampling._WIDE_PROGRAMS = 1
+        one_split, _ = sampling._thresholds(*args)
+    finally:
+        sampling._WIDE_PROGRAMS = programs
+    assert torch.equal(one_split, thresholds), (one_split.tolist(), thresholds.tolist())
+    assert sampling.sample_tokens(logits, temperature, keys, counters, filters, state).tolist() == got.tolist()
+    # A caller that says no row has top-p alone gets no histogram passes; such rows still come out
+    # right (by sweeps), so a wrong hint costs time, never a wrong draw.
+    without, chosen_without = sampling._thresholds(*args[:-1], False, False)
+    assert torch.equal(without, thresholds) and not (chosen_without == -4).any()
+
+
+def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:
+    """Each row's tempered, biased and penalised scores, as ``reference.sample_ref`` computes them."""
+    import torch
+
+    from tokenmill.kernels.reference import penalize_ref, prompt_mask_ref
+
+    x = logits.float().clone()
+    bias_slots, bias, penalty_slots, counts, prompt_bits, rep, freq, pres = state
+    rows = torch.nonzero(bias_slots >= 0).flatten()
+    x[rows] += bias[bias_slots[rows].long()]
+    rows = torch.nonzero(penalty_slots >= 0).flatten()
+    slots = penalty_slots[rows].long()
+    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows],
+                           freq[rows], pres[rows])
+    return [x[row] / torch.tensor(t) if t > 0 else x[row] for row, t in enumerate(temperature.tolist())]
+
+
 def _check_launch_configs(p: dict[str, Any]) -> None:
     import random
 
@@ -853,6 +914,7 @@ _CHECKS = {
     "silu_and_mul": _check_silu_and_mul,
     "gumbel_argmax": _check_gumbel_argmax,
     "sample_tokens": _check_sample_tokens,
+    "sample_tokens_wide": _check_sample_tokens_wide,
     "qkv_prologue": _check_qkv_prologue,
     "layer": _check_layer,
     "micro_batches": _check_micro_batches,

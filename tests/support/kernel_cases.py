@@ -391,3 +391,58 @@ def sampling_rows(vocab: int, dtype: torch.dtype, seed: int, device: str | torch
     move = functools.partial(torch.Tensor.to, device=device)
     return (move(logits.to(dtype)), move(temperature), move(keys), move(counters), Filters(*map(move, (top_k, top_p, min_p))),
             RowState(*map(move, state)))
+
+
+# (kind, logit scale, temperature, top_k, top_p, min_p) of each row of ``wide_sampling_rows``; "hist":
+# the row's threshold comes from the histogram passes (see the function for the vocab-dependent one).
+WIDE_SAMPLING_ROWS = [
+    ("hist", 0.3, 1.0, 0, 0.9, 0.0),  # flat top-p, penalised
+    ("hist", 0.3, 1.0, 0, 0.5, 0.0),  # flat top-p 0.5, biased
+    ("hist", 0.5, 0.8, 0, 0.99, 0.0),  # flat top-p 0.99
+    ("hist masked", 0.3, 1.0, 0, 0.95, 0.0),  # every third token -inf
+    ("hist ties", 0.3, 1.0, 0, 0.9, 0.0),  # multiples of 1/8: ~25 values, many ties at the cut
+    ("equal", 0.0, 1.0, 0, 0.9, 0.0),  # all equal but 5 tokens: past 8,192 tokens the bracket overflows
+    ("", 0.3, 1.0, 0, 1.0, 0.05),  # min-p alone: its cut needs no search
+    ("hist", 0.3, 1.0, 0, 0.8, 0.3),  # top-p below min-p's cut: settled as min-p's
+    ("", 0.3, 0.0, 0, 0.9, 0.0),  # greedy
+    ("", 5.0, 1.0, 0, 0.9, 0.0),  # peaked: the threshold kernel gathers and draws it
+    ("", 0.3, 1.0, 20, 0.9, 0.0),  # top-k bounds it: the threshold kernel
+    ("hist", 0.3, 0.5, 0, 0.7, 0.0),  # flat top-p at T 0.5
+    ("", 0.3, 1.0, 0, 1.0, 0.0),  # no filter
+]
+
+
+def wide_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
+    """Inputs of ``sampling.sample_tokens`` with one row of each kind in WIDE_SAMPLING_ROWS (a
+    repetition penalty on row 0, a bias on row 1) -> (logits, temperature, keys, counters, Filters,
+    RowState, the rows the histogram passes should settle)."""
+    from tokenmill.kernels.triton.sampling import Filters, RowState
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(WIDE_SAMPLING_ROWS)
+    logits = torch.randn(rows, vocab, generator=gen)
+    temperature, top_p, min_p = torch.zeros(rows), torch.ones(rows), torch.zeros(rows)
+    top_k = torch.zeros(rows, dtype=torch.int64)
+    histogram_rows = []
+    for i, (kind, scale, t, k, p, mp) in enumerate(WIDE_SAMPLING_ROWS):
+        logits[i] *= scale
+        if kind.endswith("masked"):
+            logits[i, ::3] = float("-inf")
+        elif kind.endswith("ties"):
+            logits[i] = (logits[i] * 8).round() / 8
+        elif kind == "equal":
+            logits[i, torch.randperm(vocab, generator=gen)[:5]] = 2.0
+        if kind.startswith("hist") or (kind == "equal" and vocab <= 8192):
+            histogram_rows.append(i)
+        temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p, mp
+    words = -(-vocab // 32)
+    counts = torch.zeros(1, vocab, dtype=torch.int32)
+    counts[0].index_add_(0, torch.randint(0, vocab, (300,), generator=gen), torch.ones(300, dtype=torch.int32))
+    prompt_bits = torch.randint(-2**31, 2**31, (1, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bias = torch.randn(1, vocab, generator=gen) * 0.2
+    slot_of = lambda row: torch.tensor([0 if i == row else -1 for i in range(rows)], dtype=torch.int32)  # noqa: E731
+    state = RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.full((rows,), 1.2),
+                     torch.full((rows,), 0.1), torch.full((rows,), 0.05))
+    keys = torch.randint(0, 2**62, (rows,), generator=gen)
+    counters = torch.randint(0, 2**40, (rows,), generator=gen)
+    return (logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state, histogram_rows)

@@ -285,7 +285,7 @@ def sample_ref(
     then penalised from its penalty slot (slots >= 0); greedy rows take the argmax; the others the
     argmax of scores + Gumbel noise over the scores >= the row's filter threshold, scores = logits /
     temperature. Ties go to the lowest token id."""
-    x = logits.float().cpu()
+    x = logits.float().cpu().clone()  # a copy: the bias and penalties below are written into it
     vocab = x.shape[1]
     if state is not None:
         bias_slots, bias, penalty_slots, counts, prompt_bits, repetition, frequency, presence = (t.cpu() for t in state)

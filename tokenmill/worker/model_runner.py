@@ -345,6 +345,7 @@ class ModelRunner:
             all_greedy=all_greedy,
             top_k=self._tensor([min(p.top_k, self.vocab_size) for p in params], torch.int64) if filtered else None,
             max_top_k=max_top_k,
+            top_p_alone=filtered and any(p.top_p < 1.0 and not 0 < p.top_k < self.vocab_size for p in params),
             top_p=floats[1] if filtered else None,
             min_p=floats[2] if filtered else None,
             # best_of ranks samples by their logprobs, so it needs them even when logprobs is None.

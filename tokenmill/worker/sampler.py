@@ -44,6 +44,7 @@ class SamplingBatch:
     max_top_k: int  # the largest top_k of any row (a host int: no device sync), 0 when none uses it
     top_p: torch.Tensor | None  # [N] float, 1 = off
     min_p: torch.Tensor | None  # [N] float, 0 = off
+    top_p_alone: bool = True  # some row has top-p without top-k (a host fact: else the GPU skips two passes)
     # The random draw of each row: a 64-bit key and a counter (see the module docstring); None when
     # every row is greedy.
     draw_keys: torch.Tensor | None = None  # [N] int64
@@ -115,9 +116,9 @@ class Sampler:
         bits = torch.empty(1, -(-vocab_size // 32), dtype=torch.int32, device=device)
         state = RowState(slots, table, slots, counts, bits, temperature, temperature, temperature)
         filters = Filters(ids, temperature, temperature)
-        for f in (None, filters):
+        for f, alone in ((None, True), (filters, True), (filters, False)):
             for s in (None, state):
-                sample_tokens(logits, temperature, ids, ids, f, s, compile_only=True)
+                sample_tokens(logits, temperature, ids, ids, f, s, top_p_alone=alone, compile_only=True)
 
     @staticmethod
     def _sample_on_gpu(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
@@ -128,7 +129,8 @@ class Sampler:
         keys, counters = batch.draw_keys, batch.draw_counters
         if keys is None:  # every row greedy: no draw, but the kernel still applies the state
             keys = counters = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        return sample_tokens(logits, batch.temperature, keys, counters, batch.filters, state)
+        return sample_tokens(logits, batch.temperature, keys, counters, batch.filters, state,
+                             top_p_alone=batch.top_p_alone)
 
     @staticmethod
     def _sample_on_cpu(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:

@@ -29,7 +29,7 @@ exactly the tokens with s >= t for one threshold t per row:
 Ties are equal tempered logits. The draw then takes the Gumbel argmax over s >= t: the same noise,
 so a filter only removes tokens from the race.
 
-The threshold is found without sorting, in four launches:
+The threshold is found without sorting, in four to six launches:
 1. ``_row_stats_kernel``, one program per (row, 2,048-token chunk), so thin batches fill the GPU:
    each chunk's max, sum of exp(s - max) and smallest finite s, and the max of every group of
    GROUP (32) consecutive tokens.
@@ -42,12 +42,24 @@ The threshold is found without sorting, in four launches:
    and t_p exactly among them (bisections that weigh 7 cut points per block-wide reduction), and
    draws the row's token right there (noise for those tokens only). This is the usual case: top-k
    up to a few hundred, top-p on peaked logits, min-p.
-3. ``_wide_threshold_kernel``, one program per row, for the others (top-p keeping a large part of
-   a flat vocabulary, a large top-k, masses of ties): it narrows a bracket [lo, hi) around t with
-   sweeps over the row that count and weigh the tokens above PROBES (8) values at once, until the
-   bracket holds at most BRACKET (8,192) tokens; those are compacted and t found among them, again
-   exactly.
-4. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
+3. Wide top-p rows (top-p without top-k keeping a large part of a broad vocabulary), in two
+   passes over a (row, split) grid, each split a run of whole tiles (enough programs to fill the
+   GPU at any batch size); launched only when the caller says a row may have top-p alone:
+   ``_wide_histogram_kernel`` counts the tokens in BINS (512) equal bins over [lo, max] (lo: the
+   larger of the threshold kernel's bound and max + log((1 - top_p) Z / V), below which all tokens
+   together weigh too little to matter) and sums their weight exactly; ``_wide_compact_kernel``
+   bounds each bin's weight by its count times exp(its edges - max), which, taken from above and
+   from below (the exact sum less the bins under the cut: tight as top_p nears 1), pins t_p to a
+   few bins, then writes those bins' tokens (~300-1,500 of a flat 151,936-token row) in token
+   order to a bracket and sums the weight above them. No atomics and every sum in a fixed order,
+   so a call gives the same bits every time.
+4. ``_wide_threshold_kernel``, one program per row: t_p exactly among a wide top-p row's bracket
+   tokens (plus the weight above it); for the other rows the threshold kernel could not settle (a
+   large top-k, masses of ties, a bracket past BRACKET tokens) it narrows a bracket [lo, hi) around
+   t with sweeps over the row that count and weigh the tokens above PROBES (8) values at once,
+   until the bracket holds at most BRACKET (8,192) tokens; those are compacted and t found among
+   them, again exactly.
+5. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
    threshold kernel did not draw; each program writes its chunk's best score and token, and the
    wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``); a
    row the threshold kernel drew passes its token on as chunk 0's, with score +inf.
@@ -72,6 +84,8 @@ _CANDIDATES = 1024  # of those, the ones at or above the bound, compacted to fin
 _BRACKET = 8192  # tokens of a wide row's final bracket, compacted and searched in registers
 _PROBES = 8  # values a wide sweep counts and weighs the tokens above at once
 _SWEEP_TILE = 1024  # tokens per iteration of a wide sweep
+_BINS = 512  # bins of a wide top-p row's count histogram over [lo, max]
+_WIDE_PROGRAMS = 2048  # programs the chunk-parallel wide passes aim to launch (at most 16 per row)
 _NUM_WARPS_ROW = 16  # the per-row kernels' warps: a program holds a row's group maxima in registers
 
 
@@ -258,7 +272,9 @@ def _threshold_kernel(
     candidate_ptr,  # [rows, CANDIDATES] float32 scratch: the gathered scores >= lo
     candidate_token_ptr,  # [rows, CANDIDATES] int32 scratch: their tokens
     threshold_ptr,  # [rows] float32 out: keep s >= threshold (-inf: no filter)
-    chosen_ptr,  # [rows] int32 out: the drawn token; -1: the draw kernel draws; -2: the wide kernel first
+    chosen_ptr,  # [rows] int32 out: the drawn token; -1: the draw kernel draws; -2: the wide kernel
+    # first; -3: the histogram passes, then the wide kernel
+    wide_ptr,  # [rows, 4] float32 out (rows marked -3): lo, top, top_p * Z (and the first bracket bin, later)
     vocab_size,
     num_chunks,
     CHUNK: tl.constexpr,
@@ -278,7 +294,7 @@ def _threshold_kernel(
         chosen = -2  # unless the gathered tokens settle the row below
         use_k = top_k > 0
         use_p = top_p < 1.0
-        top, mass, _ = _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2)
+        top, mass, smallest = _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2)
         t_min = tl.where(min_p > 0.0, top + tl.log(min_p), float("-inf"))
         # A value lo that t cannot be below, from the group maxima. top-k: the k-th largest of
         # them (k groups hold a token >= it, so t_k >= it). top-p without top-k: the largest v
@@ -351,11 +367,153 @@ def _threshold_kernel(
                     best = tl.max(score, axis=0)
                     chosen = tl.min(tl.where(score == best, ids, vocab_size), axis=0)
                     chosen = tl.where(chosen < vocab_size, chosen, -1)  # a NaN score: leave it to the draw kernel
+        if (chosen == -2) & (top_k == 0) & use_p & (mass > 0.0) & (top < float("inf")) & (mass < float("inf")):
+            # A wide top-p row: the histogram passes bracket t_p within [lo, top]. Every token below
+            # a value v weighs less than exp(v - top), so t_p >= v where vocab_size * exp(v - top)
+            # <= (1 - top_p) * Z: a bound that keeps the histogram's range to where the mass is.
+            lo = tl.maximum(tl.maximum(lo, smallest), top + tl.log((1.0 - top_p) * mass / vocab_size) - 1e-3)
+            lo = tl.minimum(lo, top)
+            wide = wide_ptr + row.to(tl.int64) * 4
+            tl.store(wide, lo)
+            tl.store(wide + 1, top)
+            tl.store(wide + 2, top_p * mass)
+            chosen = -3
     tl.store(threshold_ptr + row, threshold)
     tl.store(chosen_ptr + row, chosen)
 
 
-# ---- 3. wide rows: the threshold by sweeps over the row -----------------------------------------
+# ---- 3. wide top-p rows: a count histogram, then the bracket's tokens -----------------------------
+
+@triton.jit
+def _bin_of(s, lo, top, BINS: tl.constexpr):
+    """The bin of scores ``s`` >= lo among BINS equal bins over [lo, top] (top in the last one);
+    monotone in s, and computed the same way by every kernel that bins."""
+    scale = tl.where(top > lo, BINS / (top - lo), 0.0)
+    return tl.minimum(tl.floor(tl.where(s >= lo, (s - lo) * scale, 0.0)), BINS - 1).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _wide_histogram_kernel(
+    logits_ptr, stride_row, temperature_ptr,
+    bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
+    presence_ptr, words_per_row,
+    chosen_ptr, wide_ptr,
+    hist_ptr,  # [rows, splits, BINS] int32 out: per split, the count of tokens >= lo in each bin
+    mass_ptr,  # [rows, 2, splits] float32 out: [:, 0] per split, the weight exp(s - top) of the tokens >= lo
+    vocab_size, splits, tokens_per_split,
+    TILE: tl.constexpr,
+    BINS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(chosen_ptr + row) == -3:
+        temperature = tl.load(temperature_ptr + row)
+        bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
+            row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
+        lo = tl.load(wide_ptr + row.to(tl.int64) * 4)
+        top = tl.load(wide_ptr + row.to(tl.int64) * 4 + 1)
+        first = split * tokens_per_split  # a whole number of tiles
+        counts = tl.zeros([BINS], dtype=tl.int32)
+        mass = tl.zeros([TILE], dtype=tl.float32)
+        for start in range(0, tokens_per_split, TILE):
+            tokens = first + start + tl.arange(0, TILE)
+            valid = tokens < vocab_size
+            s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
+                        counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
+                        HAS_STATE)
+            counted = valid & (s >= lo)
+            counts += tl.histogram(_bin_of(s, lo, top, BINS), BINS, mask=counted)
+            mass += tl.where(counted, tl.exp(s - top), 0.0)
+        tl.store(hist_ptr + (row.to(tl.int64) * splits + split) * BINS + tl.arange(0, BINS), counts)
+        tl.store(mass_ptr + row.to(tl.int64) * 2 * splits + split, _total(mass))
+
+
+@triton.jit
+def _mass_bracket(hist_ptr, mass_ptr, row, splits, split, lo, top, target, BINS: tl.constexpr):
+    """The bins [b1, b2) that hold t_p, from the counts and the exact weight Z_lo of the tokens >= lo:
+    a bin weighs between its count times exp(its lower edge - top) and times exp(its upper edge -
+    top), so the weight of the bins >= b is bounded from above (the bins >= b) and from below (Z_lo
+    less the bins < b; the tighter where the cut leaves little mass below, as top_p near 1 does).
+    The bins >= b1 surely weigh >= target and the bins >= b2 surely less (bounds widened for
+    rounding). Also the tokens in [b1, b2), and how many of them earlier splits hold (where this
+    split's tokens go in the compacted bracket)."""
+    bins = tl.arange(0, BINS)
+    total = tl.zeros([BINS], dtype=tl.int32)
+    before = tl.zeros([BINS], dtype=tl.int32)
+    z_lo = 0.0
+    for i in range(0, splits):  # in a fixed order: the same bits every run
+        counts = tl.load(hist_ptr + (row.to(tl.int64) * splits + i) * BINS + bins)
+        total += counts
+        before += tl.where(i < split, counts, 0)
+        z_lo += tl.load(mass_ptr + row.to(tl.int64) * 2 * splits + i)
+    width = (top - lo) / BINS
+    slack = 1e-6 * (tl.abs(top) + tl.abs(lo)) + 1e-3 * width  # binning rounds (s - lo) * scale
+    light = total.to(tl.float32) * tl.exp(lo + bins.to(tl.float32) * width - slack - top)
+    heavy = total.to(tl.float32) * tl.exp(tl.minimum(lo + (bins + 1).to(tl.float32) * width + slack, top) - top)
+    light_below = tl.cumsum(light, axis=0) - light
+    heavy_below = tl.cumsum(heavy, axis=0) - heavy
+    least = tl.maximum(tl.cumsum(light, axis=0, reverse=True), z_lo - heavy_below)  # both fall as b grows
+    most = tl.minimum(tl.cumsum(heavy, axis=0, reverse=True), z_lo - light_below)
+    margin = 1e-5 * z_lo
+    b1 = tl.maximum(tl.sum((least - margin >= target).to(tl.int32), axis=0) - 1, 0)
+    b2 = tl.sum((most + margin >= target).to(tl.int32), axis=0)
+    in_bracket = (bins >= b1) & (bins < b2)
+    return b1, b2, tl.sum(tl.where(in_bracket, total, 0), axis=0), tl.sum(tl.where(in_bracket, before, 0), axis=0)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _wide_compact_kernel(
+    logits_ptr, stride_row, temperature_ptr,
+    bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
+    presence_ptr, words_per_row,
+    chosen_ptr, wide_ptr, hist_ptr,
+    mass_ptr,  # [rows, 2, splits] float32: [:, 1] out: per split, the weight of the tokens above the bracket
+    bracket_ptr,  # [rows, BRACKET] float32 out: the bracket's scores, in token order
+    bracket_count_ptr,  # [rows] int32 out: the bracket's tokens; -1: more than BRACKET
+    vocab_size, splits, tokens_per_split,
+    TILE: tl.constexpr,
+    BINS: tl.constexpr,
+    BRACKET: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(chosen_ptr + row) == -3:
+        wide = wide_ptr + row.to(tl.int64) * 4
+        lo = tl.load(wide)
+        top = tl.load(wide + 1)
+        b1, b2, count, written = _mass_bracket(hist_ptr, mass_ptr, row, splits, split, lo, top, tl.load(wide + 2),
+                                               BINS)
+        if split == 0:
+            tl.store(bracket_count_ptr + row, tl.where(count <= BRACKET, count, -1))
+            tl.store(wide + 3, b1.to(tl.float32))
+        if count <= BRACKET:
+            temperature = tl.load(temperature_ptr + row)
+            bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
+                row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
+            first = split * tokens_per_split  # a whole number of tiles
+            # Tiles as [TILE // 32, 32]: the placement scans 32 tokens a line, then the line totals
+            # (a 1-D scan over the whole tile costs ~70 registers more).
+            above = tl.zeros([TILE // 32, 32], dtype=tl.float32)
+            for start in range(0, tokens_per_split, TILE):
+                tokens = first + start + tl.arange(0, TILE // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+                valid = tokens < vocab_size
+                s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr,
+                            penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition,
+                            frequency, presence, HAS_STATE)
+                b = _bin_of(s, lo, top, BINS)
+                counted = valid & (s >= lo)
+                kept = (counted & (b >= b1) & (b < b2)).to(tl.int32)
+                per_line = tl.sum(kept, axis=1)
+                place = written + (tl.cumsum(per_line, axis=0) - per_line)[:, None] + tl.cumsum(kept, axis=1) - 1
+                tl.store(bracket_ptr + row.to(tl.int64) * BRACKET + place, s, mask=(kept != 0) & (place < BRACKET))
+                written += tl.sum(per_line, axis=0)
+                above += tl.where(counted & (b >= b2), tl.exp(s - top), 0.0)
+            tl.store(mass_ptr + (row.to(tl.int64) * 2 + 1) * splits + split, _total(above))
+
+
+# ---- 4. wide rows: the exact threshold, by the bracket or by sweeps over the row -----------------------------------------
 
 @triton.jit
 def _probe_sweep(
@@ -499,26 +657,72 @@ def _threshold_by_sweeps(
 
 
 @triton.jit
+def _bracket_threshold(bracket_ptr, count, top, target, SLOTS: tl.constexpr, PROBES: tl.constexpr):
+    """The largest of the ``count`` scores at ``bracket_ptr`` whose weight exp(s - top) at or above
+    it reaches ``target``; -inf if all of it falls short."""
+    slots = tl.arange(0, SLOTS)
+    values = tl.load(bracket_ptr + slots, mask=slots < count, other=float("-inf"))
+    return _largest_reaching(values, tl.where(slots < count, tl.exp(values - top), 0.0), target, PROBES)
+
+
+@triton.jit(do_not_specialize=["splits"])
 def _wide_threshold_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
     presence_ptr, words_per_row,
     chunk_stats_ptr,
-    bracket_ptr,  # [rows, BRACKET] float32 scratch: the final bracket
+    bracket_ptr,  # [rows, BRACKET] float32: the histogram passes' bracket (HISTOGRAM), then sweeps' scratch
     threshold_ptr,  # [rows] float32 out
-    chosen_ptr,  # [rows] int32: -2 marks the rows to do here; set to -1 (the draw kernel draws them)
+    chosen_ptr,  # [rows] int32: -2 and -3 mark the rows to do here; set to -1, or -4 where the bracket
+    # settled the row (the draw kernel draws both)
+    wide_ptr, mass_ptr, bracket_count_ptr,  # the histogram passes' results (HISTOGRAM)
     vocab_size,
     num_chunks,
+    splits,
     CHUNKS_P2: tl.constexpr,
     BRACKET: tl.constexpr,
+    SMALL_BRACKET: tl.constexpr,  # a bracket of at most this many tokens is searched with 3 cut points a step
     PROBES: tl.constexpr,
     TILE: tl.constexpr,
+    HISTOGRAM: tl.constexpr,  # whether the histogram passes ran
     HAS_STATE: tl.constexpr,
 ):
-    """The threshold of the rows whose kept tokens the threshold kernel could not gather: sweeps
-    over the row find t_k, then t_p at or above it."""
+    """The threshold of the rows whose kept tokens the threshold kernel could not gather: for top-p
+    rows the histogram passes bracketed, t_p among the bracket's tokens; for the others (and any
+    such row whose bracket held too many tokens), sweeps over the row find t_k, then t_p at or above it."""
     row = tl.program_id(0)
-    if tl.load(chosen_ptr + row) == -2:
+    todo = tl.load(chosen_ptr + row)
+    if todo == -3:
+        todo = -2  # unless the bracket settles it (without the histogram passes, sweeps do it)
+        if HISTOGRAM:
+            count = tl.load(bracket_count_ptr + row)
+            if count >= 0:
+                wide = wide_ptr + row.to(tl.int64) * 4
+                lo = tl.load(wide)
+                top = tl.load(wide + 1)
+                target = tl.load(wide + 2)
+                above = 0.0
+                for i in range(0, splits):  # in a fixed order: the same bits every run
+                    above += tl.load(mass_ptr + (row.to(tl.int64) * 2 + 1) * splits + i)
+                t_p = float("-inf")
+                if above < target:
+                    # The usual bracket fits the small search (3 cut points a step: ~10 steps, not ~20).
+                    if count <= SMALL_BRACKET:
+                        t_p = _bracket_threshold(bracket_ptr + row.to(tl.int64) * BRACKET, count, top, target - above,
+                                                 SMALL_BRACKET, 3)
+                    else:
+                        t_p = _bracket_threshold(bracket_ptr + row.to(tl.int64) * BRACKET, count, top, target - above,
+                                                 BRACKET, 1)
+                min_p = tl.load(min_p_ptr + row)
+                t_min = tl.where(min_p > 0.0, top + tl.log(min_p), float("-inf"))
+                # Not reached: t_p is below lo (if the bracket starts at lo), which is fine only
+                # where lo is min-p's cut.
+                below_lo = (above < target) & (tl.load(wide + 3) == 0.0)
+                if (t_p > float("-inf")) | (below_lo & (t_min >= lo)):
+                    tl.store(threshold_ptr + row, tl.maximum(t_p, t_min))
+                    tl.store(chosen_ptr + row, -4)  # the draw kernel draws it; -4 tells tests which path ran
+                    todo = -4
+    if todo == -2:
         temperature = tl.load(temperature_ptr + row)
         top_k, top_p, min_p, _ = _row_filters(row, temperature, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
         bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
@@ -542,7 +746,7 @@ def _wide_threshold_kernel(
         tl.store(chosen_ptr + row, -1)
 
 
-# ---- 4. the draw --------------------------------------------------------------------------------
+# ---- 5. the draw --------------------------------------------------------------------------------
 
 @triton.jit
 def _gumbel_argmax_kernel(
@@ -645,11 +849,14 @@ def sample_tokens(
     filters: Filters | None = None,
     state: RowState | None = None,
     *,
+    top_p_alone: bool = True,
     compile_only: bool = False,
 ) -> torch.Tensor:  # [N] int64 token ids
     """Per row: the argmax of the (biased, penalised) logits where temperature == 0, else a sample
     of softmax(logits / temperature) restricted by the row's filters (see the module docstring).
 
+    ``top_p_alone``: whether some row may have top-p without top-k (the caller knows it from the
+    requests' settings); False skips the histogram passes, which only such rows take.
     ``compile_only`` compiles the kernels for these inputs and launches nothing (``precompile.py``);
     the result is then meaningless."""
     if logits.dim() != 2 or logits.stride(1) != 1:
@@ -668,7 +875,7 @@ def sample_tokens(
         _check_rows(rows, top_k=(filters.top_k, (torch.int32, torch.int64)), top_p=(filters.top_p, (torch.float32,)),
                     min_p=(filters.min_p, (torch.float32,)))
         threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, state_args, state is not None,
-                                        compile_only)
+                                        compile_only, top_p_alone)
     if rows:
         launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
             logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *state_args,
@@ -680,10 +887,10 @@ def sample_tokens(
 
 
 def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
-                filters: Filters, state_args: tuple, has_state: bool,
-                compile_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                filters: Filters, state_args: tuple, has_state: bool, compile_only: bool,
+                top_p_alone: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the statistics and threshold kernels: per row the threshold and, where the threshold
-    kernel drew the row itself, the token (else -1)."""
+    kernel drew the row itself, the token (else < 0: -4 where the histogram passes settled it)."""
     rows, vocab = logits.shape
     device = logits.device
     num_chunks = triton.cdiv(vocab, _CHUNK)
@@ -701,6 +908,16 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     bracket = torch.empty((rows, _BRACKET), dtype=torch.float32, device=device)
     threshold = torch.empty(rows, dtype=torch.float32, device=device)
     chosen = torch.empty(rows, dtype=torch.int32, device=device)
+    # The histogram passes split each row into `splits` runs of whole tiles, enough programs to fill the GPU.
+    splits = max(1, min(16, triton.cdiv(_WIDE_PROGRAMS, max(rows, 1)), triton.cdiv(vocab, _CHUNK)))
+    tokens_per_split = triton.cdiv(triton.cdiv(vocab, splits), _CHUNK) * _CHUNK
+    splits = triton.cdiv(vocab, tokens_per_split)
+    wide = torch.empty((rows, 4), dtype=torch.float32, device=device)
+    hist = masses = bracket_count = wide  # unread without the histogram passes
+    if top_p_alone:
+        hist = torch.empty((rows, splits, _BINS), dtype=torch.int32, device=device)
+        masses = torch.empty((rows, 2, splits), dtype=torch.float32, device=device)
+        bracket_count = torch.empty(rows, dtype=torch.int32, device=device)
     if rows:
         common = (logits, logits.stride(0), temperature, filters.top_k, filters.top_p, filters.min_p)
         # A variant without state, as the draw kernel has: no placeholder slots to fill each call.
@@ -711,13 +928,25 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
         )
         launcher(_threshold_kernel, (rows,), compile_only)(
             *common, keys, counters, *state_args, chunk_stats, group_max, selected, candidates, candidate_tokens,
-            threshold, chosen, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
+            threshold, chosen, wide, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
             GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES,
             num_warps=_NUM_WARPS_ROW, **options,
         )
+        if top_p_alone:
+            scores = (logits, logits.stride(0), temperature, *state_args)
+            launcher(_wide_histogram_kernel, (rows, splits), compile_only)(
+                *scores, chosen, wide, hist, masses, vocab, splits, tokens_per_split, TILE=_CHUNK, BINS=_BINS,
+                num_warps=8, **options,
+            )
+            launcher(_wide_compact_kernel, (rows, splits), compile_only)(
+                *scores, chosen, wide, hist, masses, bracket, bracket_count, vocab, splits, tokens_per_split,
+                TILE=_CHUNK, BINS=_BINS, BRACKET=_BRACKET, num_warps=8, **options,
+            )
         launcher(_wide_threshold_kernel, (rows,), compile_only)(
-            *common, *state_args, chunk_stats, bracket, threshold, chosen, vocab, num_chunks, CHUNKS_P2=chunks_p2,
-            BRACKET=_BRACKET, PROBES=_PROBES, TILE=_SWEEP_TILE, num_warps=_NUM_WARPS_ROW, **options,
+            *common, *state_args, chunk_stats, bracket, threshold, chosen, wide, masses, bracket_count, vocab,
+            num_chunks, splits, CHUNKS_P2=chunks_p2, BRACKET=_BRACKET, SMALL_BRACKET=2 * _CANDIDATES, PROBES=_PROBES,
+            TILE=_SWEEP_TILE,
+            HISTOGRAM=top_p_alone, num_warps=_NUM_WARPS_ROW, **options,
         )
     return threshold, chosen
 
