@@ -1,0 +1,125 @@
+"""The per-row pieces every sampling kernel shares (``kernels/triton/sampling.py`` describes the
+algorithm): a row's state and filters, its scores (logits with bias and penalties, tempered), float
+keys that sort like the floats, block-wide sums, the bisection that finds the largest value whose
+weight at or above it reaches a target, and a row's summary from its chunk statistics."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def _row_state(row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr,
+               HAS_STATE: tl.constexpr):
+    if HAS_STATE:
+        bias_slot = tl.load(bias_slot_ptr + row)
+        penalty_slot = tl.load(penalty_slot_ptr + row)
+        repetition = tl.load(repetition_ptr + row)
+        frequency = tl.load(frequency_ptr + row)
+        presence = tl.load(presence_ptr + row)
+    else:
+        bias_slot = -1
+        penalty_slot = -1
+        repetition = 1.0
+        frequency = 0.0
+        presence = 0.0
+    return bias_slot, penalty_slot, repetition, frequency, presence
+
+
+@triton.jit
+def _scores(
+    logits_ptr, stride_row, row, tokens, valid, temperature,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row,
+    repetition, frequency, presence, HAS_STATE: tl.constexpr,
+):
+    """The row's scores at ``tokens``: logits, plus the row's bias and penalised when it has state,
+    divided by the temperature when it is > 0 (greedy rows keep their logits); -inf where not ``valid``."""
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=valid, other=float("-inf")).to(tl.float32)
+    if HAS_STATE:
+        if bias_slot >= 0:
+            x += tl.load(bias_ptr + bias_slot.to(tl.int64) * vocab_size + tokens, mask=valid, other=0.0)
+        if penalty_slot >= 0:
+            base = penalty_slot.to(tl.int64)
+            count = tl.load(counts_ptr + base * vocab_size + tokens, mask=valid, other=0)
+            word = tl.load(prompt_bits_ptr + base * words_per_row + tokens // 32, mask=valid, other=0)
+            seen = (((word >> (tokens % 32)) & 1) != 0) | (count > 0)
+            x = tl.where(seen, tl.where(x > 0.0, tl.math.div_rn(x, repetition), x * repetition), x)
+            x = x - frequency * count.to(tl.float32)
+            x = x - tl.where(count > 0, presence, 0.0)
+    if temperature > 0.0:
+        x = tl.math.div_rn(x, temperature)
+    return x
+
+
+@triton.jit
+def _sortable(values):
+    """int32 keys that order like the float32 ``values`` (-0.0 and +0.0 share the key 0)."""
+    bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _from_sortable(key):
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _total(x):
+    return tl.sum(x, axis=None)
+
+
+@triton.jit
+def _largest_reaching(values, weights, target, PROBES: tl.constexpr):
+    """The largest of ``values`` (1-D) whose weight at or above it reaches ``target`` > 0: the v with
+    sum(weights[values >= v]) >= target > sum(weights[values > v]); -inf if all the weight falls short.
+
+    A bisection on the int32 keys of the values that weighs PROBES cut points per step (one
+    block-wide reduction of PROBES sums: at most 32 steps for PROBES = 1, 11 for 7; more cut points
+    pay off where a thread holds few values).
+    Weights are non-negative, so every sum only grows as the cut moves down, whatever the rounding."""
+    keys = _sortable(values)
+    weighted = weights > 0.0
+    lo = tl.min(tl.where(weighted, keys, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(weighted, keys, -2147483648), axis=0).to(tl.int64) + 1
+    reached = tl.sum(weights, axis=0) >= target
+    # weight(keys >= lo) >= target > weight(keys >= hi) (when reached); lo ends on a value's key.
+    if PROBES == 1:
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if tl.sum(tl.where(keys >= mid.to(tl.int32), weights, 0.0), axis=0) >= target:
+                lo = mid
+            else:
+                hi = mid
+    else:
+        j = tl.arange(0, PROBES + 1)  # the last cut point stays at hi: its weight is below the target
+        while hi - lo > 1:
+            cuts = tl.minimum(lo + tl.maximum((hi - lo) * (j + 1) // (PROBES + 1), 1), hi)
+            above = tl.sum(tl.where(keys[:, None] >= cuts[None, :].to(tl.int32), weights[:, None], 0.0), axis=0)
+            reaching = above >= target
+            lo = tl.max(tl.where(reaching, cuts, lo), axis=0)
+            hi = tl.min(tl.where(reaching, hi, cuts), axis=0)
+    return tl.where(reached, _from_sortable(lo.to(tl.int32)), float("-inf"))
+
+
+@triton.jit
+def _row_filters(row, temperature, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size):
+    """The row's filters, normalised: top-k >= V is off; all off for greedy rows."""
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_k = tl.where(top_k >= vocab_size, 0, top_k)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    filtered = (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+    return top_k, top_p, min_p, filtered
+
+
+@triton.jit
+def _row_summary(row, chunk_stats_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
+    """The row's max s, total weight sum(exp(s - max)) and smallest finite s, from its chunks' statistics."""
+    chunks = tl.arange(0, CHUNKS_P2)
+    stats = chunk_stats_ptr + row.to(tl.int64) * (3 * num_chunks) + chunks
+    chunk_top = tl.load(stats, mask=chunks < num_chunks, other=float("-inf"))
+    chunk_mass = tl.load(stats + num_chunks, mask=chunks < num_chunks, other=0.0)
+    top = tl.max(chunk_top, axis=0)
+    mass = tl.sum(tl.where(chunk_top > float("-inf"), chunk_mass * tl.exp(chunk_top - top), 0.0), axis=0)
+    smallest = tl.min(tl.load(stats + 2 * num_chunks, mask=chunks < num_chunks, other=float("inf")), axis=0)
+    return top, mass, smallest
