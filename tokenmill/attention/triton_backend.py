@@ -41,7 +41,8 @@ class TritonAttentionBackend:
     def __init__(self, deterministic: bool = False) -> None:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
-        from tokenmill.kernels.triton.paged_attention import choose_configs, launch_configs, paged_attention
+        from tokenmill.kernels.triton.paged_attention import paged_attention
+        from tokenmill.kernels.triton.paged_attention_config import choose_configs, launch_configs
         from tokenmill.kernels.triton.qkv_prologue import qkv_prologue
 
         self._store_kv = store_kv

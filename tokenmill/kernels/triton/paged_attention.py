@@ -38,27 +38,24 @@ Softmax is the online (flash) form in fp32 with exp2 and the scale folded into l
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+# The launch configs live in their own module; importers of this one find them here too.
+from tokenmill.kernels.triton.paged_attention_config import (  # noqa: F401
+    DETERMINISTIC_PART_KEYS,
+    AttentionLaunchConfig,
+    _splits_off_decodes,
+    choose_config,
+    choose_configs,
+    launch_configs,
+)
 from tokenmill.kernels.triton.precompile import launcher
 
 _LOG2E = 1.4426950408889634
-# Splitting the key range below this many keys per split costs more in the merge than it gains.
-_MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 64
-# A prefill tile already holds 16-128 query rows of work; beyond 4 splits only a short chunk
-# against a long context would gain, and each allowed count is one more variant to compile.
-_MAX_PREFILL_SPLITS = 4
-# Deterministic mode's fixed key parts (a multiple of every tile_n): long enough that merging parts
-# costs little next to attending over them, short enough to split one long sequence over many SMs.
-DETERMINISTIC_PART_KEYS = 512
 # Wide enough to find the sequence of any program with one vector load when B <= 256.
 _SEARCH_BLOCK = 256
 
@@ -510,168 +507,6 @@ def _merge_parts_kernel(
                       HEAD_DIM)
 
 
-@dataclass(frozen=True)
-class AttentionLaunchConfig:
-    """Tile shapes of one launch. Any values give the same result; they only change speed."""
-
-    block_q: int  # query tokens per program (power of two)
-    tile_n: int  # keys per inner-loop step (power of two, >= 16)
-    num_splits: int  # key-range splits per (query block, kv head); 1 = no merge kernel
-    num_warps: int
-    num_stages: int
-    # Deterministic mode (> 0): keys are cut into parts of this many keys from key 0 (a multiple
-    # of tile_n), merged in order, and num_splits only says how many programs share the parts.
-    part_keys: int = 0
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_config(
-    *,
-    num_tokens: int,
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    max_query_len: int,
-    max_seq_len: int,
-    device: torch.device,
-    deterministic: bool = False,
-) -> AttentionLaunchConfig:
-    """Pick tile shapes and the split count from static bounds (shapes and two host upper bounds).
-
-    ``max_query_len == 1`` selects the decode shape (one token per program, a 16-row tile holding
-    the GQA group). Otherwise a step with at most 16 rows of queries per sequence (tokens x group)
-    takes that 16-row tile, and any longer one the wide tile of 128 rows (64 for head_dim 256, 16
-    for fp32). Splits are added only while the grid has fewer than two programs per SM, and only
-    as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
-    the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
-
-    ``deterministic``: one tile for every step, decode or prefill (the 16-row one: a row's dots and
-    reductions then run on the same tile shape, hence round alike, wherever it is computed), fixed
-    parts of ``DETERMINISTIC_PART_KEYS`` keys, and as many programs per block as fill the GPU (that
-    only changes who computes which part; see ``_paged_attention_fixed_split_kernel``).
-    """
-    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
-    if deterministic:
-        config = _deterministic_config(group_p, head_dim, dtype)
-        programs = max(1, (num_tokens // config.block_q + num_seqs) * num_kv_heads)
-        num_splits = 1
-        if programs < 2 * num_sms:
-            wanted = min(math.ceil(2 * num_sms / programs), -(-max_seq_len // config.part_keys), _MAX_SPLITS)
-            num_splits = _next_power_of_2(wanted)
-        return dataclasses.replace(config, num_splits=num_splits)
-    if max_query_len <= 1:
-        block_q, max_splits = 1, _MAX_SPLITS
-    else:
-        narrow, wide = _prefill_block_qs(group_p, head_dim, dtype)
-        block_q, max_splits = (narrow if max_query_len <= narrow else wide), _MAX_PREFILL_SPLITS
-    grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    programs = max(1, grid_q * num_kv_heads)
-    num_splits = 1
-    if programs < 2 * num_sms:
-        by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-        wanted = min(math.ceil(2 * num_sms / programs), by_length, max_splits)
-        num_splits = _next_power_of_2(wanted)
-    return _config(block_q, num_splits, group_p, head_dim, dtype)
-
-
-def choose_configs(
-    *,
-    num_tokens: int,
-    num_seqs: int,
-    num_decode_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    max_query_len: int,
-    max_seq_len: int,
-    device: torch.device,
-    deterministic: bool = False,
-) -> tuple[AttentionLaunchConfig | None, AttentionLaunchConfig]:
-    """The configs of a step's launches: (the leading decodes' launch, or None when one launch
-    covers the whole step; the other launch). Decodes in a prefill-sized tile would each fill one
-    row of 64-128 and pay the arithmetic of all of them, so a mixed step whose first
-    ``num_decode_seqs`` sequences are one-token decodes runs them with the decode tile.
-    ``deterministic``: always one launch, on the one tile every row shares (``choose_config``)."""
-    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
-    if deterministic or not _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
-        return None, choose_config(
-            num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            deterministic=deterministic, **shape,
-        )
-    d = num_decode_seqs
-    decode = choose_config(num_tokens=d, num_seqs=d, max_query_len=1, max_seq_len=max_seq_len, **shape)
-    rest = choose_config(
-        num_tokens=num_tokens - d, num_seqs=num_seqs - d, max_query_len=max_query_len, max_seq_len=max_seq_len, **shape
-    )
-    return decode, rest
-
-
-def launch_configs(
-    *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int, deterministic: bool = False
-) -> list[AttentionLaunchConfig]:
-    """Every config ``choose_config`` can return for these heads and contexts up to ``max_seq_len``:
-    the kernel variants to compile before a run, so that none is compiled in the middle of one.
-    (Deterministic mode has one tile: its one-program variant, and when contexts can outgrow a part
-    the several-program one, whatever their count, plus the merge kernel, which it compiles.)"""
-    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    if deterministic:
-        config = _deterministic_config(group_p, head_dim, dtype)
-        return [dataclasses.replace(config, num_splits=n) for n in ((1, 2) if max_seq_len > config.part_keys else (1,))]
-    by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    configs = []
-    for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in _prefill_block_qs(group_p, head_dim, dtype))):
-        splits = 1
-        while splits <= _next_power_of_2(min(by_length, max_splits)):
-            configs.append(_config(block_q, splits, group_p, head_dim, dtype))
-            splits *= 2
-    return list(dict.fromkeys(configs))  # narrow == wide for fp32
-
-
-def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """Query tokens per program of the narrow (16-row) and wide prefill tiles."""
-    fp32 = dtype == torch.float32  # tests only: ieee fp32 dots run on FMA units, keep tiles small
-    # 128 x 128 fp32 accumulators fit 8 warps without spilling (checked with ptxas for sm_90);
-    # head_dim 256 halves the rows; fp32 (FMA dots) keeps the 16 rows of decode.
-    wide_rows = 16 if fp32 else 128 if head_dim <= 128 else 64
-    return max(1, 16 // group_p), max(1, wide_rows // group_p)
-
-
-def _config(block_q: int, num_splits: int, group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
-    fp32 = dtype == torch.float32
-    wide = not fp32 and block_q * group_p >= 128
-    # The wide tile walks keys 32 at a time: on P5's 16,384-token prefill step (Qwen3-0.6B heads,
-    # H200) 128 x 32 ran in 602 µs against 679 for 128 x 64, the best of eight tile/warp/stage rows
-    # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).
-    tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
-    if block_q == 1:
-        num_warps, num_stages = 4, 3
-    else:
-        num_warps = 8 if wide or (not fp32 and head_dim >= 256) else 4
-        num_stages = 2 if fp32 else 3
-    return AttentionLaunchConfig(block_q, tile_n, num_splits, num_warps, num_stages)
-
-
-def _deterministic_config(group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
-    """Deterministic mode's one tile: the narrow prefill tile (16 rows of tokens x heads), for decode
-    too, with decode's warps and stages."""
-    narrow, _ = _prefill_block_qs(group_p, head_dim, dtype)
-    decode = _config(1, 1, group_p, head_dim, dtype)
-    return dataclasses.replace(decode, block_q=narrow, part_keys=DETERMINISTIC_PART_KEYS)
-
-
-def _next_power_of_2(n: int) -> int:
-    # Split counts are compile-time constants: powers of two bound the number of variants.
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim], last dim contiguous
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -756,11 +591,6 @@ def paged_attention(
     else:
         launch(config, num_launch_seqs=num_seqs, first_seq=0, num_launch_tokens=num_tokens)
     return out
-
-
-def _splits_off_decodes(num_decode_seqs: int, num_seqs: int, max_query_len: int) -> bool:
-    """Whether a step's leading decodes get a launch of their own (there are some, and more)."""
-    return 0 < num_decode_seqs < num_seqs and max_query_len > 1
 
 
 def _launch(
