@@ -12,9 +12,9 @@ Each output element is therefore the same chain of k16 MMAs over the same 64-dee
 accumulated in fp32 in K order, whatever M is and whichever program it falls in. The tile's rows and
 columns only say how many elements one program computes, not how: ``matmul_config`` takes 64 x 64
 tiles while they are the way to fill 132 SMs and 128 x 128 ones (8 warps) once those give two waves,
-and every tile it can pick gave the same bits on every P1-P3 projection and lm_head at M 256 and
-4,096 on the H200 (bench/deterministic_bench.py checks it on each run), while running 1.2-1.6x
-faster than one fixed tile (issue 21). The CPU interpreter tests and tests/gpu check it bit for bit,
+and every tile it can pick gave the same bits on every P1-P3 projection and lm_head at M 256, 1,024
+and 4,096 on the H200 (bench/deterministic_bench.py checks it on each run), at 1.2-1.6x cuBLAS's
+time where one fixed tile took 1.3-2.1x (issue 21). The CPU interpreter tests and tests/gpu check it bit for bit,
 across the switch.
 
 W is stored as nn.Linear keeps it, [N, K] with K contiguous; its [BLOCK_K, BLOCK_N] tiles are read
