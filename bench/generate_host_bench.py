@@ -1,0 +1,83 @@
+"""Host cost per sequence-step of LLM.generate: the engine's own work (scheduling, building each
+step's inputs and sampling tensors, reading back and bookkeeping), with the model's forward,
+logits and draw replaced by trivial stand-ins (so neither the CPU's matmuls and sampling nor a GPU
+are measured).
+
+On the H200 the host is as busy as the GPU at 256 sequences a step (P1, docs/perf.md entry 14) and
+the busier of the two from ~500 (P2's 1,024 and P4's 768 sequences): every microsecond per
+sequence-step here is about ``sequences`` microseconds of step time there. Runs on the CPU with a tiny
+Qwen3-shaped config (vocabulary 10,240: the protocols' token ids stay below 10,001) on the chosen
+protocol's requests (bench/peer_bench.py's workloads). Stubbed: the forward (zeros), the logits (one
+cached random tensor), the sampler (token ids taken from a cached random tensor: on the GPU its
+kernels' host cost is the launches, timed by bench/sampler_bench.py); everything else is the real
+engine, asynchronous scheduling's bookkeeping included.
+
+    python bench/generate_host_bench.py [nano|uniform|sampling|prefill] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peer_bench import workload  # noqa: E402
+
+VOCAB = 10240
+CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=VOCAB,
+              rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workload", nargs="?", default="sampling", choices=["nano", "uniform", "sampling", "prefill"])
+    parser.add_argument("--profile", action="store_true", help="print cProfile's top functions by own time")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine.step import SamplerOutput
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(CONFIG))
+        # The protocols' GPU settings: a 16,384-token budget and up to 1,024 sequences a step.
+        llm = LLM(folder, load_format="dummy", dtype="float32", device="cpu", max_model_len=4096, seed=0,
+                  skip_tokenizer_init=True, max_num_batched_tokens=16384, max_num_seqs=1024)
+    runner = llm.llm_engine.executor.runner
+    hidden = CONFIG["hidden_size"]
+    logits = torch.randn(1024, VOCAB)
+    draws = torch.randint(0, VOCAB, (1024,))
+    runner.model.forward = lambda ids, positions, ctx, **kw: torch.zeros(ids.shape[0], hidden)
+    runner.model.compute_logits = lambda h: logits[: h.shape[0]]
+    runner.sampler = lambda step_logits, batch: SamplerOutput(draws[: step_logits.shape[0]].clone())
+
+    prompts, outs, settings = workload(args.workload)
+    params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:4], params[:4], use_tqdm=False)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        profiler.enable()
+    start = time.perf_counter()
+    llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    sequence_steps = sum(outs)  # one sampled token per sequence-step (prefill chunks add a few more steps)
+    print(json.dumps({"bench": "generate_host", "workload": args.workload, "seqs": len(prompts),
+                      "out_tokens": sequence_steps, "seconds": round(seconds, 3),
+                      "us_per_sequence_step": round(seconds / sequence_steps * 1e6, 2), "profiled": args.profile}))
+
+
+if __name__ == "__main__":
+    main()
