@@ -187,14 +187,15 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             self.metrics.tokens_read([result.sampled[row].seq for row in rows], now)
         outputs = []
         for request in dict.fromkeys(result.sampled[row].seq.request for row in rows):
-            if request.is_finished:
+            finished = request.is_finished
+            if finished:
                 request.finished_time = now
                 del self.requests[request.request_id]
                 self._history_readers.discard(request.request_id)
             final_only = finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY
-            if request.is_finished or not final_only:
+            if finished or not final_only:
                 outputs.append(self.output_processor.request_output(request))
-                if request.is_finished and self.metrics is not None:
+                if finished and self.metrics is not None:
                     self.metrics.request_finished(request, outputs[-1], now)
         return outputs
 

@@ -167,6 +167,8 @@ class KVCacheManager:
         ``prefix_blocks`` (only for a sequence holding no blocks) are cached or shared blocks that
         already hold its first tokens; they count as computed.
         """
+        if not prefix_blocks and seq.num_computed_tokens + num_new_tokens <= len(seq.block_ids) * self.block_size:
+            return True  # the blocks it holds have room (a decode needs a new one every block_size steps)
         prefix_blocks = prefix_blocks or []
         prefix_tokens = len(prefix_blocks) * self.block_size
         needed = max(0, -(-(seq.num_computed_tokens + prefix_tokens + num_new_tokens) // self.block_size)

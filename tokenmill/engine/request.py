@@ -145,7 +145,7 @@ class Request(Generic[ParamsT]):
         """Its params' ``SamplerNeeds``, computed once: the runner reads it for every row of every
         step, and intake has made its additions to the params (bad words) before any step."""
         params: Any = self.params  # a generation request's SamplingParams (pooling never asks)
-        return params.sampler_needs
+        return int(params.sampler_needs)  # a plain int: IntFlag's & runs in Python, per row, per step
 
     @property
     def needs_sync(self) -> bool:

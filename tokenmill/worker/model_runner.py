@@ -220,8 +220,12 @@ class ModelRunner:
         found = []
         offset = 0
         for item, query_len in zip(scheduled, meta.query_lens_host):
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq = item.seq
             request = seq.request
+            if request.params.prompt_logprobs is None:  # nearly every row, every step: the cheapest test first
+                offset += query_len
+                continue
+            start = seq.num_computed_tokens
             end = min(start + query_len, seq.num_prompt_tokens - 1)  # the last prompt token predicts output
             if seq.index == 0 and request.needs_prompt_logprobs and start < end:
                 logprobs = torch.log_softmax(self.model.compute_logits(hidden[offset : offset + end - start]).float(), dim=-1)
@@ -302,7 +306,8 @@ class ModelRunner:
         return self._to_device(torch.from_numpy(table))
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return self._to_device(torch.tensor(values, dtype=dtype))
+        # Through numpy: 3-4x faster than torch.tensor on a list of Python numbers, several times a step.
+        return self._to_device(torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype])))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device; through pinned memory on a GPU, so the copy is asynchronous."""
@@ -317,7 +322,7 @@ class ModelRunner:
         rows = len(columns[0])
         per_16_bytes = 16 // dtype.itemsize
         host = torch.zeros((len(columns), -(-rows // per_16_bytes) * per_16_bytes), dtype=dtype)
-        host[:, :rows] = torch.tensor(columns, dtype=dtype)
+        host[:, :rows] = torch.from_numpy(np.array(columns, dtype=_NUMPY_DTYPES[dtype]))
         packed = self._to_device(host)
         return [packed[i, :rows] for i in range(len(columns))]
 
@@ -397,6 +402,10 @@ class ModelRunner:
         seq_ids = list(seq_ids)
         for state in (self.penalties, self.logit_bias, self.bad_words):
             state.release(seq_ids)
+
+
+# The dtypes of the step tensors built from Python lists (``ModelRunner._tensor``, ``_columns``).
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

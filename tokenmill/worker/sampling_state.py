@@ -24,9 +24,11 @@ The GPU kernels read the bias and penalty tables directly (``kernels/sampling_ar
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from tokenmill.kernels.sampling_args import RowState
@@ -70,6 +72,7 @@ class SlotTable:
         whose tensors the owner fills."""
         slots = [-1] * len(seqs)
         new = []
+        need = int(need)  # int & int: IntFlag's operators run in Python
         for row, seq in enumerate(seqs):
             if seq.request.sampler_needs & need:
                 slot = self._slots.get(seq.seq_id)
@@ -100,10 +103,11 @@ class StepRows:
 
 def step_rows(slots: list[int], to_device: ToDevice) -> StepRows | None:
     """The rows with a slot (>= 0) and their slots, or None if no row has one."""
-    used = [(row, slot) for row, slot in enumerate(slots) if slot >= 0]
-    if not used:
+    slot_of = np.array(slots, dtype=np.int64)
+    rows = np.flatnonzero(slot_of >= 0)
+    if not rows.size:
         return None
-    index = to_device(torch.tensor(list(zip(*used)), dtype=torch.int64))
+    index = to_device(torch.from_numpy(np.stack([rows, slot_of[rows]])))
     return StepRows(index[0], index[1])
 
 
@@ -149,10 +153,15 @@ class PenaltyState:
         if outputs:
             index = to_device(torch.tensor(list(zip(*outputs)), dtype=torch.int64))
             self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
-        # The prompt as a bitmap: each distinct token adds its bit to its word (distinct bits, so
-        # the sum is their OR; bit 31 wraps to the sign when cast to int32).
-        prompt = [(i, token >> 5, 1 << (token & 31)) for i, (_, seq) in enumerate(new) for token in set(seq.prompt_token_ids)]
-        index = to_device(torch.tensor(list(zip(*prompt)), dtype=torch.int64))
+        # The prompt as a bitmap: each distinct (row, token) adds its bit to its word (distinct bits,
+        # so the sum is their OR; bit 31 wraps to the sign when cast to int32). In numpy: a step can
+        # admit hundreds of prompts, hundreds of thousands of tokens.
+        lengths = np.array([len(seq.prompt_token_ids) for _, seq in new], dtype=np.int64)
+        tokens = np.fromiter(itertools.chain.from_iterable(seq.prompt_token_ids for _, seq in new), np.int64,
+                             int(lengths.sum()))
+        vocab = self.counts.shape[1]
+        rows, tokens = np.divmod(np.unique(np.repeat(np.arange(len(new)), lengths) * vocab + tokens), vocab)
+        index = to_device(torch.from_numpy(np.stack([rows, tokens >> 5, np.left_shift(1, tokens & 31)])))
         packed = torch.zeros((len(new), self.prompt_bits.shape[1]), dtype=torch.int64, device=self.counts.device)
         packed.index_put_((index[0], index[1]), index[2], accumulate=True)
         self.prompt_bits.index_copy_(0, slots, packed.to(torch.int32))
