@@ -166,4 +166,6 @@ class Request(Generic[ParamsT]):
     def is_finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done
+        if len(self.sequences) == 1:  # n = 1, nearly every request: asked for every request every step
+            return self.sequences[0].is_finished
         return all(seq.is_finished for seq in self.sequences)

@@ -294,7 +294,7 @@ class ModelRunner:
     def _block_table(self, seqs: list[StepSequence], seq_lens: list[int]) -> torch.Tensor:
         """[B, max_blocks] int32 block ids, padded with the null block (built in numpy: this runs every step)."""
         bs = self.block_size
-        counts = np.fromiter((-(-n // bs) for n in seq_lens), np.int64, len(seqs))
+        counts = -(-np.array(seq_lens, dtype=np.int64) // bs)
         width = int(counts.max())
         flat = np.fromiter(
             itertools.chain.from_iterable(seq.block_ids[:c] for seq, c in zip(seqs, counts.tolist())),
