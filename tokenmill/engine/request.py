@@ -159,7 +159,7 @@ class Request(Generic[ParamsT]):
     def needs_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and some prompt position has none yet (a preempted lead recomputes)."""
         done = len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
-        params: Any = self.params  # SamplingParams; PoolingRequest answers False itself
+        params: Any = self.params  # SamplingParams: pooling requests never reach the generation runner
         return params.prompt_logprobs is not None and done < len(self.prompt_token_ids)
 
     @property
