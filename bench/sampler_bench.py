@@ -20,11 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.triton.sampling import Filters, RowState, sample_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_bench import _time_events, _time_graph  # noqa: E402
+from tokenmill.kernels.triton.sampling import Filters, RowState, sample_tokens  # noqa: E402
 
 # case -> (top_k, top_p, min_p, repetition_penalty) at temperature 0.7
 CASES = {
@@ -47,34 +51,6 @@ def penalty_state(rows: int, vocab: int, device: torch.device, gen: torch.Genera
     dense.scatter_(1, torch.randint(0, vocab, (rows, 500), device=device, generator=gen), 1)
     bits = (dense.view(rows, words, 32) << torch.arange(32, device=device)).sum(-1).to(torch.int32)
     return counts, bits
-
-
-def median_us(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def graph_us(fn, calls: int, repeats: int) -> float:
-    """GPU time alone: ``calls`` calls captured in one CUDA graph, replayed; median µs per call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as capture wants
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return median_us(graph.replay, repeats) / calls
 
 
 def host_us(fn, calls: int, repeats: int) -> float:
@@ -129,8 +105,8 @@ def main() -> None:
                 alone = top_p < 1.0 and top_k == 0  # what the runner tells the sampler (SamplingBatch.top_p_alone)
                 call = lambda: sample_tokens(logits, temperature, keys, counters, filters, state,  # noqa: E731
                                              top_p_alone=alone)
-                us = median_us(call, args.repeats)
-                us_gpu = graph_us(call, args.graph_calls, args.repeats)
+                us, _ = _time_events(call, calls=1, repeats=args.repeats)
+                us_gpu, _ = _time_graph(call, args.graph_calls, args.repeats)
                 us_host = host_us(call, args.graph_calls, args.repeats)
                 line.append(f"{us:.0f}/{us_gpu:.0f}/{us_host:.0f}")
                 if args.json:
