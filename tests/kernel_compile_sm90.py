@@ -89,6 +89,9 @@ for _m in (1, 32, 64, 256):
 _case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zeros=True, bias=True)
 _case("compile_sm90", "sm90-w4a16-m8-asym-fp16-gate_up", kernel="w4a16", m=8, zeros=True, dtype="float16", n=28672)
 _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=14336, group=64)
+# The prefill path's dequantize pass (then cuBLAS): gate_up's shape, symmetric and asymmetric.
+_case("compile_sm90", "sm90-w4a16_dequant-bf16", kernel="w4a16_dequant")
+_case("compile_sm90", "sm90-w4a16_dequant-asym-fp16", kernel="w4a16_dequant", zeros=True, dtype="float16")
 _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
 for _m in (16, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-bf16", kernel="fp8_gemm", m=_m)
@@ -267,6 +270,14 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         w4a16_gemm(torch.empty((p["m"], k), dtype=dtype), torch.empty((k // 8, n), dtype=torch.int32),
                    torch.empty((k // group, n), dtype=dtype), zeros, group, torch.empty(n, dtype=dtype) if p.get("bias") else None,
                    torch.zeros(counters_needed(n), dtype=torch.int32), config)
+    elif kernel == "w4a16_dequant":
+        from tokenmill.kernels.triton.w4a16_gemm import dequantize_weight
+
+        n, k, group = 28672, 4096, 128
+        dtype = getattr(torch, p.get("dtype", "bfloat16"))
+        zeros = torch.empty((k // group, n), dtype=torch.uint8) if p.get("zeros") else None
+        dequantize_weight(torch.empty((k // 8, n), dtype=torch.int32), torch.empty((k // group, n), dtype=dtype), zeros,
+                          group, k, dtype, out=torch.empty((k, n), dtype=dtype), dequant_asm=True)
     elif kernel == "quantize_fp8":
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 

@@ -43,6 +43,15 @@ for _dt in ("float32", "float16"):
     for _m, _n, _k in ((1, 70, 300), (20, 128, 128), (130, 72, 260)):
         _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k, bias=_m == 20)
 
+# The prefill path's dequantize pass (W4A16 weights -> w^T for cuBLAS), against the integers drawn:
+# partial last word, tile, group and 128-output block; groups of 32 (several a tile), one group a
+# row, symmetric and not.
+_W4A16_DEQUANT = [(72, 200, 64, True), (128, 256, 128, False), (96, 416, -1, True), (200, 520, 32, True)]
+for _dt in ("float32", "float16"):
+    for _i, (_n, _k, _g, _z) in enumerate(_W4A16_DEQUANT):
+        _case("w4a16_dequant", f"w4a16-dequant-n{_n}-k{_k}-g{_g}-{'asym' if _z else 'sym'}-{_dt}", dtype=_dt, n=_n, k=_k,
+              group=_g, zeros=_z, seed=_i)
+
 # Whole layers through their linear methods: the kernel path (what runs on a GPU, forced here) against
 # the same layer dequantized at load (the CPU path), merged column-parallel and row-parallel with bias.
 for _dt in ("float32", "float16"):
@@ -106,9 +115,13 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
         row.bias.data.copy_(bias)
         for layer in (merged, row):
             layer.quant_method.process_weights_after_loading(layer)
-        x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(dtype)
-        hidden = merged(x)
-        outputs.append((hidden, row(hidden[:, : sum(halves) // 2].contiguous())))
+        # 5 tokens: the register-dequant GEMM; 260 (W4A16 past DEQUANT_MIN_M): dequantize, then matmul.
+        step = []
+        for tokens in (5, 260):
+            x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+            hidden = merged(x)
+            step += [hidden, row(hidden[:, : sum(halves) // 2].contiguous())]
+        outputs.append(step)
     quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     for got, want in zip(outputs[1], outputs[0]):
@@ -153,6 +166,33 @@ def _check_w4a16(p: dict[str, Any]) -> None:
     assert int(counters.abs().sum()) == 0, "split-K counters were not reset"
 
 
+def _check_w4a16_dequant(p: dict[str, Any]) -> None:
+    """Codes, zero points and scales drawn as integers and floats; the reference weight is
+    ``(code - zero) * scale`` of those in fp32, rounded once; the codes are packed along K by
+    compressed-tensors' ``pack_to_int32`` (GPTQ's orientation, our ``Int4Weights.qweight``)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tokenmill.kernels.triton.w4a16_gemm import dequantize_weight, pack_for_kernel
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(p["seed"])
+    n, k = p["n"], p["k"]
+    group = k if p["group"] == -1 else p["group"]
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8) if p["zeros"] else None
+    scales = (0.02 + 0.1 * torch.rand(groups, n, generator=gen)).to(dtype)
+    feature_group = torch.arange(k) // group
+    z = 8 if zeros is None else zeros.t()[:, feature_group].to(torch.int64)
+    expected = ((codes - z).float() * scales.t()[:, feature_group].float()).to(dtype).t()  # w^T [K, N]
+    qweight = pack_to_int32((codes - 8).to(torch.int8), 4, packed_dim=1).t()  # [ceil(K / 8), N]
+    out = torch.full((k, n), float("nan"), dtype=dtype)
+    got = dequantize_weight(pack_for_kernel(qweight, k), scales, zeros, group, k, dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, expected), f"{int((got != expected).sum())} of {got.numel()} weights differ"
+
+
 def _check_quantize_fp8(p: dict[str, Any]) -> None:
     import torch
 
@@ -191,5 +231,5 @@ def _check_fp8_gemm(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=tol * float(expected.float().abs().max()), rtol=tol)
 
 
-CHECKS = {"w4a16": _check_w4a16, "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
+CHECKS = {"w4a16": _check_w4a16, "w4a16_dequant": _check_w4a16_dequant, "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
           "quant_layer": _check_quant_layer}
