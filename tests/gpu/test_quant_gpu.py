@@ -111,6 +111,56 @@ def test_w4a16_split_k_replays_in_a_cuda_graph():
     assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("n, k, group, symmetric", [(4096, 14336, 128, True), (28672, 4096, 128, False), (1000, 4000, 64, False),
+                                                    (4104, 1032, 128, True)])
+def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, monkeypatch):
+    """A GPTQ (v1) layer through ``W4A16LinearMethod.apply`` at M from 1 to 4096: the register-dequant
+    GEMM below DEQUANT_MIN_M, dequantize-then-cuBLAS from it on (the pass is counted, so both paths
+    are known to run). Reference: ``(code - zero) * scale`` of the integers drawn, in fp32; the
+    checkpoint tensors are packed by compressed-tensors' ``pack_to_int32``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tokenmill.kernels.triton import w4a16_gemm as kernels
+    from tokenmill.models.layers.linear import ColumnParallelLinear
+    from tokenmill.quantization import linear_method
+    from tokenmill.quantization.config import Int4Scheme, QuantizationConfig
+
+    gen = torch.Generator().manual_seed(n + k)
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.full((groups, n), 8) if symmetric else torch.randint(1, 16, (groups, n), generator=gen)
+    scales = (0.002 + 0.004 * torch.rand(groups, n, generator=gen)).half()
+    feature_group = torch.arange(k) // group
+    weight = ((codes - zeros.t()[:, feature_group]).float() * scales.t()[:, feature_group].float()).cuda()  # [N, K]
+    pack = lambda values: pack_to_int32((values - 8).to(torch.int8), 4, packed_dim=1)  # noqa: E731  (it stores value + 8)
+    tensors = {"qweight": pack(codes).t().contiguous(), "qzeros": pack(zeros - 1), "scales": scales,
+               "g_idx": feature_group.to(torch.int32)}
+    method = linear_method(QuantizationConfig("test", ((("Linear",), Int4Scheme("gptq", group, symmetric, True)),)), ["layer"])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            layer = ColumnParallelLinear(k, n, bias=True, quant_method=method)
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(layer.named_parameters())
+    for name, tensor in tensors.items():
+        layer.weight_loader(params[name], tensor)
+    bias = torch.randn(n, generator=gen)
+    layer.bias.data.copy_(bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    passes = []
+    dequantize = kernels.dequantize_weight
+    monkeypatch.setattr(kernels, "dequantize_weight", lambda *a, **kw: passes.append(a[0].shape) or dequantize(*a, **kw))
+    ms = sorted(set(M_VALUES) | {kernels.DEQUANT_MIN_M - 1, kernels.DEQUANT_MIN_M})
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        got = layer(x)
+        want = x.float() @ weight.t() + bias.cuda()
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2, msg=f"M={m}")
+    assert len(passes) == sum(m >= kernels.DEQUANT_MIN_M for m in ms), "the prefill path ran at the wrong sizes"
+
+
 @pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200)])
 def test_fp8_quantize_and_gemm_match_twins(n, k):
     from tokenmill.kernels.reference import fp8_linear_ref, quantize_fp8_ref

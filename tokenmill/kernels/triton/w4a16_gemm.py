@@ -244,10 +244,10 @@ def dequantize_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     _check_operands(packed, k, group_size)
     w = out if out is not None else torch.empty((k, n), dtype=dtype, device=packed.device)
     block_n = 128
+    asm = packed.device.type == "cuda" if dequant_asm is None else dequant_asm
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, K_TILE))](
         packed, scales, zeros if zeros is not None else scales, w, n, k, scales.shape[0], group_size,
-        BLOCK_N=block_n, HAS_ZEROS=zeros is not None, DEQUANT_ASM=packed.device.type == "cuda" if dequant_asm is None else dequant_asm,
-        num_warps=4,
+        BLOCK_N=block_n, HAS_ZEROS=zeros is not None, DEQUANT_ASM=asm, num_warps=4,
     )
     return w
 
