@@ -293,18 +293,20 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_tiles = triton.cdiv(k, K_TILE)
     # Split K while the doubled launch stays within ~one wave (4 programs an SM: at BLOCK_M <= 32
-    # that many fit at 3 stages); a second, partial wave would leave SMs idle at the tail.
-    # Each split streams at least 4 K tiles; at most 8 splits (the last program sums the partials
-    # one dependent L2 load at a time, and 16 never won a sweep: Llama-3-8B's down at M = 32 took
-    # 34 µs at 16 splits and 4 stages, 24 at 8 and 3); and the fp32 partials (split * M * N * 4 bytes, through L2) stay
-    # at most half the packed weight's bytes (N * K / 2), so fewer splits as M grows.
+    # that many fit at 3 stages); a second, partial wave would leave SMs idle at the tail. Each
+    # split streams at least 4 K tiles; at most 8 splits (past BLOCK_M 16 the last program sums the
+    # partials one dependent L2 load at a time, and 16 never won a sweep: Llama-3-8B's down at
+    # M = 32 took 34 µs at 16 splits and 4 stages, 24 at 8 and 3); and the fp32 partials
+    # (split * M * N * 4 bytes, through L2) stay at most half the packed weight's bytes (N * K / 2),
+    # so fewer splits as M grows.
     split = 1
     while tiles * split * 2 <= 4 * num_sms and split * 2 <= min(8, k_tiles // 4, k // (16 * m)):
         split *= 2
     # One warpgroup and 3 stages at every decode size: in the H200 sweep (bench/quant_gemm_bench.py,
     # Llama-3-8B's four projections, M 1-64) the best config had 3 stages in 25 cases of 28 (gate_up
-    # at M 1, 4 and 8 kept 4), and at M = 64 one warpgroup beat two on three projections of four
-    # (qkv 19.6 vs 21.7 µs) despite its larger register file.
+    # at M 1, 4 and 8 kept 4); at M = 64 one warpgroup won on qkv and gate_up (20.3 vs 22.2 µs, 67.9
+    # vs 70.6 at 07bed78) despite its 224 registers a thread; two won on o and down (15.2 and 34.4
+    # µs; the one-warpgroup times there are not in the rows).
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3, split_k=split)
 
 
