@@ -111,7 +111,7 @@ def test_w4a16_split_k_replays_in_a_cuda_graph():
     assert int(counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("n, k, group, symmetric", [(4096, 14336, 128, True), (28672, 4096, 128, False), (1000, 4000, 64, False),
+@pytest.mark.parametrize("n, k, group, symmetric", [(4096, 14336, 128, True), (6144, 4096, 128, False), (1000, 4000, 64, False),
                                                     (4104, 1032, 128, True)])
 def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, monkeypatch):
     """A GPTQ (v1) layer through ``W4A16LinearMethod.apply`` at M from 1 to 4096: the register-dequant
