@@ -6,8 +6,9 @@ a ParamLayout); ``process_weights_after_loading`` converts them to our one layou
 (``int4.Int4Weights``). On a GPU the weight stays packed (repacked once into the kernel's
 tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM at decode sizes, and at prefill
 sizes dequantizes it into a scratch that lives for one call (torch's caching allocator hands the
-same block to every layer, so no layer keeps a full-precision copy) and calls cuBLAS; elsewhere it is dequantized once into the model's dtype and the layer becomes an ordinary
-unquantized one (correct, not fast).
+same block to every layer, so no layer keeps a full-precision copy) and calls cuBLAS; elsewhere it
+is dequantized once into the model's dtype and the layer becomes an ordinary unquantized one
+(correct, not fast).
 """
 
 from __future__ import annotations
