@@ -98,7 +98,9 @@ def silu_and_mul_fp8(
         raise ValueError(f"static_scale must hold one value, got shape {tuple(static_scale.shape)}")
     codes, scales = fp8_outputs(x2.shape[0], d, x.device, out)
     if codes.numel():
-        block = min(triton.next_power_of_2(d), 2048)
+        # 4,096 columns a sweep step (16 a thread at 8 warps): the steps of a row run one after the
+        # other, each waiting for its loads, so fewer, wider steps (4 + 4 for Llama-3-8B's 14,336).
+        block = min(triton.next_power_of_2(d), 4096)
         _silu_and_mul_fp8_kernel[(x2.shape[0],)](
             x2, codes, scales, static_scale if static_scale is not None else scales, d, x2.stride(0), codes.stride(0),
             STATIC_SCALE=static_scale is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
