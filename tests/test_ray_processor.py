@@ -215,8 +215,9 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
         {"prompt": "the cat", "sampling_params": {"top_p": 7.0}, "keep": 4},
         {"prompt": "the cat", "sampling_params": {"no_such_field": 1}, "keep": 5},
         {"prompt": " ".join(["wind"] * 300), "keep": 6},
+        {"prompt": "the cat", "sampling_params": {"max_tokens": 129}, "keep": 7},  # the batch job's up-front limit
     ])
-    assert [r["keep"] for r in out] == [1, 2, 3, 4, 5, 6]
+    assert [r["keep"] for r in out] == [1, 2, 3, 4, 5, 6, 7]
     ref = llama.generate("the cat sat", SamplingParams(**GREEDY, logprobs=2), use_tqdm=False)[0]
     assert out[0]["generated_text"] == ref.outputs[0].text and out[0]["generated_tokens"] == ref.outputs[0].token_ids
     assert out[0]["num_input_tokens"] == len(ref.prompt_token_ids) and out[0]["finish_reason"] == "length"
@@ -228,6 +229,7 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
     assert "n=2" in out[2]["__inference_error__"]
     assert "top_p" in out[3]["__inference_error__"] and "no_such_field" in out[4]["__inference_error__"]
     assert "max_model_len=128" in out[5]["__inference_error__"]
+    assert "max_tokens=129" in out[6]["__inference_error__"] and "max_model_len (128)" in out[6]["__inference_error__"]
     assert all(r["generated_tokens"] == [] and r["num_generated_tokens"] == 0 for r in out[2:])
 
     # Other column types (Arrow needs one type per column in a batch): JSON text, token ids, bad messages.

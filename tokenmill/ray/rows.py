@@ -60,6 +60,7 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     if params.n != 1 or (params.best_of or 1) != 1:
         raise RowProblem(f"sampling_params n={params.n} (best_of={params.best_of}): the processor writes one "
                          "completion per row; repeat the row for more samples")
+    _check_engine_limits(params, llm)
     messages = row.get("messages")
     if messages is not None and apply_chat_template:
         from tokenmill.batch.requests import RowError, parse_messages
@@ -113,6 +114,17 @@ def _sampling_params(value: Any, llm: Any) -> Any:
         return SamplingParams.from_optional(**given)
     except (TypeError, ValueError) as e:
         raise RowProblem(f"sampling_params: {e}") from None
+
+
+def _check_engine_limits(params: Any, llm: Any) -> None:
+    """The batch job's up-front refusals (values no run of this engine can serve), as this row's error."""
+    from tokenmill.batch.requests import check_engine_limits
+
+    config = llm.llm_engine.config
+    try:
+        check_engine_limits(params, config.max_model_len, config.max_num_seqs)
+    except ValueError as e:
+        raise RowProblem(str(e)) from None
 
 
 def pooling_job(rows: "PoolingRows", row: dict[str, Any], position: int, request_prefix: str) -> RowJob:
