@@ -3,14 +3,17 @@
 W4A16 (issue 18's target: >= 2.5x the bf16 GEMM at decode sizes M 1-64): our Triton kernel with
 the engine's own choice of tiles and K split, and the best of a small sweep of its knobs (so a
 better heuristic shows up as a gap between the two), plus the operands-not-swapped and
-plain-Triton-dequant variants the engine does not launch. FP8 at M 16-4096: activation quantization
+plain-Triton-dequant variants the engine does not launch; at prefill sizes (M 128-16384) the
+kernel against dequantize-then-cuBLAS (where the two cross decides DEQUANT_MIN_M). FP8 at M 16-4096: activation quantization
 alone, ``torch._scaled_mm`` (cuBLASLt, rowwise scales), our Triton fp8 GEMM, and the engine's
-whole fp8 linear (quantize + _scaled_mm) against bf16.
+whole fp8 linear (quantize + _scaled_mm) against bf16. ``fused``: the kernels before the fp8
+linears (add + RMSNorm before qkv and gate_up, SiLU-and-mul before down_proj) alone, followed by
+``quantize_fp8`` (the path before the fusion), and quantizing their own output (the engine's path).
 
 Every timing is a CUDA-graph replay (bench/kernels_bench.py's timer) cycling through enough
 copies of the weights to exceed the 60 MB L2 twice over, so weights come from HBM as they do in
 a decode step that reads every layer. One JSON row per (shape, M, kind).
-    python bench/quant_gemm_bench.py [w4a16] [fp8]
+    python bench/quant_gemm_bench.py [w4a16] [fp8] [fused]
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_bench import _provenance, _time_graph  # noqa: E402
 
+from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8  # noqa: E402
-from tokenmill.kernels.triton.w4a16_gemm import K_TILE, choose_config, counters_needed, w4a16_gemm  # noqa: E402
+from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
+from tokenmill.kernels.triton.w4a16_gemm import (  # noqa: E402
+    DEQUANT_MIN_M, K_TILE, choose_config, counters_needed, dequantize_weight, w4a16_gemm)
 from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 L2_BYTES = 60 * 2**20
+# Prefill sizes, around DEQUANT_MIN_M and up to a whole 32 x 512-token prompt batch in one step.
+PREFILL_M = (128, 256, 512, 1024, 4096, 16384)
 
 
 def _copies(weight_bytes: int) -> int:
@@ -45,16 +53,18 @@ def _cycled(calls: list) -> tuple[float, float]:
 
 
 def _sweep(auto: dict) -> list[dict]:
-    """The knobs of the decode-size W4A16 kernel around the engine's choice: outputs a program,
-    pipeline stages, the K split (half and twice), two warpgroups a program, and the two paths it
-    does not take (operands not swapped; the plain-Triton dequant instead of the inline-PTX one)."""
+    """The knobs of the decode-size W4A16 kernel around the engine's choice: the K split (a
+    quarter, half, the same and twice) at 3 and 4 pipeline stages, 64 outputs a program, two
+    warpgroups a program, and the two paths it does not take (operands not swapped; the
+    plain-Triton dequant instead of the inline-PTX one)."""
     configs = []
-    for block_n in (64, 128):
-        for stages in (3, 4):
-            for split in sorted({max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)}):
-                configs.append(dict(auto, BLOCK_N=block_n, num_warps=4, num_stages=stages, split_k=split))
-    # Two warpgroups a program (the engine's choice at M 33-64): more warps to hide the MMA waits
-    # (113 registers at M 64, 128 outputs), against more instructions a weight (4.8 vs 3.5 SASS).
+    splits = sorted({max(1, auto["split_k"] // 4), max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)})
+    for stages in (3, 4):
+        for split in splits:
+            configs.append(dict(auto, BLOCK_N=128, num_warps=4, num_stages=stages, split_k=split))
+    configs.append(dict(auto, BLOCK_N=64))
+    # Two warpgroups a program: more warps to hide the MMA waits (113 registers at M 64, 128
+    # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
     configs += [dict(auto, SWAP=False), dict(auto, DEQUANT_ASM=False)]
     return configs
@@ -96,6 +106,35 @@ def bench_w4a16() -> None:
                    "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1],
                    "unswapped_us": variant_us.get("SWAP"), "plain_dequant_us": variant_us.get("DEQUANT_ASM")}
             print(json.dumps(row), flush=True)
+        for m in PREFILL_M:
+            print(json.dumps(_prefill_row(name, n, k, m, packed, scales, dense, counters)), flush=True)
+
+
+def _prefill_row(name: str, n: int, k: int, m: int, packed: list, scales: list, dense: list, counters: torch.Tensor) -> dict:
+    """Past the decode sizes: the register-dequant GEMM, the dequantize pass alone, cuBLAS on its
+    output (w^T [K, N], read through a .t() view), the two together (what w4a16_linear runs from
+    DEQUANT_MIN_M on), and bf16 cuBLAS on a [N, K] weight; the engine's path is the one
+    w4a16_linear takes at this M."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    copies = len(packed)
+    scratch = dequantize_weight(packed[0], scales[0], None, 128, k, torch.bfloat16)
+    bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])
+    kernel_us, _ = _cycled([lambda i=i: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters) for i in range(copies)])
+    dequant_us, _ = _cycled([lambda i=i: dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16, out=scratch)
+                             for i in range(copies)])
+    scratch_linear_us, _ = _time_graph(lambda: F.linear(x, scratch.t()), calls_per_graph=1)
+    both_us, _ = _cycled([lambda i=i: F.linear(x, dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16).t())
+                          for i in range(copies)])
+    engine = "dequant_cublas" if m >= DEQUANT_MIN_M else "kernel"
+    engine_us = both_us if engine == "dequant_cublas" else kernel_us
+    tflops = lambda us: round(2 * m * n * k / us / 1e6, 1)  # noqa: E731
+    return {**_provenance("w4a16_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
+            "bf16_cublas_us": round(bf16_us, 2), "w4a16_us": round(engine_us, 2), "engine_path": engine,
+            "speedup": round(bf16_us / engine_us, 2), "kernel_us": round(kernel_us, 2),
+            "w4a16_config": choose_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count),
+            "dequant_us": round(dequant_us, 2), "dequant_gbps": round(n * k * 2.5 / dequant_us / 1e3, 1),
+            "cublas_on_scratch_us": round(scratch_linear_us, 2), "dequant_cublas_us": round(both_us, 2),
+            "bf16_tflops": tflops(bf16_us), "kernel_tflops": tflops(kernel_us), "dequant_cublas_tflops": tflops(both_us)}
 
 
 def bench_fp8() -> None:
@@ -121,15 +160,40 @@ def bench_fp8() -> None:
             print(json.dumps(row), flush=True)
 
 
+def bench_fused() -> None:
+    """Per call, CUDA-graph replays (inputs in L2, as the previous GEMM leaves them in a decode step)."""
+    hidden, inter = 4096, 14336
+    weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    for m in (16, 64, 256, 1024, 4096):
+        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        gate_up = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        cases = {
+            "add_rms_norm": (lambda: fused_add_rms_norm(x, residual, weight, 1e-5),
+                             lambda: quantize_fp8(fused_add_rms_norm(x, residual, weight, 1e-5)[0]),
+                             lambda: rms_norm_fp8(x, weight, 1e-5, residual=residual)),
+            "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: quantize_fp8(silu_and_mul(gate_up)),
+                             lambda: silu_and_mul_fp8(gate_up)),
+        }
+        for name, (alone, unfused, fused) in cases.items():
+            alone_us, unfused_us, fused_us = (_time_graph(fn)[0] for fn in (alone, unfused, fused))
+            row = {**_provenance("fp8_fused_quantize", f"llama3-8b-{name}-m{m}"), "m": m, "bf16_alone_us": round(alone_us, 2),
+                   "then_quantize_us": round(unfused_us, 2), "fused_us": round(fused_us, 2),
+                   "saved_us": round(unfused_us - fused_us, 2)}
+            print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("quant_gemm_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
-    parts = sys.argv[1:] or ["w4a16", "fp8"]
+    parts = sys.argv[1:] or ["w4a16", "fp8", "fused"]
     if "w4a16" in parts:
         bench_w4a16()
     if "fp8" in parts:
         bench_fp8()
+    if "fused" in parts:
+        bench_fused()
 
 
 if __name__ == "__main__":

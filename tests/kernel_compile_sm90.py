@@ -89,7 +89,15 @@ for _m in (1, 32, 64, 256):
 _case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zeros=True, bias=True)
 _case("compile_sm90", "sm90-w4a16-m8-asym-fp16-gate_up", kernel="w4a16", m=8, zeros=True, dtype="float16", n=28672)
 _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=14336, group=64)
+# The prefill path's dequantize pass (then cuBLAS): gate_up's shape, symmetric and asymmetric.
+_case("compile_sm90", "sm90-w4a16_dequant-bf16", kernel="w4a16_dequant")
+_case("compile_sm90", "sm90-w4a16_dequant-asym-fp16", kernel="w4a16_dequant", zeros=True, dtype="float16")
 _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
+# The norms and the SiLU-and-mul that quantize their output for the next fp8 linear (Llama-3-8B's
+# hidden 4096 and intermediate 14336; per-token and static scales).
+for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+    for _static in (False, True):
+        _case("compile_sm90", f"sm90-{_kernel}-{'static' if _static else 'dynamic'}-bf16", kernel=_kernel, static=_static)
 for _m in (16, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-bf16", kernel="fp8_gemm", m=_m)
 
@@ -267,10 +275,26 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         w4a16_gemm(torch.empty((p["m"], k), dtype=dtype), torch.empty((k // 8, n), dtype=torch.int32),
                    torch.empty((k // group, n), dtype=dtype), zeros, group, torch.empty(n, dtype=dtype) if p.get("bias") else None,
                    torch.zeros(counters_needed(n), dtype=torch.int32), config)
+    elif kernel == "w4a16_dequant":
+        from tokenmill.kernels.triton.w4a16_gemm import dequantize_weight
+
+        n, k, group = 28672, 4096, 128
+        dtype = getattr(torch, p.get("dtype", "bfloat16"))
+        zeros = torch.empty((k // group, n), dtype=torch.uint8) if p.get("zeros") else None
+        dequantize_weight(torch.empty((k // 8, n), dtype=torch.int32), torch.empty((k // group, n), dtype=dtype), zeros,
+                          group, k, dtype, out=torch.empty((k, n), dtype=dtype), dequant_asm=True)
     elif kernel == "quantize_fp8":
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 
         quantize_fp8(torch.empty((64, 14336), dtype=bf16))
+    elif kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+        static = torch.ones(1) if p["static"] else None
+        if kernel == "silu_and_mul_fp8":
+            activation.silu_and_mul_fp8(torch.empty((256, 2 * 14336), dtype=bf16), static)
+        else:
+            x = torch.empty((256, 4096), dtype=bf16)
+            residual = torch.empty_like(x) if kernel == "fused_add_rms_norm_fp8" else None
+            rmsnorm.rms_norm_fp8(x, torch.empty(4096, dtype=bf16), 1e-5, static, residual=residual)
     elif kernel == "fp8_gemm":
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 

@@ -43,6 +43,29 @@ for _dt in ("float32", "float16"):
     for _m, _n, _k in ((1, 70, 300), (20, 128, 128), (130, 72, 260)):
         _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k, bias=_m == 20)
 
+# The prefill path's dequantize pass (W4A16 weights -> w^T for cuBLAS), against the integers drawn:
+# partial last word, tile, group and 128-output block; groups of 32 (several a tile), one group a
+# row, symmetric and not.
+_W4A16_DEQUANT = [(72, 200, 64, True), (128, 256, 128, False), (96, 416, -1, True), (200, 520, 32, True)]
+for _dt in ("float32", "float16"):
+    for _i, (_n, _k, _g, _z) in enumerate(_W4A16_DEQUANT):
+        _case("w4a16_dequant", f"w4a16-dequant-n{_n}-k{_k}-g{_g}-{'asym' if _z else 'sym'}-{_dt}", dtype=_dt, n=_n, k=_k,
+              group=_g, zeros=_z, seed=_i)
+
+# The kernels before an fp8 linear that quantize their own output (RMSNorm, add + RMSNorm, SiLU-and-mul):
+# rows normalised a block at a time (hidden 64: 16 rows a program, 17 rows leave a partial block),
+# odd widths (200, 1000; d = 300), rows longer than one sweep step (d = 4200: two 4096-wide steps), 3-D
+# SiLU input, per-token and static (saturating) scales.
+for _dt in ("float32", "float16"):
+    for _rows, _n in ((5, 96), (17, 64), (7, 200), (3, 1000)):
+        for _residual in (False, True):
+            _case("fp8_norm", f"fp8-norm-{_rows}x{_n}-{'add' if _residual else 'plain'}-{_dt}", dtype=_dt, rows=_rows, n=_n,
+                  residual=_residual, static=False)
+    _case("fp8_norm", f"fp8-norm-7x200-add-static-{_dt}", dtype=_dt, rows=7, n=200, residual=True, static=True)
+    for _shape in ((4, 192), (3, 600), (2, 8400), (2, 3, 200)):
+        _case("fp8_silu", f"fp8-silu-{'x'.join(map(str, _shape))}-{_dt}", dtype=_dt, shape=_shape, static=False)
+    _case("fp8_silu", f"fp8-silu-3x600-static-{_dt}", dtype=_dt, shape=(3, 600), static=True)
+
 # Whole layers through their linear methods: the kernel path (what runs on a GPU, forced here) against
 # the same layer dequantized at load (the CPU path), merged column-parallel and row-parallel with bias.
 for _dt in ("float32", "float16"):
@@ -57,6 +80,9 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
     from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
     from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
     from tokenmill.quantization.config import Fp8Scheme, Int4Scheme
+
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+    from tokenmill.quantization.fp8 import QuantizedActivation, fp8_input_of
 
     patch_triton_interpreter_fp8_rounding()
     dtype = getattr(torch, p["dtype"])
@@ -106,9 +132,21 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
         row.bias.data.copy_(bias)
         for layer in (merged, row):
             layer.quant_method.process_weights_after_loading(layer)
-        x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(dtype)
-        hidden = merged(x)
-        outputs.append((hidden, row(hidden[:, : sum(halves) // 2].contiguous())))
+        # 5 tokens: the register-dequant GEMM; 260 (W4A16 past DEQUANT_MIN_M): dequantize, then matmul.
+        step = []
+        for tokens in (5, 260):
+            x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+            hidden = merged(x)
+            if kernels and isinstance(scheme, Fp8Scheme):
+                # The input quantized by the kernel before (a norm fused with the quantization) gives the same
+                # bits as the layer quantizing it itself, with the checkpoint's static scale where it has one.
+                fp8_input = fp8_input_of(merged)
+                assert fp8_input is not None and (fp8_input.static_scale is not None) == (scheme.activations == "static")
+                assert torch.equal(merged(QuantizedActivation(*quantize_fp8(x, fp8_input.static_scale))), hidden)
+            else:
+                assert fp8_input_of(merged) is None  # 4-bit, or fp8 dequantized at load: model-dtype input
+            step += [hidden, row(hidden[:, : sum(halves) // 2].contiguous())]
+        outputs.append(step)
     quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     for got, want in zip(outputs[1], outputs[0]):
@@ -153,6 +191,33 @@ def _check_w4a16(p: dict[str, Any]) -> None:
     assert int(counters.abs().sum()) == 0, "split-K counters were not reset"
 
 
+def _check_w4a16_dequant(p: dict[str, Any]) -> None:
+    """Codes, zero points and scales drawn as integers and floats; the reference weight is
+    ``(code - zero) * scale`` of those in fp32, rounded once; the codes are packed along K by
+    compressed-tensors' ``pack_to_int32`` (GPTQ's orientation, our ``Int4Weights.qweight``)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tokenmill.kernels.triton.w4a16_gemm import dequantize_weight, pack_for_kernel
+
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(p["seed"])
+    n, k = p["n"], p["k"]
+    group = k if p["group"] == -1 else p["group"]
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8) if p["zeros"] else None
+    scales = (0.02 + 0.1 * torch.rand(groups, n, generator=gen)).to(dtype)
+    feature_group = torch.arange(k) // group
+    z = 8 if zeros is None else zeros.t()[:, feature_group].to(torch.int64)
+    expected = ((codes - z).float() * scales.t()[:, feature_group].float()).to(dtype).t()  # w^T [K, N]
+    qweight = pack_to_int32((codes - 8).to(torch.int8), 4, packed_dim=1).t()  # [ceil(K / 8), N]
+    out = torch.full((k, n), float("nan"), dtype=dtype)
+    got = dequantize_weight(pack_for_kernel(qweight, k), scales, zeros, group, k, dtype, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, expected), f"{int((got != expected).sum())} of {got.numel()} weights differ"
+
+
 def _check_quantize_fp8(p: dict[str, Any]) -> None:
     import torch
 
@@ -191,5 +256,83 @@ def _check_fp8_gemm(p: dict[str, Any]) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=tol * float(expected.float().abs().max()), rtol=tol)
 
 
-CHECKS = {"w4a16": _check_w4a16, "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
+def _poisoned_fp8(rows: int, cols: int) -> tuple[Any, Any]:
+    import torch
+
+    codes = torch.full((rows, cols), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # e4m3fn NaN
+    return codes, torch.full((rows,), float("nan"))
+
+
+def _assert_fp8_matches(got: tuple[Any, Any], unfused: tuple[Any, Any], twin: tuple[Any, Any]) -> None:
+    """Bit for bit what the unfused kernels give (the model-dtype value stored, then quantize_fp8), and
+    within fp8 rounding of the plain-torch twin: same scales to fp32 rounding, and each code at most
+    one e4m3 step from the twin's (the interpreter's rsqrt and the twin's may differ by an ulp, which
+    can move a value across a rounding boundary)."""
+    import torch
+
+    (codes, scales), (unfused_codes, unfused_scales), (twin_codes, twin_scales) = got, unfused, twin
+    assert torch.equal(scales, unfused_scales), (scales, unfused_scales)
+    assert torch.equal(codes.view(torch.uint8), unfused_codes.view(torch.uint8)), "codes differ from the unfused kernels'"
+    torch.testing.assert_close(scales, twin_scales, atol=0, rtol=2e-6)
+    step = (codes.float() - twin_codes.float()).abs()
+    ulp = torch.maximum(twin_codes.float().abs(), codes.float().abs()).clamp(min=2.0**-6) * 2.0**-3  # e4m3: 3 mantissa bits
+    assert bool((step <= ulp).all()), f"codes more than one step from the twin's: {float(step.max())}"
+    assert float((step > 0).float().mean()) < 0.02, "too many codes differ from the twin's"
+
+
+def _check_fp8_norm(p: dict[str, Any]) -> None:
+    import torch
+
+    from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
+    from tokenmill.kernels import reference
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+    from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(p["rows"] * p["n"])
+    rows, n = p["rows"], p["n"]
+    x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+    x[1] = 0  # a zero row (without a residual): the smallest scale, codes 0
+    weight = (1.0 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
+    residual = torch.randn(rows, n, generator=gen).to(dtype) if p["residual"] else None
+    static = torch.tensor([0.004]) if p["static"] else None  # 448 * 0.004 = 1.8: many values saturate
+    out = _poisoned_fp8(rows, n)
+    res_out = torch.full_like(x, float("nan")) if residual is not None else None
+    codes, scales, summed = rms_norm_fp8(x, weight, 1e-5, static, residual=residual, residual_out=res_out, out=out)
+    assert codes is out[0] and scales is out[1] and summed is res_out
+    if residual is None:
+        normed, twin_normed = rms_norm(x, weight, 1e-5), reference.rms_norm_ref(x, weight, 1e-5)
+    else:
+        normed, unfused_sum = fused_add_rms_norm(x, residual, weight, 1e-5)
+        twin_normed, twin_sum = reference.fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+        assert torch.equal(summed, unfused_sum) and torch.equal(summed, twin_sum), "the residual sum changed"
+    _assert_fp8_matches((codes, scales), quantize_fp8(normed, static), reference.quantize_fp8_ref(twin_normed, static))
+
+
+def _check_fp8_silu(p: dict[str, Any]) -> None:
+    import torch
+
+    from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
+    from tokenmill.kernels import reference
+    from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    shape = tuple(p["shape"])
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    d, rows = shape[-1] // 2, x.numel() // shape[-1]
+    static = torch.tensor([0.01]) if p["static"] else None
+    out = _poisoned_fp8(rows, d)
+    codes, scales = silu_and_mul_fp8(x, static, out=out)
+    assert codes is out[0] and scales is out[1]
+    unfused = quantize_fp8(silu_and_mul(x).reshape(rows, d), static)
+    twin = reference.quantize_fp8_ref(reference.silu_and_mul_ref(x).reshape(rows, d), static)
+    _assert_fp8_matches((codes, scales), unfused, twin)
+
+
+CHECKS = {"fp8_norm": _check_fp8_norm, "fp8_silu": _check_fp8_silu, "w4a16": _check_w4a16, "w4a16_dequant": _check_w4a16_dequant,
+          "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
           "quant_layer": _check_quant_layer}

@@ -111,6 +111,56 @@ def test_w4a16_split_k_replays_in_a_cuda_graph():
     assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("n, k, group, symmetric", [(4096, 14336, 128, True), (6144, 4096, 128, False), (1000, 4000, 64, False),
+                                                    (4104, 1032, 128, True)])
+def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, monkeypatch):
+    """A GPTQ (v1) layer through ``W4A16LinearMethod.apply`` at M from 1 to 4096: the register-dequant
+    GEMM below DEQUANT_MIN_M, dequantize-then-cuBLAS from it on (the pass is counted, so both paths
+    are known to run). Reference: ``(code - zero) * scale`` of the integers drawn, in fp32; the
+    checkpoint tensors are packed by compressed-tensors' ``pack_to_int32``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tokenmill.kernels.triton import w4a16_gemm as kernels
+    from tokenmill.models.layers.linear import ColumnParallelLinear
+    from tokenmill.quantization import linear_method
+    from tokenmill.quantization.config import Int4Scheme, QuantizationConfig
+
+    gen = torch.Generator().manual_seed(n + k)
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.full((groups, n), 8) if symmetric else torch.randint(1, 16, (groups, n), generator=gen)
+    scales = (0.002 + 0.004 * torch.rand(groups, n, generator=gen)).half()
+    feature_group = torch.arange(k) // group
+    weight = ((codes - zeros.t()[:, feature_group]).float() * scales.t()[:, feature_group].float()).cuda()  # [N, K]
+    pack = lambda values: pack_to_int32((values - 8).to(torch.int8), 4, packed_dim=1)  # noqa: E731  (it stores value + 8)
+    tensors = {"qweight": pack(codes).t().contiguous(), "qzeros": pack(zeros - 1), "scales": scales,
+               "g_idx": feature_group.to(torch.int32)}
+    method = linear_method(QuantizationConfig("test", ((("Linear",), Int4Scheme("gptq", group, symmetric, True)),)), ["layer"])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            layer = ColumnParallelLinear(k, n, bias=True, quant_method=method)
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(layer.named_parameters())
+    for name, tensor in tensors.items():
+        layer.weight_loader(params[name], tensor)
+    bias = torch.randn(n, generator=gen)
+    layer.bias.data.copy_(bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    passes = []
+    dequantize = kernels.dequantize_weight
+    monkeypatch.setattr(kernels, "dequantize_weight", lambda *a, **kw: passes.append(a[0].shape) or dequantize(*a, **kw))
+    ms = sorted(set(M_VALUES) | {kernels.DEQUANT_MIN_M - 1, kernels.DEQUANT_MIN_M})
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        got = layer(x)
+        want = x.float() @ weight.t() + bias.cuda()
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2, msg=f"M={m}")
+    assert len(passes) == sum(m >= kernels.DEQUANT_MIN_M for m in ms), "the prefill path ran at the wrong sizes"
+
+
 @pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200)])
 def test_fp8_quantize_and_gemm_match_twins(n, k):
     from tokenmill.kernels.reference import fp8_linear_ref, quantize_fp8_ref
@@ -132,6 +182,93 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
         if n % 16 == 0 and k % 16 == 0:
             scaled = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
             torch.testing.assert_close(scaled.float(), want.float(), **tol, msg=f"_scaled_mm M={m}")
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_fused_norm_and_silu_give_the_unfused_bits(static):
+    """The RMSNorm (with and without the residual add) and the SiLU-and-mul that quantize their own
+    output for the next fp8 linear, in bf16 on Llama-3-8B's widths (hidden 4096, intermediate 14336)
+    and odd ones: the same codes and scales, bit for bit, as the unfused kernels followed by
+    quantize_fp8 (the path before the fusion), and the same residual sum."""
+    from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+    from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+
+    scale = torch.tensor([0.02], device="cuda") if static else None
+    for hidden, inter in ((4096, 14336), (1000, 2100)):
+        weight = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+        for m in (1, 3, 17, 64, 256, 1024):
+            x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16) * 3
+            residual = torch.randn_like(x)
+            codes, scales, summed = rms_norm_fp8(x, weight, 1e-5, scale, residual=residual)
+            normed, want_sum = fused_add_rms_norm(x, residual, weight, 1e-5)
+            want_codes, want_scales = quantize_fp8(normed, scale)
+            assert torch.equal(summed, want_sum), f"residual sum, hidden={hidden} M={m}"
+            assert torch.equal(scales, want_scales), f"add+norm scales, hidden={hidden} M={m}"
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), f"add+norm codes, hidden={hidden} M={m}"
+            codes, scales, _ = rms_norm_fp8(x, weight, 1e-5, scale)
+            want_codes, want_scales = quantize_fp8(rms_norm(x, weight, 1e-5), scale)
+            assert torch.equal(scales, want_scales) and torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), \
+                f"norm, hidden={hidden} M={m}"
+            gate_up = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16) * 2
+            codes, scales = silu_and_mul_fp8(gate_up, scale)
+            want_codes, want_scales = quantize_fp8(silu_and_mul(gate_up), scale)
+            assert torch.equal(scales, want_scales) and torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), \
+                f"silu, inter={inter} M={m}"
+
+
+def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, monkeypatch):
+    """quantization="fp8" with the norms and SiLU-and-mul quantizing for the next linear (prefill eager,
+    decode in CUDA graphs) against the same engine with the fusion switched off (each fp8 linear
+    quantizes its own input, as before): the same greedy tokens and logprobs. The fused kernels must
+    actually have run (counted), or the comparison would be empty."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.kernels.triton import activation, rmsnorm
+    from tokenmill.quantization import fp8
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # as the agreement test below: logits with clear margins, not near-uniform ones
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.04)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    calls = {"rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
+
+    def counted(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(rmsnorm, "rms_norm_fp8")
+    counted(activation, "silu_and_mul_fp8")
+    prompts = [{"prompt_token_ids": [random.Random(i).randrange(1, 1024) for _ in range(5 + 40 * (i % 5))]} for i in range(24)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, detokenize=False)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(fp8, "fp8_input_of", lambda linear: None)
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, quantization="fp8")
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                        for o in outputs])
+        if fused:
+            assert calls["rms_norm_fp8"] > 0 and calls["silu_and_mul_fp8"] > 0, calls
+            calls_fused = dict(calls)
+        del llm, outputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert calls == calls_fused, "the unfused engine still ran the fused kernels"
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*results):
+        assert list(tokens) == list(want_tokens)
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) <= 1e-3
 
 
 # ---- end to end ---------------------------------------------------------------------------------

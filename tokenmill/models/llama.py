@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from tokenmill.models.checkpoint_tensor import CheckpointTensor
+    from tokenmill.quantization.fp8 import QuantizedActivation
     from tokenmill.quantization.config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding.from_config(config, self.head_dim)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | QuantizedActivation", ctx: ForwardContext) -> torch.Tensor:
         # q/k norms (Qwen3), rotary and the cache store happen in the attention layer: the Triton
         # backend does them in one kernel straight from the qkv output (see Attention.forward_qkv).
         qkv = self.qkv_proj(hidden)
@@ -110,8 +111,8 @@ class LlamaMLP(nn.Module):
                                            quant_method=linear_method(quant, [f"{prefix}.down_proj"]))
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: "torch.Tensor | QuantizedActivation") -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), feeds=self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,15 +127,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm can fuse the preceding add.
+        # The residual stream is carried separately so each norm can fuse the preceding add. Each
+        # norm is told the linear it feeds: for an fp8 one it also quantizes (RMSNorm.forward).
+        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, feeds=qkv_proj)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            normed, residual = self.input_layernorm(hidden, residual, feeds=qkv_proj)
+        hidden = self.self_attn(positions, normed, ctx)
+        normed, residual = self.post_attention_layernorm(hidden, residual, feeds=gate_up_proj)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -10,10 +10,16 @@ On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or 
 static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
 ``torch._scaled_mm`` (cuBLASLt) for bf16 outputs with K and N multiples of 16, our Triton fp8 GEMM
 otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
+
+The kernel before a linear can do that quantization itself, for free (the RMSNorms before qkv and
+gate_up, the SiLU-and-mul before down_proj: ``fp8_input_of`` says whether the linear takes fp8
+input and with which scale); it then hands the linear a ``QuantizedActivation`` instead of a tensor,
+and ``apply`` goes straight to the GEMM.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +38,33 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A linear layer's input already quantized to fp8 by the kernel that produced it: codes
+    [rows, K] float8 e4m3 and fp32 scales [rows] (one per token, or the static scale repeated)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Fp8Input:
+    """How an fp8 linear wants its input quantized: ``static_scale`` (the checkpoint's input_scale, one
+    fp32) for every token, or None for a scale per token (max |x| / 448)."""
+
+    static_scale: torch.Tensor | None
+
+
+def fp8_input_of(linear: nn.Module) -> Fp8Input | None:
+    """Fp8Input when ``linear`` runs the fp8 kernels, so the kernel before it may hand it a
+    QuantizedActivation; None when it takes its input in the model dtype (unquantized, another
+    scheme, or an fp8 layer dequantized at load off the GPU). Fixed once weights are loaded, so a
+    CUDA graph's capture and replays take the same path."""
+    if not isinstance(getattr(linear, "quant_method", None), Fp8LinearMethod):
+        return None  # (off the GPU, loading swapped the fp8 method for the unquantized one)
+    return Fp8Input(getattr(linear, "input_scale", None))
 
 
 class Fp8LinearMethod:
@@ -69,18 +102,22 @@ class Fp8LinearMethod:
         n, k = weight.shape
         self.use_scaled_mm = self.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and hasattr(torch, "_scaled_mm")
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] in the model dtype, or already quantized by the kernel before (see fp8_input_of)."""
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8
 
-        lead, k = x.shape[:-1], x.shape[-1]
-        xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
+        if isinstance(x, QuantizedActivation):
+            xq, x_scale, lead, out_dtype = x.codes, x.scales, x.codes.shape[:-1], self.dtype
+        else:
+            lead, k, out_dtype = x.shape[:-1], x.shape[-1], x.dtype
+            xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
         if self.use_scaled_mm:
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
-                                 out_dtype=x.dtype)
+                                 out_dtype=out_dtype)
             if bias is not None:
                 y = y + bias
         else:
-            y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, bias, x.dtype)
+            y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, bias, out_dtype)
         return y.reshape(*lead, y.shape[-1])
 
 

@@ -4,8 +4,11 @@ The layer gets the checkpoint's own tensors under their own names (so loading, t
 slicing included, is the layers' generic ``load_placed`` with each tensor's packing described by
 a ParamLayout); ``process_weights_after_loading`` converts them to our one layout
 (``int4.Int4Weights``). On a GPU the weight stays packed (repacked once into the kernel's
-tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM; elsewhere it is dequantized once into the model's dtype and the layer becomes an ordinary
-unquantized one (correct, not fast).
+tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM at decode sizes, and at prefill
+sizes dequantizes it into a scratch that lives for one call (torch's caching allocator hands the
+same block to every layer, so no layer keeps a full-precision copy) and calls cuBLAS; elsewhere it
+is dequantized once into the model's dtype and the layer becomes an ordinary unquantized one
+(correct, not fast).
 """
 
 from __future__ import annotations
@@ -103,11 +106,11 @@ class W4A16LinearMethod:
         self.group_size = weights.group_size
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from tokenmill.kernels.triton.w4a16_gemm import w4a16_gemm
+        from tokenmill.kernels.triton.w4a16_gemm import w4a16_linear
 
         lead = x.shape[:-1]
-        y = w4a16_gemm(x.reshape(-1, x.shape[-1]), layer.qweight_tiles, layer.scales_gn, layer.zeros_gn, self.group_size,
-                       bias, layer.splitk_counters)
+        y = w4a16_linear(x.reshape(-1, x.shape[-1]), layer.qweight_tiles, layer.scales_gn, layer.zeros_gn, self.group_size,
+                         bias, layer.splitk_counters)
         return y.reshape(*lead, y.shape[-1])
 
 

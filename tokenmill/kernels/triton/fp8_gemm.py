@@ -21,6 +21,20 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
+@triton.jit
+def fp8_row_scale(amax):
+    """The per-token scale of a row whose largest magnitude is ``amax``: max(amax / 448, MIN_SCALE), the
+    quotient correctly rounded (as the twin's tensor division). Shared with the kernels that quantize
+    their own output for the next fp8 linear (RMSNorm, SiLU-and-mul), so every path rounds alike."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))  # FP8_MAX, MIN_SCALE
+
+
+@triton.jit
+def fp8_codes(x, scale):
+    """x / scale saturated to +-448, in fp32 (the caller casts to float8 e4m3 as it stores)."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, M, K, stride_xm, stride_qm,
                          STATIC: tl.constexpr, BLOCK: tl.constexpr):
@@ -33,13 +47,28 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, M, K, stride_xm, s
         for k0 in range(0, K, BLOCK):
             rk = k0 + tl.arange(0, BLOCK)
             biggest = tl.maximum(biggest, tl.abs(tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(biggest, axis=0), 448.0), 1.0 / (448.0 * 512.0))  # MIN_SCALE
+        scale = fp8_row_scale(tl.max(biggest, axis=0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         rk = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_qm + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
+        tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
+
+
+def fp8_outputs(rows: int, cols: int, device: torch.device,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (codes [rows, cols] float8 e4m3, scales [rows] fp32) a quantizing kernel writes: ``out``
+    checked, or new tensors."""
+    if out is None:
+        return (torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device),
+                torch.empty((rows,), dtype=torch.float32, device=device))
+    codes, scales = out
+    if codes.shape != (rows, cols) or codes.dtype != torch.float8_e4m3fn or codes.stride(-1) != 1:
+        raise ValueError(f"out codes must be float8_e4m3fn [{rows}, {cols}] with a contiguous last dim, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    if scales.shape != (rows,) or scales.dtype != torch.float32 or not scales.is_contiguous():
+        raise ValueError(f"out scales must be contiguous float32 [{rows}], got {scales.dtype} {tuple(scales.shape)}")
+    return codes, scales
 
 
 def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +76,7 @@ def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> t
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((m,), dtype=torch.float32, device=x.device)
+    q, scales = fp8_outputs(m, k, x.device)
     if m:
         block = min(triton.next_power_of_2(k), 2048)
         _quantize_fp8_kernel[(m,)](x, q, scales, static_scale if static_scale is not None else scales, m, k,

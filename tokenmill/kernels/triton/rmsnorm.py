@@ -7,6 +7,12 @@ of a separate add kernel writing the sum and the norm reading it back. The round
 the sum is rounded to the model dtype, statistics are fp32, the normalised row is rounded to the
 model dtype and then multiplied by the weight.
 
+When the next linear runs on fp8 (``rms_norm_fp8``), the kernel also quantizes what it would have
+stored: the normalised row is in registers, so its largest magnitude, the per-token scale and the
+float8 codes cost no extra pass over memory and no launch of their own (``quantize_fp8``). The row
+is rounded to the model dtype first, exactly as the unfused path stores it and reads it back, so
+the codes and scales are the same bits.
+
 Each program normalises BLOCK_R rows, so short rows (the per-head q/k norms of Qwen3, 128 wide)
 still give every program a few thousand elements. Rows may be addressed with two strides
 (``[T, heads, head_dim]`` views of a fused qkv output), so the per-head norm needs no copy.
@@ -18,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.fp8_gemm import fp8_codes, fp8_outputs, fp8_row_scale
+
 
 # num_rows changes every step: not specialised on, so one variant serves every batch size.
 @triton.jit(do_not_specialize=["num_rows"])
@@ -27,6 +35,8 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,
+    static_scale_ptr,
     num_rows,
     inner_rows,
     n_cols,
@@ -37,6 +47,8 @@ def _rms_norm_kernel(
     stride_out_row,
     stride_res_out_row,
     HAS_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # out_ptr takes float8 codes and scale_ptr a scale per row
+    STATIC_SCALE: tl.constexpr,  # ... the one at static_scale_ptr (else each row's max |out| / 448)
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -58,6 +70,14 @@ def _rms_norm_kernel(
     normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     out = w[None, :] * normed
+    if QUANTIZE:
+        out = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # what the unfused path stores and re-reads
+        if STATIC_SCALE:
+            scale = tl.zeros((BLOCK_R,), dtype=tl.float32) + tl.load(static_scale_ptr).to(tl.float32)
+        else:
+            scale = fp8_row_scale(tl.max(tl.abs(out), axis=1))  # padding columns hold 0
+        tl.store(scale_ptr + rows64, scale, mask=row_ok)
+        out = fp8_codes(out, scale[:, None])
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -68,7 +88,10 @@ def _launch(
     residual: torch.Tensor | None,
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
+    fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    static_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fp8``: (codes, scales) to quantize into instead of writing ``out`` (x must be 2-D)."""
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D or 3-D with a contiguous last dim, got shape {tuple(x.shape)}")
     n_cols = x.shape[-1]
@@ -79,7 +102,9 @@ def _launch(
     else:
         inner_rows, stride_outer, stride_inner = 1, x.stride(0), 0
     num_rows = x.numel() // n_cols
-    if out is None:
+    if fp8 is not None:
+        out = fp8[0]  # checked by fp8_outputs
+    elif out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous with x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
@@ -90,7 +115,7 @@ def _launch(
                 f"residual must be 2-D like x {tuple(x.shape)} with a contiguous last dim, got {tuple(residual.shape)}"
             )
         if residual_out is None:
-            res_out = torch.empty_like(out)
+            res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         elif residual_out.shape != x.shape or residual_out.stride(-1) != 1 or residual_out.dtype != x.dtype:
             raise ValueError(f"residual_out must be x's shape {tuple(x.shape)} and dtype with a contiguous last dim")
         else:
@@ -105,6 +130,8 @@ def _launch(
         weight,
         out,
         res_out if res_out is not None else out,
+        fp8[1] if fp8 is not None else weight,
+        static_scale if static_scale is not None else weight,
         num_rows,
         inner_rows,
         n_cols,
@@ -115,6 +142,8 @@ def _launch(
         out.stride(-2),
         res_out.stride(0) if res_out is not None else 0,
         HAS_RESIDUAL=residual is not None,
+        QUANTIZE=fp8 is not None,
+        STATIC_SCALE=static_scale is not None,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         num_warps=8 if block_n >= 4096 else 4,
@@ -148,3 +177,29 @@ def fused_add_rms_norm(
     out, res_out = _launch(x, weight, eps, residual, out, residual_out)
     assert res_out is not None
     return out, res_out
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    static_scale: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``quantize_fp8(rms_norm(x (+ residual)), static_scale)`` in one pass, for an fp8 linear's input.
+
+    x (and residual) [rows, n] -> (float8 e4m3 codes [rows, n], fp32 scales [rows], the residual sum
+    or None): a scale per row (max |row| / 448) or ``static_scale`` (one fp32) for all of them. The
+    residual sum stays in x's dtype, as ``fused_add_rms_norm`` returns it; ``residual_out`` and
+    ``out`` (codes, scales) as there.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, n] to be quantized, got shape {tuple(x.shape)}")
+    if static_scale is not None and static_scale.numel() != 1:
+        raise ValueError(f"static_scale must hold one value, got shape {tuple(static_scale.shape)}")
+    codes, scales = fp8_outputs(x.shape[0], x.shape[1], x.device, out)
+    _, res_out = _launch(x, weight, eps, residual, None, residual_out, (codes, scales), static_scale)
+    return codes, scales, res_out

@@ -21,6 +21,15 @@ split over SPLIT_K programs per tile to keep every SM streaming weights: each wr
 partial to a workspace and counts itself in on a per-tile counter; the last to arrive sums the
 partials in split order (deterministic), adds the bias, writes y and resets the counter for the
 next launch (and the next CUDA-graph replay).
+
+Prefill sizes (M >= DEQUANT_MIN_M) do not run this GEMM: ``w4a16_linear`` dequantizes the whole
+weight into a bf16/fp16 scratch (``dequantize_weight``: one pass that reads 0.5 B and writes 2 B a
+weight) and hands it to cuBLAS. Past a few hundred tokens the GEMM is compute-bound, and cuBLAS's
+bf16 GEMM runs near the tensor cores' peak while a kernel that dequantizes every tile it loads
+spends issue slots on unpacking; the pass costs 2.5 B a weight of HBM traffic, ~4% of Llama-3-8B's
+gate_up GEMM at M = 8192 (~0.1 of ~2.6 ms). Which path runs depends only on M, never on data: a
+decode CUDA graph of fewer rows holds the GEMM, one of DEQUANT_MIN_M rows or more the pass and
+cuBLAS (its scratch in the graphs' pool).
 """
 
 from __future__ import annotations
@@ -31,6 +40,11 @@ import triton.language as tl
 
 # Split K only while output tiles are few; past this M the tiles alone fill the GPU.
 SPLIT_K_MAX_M = 64
+# From this M on, dequantize-then-cuBLAS beats the register-dequant GEMM (module docstring). The
+# crossover is where the pass's 2.5 B a weight costs what the GEMM's lower FLOP rate does: with
+# cuBLAS at ~700 TFLOP/s, ours at ~300 and ~3.3 TB/s, 2.5 / 3.3e12 = 2 M (1/300e12 - 1/700e12)
+# gives M ~ 200 for every N and K (both sides scale with N K); bench/quant_gemm_bench.py measures it.
+DEQUANT_MIN_M = 256
 K_TILE = 128  # features per packed tile: 16 words of 8 codes; every K step of the kernel is one tile
 
 
@@ -193,6 +207,62 @@ def _w4a16_kernel(
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@triton.jit
+def _dequantize_kernel(qw_ptr, scale_ptr, zero_ptr, w_ptr, N, K, num_groups, group_size,
+                       BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+    """One 128-feature tile of K x BLOCK_N outputs: the tile's 16 words a column hold nibble i of
+    features 16 i + j, so each nibble is a [16, BLOCK_N] slab of w^T, stored contiguous along N."""
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, 16)
+    n_ok = rn < N
+    dtype: tl.constexpr = w_ptr.dtype.element_ty
+    words = tl.load(qw_ptr + (tile * 16 + rj)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
+    for i in tl.static_range(8):
+        k0 = tile * 128 + 16 * i
+        # A 16-feature slice lies in one group (group_size is a multiple of 16, or >= K).
+        group = tl.minimum(k0 // group_size, num_groups - 1)
+        scale = tl.load(scale_ptr + group * N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        zero = tl.full((BLOCK_N,), 8, tl.int32)
+        if HAS_ZEROS:
+            zero = tl.load(zero_ptr + group * N + rn, mask=n_ok, other=0).to(tl.int32)
+        w = _dequantize(words, 4 * i, zero[None, :], dtype, DEQUANT_ASM).to(tl.float32) * scale[None, :]
+        rk = k0 + rj
+        tl.store(w_ptr + rk[:, None] * N + rn[None, :], w.to(dtype), mask=(rk < K)[:, None] & n_ok[None, :])
+
+
+def dequantize_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                      in_features: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+                      dequant_asm: bool | None = None) -> torch.Tensor:
+    """``packed`` (``pack_for_kernel``'s layout) -> the weight's transpose w^T [K, N] in ``dtype``,
+    ``(u - z) * s`` rounded once from fp32. [K, N] rather than [N, K]: the words lie along N, so
+    every store is a contiguous row, and cuBLAS reads either operand order (``w4a16_linear``
+    passes its ``.t()`` view). ``out`` receives it (tests poison it); otherwise a fresh tensor from
+    torch's caching allocator, which hands the same block to the next layer's call. ``dequant_asm``:
+    the inline-PTX unpacking (default: on CUDA devices; the sm_90 compile check forces it)."""
+    k, n = in_features, packed.shape[1]
+    _check_operands(packed, k, group_size)
+    w = out if out is not None else torch.empty((k, n), dtype=dtype, device=packed.device)
+    block_n = 128
+    asm = packed.device.type == "cuda" if dequant_asm is None else dequant_asm
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, K_TILE))](
+        packed, scales, zeros if zeros is not None else scales, w, n, k, scales.shape[0], group_size,
+        BLOCK_N=block_n, HAS_ZEROS=zeros is not None, DEQUANT_ASM=asm, num_warps=4,
+    )
+    return w
+
+
+def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:
+    """``y = x W^T (+ b)`` for x [M, K] at any M: the register-dequant GEMM below DEQUANT_MIN_M,
+    dequantize-then-cuBLAS from it on (the choice depends on M alone)."""
+    if x.shape[0] < DEQUANT_MIN_M:
+        return w4a16_gemm(x, packed, scales, zeros, group_size, bias, counters)
+    w_t = dequantize_weight(packed, scales, zeros, group_size, x.shape[1], x.dtype)
+    return torch.nn.functional.linear(x, w_t.t(), bias)
+
+
 def pack_for_kernel(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Codes packed along K eight to a word in feature order (``Int4Weights.qweight``, [ceil(K/8), N])
     -> this kernel's layout, [16 * ceil(K/128), N] int32: in each 128-feature tile, word j's nibble i
@@ -223,18 +293,22 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
     block_n = 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_tiles = triton.cdiv(k, K_TILE)
-    # Enough programs for ~4 an SM (each keeps num_stages - 1 tiles of words in flight), each with
-    # at least 4 K tiles to stream, and fp32 partials (split * M * N * 4 bytes, through L2) at most
-    # half the packed weight's bytes (N * K / 2).
+    # Split K while the doubled launch stays within ~one wave (4 programs an SM: at BLOCK_M <= 32
+    # that many fit at 3 stages); a second, partial wave would leave SMs idle at the tail. Each
+    # split streams at least 4 K tiles; at most 8 splits (past BLOCK_M 16 the last program sums the
+    # partials one dependent L2 load at a time, and 16 never won a sweep: Llama-3-8B's down at
+    # M = 32 took 34 µs at 16 splits and 4 stages, 24 at 8 and 3); and the fp32 partials
+    # (split * M * N * 4 bytes, through L2) stay at most half the packed weight's bytes (N * K / 2),
+    # so fewer splits as M grows.
     split = 1
-    while tiles * split < 4 * num_sms and split * 2 <= min(16, k_tiles // 4, k // (16 * m)):
+    while tiles * split * 2 <= 4 * num_sms and split * 2 <= min(8, k_tiles // 4, k // (16 * m)):
         split *= 2
-    if block_m == 64:
-        # One warpgroup would need 224 registers a thread (two [128, 64] fp32 accumulators), leaving
-        # 2 programs (8 warps) an SM to hide the MMA and copy waits; two warpgroups need 113, and 3
-        # programs (24 warps) fit in shared memory at 3 stages, for 35% more instructions a weight.
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8, num_stages=3, split_k=split)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=4, split_k=split)
+    # One warpgroup and 3 stages at every decode size: in the H200 sweep (bench/quant_gemm_bench.py,
+    # Llama-3-8B's four projections, M 1-64) the best config had 3 stages in 25 cases of 28 (gate_up
+    # at M 1, 4 and 8 kept 4); at M = 64 one warpgroup won on qkv and gate_up (20.3 vs 22.2 µs, 67.9
+    # vs 70.6 at 07bed78) despite its 224 registers a thread; two won on o and down (15.2 and 34.4
+    # µs; the one-warpgroup times there are not in the rows).
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3, split_k=split)
 
 
 def counters_needed(n: int) -> int:
@@ -259,10 +333,7 @@ def w4a16_gemm(
     ``out`` receives y (tests poison it)."""
     m, k = x.shape
     n = packed.shape[1]
-    if packed.shape[0] != 16 * triton.cdiv(k, K_TILE):
-        raise ValueError(f"packed weight has {packed.shape[0]} rows; K={k} needs {16 * triton.cdiv(k, K_TILE)} (pack_for_kernel)")
-    if group_size < k and group_size % 16:
-        raise ValueError(f"group_size={group_size}: the W4A16 kernel needs a multiple of 16 (or one group per row)")
+    _check_operands(packed, k, group_size)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = dict(config or choose_config(m, n, k, group_size, _num_sms(x.device)))
@@ -285,6 +356,13 @@ def w4a16_gemm(
         SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg,
     )
     return y
+
+
+def _check_operands(packed: torch.Tensor, k: int, group_size: int) -> None:
+    if packed.shape[0] != 16 * triton.cdiv(k, K_TILE):
+        raise ValueError(f"packed weight has {packed.shape[0]} rows; K={k} needs {16 * triton.cdiv(k, K_TILE)} (pack_for_kernel)")
+    if group_size < k and group_size % 16:
+        raise ValueError(f"group_size={group_size}: the W4A16 kernel needs a multiple of 16 (or one group per row)")
 
 
 def _num_sms(device: torch.device) -> int:
