@@ -8,7 +8,7 @@
 - Attention: the fixed-split variant against the default launch on P1's decode shape (256 x ~1000),
   P1's thin tail (40 x ~1800), 8 x 32K contexts, and a prefill of 16 x 1000-token prompts (where
   deterministic mode gives up the wide 128-row tile).
-Timing: CUDA-graph replays (bench/kernels_bench.py's timer). One JSON row per case on stdout.
+Timing: CUDA-graph replays (bench/gpu_timing.py's timer). One JSON row per case on stdout.
     python bench/deterministic_bench.py [--quick]
 """
 
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels_bench import _provenance, _time_graph, run_case  # noqa: E402
+from gpu_timing import _provenance, _time_graph  # noqa: E402
+from kernels_bench import run_case  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the weight
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072), "lm_head": (151936, 1024)},

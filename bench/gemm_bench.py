@@ -4,7 +4,7 @@ Question it answers: P1's decode GEMMs take ~7 µs each (112 a step, ~0.8 ms) wh
 bytes need ~2-3 µs; is a simple Triton linear kernel with small-M tiles faster inside a CUDA
 graph? Shapes: Qwen3-0.6B's and Llama-3-8B's four projections (qkv, o, gate_up, down) at M = 256
 (P1's full decode batch), 128 and 32 (its tail). Each config is checked against F.linear first,
-then timed by CUDA-graph replays (bench/kernels_bench.py's timer). One JSON row per (shape, M).
+then timed by CUDA-graph replays (bench/gpu_timing.py's timer). One JSON row per (shape, M).
 This is a prototype to decide whether a GEMM of our own is worth building; the engine uses cuBLAS.
     python bench/gemm_bench.py
 """
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_bench import _provenance, _time_graph  # noqa: E402
+from gpu_timing import _provenance, _time_graph  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the weight, per model
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},

@@ -23,12 +23,8 @@ prefill tile shapes). Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import random
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,58 +34,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tokenmill, and the random batches of tests/support/
 
+# The timers and row fields (other benches import them from here too, e.g. quant_gemm_bench.py).
+from gpu_timing import _provenance, _time_events, _time_graph  # noqa: E402
 from support.kernel_cases import make_paged_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (KINDS.md)
-
-
-def _commit() -> str:
-    if os.environ.get("TOKENMILL_COMMIT"):
-        return os.environ["TOKENMILL_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _provenance(bench: str, label: str) -> dict[str, Any]:
-    """The leading fields of every JSON row: what was measured, where, and at which commit."""
-    return {
-        "bench": bench,
-        "case": label,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "commit": _commit(),
-        "date": datetime.date.today().isoformat(),
-    }
-
-
-def _time_graph(fn: Any, calls_per_graph: int = 10, replays: int = 30) -> tuple[float, float]:
-    """Median and min microseconds per call, from CUDA-graph replays of ``calls_per_graph`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
-    return statistics.median(times), min(times)
 
 
 def run_case(
@@ -357,24 +307,6 @@ def run_p5_cases(args: argparse.Namespace, sweep: bool) -> None:
             except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
                 row = {"bench": "step_attention", "case": "p5-prefill-sweep", "config": cfg.__dict__, "error": repr(exc)[:300]}
             print(json.dumps(row), flush=True)
-
-
-def _time_events(fn: Any, calls: int = 10, repeats: int = 10) -> tuple[float, float]:
-    """Median and min microseconds per call, from CUDA events around ``calls`` eager calls (for code
-    that syncs or allocates per call and so cannot be captured in a graph)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times), min(times)
 
 
 # P6's two shapes as one pooling step: (heads, kv heads, head_dim, causal, lengths U[lo, hi], step tokens).

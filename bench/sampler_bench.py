@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_bench import _time_events, _time_graph  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
+from gpu_timing import _time_events, _time_graph  # noqa: E402
 from tokenmill.kernels.triton.sampling import Filters, RowState, sample_tokens  # noqa: E402
 
 # case -> (top_k, top_p, min_p, repetition_penalty) at temperature 0.7

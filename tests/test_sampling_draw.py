@@ -3,7 +3,7 @@ against the softmax itself.
 
 - The GPU form, ``argmax(logits / T + Gumbel noise)`` with Philox noise keyed by (key, counter), is
   checked here through its plain-torch twin (``reference.gumbel_argmax_ref``'s noise); the Triton
-  kernel is checked against that twin in tests/test_kernels_interpret.py and tests/gpu.
+  kernel is checked against that twin in tests/kernel_checks_sampling.py (interpreter) and tests/gpu.
 - The CPU form, the exponential race with a generator seeded per row, through the Sampler itself.
 - With top-k / top-p / min-p, both forms against the softmax renormalised over the kept tokens (the
   GPU form through its twin: Gumbel noise over the scores >= ``reference.filter_threshold_ref``).

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 _HERE = Path(__file__).resolve().parent
+# The test modules that can run on the CPU interpreter under TOKENMILL_KERNEL_DRYRUN=1.
+_DRYRUN_MODULES = ("test_kernels_gpu", "test_paged_attention_gpu", "test_varlen_attention_gpu", "test_qkv_prologue_gpu",
+                   "test_sampler_kernel_gpu", "test_deterministic_gpu")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,8 +27,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _require_cuda(request: pytest.FixtureRequest) -> None:
-    if os.environ.get("TOKENMILL_KERNEL_DRYRUN") == "1" and request.module.__name__.endswith(("test_kernels_gpu", "test_sampler_kernel_gpu", "test_deterministic_gpu")):
-        # Self-check of the GPU tests on the CPU interpreter (see test_kernels_gpu.py's docstring).
+    if os.environ.get("TOKENMILL_KERNEL_DRYRUN") == "1" and request.module.__name__.endswith(_DRYRUN_MODULES):
+        # Self-check of the GPU tests on the CPU interpreter (see tests/support/gpu_kernel_cases.py).
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("TOKENMILL_KERNEL_DRYRUN=1 needs TRITON_INTERPRET=1 as well")
         from support.triton_interpreter import patch_triton_interpreter_for_numpy

@@ -34,6 +34,11 @@ How the work is cut (grid = (query blocks, kv heads, kv splits)):
 Keys are addressed token by token through the block table (``block_tables[i, pos // block_size]``),
 so a key tile may span several cache blocks and its width TILE_N is independent of block_size.
 Softmax is the online (flash) form in fp32 with exp2 and the scale folded into log2(e).
+
+Where the rest lives: the jit pieces both kernels are built from in ``paged_attention_tiles.py``,
+deterministic mode's fixed-split kernels in ``paged_attention_deterministic.py``, the choice of
+launch shapes in ``paged_attention_config.py``. This module holds the default kernel, its split
+merge and the host side that validates, chooses and launches.
 """
 
 from __future__ import annotations
@@ -53,166 +58,19 @@ from tokenmill.kernels.triton.paged_attention_config import (  # noqa: F401
     choose_configs,
     launch_configs,
 )
+from tokenmill.kernels.triton.paged_attention_deterministic import _merge_parts_kernel, _paged_attention_fixed_split_kernel
+from tokenmill.kernels.triton.paged_attention_tiles import (
+    _attend_tiles,
+    _load_rows,
+    _locate_rows,
+    _store_normalised,
+    _store_partial,
+)
 from tokenmill.kernels.triton.precompile import launcher
 
 _LOG2E = 1.4426950408889634
 # Wide enough to find the sequence of any program with one vector load when B <= 256.
 _SEARCH_BLOCK = 256
-
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
-    """Index of the last sequence whose first query block is <= block_id (vectorised count, not a
-    binary search: one wide load instead of log2(B) dependent round trips to memory)."""
-    count = tl.zeros((), dtype=tl.int32)
-    for base in range(0, num_seqs, SEARCH_BLOCK):
-        idx = base + 1 + tl.arange(0, SEARCH_BLOCK)  # sequence indices 1..B
-        in_range = idx <= num_seqs
-        starts = tl.load(query_start_loc_ptr + idx, mask=in_range, other=0)
-        if BLOCK_Q == 1:
-            first_block = starts
-        else:
-            first_block = starts // BLOCK_Q + idx
-        count += tl.sum((in_range & (first_block <= block_id)).to(tl.int32), axis=0)
-    return tl.minimum(count, num_seqs - 1)
-
-
-@triton.jit
-def _locate_rows(
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    num_seqs,
-    block_id,
-    kv_head,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr,
-):
-    """The sequence, query rows and key range of one program's query block.
-
-    Row r of the score tile is query token ``q_first + r // GROUP_P``, head ``r % GROUP_P`` of the
-    group. The caller returns at once when ``q_first >= query_len`` (a spare program of the grid).
-    """
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q, SEARCH_BLOCK)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if BLOCK_Q == 1:
-        first_block = q_start
-    else:
-        first_block = q_start // BLOCK_Q + seq
-    q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
-    cached_len = tl.load(seq_lens_ptr + seq) - query_len  # keys that were in the cache before this step
-    rows = tl.arange(0, BLOCK_M)
-    row_tok = q_first + rows // GROUP_P
-    row_head = kv_head * GROUP + rows % GROUP_P
-    row_valid = (rows // GROUP_P < BLOCK_Q) & (row_tok < query_len) & (rows % GROUP_P < GROUP)
-    row_pos = cached_len + row_tok  # absolute position: the last key this row may see
-    token = q_start + row_tok
-    # Keys this block needs: up to its last real query's position.
-    kv_end = cached_len + tl.minimum(q_first + BLOCK_Q, query_len)
-    return seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end
-
-
-@triton.jit
-def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM: tl.constexpr):
-    """q[token, head] of the tile's rows (0 for invalid rows)."""
-    dims = tl.arange(0, HEAD_DIM)
-    rows = q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head
-    return tl.load(rows + dims[None, :], mask=valid[:, None], other=0.0)
-
-
-@triton.jit
-def _attend_tiles(
-    q,
-    m_i,
-    l_i,
-    acc,
-    k_cache_ptr,
-    v_cache_ptr,
-    table,  # this sequence's row of the block table
-    head_off,
-    row_pos,
-    kv_end,
-    tile_lo,
-    tile_hi,
-    scale_log2,
-    stride_c_blk,
-    stride_c_tok,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
-    DETERMINISTIC: tl.constexpr = False,
-):
-    """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order,
-    continuing the running max m (log2 units), sum l and unnormalised output acc.
-
-    ``MASKED=False`` is for tiles that every row sees whole (all keys before kv_end and at or before
-    each row's position): the loads and scores then carry no masks, and the arithmetic on the keys
-    is the same as with them.
-
-    ``DETERMINISTIC``: a tile that a row cannot see leaves its state bit for bit unchanged (the
-    rescale is exactly 1 where the max did not move, not left to exp2(0) rounding to 1), so a row
-    gets the same bits whether its block runs past its own position (prefill) or not (decode).
-    """
-    cols = tl.arange(0, TILE_N)
-    dims = tl.arange(0, HEAD_DIM)
-    for tile in range(tile_lo, tile_hi):
-        key_pos = tile * TILE_N + cols
-        # An all-true constant mask folds away: the unmasked loads are plain (pipelined) copies.
-        key_valid = key_pos < kv_end if MASKED else tl.full([TILE_N], 1, tl.int1)
-        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        key_off = block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_tok + head_off
-        # K is loaded transposed, [HEAD_DIM, TILE_N], straight into the layout of q @ k^T.
-        k = tl.load(k_cache_ptr + key_off[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0).to(q.dtype)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if MASKED:
-            # Causality also hides keys past kv_end from real rows, since their row_pos < kv_end.
-            qk = tl.where(key_pos[None, :] <= row_pos[:, None], qk, float("-inf"))
-        # Scores in log2 units are qk * scale_log2 (> 0, so the row max scales with them); scaling
-        # inside the exponent's argument makes it one fused multiply-add per score.
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
-        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        if DETERMINISTIC:
-            alpha = tl.where(m_new == m_i, 1.0, alpha)
-        p = tl.exp2(qk * scale_log2 - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _store_normalised(out_ptr, acc, l, token, head, valid, stride_o_tok, stride_o_head, HEAD_DIM: tl.constexpr):
-    """out[token, head] = acc / l for the valid rows. A real row saw at least its own key, so l > 0
-    there (the guard is for padded rows and malformed padding sequences: 0, not NaN)."""
-    dims = tl.arange(0, HEAD_DIM)
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(
-        out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None],
-    )
-
-
-@triton.jit
-def _store_partial(
-    part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, head, valid, slot,
-    stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM: tl.constexpr,
-):
-    """The unnormalised (acc, m, l) of the valid rows, in partial slot ``slot`` (a split or a key part)."""
-    dims = tl.arange(0, HEAD_DIM)
-    pa = part_acc_ptr + token * stride_pa_tok + head * stride_pa_head + slot * stride_pa_split
-    tl.store(pa[:, None] + dims[None, :], acc, mask=valid[:, None])
-    pml = token * stride_pml_tok + head * stride_pml_head + slot
-    tl.store(part_m_ptr + pml, m, mask=valid)
-    tl.store(part_l_ptr + pml, l, mask=valid)
 
 
 # Host ints that change from step to step are not specialised on (Triton would otherwise compile a
@@ -345,166 +203,6 @@ def _merge_splits_kernel(
     denom = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _merge_part(m_run, l_run, acc_run, m, l, acc):
-    """Fold one key part's (m, l, acc) into the running (m, l, acc) of its rows, in fp32.
-
-    The one merge rule of the fixed-split kernels: the attention kernel applies it part after part
-    in registers, the merge kernel to parts read back from memory, and both must round alike. So
-    the two products-and-sums are explicit fma's (no contraction left to the compiler), and an
-    empty part (m -inf, l 0, acc 0) leaves a row that has seen a key bit for bit unchanged.
-    """
-    m_new = tl.maximum(m_run, m)
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.where(m_run == m_new, 1.0, tl.exp2(m_run - m_shift))  # exactly 1 where the max stays (as in _attend_tiles)
-    b = tl.where(m == m_new, 1.0, tl.exp2(m - m_shift))
-    l_new = tl.fma(l_run, a, l * b)
-    acc_new = tl.fma(acc_run, a[:, None], acc * b[:, None])
-    return m_new, l_new, acc_new
-
-
-# The part slots of the partial buffers follow max_seq_len, so their strides change between launches.
-_PART_STRIDES = ["stride_pa_tok", "stride_pa_head", "stride_pml_tok", "stride_pml_head"]
-
-
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq", "split_programs", *_PART_STRIDES])
-def _paged_attention_fixed_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    block_tables_ptr,
-    num_seqs,
-    split_programs,
-    scale_log2,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_c_blk,
-    stride_c_tok,
-    stride_c_head,
-    stride_bt_seq,
-    stride_pa_tok,
-    stride_pa_head,
-    stride_pa_split,
-    stride_pml_tok,
-    stride_pml_head,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    PART_TILES: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    ONE_PROGRAM: tl.constexpr,  # split_programs == 1, known when compiling
-):
-    """Deterministic mode: a row's keys are cut into parts of PART_TILES * TILE_N keys from key 0,
-    each part is an online softmax over its tiles in order, and the parts are merged in order by
-    ``_merge_part``; so a row's bits depend only on its own position and keys, not on the batch,
-    the launch's parallelism (``split_programs``) or whether it is decoded or prefilled.
-
-    With one program per block (``split_programs == 1``, compiled as ``ONE_PROGRAM``) it merges its
-    parts in registers and writes the output. With more, program ``split`` does parts split,
-    split + split_programs, ... and writes each one's (m, l, acc) for ``_merge_parts_kernel``, which
-    merges them the same way.
-    Parts past a row's own position are empty for that row (a prefill block's later rows need
-    them), and merging an empty part changes nothing.
-    """
-    block_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq, q_first, query_len, _, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
-    )
-    if q_first >= query_len:
-        return  # a spare program of the static grid
-    q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
-    table = block_tables_ptr + seq * stride_bt_seq
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # ONE_PROGRAM is a compile-time variant: with a run-time part stride and the partial-store path
-    # compiled in, the decode launch needed 197 registers a thread (2 blocks an SM) instead of 156
-    # (3), on a memory-bound kernel (issue 21). Both variants run the same tile loop and merge.
-    first_part, part_stride = split, split_programs
-    if ONE_PROGRAM:
-        first_part, part_stride = 0, 1
-    for part in range(first_part, tl.cdiv(num_tiles, PART_TILES), part_stride):
-        tile_lo = part * PART_TILES
-        # Each part starts a fresh online softmax; every tile stays masked (one code path for all).
-        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        m, l, acc = _attend_tiles(
-            q, m, l, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
-            tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True,
-        )
-        if ONE_PROGRAM:
-            m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
-        else:
-            _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m, l, token, row_head, row_valid, part,
-                           stride_pa_tok, stride_pa_head, stride_pa_split, stride_pml_tok, stride_pml_head, HEAD_DIM)
-    if ONE_PROGRAM:
-        _store_normalised(out_ptr, acc_run, l_run, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
-
-
-@triton.jit(do_not_specialize=["num_seqs", *_PART_STRIDES])
-def _merge_parts_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    num_seqs,
-    stride_o_tok,
-    stride_o_head,
-    stride_pa_tok,
-    stride_pa_head,
-    stride_pa_split,
-    stride_pml_tok,
-    stride_pml_head,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PART_KEYS: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr,
-):
-    """One token's heads of one kv head: merge its parts 0, 1, ... up to its own position, in order."""
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # padding past the last real token: leave the output alone
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, token, 1, SEARCH_BLOCK)
-    position = tl.load(seq_lens_ptr + seq) - tl.load(query_start_loc_ptr + seq + 1) + token
-    heads = kv_head * GROUP + tl.arange(0, GROUP_P)
-    valid = tl.arange(0, GROUP_P) < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    m_run = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([GROUP_P], dtype=tl.float32)
-    acc_run = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
-    for part in range(0, position // PART_KEYS + 1):
-        pml = token * stride_pml_tok + heads * stride_pml_head + part
-        m = tl.load(part_m_ptr + pml, mask=valid, other=float("-inf"))
-        l = tl.load(part_l_ptr + pml, mask=valid, other=0.0)
-        pa = part_acc_ptr + token * stride_pa_tok + heads * stride_pa_head + part * stride_pa_split
-        acc = tl.load(pa[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)
-    _store_normalised(out_ptr, acc_run, l_run, tl.full([GROUP_P], token, tl.int32), heads, valid, stride_o_tok, stride_o_head,
-                      HEAD_DIM)
 
 
 def paged_attention(

@@ -1,0 +1,159 @@
+"""The sampling kernels' cases and checks under the interpreter, run by the workers of
+``test_kernels_interpret.py`` (which merges ``CASES`` and ``CHECKS`` into its own): the Gumbel-max
+draw, and penalties, logit bias and top-k / top-p / min-p with the draw (narrow rows, wide top-p
+rows through the histogram passes), against ``reference.sample_ref`` token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def _case(check: str, name: str, **params: Any) -> None:
+    CASES[name] = (check, params)
+
+
+# The sampler's draw (temperature, Philox Gumbel noise, argmax): vocabularies under one chunk (and
+# not a multiple of 4), exactly one, and over several chunks.
+for _dt in ("float32", "float16"):
+    for _vocab in (37, 2048, 5003):
+        _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
+
+# Penalties, logit bias, top-k / top-p / min-p and the draw (three kernels and the draw): one row of
+# each kind (see _check_sample_tokens), over vocabularies that hold a wide row's bracket at once
+# (5003) or need sweeps to narrow it (20000, past the 8,192-token bracket).
+_case("sample_tokens", "sample-tokens-v5003-float32", dtype="float32", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v5003-float16", dtype="float16", vocab=5003, rows=None)
+_case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", vocab=20000, rows=[0, 3, 5, 11])
+# Wide top-p rows through the histogram passes (several splits, a last partial tile), mixed with
+# narrow, min-p-only and greedy rows; at 9,000 tokens a row of ties overflows the bracket (sweeps).
+_case("sample_tokens_wide", "sample-tokens-wide-v5003-float32", dtype="float32", vocab=5003)
+_case("sample_tokens_wide", "sample-tokens-wide-v5003-float16", dtype="float16", vocab=5003)
+_case("sample_tokens_wide", "sample-tokens-wide-v9000-float32", dtype="float32", vocab=9000)
+
+
+def _check_gumbel_argmax(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import gumbel_argmax_ref
+    from tokenmill.kernels.triton.sampling import gumbel_argmax
+
+    vocab, dtype = p["vocab"], getattr(torch, p["dtype"])
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen) * 4
+    logits[1, ::3] = float("-inf")  # banned tokens are never drawn
+    top = logits.max() + 1
+    logits[0, [vocab // 2, vocab - 1]] = top  # a greedy tie (across chunks when vocab > one chunk)
+    logits[4, 3] = top  # greedy
+    logits[5] = 0.0  # a flat row: the draw is all noise
+    logits = logits.to(dtype)
+    temperature = torch.tensor([0.0, 0.3, 1.0, 0.7, 0.0, 2.0, 1e-2, 1.0])
+    keys = torch.randint(0, 2**63 - 1, (8,), generator=gen)
+    counters = torch.tensor([0, 1, 2**32 + 3, 2**40, 5, 6, 7, 2**31 + 1])
+    got = gumbel_argmax(logits, temperature, keys, counters)
+    want = gumbel_argmax_ref(logits, temperature, keys, counters)
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    assert got[0] == vocab // 2 and got[4] == 3, "greedy rows take the first argmax"
+    assert got[1] % 3 != 0, "drew a banned (-inf) token"
+    # The draw depends on the key and counter, and on nothing else in the batch.
+    alone = gumbel_argmax(logits[5:6], temperature[5:6], keys[5:6], counters[5:6])
+    assert alone.tolist() == got[5:6].tolist()
+    flat = logits[5].expand(16, vocab).contiguous()
+    draws = gumbel_argmax(flat, torch.ones(16), keys[5].expand(16).contiguous(), torch.arange(16))
+    assert len(set(draws.tolist())) > 8, draws.tolist()
+
+
+def _check_sample_tokens(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import sample_ref
+    from support.kernel_cases import sampling_rows
+    from tokenmill.kernels.triton.sampling import sample_tokens
+
+    logits, temperature, keys, counters, filters, state = sampling_rows(p["vocab"], getattr(torch, p["dtype"]), p["vocab"])
+    if p["rows"] is not None:  # a subset of the rows (the state tables stay whole)
+        take = torch.tensor(p["rows"])
+        logits, temperature, keys, counters = (t[take] for t in (logits, temperature, keys, counters))
+        filters = type(filters)(*(f[take] for f in filters))
+        state = state._replace(**{name: getattr(state, name)[take] for name in
+                                  ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+    got = sample_tokens(logits, temperature, keys, counters, filters, state)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    if p["rows"] is not None:
+        return
+    # Each row depends on its own inputs only: a row alone draws what it drew in the batch.
+    for row in (1, 9):
+        alone = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
+        one_filters = type(filters)(*(f[row : row + 1] for f in filters))
+        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
+                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        assert sample_tokens(*alone, one_filters, one_state).tolist() == got[row : row + 1].tolist()
+    # Without filters or state, the plain draw matches its twin too.
+    assert sample_tokens(logits, temperature, keys, counters).tolist() == sample_ref(logits, temperature, keys, counters).tolist()
+
+
+def _check_sample_tokens_wide(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import filter_threshold_ref, sample_ref
+    from support.kernel_cases import wide_sampling_rows
+    from tokenmill.kernels.triton import sampling
+
+    logits, temperature, keys, counters, filters, state, histogram_rows = wide_sampling_rows(
+        p["vocab"], getattr(torch, p["dtype"]), seed=p["vocab"])
+    got = sampling.sample_tokens(logits, temperature, keys, counters, filters, state)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    # The thresholds are the twin's, and the wide top-p rows were settled by the histogram passes.
+    args = (logits, temperature, keys, counters, filters, sampling._state_args(state, logits), True, False)
+    thresholds, chosen = sampling._thresholds(*args)
+    for row, s in enumerate(_twin_scores(logits, temperature, state)):
+        k, top_p, min_p = (float(f[row]) for f in filters)
+        want_t = filter_threshold_ref(s, int(k), top_p, min_p) if float(temperature[row]) > 0 else float("-inf")
+        if float(temperature[row]) > 0 and (k > 0 or top_p < 1.0 or min_p > 0.0):
+            assert float(thresholds[row]) == want_t, (row, float(thresholds[row]), want_t)
+    settled = [row for row in range(len(chosen)) if int(chosen[row]) == -4]
+    assert settled == histogram_rows, (settled, histogram_rows)
+    # Deterministic: the same call gives the same bits; and the same with one split a row.
+    again, chosen_again = sampling._thresholds(*args)
+    assert torch.equal(again, thresholds) and torch.equal(chosen_again, chosen)
+    programs = sampling._WIDE_PROGRAMS
+    try:
+        sampling._WIDE_PROGRAMS = 1
+        one_split, _ = sampling._thresholds(*args)
+    finally:
+        sampling._WIDE_PROGRAMS = programs
+    assert torch.equal(one_split, thresholds), (one_split.tolist(), thresholds.tolist())
+    assert sampling.sample_tokens(logits, temperature, keys, counters, filters, state).tolist() == got.tolist()
+    # A caller that says no row has top-p alone gets no histogram passes; such rows still come out
+    # right (by sweeps), so a wrong hint costs time, never a wrong draw.
+    without, chosen_without = sampling._thresholds(*args[:-1], False, False)
+    assert torch.equal(without, thresholds) and not (chosen_without == -4).any()
+
+
+def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:
+    """Each row's tempered, biased and penalised scores, as ``reference.sample_ref`` computes them."""
+    import torch
+
+    from tokenmill.kernels.reference import penalize_ref, prompt_mask_ref
+
+    x = logits.float().clone()
+    bias_slots, bias, penalty_slots, counts, prompt_bits, rep, freq, pres = state
+    rows = torch.nonzero(bias_slots >= 0).flatten()
+    x[rows] += bias[bias_slots[rows].long()]
+    rows = torch.nonzero(penalty_slots >= 0).flatten()
+    slots = penalty_slots[rows].long()
+    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows],
+                           freq[rows], pres[rows])
+    return [x[row] / torch.tensor(t) if t > 0 else x[row] for row, t in enumerate(temperature.tolist())]
+
+
+
+CHECKS = {
+    "gumbel_argmax": _check_gumbel_argmax,
+    "sample_tokens": _check_sample_tokens,
+    "sample_tokens_wide": _check_sample_tokens_wide,
+}
