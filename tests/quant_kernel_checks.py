@@ -55,16 +55,14 @@ for _dt in ("float32", "float16"):
 # The kernels before an fp8 linear that quantize their own output (RMSNorm, add + RMSNorm, SiLU-and-mul):
 # rows normalised a block at a time (hidden 64: 16 rows a program, 17 rows leave a partial block),
 # odd widths (200, 1000; d = 300), rows longer than one sweep step (d = 4200: two 4096-wide steps), 3-D
-# SiLU input, per-token and static (saturating) scales.
+# SiLU input; per-token scales (a static input_scale is left to the layer's own quantize_fp8).
 for _dt in ("float32", "float16"):
     for _rows, _n in ((5, 96), (17, 64), (7, 200), (3, 1000)):
         for _residual in (False, True):
             _case("fp8_norm", f"fp8-norm-{_rows}x{_n}-{'add' if _residual else 'plain'}-{_dt}", dtype=_dt, rows=_rows, n=_n,
-                  residual=_residual, static=False)
-    _case("fp8_norm", f"fp8-norm-7x200-add-static-{_dt}", dtype=_dt, rows=7, n=200, residual=True, static=True)
+                  residual=_residual)
     for _shape in ((4, 192), (3, 600), (2, 8400), (2, 3, 200)):
-        _case("fp8_silu", f"fp8-silu-{'x'.join(map(str, _shape))}-{_dt}", dtype=_dt, shape=_shape, static=False)
-    _case("fp8_silu", f"fp8-silu-3x600-static-{_dt}", dtype=_dt, shape=(3, 600), static=True)
+        _case("fp8_silu", f"fp8-silu-{'x'.join(map(str, _shape))}-{_dt}", dtype=_dt, shape=_shape)
 
 # Whole layers through their linear methods: the kernel path (what runs on a GPU, forced here) against
 # the same layer dequantized at load (the CPU path), merged column-parallel and row-parallel with bias.
@@ -82,7 +80,7 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
     from tokenmill.quantization.config import Fp8Scheme, Int4Scheme
 
     from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
-    from tokenmill.quantization.fp8 import QuantizedActivation, fp8_input_of
+    from tokenmill.quantization.fp8 import QuantizedActivation, takes_quantized_input
 
     patch_triton_interpreter_fp8_rounding()
     dtype = getattr(torch, p["dtype"])
@@ -137,14 +135,13 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
         for tokens in (5, 260):
             x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(8)).to(dtype)
             hidden = merged(x)
-            if kernels and isinstance(scheme, Fp8Scheme):
+            if kernels and isinstance(scheme, Fp8Scheme) and scheme.activations == "dynamic":
                 # The input quantized by the kernel before (a norm fused with the quantization) gives the same
-                # bits as the layer quantizing it itself, with the checkpoint's static scale where it has one.
-                fp8_input = fp8_input_of(merged)
-                assert fp8_input is not None and (fp8_input.static_scale is not None) == (scheme.activations == "static")
-                assert torch.equal(merged(QuantizedActivation(*quantize_fp8(x, fp8_input.static_scale))), hidden)
-            else:
-                assert fp8_input_of(merged) is None  # 4-bit, or fp8 dequantized at load: model-dtype input
+                # bits as the layer quantizing it itself.
+                assert takes_quantized_input(merged)
+                assert torch.equal(merged(QuantizedActivation(*quantize_fp8(x))), hidden)
+            else:  # 4-bit, fp8 dequantized at load, or a static input_scale: model-dtype input
+                assert not takes_quantized_input(merged)
             step += [hidden, row(hidden[:, : sum(halves) // 2].contiguous())]
         outputs.append(step)
     quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]
@@ -296,10 +293,9 @@ def _check_fp8_norm(p: dict[str, Any]) -> None:
     x[1] = 0  # a zero row (without a residual): the smallest scale, codes 0
     weight = (1.0 + 0.3 * torch.randn(n, generator=gen)).to(dtype)
     residual = torch.randn(rows, n, generator=gen).to(dtype) if p["residual"] else None
-    static = torch.tensor([0.004]) if p["static"] else None  # 448 * 0.004 = 1.8: many values saturate
     out = _poisoned_fp8(rows, n)
     res_out = torch.full_like(x, float("nan")) if residual is not None else None
-    codes, scales, summed = rms_norm_fp8(x, weight, 1e-5, static, residual=residual, residual_out=res_out, out=out)
+    codes, scales, summed = rms_norm_fp8(x, weight, 1e-5, residual=residual, residual_out=res_out, out=out)
     assert codes is out[0] and scales is out[1] and summed is res_out
     if residual is None:
         normed, twin_normed = rms_norm(x, weight, 1e-5), reference.rms_norm_ref(x, weight, 1e-5)
@@ -307,7 +303,7 @@ def _check_fp8_norm(p: dict[str, Any]) -> None:
         normed, unfused_sum = fused_add_rms_norm(x, residual, weight, 1e-5)
         twin_normed, twin_sum = reference.fused_add_rms_norm_ref(x, residual, weight, 1e-5)
         assert torch.equal(summed, unfused_sum) and torch.equal(summed, twin_sum), "the residual sum changed"
-    _assert_fp8_matches((codes, scales), quantize_fp8(normed, static), reference.quantize_fp8_ref(twin_normed, static))
+    _assert_fp8_matches((codes, scales), quantize_fp8(normed), reference.quantize_fp8_ref(twin_normed))
 
 
 def _check_fp8_silu(p: dict[str, Any]) -> None:
@@ -324,12 +320,11 @@ def _check_fp8_silu(p: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=gen) * 3).to(dtype)
     d, rows = shape[-1] // 2, x.numel() // shape[-1]
-    static = torch.tensor([0.01]) if p["static"] else None
     out = _poisoned_fp8(rows, d)
-    codes, scales = silu_and_mul_fp8(x, static, out=out)
+    codes, scales = silu_and_mul_fp8(x, out=out)
     assert codes is out[0] and scales is out[1]
-    unfused = quantize_fp8(silu_and_mul(x).reshape(rows, d), static)
-    twin = reference.quantize_fp8_ref(reference.silu_and_mul_ref(x).reshape(rows, d), static)
+    unfused = quantize_fp8(silu_and_mul(x).reshape(rows, d))
+    twin = reference.quantize_fp8_ref(reference.silu_and_mul_ref(x).reshape(rows, d))
     _assert_fp8_matches((codes, scales), unfused, twin)
 
 

@@ -184,35 +184,34 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
             torch.testing.assert_close(scaled.float(), want.float(), **tol, msg=f"_scaled_mm M={m}")
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_fp8_fused_norm_and_silu_give_the_unfused_bits(static):
+def test_fp8_fused_norm_and_silu_give_the_unfused_bits():
     """The RMSNorm (with and without the residual add) and the SiLU-and-mul that quantize their own
-    output for the next fp8 linear, in bf16 on Llama-3-8B's widths (hidden 4096, intermediate 14336)
-    and odd ones: the same codes and scales, bit for bit, as the unfused kernels followed by
-    quantize_fp8 (the path before the fusion), and the same residual sum."""
+    output for the next fp8 linear with per-token scales, in bf16 on Llama-3-8B's widths (hidden 4096,
+    intermediate 14336) and odd ones: the same codes and scales, bit for bit, as the unfused kernels
+    followed by quantize_fp8 (the path before the fusion), and the same residual sum. (Static input
+    scales are not fused: a layer with one quantizes its own input.)"""
     from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8
     from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
     from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 
-    scale = torch.tensor([0.02], device="cuda") if static else None
     for hidden, inter in ((4096, 14336), (1000, 2100)):
         weight = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
         for m in (1, 3, 17, 64, 256, 1024):
             x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16) * 3
             residual = torch.randn_like(x)
-            codes, scales, summed = rms_norm_fp8(x, weight, 1e-5, scale, residual=residual)
+            codes, scales, summed = rms_norm_fp8(x, weight, 1e-5, residual=residual)
             normed, want_sum = fused_add_rms_norm(x, residual, weight, 1e-5)
-            want_codes, want_scales = quantize_fp8(normed, scale)
+            want_codes, want_scales = quantize_fp8(normed)
             assert torch.equal(summed, want_sum), f"residual sum, hidden={hidden} M={m}"
             assert torch.equal(scales, want_scales), f"add+norm scales, hidden={hidden} M={m}"
             assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), f"add+norm codes, hidden={hidden} M={m}"
-            codes, scales, _ = rms_norm_fp8(x, weight, 1e-5, scale)
-            want_codes, want_scales = quantize_fp8(rms_norm(x, weight, 1e-5), scale)
+            codes, scales, _ = rms_norm_fp8(x, weight, 1e-5)
+            want_codes, want_scales = quantize_fp8(rms_norm(x, weight, 1e-5))
             assert torch.equal(scales, want_scales) and torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), \
                 f"norm, hidden={hidden} M={m}"
             gate_up = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16) * 2
-            codes, scales = silu_and_mul_fp8(gate_up, scale)
-            want_codes, want_scales = quantize_fp8(silu_and_mul(gate_up), scale)
+            codes, scales = silu_and_mul_fp8(gate_up)
+            want_codes, want_scales = quantize_fp8(silu_and_mul(gate_up))
             assert torch.equal(scales, want_scales) and torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), \
                 f"silu, inter={inter} M={m}"
 
@@ -254,7 +253,7 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(fp8, "fp8_input_of", lambda linear: None)
+            monkeypatch.setattr(fp8, "takes_quantized_input", lambda linear: False)
         llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, quantization="fp8")
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])

@@ -36,7 +36,6 @@ def _rms_norm_kernel(
     out_ptr,
     res_out_ptr,
     scale_ptr,
-    static_scale_ptr,
     num_rows,
     inner_rows,
     n_cols,
@@ -47,8 +46,7 @@ def _rms_norm_kernel(
     stride_out_row,
     stride_res_out_row,
     HAS_RESIDUAL: tl.constexpr,
-    QUANTIZE: tl.constexpr,  # out_ptr takes float8 codes and scale_ptr a scale per row
-    STATIC_SCALE: tl.constexpr,  # ... the one at static_scale_ptr (else each row's max |out| / 448)
+    QUANTIZE: tl.constexpr,  # out_ptr takes float8 codes and scale_ptr each row's max |out| / 448
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -72,10 +70,7 @@ def _rms_norm_kernel(
     out = w[None, :] * normed
     if QUANTIZE:
         out = out.to(x_ptr.dtype.element_ty).to(tl.float32)  # what the unfused path stores and re-reads
-        if STATIC_SCALE:
-            scale = tl.zeros((BLOCK_R,), dtype=tl.float32) + tl.load(static_scale_ptr).to(tl.float32)
-        else:
-            scale = fp8_row_scale(tl.max(tl.abs(out), axis=1))  # padding columns hold 0
+        scale = fp8_row_scale(tl.max(tl.abs(out), axis=1))  # padding columns hold 0
         tl.store(scale_ptr + rows64, scale, mask=row_ok)
         out = fp8_codes(out, scale[:, None])
     tl.store(out_ptr + rows64[:, None] * stride_out_row + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -89,7 +84,6 @@ def _launch(
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
     fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    static_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fp8``: (codes, scales) to quantize into instead of writing ``out`` (x must be 2-D)."""
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
@@ -131,7 +125,6 @@ def _launch(
         out,
         res_out if res_out is not None else out,
         fp8[1] if fp8 is not None else weight,
-        static_scale if static_scale is not None else weight,
         num_rows,
         inner_rows,
         n_cols,
@@ -143,7 +136,6 @@ def _launch(
         res_out.stride(0) if res_out is not None else 0,
         HAS_RESIDUAL=residual is not None,
         QUANTIZE=fp8 is not None,
-        STATIC_SCALE=static_scale is not None,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         num_warps=8 if block_n >= 4096 else 4,
@@ -183,23 +175,19 @@ def rms_norm_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    static_scale: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``quantize_fp8(rms_norm(x (+ residual)), static_scale)`` in one pass, for an fp8 linear's input.
+    """``quantize_fp8(rms_norm(x (+ residual)))`` in one pass, for an fp8 linear's input.
 
     x (and residual) [rows, n] -> (float8 e4m3 codes [rows, n], fp32 scales [rows], the residual sum
-    or None): a scale per row (max |row| / 448) or ``static_scale`` (one fp32) for all of them. The
-    residual sum stays in x's dtype, as ``fused_add_rms_norm`` returns it; ``residual_out`` and
-    ``out`` (codes, scales) as there.
+    or None): a scale per row (max |row| / 448). The residual sum stays in x's dtype, as
+    ``fused_add_rms_norm`` returns it; ``residual_out`` and ``out`` (codes, scales) as there.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, n] to be quantized, got shape {tuple(x.shape)}")
-    if static_scale is not None and static_scale.numel() != 1:
-        raise ValueError(f"static_scale must hold one value, got shape {tuple(static_scale.shape)}")
     codes, scales = fp8_outputs(x.shape[0], x.shape[1], x.device, out)
-    _, res_out = _launch(x, weight, eps, residual, None, residual_out, (codes, scales), static_scale)
+    _, res_out = _launch(x, weight, eps, residual, None, residual_out, (codes, scales))
     return codes, scales, res_out

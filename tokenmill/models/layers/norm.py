@@ -39,17 +39,17 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, *, feeds: nn.Module | None = None
     ) -> "Normed | tuple[Normed, torch.Tensor]":
-        """``feeds``: the linear layer that takes the result. When it runs on fp8 (on a GPU), the
-        result comes quantized for it, a ``QuantizedActivation`` (the residual sum stays a tensor)."""
+        """``feeds``: the linear layer that takes the result. When it runs on fp8 with per-token scales
+        (on a GPU), the result comes quantized for it, a ``QuantizedActivation`` (the residual sum
+        stays a tensor)."""
         if x.is_cuda:
             # One Triton kernel instead of six elementwise ones: on a GPU decode step these small
             # launches, not the arithmetic, are the cost. Same rounding points as below.
             from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
-            from tokenmill.quantization.fp8 import QuantizedActivation, fp8_input_of
+            from tokenmill.quantization.fp8 import QuantizedActivation, takes_quantized_input
 
-            fp8 = fp8_input_of(feeds) if feeds is not None else None
-            if fp8 is not None and x.dim() == 2:
-                codes, scales, summed = rms_norm_fp8(x, self.weight, self.eps, fp8.static_scale, residual=residual)
+            if x.dim() == 2 and takes_quantized_input(feeds):
+                codes, scales, summed = rms_norm_fp8(x, self.weight, self.eps, residual=residual)
                 return QuantizedActivation(codes, scales) if summed is None else (QuantizedActivation(codes, scales), summed)
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
