@@ -243,13 +243,17 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
     """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
     (chunked prefill, prefix hits, decode at every batch size, greedy, sampled, filtered and
     penalised rows) compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
-    other test, so no earlier test in this process can have compiled its variants."""
+    other test, so no earlier test in this process can have compiled its variants. Qwen3's vocabulary
+    size: the sampling kernels split long rows into chunks and send broad top-p rows (random weights
+    give broad ones) to the wide-row kernels, variants a 3,000-token vocabulary never reached (the first
+    P4 run of a fresh machine at 566e93c ran 28% below the same run on a machine whose sampler tests
+    had compiled them first)."""
     import json
 
     import triton
 
     config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=192, intermediate_size=384,
-                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=3000,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=151936,
                   tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))

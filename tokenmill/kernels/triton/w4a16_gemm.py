@@ -40,11 +40,12 @@ import triton.language as tl
 
 # Split K only while output tiles are few; past this M the tiles alone fill the GPU.
 SPLIT_K_MAX_M = 64
-# From this M on, dequantize-then-cuBLAS beats the register-dequant GEMM (module docstring). The
-# crossover is where the pass's 2.5 B a weight costs what the GEMM's lower FLOP rate does: with
-# cuBLAS at ~700 TFLOP/s, ours at ~300 and ~3.3 TB/s, 2.5 / 3.3e12 = 2 M (1/300e12 - 1/700e12)
-# gives M ~ 200 for every N and K (both sides scale with N K); bench/quant_gemm_bench.py measures it.
-DEQUANT_MIN_M = 256
+# From this M on, dequantize-then-cuBLAS beats the register-dequant GEMM (module docstring): the
+# GEMM's fast form (operands swapped, the weight as the wgmma register operand) ends at
+# SPLIT_K_MAX_M rows, and its plain tiles past it ran 2.4-3.6x slower than the pass + cuBLAS on
+# every Llama-3-8B projection at M = 128 on the H200 (qkv 83.6 against 35.2 µs, gate_up 332.6
+# against 186.3; bench/results/gpu_quant_gemm.jsonl, 566e93c), so the GEMM keeps only its fast range.
+DEQUANT_MIN_M = SPLIT_K_MAX_M + 1
 K_TILE = 128  # features per packed tile: 16 words of 8 codes; every K step of the kernel is one tile
 
 
