@@ -6,9 +6,9 @@ better heuristic shows up as a gap between the two), plus the operands-not-swapp
 plain-Triton-dequant variants the engine does not launch; at prefill sizes (M 128-16384) the
 kernel against dequantize-then-cuBLAS (where the two cross decides DEQUANT_MIN_M). FP8 at M 16-4096: activation quantization
 alone, ``torch._scaled_mm`` (cuBLASLt, rowwise scales), our Triton fp8 GEMM, and the engine's
-whole fp8 linear (quantize + _scaled_mm) against bf16. ``fused``: the kernels before the fp8
-linears (add + RMSNorm before qkv and gate_up, SiLU-and-mul before down_proj) alone, followed by
-``quantize_fp8`` (the path before the fusion), and quantizing their own output (the engine's path).
+whole fp8 linear (quantize + _scaled_mm) against bf16. ``fused``: the add + RMSNorm before qkv and
+gate_up alone, followed by ``quantize_fp8`` (the path before the fusion), and quantizing its own
+output (the engine's path).
 
 Every timing is a CUDA-graph replay (bench/kernels_bench.py's timer) cycling through enough
 copies of the weights to exceed the 60 MB L2 twice over, so weights come from HBM as they do in
@@ -29,7 +29,6 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_bench import _provenance, _time_graph  # noqa: E402
 
-from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8  # noqa: E402
 from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
 from tokenmill.kernels.triton.w4a16_gemm import (  # noqa: E402
@@ -162,19 +161,16 @@ def bench_fp8() -> None:
 
 def bench_fused() -> None:
     """Per call, CUDA-graph replays (inputs in L2, as the previous GEMM leaves them in a decode step)."""
-    hidden, inter = 4096, 14336
+    hidden = 4096
     weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     for m in (16, 64, 256, 1024, 4096):
         x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
         residual = torch.randn_like(x)
-        gate_up = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
         cases = {
             "add_rms_norm": (lambda: fused_add_rms_norm(x, residual, weight, 1e-5),
                              lambda: quantize_fp8(fused_add_rms_norm(x, residual, weight, 1e-5)[0]),
                              lambda: rms_norm_fp8(x, weight, 1e-5, residual=residual)),
-            "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: quantize_fp8(silu_and_mul(gate_up)),
-                             lambda: silu_and_mul_fp8(gate_up)),
-        }
+        }  # (SiLU-and-mul quantizing its own output ran slower than the two launches: removed, perf.md 23)
         for name, (alone, unfused, fused) in cases.items():
             alone_us, unfused_us, fused_us = (_time_graph(fn)[0] for fn in (alone, unfused, fused))
             row = {**_provenance("fp8_fused_quantize", f"llama3-8b-{name}-m{m}"), "m": m, "bf16_alone_us": round(alone_us, 2),

@@ -93,9 +93,8 @@ _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=1
 _case("compile_sm90", "sm90-w4a16_dequant-bf16", kernel="w4a16_dequant")
 _case("compile_sm90", "sm90-w4a16_dequant-asym-fp16", kernel="w4a16_dequant", zeros=True, dtype="float16")
 _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
-# The norms and the SiLU-and-mul that quantize their output for the next fp8 linear (Llama-3-8B's
-# hidden 4096 and intermediate 14336; per-token scales).
-for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+# The norms that quantize their output for the next fp8 linear (Llama-3-8B's hidden 4096; per-token scales).
+for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
 for _m in (16, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-bf16", kernel="fp8_gemm", m=_m)
@@ -286,13 +285,10 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 
         quantize_fp8(torch.empty((64, 14336), dtype=bf16))
-    elif kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
-        if kernel == "silu_and_mul_fp8":
-            activation.silu_and_mul_fp8(torch.empty((256, 2 * 14336), dtype=bf16))
-        else:
-            x = torch.empty((256, 4096), dtype=bf16)
-            residual = torch.empty_like(x) if kernel == "fused_add_rms_norm_fp8" else None
-            rmsnorm.rms_norm_fp8(x, torch.empty(4096, dtype=bf16), 1e-5, residual=residual)
+    elif kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8"):
+        x = torch.empty((256, 4096), dtype=bf16)
+        residual = torch.empty_like(x) if kernel == "fused_add_rms_norm_fp8" else None
+        rmsnorm.rms_norm_fp8(x, torch.empty(4096, dtype=bf16), 1e-5, residual=residual)
     elif kernel == "fp8_gemm":
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 

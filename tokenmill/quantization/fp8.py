@@ -12,9 +12,10 @@ static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
 otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
 
 With per-token scales, the kernel before a linear can do that quantization itself, for free (the
-RMSNorms before qkv and gate_up, the SiLU-and-mul before down_proj; ``takes_quantized_input`` says
-whether the linear accepts it); it then hands the linear a ``QuantizedActivation`` instead of a
-tensor, and ``apply`` goes straight to the GEMM.
+RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a
+SiLU-and-mul doing it for down_proj measured slower than the two launches, docs/perf.md 23); it
+then hands the linear a ``QuantizedActivation`` instead of a tensor, and ``apply`` goes straight
+to the GEMM.
 """
 
 from __future__ import annotations

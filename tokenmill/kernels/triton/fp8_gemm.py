@@ -25,7 +25,7 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 def fp8_row_scale(amax):
     """The per-token scale of a row whose largest magnitude is ``amax``: max(amax / 448, MIN_SCALE), the
     quotient correctly rounded (as the twin's tensor division). Shared with the kernels that quantize
-    their own output for the next fp8 linear (RMSNorm, SiLU-and-mul), so every path rounds alike."""
+    their own output for the next fp8 linear (the RMSNorms), so every path rounds alike."""
     return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))  # FP8_MAX, MIN_SCALE
 
 
