@@ -274,14 +274,23 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
                              ignore_eos=True, detokenize=False)
               for i in range(len(prompts))]
     compiled: list[str] = []
+    loaded: list[str] = []
 
     def record(*, repr: str, **_: object) -> None:
         compiled.append(repr)
 
+    def record_load(module: object, function: object, name: str, *_: object) -> None:
+        loaded.append(name)
+
+    # A kernel's first launch also builds its launcher (a C compiler run on a cold Triton cache)
+    # and loads its binary: ``parallel_compile`` does that too, so nothing is loaded mid-run.
     triton.knobs.runtime.jit_cache_hook = record
+    triton.knobs.runtime.kernel_load_start_hook.add(record_load)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         triton.knobs.runtime.jit_cache_hook = None
+        triton.knobs.runtime.kernel_load_start_hook.remove(record_load)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     assert compiled == [], "compiled during the run:\n" + "\n".join(compiled)
+    assert loaded == [], "first launched (launcher built, binary loaded) during the run:\n" + "\n".join(loaded)
