@@ -4,8 +4,8 @@ The layer gets the checkpoint's own tensors under their own names (so loading, t
 slicing included, is the layers' generic ``load_placed`` with each tensor's packing described by
 a ParamLayout); ``process_weights_after_loading`` converts them to our one layout
 (``int4.Int4Weights``). On a GPU the weight stays packed (repacked once into the kernel's
-tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM at decode sizes, and at prefill
-sizes dequantizes it into a scratch that lives for one call (torch's caching allocator hands the
+tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM for up to 64 tokens, and for more
+(prefill, large decode batches) dequantizes it into a scratch that lives for one call (torch's caching allocator hands the
 same block to every layer, so no layer keeps a full-precision copy) and calls cuBLAS; elsewhere it
 is dequantized once into the model's dtype and the layer becomes an ordinary unquantized one
 (correct, not fast).

@@ -22,11 +22,12 @@ partial to a workspace and counts itself in on a per-tile counter; the last to a
 partials in split order (deterministic), adds the bias, writes y and resets the counter for the
 next launch (and the next CUDA-graph replay).
 
-Prefill sizes (M >= DEQUANT_MIN_M) do not run this GEMM: ``w4a16_linear`` dequantizes the whole
-weight into a bf16/fp16 scratch (``dequantize_weight``: one pass that reads 0.5 B and writes 2 B a
-weight) and hands it to cuBLAS. Past a few hundred tokens the GEMM is compute-bound, and cuBLAS's
-bf16 GEMM runs near the tensor cores' peak while a kernel that dequantizes every tile it loads
-spends issue slots on unpacking; the pass costs 2.5 B a weight of HBM traffic, ~4% of Llama-3-8B's
+Larger steps (M >= DEQUANT_MIN_M: prefill, decode batches past 64 sequences) do not run this
+GEMM: ``w4a16_linear`` dequantizes the whole weight into a bf16/fp16 scratch
+(``dequantize_weight``: one pass that reads 0.5 B and writes 2 B a weight) and hands it to cuBLAS.
+Past the swapped range this GEMM's plain tiles ran at 51-233 TFLOP/s on the H200, cuBLAS's bf16
+GEMM near the tensor cores' peak (a kernel that dequantizes every tile it loads spends issue
+slots on unpacking); the pass costs 2.5 B a weight of HBM traffic, ~4% of Llama-3-8B's
 gate_up GEMM at M = 8192 (~0.1 of ~2.6 ms). Which path runs depends only on M, never on data: a
 decode CUDA graph of fewer rows holds the GEMM, one of DEQUANT_MIN_M rows or more the pass and
 cuBLAS (its scratch in the graphs' pool).
