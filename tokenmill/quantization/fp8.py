@@ -8,8 +8,8 @@ rows of their shard, so q/k/v or gate/up stacked with different scales stay exac
 
 On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or the checkpoint's
 static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
-``torch._scaled_mm`` (cuBLASLt) for bf16 outputs with K and N multiples of 16, our Triton fp8 GEMM
-otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
+``torch._scaled_mm`` (cuBLASLt) for bf16 outputs with K and N multiples of 16 past 16 tokens, our
+Triton fp8 GEMM otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
 
 With per-token scales, the kernel before a linear can do that quantization itself, for free (the
 RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a
@@ -31,6 +31,10 @@ from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement,
 from tokenmill.quantization.config import Fp8Scheme
 
 FP8_MAX = 448.0
+# Up to this many tokens our Triton fp8 GEMM is faster than ``_scaled_mm``: on the H200 at M = 16 on
+# Llama-3-8B's projections 14.6 / 13.7 / 33.7 / 40.4 µs against 18.6 / 15.2 / 47.3 / 41.0 (qkv, o,
+# gate_up, down; level at M = 64, cuBLASLt well ahead from 256; bench/results/gpu_quant_gemm.jsonl).
+TRITON_GEMM_MAX_M = 16
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +110,7 @@ class Fp8LinearMethod:
         else:
             lead, k, out_dtype = x.shape[:-1], x.shape[-1], x.dtype
             xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
-        if self.use_scaled_mm:
+        if self.use_scaled_mm and xq.shape[0] > TRITON_GEMM_MAX_M:
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
                                  out_dtype=out_dtype)
             if bias is not None:
