@@ -10,7 +10,7 @@ whole fp8 linear (quantize + _scaled_mm) against bf16. ``fused``: the add + RMSN
 gate_up alone, followed by ``quantize_fp8`` (the path before the fusion), and quantizing its own
 output (the engine's path).
 
-Every timing is a CUDA-graph replay (bench/kernels_bench.py's timer) cycling through enough
+Every timing is a CUDA-graph replay (bench/gpu_timing.py's timer) cycling through enough
 copies of the weights to exceed the 60 MB L2 twice over, so weights come from HBM as they do in
 a decode step that reads every layer. One JSON row per (shape, M, kind).
     python bench/quant_gemm_bench.py [w4a16] [fp8] [fused]
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_bench import _provenance, _time_graph  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
+from gpu_timing import _provenance, _time_graph  # noqa: E402
 
 from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8  # noqa: E402
 from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
