@@ -19,19 +19,21 @@ def _case(check: str, name: str, **params: Any) -> None:
 
 _W4A16 = [
     # (m, n, k, group, zeros, bias, forced config); without a config: the engine's choice (operands
-    # swapped and K split up to M = 64, plain tiles past it).
+    # swapped and K split up to M = 128, in row tiles of at most 64; plain tiles past it).
     (1, 64, 256, 128, False, False, None),
     (7, 72, 200, 64, True, True, None),  # K = 3 groups + 8: partial last group and tile, slice groups
     (64, 100, 384, 128, True, False, None),
     (16, 128, 512, 128, True, True, None),  # whole tiles: the unmasked loads (EVEN_N, EVEN_K)
     (17, 256, 1024, 256, False, False, None),  # a group of two tiles
-    (65, 128, 256, 128, True, True, None),  # just past the split range
+    (65, 128, 256, 128, True, True, None),  # two 64-row swapped tiles, the second with one row
+    (100, 192, 4096, 128, False, True, None),  # two swapped tiles, K split in two (rows ragged)
     (130, 33, 160, 32, False, True, None),  # past the split-K range: the large-M tiles
     (5, 96, 416, -1, True, False, None),  # one group per output channel
     (3, 80, 520, 64, True, True, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1, split_k=3)),
     (33, 64, 1024, 128, False, False, dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1, split_k=8)),
     (20, 128, 384, 128, True, True, dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=1, split_k=2, SWAP=False)),
     (200, 64, 256, 32, True, False, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, split_k=1, SWAP=True)),
+    (120, 64, 1024, 128, True, False, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, split_k=4)),
 ]
 for _dt in ("float32", "float16"):
     for _i, (_m, _n, _k, _g, _z, _b, _cfg) in enumerate(_W4A16):

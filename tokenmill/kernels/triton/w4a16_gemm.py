@@ -22,7 +22,7 @@ partial to a workspace and counts itself in on a per-tile counter; the last to a
 partials in split order (deterministic), adds the bias, writes y and resets the counter for the
 next launch (and the next CUDA-graph replay).
 
-Larger steps (M >= DEQUANT_MIN_M: prefill, decode batches past 64 sequences) do not run this
+Larger steps (M >= DEQUANT_MIN_M: prefill, decode batches past 128 sequences) do not run this
 GEMM: ``w4a16_linear`` dequantizes the whole weight into a bf16/fp16 scratch
 (``dequantize_weight``: one pass that reads 0.5 B and writes 2 B a weight) and hands it to cuBLAS.
 Past the swapped range this GEMM's plain tiles ran at 51-233 TFLOP/s on the H200, cuBLAS's bf16
@@ -39,13 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Split K only while output tiles are few; past this M the tiles alone fill the GPU.
-SPLIT_K_MAX_M = 64
-# From this M on, dequantize-then-cuBLAS beats the register-dequant GEMM (module docstring): the
-# GEMM's fast form (operands swapped, the weight as the wgmma register operand) ends at
-# SPLIT_K_MAX_M rows, and its plain tiles past it ran 2.4-3.6x slower than the pass + cuBLAS on
-# every Llama-3-8B projection at M = 128 on the H200 (qkv 83.6 against 35.2 µs, gate_up 332.6
-# against 186.3; bench/results/gpu_quant_gemm.jsonl, 566e93c), so the GEMM keeps only its fast range.
+# The GEMM's fast form (operands swapped, the weight as the wgmma register operand, K split while
+# output tiles are few) runs up to this M, in row tiles of at most 64 (a program's tokens are the
+# MMA's N: 64 keeps one warpgroup's accumulators in registers).
+SPLIT_K_MAX_M = 128
+# From this M on, dequantize-then-cuBLAS (module docstring). The GEMM's plain tiles ran 2.4-3.6x
+# slower than the pass + cuBLAS on every Llama-3-8B projection at M = 128 on the H200 (qkv 83.6
+# against 35.2 µs, gate_up 332.6 against 186.3; bench/results/gpu_quant_gemm.jsonl, 566e93c), so
+# the GEMM keeps only its swapped range. 65-128 rows take two 64-row swapped tiles (docs/perf.md
+# entry 25 predicts 1.2-1.5x the pass + cuBLAS a layer there; not yet measured).
 DEQUANT_MIN_M = SPLIT_K_MAX_M + 1
 K_TILE = 128  # features per packed tile: 16 words of 8 codes; every K step of the kernel is one tile
 
@@ -287,8 +289,8 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
     """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product (a fixed small set,
     so few variants compile: BLOCK_M from M's size class, the split a run-time argument)."""
     if m > SPLIT_K_MAX_M:
-        return dict(BLOCK_M=64 if m <= 128 else 128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=1)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=1)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)  # 65-128 rows: two 64-row tiles
     # 128 outputs a program: the per-K-step cost of addressing the eight x slices and waiting on
     # the MMAs is shared by twice the weights of 64 (3.4 instead of 4.9 SASS instructions a weight
     # at M <= 16, compiled for sm_90).
