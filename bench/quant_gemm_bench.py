@@ -3,7 +3,8 @@
 W4A16 (issue 18's target: >= 2.5x the bf16 GEMM at decode sizes M 1-64): our Triton kernel with
 the engine's own choice of tiles and K split, and the best of a small sweep of its knobs (so a
 better heuristic shows up as a gap between the two), plus the operands-not-swapped and
-plain-Triton-dequant variants the engine does not launch; at prefill sizes (M 128-16384) the
+plain-Triton-dequant variants the engine does not launch, and at M 96 and 128 also one 128-row
+tile and the dequantize pass + cuBLAS those sizes ran before; at prefill sizes (M 256-16384) the
 kernel against dequantize-then-cuBLAS (where the two cross decides DEQUANT_MIN_M). FP8 at M 16-4096: activation quantization
 alone, ``torch._scaled_mm`` (cuBLASLt, rowwise scales), our Triton fp8 GEMM, and the engine's
 whole fp8 linear (quantize + _scaled_mm) against bf16. ``fused``: the add + RMSNorm before qkv and
@@ -37,8 +38,10 @@ from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 L2_BYTES = 60 * 2**20
-# Prefill sizes, around DEQUANT_MIN_M and up to a whole 32 x 512-token prompt batch in one step.
-PREFILL_M = (128, 256, 512, 1024, 4096, 16384)
+# Sizes the swapped GEMM runs (rows past 64 in 64-row tiles, or one 128-row tile in the sweep), then
+# prefill sizes from DEQUANT_MIN_M up to a whole 32 x 512-token prompt batch in one step.
+DECODE_M = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+PREFILL_M = (256, 512, 1024, 4096, 16384)
 
 
 def _copies(weight_bytes: int) -> int:
@@ -66,6 +69,10 @@ def _sweep(auto: dict) -> list[dict]:
     # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
     configs += [dict(auto, SWAP=False), dict(auto, DEQUANT_ASM=False)]
+    if auto["BLOCK_M"] == 64:
+        # Past 64 rows: all of them in one tile on two warpgroups (one dequantization for 128
+        # tokens; 225 registers, 115 KB of shared memory, one program an SM), K split 1-4.
+        configs += [dict(auto, BLOCK_M=128, num_warps=8, num_stages=3, split_k=split) for split in (1, 2, 4)]
     return configs
 
 
@@ -80,7 +87,7 @@ def bench_w4a16() -> None:
         scales = [(torch.rand(k // 128, n, device="cuda") * 0.004).to(torch.bfloat16) for _ in range(copies)]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
         counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
-        for m in (1, 2, 4, 8, 16, 32, 64):
+        for m in DECODE_M:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])
             auto = choose_config(m, n, k, 128, sms)
@@ -104,6 +111,10 @@ def bench_w4a16() -> None:
                    "speedup": round(bf16_us / auto_us, 2), "w4a16_gbps": round(n * k / 2 / auto_us / 1e3, 1),
                    "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1],
                    "unswapped_us": variant_us.get("SWAP"), "plain_dequant_us": variant_us.get("DEQUANT_ASM")}
+            if m > 64:  # what these sizes ran before (docs/perf.md entry 25): the pass, then cuBLAS
+                both_us, _ = _cycled([lambda i=i: F.linear(x, dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16).t())
+                                      for i in range(copies)])
+                row["dequant_cublas_us"] = round(both_us, 2)
             print(json.dumps(row), flush=True)
         for m in PREFILL_M:
             print(json.dumps(_prefill_row(name, n, k, m, packed, scales, dense, counters)), flush=True)

@@ -87,6 +87,10 @@ for _name in ("p1-decode-bf16-d128-g2", "longctx-decode-split-bf16-d128-g4", "pr
 for _m in (1, 32, 64, 128, 256):
     _case("compile_sm90", f"sm90-w4a16-m{_m}-bf16", kernel="w4a16", m=_m)
 _case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zeros=True, bias=True)
+# Not the engine's choice yet: 128 rows in one swapped tile on two warpgroups (bench/quant_gemm_bench.py
+# sweeps it at M 96 and 128; docs/perf.md entry 25).
+_case("compile_sm90", "sm90-w4a16-m128-one-tile-bf16", kernel="w4a16", m=128,
+      config=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=2))
 _case("compile_sm90", "sm90-w4a16-m8-asym-fp16-gate_up", kernel="w4a16", m=8, zeros=True, dtype="float16", n=28672)
 _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=14336, group=64)
 # The prefill path's dequantize pass (then cuBLAS): gate_up's shape, symmetric and asymmetric.
@@ -269,7 +273,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         dtype = getattr(torch, p.get("dtype", "bfloat16"))
         zeros = torch.empty((k // group, n), dtype=torch.uint8) if p.get("zeros") else None
         # The GPU's choice, with the inline-PTX dequant the GPU runs (the CPU would pick the plain one).
-        config = dict(choose_config(p["m"], n, k, group, 132), DEQUANT_ASM=True)
+        config = dict(p.get("config") or choose_config(p["m"], n, k, group, 132), DEQUANT_ASM=True)
         w4a16_gemm(torch.empty((p["m"], k), dtype=dtype), torch.empty((k // 8, n), dtype=torch.int32),
                    torch.empty((k // group, n), dtype=dtype), zeros, group, torch.empty(n, dtype=dtype) if p.get("bias") else None,
                    torch.zeros(counters_needed(n), dtype=torch.int32), config)
