@@ -8,8 +8,9 @@ rows of their shard, so q/k/v or gate/up stacked with different scales stay exac
 
 On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or the checkpoint's
 static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
-``torch._scaled_mm`` (cuBLASLt) for bf16 outputs with K and N multiples of 16 past 16 tokens, our
-Triton fp8 GEMM otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
+``torch._scaled_mm`` for bf16 outputs with K and N multiples of 16 past 16 tokens (with per-row
+scales on sm90 that is torch's CUTLASS kernel, run with fast accumulation as vLLM runs its own),
+our Triton fp8 GEMM otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
 
 With per-token scales, the kernel before a linear can do that quantization itself, for free (the
 RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a
@@ -33,8 +34,15 @@ from tokenmill.quantization.config import Fp8Scheme
 FP8_MAX = 448.0
 # Up to this many tokens our Triton fp8 GEMM is faster than ``_scaled_mm``: on the H200 at M = 16 on
 # Llama-3-8B's projections 14.6 / 13.7 / 33.7 / 40.4 µs against 18.6 / 15.2 / 47.3 / 41.0 (qkv, o,
-# gate_up, down; level at M = 64, cuBLASLt well ahead from 256; bench/results/gpu_quant_gemm.jsonl).
+# gate_up, down; level at M = 64, _scaled_mm well ahead from 256; bench/results/gpu_quant_gemm.jsonl,
+# measured before FAST_ACCUM).
 TRITON_GEMM_MAX_M = 16
+# fp8 tensor-core products accumulated without the periodic promotion to a separate fp32 sum: on
+# sm90 torch then takes its FastAccum CUTLASS schedules, ping-pong for large tiles (without it, a
+# cooperative or plain warp-specialized one that torch's own source calls slow). vLLM's sm90 fp8
+# GEMM past 128 tokens uses a FastAccum ping-pong schedule too, so the numerics match what its
+# users already accept; docs/perf.md entry 26.
+FAST_ACCUM = True
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +120,7 @@ class Fp8LinearMethod:
             xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
         if self.use_scaled_mm and xq.shape[0] > TRITON_GEMM_MAX_M:
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
-                                 out_dtype=out_dtype)
+                                 out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
             if bias is not None:
                 y = y + bias
         else:

@@ -6,8 +6,9 @@ program per row reads the row twice (the maximum, then the codes; the second rea
 
 ``fp8_gemm`` is ``(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ b)``: fp8 operands on the
 tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied once in the epilogue. The
-engine calls ``torch._scaled_mm`` (cuBLASLt) where it can and this kernel where it cannot (fp16
-or fp32 output, sizes not multiples of 16); bench/quant_gemm_bench.py compares the two.
+engine calls ``torch._scaled_mm`` past ``quantization.fp8.TRITON_GEMM_MAX_M`` tokens where it can
+(bf16 output, sizes multiples of 16) and this kernel otherwise (up to 16 tokens it measured
+faster; fp16 or fp32 output; other sizes); bench/quant_gemm_bench.py compares the two.
 """
 
 from __future__ import annotations
