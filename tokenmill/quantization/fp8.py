@@ -38,8 +38,8 @@ FP8_MAX = 448.0
 # measured before FAST_ACCUM).
 TRITON_GEMM_MAX_M = 16
 # fp8 tensor-core products accumulated without the periodic promotion to a separate fp32 sum: on
-# sm90 torch then takes its FastAccum CUTLASS schedules, ping-pong for large tiles (without it, a
-# cooperative or plain warp-specialized one that torch's own source calls slow). vLLM's sm90 fp8
+# sm90 torch then takes its FastAccum CUTLASS schedules, ping-pong for large tiles (without it:
+# cooperative for large tiles, plain warp-specialized for small ones). vLLM's sm90 fp8
 # GEMM past 128 tokens uses a FastAccum ping-pong schedule too, so the numerics match what its
 # users already accept; docs/perf.md entry 26.
 FAST_ACCUM = True
