@@ -54,7 +54,7 @@ def _cycled(calls: list) -> tuple[float, float]:
     return median / len(calls), low / len(calls)
 
 
-def _sweep(auto: dict) -> list[dict]:
+def _sweep(auto: dict, m: int) -> list[dict]:
     """The knobs of the decode-size W4A16 kernel around the engine's choice: the K split (a
     quarter, half, the same and twice) at 3 and 4 pipeline stages, 64 outputs a program, two
     warpgroups a program, and the two paths it does not take (operands not swapped; the
@@ -69,7 +69,7 @@ def _sweep(auto: dict) -> list[dict]:
     # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
     configs += [dict(auto, SWAP=False), dict(auto, DEQUANT_ASM=False)]
-    if auto["BLOCK_M"] == 64:
+    if m > 64:
         # Past 64 rows: all of them in one tile on two warpgroups (one dequantization for 128
         # tokens; 225 registers, 115 KB of shared memory, one program an SM), K split 1-4.
         configs += [dict(auto, BLOCK_M=128, num_warps=8, num_stages=3, split_k=split) for split in (1, 2, 4)]
@@ -94,7 +94,7 @@ def bench_w4a16() -> None:
             auto_us, _ = _cycled([lambda i=i: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters) for i in range(copies)])
             best = (auto_us, auto)
             variant_us = {}
-            for cfg in _sweep(auto):
+            for cfg in _sweep(auto, m):
                 try:
                     us, _ = _cycled([lambda i=i, cfg=cfg: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters, cfg)
                                      for i in range(copies)])
@@ -112,12 +112,19 @@ def bench_w4a16() -> None:
                    "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1],
                    "unswapped_us": variant_us.get("SWAP"), "plain_dequant_us": variant_us.get("DEQUANT_ASM")}
             if m > 64:  # what these sizes ran before (docs/perf.md entry 25): the pass, then cuBLAS
-                both_us, _ = _cycled([lambda i=i: F.linear(x, dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16).t())
-                                      for i in range(copies)])
-                row["dequant_cublas_us"] = round(both_us, 2)
+                row["dequant_cublas_us"] = round(_dequant_cublas_us(x, packed, scales), 2)
             print(json.dumps(row), flush=True)
         for m in PREFILL_M:
             print(json.dumps(_prefill_row(name, n, k, m, packed, scales, dense, counters)), flush=True)
+
+
+def _dequant_cublas_us(x: torch.Tensor, packed: list, scales: list) -> float:
+    """Per call: each layer's dequantize pass into a fresh scratch, then cuBLAS on it (``w4a16_linear``
+    from DEQUANT_MIN_M on)."""
+    k = x.shape[1]
+    us, _ = _cycled([lambda i=i: F.linear(x, dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16).t())
+                     for i in range(len(packed))])
+    return us
 
 
 def _prefill_row(name: str, n: int, k: int, m: int, packed: list, scales: list, dense: list, counters: torch.Tensor) -> dict:
@@ -133,8 +140,7 @@ def _prefill_row(name: str, n: int, k: int, m: int, packed: list, scales: list, 
     dequant_us, _ = _cycled([lambda i=i: dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16, out=scratch)
                              for i in range(copies)])
     scratch_linear_us, _ = _time_graph(lambda: F.linear(x, scratch.t()), calls_per_graph=1)
-    both_us, _ = _cycled([lambda i=i: F.linear(x, dequantize_weight(packed[i], scales[i], None, 128, k, torch.bfloat16).t())
-                          for i in range(copies)])
+    both_us = _dequant_cublas_us(x, packed, scales)
     engine = "dequant_cublas" if m >= DEQUANT_MIN_M else "kernel"
     engine_us = both_us if engine == "dequant_cublas" else kernel_us
     tflops = lambda us: round(2 * m * n * k / us / 1e6, 1)  # noqa: E731
