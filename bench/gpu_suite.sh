@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [quant-gemm] [quant-throughput] [controls-tests] [offload]
+#   [gemm] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
 #   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -84,6 +84,11 @@ for part in $parts; do
       RESULTS="$OUT/quant_throughput.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py tokenmill_fp8 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
       for variant in bf16 w4a16 fp8; do
         RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
+    quant-decode96)  # 96 sequences (the decode graphs' 96-row bucket, two 64-row W4A16 tiles): bf16 against W4A16
+      for variant in bf16 w4a16; do
+        RESULTS="$OUT/quant_throughput.raw" timeout 150 python3 bench/quant_decode_bench.py $variant 96 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/quant_throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/quant_throughput.raw" ;;
     controls-tests)  # issue 17's GPU tests alone (also part of "tests"): sleep memory, wake/reload/update, cpu_offload, profiler

@@ -40,7 +40,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 L2_BYTES = 60 * 2**20
 # Sizes the swapped GEMM runs (rows past 64 in 64-row tiles, or one 128-row tile in the sweep), then
 # prefill sizes from DEQUANT_MIN_M up to a whole 32 x 512-token prompt batch in one step.
-DECODE_M = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+DECODE_M = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
 PREFILL_M = (256, 512, 1024, 4096, 16384)
 
 
@@ -158,7 +158,7 @@ def bench_fp8() -> None:
         copies = _copies(n * k)
         fp8 = [quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
-        for m in (16, 64, 256, 1024, 4096):
+        for m in (16, 64, 128, 192, 256, 1024, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_fp8(x)
             bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])

@@ -15,7 +15,7 @@ bit pattern of 128 + u (``0x6400 | u`` the fp16 one of 1024 + u), and subtractin
 exact integer ``u - z``; the dot's fp32 partial is multiplied by the group's scale (a K slice never
 straddles two groups).
 
-Decode sizes (M <= SPLIT_K_MAX_M) swap the operands, ``y^T = W x^T``, so the dequantized weight is
+Decode sizes (M <= SWAPPED_MAX_M) swap the operands, ``y^T = W x^T``, so the dequantized weight is
 the warpgroup MMA's register operand (64 outputs a warpgroup) and the few tokens are its N; K is
 split over SPLIT_K programs per tile to keep every SM streaming weights: each writes its fp32
 partial to a workspace and counts itself in on a per-tile counter; the last to arrive sums the
@@ -42,13 +42,13 @@ import triton.language as tl
 # The GEMM's fast form (operands swapped, the weight as the wgmma register operand, K split while
 # output tiles are few) runs up to this M, in row tiles of at most 64 (a program's tokens are the
 # MMA's N: 64 keeps one warpgroup's accumulators in registers).
-SPLIT_K_MAX_M = 128
+SWAPPED_MAX_M = 128
 # From this M on, dequantize-then-cuBLAS (module docstring). The GEMM's plain tiles ran 2.4-3.6x
 # slower than the pass + cuBLAS on every Llama-3-8B projection at M = 128 on the H200 (qkv 83.6
 # against 35.2 µs, gate_up 332.6 against 186.3; bench/results/gpu_quant_gemm.jsonl, 566e93c), so
-# the GEMM keeps only its swapped range. 65-128 rows take two 64-row swapped tiles (docs/perf.md
-# entry 25 predicts 1.2-1.5x the pass + cuBLAS a layer there; not yet measured).
-DEQUANT_MIN_M = SPLIT_K_MAX_M + 1
+# the GEMM keeps only its swapped range. 65-128 rows take two 64-row swapped tiles: at M = 128 a
+# layer's four projections took 205 µs against 327 for the pass + cuBLAS (ae892a2, docs/perf.md 25).
+DEQUANT_MIN_M = SWAPPED_MAX_M + 1
 K_TILE = 128  # features per packed tile: 16 words of 8 codes; every K step of the kernel is one tile
 
 
@@ -96,9 +96,9 @@ def _w4a16_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    # Loads need no masks on the usual shapes: rows past M read row M - 1 (their results are never
+    # Loads need no masks on the usual shapes: rows past M read row rm mod M (their results are never
     # stored), and EVEN_N / EVEN_K say N and K fill whole tiles. Fewer predicates, fewer instructions.
-    rm_in = tl.minimum(rm, M - 1)
+    rm_in = rm % M
     n_in = n_ok
     if EVEN_N:
         n_in = tl.full((BLOCK_N,), 1, tl.int1)
@@ -288,7 +288,7 @@ def pack_for_kernel(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
 def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product (a fixed small set,
     so few variants compile: BLOCK_M from M's size class, the split a run-time argument)."""
-    if m > SPLIT_K_MAX_M:
+    if m > SWAPPED_MAX_M:
         return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=1)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)  # 65-128 rows: two 64-row tiles
     # 128 outputs a program: the per-K-step cost of addressing the eight x slices and waiting on
@@ -317,7 +317,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
 
 def counters_needed(n: int) -> int:
     """Size of the per-layer split-K counter buffer: one per output tile of the largest split launch."""
-    return triton.cdiv(n, 32) * triton.cdiv(SPLIT_K_MAX_M, 16)
+    return triton.cdiv(n, 32) * triton.cdiv(SWAPPED_MAX_M, 16)
 
 
 def w4a16_gemm(
@@ -333,7 +333,7 @@ def w4a16_gemm(
 ) -> torch.Tensor:
     """x [M, K] fp16/bf16/fp32, ``packed`` from ``pack_for_kernel`` -> [M, N] in x's dtype.
     ``counters``: int32 zeros (``counters_needed``), left zeroed again. ``config`` overrides
-    ``choose_config`` (tests force splits and tiles; ``SWAP`` defaults to M <= SPLIT_K_MAX_M);
+    ``choose_config`` (tests force splits and tiles; ``SWAP`` defaults to M <= SWAPPED_MAX_M);
     ``out`` receives y (tests poison it)."""
     m, k = x.shape
     n = packed.shape[1]
@@ -342,7 +342,7 @@ def w4a16_gemm(
         x = x.contiguous()
     cfg = dict(config or choose_config(m, n, k, group_size, _num_sms(x.device)))
     split = cfg.pop("split_k")
-    cfg.setdefault("SWAP", m <= SPLIT_K_MAX_M)
+    cfg.setdefault("SWAP", m <= SWAPPED_MAX_M)
     cfg.setdefault("DEQUANT_ASM", x.device.type == "cuda")
     k_tiles = triton.cdiv(k, K_TILE)
     tiles_per_split = triton.cdiv(k_tiles, split)
