@@ -92,6 +92,9 @@ _case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zer
 _case("compile_sm90", "sm90-w4a16-m128-one-tile-bf16", kernel="w4a16", m=128,
       config=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=2))
 _case("compile_sm90", "sm90-w4a16-m8-asym-fp16-gate_up", kernel="w4a16", m=8, zeros=True, dtype="float16", n=28672)
+# A wide weight from 32 tokens: 256 outputs a program on two warpgroups (choose_config).
+for _m in (32, 96):
+    _case("compile_sm90", f"sm90-w4a16-m{_m}-gate_up-wide", kernel="w4a16", m=_m, n=28672)
 _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=14336, group=64)
 # The prefill path's dequantize pass (then cuBLAS): gate_up's shape, symmetric and asymmetric.
 _case("compile_sm90", "sm90-w4a16_dequant-bf16", kernel="w4a16_dequant")

@@ -307,12 +307,18 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
     split = 1
     while tiles * split * 2 <= 4 * num_sms and split * 2 <= min(8, k_tiles // 4, k // (16 * m)):
         split *= 2
-    # One warpgroup and 3 stages at every decode size: in the H200 sweep (bench/quant_gemm_bench.py,
-    # Llama-3-8B's four projections, M 1-64) the best config had 3 stages in 25 cases of 28 (gate_up
-    # at M 1, 4 and 8 kept 4); at M = 64 one warpgroup won on qkv and gate_up (20.3 vs 22.2 µs, 67.9
-    # vs 70.6 at 07bed78) despite its 224 registers a thread; two won on o and down (15.2 and 34.4
-    # µs; the one-warpgroup times there are not in the rows).
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=3, split_k=split)
+    # 3 stages at every decode size: in the H200 sweep (bench/quant_gemm_bench.py, Llama-3-8B's four
+    # projections, M 1-64) the best config had 3 stages in 25 cases of 28 (gate_up at M 1, 4 and 8
+    # kept 4). From 32 tokens, a wide weight (at least half the SMs get a 256-output tile of a row
+    # tile without splitting K) takes 256 outputs a program on two warpgroups, which share each x
+    # tile: on gate_up (N 28,672) that ran 36.7 / 52.9 / 57.0 / 91.5 µs against 39.0 / 69.3 /
+    # 70.4 / 105.7 for 128 on one at M = 32 / 48 / 64 / 96 (9333d16, same K split; docs/perf.md
+    # entry 27). Narrower weights (qkv, o, down: 16-24 such tiles) keep one warpgroup, which
+    # also won at M <= 16 on gate_up (2 programs an SM at 224 registers against 1).
+    num_warps = 4
+    if block_m >= 32 and triton.cdiv(n, 256) * triton.cdiv(m, block_m) >= num_sms // 2:
+        block_n, num_warps = 256, 8
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=3, split_k=split)
 
 
 def counters_needed(n: int) -> int:
