@@ -98,6 +98,8 @@ def _w4a16_kernel(
     n_ok = rn < N
     # Loads need no masks on the usual shapes: rows past M read row rm mod M (their results are never
     # stored), and EVEN_N / EVEN_K say N and K fill whole tiles. Fewer predicates, fewer instructions.
+    # (Not all of them row M - 1: with 32 columns of a 64-row tile on one row, M = 96 ran 1.4-2x
+    # slower than M = 128 on the H200; docs/perf.md entry 27.)
     rm_in = rm % M
     n_in = n_ok
     if EVEN_N:
