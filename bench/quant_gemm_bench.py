@@ -64,7 +64,7 @@ def _sweep(auto: dict, m: int) -> list[dict]:
     for stages in (3, 4):
         for split in splits:
             configs.append(dict(auto, BLOCK_N=128, num_warps=4, num_stages=stages, split_k=split))
-    configs.append(dict(auto, BLOCK_N=64))
+    configs.append(dict(auto, BLOCK_N=64, num_warps=4))
     # Two warpgroups a program: more warps to hide the MMA waits (113 registers at M 64, 128
     # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
@@ -72,7 +72,7 @@ def _sweep(auto: dict, m: int) -> list[dict]:
     if m > 64:
         # Past 64 rows: all of them in one tile on two warpgroups (one dequantization for 128
         # tokens; 225 registers, 115 KB of shared memory, one program an SM), K split 1-4.
-        configs += [dict(auto, BLOCK_M=128, num_warps=8, num_stages=3, split_k=split) for split in (1, 2, 4)]
+        configs += [dict(auto, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=split) for split in (1, 2, 4)]
     return configs
 
 
@@ -94,6 +94,7 @@ def bench_w4a16() -> None:
             auto_us, _ = _cycled([lambda i=i: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters) for i in range(copies)])
             best = (auto_us, auto)
             variant_us = {}
+            sweep = {}  # every config's time, so a later heuristic can be read off the rows
             for cfg in _sweep(auto, m):
                 try:
                     us, _ = _cycled([lambda i=i, cfg=cfg: w4a16_gemm(x, packed[i], scales[i], None, 128, None, counters, cfg)
@@ -101,6 +102,7 @@ def bench_w4a16() -> None:
                 except Exception as exc:  # noqa: BLE001  (a config that does not fit: skip it)
                     print(f"# {name} M={m} {cfg}: {repr(exc)[:100]}", file=sys.stderr)
                     continue
+                sweep[_label(cfg)] = round(us, 2)
                 for knob in ("SWAP", "DEQUANT_ASM"):
                     if knob in cfg:
                         variant_us[knob] = round(us, 2)
@@ -110,12 +112,18 @@ def bench_w4a16() -> None:
                    "bf16_cublas_us": round(bf16_us, 2), "w4a16_us": round(auto_us, 2), "w4a16_config": auto,
                    "speedup": round(bf16_us / auto_us, 2), "w4a16_gbps": round(n * k / 2 / auto_us / 1e3, 1),
                    "best_sweep_us": round(best[0], 2), "best_sweep_config": best[1],
-                   "unswapped_us": variant_us.get("SWAP"), "plain_dequant_us": variant_us.get("DEQUANT_ASM")}
+                   "unswapped_us": variant_us.get("SWAP"), "plain_dequant_us": variant_us.get("DEQUANT_ASM"), "sweep": sweep}
             if m > 64:  # what these sizes ran before (docs/perf.md entry 25): the pass, then cuBLAS
                 row["dequant_cublas_us"] = round(_dequant_cublas_us(x, packed, scales), 2)
             print(json.dumps(row), flush=True)
         for m in PREFILL_M:
             print(json.dumps(_prefill_row(name, n, k, m, packed, scales, dense, counters)), flush=True)
+
+
+def _label(cfg: dict) -> str:
+    """A sweep config in a few characters: rows x outputs, warps, stages, K split, and any path flag."""
+    flags = "".join(f" {knob}={cfg[knob]}" for knob in ("SWAP", "DEQUANT_ASM") if knob in cfg)
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} k{cfg['split_k']}{flags}"
 
 
 def _dequant_cublas_us(x: torch.Tensor, packed: list, scales: list) -> float:
