@@ -87,8 +87,8 @@ for _name in ("p1-decode-bf16-d128-g2", "longctx-decode-split-bf16-d128-g4", "pr
 for _m in (1, 32, 64, 128, 256):
     _case("compile_sm90", f"sm90-w4a16-m{_m}-bf16", kernel="w4a16", m=_m)
 _case("compile_sm90", "sm90-w4a16-m16-asym-bias-bf16", kernel="w4a16", m=16, zeros=True, bias=True)
-# Not the engine's choice yet: 128 rows in one swapped tile on two warpgroups (bench/quant_gemm_bench.py
-# sweeps it at M 96 and 128; docs/perf.md entry 25).
+# Not the engine's choice: 128 rows in one swapped tile on two warpgroups (bench/quant_gemm_bench.py
+# sweeps it past 64 rows; it won only down_proj at M 96 and 112, docs/perf.md entry 25).
 _case("compile_sm90", "sm90-w4a16-m128-one-tile-bf16", kernel="w4a16", m=128,
       config=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, split_k=2))
 _case("compile_sm90", "sm90-w4a16-m8-asym-fp16-gate_up", kernel="w4a16", m=8, zeros=True, dtype="float16", n=28672)
