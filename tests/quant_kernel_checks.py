@@ -34,6 +34,9 @@ _W4A16 = [
     (20, 128, 384, 128, True, True, dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=1, split_k=2, SWAP=False)),
     (200, 64, 256, 32, True, False, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, split_k=1, SWAP=True)),
     (120, 64, 1024, 128, True, False, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, split_k=4)),
+    # 256 outputs a program (what a wide weight takes from 32 tokens: choose_config), slice groups,
+    # zero points, rows past M in the second tile, K split in two.
+    (70, 512, 512, 32, True, True, dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=1, split_k=2)),
     # One 128-row swapped tile on two warpgroups (swept by bench/quant_gemm_bench.py, not the engine's choice).
     (128, 64, 512, 128, True, True, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, split_k=2)),
 ]

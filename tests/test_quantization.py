@@ -147,3 +147,21 @@ def test_unsupported_compressed_tensors_scheme_is_refused(root):
     }
     with pytest.raises(ValueError, match=r"config_groups.group_0.weights=.*not supported; supported: FP8 W8A8"):
         resolve_quantization(None, config)
+
+
+def test_w4a16_tiles_follow_the_measured_rule():
+    """choose_config on Llama-3-8B's projections at 132 SMs (the H200): two warpgroups with 256 outputs a
+    program only for the wide gate_up from 32 tokens, where the sweep measured it 6-24% faster
+    (docs/perf.md entry 27), one warpgroup with 128 elsewhere; past SWAPPED_MAX_M the prefill tile."""
+    from tokenmill.kernels.triton.w4a16_gemm import SWAPPED_MAX_M, choose_config
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    for name, (n, k) in shapes.items():
+        for m in (1, 16, 32, 48, 64, 96, 128):
+            cfg = choose_config(m, n, k, 128, 132)
+            wide = name == "gate_up" and m >= 32
+            assert (cfg["BLOCK_N"], cfg["num_warps"]) == ((256, 8) if wide else (128, 4)), (name, m, cfg)
+            if wide:  # the splits the sweep's winners ran with
+                assert cfg["split_k"] == {32: 2, 48: 2, 64: 2, 96: 1, 128: 1}[m], (m, cfg)
+    assert choose_config(SWAPPED_MAX_M + 1, 28672, 4096, 128, 132)["BLOCK_M"] == 128
+
