@@ -311,12 +311,12 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
         split *= 2
     # 3 stages at every decode size: in the H200 sweep (bench/quant_gemm_bench.py, Llama-3-8B's four
     # projections, M 1-64) the best config had 3 stages in 25 cases of 28 (gate_up at M 1, 4 and 8
-    # kept 4). From 32 tokens, a wide weight (at least half the SMs get a 256-output tile of a row
-    # tile without splitting K) takes 256 outputs a program on two warpgroups, which share each x
-    # tile: on gate_up (N 28,672) that ran 36.7 / 52.9 / 57.0 / 91.5 µs against 39.0 / 69.3 /
-    # 70.4 / 105.7 for 128 on one at M = 32 / 48 / 64 / 96 (9333d16, same K split; docs/perf.md
-    # entry 27). Narrower weights (qkv, o, down: 16-24 such tiles) keep one warpgroup, which
-    # also won at M <= 16 on gate_up (2 programs an SM at 224 registers against 1).
+    # kept 4). From 32 tokens, a wide weight (its 256-output tiles over all row tiles, K unsplit,
+    # give at least half the SMs one) takes 256 outputs a program on two warpgroups, which share
+    # each x tile: on gate_up (N 28,672) that ran 36.7 / 52.9 / 57.0 / 91.5 µs against 39.0 / 69.3
+    # / 70.4 / 105.7 for 128 on one at M = 32 / 48 / 64 / 96 (9333d16, same K split; docs/perf.md
+    # entry 27). Narrower weights (qkv, o, down: 16-24 such tiles) keep one warpgroup, as gate_up
+    # does up to 16 tokens, where the sweep's two-warpgroup configs lost.
     num_warps = 4
     if block_m >= 32 and triton.cdiv(n, 256) * triton.cdiv(m, block_m) >= num_sms // 2:
         block_n, num_warps = 256, 8
