@@ -195,12 +195,13 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
 def _assert_codes_agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """float8 codes equal but for a rare neighbouring code. On the H200, c6d2779's fused codes at
     M = 1,024 differed from the unfused path's once in three runs (unseeded inputs) while scales and
-    residual sums were equal, as 566e93c's had with a static scale. Not pinned down; the likely
-    cause: the fused kernel is another compiled variant of the RMSNorm, whose sum of squares may
-    round its last bit differently (the layouts are the compiler's), and a 1-ulp change of a bf16
-    normed value moves a code only where it sits on an fp8 rounding boundary. A wrong scale,
-    rounding mode or element would move many codes, or by more than a step; at most one in
-    100,000 may differ, by one step."""
+    residual sums were equal, as 566e93c's had with a static scale. Why, from the sm_90 PTX of
+    both variants (hidden 4096, 8 warps): the quantizing one moves each row through shared memory
+    into another register layout before the sum of squares (8 KB against 32 B), so every thread's
+    16-element partial sum covers other elements; rstd can then differ in its last bit, and a bf16
+    normed value that sits on a rounding boundary flips, moving its fp8 code where that also sits
+    on one. A wrong scale, rounding mode or element would move many codes, or by more than a step;
+    at most one in 100,000 may differ, by one step."""
     g, w = got.float(), want.float()
     differ = g != w
     step = torch.maximum(g.abs(), w.abs()) / 8 + 2**-9  # one e4m3 step at that magnitude (3 mantissa bits)
