@@ -192,29 +192,34 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
                                        msg=f"_scaled_mm fast accumulation M={m}")
 
 
-def _assert_codes_agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """float8 codes equal but for a rare neighbouring code. On the H200, c6d2779's fused codes at
-    M = 1,024 differed from the unfused path's once in three runs (unseeded inputs) while scales and
-    residual sums were equal, as 566e93c's had with a static scale. Why, from the sm_90 PTX of
+def _assert_quantized_rows_agree(codes, scales, want_codes, want_scales, what: str) -> None:
+    """Per-token fp8 (codes, scales) equal but for rare neighbours. On the H200, c6d2779's fused codes
+    at M = 1,024 differed from the unfused path's once in three runs (unseeded inputs) while scales
+    and residual sums were equal, as 566e93c's had with a static scale. Why, from the sm_90 PTX of
     both variants (hidden 4096, 8 warps): the quantizing one moves each row through shared memory
     into another register layout before the sum of squares (8 KB against 32 B), so every thread's
     16-element partial sum covers other elements; rstd can then differ in its last bit, and a bf16
-    normed value that sits on a rounding boundary flips, moving its fp8 code where that also sits
-    on one. A wrong scale, rounding mode or element would move many codes, or by more than a step;
-    at most one in 100,000 may differ, by one step."""
-    g, w = got.float(), want.float()
+    normed value on a rounding boundary flips, moving its fp8 code where that also sits on one (or
+    the row's scale, by one bf16 step, when it is the row's largest). A wrong scale, rounding mode
+    or element would move many codes or scales, or by more: at most one row in 1,000 may have
+    another scale (within 2^-7), and on the others one code in 100,000, by one step."""
+    same_scale = scales == want_scales
+    off = ~same_scale
+    assert bool(((scales - want_scales).abs() <= want_scales.abs() * 2**-7)[off].all()), f"{what}: a scale moved by more than a bf16 step"
+    assert int(off.sum()) <= max(1, scales.numel() // 1000), f"{what}: {int(off.sum())} of {scales.numel()} scales differ"
+    g, w = codes.float()[same_scale], want_codes.float()[same_scale]  # (float first: fp8 indexing is not on every backend)
     differ = g != w
     step = torch.maximum(g.abs(), w.abs()) / 8 + 2**-9  # one e4m3 step at that magnitude (3 mantissa bits)
     assert bool(((g - w).abs() <= step).all()), f"{what}: codes differ by more than one step"
-    assert int(differ.sum()) <= max(1, got.numel() // 100_000), f"{what}: {int(differ.sum())} of {got.numel()} codes differ"
+    assert int(differ.sum()) <= max(1, g.numel() // 100_000), f"{what}: {int(differ.sum())} of {g.numel()} codes differ"
 
 
 def test_fp8_fused_norm_gives_the_unfused_bits():
     """The RMSNorm (with and without the residual add) that quantizes its own output for the next fp8
     linear with per-token scales, in bf16 on Llama-3-8B's hidden 4096 and an odd width: the same
-    scales and residual sum, bit for bit, and the same codes (but for a rare neighbouring one, see
-    _assert_codes_agree) as the unfused kernel followed by quantize_fp8 (the path before the
-    fusion). (Static input scales are not fused: a layer with one quantizes its own input.)"""
+    residual sum, bit for bit, and the same codes and scales (but for rare neighbours, see
+    _assert_quantized_rows_agree) as the unfused kernel followed by quantize_fp8 (the path before
+    the fusion). (Static input scales are not fused: a layer with one quantizes its own input.)"""
     from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
     from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 
@@ -227,12 +232,10 @@ def test_fp8_fused_norm_gives_the_unfused_bits():
             normed, want_sum = fused_add_rms_norm(x, residual, weight, 1e-5)
             want_codes, want_scales = quantize_fp8(normed)
             assert torch.equal(summed, want_sum), f"residual sum, hidden={hidden} M={m}"
-            assert torch.equal(scales, want_scales), f"add+norm scales, hidden={hidden} M={m}"
-            _assert_codes_agree(codes, want_codes, f"add+norm codes, hidden={hidden} M={m}")
+            _assert_quantized_rows_agree(codes, scales, want_codes, want_scales, f"add+norm, hidden={hidden} M={m}")
             codes, scales, _ = rms_norm_fp8(x, weight, 1e-5)
             want_codes, want_scales = quantize_fp8(rms_norm(x, weight, 1e-5))
-            assert torch.equal(scales, want_scales), f"norm scales, hidden={hidden} M={m}"
-            _assert_codes_agree(codes, want_codes, f"norm codes, hidden={hidden} M={m}")
+            _assert_quantized_rows_agree(codes, scales, want_codes, want_scales, f"norm, hidden={hidden} M={m}")
 
 
 def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, monkeypatch):
