@@ -192,7 +192,8 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
                                        msg=f"_scaled_mm fast accumulation M={m}")
 
 
-def _assert_quantized_rows_agree(codes, scales, want_codes, want_scales, what: str) -> None:
+def _assert_quantized_rows_agree(codes: torch.Tensor, scales: torch.Tensor, want_codes: torch.Tensor, want_scales: torch.Tensor,
+                                 what: str) -> None:
     """Per-token fp8 (codes, scales) equal but for rare neighbours. On the H200, c6d2779's fused codes
     at M = 1,024 differed from the unfused path's once in three runs (unseeded inputs) while scales
     and residual sums were equal, as 566e93c's had with a static scale. Why, from the sm_90 PTX of
@@ -214,7 +215,7 @@ def _assert_quantized_rows_agree(codes, scales, want_codes, want_scales, what: s
     assert int(differ.sum()) <= max(1, g.numel() // 100_000), f"{what}: {int(differ.sum())} of {g.numel()} codes differ"
 
 
-def test_fp8_fused_norm_gives_the_unfused_bits():
+def test_fp8_fused_norm_matches_the_unfused_path():
     """The RMSNorm (with and without the residual add) that quantizes its own output for the next fp8
     linear with per-token scales, in bf16 on Llama-3-8B's hidden 4096 and an odd width: the same
     residual sum, bit for bit, and the same codes and scales (but for rare neighbours, see
