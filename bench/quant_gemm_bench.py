@@ -3,9 +3,10 @@
 W4A16 (issue 18's target: >= 2.5x the bf16 GEMM at decode sizes M 1-64): our Triton kernel with
 the engine's own choice of tiles and K split, and the best of a small sweep of its knobs (so a
 better heuristic shows up as a gap between the two), plus the operands-not-swapped and
-plain-Triton-dequant variants the engine does not launch, and at M 96 and 128 also one 128-row
-tile and the dequantize pass + cuBLAS those sizes ran before; at prefill sizes (M 256-16384) the
-kernel against dequantize-then-cuBLAS (where the two cross decides DEQUANT_MIN_M). FP8 at M 16-4096: activation quantization
+plain-Triton-dequant variants the engine does not launch (every config's time in the row), and
+past 64 rows also one 128-row tile and the dequantize pass + cuBLAS those sizes ran before; at
+prefill sizes (M 256-16384) the kernel against dequantize-then-cuBLAS (where the two cross decides
+DEQUANT_MIN_M). FP8 at M 16-4096: activation quantization
 alone, ``torch._scaled_mm`` (rowwise scales) with exact and with fast accumulation (the engine's),
 our Triton fp8 GEMM, and the engine's whole fp8 linear (quantize + GEMM) against bf16. ``fused``: the add + RMSNorm before qkv and
 gate_up alone, followed by ``quantize_fp8`` (the path before the fusion), and quantizing its own

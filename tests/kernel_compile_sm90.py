@@ -302,6 +302,8 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         fp8 = torch.float8_e4m3fn
         fp8_gemm(torch.empty((p["m"], 4096), dtype=fp8), torch.empty(p["m"]), torch.empty((6144, 4096), dtype=fp8),
                  torch.empty(6144), None, bf16)
+    from tokenmill.kernels.triton.w4a16_gemm import SWAPPED_MAX_M
+
     launched = report[start:]
     assert launched, "the wrapper launched no kernel"
     for entry in launched:
@@ -318,7 +320,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
-        if entry["kernel"] == "_w4a16_kernel" and p["m"] <= 128:
+        if entry["kernel"] == "_w4a16_kernel" and p["m"] <= SWAPPED_MAX_M:
             # Decode sizes: the dequantized weight is the wgmma's register operand, made from words
             # that stream in asynchronously; it never goes through shared memory (the reshape of the
             # old GPTQ-ordered layout stored 83 values a thread; what is left is the split-K epilogue).
