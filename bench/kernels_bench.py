@@ -401,9 +401,16 @@ def main() -> None:
     print(json.dumps(run_qkv_prologue_case(args, args.seqs, "p1-decode-qkv-prologue")), flush=True)
     # kv_cache_dtype="fp8": the same step reading half the bytes.
     print(json.dumps(run_case(args, seq_lens, "p1-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
-    for tile_n, num_warps in ((64, 8), (128, 4), (128, 8)):  # larger key tiles: fewer conversions in flight
-        cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=3)
-        print(json.dumps(run_case(args, seq_lens, "p1-decode-fp8cache-sweep", cfg, cache_dtype=torch.float8_e4m3fn)), flush=True)
+    # Larger key tiles carry more bytes a program a step (an fp8 tile of 64 keys holds half a bf16 one's),
+    # on Qwen3-0.6B's heads (group 2) and Llama-3-8B's (group 4: P3).
+    llama = argparse.Namespace(**{**vars(args), "heads": 32})
+    for shape, label in ((args, "p1-decode"), (llama, "p3-decode")):
+        if shape is llama:
+            print(json.dumps(run_case(llama, seq_lens, "p3-decode-default", None)), flush=True)
+            print(json.dumps(run_case(llama, seq_lens, "p3-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
+        for tile_n, num_warps in ((64, 8), (128, 4), (128, 8), (256, 8)):
+            cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=3)
+            print(json.dumps(run_case(shape, seq_lens, f"{label}-fp8cache-sweep", cfg, cache_dtype=torch.float8_e4m3fn)), flush=True)
     # P1's thin tail: ~40 sequences of ~1,800 tokens, launched as the 48-row graph with
     # max_model_len 4096 would (no split), then with 2 and 4 splits.
     tail_lens = [rng.randint(1400, 2200) for _ in range(40)]

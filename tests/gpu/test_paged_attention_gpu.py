@@ -127,10 +127,34 @@ def test_attention_kv_cache_in_other_dtype() -> None:
 
 
 @pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
-@pytest.mark.parametrize("scenario", ["decode256", "mixed", "prefill_long"])
-def test_attention_over_an_fp8_cache(scenario: str) -> None:
-    """kv_cache_dtype="fp8": bf16 keys/values stored as float8 e4m3 (== torch's cast) and read back."""
-    _check_attention(_batch(scenario, "qwen3-0.6b", 16, torch.bfloat16, seed=6, cache_dtype=torch.float8_e4m3fn))
+@pytest.mark.parametrize("heads", ["qwen3-0.6b", "llama3-8b", "g8-d64", "g4-d256"])
+@pytest.mark.parametrize("scenario", ["decode256", "mixed", "prefill_long", "few_long_decode"])
+def test_attention_over_an_fp8_cache(scenario: str, heads: str) -> None:
+    """kv_cache_dtype="fp8": bf16 keys/values stored as float8 e4m3 (== torch's cast) and read back
+    (the kernel's dots then run in fp16, its values converted by inline PTX)."""
+    _check_attention(_batch(scenario, heads, 16, torch.bfloat16, seed=6, cache_dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
+@pytest.mark.parametrize("cfg", [(1, 128, 1, 4, 3), (1, 256, 1, 4, 3), (1, 128, 4, 8, 3), (16, 64, 2, 4, 3), (128, 32, 1, 8, 3)],
+                         ids=lambda c: "bq{}-n{}-s{}-w{}".format(*c[:4]))
+def test_attention_over_an_fp8_cache_forced_configs(cfg: tuple[int, int, int, int, int]) -> None:
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
+
+    config = AttentionLaunchConfig(block_q=cfg[0], tile_n=cfg[1], num_splits=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
+    _check_attention(_batch("mixed", "llama3-8b", 16, torch.bfloat16, seed=13, cache_dtype=torch.float8_e4m3fn), config)
+
+
+@pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
+def test_attention_over_an_fp8_cache_with_queries_past_fp16_range() -> None:
+    """Over an fp8 cache q enters fp16 dots. A query feature of 2e5 (past fp16's 65504) whose keys
+    are all 0 changes no score, but an fp16 q holding inf there would make every score NaN: the
+    kernel scales q into log2 units before converting it, which keeps it finite."""
+    batch = _batch("mixed", "qwen3-0.6b", 16, torch.bfloat16, seed=14, cache_dtype=torch.float8_e4m3fn)
+    batch.q[..., 0] = 2e5
+    batch.k[..., 0] = 0.0
+    batch.kv_cache[0, ..., 0] = 0.0
+    _check_attention(batch)
 
 
 @pytest.mark.skipif(DRYRUN, reason="needs ~9 GB of device memory")

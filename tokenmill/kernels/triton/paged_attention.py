@@ -61,6 +61,7 @@ from tokenmill.kernels.triton.paged_attention_config import (  # noqa: F401
 from tokenmill.kernels.triton.paged_attention_deterministic import _merge_parts_kernel, _paged_attention_fixed_split_kernel
 from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_tiles,
+    _dot_query,
     _load_rows,
     _locate_rows,
     _store_normalised,
@@ -114,6 +115,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CONVERT_ASM: tl.constexpr,
 ):
     block_id = tl.program_id(0) + block_offset
     kv_head = tl.program_id(1)
@@ -124,6 +126,7 @@ def _paged_attention_kernel(
     if q_first >= query_len:
         return  # a spare program of the static grid
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
+    q = _dot_query(q, scale_log2, k_cache_ptr)
     # This split's share of the block's key tiles.
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -138,7 +141,7 @@ def _paged_attention_kernel(
         # Decode: every row sits at the last position, only the last tile can reach past it.
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, tile_lo, tile_hi, scale_log2,
-            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, CONVERT_ASM=CONVERT_ASM,
         )
     else:
         # Prefill: a tile that ends at or before the block's first position is seen whole by every
@@ -147,11 +150,11 @@ def _paged_attention_kernel(
         full_end = tl.minimum(tl.maximum((cached_len + q_first + 1) // TILE_N, tile_lo), tile_hi)
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, tile_lo, full_end, scale_log2,
-            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=False,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=False, CONVERT_ASM=CONVERT_ASM,
         )
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, full_end, tile_hi, scale_log2,
-            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, CONVERT_ASM=CONVERT_ASM,
         )
 
     if NUM_SPLITS == 1:
@@ -354,7 +357,8 @@ def _launch(
     shape = dict(
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=config.block_q,
         BLOCK_M=block_m, TILE_N=config.tile_n, SEARCH_BLOCK=_SEARCH_BLOCK,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CONVERT_ASM=not triton.knobs.runtime.interpret,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     grid = (grid_q, num_kv_heads, splits)

@@ -13,6 +13,7 @@ import triton.language as tl
 from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_tiles,
     _find_sequence,
+    _dot_query,
     _load_rows,
     _locate_rows,
     _store_normalised,
@@ -80,6 +81,7 @@ def _paged_attention_fixed_split_kernel(
     PART_TILES: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CONVERT_ASM: tl.constexpr,
     ONE_PROGRAM: tl.constexpr,  # split_programs == 1, known when compiling
 ):
     """Deterministic mode: a row's keys are cut into parts of PART_TILES * TILE_N keys from key 0,
@@ -103,6 +105,7 @@ def _paged_attention_fixed_split_kernel(
     if q_first >= query_len:
         return  # a spare program of the static grid
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
+    q = _dot_query(q, scale_log2, k_cache_ptr)
     table = block_tables_ptr + seq * stride_bt_seq
     num_tiles = tl.cdiv(kv_end, TILE_N)
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -123,7 +126,7 @@ def _paged_attention_fixed_split_kernel(
         m, l, acc = _attend_tiles(
             q, m, l, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
             tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True, CONVERT_ASM=CONVERT_ASM,
         )
         if ONE_PROGRAM:
             m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)

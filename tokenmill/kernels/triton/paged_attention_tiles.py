@@ -74,6 +74,36 @@ def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM:
 
 
 @triton.jit
+def _dot_query(q, scale_log2, k_cache_ptr):
+    """The query rows as the dots take them.
+
+    Over a float8 cache the dots run in fp16: e4m3 keys and values convert to fp16 exactly, one
+    instruction per two (to bf16 it takes one more per value), and q is pre-scaled into log2 units
+    so that it stays 8-11x further from fp16's 65504 than the raw values (saturated there; fp16
+    keeps 3 more mantissa bits of q than bf16 did). ``_attend_tiles`` then scales scores by 1.
+    Other caches keep q as it is."""
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        q = tl.clamp(q.to(tl.float32) * scale_log2, -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _fp8_to_fp16(x, CONVERT_ASM: tl.constexpr):
+    """float8 e4m3 -> fp16 (exact). ``CONVERT_ASM`` (compiled for the GPU, not the interpreter): by
+    inline PTX that the compiler may not move, so the conversion happens in the registers the load
+    lands in and the tile reaches shared memory as fp16. Converted after shared memory instead (what
+    Triton does with a plain ``.to``), the values tile of P @ V, whose reduction runs over keys
+    while its bytes run along head_dim, has no 8-bit transposing load on sm_90: it is read byte
+    by byte (64 loads a thread a tile) and the kernel needs ~210 registers instead of ~120."""
+    if CONVERT_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    return x.to(tl.float16)
+
+
+@triton.jit
 def _attend_tiles(
     q,
     m_i,
@@ -96,6 +126,7 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
     DETERMINISTIC: tl.constexpr = False,
+    CONVERT_ASM: tl.constexpr = False,
 ):
     """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order,
     continuing the running max m (log2 units), sum l and unnormalised output acc.
@@ -110,6 +141,8 @@ def _attend_tiles(
     """
     cols = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        scale_log2 = 1.0  # q came pre-scaled into log2 units (_dot_query)
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + cols
         # An all-true constant mask folds away: the unmasked loads are plain (pipelined) copies.
@@ -133,6 +166,8 @@ def _attend_tiles(
         p = tl.exp2(qk * scale_log2 - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + key_off[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
+        if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+            v = _fp8_to_fp16(v, CONVERT_ASM)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
