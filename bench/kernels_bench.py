@@ -408,9 +408,15 @@ def main() -> None:
         if shape is llama:
             print(json.dumps(run_case(llama, seq_lens, "p3-decode-default", None)), flush=True)
             print(json.dumps(run_case(llama, seq_lens, "p3-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
-        for tile_n, num_warps in ((64, 8), (128, 4), (128, 8), (256, 8)):
-            cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=3)
+        # num_stages 5-6 gives the 64-key tile two buffers (a second tile in flight) at 4 programs an SM;
+        # 2 warps fit 5 programs; 128 keys at 3 stages fit 3 (sm_90 compile: tests/kernel_compile_sm90.py).
+        for tile_n, num_warps, num_stages in ((64, 4, 5), (64, 2, 3), (64, 2, 5), (64, 8, 5), (32, 4, 6), (128, 4, 3),
+                                              (128, 4, 5), (128, 8, 5)):
+            cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=num_stages)
             print(json.dumps(run_case(shape, seq_lens, f"{label}-fp8cache-sweep", cfg, cache_dtype=torch.float8_e4m3fn)), flush=True)
+    for num_stages in (5,):  # bf16 with two buffers (3 programs an SM)
+        cfg = AttentionLaunchConfig(block_q=1, tile_n=64, num_splits=1, num_warps=4, num_stages=num_stages)
+        print(json.dumps(run_case(args, seq_lens, "p1-decode-sweep", cfg)), flush=True)
     # P1's thin tail: ~40 sequences of ~1,800 tokens, launched as the 48-row graph with
     # max_model_len 4096 would (no split), then with 2 and 4 splits.
     tail_lens = [rng.randint(1400, 2200) for _ in range(40)]
