@@ -61,8 +61,8 @@ for part in $parts; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
       done
       tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
-    throughput-fp8)  # kv_cache_dtype="fp8": not the protocols' bf16, recorded as its own engine
-      for run in "qwen3-0.6b nano" "llama3-8b nano"; do
+    throughput-fp8)  # kv_cache_dtype="fp8": not the protocols' bf16, recorded as its own engine (P1, P5, P3)
+      for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
         RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py tokenmill_fp8kv $run 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_fp8.raw" ;;
@@ -131,8 +131,9 @@ for part in $parts; do
         RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
-    kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep
-      timeout 240 python3 bench/kernels_bench.py --p5 --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
+    kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache
+      timeout 240 python3 bench/kernels_bench.py --p5 --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
+      timeout 240 python3 bench/kernels_bench.py --p5 --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
       cat "$OUT/kernels_p5.raw"; : > "$OUT/kernels_p5.raw" ;;
     p3-overlap|p5-overlap)  # two micro-batches on two streams (TOKENMILL_OVERLAP): the run without, then with
       [ "$part" = p3-overlap ] && run="llama3-8b nano" places=decode || run="qwen3-0.6b prefill" places=mixed

@@ -61,6 +61,7 @@ def run_case(
         config = choose_config(
             num_tokens=graph_batch or len(seq_lens), num_seqs=graph_batch or len(seq_lens), num_heads=args.heads, num_kv_heads=args.kv_heads,
             head_dim=args.head_dim, dtype=dtype, max_query_len=1, max_seq_len=max_seq, device=batch.q.device,
+            cache_dtype=batch.kv_cache.dtype,
         )
     out = torch.full_like(batch.q, float("nan"))
 
@@ -208,13 +209,14 @@ def run_step_case(
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     batch = make_paged_batch(
         query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size,
-        dtype=dtype, device="cuda", seed=0,
+        dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
     )
     scale = dim**-0.5
     max_q, max_s = max(query_lens), max(seq_lens)
     decode_config, chosen = pa.choose_configs(
         num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=num_decode_seqs, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_query_len=max_q, max_seq_len=max_s, device=batch.q.device,
+        cache_dtype=batch.kv_cache.dtype,
     )
     config = config or chosen
     out = torch.full_like(batch.q, float("nan"))
@@ -264,6 +266,7 @@ def run_step_case(
         "kv_heads": kv_heads,
         "head_dim": dim,
         "num_decode_seqs": num_decode_seqs,
+        "cache_dtype": str(batch.kv_cache.dtype).removeprefix("torch."),
         "two_streams": two_streams,
         "config": {k: getattr(config, k) for k in fields},
         "decode_config": {k: getattr(decode_config, k) for k in fields} if decode_config else None,
@@ -291,7 +294,7 @@ def run_p5_cases(args: argparse.Namespace, sweep: bool) -> None:
     print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-one-launch", num_decode_seqs=0)), flush=True)
     print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-split", num_decode_seqs=256)), flush=True)
     print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-split-two-streams", num_decode_seqs=256, two_streams=True)), flush=True)
-    print(json.dumps(run_case(args, mixed_s[:256], "p5-mixed-decodes-alone", None)), flush=True)
+    print(json.dumps(run_case(args, mixed_s[:256], "p5-mixed-decodes-alone", None, cache_dtype=args.cache_dtype)), flush=True)
     if sweep:
         # What ptxas gives each for sm_90 (head_dim 128, group 2; regs/thread, KB shared -> CTAs an SM):
         # 64/64/8 178-192 regs, 96 KB -> 1; 64/128/8/2 244, 160 KB -> 1; 64/32/8 128, 64 KB -> 2;
@@ -385,7 +388,9 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
     parser.add_argument("--varlen-sweep", action="store_true", help="also time varlen attention tile/warp/stage variants")
     parser.add_argument("--p5", action="store_true", help="only P5's prefill and mixed steps (with --sweep: prefill tiles)")
+    parser.add_argument("--fp8-cache", action="store_true", help="with --p5: the steps over a float8 e4m3 cache")
     args = parser.parse_args()
+    args.cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
 

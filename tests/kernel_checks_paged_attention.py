@@ -332,16 +332,20 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs
+    from tokenmill.kernels.triton.paged_attention_config import FP8_CACHE_DECODE_STAGES, FP8_CACHE_DECODE_WARPS
 
     rng = random.Random(0)
     cpu = torch.device("cpu")
-    # (heads, kv heads, head_dim, dtype): groups 1, 2 (Qwen3-0.6B), 3, 4 (Llama-3-8B), 8, 16.
-    for heads, kv_heads, dim, dtype in [
-        (16, 16, 64, torch.float16), (16, 8, 128, torch.bfloat16), (6, 2, 256, torch.bfloat16),
-        (32, 8, 128, torch.bfloat16), (16, 2, 256, torch.float16), (32, 2, 128, torch.bfloat16), (4, 2, 128, torch.float32),
+    # (heads, kv heads, head_dim, dtype, cache dtype): groups 1, 2 (Qwen3-0.6B), 3, 4 (Llama-3-8B), 8, 16; fp8 caches.
+    fp8 = torch.float8_e4m3fn
+    for heads, kv_heads, dim, dtype, cache_dtype in [
+        (16, 16, 64, torch.float16, None), (16, 8, 128, torch.bfloat16, None), (6, 2, 256, torch.bfloat16, None),
+        (32, 8, 128, torch.bfloat16, None), (16, 2, 256, torch.float16, None), (32, 2, 128, torch.bfloat16, None),
+        (4, 2, 128, torch.float32, None), (16, 8, 128, torch.bfloat16, fp8), (32, 8, 128, torch.float16, fp8),
     ]:
         for max_model_len in (256, 4096, 40960):
-            configs = launch_configs(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_seq_len=max_model_len)
+            configs = launch_configs(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_seq_len=max_model_len,
+                                     cache_dtype=cache_dtype)
             assert len(configs) == len(set(configs)) and len(configs) <= 3 * 7, configs
             chosen = set()
             for _ in range(3000):
@@ -354,9 +358,9 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
                     continue
                 config = choose_config(
                     num_tokens=num_tokens, num_seqs=num_seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-                    dtype=dtype, max_query_len=max_query_len, max_seq_len=max_seq_len, device=cpu,
+                    dtype=dtype, max_query_len=max_query_len, max_seq_len=max_seq_len, device=cpu, cache_dtype=cache_dtype,
                 )
-                assert config in configs, (config, heads, kv_heads, dim, dtype, max_model_len)
+                assert config in configs, (config, heads, kv_heads, dim, dtype, cache_dtype, max_model_len)
                 chosen.add(config)
             # The listing is not padded with variants no step would pick.
             assert len(chosen) >= len(configs) - 2, (sorted(set(configs) - chosen, key=str), configs)
@@ -364,6 +368,11 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     qwen = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096)
     assert len(qwen) == 11, qwen
     assert {(c.block_q, c.num_warps) for c in qwen if c.block_q > 1} == {(8, 4), (64, 8)}, qwen
+    # Over a float8 cache only decode changes: its own warps and stages; the prefill tiles stay.
+    qwen_fp8 = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096,
+                              cache_dtype=torch.float8_e4m3fn)
+    assert {(c.num_warps, c.num_stages) for c in qwen_fp8 if c.block_q == 1} == {(FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES)}
+    assert [c for c in qwen_fp8 if c.block_q > 1] == [c for c in qwen if c.block_q > 1]
 
 
 def _check_precompile(p: dict[str, Any]) -> None:
@@ -390,7 +399,8 @@ def _check_precompile(p: dict[str, Any]) -> None:
         with parallel_compile(max_workers=2):
             backend.precompile(4, scratch, torch.float16, 1024)
             Sampler.precompile(300, torch.float16, torch.device("cpu"))
-        assert launched == pa.launch_configs(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_seq_len=1024)
+        assert launched == pa.launch_configs(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_seq_len=1024,
+                                             cache_dtype=cache_dtype)
 
 
 

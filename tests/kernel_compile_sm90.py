@@ -202,6 +202,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         config = paged_attention.choose_config(
             num_tokens=tokens, num_seqs=seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
             max_query_len=qlen, max_seq_len=max_seq, device=torch.device("cpu"), deterministic=p.get("deterministic", False),
+            cache_dtype=cache.dtype,
         )
         paged_attention.paged_attention(
             q, cache, torch.zeros(seqs + 1, dtype=torch.int32), torch.zeros(seqs, dtype=torch.int32),

@@ -91,7 +91,7 @@ class TritonAttentionBackend:
 
     def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
         # The launch shapes are the same for every layer of a step: choose them once per step.
-        key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
+        key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype)
         plan = meta.backend_cache.get(key)
         if plan is None:
             num_decode_seqs = meta.num_leading_decodes if meta.max_query_len > 1 else 0
@@ -107,6 +107,7 @@ class TritonAttentionBackend:
                 max_seq_len=meta.max_seq_len,
                 device=q.device,
                 deterministic=self.deterministic,
+                cache_dtype=kv_cache.dtype,
             )
             plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config)
         num_decode_seqs, decode_config, config = plan
@@ -138,7 +139,7 @@ class TritonAttentionBackend:
         block_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         configs = self._launch_configs(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_seq_len=max_seq_len,
-            deterministic=self.deterministic,
+            deterministic=self.deterministic, cache_dtype=kv_cache.dtype,
         )
         for config in configs:
             self._paged_attention(

@@ -277,7 +277,7 @@ def paged_attention(
         chosen_decode, chosen = choose_configs(
             num_tokens=num_tokens, num_seqs=num_seqs, num_decode_seqs=num_decode_seqs, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=q.dtype, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, device=q.device,
+            max_seq_len=max_seq_len, device=q.device, cache_dtype=kv_cache.dtype,
         )
         config, decode_config = config or chosen, decode_config or chosen_decode
     launch = functools.partial(

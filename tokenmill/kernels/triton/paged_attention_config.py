@@ -27,6 +27,11 @@ _MAX_PREFILL_SPLITS = 4
 # Deterministic mode's fixed key parts (a multiple of every tile_n): long enough that merging parts
 # costs little next to attending over them, short enough to split one long sequence over many SMs.
 DETERMINISTIC_PART_KEYS = 512
+# Decode over a float8 cache: a 64-key tile holds half the bytes of a bf16 one, so the bf16 launch
+# (4 warps, one buffer) kept too few bytes in flight. 2 warps and 5 stages (a second buffer for the
+# next tile) read a P1-sized decode step in 161 µs against 217 µs, on both Qwen3-0.6B's and
+# Llama-3-8B's heads (bf16: 260 µs; the best of 18 tile/warp/stage rows, bench/results/gpu_kernels.jsonl, db38d3f).
+FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 2, 5
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ def choose_config(
     max_seq_len: int,
     device: torch.device,
     deterministic: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> AttentionLaunchConfig:
     """Pick tile shapes and the split count from static bounds (shapes and two host upper bounds).
 
@@ -69,6 +75,8 @@ def choose_config(
     for fp32). Splits are added only while the grid has fewer than two programs per SM, and only
     as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
     the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
+    ``cache_dtype`` (None: ``dtype``): decode over a float8 cache takes its own warps and stages
+    (``FP8_CACHE_DECODE_WARPS``/``_STAGES``).
 
     ``deterministic``: one tile for every step, decode or prefill (the 16-row one: a row's dots and
     reductions then run on the same tile shape, hence round alike, wherever it is computed), fixed
@@ -97,7 +105,7 @@ def choose_config(
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
         wanted = min(math.ceil(2 * num_sms / programs), by_length, max_splits)
         num_splits = _next_power_of_2(wanted)
-    return _config(block_q, num_splits, group_p, head_dim, dtype)
+    return _config(block_q, num_splits, group_p, head_dim, dtype, cache_dtype)
 
 
 def choose_configs(
@@ -113,13 +121,14 @@ def choose_configs(
     max_seq_len: int,
     device: torch.device,
     deterministic: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[AttentionLaunchConfig | None, AttentionLaunchConfig]:
     """The configs of a step's launches: (the leading decodes' launch, or None when one launch
     covers the whole step; the other launch). Decodes in a prefill-sized tile would each fill one
     row of 64-128 and pay the arithmetic of all of them, so a mixed step whose first
     ``num_decode_seqs`` sequences are one-token decodes runs them with the decode tile.
     ``deterministic``: always one launch, on the one tile every row shares (``choose_config``)."""
-    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, cache_dtype=cache_dtype)
     if deterministic or not _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
         return None, choose_config(
             num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
@@ -134,7 +143,8 @@ def choose_configs(
 
 
 def launch_configs(
-    *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int, deterministic: bool = False
+    *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int, deterministic: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> list[AttentionLaunchConfig]:
     """Every config ``choose_config`` can return for these heads and contexts up to ``max_seq_len``:
     the kernel variants to compile before a run, so that none is compiled in the middle of one.
@@ -149,7 +159,7 @@ def launch_configs(
     for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in _prefill_block_qs(group_p, head_dim, dtype))):
         splits = 1
         while splits <= _next_power_of_2(min(by_length, max_splits)):
-            configs.append(_config(block_q, splits, group_p, head_dim, dtype))
+            configs.append(_config(block_q, splits, group_p, head_dim, dtype, cache_dtype))
             splits *= 2
     return list(dict.fromkeys(configs))  # narrow == wide for fp32
 
@@ -163,14 +173,19 @@ def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype) -> tuple[
     return max(1, 16 // group_p), max(1, wide_rows // group_p)
 
 
-def _config(block_q: int, num_splits: int, group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
+def _config(
+    block_q: int, num_splits: int, group_p: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> AttentionLaunchConfig:
+    """``cache_dtype``: the KV cache's, when it differs from ``dtype`` (the queries')."""
     fp32 = dtype == torch.float32
     wide = not fp32 and block_q * group_p >= 128
     # The wide tile walks keys 32 at a time: on P5's 16,384-token prefill step (Qwen3-0.6B heads,
     # H200) 128 x 32 ran in 602 µs against 679 for 128 x 64, the best of eight tile/warp/stage rows
     # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).
     tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
-    if block_q == 1:
+    if block_q == 1 and cache_dtype is not None and cache_dtype.itemsize == 1:
+        num_warps, num_stages = FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES
+    elif block_q == 1:
         num_warps, num_stages = 4, 3
     else:
         num_warps = 8 if wide or (not fp32 and head_dim >= 256) else 4
