@@ -332,7 +332,7 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs
-    from tokenmill.kernels.triton.paged_attention_config import FP8_CACHE_DECODE_STAGES, FP8_CACHE_DECODE_WARPS
+    from tokenmill.kernels.triton.paged_attention_config import FP8_CACHE_DECODE_STAGES, FP8_CACHE_DECODE_WARPS, FP8_CACHE_WIDE_ROWS
 
     rng = random.Random(0)
     cpu = torch.device("cpu")
@@ -368,11 +368,13 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     qwen = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096)
     assert len(qwen) == 11, qwen
     assert {(c.block_q, c.num_warps) for c in qwen if c.block_q > 1} == {(8, 4), (64, 8)}, qwen
-    # Over a float8 cache only decode changes: its own warps and stages; the prefill tiles stay.
+    # Over a float8 cache decode takes its own warps and stages and the wide tile its own rows; the
+    # narrow tile stays.
     qwen_fp8 = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096,
                               cache_dtype=torch.float8_e4m3fn)
     assert {(c.num_warps, c.num_stages) for c in qwen_fp8 if c.block_q == 1} == {(FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES)}
-    assert [c for c in qwen_fp8 if c.block_q > 1] == [c for c in qwen if c.block_q > 1]
+    assert {c.block_q for c in qwen_fp8 if c.block_q > 1} == {8, FP8_CACHE_WIDE_ROWS // 2}, qwen_fp8
+    assert [c for c in qwen_fp8 if c.block_q == 8] == [c for c in qwen if c.block_q == 8]
 
 
 def _check_precompile(p: dict[str, Any]) -> None:

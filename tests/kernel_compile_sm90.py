@@ -67,6 +67,10 @@ for _name in _COMPILE_QKV_PROLOGUE:
 # kv_cache_dtype="fp8": bf16 keys and values stored as float8 e4m3 and read back by attention.
 _case("compile_sm90", "sm90-attn-p1-decode-fp8cache", kernel="attention", shape="p1-decode-bf16-d128-g2", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-attn-prefill-fp8cache", kernel="attention", shape="prefill-bf16-d128-g2", cache_dtype="float8_e4m3fn")
+# head_dim 256 over fp8: decode on fp16 dots, the wide tile on bf16 ones (fp16 ones spill there).
+_case("compile_sm90", "sm90-attn-prefill-d256-fp8cache", kernel="attention", shape="prefill-bf16-d256-g4", cache_dtype="float8_e4m3fn")
+_case("compile_sm90", "sm90-attn-decode-d256-fp8cache", kernel="attention", shape="decode-bf16-d256-g8-split", cache_dtype="float8_e4m3fn")
+_case("compile_sm90", "sm90-attn-decode-fp32-fp8cache", kernel="attention", shape="decode-fp32-d128-g2-split", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-qkv_prologue-decode-fp8cache", kernel="qkv_prologue", shape="qwen3-0.6b-decode-bf16", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-kv_store-fp8cache", kernel="kv_store", cache_dtype="float8_e4m3fn")
 # Deterministic mode: the batch-invariant matmul on the four projections and the lm_head of both

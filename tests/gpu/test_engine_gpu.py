@@ -238,8 +238,9 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
 
 
 @pytest.mark.parametrize("overlap", ["", "decode,mixed"], ids=["one-batch", "micro-batches"])
-@pytest.mark.parametrize("enforce_eager, deterministic", [(False, False), (True, False), (False, True)])
-def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, deterministic, overlap, monkeypatch):
+@pytest.mark.parametrize("enforce_eager, deterministic, kv_cache_dtype",
+                         [(False, False, "auto"), (True, False, "auto"), (False, True, "auto"), (False, False, "fp8")])
+def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, deterministic, kv_cache_dtype, overlap, monkeypatch):
     """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
     (chunked prefill, prefix hits, decode at every batch size, greedy, sampled, filtered and
     penalised rows) compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
@@ -260,7 +261,7 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
     monkeypatch.setenv("TOKENMILL_OVERLAP", overlap)  # micro-batches: B's fresh metadata, halves' split counts
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
               max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1,
-              deterministic=deterministic)
+              deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 3000) for _ in range(rng.choice([1, 2, 5, 9, 17, 100, 700, 1500]))] for _ in range(60)]
     prompts += [prompts[6][:600] + p[:3] for p in prompts[:5]]  # prefix hits

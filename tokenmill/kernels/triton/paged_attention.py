@@ -115,6 +115,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
     CONVERT_ASM: tl.constexpr,
 ):
     block_id = tl.program_id(0) + block_offset
@@ -126,7 +127,7 @@ def _paged_attention_kernel(
     if q_first >= query_len:
         return  # a spare program of the static grid
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
-    q = _dot_query(q, scale_log2, k_cache_ptr)
+    q = _dot_query(q, scale_log2, FP16_DOTS)
     # This split's share of the block's key tiles.
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -141,7 +142,8 @@ def _paged_attention_kernel(
         # Decode: every row sits at the last position, only the last tile can reach past it.
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, tile_lo, tile_hi, scale_log2,
-            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, CONVERT_ASM=CONVERT_ASM,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True,
+            FP16_DOTS=FP16_DOTS, CONVERT_ASM=CONVERT_ASM,
         )
     else:
         # Prefill: a tile that ends at or before the block's first position is seen whole by every
@@ -150,11 +152,13 @@ def _paged_attention_kernel(
         full_end = tl.minimum(tl.maximum((cached_len + q_first + 1) // TILE_N, tile_lo), tile_hi)
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, tile_lo, full_end, scale_log2,
-            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=False, CONVERT_ASM=CONVERT_ASM,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=False,
+            FP16_DOTS=FP16_DOTS, CONVERT_ASM=CONVERT_ASM,
         )
         m_i, l_i, acc = _attend_tiles(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, row_pos, kv_end, full_end, tile_hi, scale_log2,
-            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, CONVERT_ASM=CONVERT_ASM,
+            stride_c_blk, stride_c_tok, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True,
+            FP16_DOTS=FP16_DOTS, CONVERT_ASM=CONVERT_ASM,
         )
 
     if NUM_SPLITS == 1:
@@ -294,6 +298,13 @@ def paged_attention(
     return out
 
 
+def _fp16_dots(cache_dtype: torch.dtype, head_dim: int, block_m: int) -> bool:
+    """Whether the dots run in fp16 over this cache (``_dot_query``): over a float8 one, except in
+    head_dim 256's wide tile, which fp16 dots push from 208 registers to 255 and a spill (sm_90
+    compile); there q stays bf16 and the keys and values convert on to it."""
+    return cache_dtype.itemsize == 1 and not (head_dim > 128 and block_m >= 64)
+
+
 def _launch(
     q: torch.Tensor,
     config: AttentionLaunchConfig,
@@ -357,7 +368,8 @@ def _launch(
     shape = dict(
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=config.block_q,
         BLOCK_M=block_m, TILE_N=config.tile_n, SEARCH_BLOCK=_SEARCH_BLOCK,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CONVERT_ASM=not triton.knobs.runtime.interpret,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP16_DOTS=_fp16_dots(k_cache.dtype, head_dim, block_m),
+        CONVERT_ASM=not triton.knobs.runtime.interpret,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

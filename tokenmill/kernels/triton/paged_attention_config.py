@@ -32,6 +32,12 @@ DETERMINISTIC_PART_KEYS = 512
 # next tile) read a P1-sized decode step in 161 µs against 217 µs, on both Qwen3-0.6B's and
 # Llama-3-8B's heads (bf16: 260 µs; the best of 18 tile/warp/stage rows, bench/results/gpu_kernels.jsonl, db38d3f).
 FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 2, 5
+# Prefill over a float8 cache: the wide tile's keys and values are converted to fp16 on their way
+# to the wgmma (in registers, then back through shared memory), which the bf16 tile (128 rows x 32
+# keys, 8 warps) pays for dearly: 1,075 µs against 600 over bf16 on P5's 16,384-token prefill step
+# (Qwen3-0.6B heads). 64 rows x 64 keys on 4 warps with 2 stages took 622 µs, the best of nine
+# tile/warp/stage rows (`kernels_bench.py --p5 --sweep --fp8-cache`; gpu_kernels.jsonl, 7f3f191).
+FP8_CACHE_WIDE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,8 @@ def choose_config(
     for fp32). Splits are added only while the grid has fewer than two programs per SM, and only
     as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
     the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
-    ``cache_dtype`` (None: ``dtype``): decode over a float8 cache takes its own warps and stages
-    (``FP8_CACHE_DECODE_WARPS``/``_STAGES``).
+    ``cache_dtype`` (None: ``dtype``): over a float8 cache decode takes its own warps and stages and
+    prefill a narrower wide tile (``FP8_CACHE_*``; head_dim <= 128).
 
     ``deterministic``: one tile for every step, decode or prefill (the 16-row one: a row's dots and
     reductions then run on the same tile shape, hence round alike, wherever it is computed), fixed
@@ -96,7 +102,7 @@ def choose_config(
     if max_query_len <= 1:
         block_q, max_splits = 1, _MAX_SPLITS
     else:
-        narrow, wide = _prefill_block_qs(group_p, head_dim, dtype)
+        narrow, wide = _prefill_block_qs(group_p, head_dim, dtype, cache_dtype)
         block_q, max_splits = (narrow if max_query_len <= narrow else wide), _MAX_PREFILL_SPLITS
     grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     programs = max(1, grid_q * num_kv_heads)
@@ -128,7 +134,9 @@ def choose_configs(
     row of 64-128 and pay the arithmetic of all of them, so a mixed step whose first
     ``num_decode_seqs`` sequences are one-token decodes runs them with the decode tile.
     ``deterministic``: always one launch, on the one tile every row shares (``choose_config``)."""
-    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, cache_dtype=cache_dtype)
+    shape = dict(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device, cache_dtype=cache_dtype
+    )
     if deterministic or not _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len):
         return None, choose_config(
             num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
@@ -156,7 +164,8 @@ def launch_configs(
         return [dataclasses.replace(config, num_splits=n) for n in ((1, 2) if max_seq_len > config.part_keys else (1,))]
     by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
     configs = []
-    for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in _prefill_block_qs(group_p, head_dim, dtype))):
+    prefill_block_qs = _prefill_block_qs(group_p, head_dim, dtype, cache_dtype)
+    for block_q, max_splits in ((1, _MAX_SPLITS), *((b, _MAX_PREFILL_SPLITS) for b in prefill_block_qs)):
         splits = 1
         while splits <= _next_power_of_2(min(by_length, max_splits)):
             configs.append(_config(block_q, splits, group_p, head_dim, dtype, cache_dtype))
@@ -164,13 +173,19 @@ def launch_configs(
     return list(dict.fromkeys(configs))  # narrow == wide for fp32
 
 
-def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """Query tokens per program of the narrow (16-row) and wide prefill tiles."""
     fp32 = dtype == torch.float32  # tests only: ieee fp32 dots run on FMA units, keep tiles small
     # 128 x 128 fp32 accumulators fit 8 warps without spilling (checked with ptxas for sm_90);
     # head_dim 256 halves the rows; fp32 (FMA dots) keeps the 16 rows of decode.
-    wide_rows = 16 if fp32 else 128 if head_dim <= 128 else 64
+    wide_rows = 16 if fp32 else FP8_CACHE_WIDE_ROWS if _fp8_cache_tiles(cache_dtype, head_dim) else 128 if head_dim <= 128 else 64
     return max(1, 16 // group_p), max(1, wide_rows // group_p)
+
+
+def _fp8_cache_tiles(cache_dtype: torch.dtype | None, head_dim: int) -> bool:
+    """Whether decode and the wide prefill tile take the float8-cache launches (FP8_CACHE_*), which
+    were measured at head_dim 128: other head sizes keep the bf16 ones."""
+    return cache_dtype is not None and cache_dtype.itemsize == 1 and head_dim <= 128
 
 
 def _config(
@@ -179,14 +194,17 @@ def _config(
     """``cache_dtype``: the KV cache's, when it differs from ``dtype`` (the queries')."""
     fp32 = dtype == torch.float32
     wide = not fp32 and block_q * group_p >= 128
+    fp8_wide = not fp32 and block_q > 1 and block_q * group_p >= FP8_CACHE_WIDE_ROWS and _fp8_cache_tiles(cache_dtype, head_dim)
     # The wide tile walks keys 32 at a time: on P5's 16,384-token prefill step (Qwen3-0.6B heads,
     # H200) 128 x 32 ran in 602 µs against 679 for 128 x 64, the best of eight tile/warp/stage rows
     # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).
     tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
-    if block_q == 1 and cache_dtype is not None and cache_dtype.itemsize == 1:
+    if block_q == 1 and not fp32 and _fp8_cache_tiles(cache_dtype, head_dim):
         num_warps, num_stages = FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES
     elif block_q == 1:
         num_warps, num_stages = 4, 3
+    elif fp8_wide:
+        tile_n, num_warps, num_stages = 64, 4, 2
     else:
         num_warps = 8 if wide or (not fp32 and head_dim >= 256) else 4
         num_stages = 2 if fp32 else 3

@@ -81,6 +81,7 @@ def _paged_attention_fixed_split_kernel(
     PART_TILES: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
     CONVERT_ASM: tl.constexpr,
     ONE_PROGRAM: tl.constexpr,  # split_programs == 1, known when compiling
 ):
@@ -105,7 +106,7 @@ def _paged_attention_fixed_split_kernel(
     if q_first >= query_len:
         return  # a spare program of the static grid
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
-    q = _dot_query(q, scale_log2, k_cache_ptr)
+    q = _dot_query(q, scale_log2, FP16_DOTS)
     table = block_tables_ptr + seq * stride_bt_seq
     num_tiles = tl.cdiv(kv_end, TILE_N)
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -126,7 +127,8 @@ def _paged_attention_fixed_split_kernel(
         m, l, acc = _attend_tiles(
             q, m, l, acc, k_cache_ptr, v_cache_ptr, table, kv_head * stride_c_head, row_pos, kv_end,
             tile_lo, tl.minimum(tile_lo + PART_TILES, num_tiles), scale_log2, stride_c_blk, stride_c_tok,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True, CONVERT_ASM=CONVERT_ASM,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, MASKED=True, DETERMINISTIC=True,
+            FP16_DOTS=FP16_DOTS, CONVERT_ASM=CONVERT_ASM,
         )
         if ONE_PROGRAM:
             m_run, l_run, acc_run = _merge_part(m_run, l_run, acc_run, m, l, acc)

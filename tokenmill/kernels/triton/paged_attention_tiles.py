@@ -74,15 +74,16 @@ def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM:
 
 
 @triton.jit
-def _dot_query(q, scale_log2, k_cache_ptr):
+def _dot_query(q, scale_log2, FP16_DOTS: tl.constexpr):
     """The query rows as the dots take them.
 
-    Over a float8 cache the dots run in fp16: e4m3 keys and values convert to fp16 exactly, one
-    instruction per two (to bf16 it takes one more per value), and q is pre-scaled into log2 units
-    so that it stays 8-11x further from fp16's 65504 than the raw values (saturated there; fp16
-    keeps 3 more mantissa bits of q than bf16 did). ``_attend_tiles`` then scales scores by 1.
-    Other caches keep q as it is."""
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+    ``FP16_DOTS`` (a float8 cache; the host decides, ``paged_attention._fp16_dots``): e4m3 keys and
+    values convert to fp16 exactly, one instruction per two (to bf16 it takes one more per value:
+    a P1 decode tile's loop ran 781 instructions instead of 1,201 on sm_90), and q is pre-scaled
+    into log2 units so that it stays 8-11x further from fp16's 65504 than the raw values (saturated
+    there; fp16 keeps 3 more mantissa bits of q than bf16). ``_attend_tiles`` then scales scores
+    by 1. Otherwise q stays as it is."""
+    if FP16_DOTS:
         q = tl.clamp(q.to(tl.float32) * scale_log2, -65504.0, 65504.0).to(tl.float16)
     return q
 
@@ -126,6 +127,7 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
     DETERMINISTIC: tl.constexpr = False,
+    FP16_DOTS: tl.constexpr = False,
     CONVERT_ASM: tl.constexpr = False,
 ):
     """Online softmax of the tile's rows over key tiles ``tile_lo..tile_hi - 1``, in that order,
@@ -138,10 +140,13 @@ def _attend_tiles(
     ``DETERMINISTIC``: a tile that a row cannot see leaves its state bit for bit unchanged (the
     rescale is exactly 1 where the max did not move, not left to exp2(0) rounding to 1), so a row
     gets the same bits whether its block runs past its own position (prefill) or not (decode).
+
+    ``FP16_DOTS``: q came from ``_dot_query`` in fp16, pre-scaled (the keys and values follow it
+    into fp16). ``CONVERT_ASM``: float8 values convert by inline PTX (``_fp8_to_fp16``).
     """
     cols = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM)
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+    if FP16_DOTS:
         scale_log2 = 1.0  # q came pre-scaled into log2 units (_dot_query)
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + cols
