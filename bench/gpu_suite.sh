@@ -5,7 +5,7 @@
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
 #   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
-#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [ray]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap]
@@ -180,13 +180,17 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2|vllm-fp8)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2|vllm-fp8|vllm-fp8kv)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
         vllm-tp2)  # P3 at TP=2 (two GPUs); its all-reduce without symmetric memory (multicast stays off)
               VLLM_ALLREDUCE_USE_SYMM_MEM=0 RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 400 \
                 python3 bench/peer_bench.py vllm_tp2 llama3-8b nano 2>&1 | tail -3 ;;
+        vllm-fp8kv)  # P1, P5 and P3 with kv_cache_dtype="fp8" (the comparison for throughput-fp8's tokenmill_fp8kv)
+              for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
+                RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 280 python3 bench/peer_bench.py vllm_fp8kv $run 2>&1 | tail -3
+              done ;;
         vllm-fp8)  # P3 with quantization="fp8" (issue 18's comparison for tokenmill_fp8)
               RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 300 \
                 python3 bench/peer_bench.py vllm_fp8 llama3-8b nano 2>&1 | tail -3 ;;
