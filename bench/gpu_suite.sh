@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
-#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -114,6 +114,9 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 120 python3 bench/profile_step.py $shape nano --timeline > "$OUT/timeline_$shape.txt" 2>&1; tail -9 "$OUT/timeline_$shape.txt"
       done ;;
+    timeline-fp8kv)  # P3 over an fp8 cache, by batch size (perf.md 28: 1.12x where the attention kernel alone gave ~1.2x)
+      timeout 120 python3 bench/profile_step.py llama3-8b nano --timeline --fp8-cache > "$OUT/timeline_llama3-8b_fp8kv.txt" 2>&1
+      tail -9 "$OUT/timeline_llama3-8b_fp8kv.txt" ;;
     profile-gpu)
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"

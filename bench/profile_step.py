@@ -4,6 +4,7 @@
     python bench/profile_step.py qwen3-0.6b nano > profile.txt           # host
     python bench/profile_step.py qwen3-0.6b nano --gpu > profile_gpu.txt  # device, steps 0-39 and 300-339
     python bench/profile_step.py qwen3-0.6b nano --timeline                # wall time by batch size
+    python bench/profile_step.py llama3-8b nano --timeline --fp8-cache     # ... with kv_cache_dtype="fp8"
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def main() -> None:
     on_gpu = "--gpu" in sys.argv[3:]
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0)
+    kv_cache_dtype = "fp8" if "--fp8-cache" in sys.argv[3:] else "auto"
+    llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
+              kv_cache_dtype=kv_cache_dtype)
     prompts, outs, settings = workload(name)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
