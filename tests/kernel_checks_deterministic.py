@@ -35,6 +35,9 @@ _case("det_attention", "det-attn-g3-d64-bs8-float16", dtype="float16", num_heads
       block_size=8, prompt_lens=[33, 18], part_keys=32)
 _case("det_attention", "det-attn-g1-d32-bs16-tile32-float16", dtype="float16", num_heads=2, num_kv_heads=2, head_dim=32,
       block_size=16, prompt_lens=[70], part_keys=64, tile_n=32)
+# Over a float8 cache (fp16 dots, q pre-scaled): the same invariance.
+_case("det_attention", "det-attn-g2-d64-bs16-fp8cache-float16", dtype="float16", num_heads=4, num_kv_heads=2, head_dim=64,
+      block_size=16, prompt_lens=[40, 19], part_keys=32, cache_dtype="float8_e4m3fn")
 _case("det_launch_configs", "det-attention-launch-configs")
 _case("det_precompile", "det-precompile-compiles-the-merge-kernel")
 
@@ -108,7 +111,7 @@ def _check_attention(p: dict[str, Any]) -> None:
     lens = p["prompt_lens"]
     batch = make_paged_batch(
         lens, lens, num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"],
-        block_size=p["block_size"], dtype=dtype, seed=sum(lens),
+        block_size=p["block_size"], dtype=dtype, seed=sum(lens), cache_dtype=getattr(torch, p.get("cache_dtype", p["dtype"])),
     )
     cache = batch.kv_cache.clone()
     reference.store_kv_ref(batch.k, batch.v, cache, batch.slot_mapping)
