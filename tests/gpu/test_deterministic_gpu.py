@@ -94,7 +94,8 @@ def test_matmul_in_a_cuda_graph_equals_eager():
     assert torch.equal(out[:37], eager)
 
 
-ATTENTION_LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128), "g4-d256": (16, 4, 256), "g3-d64": (12, 4, 64)}
+ATTENTION_LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128), "g4-d256": (16, 4, 256), "g3-d64": (12, 4, 64),
+                     "llama3-8b-fp8cache": (32, 8, 128)}  # over a float8 cache: fp16 dots
 
 
 @pytest.mark.parametrize("layout", list(ATTENTION_LAYOUTS))
@@ -107,8 +108,9 @@ def test_attention_token_bits_do_not_depend_on_the_batch(layout):
 
     heads, kv_heads, dim = ATTENTION_LAYOUTS[layout]
     lens = [40, 17] if DRYRUN else [1300, 530]
+    cache_dtype = torch.float8_e4m3fn if layout.endswith("-fp8cache") else BF16
     batch = make_paged_batch(lens, lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=16,
-                             dtype=BF16, device=DEVICE, seed=7)
+                             dtype=BF16, device=DEVICE, seed=7, cache_dtype=cache_dtype)
     cache = batch.kv_cache.clone()
     reference.store_kv_ref(batch.k, batch.v, cache, batch.slot_mapping)
     max_len = 4096
