@@ -61,9 +61,10 @@ for part in $parts; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
       done
       tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
-    throughput-fp8)  # kv_cache_dtype="fp8": not the protocols' bf16, recorded as its own engine (P1, P5, P3)
-      for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
-        RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py tokenmill_fp8kv $run 2>&1 | grep -v "^\s*$" | tail -3
+    throughput-fp8)  # kv_cache_dtype="fp8": not the protocols' bf16, recorded as its own engine (P1, P5, P3; then P3
+                     # with fp8 weights too, engine tokenmill_fp8_fp8kv)
+      for run in "tokenmill_fp8kv qwen3-0.6b nano prefill" "tokenmill_fp8kv llama3-8b nano" "tokenmill_fp8_fp8kv llama3-8b nano"; do
+        RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py $run 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_fp8.raw" ;;
     throughput-det)  # deterministic=True (issue 21): P1-P3 in deterministic mode, rows tagged tokenmill_deterministic
