@@ -406,8 +406,8 @@ def main() -> None:
     print(json.dumps(run_qkv_prologue_case(args, args.seqs, "p1-decode-qkv-prologue")), flush=True)
     # kv_cache_dtype="fp8": the same step reading half the bytes.
     print(json.dumps(run_case(args, seq_lens, "p1-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
-    # Larger key tiles carry more bytes a program a step (an fp8 tile of 64 keys holds half a bf16 one's),
-    # on Qwen3-0.6B's heads (group 2) and Llama-3-8B's (group 4: P3).
+    # Over an fp8 cache (a 64-key tile holds half a bf16 one's bytes), on Qwen3-0.6B's heads (group 2) and
+    # Llama-3-8B's (group 4: P3).
     llama = argparse.Namespace(**{**vars(args), "heads": 32})
     for shape, label in ((args, "p1-decode"), (llama, "p3-decode")):
         if shape is llama:
