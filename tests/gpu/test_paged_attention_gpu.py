@@ -127,7 +127,7 @@ def test_attention_kv_cache_in_other_dtype() -> None:
 
 
 @pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
-@pytest.mark.parametrize("heads", ["qwen3-0.6b", "llama3-8b", "g8-d64", "g4-d256"])
+@pytest.mark.parametrize("heads", ["qwen3-0.6b", "llama3-8b", "g8-d64", "g4-d256", "g2-d32"])
 @pytest.mark.parametrize("scenario", ["decode256", "mixed", "prefill_long", "few_long_decode"])
 def test_attention_over_an_fp8_cache(scenario: str, heads: str) -> None:
     """kv_cache_dtype="fp8": bf16 keys/values stored as float8 e4m3 (== torch's cast) and read back
@@ -136,13 +136,17 @@ def test_attention_over_an_fp8_cache(scenario: str, heads: str) -> None:
 
 
 @pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
-@pytest.mark.parametrize("cfg", [(1, 128, 1, 4, 3), (1, 256, 1, 4, 3), (1, 128, 4, 8, 3), (16, 64, 2, 4, 3), (128, 32, 1, 8, 3)],
+@pytest.mark.parametrize("cfg", [(1, 128, 1, 4, 3), (1, 256, 1, 4, 3), (1, 128, 4, 8, 3), (16, 64, 2, 4, 3), (128, 32, 1, 8, 3),
+                                 (1, 16, 1, 8, 2), (16, 16, 1, 8, 2)],
                          ids=lambda c: "bq{}-n{}-s{}-w{}".format(*c[:4]))
-def test_attention_over_an_fp8_cache_forced_configs(cfg: tuple[int, int, int, int, int]) -> None:
+@pytest.mark.parametrize("heads", ["llama3-8b", "g2-d32"])
+def test_attention_over_an_fp8_cache_forced_configs(heads: str, cfg: tuple[int, int, int, int, int]) -> None:
+    """Tile shapes the heuristic does not pick, down to values tiles smaller than a thread's four-value
+    conversion (16 keys x 32 dims on 8 warps: two values a thread)."""
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
 
     config = AttentionLaunchConfig(block_q=cfg[0], tile_n=cfg[1], num_splits=cfg[2], num_warps=cfg[3], num_stages=cfg[4])
-    _check_attention(_batch("mixed", "llama3-8b", 16, torch.bfloat16, seed=13, cache_dtype=torch.float8_e4m3fn), config)
+    _check_attention(_batch("mixed", heads, 16, torch.bfloat16, seed=13, cache_dtype=torch.float8_e4m3fn), config)
 
 
 @pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
