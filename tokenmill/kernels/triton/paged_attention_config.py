@@ -30,7 +30,8 @@ DETERMINISTIC_PART_KEYS = 512
 # Decode over a float8 cache: a 64-key tile holds half the bytes of a bf16 one, so the bf16 launch
 # (4 warps, one buffer) kept too few bytes in flight. 2 warps and 5 stages (a second buffer for the
 # next tile) read a P1-sized decode step in 161 µs against 217 µs, on both Qwen3-0.6B's and
-# Llama-3-8B's heads (bf16: 260 µs; the best of 18 tile/warp/stage rows, bench/results/gpu_kernels.jsonl, db38d3f).
+# Llama-3-8B's heads (bf16: 260 µs). 20 tile/warp/stage shapes were timed (gpu_kernels.jsonl,
+# 2c8f83f and db38d3f); only 1 warp on 32-key tiles came out ahead, by 2% on one head layout.
 FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 2, 5
 # Prefill over a float8 cache: the wide tile's keys and values are converted to fp16 on their way
 # to the wgmma (in registers, then back through shared memory), which the bf16 tile (128 rows x 32
