@@ -195,16 +195,14 @@ def _config(
     """``cache_dtype``: the KV cache's, when it differs from ``dtype`` (the queries')."""
     fp32 = dtype == torch.float32
     wide = not fp32 and block_q * group_p >= 128
-    fp8_wide = not fp32 and block_q > 1 and block_q * group_p >= FP8_CACHE_WIDE_ROWS and _fp8_cache_tiles(cache_dtype, head_dim)
+    fp8_tiles = not fp32 and _fp8_cache_tiles(cache_dtype, head_dim)
     # The wide tile walks keys 32 at a time: on P5's 16,384-token prefill step (Qwen3-0.6B heads,
     # H200) 128 x 32 ran in 602 µs against 679 for 128 x 64, the best of eight tile/warp/stage rows
     # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).
     tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
-    if block_q == 1 and not fp32 and _fp8_cache_tiles(cache_dtype, head_dim):
-        num_warps, num_stages = FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES
-    elif block_q == 1:
-        num_warps, num_stages = 4, 3
-    elif fp8_wide:
+    if block_q == 1:
+        num_warps, num_stages = (FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES) if fp8_tiles else (4, 3)
+    elif fp8_tiles and block_q * group_p >= FP8_CACHE_WIDE_ROWS:
         tile_n, num_warps, num_stages = 64, 4, 2
     else:
         num_warps = 8 if wide or (not fp32 and head_dim >= 256) else 4
