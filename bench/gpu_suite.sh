@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -139,6 +139,9 @@ for part in $parts; do
         RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
+    batch-sweep)  # decode attention at P1's batch sizes (graph buckets 16-256, ragged contexts), bf16 and fp8 caches: K splits, tiles
+      timeout 400 python3 bench/kernels_bench.py --batch-sweep > "$OUT/batch_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/batch_sweep.raw" "$OUT/kernels.jsonl"
+      grep -c us_median "$OUT/batch_sweep.raw"; : > "$OUT/batch_sweep.raw" ;;
     kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache
       timeout 240 python3 bench/kernels_bench.py --p5 --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
       timeout 240 python3 bench/kernels_bench.py --p5 --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"

@@ -45,16 +45,16 @@ HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (K
 def run_case(
     args: argparse.Namespace, seq_lens: list[int], label: str, config: Any | None,
     cache_dtype: torch.dtype | None = None, graph_batch: int | None = None, graph_max_seq: int | None = None,
+    batch: Any | None = None,
 ) -> dict[str, Any]:
     """``graph_batch``/``graph_max_seq``: choose the launch shape as a CUDA graph of that bucket and
-    max_model_len would (the runner's decode graphs), instead of from this batch's own bounds."""
+    max_model_len would (the runner's decode graphs), instead of from this batch's own bounds.
+    ``batch``: a ``decode_batch`` of these ``seq_lens`` to reuse (sweeps time many configs on one)."""
     from tokenmill.kernels.triton.paged_attention import choose_config, paged_attention
 
     dtype = getattr(torch, args.dtype)
-    batch = make_paged_batch(
-        [1] * len(seq_lens), seq_lens, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=args.block_size, dtype=dtype, device="cuda", seed=0, cache_dtype=cache_dtype,
-    )
+    if batch is None:
+        batch = decode_batch(args, seq_lens, cache_dtype)
     scale = args.head_dim**-0.5
     max_seq = graph_max_seq or max(seq_lens)
     if config is None:
@@ -105,6 +105,59 @@ def run_case(
         "max_abs_err": err,
         "rel_err": rel,
     }
+
+
+def decode_batch(args: argparse.Namespace, seq_lens: list[int], cache_dtype: torch.dtype | None = None) -> Any:
+    """One decode token per sequence over random paged contexts of ``seq_lens`` (GPU)."""
+    return make_paged_batch(
+        [1] * len(seq_lens), seq_lens, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, dtype=getattr(torch, args.dtype), device="cuda", seed=0, cache_dtype=cache_dtype,
+    )
+
+
+def p1_contexts(num_running: int) -> list[int]:
+    """The contexts of P1's first decode step with at most ``num_running`` sequences left.
+
+    P1's requests as peer_bench.py draws them (random.seed(0): 256 prompts of U[100, 1024] tokens,
+    then U[100, 1024] output tokens each), all running from the start as they do on the H200: at
+    decode step t sequence i holds prompt_i + t tokens while outputs_i > t. Ragged lengths, as
+    the engine's decode graphs meet them, rather than one length with a little jitter.
+    """
+    rng = random.Random(0)
+    prompts = [len([rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]) for _ in range(256)]
+    outputs = [rng.randint(100, 1024) for _ in range(256)]
+    for step in range(max(outputs)):
+        running = [p + step for p, o in zip(prompts, outputs) if o > step]
+        if len(running) <= num_running:
+            return running
+    return []
+
+
+def run_batch_sweep(args: argparse.Namespace) -> None:
+    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``),
+    bf16 and fp8 caches: the launch each decode graph bakes in (max_model_len 4096), then the K
+    split and a few tile/warp/stage shapes around it. Which shapes read thin and mid-size steps
+    fastest (P1's steps of 64 or fewer sequences ran at about half their KV-read floor)."""
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
+
+    shapes = {None: ((64, 4, 3), (64, 2, 3), (32, 2, 6)), torch.float8_e4m3fn: ((64, 2, 5), (64, 4, 3), (32, 1, 6))}
+    for cache_dtype, tiles in shapes.items():
+        for bucket in (16, 32, 48, 64, 96, 128, 192, 256):
+            seq_lens = p1_contexts(bucket)
+            batch = decode_batch(args, seq_lens, cache_dtype)
+            row = run_case(args, seq_lens, f"batch-sweep-{bucket}-graph", None, cache_dtype, bucket, 4096, batch=batch)
+            print(json.dumps({**row, "bucket": bucket}), flush=True)
+            for tile_n, num_warps, num_stages in tiles:
+                for splits in (1, 2, 4, 8):
+                    cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=splits, num_warps=num_warps, num_stages=num_stages)
+                    try:
+                        row = run_case(args, seq_lens, f"batch-sweep-{bucket}", cfg, cache_dtype, batch=batch)
+                        print(json.dumps({**row, "bucket": bucket}), flush=True)
+                    except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
+                        print(json.dumps({"bench": "decode_attention", "case": f"batch-sweep-{bucket}", "config": cfg.__dict__,
+                                          "error": repr(exc)[:300]}), flush=True)
+            del batch
+            torch.cuda.empty_cache()
 
 
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
@@ -389,6 +442,7 @@ def main() -> None:
     parser.add_argument("--varlen-sweep", action="store_true", help="also time varlen attention tile/warp/stage variants")
     parser.add_argument("--p5", action="store_true", help="only P5's prefill and mixed steps (with --sweep: prefill tiles)")
     parser.add_argument("--fp8-cache", action="store_true", help="with --p5: the steps over a float8 e4m3 cache")
+    parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes, K splits and tiles")
     args = parser.parse_args()
     args.cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     if not torch.cuda.is_available():
@@ -398,6 +452,9 @@ def main() -> None:
 
     if args.p5:
         run_p5_cases(args, args.sweep)
+        return
+    if args.batch_sweep:
+        run_batch_sweep(args)
         return
     rng = random.Random(0)
     lo, hi = int(args.ctx * (1 - args.jitter)), int(args.ctx * (1 + args.jitter))
