@@ -332,7 +332,8 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.triton.paged_attention import choose_config, launch_configs
-    from tokenmill.kernels.triton.paged_attention_config import FP8_CACHE_DECODE_STAGES, FP8_CACHE_DECODE_WARPS, FP8_CACHE_WIDE_ROWS
+    from tokenmill.kernels.triton.paged_attention_config import (
+        DECODE_WARPS, FP8_CACHE_DECODE_STAGES, FP8_CACHE_DECODE_WARPS, FP8_CACHE_WIDE_ROWS)
 
     rng = random.Random(0)
     cpu = torch.device("cpu")
@@ -368,6 +369,12 @@ def _check_launch_configs(p: dict[str, Any]) -> None:
     qwen = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096)
     assert len(qwen) == 11, qwen
     assert {(c.block_q, c.num_warps) for c in qwen if c.block_q > 1} == {(8, 4), (64, 8)}, qwen
+    # Decode over a bf16 cache takes DECODE_WARPS (measured at head_dim 128); head_dim 256, fp32 and
+    # deterministic mode keep 4 warps.
+    assert {(c.num_warps, c.num_stages) for c in qwen if c.block_q == 1} == {(DECODE_WARPS, 3)}, qwen
+    for dim, dtype, deterministic in ((256, torch.bfloat16, False), (128, torch.float32, False), (128, torch.bfloat16, True)):
+        configs = launch_configs(num_heads=16, num_kv_heads=8, head_dim=dim, dtype=dtype, max_seq_len=4096, deterministic=deterministic)
+        assert {c.num_warps for c in configs if c.block_q == 1 or deterministic} == {4}, (dim, dtype, deterministic, configs)
     # Over a float8 cache decode takes its own warps and stages and the wide tile its own rows; the
     # narrow tile stays.
     qwen_fp8 = launch_configs(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, max_seq_len=4096,

@@ -33,6 +33,13 @@ DETERMINISTIC_PART_KEYS = 512
 # Llama-3-8B's heads (bf16: 260 µs). 20 tile/warp/stage shapes were timed (gpu_kernels.jsonl,
 # 2c8f83f and db38d3f); only 1 warp on 32-key tiles came out ahead, by 2% on one head layout.
 FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 2, 5
+# Decode over a bf16/fp16 cache (head_dim <= 128): 2 warps a 64-key tile, not 4. Timed at P1's batch
+# sizes (graph buckets 16-256 with P1's ragged contexts, `kernels_bench.py --batch-sweep`), on both
+# Qwen3-0.6B's and Llama-3-8B's heads, with the split count the rule below picks, 2 warps took 3-27%
+# less time in all 16 cases (92 against 99 µs at 64 sequences, 155 against 161 at 256, 34 against
+# 45 at 16; gpu_kernels.jsonl, 844c306). Why is not pinned down; the tile's bytes in flight are the
+# same, with half the threads issuing them.
+DECODE_WARPS = 2
 # Prefill over a float8 cache: the wide tile's keys and values are converted to fp16 on their way
 # to the wgmma (in registers, then back through shared memory), which the bf16 tile (128 rows x 32
 # keys, 8 warps) pays for dearly: 1,075 µs against 600 over bf16 on P5's 16,384-token prefill step
@@ -201,7 +208,10 @@ def _config(
     # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).
     tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
     if block_q == 1:
-        num_warps, num_stages = (FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES) if fp8_tiles else (4, 3)
+        if fp8_tiles:
+            num_warps, num_stages = FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES
+        else:
+            num_warps, num_stages = (4 if fp32 or head_dim > 128 else DECODE_WARPS), 3
     elif fp8_tiles and block_q * group_p >= FP8_CACHE_WIDE_ROWS:
         tile_n, num_warps, num_stages = 64, 4, 2
     else:
@@ -212,10 +222,11 @@ def _config(
 
 def _deterministic_config(group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
     """Deterministic mode's one tile: the narrow prefill tile (16 rows of tokens x heads), for decode
-    too, with decode's warps and stages."""
+    too, with decode's keys a step on 4 warps and 3 stages (the launch its speed was measured with;
+    DECODE_WARPS was timed on the default kernel only)."""
     narrow, _ = _prefill_block_qs(group_p, head_dim, dtype)
     decode = _config(1, 1, group_p, head_dim, dtype)
-    return dataclasses.replace(decode, block_q=narrow, part_keys=DETERMINISTIC_PART_KEYS)
+    return dataclasses.replace(decode, block_q=narrow, num_warps=4, num_stages=3, part_keys=DETERMINISTIC_PART_KEYS)
 
 
 def _next_power_of_2(n: int) -> int:
