@@ -134,16 +134,20 @@ def p1_contexts(num_running: int) -> list[int]:
 
 
 def run_batch_sweep(args: argparse.Namespace) -> None:
-    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``),
-    bf16 and fp8 caches: the launch each decode graph bakes in (max_model_len 4096), then the K
+    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``)
+    and P2's 1,024, bf16 and fp8 caches: the launch each decode graph bakes in (max_model_len 4096), then the K
     split and a few tile/warp/stage shapes around it. Which shapes read thin and mid-size steps
     fastest (P1's steps of 64 or fewer sequences ran at about half their KV-read floor)."""
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
 
-    shapes = {None: ((64, 4, 3), (64, 2, 3), (32, 2, 6)), torch.float8_e4m3fn: ((64, 2, 5), (64, 4, 3), (32, 1, 6))}
+    # bf16: the 4-warp launch before entry 30, DECODE_WARPS' 2, and around it (1 warp, a deeper
+    # pipeline, 128-key tiles); fp8: FP8_CACHE_DECODE_* and the shapes that came close.
+    shapes = {None: ((64, 4, 3), (64, 2, 3), (32, 2, 6), (64, 1, 3), (64, 2, 4), (128, 2, 3)),
+              torch.float8_e4m3fn: ((64, 2, 5), (64, 4, 3), (32, 1, 6))}
     for cache_dtype, tiles in shapes.items():
-        for bucket in (16, 32, 48, 64, 96, 128, 192, 256):
-            seq_lens = p1_contexts(bucket)
+        for bucket in (16, 32, 48, 64, 96, 128, 192, 256, 1024):
+            # 1,024: P2's step (512-token prompts, 256 outputs) halfway through its decode.
+            seq_lens = p1_contexts(bucket) if bucket <= 256 else [640] * bucket
             batch = decode_batch(args, seq_lens, cache_dtype)
             row = run_case(args, seq_lens, f"batch-sweep-{bucket}-graph", None, cache_dtype, bucket, 4096, batch=batch)
             print(json.dumps({**row, "bucket": bucket}), flush=True)

@@ -2,7 +2,7 @@
 (torch.profiler over a window of engine steps, kernels ranked by device time).
 
     python bench/profile_step.py qwen3-0.6b nano > profile.txt           # host
-    python bench/profile_step.py qwen3-0.6b nano --gpu > profile_gpu.txt  # device, steps 0-39 and 300-339
+    python bench/profile_step.py qwen3-0.6b nano --gpu > profile_gpu.txt  # device, steps 0-39, 300-339, 900-939
     python bench/profile_step.py qwen3-0.6b nano --timeline                # wall time by batch size
     python bench/profile_step.py llama3-8b nano --timeline --fp8-cache     # ... with kv_cache_dtype="fp8"
 """
@@ -51,12 +51,15 @@ def main() -> None:
 
 
 def profile_device(llm, inputs, params) -> None:
-    """Two windows of engine steps: the first 40 (prefill-heavy) and 300-339 (decode)."""
+    """Windows of engine steps: the first 40 (prefill-heavy), 300-339 (decode) and, where a run has
+    that many steps, 900-939 (P1's and P3's thin tail, ~20-40 sequences: entry 29 of docs/perf.md
+    found those steps at about half their KV-read floor)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
-    windows = {"steps 0-39 (prefill and decode)": range(0, 40), "steps 300-339 (decode)": range(300, 340)}
+    windows = {"steps 0-39 (prefill and decode)": range(0, 40), "steps 300-339 (decode)": range(300, 340),
+               "steps 900-939 (thin tail)": range(900, 940)}
     step = engine.step
     state = {"n": 0, "prof": None, "t0": 0.0}
     reports = []
