@@ -57,14 +57,20 @@ def _cycled(calls: list) -> tuple[float, float]:
 
 def _sweep(auto: dict, m: int) -> list[dict]:
     """The knobs of the decode-size W4A16 kernel around the engine's choice: the K split (a
-    quarter, half, the same and twice) at 3 and 4 pipeline stages, 64 outputs a program, two
-    warpgroups a program, and the two paths it does not take (operands not swapped; the
-    plain-Triton dequant instead of the inline-PTX one)."""
+    quarter, half, the same and twice) at 3 and 4 pipeline stages, half and the same at 5 and 6,
+    64 outputs a program, two warpgroups a program, and the two paths it does not take (operands
+    not swapped; the plain-Triton dequant instead of the inline-PTX one)."""
     configs = []
     splits = sorted({max(1, auto["split_k"] // 4), max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)})
     for stages in (3, 4):
         for split in splits:
             configs.append(dict(auto, BLOCK_N=128, num_warps=4, num_stages=stages, split_k=split))
+    # Deeper pipelines: at M <= 16 a program streams only 4-14 K tiles (qkv and o at 8 splits: 4), and
+    # 3 stages keep two tiles in flight, so it waits on memory at least twice; 5-6 stages ask for
+    # (nearly) all of a short program's words at once. sm_90 compile at M = 1: 29 / 54 / 66 KB of shared
+    # memory and 80 / 80 / 96 registers at 3 / 5 / 6 stages, no spills (3-7 programs an SM).
+    configs += [dict(auto, BLOCK_N=128, num_warps=4, num_stages=stages, split_k=split)
+                for stages in (5, 6) for split in sorted({max(1, auto["split_k"] // 2), auto["split_k"]})]
     configs.append(dict(auto, BLOCK_N=64, num_warps=4))
     # Two warpgroups a program: more warps to hide the MMA waits (113 registers at M 64, 128
     # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
