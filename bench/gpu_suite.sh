@@ -139,7 +139,7 @@ for part in $parts; do
         RESULTS="$OUT/embed.raw" timeout 150 python3 bench/embed_bench.py tokenmill $shape 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/embed.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed.raw" ;;
-    batch-sweep)  # decode attention at P1's batch sizes (graph buckets 16-256, ragged contexts) and P2's 1,024, bf16 and fp8 caches: K splits, tiles (~90 s a head layout; --heads 32 for Llama-3-8B's)
+    batch-sweep)  # decode attention at P1's batch sizes (graph buckets 16-256, ragged contexts) , P2's 1,024, P5's long contexts, bf16 and fp8 caches: K splits, tiles (~100 s a head layout; --heads 32 for Llama-3-8B's)
       timeout 400 python3 bench/kernels_bench.py --batch-sweep > "$OUT/batch_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/batch_sweep.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/batch_sweep.raw"; : > "$OUT/batch_sweep.raw" ;;
     kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache

@@ -134,9 +134,9 @@ def p1_contexts(num_running: int) -> list[int]:
 
 
 def run_batch_sweep(args: argparse.Namespace) -> None:
-    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``)
-    and P2's 1,024, bf16 and fp8 caches: the launch each decode graph bakes in (max_model_len 4096), then the K
-    split and a few tile/warp/stage shapes around it. Which shapes read thin and mid-size steps
+    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``),
+    P2's 1,024 and P5's long contexts, bf16 and fp8 caches: the launch each decode graph bakes in
+    (max_model_len 4096), then the K split and a few tile/warp/stage shapes around it. Which shapes read thin and mid-size steps
     fastest (P1's steps of 64 or fewer sequences ran at about half their KV-read floor)."""
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
 
@@ -144,21 +144,24 @@ def run_batch_sweep(args: argparse.Namespace) -> None:
     # pipeline, 128-key tiles); fp8: FP8_CACHE_DECODE_* and the shapes that came close.
     shapes = {None: ((64, 4, 3), (64, 2, 3), (32, 2, 6), (64, 1, 3), (64, 2, 4), (128, 2, 3)),
               torch.float8_e4m3fn: ((64, 2, 5), (64, 4, 3), (32, 1, 6))}
+    rng = random.Random(1)
+    steps = [(str(bucket), bucket, p1_contexts(bucket)) for bucket in (16, 32, 48, 64, 96, 128, 192, 256)]
+    steps.append(("1024", 1024, [640] * 1024))  # P2's step (512-token prompts, 256 outputs) halfway through
+    # P5's decode steps: 256-384 long contexts (prompts U[1000, 3000], a few dozen tokens generated).
+    steps.append(("p5-256", 256, [rng.randint(1000, 3000) + rng.randint(0, 128) for _ in range(256)]))
     for cache_dtype, tiles in shapes.items():
-        for bucket in (16, 32, 48, 64, 96, 128, 192, 256, 1024):
-            # 1,024: P2's step (512-token prompts, 256 outputs) halfway through its decode.
-            seq_lens = p1_contexts(bucket) if bucket <= 256 else [640] * bucket
+        for label, bucket, seq_lens in steps:
             batch = decode_batch(args, seq_lens, cache_dtype)
-            row = run_case(args, seq_lens, f"batch-sweep-{bucket}-graph", None, cache_dtype, bucket, 4096, batch=batch)
+            row = run_case(args, seq_lens, f"batch-sweep-{label}-graph", None, cache_dtype, bucket, 4096, batch=batch)
             print(json.dumps({**row, "bucket": bucket}), flush=True)
             for tile_n, num_warps, num_stages in tiles:
                 for splits in (1, 2, 4, 8):
                     cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=splits, num_warps=num_warps, num_stages=num_stages)
                     try:
-                        row = run_case(args, seq_lens, f"batch-sweep-{bucket}", cfg, cache_dtype, batch=batch)
+                        row = run_case(args, seq_lens, f"batch-sweep-{label}", cfg, cache_dtype, batch=batch)
                         print(json.dumps({**row, "bucket": bucket}), flush=True)
                     except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
-                        print(json.dumps({"bench": "decode_attention", "case": f"batch-sweep-{bucket}", "config": cfg.__dict__,
+                        print(json.dumps({"bench": "decode_attention", "case": f"batch-sweep-{label}", "config": cfg.__dict__,
                                           "error": repr(exc)[:300]}), flush=True)
             del batch
             torch.cuda.empty_cache()
