@@ -20,6 +20,8 @@ import triton
 
 # Splitting the key range below this many keys per split costs more in the merge than it gains.
 _MIN_KEYS_PER_SPLIT = 256
+# Splits are added while a launch has fewer than this many programs an SM (fewer leave SMs idle).
+PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
 # A prefill tile already holds 16-128 query rows of work; beyond 4 splits only a short chunk
 # against a long context would gain, and each allowed count is one more variant to compile.
@@ -33,6 +35,9 @@ DETERMINISTIC_PART_KEYS = 512
 # Llama-3-8B's heads (bf16: 260 µs). 20 tile/warp/stage shapes were timed (gpu_kernels.jsonl,
 # 2c8f83f and db38d3f); only 1 warp on 32-key tiles came out ahead, by 2% on one head layout.
 FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 2, 5
+# The decode tile's keys and the split rule's programs an SM over a float8 cache. docs/perf.md 30 has
+# a measured candidate (32 keys, 1 warp, 6 stages, 16 programs an SM) awaiting its end-to-end run.
+FP8_CACHE_DECODE_TILE_N, FP8_CACHE_DECODE_PROGRAMS_PER_SM = 64, PROGRAMS_PER_SM
 # Decode over a bf16/fp16 cache (head_dim <= 128): 2 warps a 64-key tile, not 4. Timed at P1's batch
 # sizes (graph buckets 16-256 with P1's ragged contexts, `kernels_bench.py --batch-sweep`), on both
 # Qwen3-0.6B's and Llama-3-8B's heads, with the split count the rule below picks, 2 warps took 3-27%
@@ -86,8 +91,8 @@ def choose_config(
     ``max_query_len == 1`` selects the decode shape (one token per program, a 16-row tile holding
     the GQA group). Otherwise a step with at most 16 rows of queries per sequence (tokens x group)
     takes that 16-row tile, and any longer one the wide tile of 128 rows (64 for head_dim 256, 16
-    for fp32). Splits are added only while the grid has fewer than two programs per SM, and only
-    as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
+    for fp32). Splits are added only while the grid has fewer than ``PROGRAMS_PER_SM`` programs an
+    SM, and only as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
     the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
     ``cache_dtype`` (None: ``dtype``): over a float8 cache decode takes its own warps and stages and
     prefill a narrower wide tile (``FP8_CACHE_*``; head_dim <= 128).
@@ -114,10 +119,12 @@ def choose_config(
         block_q, max_splits = (narrow if max_query_len <= narrow else wide), _MAX_PREFILL_SPLITS
     grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     programs = max(1, grid_q * num_kv_heads)
+    fp8_decode = block_q == 1 and dtype != torch.float32 and _fp8_cache_tiles(cache_dtype, head_dim)
+    fill = (FP8_CACHE_DECODE_PROGRAMS_PER_SM if fp8_decode else PROGRAMS_PER_SM) * num_sms
     num_splits = 1
-    if programs < 2 * num_sms:
+    if programs < fill:
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-        wanted = min(math.ceil(2 * num_sms / programs), by_length, max_splits)
+        wanted = min(math.ceil(fill / programs), by_length, max_splits)
         num_splits = _next_power_of_2(wanted)
     return _config(block_q, num_splits, group_p, head_dim, dtype, cache_dtype)
 
@@ -209,7 +216,7 @@ def _config(
     tile_n = 16 if fp32 else 32 if wide or head_dim > 128 else 64
     if block_q == 1:
         if fp8_tiles:
-            num_warps, num_stages = FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES
+            tile_n, num_warps, num_stages = FP8_CACHE_DECODE_TILE_N, FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES
         else:
             num_warps, num_stages = (4 if fp32 or head_dim > 128 else DECODE_WARPS), 3
     elif fp8_tiles and block_q * group_p >= FP8_CACHE_WIDE_ROWS:
