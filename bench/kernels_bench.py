@@ -12,12 +12,14 @@ the five launches it replaces on the same decode shape (Qwen3's qk-norm on); --s
 tile/warp/stage variants, --long adds few-sequence 32K-context decode with and without
 split-KV). Then one row per P6 shape for the varlen attention of pooling models (a 64K-token step
 of packed prompts: achieved TFLOP/s, and the speedup over the padded-group SDPA path it replaced);
---varlen-sweep adds its tile variants. --p5 runs only P5's prefill-phase steps instead (bench
+--varlen-sweep adds its tile variants. --batch-sweep runs only decode steps at P1's graph buckets
+(and P2's and P5's steps) over K splits and tiles, bf16 and fp8. --p5 runs only P5's prefill-phase steps instead (bench
 "step_attention": a 16,384-token prefill step in TFLOP/s, a mixed step of 256 decodes + prefill
 chunks in one launch, split, and split on two streams, and the decodes alone; with --sweep,
 prefill tile shapes). Usage:
     python bench/kernels_bench.py [--sweep] [--long] [--varlen-sweep] [--seqs 256 --ctx 1000 ...]
     python bench/kernels_bench.py --p5 [--sweep]
+    python bench/kernels_bench.py --batch-sweep [--heads 32]
 """
 
 from __future__ import annotations
@@ -136,8 +138,9 @@ def p1_contexts(num_running: int) -> list[int]:
 def run_batch_sweep(args: argparse.Namespace) -> None:
     """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``),
     P2's 1,024 and P5's long contexts, bf16 and fp8 caches: the launch each decode graph bakes in
-    (max_model_len 4096), then the K split and a few tile/warp/stage shapes around it. Which shapes read thin and mid-size steps
-    fastest (P1's steps of 64 or fewer sequences ran at about half their KV-read floor)."""
+    (max_model_len 4096), then the K split and a few tile/warp/stage shapes around it. Which shapes
+    read thin and mid-size steps fastest (P1's steps of 64 or fewer sequences ran at about half
+    their KV-read floor: docs/perf.md 29-30)."""
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
 
     # bf16: the 4-warp launch before entry 30, DECODE_WARPS' 2, and around it (1 warp, a deeper
@@ -449,7 +452,7 @@ def main() -> None:
     parser.add_argument("--varlen-sweep", action="store_true", help="also time varlen attention tile/warp/stage variants")
     parser.add_argument("--p5", action="store_true", help="only P5's prefill and mixed steps (with --sweep: prefill tiles)")
     parser.add_argument("--fp8-cache", action="store_true", help="with --p5: the steps over a float8 e4m3 cache")
-    parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes, K splits and tiles")
+    parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes (and P2's, P5's), K splits and tiles")
     args = parser.parse_args()
     args.cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     if not torch.cuda.is_available():

@@ -92,8 +92,9 @@ def choose_config(
     the GQA group). Otherwise a step with at most 16 rows of queries per sequence (tokens x group)
     takes that 16-row tile, and any longer one the wide tile of 128 rows (64 for head_dim 256, 16
     for fp32). Splits are added only while the grid has fewer than ``PROGRAMS_PER_SM`` programs an
-    SM, and only as far as ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of
-    the kernel, so the choices are few and known in advance (``launch_configs`` lists them).
+    SM (``FP8_CACHE_DECODE_PROGRAMS_PER_SM`` for decode over a float8 cache), and only as far as
+    ``max_seq_len`` leaves each split >= 256 keys. Every value is a compiled variant of the kernel,
+    so the choices are few and known in advance (``launch_configs`` lists them).
     ``cache_dtype`` (None: ``dtype``): over a float8 cache decode takes its own warps and stages and
     prefill a narrower wide tile (``FP8_CACHE_*``; head_dim <= 128).
 
@@ -229,7 +230,7 @@ def _config(
 
 def _deterministic_config(group_p: int, head_dim: int, dtype: torch.dtype) -> AttentionLaunchConfig:
     """Deterministic mode's one tile: the narrow prefill tile (16 rows of tokens x heads), for decode
-    too, with decode's keys a step on 4 warps and 3 stages (the launch its speed was measured with;
+    too, with decode's tile_n on 4 warps and 3 stages (the launch its speed was measured with;
     DECODE_WARPS was timed on the default kernel only)."""
     narrow, _ = _prefill_block_qs(group_p, head_dim, dtype)
     decode = _config(1, 1, group_p, head_dim, dtype)
