@@ -58,7 +58,7 @@ def _cycled(calls: list) -> tuple[float, float]:
 def _sweep(auto: dict, m: int) -> list[dict]:
     """The knobs of the decode-size W4A16 kernel around the engine's choice: the K split (a
     quarter, half, the same and twice) at 3 and 4 pipeline stages, half and the same at 5 and 6,
-    64 outputs a program, two warpgroups a program, and the two paths it does not take (operands
+    64 outputs a program, 256 on one warpgroup, two warpgroups a program, and the two paths it does not take (operands
     not swapped; the plain-Triton dequant instead of the inline-PTX one)."""
     configs = []
     splits = sorted({max(1, auto["split_k"] // 4), max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)})
@@ -72,6 +72,13 @@ def _sweep(auto: dict, m: int) -> list[dict]:
     configs += [dict(auto, BLOCK_N=128, num_warps=4, num_stages=stages, split_k=split)
                 for stages in (5, 6) for split in sorted({max(1, auto["split_k"] // 2), auto["split_k"]})]
     configs.append(dict(auto, BLOCK_N=64, num_warps=4))
+    # 256 outputs on one warpgroup: each 16-feature slice's MMAs wait for completion before the next
+    # slice is dequantized into the same registers (sm_90 SASS at M = 16: 8 waits a K tile, each after
+    # 2 HGMMAs at 128 outputs); 256 outputs put 4 HGMMAs under each wait and take 2.6 instead of 3.2
+    # instructions a weight (168 registers, 46 KB: three programs an SM). Half the output tiles, so
+    # the K split doubled too.
+    configs += [dict(auto, BLOCK_N=256, num_warps=4, num_stages=3, split_k=split)
+                for split in sorted({auto["split_k"], min(16, auto["split_k"] * 2)})]
     # Two warpgroups a program: more warps to hide the MMA waits (113 registers at M 64, 128
     # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
