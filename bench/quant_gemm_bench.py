@@ -58,8 +58,8 @@ def _cycled(calls: list) -> tuple[float, float]:
 def _sweep(auto: dict, m: int) -> list[dict]:
     """The knobs of the decode-size W4A16 kernel around the engine's choice: the K split (a
     quarter, half, the same and twice) at 3 and 4 pipeline stages, half and the same at 5 and 6,
-    64 outputs a program, 256 on one warpgroup, two warpgroups a program, and the two paths it does not take (operands
-    not swapped; the plain-Triton dequant instead of the inline-PTX one)."""
+    64 outputs a program, 256 on one warpgroup, two warpgroups a program, and the two paths it
+    does not take (operands not swapped; the plain-Triton dequant instead of the inline-PTX one)."""
     configs = []
     splits = sorted({max(1, auto["split_k"] // 4), max(1, auto["split_k"] // 2), auto["split_k"], min(16, auto["split_k"] * 2)})
     for stages in (3, 4):
