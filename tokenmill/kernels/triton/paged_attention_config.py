@@ -120,7 +120,7 @@ def choose_config(
         block_q, max_splits = (narrow if max_query_len <= narrow else wide), _MAX_PREFILL_SPLITS
     grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     programs = max(1, grid_q * num_kv_heads)
-    fp8_decode = block_q == 1 and dtype != torch.float32 and _fp8_cache_tiles(cache_dtype, head_dim)
+    fp8_decode = block_q == 1 and _fp8_cache_tiles(dtype, cache_dtype, head_dim)
     fill = (FP8_CACHE_DECODE_PROGRAMS_PER_SM if fp8_decode else PROGRAMS_PER_SM) * num_sms
     num_splits = 1
     if programs < fill:
@@ -194,14 +194,15 @@ def _prefill_block_qs(group_p: int, head_dim: int, dtype: torch.dtype, cache_dty
     fp32 = dtype == torch.float32  # tests only: ieee fp32 dots run on FMA units, keep tiles small
     # 128 x 128 fp32 accumulators fit 8 warps without spilling (checked with ptxas for sm_90);
     # head_dim 256 halves the rows; fp32 (FMA dots) keeps the 16 rows of decode.
-    wide_rows = 16 if fp32 else FP8_CACHE_WIDE_ROWS if _fp8_cache_tiles(cache_dtype, head_dim) else 128 if head_dim <= 128 else 64
+    wide_rows = 16 if fp32 else FP8_CACHE_WIDE_ROWS if _fp8_cache_tiles(dtype, cache_dtype, head_dim) else 128 if head_dim <= 128 else 64
     return max(1, 16 // group_p), max(1, wide_rows // group_p)
 
 
-def _fp8_cache_tiles(cache_dtype: torch.dtype | None, head_dim: int) -> bool:
+def _fp8_cache_tiles(dtype: torch.dtype, cache_dtype: torch.dtype | None, head_dim: int) -> bool:
     """Whether decode and the wide prefill tile take the float8-cache launches (FP8_CACHE_*), which
-    were measured at head_dim 128: other head sizes keep the bf16 ones."""
-    return cache_dtype is not None and cache_dtype.itemsize == 1 and head_dim <= 128
+    were measured at head_dim 128 with bf16 queries: other head sizes and fp32 (the tests' FMA
+    dots) keep their own."""
+    return dtype != torch.float32 and cache_dtype is not None and cache_dtype.itemsize == 1 and head_dim <= 128
 
 
 def _config(
@@ -210,7 +211,7 @@ def _config(
     """``cache_dtype``: the KV cache's, when it differs from ``dtype`` (the queries')."""
     fp32 = dtype == torch.float32
     wide = not fp32 and block_q * group_p >= 128
-    fp8_tiles = not fp32 and _fp8_cache_tiles(cache_dtype, head_dim)
+    fp8_tiles = _fp8_cache_tiles(dtype, cache_dtype, head_dim)
     # The wide tile walks keys 32 at a time: on P5's 16,384-token prefill step (Qwen3-0.6B heads,
     # H200) 128 x 32 ran in 602 µs against 679 for 128 x 64, the best of eight tile/warp/stage rows
     # (`kernels_bench.py --p5 --sweep`; bench/results/gpu_kernels.jsonl, a80d492).

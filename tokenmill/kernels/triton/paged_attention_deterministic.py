@@ -12,8 +12,8 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_tiles,
-    _find_sequence,
     _dot_query,
+    _find_sequence,
     _load_rows,
     _locate_rows,
     _store_normalised,
