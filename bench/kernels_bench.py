@@ -117,26 +117,26 @@ def decode_batch(args: argparse.Namespace, seq_lens: list[int], cache_dtype: tor
     )
 
 
-def p1_contexts(num_running: int) -> list[int]:
-    """The contexts of P1's first decode step with at most ``num_running`` sequences left.
+def protocol_contexts(workload_name: str, num_running: int) -> list[int]:
+    """The contexts of a protocol's first decode step with at most ``num_running`` sequences left.
 
-    P1's requests as peer_bench.py draws them (random.seed(0): 256 prompts of U[100, 1024] tokens,
-    then U[100, 1024] output tokens each), all running from the start as they do on the H200: at
-    decode step t sequence i holds prompt_i + t tokens while outputs_i > t. Ragged lengths, as
-    the engine's decode graphs meet them, rather than one length with a little jitter.
+    The protocol's requests as peer_bench.py draws them (``workload``), all running from the start
+    as P1's do on the H200: at decode step t request i holds prompt_i + t tokens while
+    outputs_i > t. Ragged lengths, as the engine's decode graphs meet them, rather than one length
+    with a little jitter.
     """
-    rng = random.Random(0)
-    prompts = [len([rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]) for _ in range(256)]
-    outputs = [rng.randint(100, 1024) for _ in range(256)]
+    from peer_bench import workload  # this folder's copy of the shared protocol script
+
+    prompts, outputs, _ = workload(workload_name)
     for step in range(max(outputs)):
-        running = [p + step for p, o in zip(prompts, outputs) if o > step]
+        running = [len(p) + step for p, o in zip(prompts, outputs) if o > step]
         if len(running) <= num_running:
             return running
     return []
 
 
 def run_batch_sweep(args: argparse.Namespace) -> None:
-    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``p1_contexts``),
+    """Decode steps of P1's batch sizes (graph buckets 16-256, ragged contexts from ``protocol_contexts``),
     P2's 1,024 and P5's long contexts, bf16 and fp8 caches: the launch each decode graph bakes in
     (max_model_len 4096), then the K split and a few tile/warp/stage shapes around it. Which shapes
     read thin and mid-size steps fastest (P1's steps of 64 or fewer sequences ran at about half
@@ -148,11 +148,9 @@ def run_batch_sweep(args: argparse.Namespace) -> None:
     # and 1 warp spills 240 B); fp8: FP8_CACHE_DECODE_* and the shapes that came close.
     shapes = {None: ((64, 4, 3), (64, 2, 3), (32, 2, 6), (64, 1, 3), (64, 2, 4), (128, 2, 3)),
               torch.float8_e4m3fn: ((64, 2, 5), (64, 4, 3), (32, 1, 6))}
-    rng = random.Random(1)
-    steps = [(str(bucket), bucket, p1_contexts(bucket)) for bucket in (16, 32, 48, 64, 96, 128, 192, 256)]
+    steps = [(str(bucket), bucket, protocol_contexts("nano", bucket)) for bucket in (16, 32, 48, 64, 96, 128, 192, 256)]
     steps.append(("1024", 1024, [640] * 1024))  # P2's step (512-token prompts, 256 outputs) halfway through
-    # P5's decode steps: 256-384 long contexts (prompts U[1000, 3000], a few dozen tokens generated).
-    steps.append(("p5-256", 256, [rng.randint(1000, 3000) + rng.randint(0, 128) for _ in range(256)]))
+    steps.append(("p5-256", 256, protocol_contexts("prefill", 256)))  # P5's decodes over 1-3k-token prompts
     for cache_dtype, tiles in shapes.items():
         for label, bucket, seq_lens in steps:
             batch = decode_batch(args, seq_lens, cache_dtype)
