@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [fp8-decode-ab]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -67,14 +67,6 @@ for part in $parts; do
         RESULTS="$OUT/throughput_fp8.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py $run 2>&1 | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/throughput_fp8.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput_fp8.raw" ;;
-    fp8-decode-ab)  # docs/perf.md 30's fp8 decode candidate against the shipped launch, alternating in one call:
-                    # P1 and P5, then P3 (engines tokenmill_fp8kv and tokenmill_fp8kv_candidate)
-      for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
-        for engine in tokenmill_fp8kv tokenmill_fp8kv_candidate tokenmill_fp8kv; do
-          RESULTS="$OUT/fp8_ab.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 python3 bench/peer_bench.py $engine $run 2>&1 | grep '^{' | cut -c1-200
-        done
-      done
-      tag "$OUT/fp8_ab.raw" "$OUT/throughput.jsonl"; : > "$OUT/fp8_ab.raw" ;;
     throughput-det)  # deterministic=True (issue 21): P1-P3 in deterministic mode, rows tagged tokenmill_deterministic
       for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
         RESULTS="$OUT/throughput_det.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 240 python3 bench/peer_bench.py tokenmill_deterministic $run 2>&1 | grep -v "^\s*$" | tail -3

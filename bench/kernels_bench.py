@@ -145,7 +145,8 @@ def run_batch_sweep(args: argparse.Namespace) -> None:
 
     # bf16: the 4-warp launch before entry 30, DECODE_WARPS' 2, and around it (1 warp, a deeper
     # pipeline, 128-key tiles; sm_90 compile of the 64-key tile: 120 registers on 4 warps, 234 on 2,
-    # and 1 warp spills 240 B); fp8: FP8_CACHE_DECODE_* and the shapes that came close.
+    # and 1 warp spills 240 B); fp8: FP8_CACHE_DECODE_* (32 keys, 1 warp, 6 stages since docs/perf.md 33), the
+    # 64-key, 2-warp, 5-stage launch before it, and the bf16 one.
     shapes = {None: ((64, 4, 3), (64, 2, 3), (32, 2, 6), (64, 1, 3), (64, 2, 4), (128, 2, 3)),
               torch.float8_e4m3fn: ((64, 2, 5), (64, 4, 3), (32, 1, 6))}
     steps = [(str(bucket), bucket, protocol_contexts("nano", bucket)) for bucket in (16, 32, 48, 64, 96, 128, 192, 256)]
@@ -479,7 +480,7 @@ def main() -> None:
         if shape is llama:
             print(json.dumps(run_case(llama, seq_lens, "p3-decode-default", None)), flush=True)
             print(json.dumps(run_case(llama, seq_lens, "p3-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
-        # Around the default (2 warps, 5 stages: FP8_CACHE_DECODE_*): num_stages 5-6 gives the 64-key tile
+        # Around the launch before docs/perf.md 33 (2 warps, 5 stages): num_stages 5-6 gives the 64-key tile
         # a second buffer (the next tile in flight); the bf16 launch (4 warps, 3 stages); 1 warp; 128 keys.
         for tile_n, num_warps, num_stages in ((64, 4, 3), (64, 4, 5), (64, 2, 3), (64, 2, 6), (64, 1, 5), (32, 1, 6),
                                               (128, 4, 3), (128, 2, 3)):

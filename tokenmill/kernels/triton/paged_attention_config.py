@@ -29,15 +29,17 @@ _MAX_PREFILL_SPLITS = 4
 # Deterministic mode's fixed key parts (a multiple of every tile_n): long enough that merging parts
 # costs little next to attending over them, short enough to split one long sequence over many SMs.
 DETERMINISTIC_PART_KEYS = 512
-# Decode over a float8 cache: a 64-key tile holds half the bytes of a bf16 one, so the bf16 launch
-# (4 warps, one buffer) kept too few bytes in flight. 2 warps and 5 stages (a second buffer for the
-# next tile) read a P1-sized decode step in 161 µs against 217 µs, on both Qwen3-0.6B's and
-# Llama-3-8B's heads (bf16: 260 µs). 20 tile/warp/stage shapes were timed (gpu_kernels.jsonl,
-# 2c8f83f and db38d3f); only 1 warp on 32-key tiles came out ahead, by 2% on one head layout.
-FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 2, 5
-# The decode tile's keys and the split rule's programs an SM over a float8 cache. docs/perf.md 30 has
-# a measured candidate (32 keys, 1 warp, 6 stages, 16 programs an SM) awaiting its end-to-end run.
-FP8_CACHE_DECODE_TILE_N, FP8_CACHE_DECODE_PROGRAMS_PER_SM = 64, PROGRAMS_PER_SM
+# Decode over a float8 cache: a tile of keys holds half the bytes of a bf16 one, so the bf16 launch
+# (64 keys, 4 warps, one buffer) kept too few bytes in flight. 32-key tiles on 1 warp with 6 stages
+# (five tiles in flight), split until ~16 programs an SM, read P1's decode steps in 4-20% less time
+# than the 64-key, 2-warp, 5-stage launch at 48-256 sequences (tied at 16-32), 12% less at P2's 1,024
+# and 10-11% less on P5's long contexts, on both Qwen3-0.6B's and Llama-3-8B's heads
+# (`kernels_bench.py --batch-sweep`, gpu_kernels.jsonl e2818e3). End to end, one machine, shipped /
+# this / shipped: P1 4.51 / 4.19 / 4.51 s, P5 4.65 / 4.46 / 4.65, P3 12.62 / 12.35 / 12.60
+# (docs/perf.md 33). Many small programs: each streams few keys, so the split rule fills the SMs
+# with more of them than the bf16 launch's PROGRAMS_PER_SM.
+FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 1, 6
+FP8_CACHE_DECODE_TILE_N, FP8_CACHE_DECODE_PROGRAMS_PER_SM = 32, 16
 # Decode over a bf16/fp16 cache (head_dim <= 128): 2 warps a 64-key tile, not 4. Timed at P1's batch
 # sizes (graph buckets 16-256 with P1's ragged contexts, `kernels_bench.py --batch-sweep`), on both
 # Qwen3-0.6B's and Llama-3-8B's heads, with the split count the rule below picks, 2 warps took 3-27%
