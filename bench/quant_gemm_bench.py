@@ -82,17 +82,6 @@ def _sweep(auto: dict, m: int) -> list[dict]:
     # Two warpgroups a program: more warps to hide the MMA waits (113 registers at M 64, 128
     # outputs, against 224 for one), against more instructions a weight (4.8 vs 3.5 SASS).
     configs += [dict(auto, BLOCK_N=block_n, num_warps=8, num_stages=3) for block_n in (128, 256)]
-    # One or two warps a program: Triton 3.6 lowers the dot to warp-level mma.sync (HMMA.16816)
-    # instead of a warpgroup MMA (that needs warps in fours). No wgmma waits: in the sm_90 SASS at
-    # M = 16 the loop issues 32 HMMAs between the unpacking with no barrier, 0.081 instructions a
-    # weight at 128 outputs on 2 warps (127 registers) and 0.091 at 64 (80 registers), against
-    # 0.099 plus 8 waits a K tile for the warpgroup form. Smaller programs, so more of them an SM:
-    # the K split doubled and quadrupled too.
-    if m <= 64:
-        for block_n, warps in ((128, 2), (64, 2), (64, 1)):
-            for stages in (3, 5):
-                configs += [dict(auto, BLOCK_N=block_n, num_warps=warps, num_stages=stages, split_k=split)
-                            for split in sorted({auto["split_k"], min(16, auto["split_k"] * 2), min(16, auto["split_k"] * 4)})]
     configs += [dict(auto, SWAP=False), dict(auto, DEQUANT_ASM=False)]
     if m > 64:
         # Past 64 rows: all of them in one tile on two warpgroups (one dequantization for 128
