@@ -292,7 +292,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         dtype = getattr(torch, p.get("dtype", "bfloat16"))
         zeros = torch.empty((k // group, n), dtype=torch.uint8) if p.get("zeros") else None
         dequantize_weight(torch.empty((k // 8, n), dtype=torch.int32), torch.empty((k // group, n), dtype=dtype), zeros,
-                          group, k, dtype, out=torch.empty((k, n), dtype=dtype))
+                          group, k, dtype, out=torch.empty((k, n), dtype=dtype), dequant_asm=True)
     elif kernel == "quantize_fp8":
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 

@@ -1,15 +1,14 @@
 """W4A16 GEMM: ``y = x W^T (+ b)`` with W stored as 4-bit codes, dequantized in registers.
 
 The weight lies in a layout made for this kernel (``pack_for_kernel``, done once at load from
-``tokenmill.quantization.int4.Int4Weights``): K is cut into tiles of 128, each a row of 16 int32
-words an output, and the tile's product is eight K=16 dots, one a 16-feature slice. The words go
-global -> shared memory (asynchronous copies, several tiles in flight) -> registers in the MMA
-operand's layout once, and no dequantized weight ever round-trips through shared memory (the old
-GPTQ-ordered layout needed a reshape that did: a 16 KB bf16 store and reload per 4 KB of words;
-docs/perf.md entry 15). In a word, the two halves hold the two K-neighbours that one 32-bit
-register of the MMA operand pairs, for four slices (``_dequantize``), so unpacking a register's two
-weights takes a shift and one lop3; the previous layout (word j holding features 16 i + j) needed
-a byte permute of two words as well (docs/perf.md 35).
+``tokenmill.quantization.int4.Int4Weights``): K is cut into tiles of 128, and in a tile the int32
+word ``j`` (0..15) of output ``n`` holds the codes of features ``16 i + j`` in its nibbles
+``i`` = 0..7. So the nibble-``i`` codes of a tile's 16 words are one contiguous 16-feature slice of
+K, and the tile's product is eight K=16 dots ``x[:, 16i:16i+16] . ((words >> 4i) & 0xF)`` in which
+the unpacking is elementwise: the words go global -> shared memory (asynchronous copies, several
+tiles in flight) -> registers in the MMA operand's layout once, and no dequantized weight ever
+round-trips through shared memory (the old GPTQ-ordered layout needed a reshape that did: a 16 KB
+bf16 store and reload per 4 KB of words; see docs/perf.md entry 15).
 
 A code becomes a bf16/fp16 value without an int->float conversion: ``0x4300 | u`` is the bf16
 bit pattern of 128 + u (``0x6400 | u`` the fp16 one of 1024 + u), and subtracting 128 + z gives the
@@ -54,38 +53,23 @@ K_TILE = 128  # features per packed tile: 16 words of 8 codes; every K step of t
 
 
 @triton.jit
-def _dequantize(words, i: tl.constexpr, zero, dtype: tl.constexpr, ASM: tl.constexpr):
-    """Slice ``i`` (features 16 i .. 16 i + 15 of the tile) of ``words`` [BLOCK_N, 16] (a tile's
-    words, ``pack_for_kernel``'s layout) minus the zero point, exactly, as ``dtype`` [BLOCK_N, 16].
-
-    Word 2 p + g of an output holds features 16 i + 2 p (low half) and 16 i + 2 p + 1 (high half)
-    of the four slices i = 4 g .. 4 g + 3, in nibble i % 4 of each half. So one register of the
-    MMA operand (two K-neighbours of one output) comes from ONE word: a shift (none for i % 4 = 0)
-    and one lop3 ((t & 0x000F000F) | magic) make both biased floats. ``ASM`` relies on Triton
-    handing the inline assembly the pair (2 p, 2 p + 1) of the last dimension together, which the
-    dot operand's layout does (two K-neighbours a register); the plain path does not, so it serves
-    every other layout (the prefill pass, the interpreter) and is the reference the ASM path is
-    tested against on the GPU."""
+def _dequantize(words, shift: tl.constexpr, zero, dtype: tl.constexpr, ASM: tl.constexpr):
+    """The codes in nibble ``shift / 4`` of ``words`` minus the zero point, exactly, as ``dtype``."""
     if ASM and (dtype == tl.bfloat16 or dtype == tl.float16):
-        source: tl.constexpr = "$1" if i < 4 else "$2"  # word 2 p (slices 0-3) or 2 p + 1 (4-7)
+        # Two words at a time: prmt gathers the 16-bit half of each that holds nibble shift / 4, one
+        # shift and one lop3 ((t & 0x000F000F) | magic) make both codes' biased floats in one register.
+        amount = tl.full(words.shape, shift % 16, tl.int32)
+        half: tl.constexpr = "0x5410" if shift < 16 else "0x7632"  # prmt selector: low or high halves
         magic: tl.constexpr = "0x43004300" if dtype == tl.bfloat16 else "0x64006400"
-        if i % 4 == 0:
-            asm: tl.constexpr = "lop3.b32 $0, " + source + ", 0x000F000F, " + magic + ", 0xEA;"
-        else:
-            amount: tl.constexpr = "4" if i % 4 == 1 else ("8" if i % 4 == 2 else "12")
-            asm: tl.constexpr = ("{ .reg .b32 t; shr.b32 t, " + source + ", " + amount + "; "
-                                 "lop3.b32 $0, t, 0x000F000F, " + magic + ", 0xEA; }")
-        if dtype == tl.bfloat16:  # 0x4300 | u is the bf16 of 128 + u
-            biased = tl.inline_asm_elementwise(asm, "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True, pack=2)
+        asm: tl.constexpr = ("{ .reg .b32 t; prmt.b32 t, $1, $2, " + half + "; shr.b32 t, t, $3; "
+                             "lop3.b32 $0, t, 0x000F000F, " + magic + ", 0xEA; }")
+        if dtype == tl.bfloat16:
+            biased = tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [words, amount], dtype=tl.bfloat16, is_pure=True, pack=2)
             return biased - (zero + 128).to(tl.bfloat16)
-        else:  # 0x6400 | u is the fp16 of 1024 + u
-            biased = tl.inline_asm_elementwise(asm, "=r,r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            biased = tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [words, amount], dtype=tl.float16, is_pure=True, pack=2)
             return biased - (zero + 1024).to(tl.float16)
-    block_n: tl.constexpr = words.shape[0]
-    low_words, high_words = tl.split(tl.reshape(words, (block_n, 8, 2)))  # words 2 p and 2 p + 1
-    source = low_words if i < 4 else high_words
-    shift: tl.constexpr = 4 * (i % 4)
-    codes = tl.reshape(tl.join((source >> shift) & 0xF, (source >> (16 + shift)) & 0xF), (block_n, 16))
+    codes = (words >> shift) & 0xF
     if dtype == tl.bfloat16:
         biased = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + u
         return biased - (zero + 128).to(tl.bfloat16)
@@ -142,7 +126,10 @@ def _w4a16_kernel(
         zero = tl.load(zero_ptr + group * N + rn, mask=n_in, other=0).to(tl.int32)
     for k0 in range(k_begin, k_end, 128):
         word_rows = k0 // 8 + rj
-        words = tl.load(qw_ptr + word_rows[None, :] * N + rn[:, None], mask=n_in[:, None], other=0)
+        if SWAP:
+            words = tl.load(qw_ptr + word_rows[None, :] * N + rn[:, None], mask=n_in[:, None], other=0)
+        else:
+            words = tl.load(qw_ptr + word_rows[:, None] * N + rn[None, :], mask=n_in[None, :], other=0)
         next_scale = scale
         next_zero = zero
         if not SLICE_GROUPS:
@@ -169,14 +156,14 @@ def _w4a16_kernel(
                     zero = tl.load(zero_ptr + slice_group * N + rn, mask=n_in, other=0).to(tl.int32)
             if SWAP:
                 xt = tl.load(x_ptr + rm_in[None, :] * stride_xm + rk[:, None], mask=k_in[:, None], other=0.0)
-                w = _dequantize(words, i, zero[:, None], dtype, DEQUANT_ASM)
+                w = _dequantize(words, 4 * i, zero[:, None], dtype, DEQUANT_ASM)
                 if SLICE_GROUPS:
                     acc += tl.dot(w, xt, input_precision=precision) * scale[:, None]
                 else:
                     part = tl.dot(w, xt, part, input_precision=precision)
             else:
                 a = tl.load(x_ptr + rm_in[:, None] * stride_xm + rk[None, :], mask=k_in[None, :], other=0.0)
-                w = tl.trans(_dequantize(words, i, zero[:, None], dtype, False))  # [16, BLOCK_N]
+                w = _dequantize(words, 4 * i, zero[None, :], dtype, DEQUANT_ASM)
                 if SLICE_GROUPS:
                     acc += tl.dot(a, w, input_precision=precision) * scale[None, :]
                 else:
@@ -228,17 +215,16 @@ def _w4a16_kernel(
 
 @triton.jit
 def _dequantize_kernel(qw_ptr, scale_ptr, zero_ptr, w_ptr, N, K, num_groups, group_size,
-                       BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """One 128-feature tile of K x BLOCK_N outputs: slice i of the tile is a [BLOCK_N, 16] block of
-    w, stored as rows 16 i .. 16 i + 15 of w^T (contiguous along N). The plain unpacking: this
-    pass is bound by its 2.5 bytes a weight of memory traffic, not by instructions."""
+                       BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+    """One 128-feature tile of K x BLOCK_N outputs: the tile's 16 words a column hold nibble i of
+    features 16 i + j, so each nibble is a [16, BLOCK_N] slab of w^T, stored contiguous along N."""
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rj = tl.arange(0, 16)
     n_ok = rn < N
     dtype: tl.constexpr = w_ptr.dtype.element_ty
-    words = tl.load(qw_ptr + (tile * 16 + rj)[None, :] * N + rn[:, None], mask=n_ok[:, None], other=0)
+    words = tl.load(qw_ptr + (tile * 16 + rj)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0)
     for i in tl.static_range(8):
         k0 = tile * 128 + 16 * i
         # A 16-feature slice lies in one group (group_size is a multiple of 16, or >= K).
@@ -247,25 +233,28 @@ def _dequantize_kernel(qw_ptr, scale_ptr, zero_ptr, w_ptr, N, K, num_groups, gro
         zero = tl.full((BLOCK_N,), 8, tl.int32)
         if HAS_ZEROS:
             zero = tl.load(zero_ptr + group * N + rn, mask=n_ok, other=0).to(tl.int32)
-        w = _dequantize(words, i, zero[:, None], dtype, False).to(tl.float32) * scale[:, None]
+        w = _dequantize(words, 4 * i, zero[None, :], dtype, DEQUANT_ASM).to(tl.float32) * scale[None, :]
         rk = k0 + rj
-        tl.store(w_ptr + rk[None, :] * N + rn[:, None], w.to(dtype), mask=(rk < K)[None, :] & n_ok[:, None])
+        tl.store(w_ptr + rk[:, None] * N + rn[None, :], w.to(dtype), mask=(rk < K)[:, None] & n_ok[None, :])
 
 
 def dequantize_weight(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-                      in_features: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                      in_features: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+                      dequant_asm: bool | None = None) -> torch.Tensor:
     """``packed`` (``pack_for_kernel``'s layout) -> the weight's transpose w^T [K, N] in ``dtype``,
     ``(u - z) * s`` rounded once from fp32. [K, N] rather than [N, K]: the words lie along N, so
     every store is a contiguous row, and cuBLAS reads either operand order (``w4a16_linear``
     passes its ``.t()`` view). ``out`` receives it (tests poison it); otherwise a fresh tensor from
-    torch's caching allocator, which hands the same block to the next layer's call."""
+    torch's caching allocator, which hands the same block to the next layer's call. ``dequant_asm``:
+    the inline-PTX unpacking (default: on CUDA devices; the sm_90 compile check forces it)."""
     k, n = in_features, packed.shape[1]
     _check_operands(packed, k, group_size)
     w = out if out is not None else torch.empty((k, n), dtype=dtype, device=packed.device)
     block_n = 128
+    asm = packed.device.type == "cuda" if dequant_asm is None else dequant_asm
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, K_TILE))](
         packed, scales, zeros if zeros is not None else scales, w, n, k, scales.shape[0], group_size,
-        BLOCK_N=block_n, HAS_ZEROS=zeros is not None, num_warps=4,
+        BLOCK_N=block_n, HAS_ZEROS=zeros is not None, DEQUANT_ASM=asm, num_warps=4,
     )
     return w
 
@@ -282,24 +271,18 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
 
 def pack_for_kernel(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
     """Codes packed along K eight to a word in feature order (``Int4Weights.qweight``, [ceil(K/8), N])
-    -> this kernel's layout, [16 * ceil(K/128), N] int32. In each 128-feature tile, word 2 p + g
-    holds, for slices s = 0..3 of the group g (slice 4 g + s: features 16 (4 g + s) .. + 15), feature
-    2 p of the slice in nibble s of its low half (bits 4 s ..) and feature 2 p + 1 in nibble s of its
-    high half (bits 16 + 4 s ..); see ``_dequantize``. Past K: the source's padding nibbles or 0
-    (their activations are masked to 0).
+    -> this kernel's layout, [16 * ceil(K/128), N] int32: in each 128-feature tile, word j's nibble i
+    holds feature 16 i + j (past K: the source's padding nibbles or 0; their activations are masked to 0).
 
-    Moved one nibble position at a time on [tiles, N] slices, so no [K, N] intermediate is made
-    (an 8B gate_up is 117M codes)."""
+    Feature 16 i + j of tile t sits in source word 16 t + 2 i + j // 8, nibble j % 8; moved with
+    shifts on [tiles, 2, N] slices, so no [K, N] intermediate is made (an 8B gate_up is 117M codes)."""
     tiles = triton.cdiv(in_features, K_TILE)
-    src = torch.nn.functional.pad(qweight, (0, 0, 0, 16 * tiles - qweight.shape[0])).view(tiles, 16, -1)
-    out = torch.zeros((tiles, 16, src.shape[-1]), dtype=torch.int64, device=qweight.device)
-    for group in range(2):
-        for slot in range(4):
-            for half in range(2):
-                for pair in range(8):
-                    feature = 16 * (4 * group + slot) + 2 * pair + half  # within the tile
-                    code = (src[:, feature // 8] >> (4 * (feature % 8))) & 0xF
-                    out[:, 2 * pair + group] |= code.to(torch.int64) << (16 * half + 4 * slot)
+    src = torch.nn.functional.pad(qweight, (0, 0, 0, 16 * tiles - qweight.shape[0]))
+    src = src.view(tiles, 8, 2, -1)  # [t, i, j // 8, n]
+    out = torch.zeros((tiles, 2, 8, src.shape[-1]), dtype=torch.int64, device=qweight.device)  # [t, j // 8, j % 8, n]
+    for low in range(8):
+        for i in range(8):
+            out[:, :, low] |= ((src[:, i] >> (4 * low)) & 0xF).to(torch.int64) << (4 * i)
     out = torch.where(out >= 2**31, out - 2**32, out)  # the int32 with the same bits
     return out.to(torch.int32).view(16 * tiles, -1)
 
