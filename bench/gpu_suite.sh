@@ -13,7 +13,8 @@
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
 #   workload with tutorial sampling settings (bench/workload_bench.py). ray: P1 through tokenmill.ray against
-#   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried.
+#   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried. Tests that load GGUF or quantized
+#   checkpoints need .whl/ (bench/build_wheels.sh) carried and installed (that script says how).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
