@@ -32,12 +32,12 @@ DETERMINISTIC_PART_KEYS = 512
 # Decode over a float8 cache: a tile of keys holds half the bytes of a bf16 one, so the bf16 launch
 # (64 keys, 4 warps, one buffer) kept too few bytes in flight. 32-key tiles on 1 warp with 6 stages
 # (five tiles in flight), split until ~16 programs an SM, read P1's decode steps in 4-20% less time
-# than the 64-key, 2-warp, 5-stage launch at 48-256 sequences (tied at 16-32), 12% less at P2's 1,024
-# and 10-11% less on P5's long contexts, on both Qwen3-0.6B's and Llama-3-8B's heads
-# (`kernels_bench.py --batch-sweep`, gpu_kernels.jsonl e2818e3). End to end, one machine, shipped /
-# this / shipped: P1 4.51 / 4.19 / 4.51 s, P5 4.65 / 4.46 / 4.65, P3 12.62 / 12.35 / 12.60
-# (docs/perf.md 33). Many small programs: each streams few keys, so the split rule fills the SMs
-# with more of them than the bf16 launch's PROGRAMS_PER_SM.
+# than the 64-key, 2-warp, 5-stage launch at 48-256 sequences (tied at 16-32), P2's 1,024 in 12%
+# less and P5's long contexts in 11-13% less (each at its best split), on both Qwen3-0.6B's and
+# Llama-3-8B's heads (`kernels_bench.py --batch-sweep`, gpu_kernels.jsonl e2818e3). End to end, one
+# machine, shipped / this / shipped: P1 4.51 / 4.19 / 4.51 s, P5 4.65 / 4.46 / 4.65, P3 12.62 /
+# 12.35 / 12.60 (docs/perf.md 33). Many small programs: each streams few keys, so the split rule
+# fills the SMs with more of them than the bf16 launch's PROGRAMS_PER_SM.
 FP8_CACHE_DECODE_WARPS, FP8_CACHE_DECODE_STAGES = 1, 6
 FP8_CACHE_DECODE_TILE_N, FP8_CACHE_DECODE_PROGRAMS_PER_SM = 32, 16
 # Decode over a bf16/fp16 cache (head_dim <= 128): 2 warps a 64-key tile, not 4. Timed at P1's batch
