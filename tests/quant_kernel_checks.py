@@ -46,6 +46,9 @@ for _dt in ("float32", "float16"):
               group=_g, zeros=_z, bias=_b, config=_cfg, seed=_i)
     _case("quantize_fp8", f"quantize-fp8-dynamic-{_dt}", dtype=_dt, m=5, k=300, static=False)
     _case("quantize_fp8", f"quantize-fp8-dynamic-long-rows-{_dt}", dtype=_dt, m=3, k=4100, static=False)
+    # Past ONE_PASS_MAX_K: the row read in blocks, twice (the maximum, then the codes).
+    _case("quantize_fp8", f"quantize-fp8-dynamic-two-pass-{_dt}", dtype=_dt, m=2, k=16500, static=False)
+    _case("quantize_fp8", f"quantize-fp8-static-two-pass-{_dt}", dtype=_dt, m=2, k=16500, static=True)
     _case("quantize_fp8", f"quantize-fp8-static-saturating-{_dt}", dtype=_dt, m=4, k=200, static=True)
     for _m, _n, _k in ((1, 70, 300), (20, 128, 128), (130, 72, 260)):
         _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k, bias=_m == 20)

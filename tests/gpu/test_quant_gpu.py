@@ -161,7 +161,7 @@ def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, mon
     assert len(passes) == sum(m >= kernels.DEQUANT_MIN_M for m in ms), "the prefill path ran at the wrong sizes"
 
 
-@pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200)])
+@pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200), (64, 16500)])  # 16,500: past ONE_PASS_MAX_K (two passes)
 def test_fp8_quantize_and_gemm_match_twins(n, k):
     from tokenmill.kernels.reference import fp8_linear_ref, quantize_fp8_ref
     from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8

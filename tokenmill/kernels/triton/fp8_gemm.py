@@ -2,7 +2,8 @@
 
 ``quantize_fp8`` gives each row of x its own scale (``max |x_row| / 448``, or one static scale
 for all rows) and writes ``x / scale`` saturated to +-448 as float8 e4m3, in one launch: a
-program per row reads the row twice (the maximum, then the codes; the second read hits L2).
+program per row reads the row once, whole (up to ``ONE_PASS_MAX_K`` wide), or twice in blocks
+(the maximum, then the codes; the second read hits L2).
 
 ``fp8_gemm`` is ``(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ b)``: fp8 operands on the
 tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied once in the epilogue. The
@@ -20,6 +21,10 @@ import triton.language as tl
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # The smallest scale: keeps an all-zero row finite (x / scale = 0) and matches the twin.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# quantize_fp8 reads a row this wide (Llama-3-8B's 14,336-wide down_proj input included) in one
+# pass, whole; the two-pass loop it replaced waited on ~4-6 dependent rounds of loads a row
+# (ptxas unrolls each pass 4 deep), ~6 µs at M = 256 for down_proj's input (docs/perf.md 23, 36).
+ONE_PASS_MAX_K = 16384
 
 
 @triton.jit
@@ -38,22 +43,32 @@ def fp8_codes(x, scale):
 
 @triton.jit(do_not_specialize=["M"])
 def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, M, K, stride_xm, stride_qm,
-                         STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                         STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
+    if ONE_PASS:  # the whole row in registers: one read, all of it in flight at once
+        rk = tl.arange(0, BLOCK)
+        x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = fp8_row_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
     else:
-        biggest = tl.zeros((BLOCK,), dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            biggest = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                rk = k0 + tl.arange(0, BLOCK)
+                biggest = tl.maximum(biggest, tl.abs(tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)))
+            scale = fp8_row_scale(tl.max(biggest, axis=0))
+        tl.store(scale_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             rk = k0 + tl.arange(0, BLOCK)
-            biggest = tl.maximum(biggest, tl.abs(tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)))
-        scale = fp8_row_scale(tl.max(biggest, axis=0))
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        rk = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
+            x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
 
 
 def fp8_outputs(rows: int, cols: int, device: torch.device,
@@ -79,10 +94,13 @@ def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> t
         x = x.contiguous()
     q, scales = fp8_outputs(m, k, x.device)
     if m:
-        block = min(triton.next_power_of_2(k), 2048)
+        # Rows up to ONE_PASS_MAX_K wide are read once, whole (a program's loads all in flight);
+        # longer ones in blocks, twice (the maximum, then the codes).
+        one_pass = k <= ONE_PASS_MAX_K
+        block = triton.next_power_of_2(k) if one_pass else 2048
         _quantize_fp8_kernel[(m,)](x, q, scales, static_scale if static_scale is not None else scales, m, k,
                                    x.stride(0), q.stride(0), STATIC=static_scale is not None, BLOCK=block,
-                                   num_warps=4 if block <= 1024 else 8)
+                                   ONE_PASS=one_pass, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16))
     return q, scales
 
 
