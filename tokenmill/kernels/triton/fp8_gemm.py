@@ -46,19 +46,17 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, M, K, stride_xm, s
                          STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
     if ONE_PASS:  # the whole row in registers: one read, all of it in flight at once
         rk = tl.arange(0, BLOCK)
         x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
+        if not STATIC:
             scale = fp8_row_scale(tl.max(tl.abs(x), axis=0))
         tl.store(scale_ptr + row, scale)
         tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
     else:
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
+        if not STATIC:
             biggest = tl.zeros((BLOCK,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
                 rk = k0 + tl.arange(0, BLOCK)
