@@ -471,33 +471,17 @@ def main() -> None:
     seq_lens = [rng.randint(max(1, lo), max(1, hi)) for _ in range(args.seqs)]
     print(json.dumps(run_case(args, seq_lens, "p1-decode-default", None)), flush=True)
     print(json.dumps(run_qkv_prologue_case(args, args.seqs, "p1-decode-qkv-prologue")), flush=True)
-    # kv_cache_dtype="fp8": the same step reading half the bytes.
+    # kv_cache_dtype="fp8": the same step reading half the bytes; then both on Llama-3-8B's heads
+    # (group 4: P3). Tile, warp, stage and split variants of decode: --batch-sweep (every graph
+    # bucket of P1, both head layouts, both caches).
     print(json.dumps(run_case(args, seq_lens, "p1-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
-    # Over an fp8 cache (a 64-key tile holds half a bf16 one's bytes), on Qwen3-0.6B's heads (group 2) and
-    # Llama-3-8B's (group 4: P3).
     llama = argparse.Namespace(**{**vars(args), "heads": 32})
-    for shape, label in ((args, "p1-decode"), (llama, "p3-decode")):
-        if shape is llama:
-            print(json.dumps(run_case(llama, seq_lens, "p3-decode-default", None)), flush=True)
-            print(json.dumps(run_case(llama, seq_lens, "p3-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
-        # Around the launch before docs/perf.md 33 (2 warps, 5 stages): num_stages 5-6 gives the 64-key tile
-        # a second buffer (the next tile in flight); the bf16 launch (4 warps, 3 stages); 1 warp; 128 keys.
-        for tile_n, num_warps, num_stages in ((64, 4, 3), (64, 4, 5), (64, 2, 3), (64, 2, 6), (64, 1, 5), (32, 1, 6),
-                                              (128, 4, 3), (128, 2, 3)):
-            cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=num_stages)
-            print(json.dumps(run_case(shape, seq_lens, f"{label}-fp8cache-sweep", cfg, cache_dtype=torch.float8_e4m3fn)), flush=True)
-    # bf16 with the shapes that paid over fp8: two buffers (3 programs an SM at 64 keys, 6 at 32 keys on
-    # 1-2 warps; sm_90 compile). The default reads at ~94% of 4.3 TB/s, so at most a few % are left.
-    for tile_n, num_warps, num_stages in ((64, 4, 5), (64, 2, 3), (32, 2, 6), (32, 1, 6)):
-        cfg = AttentionLaunchConfig(block_q=1, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=num_stages)
-        print(json.dumps(run_case(args, seq_lens, "p1-decode-sweep", cfg)), flush=True)
+    print(json.dumps(run_case(llama, seq_lens, "p3-decode-default", None)), flush=True)
+    print(json.dumps(run_case(llama, seq_lens, "p3-decode-fp8cache", None, cache_dtype=torch.float8_e4m3fn)), flush=True)
     # P1's thin tail: ~40 sequences of ~1,800 tokens, launched as the 48-row graph with
-    # max_model_len 4096 would (no split), then with 2 and 4 splits.
+    # max_model_len 4096 would.
     tail_lens = [rng.randint(1400, 2200) for _ in range(40)]
     print(json.dumps(run_case(args, tail_lens, "p1-tail-decode-graph", None, graph_batch=48, graph_max_seq=4096)), flush=True)
-    for splits in (2, 4):
-        cfg = AttentionLaunchConfig(block_q=1, tile_n=64, num_splits=splits, num_warps=4, num_stages=3)
-        print(json.dumps(run_case(args, tail_lens, f"p1-tail-decode-splits{splits}", cfg)), flush=True)
     for label in VARLEN_CASES:  # P6: one pooling step of packed whole prompts
         print(json.dumps(run_varlen_case(label)), flush=True)
     if args.varlen_sweep:
