@@ -6,9 +6,11 @@ better heuristic shows up as a gap between the two), plus the operands-not-swapp
 plain-Triton-dequant variants the engine does not launch (every config's time in the row), and
 past 64 rows also one 128-row tile and the dequantize pass + cuBLAS those sizes ran before; at
 prefill sizes (M 256-16384) the kernel against dequantize-then-cuBLAS (where the two cross decides
-DEQUANT_MIN_M). FP8 at M 16-4096: activation quantization
-alone, ``torch._scaled_mm`` (rowwise scales) with exact and with fast accumulation (the engine's),
-our Triton fp8 GEMM, and the engine's whole fp8 linear (quantize + GEMM) against bf16. ``fused``: the add + RMSNorm before qkv and
+DEQUANT_MIN_M). FP8 at M 1-4096: activation quantization
+alone, ``torch._scaled_mm`` (rowwise scales) with exact and with fast accumulation (the engine's
+past SWAPPED_MAX_M), our swapped split-K fp8 GEMM (the engine's up to it) with the engine's config
+and a sweep around it, the plain Triton tiles past it, and the engine's whole fp8 linear (quantize
++ GEMM) against bf16. ``fused``: the add + RMSNorm before qkv and
 gate_up alone, followed by ``quantize_fp8`` (the path before the fusion), and quantizing its own
 output (the engine's path).
 
@@ -31,7 +33,8 @@ import triton
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
 from gpu_timing import _provenance, _time_graph  # noqa: E402
 
-from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8  # noqa: E402
+from tokenmill.kernels.triton.fp8_gemm import SWAPPED_MAX_M, choose_swapped_config, fp8_gemm, quantize_fp8  # noqa: E402
+from tokenmill.kernels.triton.fp8_gemm import counters_needed as fp8_counters_needed  # noqa: E402
 from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
 from tokenmill.kernels.triton.w4a16_gemm import (  # noqa: E402
     DEQUANT_MIN_M, K_TILE, choose_config, counters_needed, dequantize_weight, w4a16_gemm)
@@ -175,12 +178,25 @@ def _prefill_row(name: str, n: int, k: int, m: int, packed: list, scales: list, 
             "bf16_tflops": tflops(bf16_us), "kernel_tflops": tflops(kernel_us), "dequant_cublas_tflops": tflops(both_us)}
 
 
+def _fp8_sweep(auto: dict) -> list[dict]:
+    """The swapped fp8 GEMM's knobs around the engine's choice: the K split halved and doubled,
+    3 and 6 pipeline stages, 256-feature K steps, 64 weight rows a program, and the other warp count."""
+    configs = [dict(auto, split_k=s) for s in sorted({max(1, auto["split_k"] // 2), auto["split_k"] * 2})]
+    configs += [dict(auto, num_stages=stages) for stages in (3, 6)]
+    configs += [dict(auto, BLOCK_K=256, num_stages=stages) for stages in (2, 3)]
+    configs += [dict(auto, BLOCK_N=64, split_k=s) for s in sorted({auto["split_k"], auto["split_k"] * 2})]
+    configs.append(dict(auto, num_warps=8 if auto["num_warps"] == 4 else 4))
+    return [c for c in configs if c != auto]
+
+
 def bench_fp8() -> None:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in SHAPES.items():
         copies = _copies(n * k)
         fp8 = [quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
-        for m in (16, 64, 128, 192, 256, 1024, 4096):
+        counters = torch.zeros(fp8_counters_needed(n), dtype=torch.int32, device="cuda")
+        for m in (1, 4, 16, 32, 64, 96, 128, 192, 256, 1024, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_fp8(x)
             bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])
@@ -189,16 +205,36 @@ def bench_fp8() -> None:
                                                                          out_dtype=torch.bfloat16) for w, s in fp8])
             fast_us, _ = _cycled([lambda w=w, s=s: torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :],
                                                                        out_dtype=torch.bfloat16, use_fast_accum=True) for w, s in fp8])
-            triton_us, _ = _cycled([lambda w=w, s=s: fp8_gemm(xq, xs, w, s, None, torch.bfloat16) for w, s in fp8])
+
+            def triton_us(config: dict | None) -> float | None:
+                try:
+                    return _cycled([lambda w=w, s=s: fp8_gemm(xq, xs, w, s, None, torch.bfloat16, counters, config=config)
+                                    for w, s in fp8])[0]
+                except Exception as exc:  # noqa: BLE001  (a sweep config past the shared memory)
+                    print(f"# {name} m={m} {config}: {type(exc).__name__}", file=sys.stderr)
+                    return None
+
             flops = 2 * m * n * k
+            tflops = lambda us: round(flops / us / 1e6, 1) if us else None  # noqa: E731
             row = {**_provenance("fp8_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
                    "bf16_cublas_us": round(bf16_us, 2), "quantize_us": round(quant_us, 2),
-                   "scaled_mm_us": round(scaled_us, 2), "scaled_mm_fast_accum_us": round(fast_us, 2),
-                   "triton_fp8_us": round(triton_us, 2),
-                   # the engine's fp8 linear: quantize, then _scaled_mm with fast accumulation or the Triton GEMM
-                   "linear_speedup": round(bf16_us / (quant_us + min(fast_us, triton_us)), 2),
-                   "bf16_tflops": round(flops / bf16_us / 1e6, 1), "scaled_mm_tflops": round(flops / scaled_us / 1e6, 1),
-                   "fast_accum_tflops": round(flops / fast_us / 1e6, 1), "triton_fp8_tflops": round(flops / triton_us / 1e6, 1)}
+                   "scaled_mm_us": round(scaled_us, 2), "scaled_mm_fast_accum_us": round(fast_us, 2)}
+            if m <= SWAPPED_MAX_M:
+                auto = choose_swapped_config(m, n, k, num_sms)
+                swapped = triton_us(None)
+                sweep = [(c, triton_us(c)) for c in _fp8_sweep(auto)]
+                best_cfg, best_us = min([(auto, swapped)] + [(c, t) for c, t in sweep if t], key=lambda ct: ct[1])
+                engine_us = swapped
+                row.update(swapped_us=round(swapped, 2), swapped_config=auto, swapped_gbps=round(n * k / swapped / 1e3, 1),
+                           swapped_best_us=round(best_us, 2), swapped_best_config=best_cfg,
+                           sweep=[[c, round(t, 2) if t else None] for c, t in sweep])
+            else:
+                engine_us = fast_us
+                row.update(triton_fp8_us=round(triton_us(None), 2))
+            row.update(engine_gemm_us=round(engine_us, 2),
+                       # the engine's fp8 linear: quantize, then the swapped GEMM or _scaled_mm (fast accumulation)
+                       linear_speedup=round(bf16_us / (quant_us + engine_us), 2),
+                       bf16_tflops=tflops(bf16_us), fast_accum_tflops=tflops(fast_us), engine_tflops=tflops(engine_us))
             print(json.dumps(row), flush=True)
 
 

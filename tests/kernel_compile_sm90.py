@@ -107,8 +107,12 @@ _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
 # The norms that quantize their output for the next fp8 linear (Llama-3-8B's hidden 4096; per-token scales).
 for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
-for _m in (16, 256):
-    _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-bf16", kernel="fp8_gemm", m=_m)
+# The fp8 GEMM on Llama-3-8B's projections: swapped and K split at decode sizes (each row-tile class,
+# qkv and down), the plain tiles past SWAPPED_MAX_M.
+for _m in (1, 32, 64, 256, 1024):
+    _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-qkv-bf16", kernel="fp8_gemm", m=_m)
+for _m in (16, 128):
+    _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-down-bf16", kernel="fp8_gemm", m=_m, n=4096, k=14336)
 
 
 _SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
@@ -305,8 +309,9 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 
         fp8 = torch.float8_e4m3fn
-        fp8_gemm(torch.empty((p["m"], 4096), dtype=fp8), torch.empty(p["m"]), torch.empty((6144, 4096), dtype=fp8),
-                 torch.empty(6144), None, bf16)
+        n, k = p.get("n", 6144), p.get("k", 4096)
+        fp8_gemm(torch.empty((p["m"], k), dtype=fp8), torch.empty(p["m"]), torch.empty((n, k), dtype=fp8),
+                 torch.empty(n), None, bf16, torch.zeros(100_000, dtype=torch.int32))
     from tokenmill.kernels.triton.w4a16_gemm import SWAPPED_MAX_M
 
     launched = report[start:]
@@ -320,7 +325,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         spill_allowed = 64 if p.get("shape") == "bias-fp16-tails" else 0
         if entry["float_inputs"]:
             assert entry["spill_bytes"] <= spill_allowed, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
-        if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel"):
+        if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel", "_fp8_swapped_kernel"):
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel") and entry["float_inputs"]:
@@ -331,6 +336,12 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             # old GPTQ-ordered layout stored 83 values a thread; what is left is the split-K epilogue).
             assert entry["wgmma"], "the decode-size W4A16 dot is not a warpgroup MMA"
             assert entry["st_shared"] <= 32, f"W4A16 stores {entry['st_shared']} values a thread to shared memory"
+        if entry["kernel"] == "_fp8_swapped_kernel":
+            # Weights and tokens stream into shared memory through asynchronous copies (a synchronous
+            # load a K step, as before the split's start was written as a multiple of BLOCK_K, stalls
+            # on every step); what is left are the scales and the split-K epilogue's partials.
+            assert entry["wgmma"], "the swapped fp8 dot is not a warpgroup MMA"
+            assert entry["sync_loads"] <= 64, f"the swapped fp8 GEMM has {entry['sync_loads']} synchronous loads"
         if entry["kernel"] == "_matmul_kernel" and entry["float_inputs"]:
             # A warpgroup MMA at every M (mma.sync would round differently: see kernels/triton/matmul.py).
             assert entry["wgmma"] and not entry["mma_sync"], "the batch-invariant matmul is not on wgmma"

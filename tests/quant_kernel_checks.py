@@ -40,6 +40,17 @@ _W4A16 = [
     # One 128-row swapped tile on two warpgroups (swept by bench/quant_gemm_bench.py, not the engine's choice).
     (128, 64, 512, 128, True, True, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, split_k=2)),
 ]
+_FP8_GEMM = [
+    # (m, n, k, forced config); without a config: the engine's choice (operands swapped and K split
+    # up to SWAPPED_MAX_M rows, plain tiles past it).
+    (1, 70, 300, None),  # partial weight tile and K step
+    (20, 128, 128, None),  # whole tiles: the unmasked loads (EVEN_N, EVEN_K)
+    (130, 72, 260, None),  # two 128-row tiles, the second with two rows
+    (48, 256, 4096, None),  # K split (the engine's choice: several splits)
+    (300, 72, 260, None),  # past SWAPPED_MAX_M: the plain tiles
+    (3, 80, 520, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, split_k=3)),  # uneven splits
+    (40, 200, 1000, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=1, split_k=4)),
+]
 for _dt in ("float32", "float16"):
     for _i, (_m, _n, _k, _g, _z, _b, _cfg) in enumerate(_W4A16):
         _case("w4a16", f"w4a16-m{_m}-n{_n}-k{_k}-g{_g}-{'asym' if _z else 'sym'}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k,
@@ -50,8 +61,9 @@ for _dt in ("float32", "float16"):
     _case("quantize_fp8", f"quantize-fp8-dynamic-two-pass-{_dt}", dtype=_dt, m=2, k=16500, static=False)
     _case("quantize_fp8", f"quantize-fp8-static-two-pass-{_dt}", dtype=_dt, m=2, k=16500, static=True)
     _case("quantize_fp8", f"quantize-fp8-static-saturating-{_dt}", dtype=_dt, m=4, k=200, static=True)
-    for _m, _n, _k in ((1, 70, 300), (20, 128, 128), (130, 72, 260)):
-        _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k, bias=_m == 20)
+    for _m, _n, _k, _cfg in _FP8_GEMM:
+        _case("fp8_gemm", f"fp8-gemm-m{_m}-n{_n}-k{_k}{'-forced' if _cfg else ''}-{_dt}", dtype=_dt, m=_m, n=_n, k=_k,
+              bias=_m in (20, 130, 3), config=_cfg)
 
 # The prefill path's dequantize pass (W4A16 weights -> w^T for cuBLAS), against the integers drawn:
 # partial last word, tile, group and 128-output block; groups of 32 (several a tile), one group a
@@ -245,7 +257,7 @@ def _check_fp8_gemm(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import fp8_linear_ref
-    from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
+    from tokenmill.kernels.triton.fp8_gemm import counters_needed, fp8_gemm
 
     dtype = getattr(torch, p["dtype"])
     gen = torch.Generator().manual_seed(2)
@@ -254,10 +266,16 @@ def _check_fp8_gemm(p: dict[str, Any]) -> None:
     wq = (torch.randn(n, k, generator=gen) * 40).to(torch.float8_e4m3fn)
     x_scale, w_scale = torch.rand(m, generator=gen) * 0.01, torch.rand(n, generator=gen) * 0.01
     bias = torch.randn(n, generator=gen).to(dtype) if p["bias"] else None
-    got = fp8_gemm(xq, x_scale, wq, w_scale, bias, dtype)
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
     expected = fp8_linear_ref(xq, x_scale, wq, w_scale, bias, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol * float(expected.float().abs().max()), rtol=tol)
+    for call in range(2):  # twice: the split-K counters must be left at zero for the next launch
+        got = fp8_gemm(xq, x_scale, wq, w_scale, bias, dtype, counters, config=p["config"], out=out)
+        assert got is out
+        torch.testing.assert_close(got.float(), expected.float(), atol=tol * float(expected.float().abs().max()), rtol=tol)
+        assert not bool(counters.any()), f"call {call}: split-K counters left nonzero"
+        out.fill_(float("nan"))
 
 
 def _poisoned_fp8(rows: int, cols: int) -> tuple[Any, Any]:

@@ -164,11 +164,12 @@ def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, mon
 @pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200), (64, 16500)])  # 16,500: past ONE_PASS_MAX_K (two passes)
 def test_fp8_quantize_and_gemm_match_twins(n, k):
     from tokenmill.kernels.reference import fp8_linear_ref, quantize_fp8_ref
-    from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8
+    from tokenmill.kernels.triton.fp8_gemm import SWAPPED_MAX_M, counters_needed, fp8_gemm, quantize_fp8
     from tokenmill.quantization.fp8 import quantize_rows
 
     wq, w_scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-    for m in M_VALUES:
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    for m in sorted(set(M_VALUES) | {192, SWAPPED_MAX_M, SWAPPED_MAX_M + 1}):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
         xq, x_scale = quantize_fp8(x)
         want_q, want_s = quantize_fp8_ref(x)
@@ -176,9 +177,10 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
         assert torch.equal(x_scale, (x.float().abs().amax(dim=1).double() / 448.0).float()), f"M={m}"
         assert torch.equal(x_scale, want_s) and torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)), f"M={m}"
         want = fp8_linear_ref(xq, x_scale, wq, w_scale, None, torch.bfloat16)
-        got = fp8_gemm(xq, x_scale, wq, w_scale, None, torch.bfloat16)
+        got = fp8_gemm(xq, x_scale, wq, w_scale, None, torch.bfloat16, counters)
         tol = dict(atol=1e-2 * float(want.float().abs().max()), rtol=1e-2)
         torch.testing.assert_close(got.float(), want.float(), **tol, msg=f"triton M={m}")
+        assert int(counters.abs().sum()) == 0, f"M={m}: split-K counters not reset"
         if n % 16 == 0 and k % 16 == 0:
             scaled = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
             torch.testing.assert_close(scaled.float(), want.float(), **tol, msg=f"_scaled_mm M={m}")
@@ -190,6 +192,66 @@ def test_fp8_quantize_and_gemm_match_twins(n, k):
             slack = 1e-2 + (k / 32) * 2**-14
             torch.testing.assert_close(fast.float(), want.float(), atol=slack * float(want.float().abs().max()), rtol=slack,
                                        msg=f"_scaled_mm fast accumulation M={m}")
+
+
+# (N, K, out dtype, bias, Ms, config overrides on the engine's choice): the swapped fp8 GEMM's knobs
+# that bench/quant_gemm_bench.py sweeps, uneven and deep K splits, partial tiles, fp16 output.
+_FP8_VARIANTS = [
+    (4096, 14336, torch.bfloat16, False, (1, 16, 33), dict(split_k=16)),
+    (4096, 14336, torch.bfloat16, True, (4, 64), dict(split_k=7)),  # 112 K steps in uneven runs
+    (28672, 4096, torch.bfloat16, False, (16, 128), dict(BLOCK_K=256, num_stages=3)),
+    (6144, 4096, torch.bfloat16, True, (8, 96), dict(BLOCK_N=64, num_stages=6)),
+    (4096, 4096, torch.bfloat16, False, (16, 200), dict(num_warps=8)),
+    (1000, 4000, torch.float16, True, (3, 65, 256), {}),  # N, K not tile multiples
+    (4104, 1032, torch.float16, False, (1, 130), dict(split_k=2)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_FP8_VARIANTS)))
+def test_fp8_gemm_variants_match_twin(case):
+    from tokenmill.kernels.reference import fp8_linear_ref
+    from tokenmill.kernels.triton.fp8_gemm import choose_swapped_config, counters_needed, fp8_gemm
+    from tokenmill.quantization.fp8 import quantize_rows
+
+    n, k, dtype, has_bias, ms, overrides = _FP8_VARIANTS[case]
+    gen = torch.Generator(device="cuda").manual_seed(case)
+    wq, w_scale = quantize_rows(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=dtype, generator=gen) if has_bias else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in ms:
+        config = dict(choose_swapped_config(m, n, k, sms), **overrides)
+        xq = (torch.randn(m, k, device="cuda", generator=gen) * 40).to(torch.float8_e4m3fn)
+        x_scale = torch.rand(m, device="cuda", generator=gen) * 0.01
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        got = fp8_gemm(xq, x_scale, wq, w_scale, bias, dtype, counters, config, out=out)
+        want = fp8_linear_ref(xq, x_scale, wq, w_scale, bias, dtype)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.float().abs().max()), rtol=1e-2,
+                                   msg=f"M={m} {config}")
+        assert int(counters.abs().sum()) == 0, f"M={m}: split-K counters not reset"
+
+
+def test_fp8_split_k_replays_in_a_cuda_graph():
+    from tokenmill.kernels.reference import fp8_linear_ref
+    from tokenmill.kernels.triton.fp8_gemm import choose_swapped_config, counters_needed, fp8_gemm, quantize_fp8
+    from tokenmill.quantization.fp8 import quantize_rows
+
+    n, k, m = 4096, 14336, 8
+    assert choose_swapped_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)["split_k"] > 1
+    wq, w_scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    fp8_gemm(*quantize_fp8(x), wq, w_scale, None, torch.bfloat16, counters)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        xq, x_scale = quantize_fp8(x)
+        y = fp8_gemm(xq, x_scale, wq, w_scale, None, torch.bfloat16, counters)
+    for _ in range(3):
+        x.normal_()
+        graph.replay()
+        want = fp8_linear_ref(xq, x_scale, wq, w_scale, None, torch.bfloat16)
+        torch.testing.assert_close(y.float(), want.float(), atol=1e-2 * float(want.float().abs().max()), rtol=1e-2)
+    assert int(counters.abs().sum()) == 0
 
 
 def _assert_quantized_rows_agree(codes: torch.Tensor, scales: torch.Tensor, want_codes: torch.Tensor, want_scales: torch.Tensor,

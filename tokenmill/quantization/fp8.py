@@ -8,9 +8,10 @@ rows of their shard, so q/k/v or gate/up stacked with different scales stay exac
 
 On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or the checkpoint's
 static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
-``torch._scaled_mm`` for bf16 outputs with K and N multiples of 16 past 16 tokens (with per-row
-scales on sm90 that is torch's CUTLASS kernel, run with fast accumulation as vLLM runs its own),
-our Triton fp8 GEMM otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
+our swapped, split-K Triton GEMM at decode sizes (``fp8_gemm.SWAPPED_MAX_M`` tokens or fewer), and
+past them ``torch._scaled_mm`` for bf16 outputs with K and N multiples of 16 (with per-row scales
+on sm90 that is torch's CUTLASS kernel, run with fast accumulation as vLLM runs its own), our
+Triton fp8 GEMM otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
 
 With per-token scales, the kernel before a linear can do that quantization itself, for free (the
 RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a
@@ -32,11 +33,6 @@ from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement,
 from tokenmill.quantization.config import Fp8Scheme
 
 FP8_MAX = 448.0
-# Up to this many tokens our Triton fp8 GEMM is faster than ``_scaled_mm``: on the H200 at M = 16 on
-# Llama-3-8B's projections 14.6 / 13.7 / 33.7 / 40.4 µs against 18.6 / 15.2 / 47.3 / 41.0 (qkv, o,
-# gate_up, down; level at M = 64, _scaled_mm well ahead from 256; bench/results/gpu_quant_gemm.jsonl,
-# measured before FAST_ACCUM).
-TRITON_GEMM_MAX_M = 16
 # fp8 tensor-core products accumulated without the periodic promotion to a separate fp32 sum: on
 # sm90 torch then takes its FastAccum CUTLASS schedules, ping-pong for large tiles (without it:
 # cooperative for large tiles, plain warp-specialized for small ones). vLLM's sm90 fp8
@@ -105,26 +101,30 @@ class Fp8LinearMethod:
                 del layer.input_scale
             layer.quant_method = UnquantizedLinearMethod()
             return
+        from tokenmill.kernels.triton.fp8_gemm import counters_needed
+
         layer.register_buffer("weight_scale", scale.contiguous(), persistent=False)
         n, k = weight.shape
+        layer.register_buffer("splitk_counters", torch.zeros(counters_needed(n), dtype=torch.int32, device=weight.device),
+                              persistent=False)
         self.use_scaled_mm = self.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and hasattr(torch, "_scaled_mm")
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] in the model dtype, or already quantized by the kernel before (see takes_quantized_input)."""
-        from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8
+        from tokenmill.kernels.triton.fp8_gemm import SWAPPED_MAX_M, fp8_gemm, quantize_fp8
 
         if isinstance(x, QuantizedActivation):
             xq, x_scale, lead, out_dtype = x.codes, x.scales, x.codes.shape[:-1], self.dtype
         else:
             lead, k, out_dtype = x.shape[:-1], x.shape[-1], x.dtype
             xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
-        if self.use_scaled_mm and xq.shape[0] > TRITON_GEMM_MAX_M:
+        if self.use_scaled_mm and xq.shape[0] > SWAPPED_MAX_M:
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
                                  out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
             if bias is not None:
                 y = y + bias
         else:
-            y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, bias, out_dtype)
+            y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, bias, out_dtype, layer.splitk_counters)
         return y.reshape(*lead, y.shape[-1])
 
 

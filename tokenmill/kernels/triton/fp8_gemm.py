@@ -6,10 +6,15 @@ program per row reads the row once, whole (up to ``ONE_PASS_MAX_K`` wide), or tw
 (the maximum, then the codes; the second read hits L2).
 
 ``fp8_gemm`` is ``(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ b)``: fp8 operands on the
-tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied once in the epilogue. The
-engine calls ``torch._scaled_mm`` past ``quantization.fp8.TRITON_GEMM_MAX_M`` tokens where it can
-(bf16 output, sizes multiples of 16) and this kernel otherwise (up to 16 tokens it measured
-faster; fp16 or fp32 output; other sizes); bench/quant_gemm_bench.py compares the two.
+tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied in the epilogue. At decode
+sizes (up to ``SWAPPED_MAX_M`` tokens) the operands are swapped, ``y^T = W x^T``: 128 weight rows
+are the MMA's long side and the few tokens its N, and K is split over several programs a tile
+(``split_k.store_tile`` sums them) so that every SM streams weights. A decode step's GEMM reads
+each weight byte once and does little arithmetic with it, so what counts is keeping HBM busy;
+cuBLAS's fp8 kernels (``torch._scaled_mm``) split nothing and left most SMs idle on Llama-3-8B's
+narrow projections (o and down at M = 256: 64 output tiles for 132 SMs; docs/perf.md 37). Past
+it the engine calls ``_scaled_mm`` where it can (bf16 output, sizes multiples of 16) and the
+plain tiles here otherwise; bench/quant_gemm_bench.py compares them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton import split_k
+from tokenmill.kernels.triton.split_k import store_tile
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # The smallest scale: keeps an all-zero row finite (x / scale = 0) and matches the twin.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -25,6 +33,9 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # pass, whole; the two-pass loop it replaced waited on ~4-6 dependent rounds of loads a row
 # (ptxas unrolls each pass 4 deep), ~6 µs at M = 256 for down_proj's input (docs/perf.md 23, 36).
 ONE_PASS_MAX_K = 16384
+# Up to this many tokens the swapped, split-K GEMM runs (decode steps); past it, prefill-sized
+# products go to torch._scaled_mm (the engine's choice, quantization/fp8.py) or the plain tiles.
+SWAPPED_MAX_M = 256
 
 
 @triton.jit
@@ -123,19 +134,115 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M", "steps_per_split", "split_k"])
+def _fp8_swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+                        M, N, K, steps_per_split, split_k, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """y^T = W x^T for few tokens: BLOCK_N weight rows are the MMA's 64-row side (read once, from
+    HBM, the only large operand), the tokens its N; K cut into ``split_k`` runs of ``steps_per_split``
+    K steps."""
+    # Row tiles vary fastest: the programs that share a weight tile run together, so only the first
+    # reads it from HBM.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past M read row rm mod M (never stored) and whole tiles go unmasked: fewer predicates.
+    rm_in = rm % M
+    n_in = rn < N
+    if EVEN_N:
+        n_in = tl.full((BLOCK_N,), 1, tl.int1)
+    # Written as a multiple of BLOCK_K, so the compiler knows every slice is 16-byte aligned (the
+    # alignment its pipeliner needs to copy them asynchronously).
+    k_begin = pid_k * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_in = tl.full((BLOCK_K,), 1, tl.int1)
+        if not EVEN_K:
+            k_in = rk < K
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
+        xt = tl.load(x_ptr + rm_in[None, :] * stride_xm + rk[:, None], mask=k_in[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    # Scaled before the split-K sum: scaling is linear, and the last program then only adds.
+    acc = acc * tl.load(w_scale_ptr + rn, mask=n_in, other=0.0)[:, None]
+    acc = acc * tl.load(x_scale_ptr + rm_in)[None, :]
+    store_tile(tl.trans(acc), rm, rn, M, N, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, pid_k, split_k,
+               pid_n * tl.num_programs(0) + pid_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
+
+
+def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
+    """Tiles, warps, stages and K split of the swapped GEMM for [m, k] x [k, n] (BLOCK_M from M's size
+    class, so few variants compile; the split is a run-time argument)."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
+    block_n, block_k = 128, 128
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    k_steps = triton.cdiv(k, block_k)
+    # Split K while the launch stays within about two programs an SM, each split streaming at least
+    # 4 K steps, and the fp32 partials (split x M x N x 4 bytes) at most half the weight's bytes.
+    split = 1
+    while tiles * split * 2 <= 2 * num_sms and split * 2 <= min(16, k_steps // 4) and split * 2 * m * 8 <= k:
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m <= 64 else 8,
+                num_stages=4, split_k=split)
+
+
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """xq [M, K] and wq [N, K] float8 e4m3, x_scale [M] and w_scale [N] fp32 -> [M, N] in ``out_dtype``."""
+             bias: torch.Tensor | None, out_dtype: torch.dtype, counters: torch.Tensor | None = None,
+             config: dict[str, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """xq [M, K] and wq [N, K] float8 e4m3, x_scale [M] and w_scale [N] fp32 -> [M, N] in ``out_dtype``.
+    Up to SWAPPED_MAX_M rows the swapped, split-K kernel (``counters``: the layer's int32 zeros,
+    ``counters_needed(N)``, left zeroed again; made for the call when absent); past it the plain
+    tiles. ``config`` overrides ``choose_swapped_config`` (tests and the bench's sweep); ``out``
+    receives y (tests poison it)."""
     m, k = xq.shape
     n = wq.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    block_m = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
-    big = block_m == 128
-    grid = (triton.cdiv(n, 128 if big else 64), triton.cdiv(m, block_m))
-    _fp8_gemm_kernel[grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, y, m, n, k,
-                           xq.stride(0), wq.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=128 if big else 64,
-                           BLOCK_K=128, HAS_BIAS=bias is not None,
-                           num_warps=8 if big else 4, num_stages=3 if big else 4)
+    if m > SWAPPED_MAX_M and config is None:
+        return _fp8_gemm_plain(xq, x_scale, wq, w_scale, bias, y)
+    cfg = dict(config or choose_swapped_config(m, n, k, _num_sms(xq.device)))
+    split = cfg.pop("split_k")
+    k_steps = triton.cdiv(k, cfg["BLOCK_K"])
+    steps_per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, steps_per_split)  # rounding may leave fewer non-empty splits
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    if split > 1:
+        if counters is None:
+            counters = torch.zeros(counters_needed(n), dtype=torch.int32, device=xq.device)
+        if grid[0] * grid[1] > counters.numel():
+            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles needs that many counters, got {counters.numel()}")
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else y
+    _fp8_swapped_kernel[grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, y, partial,
+                              counters if counters is not None else w_scale, m, n, k, steps_per_split, split,
+                              xq.stride(0), wq.stride(0), y.stride(0), EVEN_N=n % cfg["BLOCK_N"] == 0,
+                              EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, SPLIT=split > 1, **cfg)
     return y
+
+
+def _fp8_gemm_plain(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """Past SWAPPED_MAX_M rows where the engine cannot use ``_scaled_mm`` (fp16 or fp32 output, sizes
+    not multiples of 16): 128 x 128 tiles."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    grid = (triton.cdiv(n, 128), triton.cdiv(m, 128))
+    _fp8_gemm_kernel[grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, y, m, n, k,
+                           xq.stride(0), wq.stride(0), y.stride(0), BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
+                           HAS_BIAS=bias is not None, num_warps=8, num_stages=3)
+    return y
+
+
+def counters_needed(n: int) -> int:
+    """Size of a layer's split-K counter buffer (one per output tile of the largest split launch)."""
+    return split_k.counters_needed(n, SWAPPED_MAX_M)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H100/H200 so the same splits are exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count

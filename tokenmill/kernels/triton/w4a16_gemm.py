@@ -17,10 +17,8 @@ straddles two groups).
 
 Decode sizes (M <= SWAPPED_MAX_M) swap the operands, ``y^T = W x^T``, so the dequantized weight is
 the warpgroup MMA's register operand (64 outputs a warpgroup) and the few tokens are its N; K is
-split over SPLIT_K programs per tile to keep every SM streaming weights: each writes its fp32
-partial to a workspace and counts itself in on a per-tile counter; the last to arrive sums the
-partials in split order (deterministic), adds the bias, writes y and resets the counter for the
-next launch (and the next CUDA-graph replay).
+split over SPLIT_K programs per tile to keep every SM streaming weights, the partials summed in
+split order by the last program of a tile to arrive (``split_k.store_tile``, deterministic).
 
 Larger steps (M >= DEQUANT_MIN_M: prefill, decode batches past 128 sequences) do not run this
 GEMM: ``w4a16_linear`` dequantizes the whole weight into a bf16/fp16 scratch
@@ -38,6 +36,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels.triton.split_k import counters_needed as _split_k_counters
+from tokenmill.kernels.triton.split_k import store_tile
 
 # The GEMM's fast form (operands swapped, the weight as the wgmma register operand, K split while
 # output tiles are few) runs up to this M, in row tiles of at most 64 (a program's tokens are the
@@ -94,7 +95,6 @@ def _w4a16_kernel(
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
     n_ok = rn < N
     # Loads need no masks on the usual shapes: rows past M read row rm mod M (their results are never
     # stored), and EVEN_N / EVEN_K say N and K fill whole tiles. Fewer predicates, fewer instructions.
@@ -179,38 +179,8 @@ def _w4a16_kernel(
         out = tl.trans(acc)
     else:
         out = acc
-    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    y_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        # Partials are [split_k, M, N] fp32; .cg loads read L2, where the other SMs' stores landed.
-        p_ptrs = partial_ptr + rm[:, None] * N + rn[None, :]
-        tl.store(p_ptrs + pid_k * M * N, out, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the count (release below)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if BLOCK_M == 16:
-                # Four partials in flight at a time (a dependent load a split costs an L2 round trip:
-                # ~0.5 µs each, 8-16 splits at small M), still summed in split order. Larger tiles
-                # keep one at a time: 4 x 32 more registers would cost an SM a program.
-                for s0 in range(0, split_k, 4):
-                    p0 = tl.load(p_ptrs + s0 * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
-                    p1 = tl.load(p_ptrs + (s0 + 1) * M * N, mask=y_mask & (s0 + 1 < split_k), other=0.0, cache_modifier=".cg")
-                    p2 = tl.load(p_ptrs + (s0 + 2) * M * N, mask=y_mask & (s0 + 2 < split_k), other=0.0, cache_modifier=".cg")
-                    p3 = tl.load(p_ptrs + (s0 + 3) * M * N, mask=y_mask & (s0 + 3 < split_k), other=0.0, cache_modifier=".cg")
-                    total = (((total + p0) + p1) + p2) + p3
-            else:
-                for s in range(0, split_k):
-                    total += tl.load(p_ptrs + s * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)
-    else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    store_tile(out, rm, rn, M, N, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, pid_k, split_k,
+               pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -325,7 +295,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict
 
 def counters_needed(n: int) -> int:
     """Size of the per-layer split-K counter buffer: one per output tile of the largest split launch."""
-    return triton.cdiv(n, 32) * triton.cdiv(SWAPPED_MAX_M, 16)
+    return _split_k_counters(n, SWAPPED_MAX_M)
 
 
 def w4a16_gemm(
