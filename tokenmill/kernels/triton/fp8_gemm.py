@@ -29,13 +29,17 @@ from tokenmill.kernels.triton.split_k import store_tile
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # The smallest scale: keeps an all-zero row finite (x / scale = 0) and matches the twin.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-# quantize_fp8 reads a row this wide (Llama-3-8B's 14,336-wide down_proj input included) in one
-# pass, whole; the two-pass loop it replaced waited on ~4-6 dependent rounds of loads a row
-# (ptxas unrolls each pass 4 deep), ~6 µs at M = 256 for down_proj's input (docs/perf.md 23, 36).
-ONE_PASS_MAX_K = 16384
-# Up to this many tokens the swapped, split-K GEMM runs (decode steps); past it, prefill-sized
-# products go to torch._scaled_mm (the engine's choice, quantization/fp8.py) or the plain tiles.
-SWAPPED_MAX_M = 256
+# quantize_fp8 reads a row up to this wide in one pass, whole. On the H200 (94a97d6, docs/perf.md 37)
+# that took o_proj's 4,096-wide input from 21.4 to 15.7 µs at M = 4,096 (2.8-3.4 to 2.4-2.8 at M
+# <= 256), but down_proj's 14,336-wide one on 16 warps from 68 to 101 µs at M = 4,096 (5.1-7.0 µs
+# at M <= 256, as the two passes): wider rows keep the two-pass loop.
+ONE_PASS_MAX_K = 8192
+# Up to this many tokens the swapped, split-K GEMM runs; past it, torch._scaled_mm (the engine's
+# choice where it can, quantization/fp8.py) or the plain tiles. On the H200 (94a97d6) the swapped
+# kernel beat _scaled_mm with fast accumulation on all four of Llama-3-8B's projections up to 32
+# tokens (a layer 77 against 105 µs at M = 16) and drew level on qkv and o at 64 (down 26 against
+# 38 µs); with 128-row tiles it lost everywhere but down (docs/perf.md 37).
+SWAPPED_MAX_M = 64
 
 
 @triton.jit
@@ -181,10 +185,12 @@ def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int
     block_n, block_k = 128, 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_steps = triton.cdiv(k, block_k)
-    # Split K while the launch stays within about two programs an SM, each split streaming at least
-    # 4 K steps, and the fp32 partials (split x M x N x 4 bytes) at most half the weight's bytes.
+    # Split K while the launch stays within one program an SM, each split streaming at least 4 K
+    # steps, and the fp32 partials (split x M x N x 4 bytes) at most half the weight's bytes. Two
+    # programs an SM lost in the H200 sweep (94a97d6): o and down at 8 splits against 4, 11.3 against
+    # 9.7 µs and 22.8 against 21.6 at M = 16, 19.8 against 13.7 and 32.6 against 25.9 at M = 64.
     split = 1
-    while tiles * split * 2 <= 2 * num_sms and split * 2 <= min(16, k_steps // 4) and split * 2 * m * 8 <= k:
+    while tiles * split * 2 <= num_sms and split * 2 <= min(16, k_steps // 4) and split * 2 * m * 8 <= k:
         split *= 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m <= 64 else 8,
                 num_stages=4, split_k=split)
