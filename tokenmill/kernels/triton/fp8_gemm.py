@@ -181,7 +181,10 @@ def _fp8_swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr,
 def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     """Tiles, warps, stages and K split of the swapped GEMM for [m, k] x [k, n] (BLOCK_M from M's size
     class, so few variants compile; the split is a run-time argument)."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
+    # Past 64 tokens, 64-row tiles: the row tiles of one weight tile run side by side (the grid's
+    # fastest axis), so the weight comes from HBM once; 128-row tiles on 8 warps lost to _scaled_mm
+    # on all four of Llama-3-8B's projections at M 96-256 (94a97d6).
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n, block_k = 128, 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_steps = triton.cdiv(k, block_k)
@@ -192,8 +195,7 @@ def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int
     split = 1
     while tiles * split * 2 <= num_sms and split * 2 <= min(16, k_steps // 4) and split * 2 * m * 8 <= k:
         split *= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m <= 64 else 8,
-                num_stages=4, split_k=split)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4, split_k=split)
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
