@@ -8,8 +8,8 @@ past 64 rows also one 128-row tile and the dequantize pass + cuBLAS those sizes 
 prefill sizes (M 256-16384) the kernel against dequantize-then-cuBLAS (where the two cross decides
 DEQUANT_MIN_M). FP8 at M 1-4096: activation quantization
 alone, ``torch._scaled_mm`` (rowwise scales) with exact and with fast accumulation (the engine's
-past SWAPPED_MAX_M), our swapped split-K fp8 GEMM (the engine's up to it) with the engine's config
-and a sweep around it, the plain Triton tiles past it, and the engine's whole fp8 linear (quantize
+where the swapped kernel does not run), our swapped split-K fp8 GEMM (``runs_swapped``: the
+engine's choice) with the engine's config and a sweep around it, the plain Triton tiles, and the engine's whole fp8 linear (quantize
 + GEMM) against bf16. ``fused``: the add + RMSNorm before qkv and
 gate_up alone, followed by ``quantize_fp8`` (the path before the fusion), and quantizing its own
 output (the engine's path).
@@ -33,7 +33,7 @@ import triton
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
 from gpu_timing import _provenance, _time_graph  # noqa: E402
 
-from tokenmill.kernels.triton.fp8_gemm import SWAPPED_MAX_M, choose_swapped_config, fp8_gemm, quantize_fp8  # noqa: E402
+from tokenmill.kernels.triton.fp8_gemm import NARROW_SWAPPED_MAX_M, choose_swapped_config, fp8_gemm, quantize_fp8, runs_swapped  # noqa: E402
 from tokenmill.kernels.triton.fp8_gemm import counters_needed as fp8_counters_needed  # noqa: E402
 from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
 from tokenmill.kernels.triton.w4a16_gemm import (  # noqa: E402
@@ -180,9 +180,9 @@ def _prefill_row(name: str, n: int, k: int, m: int, packed: list, scales: list, 
 
 def _fp8_sweep(auto: dict) -> list[dict]:
     """The swapped fp8 GEMM's knobs around the engine's choice: the K split halved and doubled,
-    3 and 6 pipeline stages, 256-feature K steps, 64 weight rows a program, and the other warp count."""
+    3, 4 and 6 pipeline stages, 256-feature K steps, 64 weight rows a program, and the other warp count."""
     configs = [dict(auto, split_k=s) for s in sorted({max(1, auto["split_k"] // 2), auto["split_k"] * 2})]
-    configs += [dict(auto, num_stages=stages) for stages in (3, 6)]
+    configs += [dict(auto, num_stages=stages) for stages in (3, 4, 6)]
     configs += [dict(auto, BLOCK_K=256, num_stages=stages) for stages in (2, 3)]
     configs += [dict(auto, BLOCK_N=64, split_k=s) for s in sorted({auto["split_k"], auto["split_k"] * 2})]
     configs.append(dict(auto, num_warps=8 if auto["num_warps"] == 4 else 4))
@@ -219,18 +219,19 @@ def bench_fp8() -> None:
             row = {**_provenance("fp8_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
                    "bf16_cublas_us": round(bf16_us, 2), "quantize_us": round(quant_us, 2),
                    "scaled_mm_us": round(scaled_us, 2), "scaled_mm_fast_accum_us": round(fast_us, 2)}
-            if m <= 256:  # the swapped kernel up to 256 rows (the engine's only up to SWAPPED_MAX_M)
+            swapped_path = runs_swapped(m, n, num_sms)  # the engine's choice
+            if m <= NARROW_SWAPPED_MAX_M:  # the swapped kernel at every size it may take, chosen or not
                 auto = choose_swapped_config(m, n, k, num_sms)
                 swapped = triton_us(None)
                 sweep = [(c, triton_us(c)) for c in _fp8_sweep(auto)]
                 best_cfg, best_us = min([(auto, swapped)] + [(c, t) for c, t in sweep if t], key=lambda ct: ct[1])
-                engine_us = swapped if m <= SWAPPED_MAX_M else fast_us
+                engine_us = swapped if swapped_path else fast_us
                 row.update(swapped_us=round(swapped, 2), swapped_config=auto, swapped_gbps=round(n * k / swapped / 1e3, 1),
                            swapped_best_us=round(best_us, 2), swapped_best_config=best_cfg,
                            sweep=[[c, round(t, 2) if t else None] for c, t in sweep])
             else:
                 engine_us = fast_us
-            if m > SWAPPED_MAX_M:
+            if not swapped_path:
                 row.update(triton_fp8_us=round(triton_us(None), 2))
             row.update(engine_gemm_us=round(engine_us, 2),
                        # the engine's fp8 linear: quantize, then the swapped GEMM or _scaled_mm (fast accumulation)

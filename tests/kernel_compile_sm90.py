@@ -108,10 +108,10 @@ _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
 for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
 # The fp8 GEMM on Llama-3-8B's projections: swapped and K split at decode sizes (each row-tile class,
-# qkv and down), the plain tiles past SWAPPED_MAX_M.
+# qkv and down; several 64-row tiles on 6 stages past 64 rows), the plain tiles where it does not run.
 for _m in (1, 32, 64, 256, 1024):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-qkv-bf16", kernel="fp8_gemm", m=_m)
-for _m in (16, 128):
+for _m in (16, 128, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-down-bf16", kernel="fp8_gemm", m=_m, n=4096, k=14336)
 
 

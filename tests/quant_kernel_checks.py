@@ -42,11 +42,12 @@ _W4A16 = [
 ]
 _FP8_GEMM = [
     # (m, n, k, forced config); without a config: the engine's choice (operands swapped and K split
-    # up to SWAPPED_MAX_M rows, plain tiles past it).
+    # where runs_swapped says so, plain tiles otherwise).
     (1, 70, 300, None),  # partial weight tile and K step
     (20, 128, 128, None),  # whole tiles: the unmasked loads (EVEN_N, EVEN_K)
     (48, 256, 4096, None),  # K split (the engine's choice: several splits)
-    (130, 72, 260, None),  # past SWAPPED_MAX_M: the plain tiles
+    (130, 72, 260, None),  # past SWAPPED_MAX_M on a narrow weight: three 64-row tiles, 6 stages
+    (300, 72, 260, None),  # past NARROW_SWAPPED_MAX_M: the plain tiles
     # Two 128-row swapped tiles, the second with two rows (swept by bench/quant_gemm_bench.py).
     (130, 72, 260, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=1, split_k=2)),
     (3, 80, 520, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, split_k=3)),  # uneven splits

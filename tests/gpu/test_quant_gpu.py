@@ -164,12 +164,12 @@ def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, mon
 @pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200), (64, 16500)])  # 16,500: past ONE_PASS_MAX_K (two passes)
 def test_fp8_quantize_and_gemm_match_twins(n, k):
     from tokenmill.kernels.reference import fp8_linear_ref, quantize_fp8_ref
-    from tokenmill.kernels.triton.fp8_gemm import SWAPPED_MAX_M, counters_needed, fp8_gemm, quantize_fp8
+    from tokenmill.kernels.triton.fp8_gemm import NARROW_SWAPPED_MAX_M, SWAPPED_MAX_M, counters_needed, fp8_gemm, quantize_fp8
     from tokenmill.quantization.fp8 import quantize_rows
 
     wq, w_scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
-    for m in sorted(set(M_VALUES) | {192, SWAPPED_MAX_M, SWAPPED_MAX_M + 1}):
+    for m in sorted(set(M_VALUES) | {192, SWAPPED_MAX_M, SWAPPED_MAX_M + 1, NARROW_SWAPPED_MAX_M, NARROW_SWAPPED_MAX_M + 1}):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
         xq, x_scale = quantize_fp8(x)
         want_q, want_s = quantize_fp8_ref(x)

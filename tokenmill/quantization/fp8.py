@@ -7,11 +7,10 @@ full-precision copy of the model is ever held). Per-tensor checkpoint scales are
 rows of their shard, so q/k/v or gate/up stacked with different scales stay exact.
 
 On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or the checkpoint's
-static input scale) in one Triton launch and multiplies on the fp8 tensor cores:
-our swapped, split-K Triton GEMM at decode sizes (``fp8_gemm.SWAPPED_MAX_M`` tokens or fewer), and
-past them ``torch._scaled_mm`` for bf16 outputs with K and N multiples of 16 (with per-row scales
-on sm90 that is torch's CUTLASS kernel, run with fast accumulation as vLLM runs its own), our
-Triton fp8 GEMM otherwise. Elsewhere the weight is dequantized once and the layer runs unquantized.
+static input scale) in one Triton launch and multiplies on the fp8 tensor cores: our swapped,
+split-K Triton GEMM at decode sizes (``fp8_gemm.runs_swapped``); otherwise ``torch._scaled_mm``
+for bf16 outputs with K and N multiples of 16 (with per-row scales on sm90 that is torch's
+CUTLASS kernel, run with fast accumulation as vLLM runs its own), or our plain Triton tiles. Elsewhere the weight is dequantized once and the layer runs unquantized.
 
 With per-token scales, the kernel before a linear can do that quantization itself, for free (the
 RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a
@@ -101,24 +100,25 @@ class Fp8LinearMethod:
                 del layer.input_scale
             layer.quant_method = UnquantizedLinearMethod()
             return
-        from tokenmill.kernels.triton.fp8_gemm import counters_needed
+        from tokenmill.kernels.triton.fp8_gemm import counters_needed, num_sms
 
         layer.register_buffer("weight_scale", scale.contiguous(), persistent=False)
         n, k = weight.shape
         layer.register_buffer("splitk_counters", torch.zeros(counters_needed(n), dtype=torch.int32, device=weight.device),
                               persistent=False)
+        self.num_sms = num_sms(weight.device)
         self.use_scaled_mm = self.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and hasattr(torch, "_scaled_mm")
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] in the model dtype, or already quantized by the kernel before (see takes_quantized_input)."""
-        from tokenmill.kernels.triton.fp8_gemm import SWAPPED_MAX_M, fp8_gemm, quantize_fp8
+        from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8, runs_swapped
 
         if isinstance(x, QuantizedActivation):
             xq, x_scale, lead, out_dtype = x.codes, x.scales, x.codes.shape[:-1], self.dtype
         else:
             lead, k, out_dtype = x.shape[:-1], x.shape[-1], x.dtype
             xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
-        if self.use_scaled_mm and xq.shape[0] > SWAPPED_MAX_M:
+        if self.use_scaled_mm and not runs_swapped(xq.shape[0], layer.weight.shape[0], self.num_sms):
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
                                  out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
             if bias is not None:

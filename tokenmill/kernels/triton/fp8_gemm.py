@@ -7,7 +7,7 @@ program per row reads the row once, whole (up to ``ONE_PASS_MAX_K`` wide), or tw
 
 ``fp8_gemm`` is ``(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ b)``: fp8 operands on the
 tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied in the epilogue. At decode
-sizes (up to ``SWAPPED_MAX_M`` tokens) the operands are swapped, ``y^T = W x^T``: 128 weight rows
+sizes (``runs_swapped``) the operands are swapped, ``y^T = W x^T``: 128 weight rows
 are the MMA's long side and the few tokens its N, and K is split over several programs a tile
 (``split_k.store_tile`` sums them) so that every SM streams weights. A decode step's GEMM reads
 each weight byte once and does little arithmetic with it, so what counts is keeping HBM busy;
@@ -34,12 +34,15 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # <= 256), but down_proj's 14,336-wide one on 16 warps from 68 to 101 µs at M = 4,096 (5.1-7.0 µs
 # at M <= 256, as the two passes): wider rows keep the two-pass loop.
 ONE_PASS_MAX_K = 8192
-# Up to this many tokens the swapped, split-K GEMM runs; past it, torch._scaled_mm (the engine's
-# choice where it can, quantization/fp8.py) or the plain tiles. On the H200 (94a97d6) the swapped
-# kernel beat _scaled_mm with fast accumulation on all four of Llama-3-8B's projections up to 32
-# tokens (a layer 77 against 105 µs at M = 16) and drew level on qkv and o at 64 (down 26 against
-# 38 µs); with 128-row tiles it lost everywhere but down (docs/perf.md 37).
+# Up to this many tokens the swapped, split-K GEMM always runs. On the H200 (94a97d6, 721a060) it beat
+# _scaled_mm with fast accumulation on all four of Llama-3-8B's projections up to 32 tokens (a layer
+# 78 against 106 µs at M = 16) and on three of them at 64 (gate_up 36 against 39, down 26 against 39).
 SWAPPED_MAX_M = 64
+# Past it, up to this many, only on narrow weights (``runs_swapped``): _scaled_mm splits nothing, so
+# where its 128 x 128 output tiles would fill at most half the SMs it leaves the rest idle (o and
+# down at M = 256: 64 tiles for 132 SMs), and the swapped kernel on 64-row tiles ran o 12.2 against
+# 14.6 µs and down 32.6 against 39.6 there (7d615c7); gate_up, 224 tiles wide, stays with cuBLAS.
+NARROW_SWAPPED_MAX_M = 256
 
 
 @triton.jit
@@ -178,6 +181,14 @@ def _fp8_swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr,
                pid_n * tl.num_programs(0) + pid_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
+def runs_swapped(m: int, n: int, num_sms: int) -> bool:
+    """Whether an [m, K] x [K, n] product takes the swapped kernel (see SWAPPED_MAX_M and
+    NARROW_SWAPPED_MAX_M); it depends on the sizes alone, so a CUDA graph's replays take its path."""
+    if m <= SWAPPED_MAX_M:
+        return True
+    return m <= NARROW_SWAPPED_MAX_M and triton.cdiv(n, 128) * triton.cdiv(m, 128) * 2 <= num_sms
+
+
 def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     """Tiles, warps, stages and K split of the swapped GEMM for [m, k] x [k, n] (BLOCK_M from M's size
     class, so few variants compile; the split is a run-time argument)."""
@@ -195,25 +206,30 @@ def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int
     split = 1
     while tiles * split * 2 <= num_sms and split * 2 <= min(16, k_steps // 4) and split * 2 * m * 8 <= k:
         split *= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4, split_k=split)
+    # Several row tiles of one weight tile: 6 stages (one program an SM). At 4 (two programs an SM)
+    # the H200 ran down at M = 96-256 in 71-72 µs against 25-33 at 6, o in 23-24 against 12-13
+    # (7d615c7; why was not measured). One row tile: 4 stages, within +-7% of 6 either way.
+    stages = 6 if m > block_m else 4
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, split_k=split)
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, counters: torch.Tensor | None = None,
              config: dict[str, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """xq [M, K] and wq [N, K] float8 e4m3, x_scale [M] and w_scale [N] fp32 -> [M, N] in ``out_dtype``.
-    Up to SWAPPED_MAX_M rows the swapped, split-K kernel (``counters``: the layer's int32 zeros,
-    ``counters_needed(N)``, left zeroed again; made for the call when absent); past it the plain
-    tiles. ``config`` overrides ``choose_swapped_config`` (tests and the bench's sweep); ``out``
+    Where ``runs_swapped`` says so the swapped, split-K kernel (``counters``: the layer's int32
+    zeros, ``counters_needed(N)``, left zeroed again; made for the call when absent); otherwise the
+    plain tiles. ``config`` overrides ``choose_swapped_config`` (tests and the bench's sweep); ``out``
     receives y (tests poison it)."""
     m, k = xq.shape
     n = wq.shape[0]
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    if m > SWAPPED_MAX_M and config is None:
+    sms = num_sms(xq.device)
+    if config is None and not runs_swapped(m, n, sms):
         return _fp8_gemm_plain(xq, x_scale, wq, w_scale, bias, y)
-    cfg = dict(config or choose_swapped_config(m, n, k, _num_sms(xq.device)))
+    cfg = dict(config or choose_swapped_config(m, n, k, sms))
     split = cfg.pop("split_k")
     k_steps = triton.cdiv(k, cfg["BLOCK_K"])
     steps_per_split = triton.cdiv(k_steps, split)
@@ -234,8 +250,8 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
 
 def _fp8_gemm_plain(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
-    """Past SWAPPED_MAX_M rows where the engine cannot use ``_scaled_mm`` (fp16 or fp32 output, sizes
-    not multiples of 16): 128 x 128 tiles."""
+    """Products the swapped kernel does not take, where the engine cannot use ``_scaled_mm`` (fp16 or
+    fp32 output, sizes not multiples of 16): 128 x 128 tiles."""
     m, k = xq.shape
     n = wq.shape[0]
     grid = (triton.cdiv(n, 128), triton.cdiv(m, 128))
@@ -247,10 +263,10 @@ def _fp8_gemm_plain(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w
 
 def counters_needed(n: int) -> int:
     """Size of a layer's split-K counter buffer (one per output tile of the largest split launch)."""
-    return split_k.counters_needed(n, SWAPPED_MAX_M)
+    return split_k.counters_needed(n, NARROW_SWAPPED_MAX_M)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: pretend to be an H100/H200 so the same splits are exercised
     return torch.cuda.get_device_properties(device).multi_processor_count
