@@ -6,11 +6,11 @@ better heuristic shows up as a gap between the two), plus the operands-not-swapp
 plain-Triton-dequant variants the engine does not launch (every config's time in the row), and
 past 64 rows also one 128-row tile and the dequantize pass + cuBLAS those sizes ran before; at
 prefill sizes (M 256-16384) the kernel against dequantize-then-cuBLAS (where the two cross decides
-DEQUANT_MIN_M). FP8 at M 1-4096: activation quantization
-alone, ``torch._scaled_mm`` (rowwise scales) with exact and with fast accumulation (the engine's
-where the swapped kernel does not run), our swapped split-K fp8 GEMM (``runs_swapped``: the
-engine's choice) with the engine's config and a sweep around it, the plain Triton tiles, and the engine's whole fp8 linear (quantize
-+ GEMM) against bf16. ``fused``: the add + RMSNorm before qkv and
+DEQUANT_MIN_M). FP8 at M 1-4096: activation quantization alone, ``torch._scaled_mm`` (rowwise
+scales) with exact and with fast accumulation (the engine's where the swapped kernel does not
+run), our swapped split-K fp8 GEMM up to NARROW_SWAPPED_MAX_M rows with the engine's config and a
+sweep around it (``runs_swapped`` says where the engine takes it), the plain Triton tiles, and the
+engine's whole fp8 linear (quantize + GEMM) against bf16. ``fused``: the add + RMSNorm before qkv and
 gate_up alone, followed by ``quantize_fp8`` (the path before the fusion), and quantizing its own
 output (the engine's path).
 
@@ -33,7 +33,8 @@ import triton
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
 from gpu_timing import _provenance, _time_graph  # noqa: E402
 
-from tokenmill.kernels.triton.fp8_gemm import NARROW_SWAPPED_MAX_M, choose_swapped_config, fp8_gemm, quantize_fp8, runs_swapped  # noqa: E402
+from tokenmill.kernels.triton.fp8_gemm import (  # noqa: E402
+    NARROW_SWAPPED_MAX_M, choose_swapped_config, fp8_gemm, quantize_fp8, runs_swapped)
 from tokenmill.kernels.triton.fp8_gemm import counters_needed as fp8_counters_needed  # noqa: E402
 from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
 from tokenmill.kernels.triton.w4a16_gemm import (  # noqa: E402

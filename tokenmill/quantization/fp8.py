@@ -10,7 +10,8 @@ On a GPU each ``apply`` quantizes the activations to fp8 (a scale per token, or 
 static input scale) in one Triton launch and multiplies on the fp8 tensor cores: our swapped,
 split-K Triton GEMM at decode sizes (``fp8_gemm.runs_swapped``); otherwise ``torch._scaled_mm``
 for bf16 outputs with K and N multiples of 16 (with per-row scales on sm90 that is torch's
-CUTLASS kernel, run with fast accumulation as vLLM runs its own), or our plain Triton tiles. Elsewhere the weight is dequantized once and the layer runs unquantized.
+CUTLASS kernel, run with fast accumulation as vLLM runs its own), or our plain Triton tiles.
+Elsewhere the weight is dequantized once and the layer runs unquantized.
 
 With per-token scales, the kernel before a linear can do that quantization itself, for free (the
 RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a

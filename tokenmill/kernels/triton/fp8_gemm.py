@@ -7,14 +7,14 @@ program per row reads the row once, whole (up to ``ONE_PASS_MAX_K`` wide), or tw
 
 ``fp8_gemm`` is ``(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ b)``: fp8 operands on the
 tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied in the epilogue. At decode
-sizes (``runs_swapped``) the operands are swapped, ``y^T = W x^T``: 128 weight rows
-are the MMA's long side and the few tokens its N, and K is split over several programs a tile
+sizes (``runs_swapped``) the operands are swapped, ``y^T = W x^T``: 128 weight rows are the
+MMA's long side and the few tokens its N, and K is split over several programs a tile
 (``split_k.store_tile`` sums them) so that every SM streams weights. A decode step's GEMM reads
 each weight byte once and does little arithmetic with it, so what counts is keeping HBM busy;
 cuBLAS's fp8 kernels (``torch._scaled_mm``) split nothing and left most SMs idle on Llama-3-8B's
-narrow projections (o and down at M = 256: 64 output tiles for 132 SMs; docs/perf.md 37). Past
-it the engine calls ``_scaled_mm`` where it can (bf16 output, sizes multiples of 16) and the
-plain tiles here otherwise; bench/quant_gemm_bench.py compares them.
+narrow projections (o and down at M = 256: 64 output tiles for 132 SMs; docs/perf.md 37).
+Elsewhere the engine calls ``_scaled_mm`` where it can (bf16 output, sizes multiples of 16) and
+the plain tiles here otherwise; bench/quant_gemm_bench.py compares them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tokenmill.kernels.triton.split_k import store_tile
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # The smallest scale: keeps an all-zero row finite (x / scale = 0) and matches the twin.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-# quantize_fp8 reads a row up to this wide in one pass, whole. On the H200 (94a97d6, docs/perf.md 37)
+# quantize_fp8 reads a row up to this wide in one pass, whole. On the H200 (94a97d6, docs/perf.md 36)
 # that took o_proj's 4,096-wide input from 21.4 to 15.7 µs at M = 4,096 (2.8-3.4 to 2.4-2.8 at M
 # <= 256), but down_proj's 14,336-wide one on 16 warps from 68 to 101 µs at M = 4,096 (5.1-7.0 µs
 # at M <= 256, as the two passes): wider rows keep the two-pass loop.
