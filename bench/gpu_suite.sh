@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [ncu-w4a16]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -124,16 +124,23 @@ for part in $parts; do
         timeout 120 python3 bench/profile_step.py $shape nano --timeline --fp8-cache > "$OUT/timeline_${shape}_fp8kv.txt" 2>&1
         tail -9 "$OUT/timeline_${shape}_fp8kv.txt"
       done ;;
-    ncu-w4a16)  # Nsight Compute over the W4A16 decode GEMM (docs/perf.md 35): occupancy, scheduler and stall
-                # reasons (raw page) at the engine's split and a larger one; gate_up, down and qkv
-      for case in "gate_up 16" "gate_up 16 4" "down 4" "down 4 16" "qkv 1" "qkv 1 16"; do
-        echo "== $case" >> "$OUT/ncu_w4a16.txt"
-        timeout 90 /usr/local/cuda/bin/ncu --kernel-name regex:_w4a16_kernel --launch-skip 3 --launch-count 1 \
+    ncu-w4a16|ncu-fp8)  # Nsight Compute over a decode GEMM: occupancy, scheduler and stall reasons (raw page).
+                        # w4a16 (docs/perf.md 35, 38): the engine's K split and a larger one on gate_up, down, qkv.
+                        # fp8 (perf.md 37): the swapped kernel on several row tiles at 4 stages (two programs an
+                        # SM, 71 µs on down at M = 128) against 6 (one, 26 µs); and its fixed cost at M = 1.
+      if [ "$part" = ncu-w4a16 ]; then
+        kernel=_w4a16_kernel; cases=("gate_up 16" "gate_up 16 split_k=4" "down 4" "down 4 split_k=16" "qkv 1" "qkv 1 split_k=16")
+      else
+        kernel=_fp8_swapped_kernel; cases=("down 128 num_stages=4" "down 128" "o 128 num_stages=4" "o 128" "gate_up 128 num_stages=4" "o 1")
+      fi
+      for case in "${cases[@]}"; do
+        echo "== $case" >> "$OUT/$part.txt"
+        timeout 90 /usr/local/cuda/bin/ncu --kernel-name regex:$kernel --launch-skip 3 --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section LaunchStats \
-          --page raw python3 bench/w4a16_launches.py $case >> "$OUT/ncu_w4a16.txt" 2>&1
+          --section MemoryWorkloadAnalysis --page raw python3 bench/decode_gemm_launches.py ${part#ncu-} $case >> "$OUT/$part.txt" 2>&1
       done
-      grep -E "^== |config|gpu__time_duration.sum|sm__warps_active.avg.pct_of_peak|smsp__issue_active.avg.pct|stalled.*per_issue_active|dram__throughput.avg.pct" \
-        "$OUT/ncu_w4a16.txt" | grep -v "  0$" | head -150 ;;
+      grep -E "^== |config|gpu__time_duration.sum|sm__warps_active.avg.pct_of_peak|smsp__issue_active.avg.pct|stalled.*per_issue_active|dram__throughput.avg.pct|lts__t_sector_hit_rate.pct|launch__occupancy_limit|sm__ctas_launched" \
+        "$OUT/$part.txt" | grep -v "  0$" | head -200 ;;
     profile-gpu)
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
