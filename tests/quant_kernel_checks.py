@@ -48,7 +48,8 @@ _FP8_GEMM = [
     (48, 256, 4096, None),  # K split (the engine's choice: several splits)
     (130, 72, 260, None),  # past SWAPPED_MAX_M on a narrow weight: three 64-row tiles, 6 stages
     (300, 72, 260, None),  # past NARROW_SWAPPED_MAX_M: the plain tiles
-    # Two 128-row swapped tiles, the second with two rows (swept by bench/quant_gemm_bench.py).
+    # Two 128-row swapped tiles on two warpgroups, the second with two rows (not the engine's choice;
+    # the first H200 rows, 94a97d6, timed it).
     (130, 72, 260, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=1, split_k=2)),
     (3, 80, 520, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, split_k=3)),  # uneven splits
     (40, 200, 1000, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=1, split_k=4)),
