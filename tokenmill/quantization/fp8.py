@@ -101,25 +101,25 @@ class Fp8LinearMethod:
                 del layer.input_scale
             layer.quant_method = UnquantizedLinearMethod()
             return
-        from tokenmill.kernels.triton.fp8_gemm import counters_needed, num_sms
+        from tokenmill.kernels.triton.fp8_gemm import counters_needed
 
         layer.register_buffer("weight_scale", scale.contiguous(), persistent=False)
         n, k = weight.shape
         layer.register_buffer("splitk_counters", torch.zeros(counters_needed(n), dtype=torch.int32, device=weight.device),
                               persistent=False)
-        self.num_sms = num_sms(weight.device)
         self.use_scaled_mm = self.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and hasattr(torch, "_scaled_mm")
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] in the model dtype, or already quantized by the kernel before (see takes_quantized_input)."""
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8, runs_swapped
+        from tokenmill.kernels.triton.split_k import num_sms
 
         if isinstance(x, QuantizedActivation):
             xq, x_scale, lead, out_dtype = x.codes, x.scales, x.codes.shape[:-1], self.dtype
         else:
             lead, k, out_dtype = x.shape[:-1], x.shape[-1], x.dtype
             xq, x_scale = quantize_fp8(x.reshape(-1, k), getattr(layer, "input_scale", None))
-        if self.use_scaled_mm and not runs_swapped(xq.shape[0], layer.weight.shape[0], self.num_sms):
+        if self.use_scaled_mm and not runs_swapped(xq.shape[0], layer.weight.shape[0], num_sms(xq.device)):
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale[:, None], scale_b=layer.weight_scale[None, :],
                                  out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
             if bias is not None:

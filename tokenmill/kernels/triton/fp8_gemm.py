@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton import split_k
-from tokenmill.kernels.triton.split_k import store_tile
+from tokenmill.kernels.triton.split_k import num_sms, store_tile
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # The smallest scale: keeps an all-zero row finite (x / scale = 0) and matches the twin.
@@ -264,9 +264,3 @@ def _fp8_gemm_plain(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w
 def counters_needed(n: int) -> int:
     """Size of a layer's split-K counter buffer (one per output tile of the largest split launch)."""
     return split_k.counters_needed(n, NARROW_SWAPPED_MAX_M)
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: pretend to be an H100/H200 so the same splits are exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.split_k import counters_needed as _split_k_counters
-from tokenmill.kernels.triton.split_k import store_tile
+from tokenmill.kernels.triton.split_k import num_sms, store_tile
 
 # The GEMM's fast form (operands swapped, the weight as the wgmma register operand, K split while
 # output tiles are few) runs up to this M, in row tiles of at most 64 (a program's tokens are the
@@ -318,7 +318,7 @@ def w4a16_gemm(
     _check_operands(packed, k, group_size)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = dict(config or choose_config(m, n, k, group_size, _num_sms(x.device)))
+    cfg = dict(config or choose_config(m, n, k, group_size, num_sms(x.device)))
     split = cfg.pop("split_k")
     cfg.setdefault("SWAP", m <= SWAPPED_MAX_M)
     cfg.setdefault("DEQUANT_ASM", x.device.type == "cuda")
@@ -345,9 +345,3 @@ def _check_operands(packed: torch.Tensor, k: int, group_size: int) -> None:
         raise ValueError(f"packed weight has {packed.shape[0]} rows; K={k} needs {16 * triton.cdiv(k, K_TILE)} (pack_for_kernel)")
     if group_size < k and group_size % 16:
         raise ValueError(f"group_size={group_size}: the W4A16 kernel needs a multiple of 16 (or one group per row)")
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: pretend to be an H100/H200 so the same splits are exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
