@@ -5,6 +5,7 @@
     python bench/profile_step.py qwen3-0.6b nano --gpu > profile_gpu.txt  # device, steps 0-39, 300-339, 900-939
     python bench/profile_step.py qwen3-0.6b nano --timeline                # wall time by batch size
     python bench/profile_step.py llama3-8b nano --timeline --fp8-cache     # ... with kv_cache_dtype="fp8"
+    python bench/profile_step.py llama3-8b nano --gpu --fp8-weights        # ... with quantization="fp8"
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def main() -> None:
     from tokenmill import LLM, SamplingParams
 
     kv_cache_dtype = "fp8" if "--fp8-cache" in sys.argv[3:] else "auto"
+    quantization = "fp8" if "--fp8-weights" in sys.argv[3:] else None
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     prompts, outs, settings = workload(name)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
