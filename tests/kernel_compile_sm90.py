@@ -136,7 +136,7 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
         bound = self.signature.bind(*args, **kwargs)
         signature: dict[str, str] = {}
         constexprs: dict[str, Any] = {}
@@ -175,31 +175,9 @@ def _install_compile_only_launcher(report: list[dict[str, Any]]) -> None:
             "spill_bytes": spills, "wgmma": "wgmma" in ptx, "mma_sync": "mma.sync" in ptx, "options": options,
             "sync_loads": len(re.findall(r"\bld\.global", ptx)), "st_shared": len(re.findall(r"\bst\.shared", ptx)),
             "float_inputs": any(v in ("*bf16", "*fp16") for v in signature.values()),
-            "pdl": constexprs.get("PDL"), "grid_dependency_wait": "griddepcontrol.wait" in ptx,
         })
 
     JITFunction.run = run  # type: ignore[method-assign]
-    _launch_as_on_the_gpu()
-
-
-def _launch_as_on_the_gpu() -> None:
-    """The wrappers choose programmatic dependent launch for CUDA tensors on sm90+ only; these
-    tensors live on the CPU, so the wrappers are told to launch as they would on the H200."""
-    from tokenmill.kernels.triton import (
-        activation,
-        fp8_gemm,
-        kv_store,
-        paged_attention,
-        qkv_prologue,
-        rmsnorm,
-        w4a16_gemm,
-    )
-
-    def as_on_sm90(device: Any) -> dict[str, bool]:
-        return {"PDL": True, "launch_pdl": True}
-
-    for module in (activation, fp8_gemm, kv_store, paged_attention, qkv_prologue, rmsnorm, w4a16_gemm):
-        module.launch_options = as_on_sm90  # type: ignore[attr-defined]
 
 
 def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None:
@@ -341,8 +319,6 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
     for entry in launched:
         print(f"  sm_90 {entry}", flush=True)
         assert entry["shared"] <= _SM90_MAX_SHARED, f"{entry['kernel']} needs {entry['shared']} B of shared memory"
-        if entry["pdl"]:  # launched dependent: it must wait for the kernel before it
-            assert entry["grid_dependency_wait"], f"{entry['kernel']} is launched with PDL but never waits"
         # fp32 is a test-only path (FMA dots); a few spilled bytes there cost nothing we ship.
         # The matmul's odd-shape case (K = 72, N = 200: no row is 16-byte aligned, so every load is a
         # masked scalar one) spills 8 B; that shape only checks correctness, the model shapes must not.

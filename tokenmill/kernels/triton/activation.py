@@ -10,12 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
-
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x_row, stride_out_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x_row, stride_out_row, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -42,6 +39,6 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if out2.numel():
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(out2.shape[0], triton.cdiv(d, block))](
-            x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=4, **launch_options(x.device)
+            x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, num_warps=4
         )
     return out

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton import split_k
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
 from tokenmill.kernels.triton.split_k import num_sms, store_tile
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -62,8 +61,7 @@ def fp8_codes(x, scale):
 
 @triton.jit(do_not_specialize=["M"])
 def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, M, K, stride_xm, stride_qm,
-                         STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
+                         STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
     if STATIC:
@@ -118,8 +116,7 @@ def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> t
         block = triton.next_power_of_2(k) if one_pass else 2048
         _quantize_fp8_kernel[(m,)](x, q, scales, static_scale if static_scale is not None else scales, m, k,
                                    x.stride(0), q.stride(0), STATIC=static_scale is not None, BLOCK=block,
-                                   ONE_PASS=one_pass, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
-                                   **launch_options(x.device))
+                                   ONE_PASS=one_pass, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16))
     return q, scales
 
 
@@ -148,12 +145,10 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
 def _fp8_swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
                         M, N, K, steps_per_split, split_k, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                        PDL: tl.constexpr):
+                        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """y^T = W x^T for few tokens: BLOCK_N weight rows are the MMA's 64-row side (read once, from
     HBM, the only large operand), the tokens its N; K cut into ``split_k`` runs of ``steps_per_split``
     K steps."""
-    wait_for_inputs(PDL)
     # Row tiles vary fastest: the programs that share a weight tile run together, so only the first
     # reads it from HBM.
     pid_m = tl.program_id(0)
@@ -249,8 +244,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
     _fp8_swapped_kernel[grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, y, partial,
                               counters if counters is not None else w_scale, m, n, k, steps_per_split, split,
                               xq.stride(0), wq.stride(0), y.stride(0), EVEN_N=n % cfg["BLOCK_N"] == 0,
-                              EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, SPLIT=split > 1, **cfg,
-                              **launch_options(xq.device))
+                              EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, SPLIT=split > 1, **cfg)
     return y
 
 

@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
 
 _FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -44,9 +43,7 @@ def _kv_store_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     HEADS_P: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -106,5 +103,4 @@ def store_kv(
         HEAD_DIM_P=triton.next_power_of_2(head_dim),
         HEADS_P=triton.next_power_of_2(num_kv_heads),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-        **launch_options(k.device),
     )

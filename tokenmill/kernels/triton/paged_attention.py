@@ -58,7 +58,6 @@ from tokenmill.kernels.triton.paged_attention_config import (  # noqa: F401
     choose_configs,
     launch_configs,
 )
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
 from tokenmill.kernels.triton.paged_attention_deterministic import _merge_parts_kernel, _paged_attention_fixed_split_kernel
 from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_tiles,
@@ -118,9 +117,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     CONVERT_ASM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     block_id = tl.program_id(0) + block_offset
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,9 +188,7 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     part_row = tl.program_id(0)
     token = part_row + token_offset
     head = tl.program_id(1)
@@ -386,8 +381,7 @@ def _launch(
         )
     else:
         launcher(_paged_attention_kernel, grid, compile_only)(
-            *pointers, num_launch_seqs, block_offset, token_offset, scale * _LOG2E, *strides, NUM_SPLITS=splits, **shape,
-            **launch_options(q.device),
+            *pointers, num_launch_seqs, block_offset, token_offset, scale * _LOG2E, *strides, NUM_SPLITS=splits, **shape
         )
     if splits > 1 and fixed_parts:
         launcher(_merge_parts_kernel, (num_launch_tokens, num_kv_heads), compile_only)(
@@ -415,5 +409,4 @@ def _launch(
             SPLITS_P=triton.next_power_of_2(splits),
             HEAD_DIM=head_dim,
             num_warps=4 if head_dim * splits >= 2048 else 2,
-            **launch_options(q.device),
         )

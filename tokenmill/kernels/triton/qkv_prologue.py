@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
 from tokenmill.kernels.triton.kv_store import cast_for_cache
 
 _MAX_GROUP_ELEMENTS = 2048  # elements of one program's head group (about 16 per thread, 4 warps)
@@ -92,9 +91,7 @@ def _qkv_prologue_kernel(
     Q_GROUP: tl.constexpr,
     KV_GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)  # q groups first, then k groups, then v groups
@@ -208,6 +205,5 @@ def qkv_prologue(
         KV_GROUP=kv_group,
         BLOCK_SIZE=block_size,
         num_warps=4 if max(q_group, kv_group) * head_dim >= 1024 else 2,
-        **launch_options(qkv.device),
     )
     return out

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
 from tokenmill.kernels.triton.fp8_gemm import fp8_codes, fp8_outputs, fp8_row_scale
 
 
@@ -50,9 +49,7 @@ def _rms_norm_kernel(
     QUANTIZE: tl.constexpr,  # out_ptr takes float8 codes and scale_ptr each row's max |out| / 448
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
@@ -142,7 +139,6 @@ def _launch(
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         num_warps=8 if block_n >= 4096 else 4,
-        **launch_options(x.device),
     )
     return out, res_out
 

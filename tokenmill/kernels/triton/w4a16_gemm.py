@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.dependent_launch import launch_options, wait_for_inputs
 from tokenmill.kernels.triton.split_k import counters_needed as _split_k_counters
 from tokenmill.kernels.triton.split_k import num_sms, store_tile
 
@@ -89,9 +88,8 @@ def _w4a16_kernel(
     stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr, SLICE_GROUPS: tl.constexpr, GROUP_IS_TILE: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, DEQUANT_ASM: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, DEQUANT_ASM: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -337,7 +335,7 @@ def w4a16_gemm(
         y, partial, counters, m, n, k, scales.shape[0], group_size, tiles_per_split, split, x.stride(0), y.stride(0),
         SLICE_GROUPS=group_size < k and group_size % K_TILE != 0, GROUP_IS_TILE=group_size == K_TILE,
         EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % K_TILE == 0, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-        SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg, **launch_options(x.device),
+        SPLIT=split > 1, IEEE=x.dtype == torch.float32, **cfg,
     )
     return y
 
