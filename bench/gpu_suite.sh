@@ -126,8 +126,8 @@ for part in $parts; do
       done ;;
     ncu-w4a16|ncu-fp8)  # Nsight Compute over a decode GEMM: occupancy, scheduler and stall reasons (raw page).
                         # w4a16 (docs/perf.md 35, 38): the engine's K split and a larger one on gate_up, down, qkv.
-                        # fp8 (perf.md 37): the swapped kernel on several row tiles at 4 stages (two programs an
-                        # SM, 71 µs on down at M = 128) against 6 (one, 26 µs); and its fixed cost at M = 1.
+                        # fp8 (perf.md 37, 39): the swapped kernel on several row tiles at 4 stages against 6
+                        # (O's 71 µs on down at M = 128 did not reproduce: 32.0 against 27.9); its fixed cost at M = 1.
       if [ "$part" = ncu-w4a16 ]; then
         kernel=_w4a16_kernel; cases=("gate_up 16" "gate_up 16 split_k=4" "down 4" "down 4 split_k=16" "qkv 1" "qkv 1 split_k=16")
       else

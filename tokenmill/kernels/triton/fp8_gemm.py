@@ -206,9 +206,10 @@ def choose_swapped_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int
     split = 1
     while tiles * split * 2 <= num_sms and split * 2 <= min(16, k_steps // 4) and split * 2 * m * 8 <= k:
         split *= 2
-    # Several row tiles of one weight tile: 6 stages (one program an SM). At 4 (two programs an SM)
-    # the H200 ran down at M = 96-256 in 71-72 µs against 25-33 at 6, o in 23-24 against 12-13
-    # (7d615c7; why was not measured). One row tile: 4 stages, within +-7% of 6 either way.
+    # Several row tiles of one weight tile: 6 stages, ~15% faster than 4 (down at M = 128: 26.1
+    # against 30.8 µs in 8b82670's sweep, 27.9 against 32.0 under Nsight Compute at c6446c2; the
+    # 71-72 µs one 7d615c7 lease recorded at 4 stages did not reproduce, docs/perf.md 39). One row
+    # tile: 4 stages, within +-7% of 6 either way.
     stages = 6 if m > block_m else 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, split_k=split)
 
