@@ -56,7 +56,8 @@ for part in $parts; do
       OMP_NUM_THREADS=$TESTS_OMP timeout ${TESTS_TIMEOUT:-540} python3 -m pytest $sel $ignores -q --maxfail=25 -p no:cacheprovider -rs \
         --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     kernels)
-      timeout 180 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
+      timeout 180 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"
+      timeout 120 python3 bench/varlen_bench.py >> "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
     throughput)
       for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -5
@@ -167,8 +168,8 @@ for part in $parts; do
       timeout 400 python3 bench/kernels_bench.py --batch-sweep > "$OUT/batch_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/batch_sweep.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/batch_sweep.raw"; : > "$OUT/batch_sweep.raw" ;;
     kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache
-      timeout 240 python3 bench/kernels_bench.py --p5 --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
-      timeout 240 python3 bench/kernels_bench.py --p5 --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
+      timeout 240 python3 bench/prefill_step_bench.py --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
+      timeout 240 python3 bench/prefill_step_bench.py --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
       cat "$OUT/kernels_p5.raw"; : > "$OUT/kernels_p5.raw" ;;
     p3-overlap|p5-overlap)  # two micro-batches on two streams (TOKENMILL_OVERLAP): the run without, then with
       [ "$part" = p3-overlap ] && run="llama3-8b nano" places=decode || run="qwen3-0.6b prefill" places=mixed
@@ -182,7 +183,7 @@ for part in $parts; do
       done
       tag "$OUT/pooling_host.raw" "$OUT/kernels.jsonl"; cat "$OUT/pooling_host.raw"; : > "$OUT/pooling_host.raw" ;;
     varlen-sweep)  # varlen attention tile variants on both P6 steps (the default launch rows come with kernels)
-      timeout 240 python3 bench/kernels_bench.py --varlen-sweep 2>>"$OUT/suite.log" | grep '"varlen_attention"' > "$OUT/varlen.raw"
+      timeout 240 python3 bench/varlen_bench.py --sweep > "$OUT/varlen.raw" 2>>"$OUT/suite.log"
       tag "$OUT/varlen.raw" "$OUT/kernels.jsonl"; cat "$OUT/varlen.raw" ;;
     profile-p5)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b prefill --timeline > "$OUT/timeline_p5.txt" 2>&1; tail -12 "$OUT/timeline_p5.txt"

@@ -6,19 +6,15 @@ checked against the plain-torch twin first. Decode attention is memory-bound: th
 is bytes that must move (each context token's K and V once, q once, out once, block tables)
 over time, against the H200's measured 4.3 TB/s copy bandwidth.
 
-Prints one JSON line per measured configuration to stdout (the first is the default launch
-shape; the second, bench "qkv_prologue", times the fused norm + rope + KV-store kernel against
-the five launches it replaces on the same decode shape (Qwen3's qk-norm on); --sweep adds
-tile/warp/stage variants, --long adds few-sequence 32K-context decode with and without
-split-KV). Then one row per P6 shape for the varlen attention of pooling models (a 64K-token step
-of packed prompts: achieved TFLOP/s, and the speedup over the padded-group SDPA path it replaced);
---varlen-sweep adds its tile variants. --batch-sweep runs only decode steps at P1's graph buckets
-(and P2's and P5's steps) over K splits and tiles, bf16 and fp8. --p5 runs only P5's prefill-phase steps instead (bench
-"step_attention": a 16,384-token prefill step in TFLOP/s, a mixed step of 256 decodes + prefill
-chunks in one launch, split, and split on two streams, and the decodes alone; with --sweep,
-prefill tile shapes). Usage:
-    python bench/kernels_bench.py [--sweep] [--long] [--varlen-sweep] [--seqs 256 --ctx 1000 ...]
-    python bench/kernels_bench.py --p5 [--sweep]
+Prints one JSON line per measured configuration to stdout: the default launch shape; bench
+"qkv_prologue", the fused norm + rope + KV-store kernel against the five launches it replaces on
+the same decode shape (Qwen3's qk-norm on); the step over an fp8 cache, on Llama-3-8B's heads, and
+P1's thin tail. --sweep adds tile/warp/stage variants, --long few-sequence 32K-context decode with
+and without split-KV. --batch-sweep runs only decode steps at P1's graph buckets (and P2's and
+P5's steps) over K splits and tiles, bf16 and fp8. The other attention benches: P5's prefill and
+mixed steps (``prefill_step_bench.py``), the pooling models' varlen attention (``varlen_bench.py``).
+Usage:
+    python bench/kernels_bench.py [--sweep] [--long] [--seqs 256 --ctx 1000 ...]
     python bench/kernels_bench.py --batch-sweep [--heads 32]
 """
 
@@ -37,11 +33,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tokenmill, and the random batches of tests/support/
 
 # The timers and row fields (other benches import them from here too, e.g. quant_gemm_bench.py).
-from gpu_timing import _provenance, _time_events, _time_graph  # noqa: E402
+from gpu_timing import _provenance, _time_graph  # noqa: E402
 from support.kernel_cases import make_paged_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on this workplace's H200s (KINDS.md)
+
+
+def attention_arguments(description: str | None) -> argparse.ArgumentParser:
+    """The attention shape every attention bench takes (Qwen3-0.6B's heads by default)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    return parser
 
 
 def run_case(
@@ -231,238 +238,20 @@ def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> 
     }
 
 
-def p5_step(rng: random.Random, *, tokens: int = 16384, decodes: int = 0) -> tuple[list[int], list[int]]:
-    """(query_lens, seq_lens) of a P5-like step under a 16,384-token budget: ``decodes`` running
-    sequences first (one token at a context of U[1000, 3000]), then the rest of a prompt that the
-    previous step cut, then fresh prompts of U[1000, 3000] tokens until the budget, the last one cut."""
-    query_lens = [1] * decodes
-    seq_lens = [rng.randint(1000, 3000) for _ in range(decodes)]
-    left = tokens - decodes
-    done = rng.randint(100, 2000)  # the continued prompt's tokens computed last step
-    rest = min(left, rng.randint(done + 1, 3000) - done)
-    query_lens.append(rest)
-    seq_lens.append(done + rest)
-    left -= rest
-    while left > 0:
-        n = min(left, rng.randint(1000, 3000))
-        query_lens.append(n)
-        seq_lens.append(n)
-        left -= n
-    return query_lens, seq_lens
-
-
-def prefill_flops(query_lens: list[int], seq_lens: list[int], heads: int, head_dim: int) -> float:
-    """Causal attention FLOPs (QK^T and PV) of the rows with more than one query token."""
-    keys = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(query_lens, seq_lens) if n > 1)
-    return 4.0 * head_dim * heads * keys
-
-
-def run_step_case(
-    args: argparse.Namespace, query_lens: list[int], seq_lens: list[int], label: str, *, num_decode_seqs: int,
-    config: Any | None = None, two_streams: bool = False,
-) -> dict[str, Any]:
-    """A prefill or mixed step through ``paged_attention`` (its launch shapes chosen as the backend
-    would, unless ``config`` forces the prefill launch's). ``num_decode_seqs`` 0 runs the step in
-    one launch, as before decodes were split off. ``two_streams`` runs the decode launch on a side
-    stream beside the prefill launch (an experiment: does the GPU overlap the memory-bound decode
-    rows with the compute-bound prefill tiles when both are in flight?)."""
-    from tokenmill.kernels.triton import paged_attention as pa
-
-    dtype = getattr(torch, args.dtype)
-    heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
-    batch = make_paged_batch(
-        query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size,
-        dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
-    )
-    scale = dim**-0.5
-    max_q, max_s = max(query_lens), max(seq_lens)
-    decode_config, chosen = pa.choose_configs(
-        num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=num_decode_seqs, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_query_len=max_q, max_seq_len=max_s, device=batch.q.device,
-        cache_dtype=batch.kv_cache.dtype,
-    )
-    config = config or chosen
-    out = torch.full_like(batch.q, float("nan"))
-    common = dict(
-        k_cache=batch.kv_cache[0], v_cache=batch.kv_cache[1], out=out, query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=scale, max_seq_len=max_s,
-        compile_only=False,
-    )
-    side = torch.cuda.Stream()
-
-    def call() -> None:
-        if not two_streams:
-            pa.paged_attention(
-                batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
-                max_query_len=max_q, max_seq_len=max_s, num_decode_seqs=num_decode_seqs, out=out, config=config,
-                decode_config=decode_config,
-            )
-            return
-        d = num_decode_seqs
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            pa._launch(batch.q, decode_config, num_launch_seqs=d, first_seq=0, num_launch_tokens=d, **common)
-        pa._launch(batch.q, config, num_launch_seqs=len(seq_lens), first_seq=d, num_launch_tokens=len(batch.q) - d, **common)
-        main.wait_stream(side)
-
-    call()
-    torch.cuda.synchronize()
-    expected = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
-    rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-    if not (rel < 2e-2) or torch.isnan(out).any():
-        raise SystemExit(f"{label}: wrong result (rel err {rel}) with {config} / {decode_config}")
-    del expected
-    us_median, us_min = _time_graph(call, calls_per_graph=5, replays=20)
-    flops = prefill_flops(query_lens, seq_lens, heads, dim)
-    decode_ctx = [s for n, s in zip(query_lens, seq_lens) if n == 1]
-    decode_bytes = sum(decode_ctx) * kv_heads * dim * 2 * batch.kv_cache.element_size()
-    fields = ("block_q", "tile_n", "num_splits", "num_warps", "num_stages")
-    return {
-        **_provenance("step_attention", label),
-        "tokens": len(batch.q),
-        "prefill_seqs": sum(1 for n in query_lens if n > 1),
-        "prefill_tokens": sum(n for n in query_lens if n > 1),
-        "decode_rows": len(decode_ctx),
-        "decode_ctx_mean": round(sum(decode_ctx) / len(decode_ctx), 1) if decode_ctx else 0,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": dim,
-        "num_decode_seqs": num_decode_seqs,
-        "cache_dtype": str(batch.kv_cache.dtype).removeprefix("torch."),
-        "two_streams": two_streams,
-        "config": {k: getattr(config, k) for k in fields},
-        "decode_config": {k: getattr(decode_config, k) for k in fields} if decode_config else None,
-        "prefill_gflop": round(flops / 1e9, 1),
-        "decode_kv_bytes": decode_bytes,
-        "us_median": round(us_median, 2),
-        "us_min": round(us_min, 2),
-        # All the step's time charged to the prefill rows' FLOPs: the prefill kernel's rate on a pure
-        # prefill step, a lower bound of it on a mixed one.
-        "prefill_tflops": round(flops / (us_median * 1e-6) / 1e12, 1),
-        "rel_err": rel,
-    }
-
-
-def run_p5_cases(args: argparse.Namespace, sweep: bool) -> None:
-    """P5's prefill-phase steps (Qwen3-0.6B heads): a pure prefill step, and a mixed step with 256
-    decodes in front, in one launch (before), split (now) and split on two streams; the 256
-    decodes alone as a pure decode step, to see what the split leaves on top of the two parts.
-    ``sweep``: prefill tile shapes on the pure prefill step."""
-    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
-
-    prefill_q, prefill_s = p5_step(random.Random(5))
-    print(json.dumps(run_step_case(args, prefill_q, prefill_s, "p5-prefill", num_decode_seqs=0)), flush=True)
-    mixed_q, mixed_s = p5_step(random.Random(6), decodes=256)
-    print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-one-launch", num_decode_seqs=0)), flush=True)
-    print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-split", num_decode_seqs=256)), flush=True)
-    print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-split-two-streams", num_decode_seqs=256, two_streams=True)), flush=True)
-    print(json.dumps(run_case(args, mixed_s[:256], "p5-mixed-decodes-alone", None, cache_dtype=args.cache_dtype)), flush=True)
-    if sweep:
-        # What ptxas gives each for sm_90 (head_dim 128, group 2; regs/thread, KB shared -> CTAs an SM):
-        # 64/64/8 178-192 regs, 96 KB -> 1; 64/128/8/2 244, 160 KB -> 1; 64/32/8 128, 64 KB -> 2;
-        # 32/64/4 187-200, 80 KB -> 2; 32/32/4 138, 48 KB -> 3; 16/64/4 mma.sync, not wgmma. 3 stages
-        # and 4 compile to the same PTX here (the indirect K/V loads are double-buffered either way).
-        for block_q, tile_n, num_warps, num_stages in (
-            (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
-            (32, 32, 4, 3), (16, 64, 4, 3),
-        ):
-            cfg = AttentionLaunchConfig(block_q=block_q, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=num_stages)
-            try:
-                row = run_step_case(args, prefill_q, prefill_s, "p5-prefill-sweep", num_decode_seqs=0, config=cfg)
-            except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
-                row = {"bench": "step_attention", "case": "p5-prefill-sweep", "config": cfg.__dict__, "error": repr(exc)[:300]}
-            print(json.dumps(row), flush=True)
-
-
-# P6's two shapes as one pooling step: (heads, kv heads, head_dim, causal, lengths U[lo, hi], step tokens).
-VARLEN_CASES = {
-    "p6-qwen3-embed-step64k": (16, 8, 128, True, (8, 384), 65536),
-    "p6-minilm-step64k": (12, 12, 32, False, (8, 128), 65536),
-}
-
-
-def run_varlen_case(label: str, config: Any | None = None, compare_sdpa: bool = True) -> dict[str, Any]:
-    """The varlen kernel on one pooling step of packed prompts (q, k, v strided views of the qkv
-    output, as the models pass them), checked against the twin, timed in a CUDA graph; beside it the
-    padded-group torch SDPA path it replaces (``attention/prefill.py``). FLOPs count the two
-    matmuls over the visible (query, key) pairs only: L^2 per sequence, or L(L+1)/2 causal."""
-    from tokenmill.attention.prefill import prefill_attention, whole_prompt_metadata
-    from tokenmill.kernels.reference import varlen_attention_ref
-    from support.kernel_cases import make_varlen_batch
-    from tokenmill.kernels.triton.varlen_attention import choose_config, varlen_attention
-
-    heads, kv_heads, dim, causal, (lo, hi), step_tokens = VARLEN_CASES[label]
-    rng = random.Random(0)
-    lens: list[int] = []
-    while sum(lens) + hi <= step_tokens:
-        lens.append(rng.randint(lo, hi))
-    dtype = torch.bfloat16
-    batch = make_varlen_batch(lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device="cuda")
-    scale = dim**-0.5
-    config = config or choose_config(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype)
-    out = torch.empty_like(batch.q)
-
-    def call() -> None:
-        varlen_attention(batch.q, batch.k, batch.v, batch.cu_seqlens, scale, causal=causal, max_seqlen=hi, out=out, config=config)
-
-    call()
-    check = slice(0, int(batch.cu_seqlens[min(len(lens), 64)]))  # the twin loops in Python: check the first 64 sequences
-    expected = varlen_attention_ref(batch.q[check], batch.k[check], batch.v[check], batch.cu_seqlens[: min(len(lens), 64) + 1], scale, causal)
-    err = (out[check].float() - expected.float()).abs().max().item()
-    if not err < 5e-2:
-        raise SystemExit(f"{label}: wrong result (max abs err {err}) with {config}")
-    us_median, us_min = _time_graph(call)
-    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
-    flops = 4 * pairs * heads * dim
-    row = {
-        **_provenance("varlen_attention", label),
-        "tokens": sum(lens),
-        "seqs": len(lens),
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": dim,
-        "causal": causal,
-        "dtype": "bfloat16",
-        "config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_warps", "num_stages")},
-        "us_median": round(us_median, 2),
-        "us_min": round(us_min, 2),
-        "tflops": round(flops / (us_median * 1e-6) / 1e12, 1),
-        "max_abs_err": err,
-    }
-    if compare_sdpa:
-        meta = whole_prompt_metadata(lens, torch.device("cuda"))
-        sdpa_us, _ = _time_events(lambda: prefill_attention(batch.q, batch.k, batch.v, meta, scale, causal))
-        row.update(sdpa_groups_us_median=round(sdpa_us, 1), speedup_vs_sdpa_groups=round(sdpa_us / us_median, 2))
-    return row
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = attention_arguments(__doc__)
     parser.add_argument("--seqs", type=int, default=256)
     parser.add_argument("--ctx", type=int, default=1000, help="mean context length")
     parser.add_argument("--jitter", type=float, default=0.1, help="contexts uniform in ctx*(1 +- jitter)")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
     parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
-    parser.add_argument("--varlen-sweep", action="store_true", help="also time varlen attention tile/warp/stage variants")
-    parser.add_argument("--p5", action="store_true", help="only P5's prefill and mixed steps (with --sweep: prefill tiles)")
-    parser.add_argument("--fp8-cache", action="store_true", help="with --p5: the steps over a float8 e4m3 cache")
     parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes (and P2's, P5's), K splits and tiles")
     args = parser.parse_args()
-    args.cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
 
     from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
 
-    if args.p5:
-        run_p5_cases(args, args.sweep)
-        return
     if args.batch_sweep:
         run_batch_sweep(args)
         return
@@ -482,19 +271,6 @@ def main() -> None:
     # max_model_len 4096 would.
     tail_lens = [rng.randint(1400, 2200) for _ in range(40)]
     print(json.dumps(run_case(args, tail_lens, "p1-tail-decode-graph", None, graph_batch=48, graph_max_seq=4096)), flush=True)
-    for label in VARLEN_CASES:  # P6: one pooling step of packed whole prompts
-        print(json.dumps(run_varlen_case(label)), flush=True)
-    if args.varlen_sweep:
-        from tokenmill.kernels.triton.varlen_attention import VarlenAttentionConfig
-
-        for label in VARLEN_CASES:
-            for block_q, tile_n, num_warps, num_stages in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
-                                                           (128, 64, 8, 3), (128, 32, 4, 3), (32, 32, 4, 2), (64, 32, 4, 4)):
-                cfg = VarlenAttentionConfig(block_q, tile_n, num_warps, num_stages)
-                try:
-                    print(json.dumps(run_varlen_case(label, cfg, compare_sdpa=False)), flush=True)
-                except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
-                    print(json.dumps({"bench": "varlen_attention", "case": label, "config": cfg.__dict__, "error": repr(exc)[:300]}), flush=True)
     if args.sweep:
         for tile_n in (32, 64, 128):
             for num_warps in (2, 4, 8):

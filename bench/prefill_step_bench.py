@@ -1,0 +1,183 @@
+"""P5's prefill-phase attention steps (Qwen3-0.6B heads by default): a 16,384-token prefill step
+in TFLOP/s, a mixed step of 256 decodes + prefill chunks in one launch, split, and split on two
+streams, and the decodes alone (bench "step_attention"); --sweep adds prefill tile shapes on the
+pure prefill step, --fp8-cache runs the steps over a float8 e4m3 cache. Timed through CUDA-graph
+replays, checked against the plain-torch twin first. Usage:
+    python bench/prefill_step_bench.py [--sweep] [--fp8-cache]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]  # the timers, tokenmill, tests/support
+from gpu_timing import _provenance, _time_graph  # noqa: E402
+from kernels_bench import attention_arguments, run_case  # noqa: E402
+from support.kernel_cases import make_paged_batch  # noqa: E402
+from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
+
+
+def p5_step(rng: random.Random, *, tokens: int = 16384, decodes: int = 0) -> tuple[list[int], list[int]]:
+    """(query_lens, seq_lens) of a P5-like step under a 16,384-token budget: ``decodes`` running
+    sequences first (one token at a context of U[1000, 3000]), then the rest of a prompt that the
+    previous step cut, then fresh prompts of U[1000, 3000] tokens until the budget, the last one cut."""
+    query_lens = [1] * decodes
+    seq_lens = [rng.randint(1000, 3000) for _ in range(decodes)]
+    left = tokens - decodes
+    done = rng.randint(100, 2000)  # the continued prompt's tokens computed last step
+    rest = min(left, rng.randint(done + 1, 3000) - done)
+    query_lens.append(rest)
+    seq_lens.append(done + rest)
+    left -= rest
+    while left > 0:
+        n = min(left, rng.randint(1000, 3000))
+        query_lens.append(n)
+        seq_lens.append(n)
+        left -= n
+    return query_lens, seq_lens
+
+
+def prefill_flops(query_lens: list[int], seq_lens: list[int], heads: int, head_dim: int) -> float:
+    """Causal attention FLOPs (QK^T and PV) of the rows with more than one query token."""
+    keys = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(query_lens, seq_lens) if n > 1)
+    return 4.0 * head_dim * heads * keys
+
+
+def run_step_case(
+    args: Any, query_lens: list[int], seq_lens: list[int], label: str, *, num_decode_seqs: int,
+    config: Any | None = None, two_streams: bool = False,
+) -> dict[str, Any]:
+    """A prefill or mixed step through ``paged_attention`` (its launch shapes chosen as the backend
+    would, unless ``config`` forces the prefill launch's). ``num_decode_seqs`` 0 runs the step in
+    one launch, as before decodes were split off. ``two_streams`` runs the decode launch on a side
+    stream beside the prefill launch (an experiment: does the GPU overlap the memory-bound decode
+    rows with the compute-bound prefill tiles when both are in flight?)."""
+    from tokenmill.kernels.triton import paged_attention as pa
+
+    dtype = getattr(torch, args.dtype)
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
+    batch = make_paged_batch(
+        query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size,
+        dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
+    )
+    scale = dim**-0.5
+    max_q, max_s = max(query_lens), max(seq_lens)
+    decode_config, chosen = pa.choose_configs(
+        num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=num_decode_seqs, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_query_len=max_q, max_seq_len=max_s, device=batch.q.device,
+        cache_dtype=batch.kv_cache.dtype,
+    )
+    config = config or chosen
+    out = torch.full_like(batch.q, float("nan"))
+    common = dict(
+        k_cache=batch.kv_cache[0], v_cache=batch.kv_cache[1], out=out, query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=scale, max_seq_len=max_s,
+        compile_only=False,
+    )
+    side = torch.cuda.Stream()
+
+    def call() -> None:
+        if not two_streams:
+            pa.paged_attention(
+                batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale,
+                max_query_len=max_q, max_seq_len=max_s, num_decode_seqs=num_decode_seqs, out=out, config=config,
+                decode_config=decode_config,
+            )
+            return
+        d = num_decode_seqs
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            pa._launch(batch.q, decode_config, num_launch_seqs=d, first_seq=0, num_launch_tokens=d, **common)
+        pa._launch(batch.q, config, num_launch_seqs=len(seq_lens), first_seq=d, num_launch_tokens=len(batch.q) - d, **common)
+        main.wait_stream(side)
+
+    call()
+    torch.cuda.synchronize()
+    expected = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
+    rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    if not (rel < 2e-2) or torch.isnan(out).any():
+        raise SystemExit(f"{label}: wrong result (rel err {rel}) with {config} / {decode_config}")
+    del expected
+    us_median, us_min = _time_graph(call, calls_per_graph=5, replays=20)
+    flops = prefill_flops(query_lens, seq_lens, heads, dim)
+    decode_ctx = [s for n, s in zip(query_lens, seq_lens) if n == 1]
+    decode_bytes = sum(decode_ctx) * kv_heads * dim * 2 * batch.kv_cache.element_size()
+    fields = ("block_q", "tile_n", "num_splits", "num_warps", "num_stages")
+    return {
+        **_provenance("step_attention", label),
+        "tokens": len(batch.q),
+        "prefill_seqs": sum(1 for n in query_lens if n > 1),
+        "prefill_tokens": sum(n for n in query_lens if n > 1),
+        "decode_rows": len(decode_ctx),
+        "decode_ctx_mean": round(sum(decode_ctx) / len(decode_ctx), 1) if decode_ctx else 0,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "num_decode_seqs": num_decode_seqs,
+        "cache_dtype": str(batch.kv_cache.dtype).removeprefix("torch."),
+        "two_streams": two_streams,
+        "config": {k: getattr(config, k) for k in fields},
+        "decode_config": {k: getattr(decode_config, k) for k in fields} if decode_config else None,
+        "prefill_gflop": round(flops / 1e9, 1),
+        "decode_kv_bytes": decode_bytes,
+        "us_median": round(us_median, 2),
+        "us_min": round(us_min, 2),
+        # All the step's time charged to the prefill rows' FLOPs: the prefill kernel's rate on a pure
+        # prefill step, a lower bound of it on a mixed one.
+        "prefill_tflops": round(flops / (us_median * 1e-6) / 1e12, 1),
+        "rel_err": rel,
+    }
+
+
+def run_p5_cases(args: Any, sweep: bool) -> None:
+    """P5's prefill-phase steps (Qwen3-0.6B heads): a pure prefill step, and a mixed step with 256
+    decodes in front, in one launch (before), split (now) and split on two streams; the 256
+    decodes alone as a pure decode step, to see what the split leaves on top of the two parts.
+    ``sweep``: prefill tile shapes on the pure prefill step."""
+    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
+
+    prefill_q, prefill_s = p5_step(random.Random(5))
+    print(json.dumps(run_step_case(args, prefill_q, prefill_s, "p5-prefill", num_decode_seqs=0)), flush=True)
+    mixed_q, mixed_s = p5_step(random.Random(6), decodes=256)
+    print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-one-launch", num_decode_seqs=0)), flush=True)
+    print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-split", num_decode_seqs=256)), flush=True)
+    print(json.dumps(run_step_case(args, mixed_q, mixed_s, "p5-mixed-split-two-streams", num_decode_seqs=256, two_streams=True)), flush=True)
+    print(json.dumps(run_case(args, mixed_s[:256], "p5-mixed-decodes-alone", None, cache_dtype=args.cache_dtype)), flush=True)
+    if sweep:
+        # What ptxas gives each for sm_90 (head_dim 128, group 2; regs/thread, KB shared -> CTAs an SM):
+        # 64/64/8 178-192 regs, 96 KB -> 1; 64/128/8/2 244, 160 KB -> 1; 64/32/8 128, 64 KB -> 2;
+        # 32/64/4 187-200, 80 KB -> 2; 32/32/4 138, 48 KB -> 3; 16/64/4 mma.sync, not wgmma. 3 stages
+        # and 4 compile to the same PTX here (the indirect K/V loads are double-buffered either way).
+        for block_q, tile_n, num_warps, num_stages in (
+            (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
+            (32, 32, 4, 3), (16, 64, 4, 3),
+        ):
+            cfg = AttentionLaunchConfig(block_q=block_q, tile_n=tile_n, num_splits=1, num_warps=num_warps, num_stages=num_stages)
+            try:
+                row = run_step_case(args, prefill_q, prefill_s, "p5-prefill-sweep", num_decode_seqs=0, config=cfg)
+            except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory: report, go on)
+                row = {"bench": "step_attention", "case": "p5-prefill-sweep", "config": cfg.__dict__, "error": repr(exc)[:300]}
+            print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = attention_arguments(__doc__)
+    parser.add_argument("--sweep", action="store_true", help="also time prefill tile shapes")
+    parser.add_argument("--fp8-cache", action="store_true", help="the steps over a float8 e4m3 cache")
+    args = parser.parse_args()
+    args.cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_step_bench.py needs a CUDA GPU")
+    run_p5_cases(args, args.sweep)
+
+
+if __name__ == "__main__":
+    main()
