@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
-#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [profile-gpu-fp8] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -146,6 +146,8 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
       done ;;
+    launch-gap)  # what a kernel boundary costs in a CUDA graph, with and without programmatic dependent launch (perf.md 40)
+      timeout 120 python3 bench/launch_gap_bench.py > "$OUT/launch_gap.raw" 2>>"$OUT/suite.log"; tag "$OUT/launch_gap.raw" "$OUT/kernels.jsonl"; cat "$OUT/launch_gap.raw" ;;
     profile-gpu-fp8)  # P3's GPU time by kernel on fp8 weights beside bf16 (issue 18: what the last ~4% to 1.3x would come from)
       for variant in "" --fp8-weights; do
         timeout 200 python3 bench/profile_step.py llama3-8b nano --gpu $variant > "$OUT/profile_gpu_llama3-8b${variant:+_fp8}.txt" 2>&1
