@@ -104,6 +104,7 @@ _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=1
 _case("compile_sm90", "sm90-w4a16_dequant-bf16", kernel="w4a16_dequant")
 _case("compile_sm90", "sm90-w4a16_dequant-asym-fp16", kernel="w4a16_dequant", zeros=True, dtype="float16")
 _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
+_case("compile_sm90", "sm90-silu_and_mul_fp8-bf16", kernel="silu_and_mul_fp8")
 # The norms that quantize their output for the next fp8 linear (Llama-3-8B's hidden 4096; per-token scales).
 for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8"):
     _case("compile_sm90", f"sm90-{_kernel}-bf16", kernel=_kernel)
@@ -297,6 +298,8 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         zeros = torch.empty((k // group, n), dtype=torch.uint8) if p.get("zeros") else None
         dequantize_weight(torch.empty((k // 8, n), dtype=torch.int32), torch.empty((k // group, n), dtype=dtype), zeros,
                           group, k, dtype, out=torch.empty((k, n), dtype=dtype), dequant_asm=True)
+    elif kernel == "silu_and_mul_fp8":
+        activation.silu_and_mul_fp8(torch.empty((64, 2 * 14336), dtype=bf16))
     elif kernel == "quantize_fp8":
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 

@@ -86,6 +86,12 @@ for _dt in ("float32", "float16"):
             _case("fp8_norm", f"fp8-norm-{_rows}x{_n}-{'add' if _residual else 'plain'}-{_dt}", dtype=_dt, rows=_rows, n=_n,
                   residual=_residual)
 
+# The SiLU before down_proj quantizing for it (its blocks' maxima, then a program a block): one block
+# (96), a partial one (1000 = 1024 - 24), several with a partial last (2600: three 1024-wide blocks).
+for _dt in ("float32", "float16"):
+    for _rows, _d in ((5, 96), (3, 1000), (2, 2600)):
+        _case("fp8_silu", f"fp8-silu-{_rows}x{_d}-{_dt}", dtype=_dt, rows=_rows, d=_d)
+
 # Whole layers through their linear methods: the kernel path (what runs on a GPU, forced here) against
 # the same layer dequantized at load (the CPU path), merged column-parallel and row-parallel with bias.
 for _dt in ("float32", "float16"):
@@ -334,6 +340,33 @@ def _check_fp8_norm(p: dict[str, Any]) -> None:
     _assert_fp8_matches((codes, scales), quantize_fp8(normed), reference.quantize_fp8_ref(twin_normed))
 
 
-CHECKS = {"fp8_norm": _check_fp8_norm, "w4a16": _check_w4a16, "w4a16_dequant": _check_w4a16_dequant,
+def _check_fp8_silu(p: dict[str, Any]) -> None:
+    """silu_and_mul_fp8 against silu_and_mul then quantize_fp8, bit for bit (a row's maximum is the
+    maximum of its blocks'), and within fp8 rounding of the twins; quantize_fp8_blocks alone into
+    poisoned outputs, from maxima taken by torch."""
+    import torch
+
+    from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
+    from tokenmill.kernels import reference
+    from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8, quantize_fp8_blocks
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    rows, d = p["rows"], p["d"]
+    x = (torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(rows * d)) * 3).to(dtype)
+    x[1] = 0  # a zero row: the smallest scale, codes 0
+    got = silu_and_mul_fp8(x)
+    activated = silu_and_mul(x)
+    _assert_fp8_matches(got, quantize_fp8(activated), reference.quantize_fp8_ref(reference.silu_and_mul_ref(x)))
+    block = 256
+    amax = torch.stack([activated[:, i:i + block].float().abs().amax(dim=1) for i in range(0, d, block)], dim=1)
+    out = _poisoned_fp8(rows, d)
+    codes, scales = quantize_fp8_blocks(activated, amax.contiguous(), block, out=out)
+    assert codes is out[0] and scales is out[1]
+    _assert_fp8_matches((codes, scales), quantize_fp8(activated), reference.quantize_fp8_ref(activated))
+
+
+CHECKS = {"fp8_norm": _check_fp8_norm, "fp8_silu": _check_fp8_silu, "w4a16": _check_w4a16, "w4a16_dequant": _check_w4a16_dequant,
           "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
           "quant_layer": _check_quant_layer}

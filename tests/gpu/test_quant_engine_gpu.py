@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, monkeypatch):
-    """quantization="fp8" with the norms quantizing for the next linear (prefill eager,
+    """quantization="fp8" with the norms and the SiLU quantizing for the next linear (prefill eager,
     decode in CUDA graphs) against the same engine with the fusion switched off (each fp8 linear
     quantizes its own input, as before): the same greedy tokens and logprobs. The fused kernels must
     actually have run (counted), or the comparison would be empty.
@@ -31,7 +31,7 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.kernels.triton import rmsnorm
+    from tokenmill.kernels.triton import activation, rmsnorm
     from tokenmill.quantization import fp8
 
     config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -42,7 +42,7 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
         for name, param in model.named_parameters():
             param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.04)
     model.to(torch.bfloat16).save_pretrained(tmp_path)
-    calls = {"rms_norm_fp8": 0}
+    calls = {"rms_norm_fp8": 0, "silu_and_mul_fp8": 0}
 
     def counted(module, name):
         original = getattr(module, name)
@@ -54,6 +54,7 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
         monkeypatch.setattr(module, name, wrapper)
 
     counted(rmsnorm, "rms_norm_fp8")
+    counted(activation, "silu_and_mul_fp8")
     prompts = [{"prompt_token_ids": [random.Random(i).randrange(1, 1024) for _ in range(5 + 40 * (i % 5))]} for i in range(24)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, detokenize=False)
     results = []
@@ -65,7 +66,7 @@ def test_fp8_fused_quantization_leaves_the_engines_tokens_unchanged(tmp_path, mo
         results.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                         for o in outputs])
         if fused:
-            assert calls["rms_norm_fp8"] > 0, calls
+            assert calls["rms_norm_fp8"] > 0 and calls["silu_and_mul_fp8"] > 0, calls
             calls_fused = dict(calls)
         del llm, outputs
         gc.collect()

@@ -273,6 +273,24 @@ def _assert_quantized_rows_agree(codes: torch.Tensor, scales: torch.Tensor, want
     assert int(differ.sum()) <= max(1, g.numel() // 100_000), f"{what}: {int(differ.sum())} of {g.numel()} codes differ"
 
 
+def test_fp8_silu_matches_the_unfused_path():
+    """The SiLU-and-mul before an fp8 down_proj, leaving its blocks' maxima for the quantization
+    after it, in bf16 on Llama-3-8B's 14,336 and an odd width (a partial last block): the same codes
+    and scales, bit for bit, as silu_and_mul then quantize_fp8 (the path before it). Unlike the
+    norms' there is no rare neighbour to allow: the values are the same kernel's, and a row's
+    maximum is the maximum of its blocks'."""
+    from tokenmill.kernels.triton.activation import silu_and_mul, silu_and_mul_fp8
+    from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
+
+    for d in (14336, 1000):
+        for m in (1, 3, 17, 64, 256, 1024):
+            x = torch.randn(m, 2 * d, device="cuda", dtype=torch.bfloat16) * 3
+            codes, scales = silu_and_mul_fp8(x)
+            want_codes, want_scales = quantize_fp8(silu_and_mul(x))
+            assert torch.equal(scales, want_scales), f"scales, d={d} M={m}"
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), f"codes, d={d} M={m}"
+
+
 def test_fp8_fused_norm_matches_the_unfused_path():
     """The RMSNorm (with and without the residual add) that quantizes its own output for the next fp8
     linear with per-token scales, in bf16 on Llama-3-8B's hidden 4096 and an odd width: the same

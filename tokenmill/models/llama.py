@@ -112,7 +112,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: "torch.Tensor | QuantizedActivation") -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), feeds=self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -13,11 +13,11 @@ for bf16 outputs with K and N multiples of 16 (with per-row scales on sm90 that 
 CUTLASS kernel, run with fast accumulation as vLLM runs its own), or our plain Triton tiles.
 Elsewhere the weight is dequantized once and the layer runs unquantized.
 
-With per-token scales, the kernel before a linear can do that quantization itself, for free (the
-RMSNorms before qkv and gate_up; ``takes_quantized_input`` says whether the linear accepts it; a
-SiLU-and-mul doing it for down_proj measured slower than the two launches, docs/perf.md 23); it
-then hands the linear a ``QuantizedActivation`` instead of a tensor, and ``apply`` goes straight
-to the GEMM.
+With per-token scales, the kernel before a linear can do that quantization itself (the RMSNorms
+before qkv and gate_up, for free; the SiLU-and-mul before down_proj leaves its blocks' maxima for
+a quantization a program a block, docs/perf.md 42; ``takes_quantized_input`` says whether the
+linear accepts it); it then hands the linear a ``QuantizedActivation`` instead of a tensor, and
+``apply`` goes straight to the GEMM.
 """
 
 from __future__ import annotations

@@ -87,6 +87,43 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, M, K, stride_xm, s
             tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _quantize_fp8_blocks_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, M, K, num_blocks, stride_xm, stride_qm,
+                                BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr):
+    """One BLOCK-wide block of a row whose blocks' largest magnitudes the kernel that wrote x left in
+    ``amax_ptr`` [M, num_blocks]: the row's scale from them, then this block's codes (one read)."""
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    blocks = tl.arange(0, BLOCKS_P)
+    amax = tl.max(tl.load(amax_ptr + row * num_blocks + blocks, mask=blocks < num_blocks, other=0.0), axis=0)
+    scale = fp8_row_scale(amax)
+    if block == 0:
+        tl.store(scale_ptr + row, scale)
+    rk = block * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * stride_qm + rk, fp8_codes(x, scale).to(q_ptr.dtype.element_ty), mask=rk < K)
+
+
+def quantize_fp8_blocks(x: torch.Tensor, block_amax: torch.Tensor, block: int,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8(x)`` (per-token scales) for an x whose writer also left, for each row, the
+    largest magnitude of each ``block``-wide block (``block_amax`` [M, cdiv(K, block)] fp32): the
+    same codes and scales, bit for bit (the row's maximum is the maximum of its blocks'), in one read
+    of x by a program a block instead of one a row."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
+    num_blocks = triton.cdiv(k, block)
+    if block_amax.shape != (m, num_blocks) or block_amax.dtype != torch.float32 or not block_amax.is_contiguous():
+        raise ValueError(f"block_amax must be contiguous float32 [{m}, {num_blocks}], got {block_amax.dtype} {tuple(block_amax.shape)}")
+    q, scales = fp8_outputs(m, k, x.device, out)
+    if m:
+        _quantize_fp8_blocks_kernel[(m, num_blocks)](x, q, scales, block_amax, m, k, num_blocks, x.stride(0), q.stride(0),
+                                                     BLOCK=block, BLOCKS_P=triton.next_power_of_2(num_blocks),
+                                                     num_warps=4)
+    return q, scales
+
+
 def fp8_outputs(rows: int, cols: int, device: torch.device,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (codes [rows, cols] float8 e4m3, scales [rows] fp32) a quantizing kernel writes: ``out``
