@@ -113,6 +113,8 @@ def quantize_fp8_blocks(x: torch.Tensor, block_amax: torch.Tensor, block: int,
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
     num_blocks = triton.cdiv(k, block)
     if block_amax.shape != (m, num_blocks) or block_amax.dtype != torch.float32 or not block_amax.is_contiguous():
         raise ValueError(f"block_amax must be contiguous float32 [{m}, {num_blocks}], got {block_amax.dtype} {tuple(block_amax.shape)}")
