@@ -3,7 +3,9 @@
 ``quantize_fp8`` gives each row of x its own scale (``max |x_row| / 448``, or one static scale
 for all rows) and writes ``x / scale`` saturated to +-448 as float8 e4m3, in one launch: a
 program per row reads the row once, whole (up to ``ONE_PASS_MAX_K`` wide), or twice in blocks
-(the maximum, then the codes; the second read hits L2).
+(the maximum, then the codes; the second read hits L2). ``quantize_fp8_blocks`` gives the same
+bits for an x whose writer left each block's largest magnitude (the SiLU before down_proj): a
+program a block, one read.
 
 ``fp8_gemm`` is ``(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ b)``: fp8 operands on the
 tensor cores (QGMMA on Hopper), fp32 accumulation, the scales applied in the epilogue. At decode
