@@ -14,6 +14,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenmill.kernels.triton import fp8_gemm, w4a16_gemm  # noqa: E402
+from tokenmill.kernels.triton.sm_count import num_sms  # noqa: E402
 from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -22,7 +23,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 def main() -> None:
     kind, name, m = sys.argv[1], sys.argv[2], int(sys.argv[3])
     n, k = SHAPES[name]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     if kind == "w4a16":
         packed = torch.randint(-(2**31), 2**31 - 1, (16 * triton.cdiv(k, w4a16_gemm.K_TILE), n), device="cuda", dtype=torch.int32)

@@ -37,6 +37,7 @@ from tokenmill.kernels.triton.fp8_gemm import (  # noqa: E402
     NARROW_SWAPPED_MAX_M, choose_swapped_config, fp8_gemm, quantize_fp8, runs_swapped)
 from tokenmill.kernels.triton.fp8_gemm import counters_needed as fp8_counters_needed  # noqa: E402
 from tokenmill.kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
+from tokenmill.kernels.triton.sm_count import num_sms  # noqa: E402
 from tokenmill.kernels.triton.w4a16_gemm import (  # noqa: E402
     DEQUANT_MIN_M, K_TILE, choose_config, counters_needed, dequantize_weight, w4a16_gemm)
 from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
@@ -95,7 +96,7 @@ def _sweep(auto: dict, m: int) -> list[dict]:
 
 
 def bench_w4a16() -> None:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     for name, (n, k) in SHAPES.items():
         copies = _copies(n * k // 2)
         # Random words in the kernel's layout ([16 * K / 128, N], what pack_for_kernel makes at load):
@@ -173,7 +174,7 @@ def _prefill_row(name: str, n: int, k: int, m: int, packed: list, scales: list, 
     return {**_provenance("w4a16_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
             "bf16_cublas_us": round(bf16_us, 2), "w4a16_us": round(engine_us, 2), "engine_path": engine,
             "speedup": round(bf16_us / engine_us, 2), "kernel_us": round(kernel_us, 2),
-            "w4a16_config": choose_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count),
+            "w4a16_config": choose_config(m, n, k, 128, num_sms(torch.device("cuda"))),
             "dequant_us": round(dequant_us, 2), "dequant_gbps": round(n * k * 2.5 / dequant_us / 1e3, 1),
             "cublas_on_scratch_us": round(scratch_linear_us, 2), "dequant_cublas_us": round(both_us, 2),
             "bf16_tflops": tflops(bf16_us), "kernel_tflops": tflops(kernel_us), "dequant_cublas_tflops": tflops(both_us)}
@@ -191,7 +192,7 @@ def _fp8_sweep(auto: dict) -> list[dict]:
 
 
 def bench_fp8() -> None:
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     for name, (n, k) in SHAPES.items():
         copies = _copies(n * k)
         fp8 = [quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
@@ -220,9 +221,9 @@ def bench_fp8() -> None:
             row = {**_provenance("fp8_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
                    "bf16_cublas_us": round(bf16_us, 2), "quantize_us": round(quant_us, 2),
                    "scaled_mm_us": round(scaled_us, 2), "scaled_mm_fast_accum_us": round(fast_us, 2)}
-            swapped_path = runs_swapped(m, n, num_sms)  # the engine's choice
+            swapped_path = runs_swapped(m, n, sms)  # the engine's choice
             if m <= NARROW_SWAPPED_MAX_M:  # the swapped kernel at every size it may take, chosen or not
-                auto = choose_swapped_config(m, n, k, num_sms)
+                auto = choose_swapped_config(m, n, k, sms)
                 swapped = triton_us(None)
                 sweep = [(c, triton_us(c)) for c in _fp8_sweep(auto)]
                 best_cfg, best_us = min([(auto, swapped)] + [(c, t) for c, t in sweep if t], key=lambda ct: ct[1])

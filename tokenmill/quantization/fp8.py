@@ -112,7 +112,7 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] in the model dtype, or already quantized by the kernel before (see takes_quantized_input)."""
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm, quantize_fp8, runs_swapped
-        from tokenmill.kernels.triton.split_k import num_sms
+        from tokenmill.kernels.triton.sm_count import num_sms
 
         if isinstance(x, QuantizedActivation):
             xq, x_scale, lead, out_dtype = x.codes, x.scales, x.codes.shape[:-1], self.dtype

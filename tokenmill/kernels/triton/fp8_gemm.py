@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton import split_k
-from tokenmill.kernels.triton.split_k import num_sms, store_tile
+from tokenmill.kernels.triton.sm_count import num_sms
+from tokenmill.kernels.triton.split_k import store_tile
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # The smallest scale: keeps an all-zero row finite (x / scale = 0) and matches the twin.

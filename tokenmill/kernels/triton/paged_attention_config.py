@@ -11,12 +11,13 @@ return, so they are all compiled before a run (``precompile.py``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import triton
+
+from tokenmill.kernels.triton.sm_count import num_sms
 
 # Splitting the key range below this many keys per split costs more in the merge than it gains.
 _MIN_KEYS_PER_SPLIT = 256
@@ -69,11 +70,6 @@ class AttentionLaunchConfig:
     part_keys: int = 0
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_config(
     *,
     num_tokens: int,
@@ -106,13 +102,13 @@ def choose_config(
     only changes who computes which part; see ``_paged_attention_fixed_split_kernel``).
     """
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
+    sms = num_sms(device)
     if deterministic:
         config = _deterministic_config(group_p, head_dim, dtype)
         programs = max(1, (num_tokens // config.block_q + num_seqs) * num_kv_heads)
         num_splits = 1
-        if programs < 2 * num_sms:
-            wanted = min(math.ceil(2 * num_sms / programs), -(-max_seq_len // config.part_keys), _MAX_SPLITS)
+        if programs < 2 * sms:
+            wanted = min(math.ceil(2 * sms / programs), -(-max_seq_len // config.part_keys), _MAX_SPLITS)
             num_splits = _next_power_of_2(wanted)
         return dataclasses.replace(config, num_splits=num_splits)
     if max_query_len <= 1:
@@ -123,7 +119,7 @@ def choose_config(
     grid_q = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     programs = max(1, grid_q * num_kv_heads)
     fp8_decode = block_q == 1 and _fp8_cache_tiles(dtype, cache_dtype, head_dim)
-    fill = (FP8_CACHE_DECODE_PROGRAMS_PER_SM if fp8_decode else PROGRAMS_PER_SM) * num_sms
+    fill = (FP8_CACHE_DECODE_PROGRAMS_PER_SM if fp8_decode else PROGRAMS_PER_SM) * sms
     num_splits = 1
     if programs < fill:
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)

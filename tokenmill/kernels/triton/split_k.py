@@ -10,9 +10,6 @@ graph replay). Without a split the tile goes straight to y.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
@@ -59,16 +56,3 @@ def counters_needed(n: int, max_rows: int) -> int:
     """Size of a layer's split-K counter buffer: one per output tile of the largest split launch
     (tiles of at least 32 outputs and 16 rows, up to ``max_rows`` rows)."""
     return triton.cdiv(n, 32) * triton.cdiv(max_rows, 16)
-
-
-def num_sms(device: torch.device) -> int:
-    """The SMs a K split fills. Off CUDA (the interpreter) an H100/H200's 132, so tests there take
-    the splits the GPU takes."""
-    if device.type != "cuda":
-        return 132
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:  # asked on every eager GEMM call: the properties once a device
-    return torch.cuda.get_device_properties(index).multi_processor_count

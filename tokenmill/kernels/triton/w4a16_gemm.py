@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.split_k import counters_needed as _split_k_counters
-from tokenmill.kernels.triton.split_k import num_sms, store_tile
+from tokenmill.kernels.triton.sm_count import num_sms
+from tokenmill.kernels.triton.split_k import store_tile
 
 # The GEMM's fast form (operands swapped, the weight as the wgmma register operand, K split while
 # output tiles are few) runs up to this M, in row tiles of at most 64 (a program's tokens are the
