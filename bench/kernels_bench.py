@@ -177,6 +177,27 @@ def run_batch_sweep(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+def run_order_sweep(args: argparse.Namespace) -> None:
+    """The same decode step with its rows in four orders: the protocol's (request order, as the
+    engine's rows arrive), longest context first, shortest first, and every row at the mean
+    length (the same bytes, no ragged tail). Programs are dispatched in grid order (token
+    fastest), so the order decides which programs finish last; the launch is the graph's own
+    (``choose_config`` at the bucket). Both caches, both head layouts (--heads 16 and 32)."""
+    steps = [(str(b), b, protocol_contexts("nano", b)) for b in (16, 32, 64, 128, 192, 256)]
+    steps.append(("p5-256", 256, protocol_contexts("prefill", 256)))
+    for heads in (16, 32):
+        layout = argparse.Namespace(**{**vars(args), "heads": heads})
+        for cache_dtype in (None, torch.float8_e4m3fn):
+            for label, bucket, ctx in steps:
+                mean = round(sum(ctx) / len(ctx))
+                orders = {"request": ctx, "longest-first": sorted(ctx, reverse=True),
+                          "shortest-first": sorted(ctx), "uniform": [mean] * len(ctx)}
+                for order, seq_lens in orders.items():
+                    row = run_case(layout, seq_lens, f"order-{label}-{order}", None, cache_dtype, bucket, 4096)
+                    print(json.dumps({**row, "bucket": bucket, "order": order}), flush=True)
+                    torch.cuda.empty_cache()
+
+
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
     """The fused qkv prologue vs the unfused sequence (q_norm, k_norm, v copy, rotary, store_kv)."""
     from tokenmill.kernels.reference import qkv_prologue_ref
@@ -246,6 +267,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
     parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
     parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes (and P2's, P5's), K splits and tiles")
+    parser.add_argument("--order-sweep", action="store_true", help="only decode steps with their rows in four orders (ragged tails)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench.py needs a CUDA GPU")
@@ -254,6 +276,9 @@ def main() -> None:
 
     if args.batch_sweep:
         run_batch_sweep(args)
+        return
+    if args.order_sweep:
+        run_order_sweep(args)
         return
     rng = random.Random(0)
     lo, hi = int(args.ctx * (1 - args.jitter)), int(args.ctx * (1 + args.jitter))
