@@ -105,7 +105,7 @@ def run_case(
         "block_size": args.block_size,
         "dtype": args.dtype,
         "cache_dtype": str(batch.kv_cache.dtype).removeprefix("torch."),
-        "config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_splits", "num_warps", "num_stages", "split_keys")},
+        "config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_splits", "num_warps", "num_stages")},
         "bytes": total,
         "us_median": round(us_median, 2),
         "us_min": round(us_min, 2),
@@ -198,32 +198,6 @@ def run_order_sweep(args: argparse.Namespace) -> None:
                     torch.cuda.empty_cache()
 
 
-def run_split_keys_sweep(args: argparse.Namespace) -> None:
-    """Decode steps (P1's buckets, P2's 1,024, P5's 256, rows in request order) launched as the
-    graphs do, then with splits by context length (``split_keys``: a split per that many keys, up to
-    ``num_splits``): long contexts cut, short ones whole without a merge. Both caches, both head
-    layouts. Whether evening out the programs' work pays for the extra programs and merges."""
-    from tokenmill.kernels.triton.paged_attention import AttentionLaunchConfig
-
-    steps = [(str(b), b, protocol_contexts("nano", b)) for b in (32, 64, 128, 192, 256)]
-    steps += [("1024", 1024, [640] * 1024), ("p5-256", 256, protocol_contexts("prefill", 256))]
-    variants = {None: ((64, 2, 3), [(2, 512), (2, 768), (4, 256), (4, 384), (4, 512), (8, 256)]),
-                torch.float8_e4m3fn: ((32, 1, 6), [(4, 256), (8, 128), (8, 256), (16, 128), (16, 64)])}
-    for heads in (16, 32):
-        layout = argparse.Namespace(**{**vars(args), "heads": heads})
-        for cache_dtype, ((tile_n, warps, stages), splits_keys) in variants.items():
-            for label, bucket, seq_lens in steps:
-                batch = decode_batch(layout, seq_lens, cache_dtype)
-                row = run_case(layout, seq_lens, f"split-keys-{label}-graph", None, cache_dtype, bucket, 4096, batch=batch)
-                print(json.dumps({**row, "bucket": bucket, "split_keys": 0}), flush=True)
-                for splits, keys in splits_keys:
-                    cfg = AttentionLaunchConfig(1, tile_n, splits, warps, stages, split_keys=keys)
-                    row = run_case(layout, seq_lens, f"split-keys-{label}", cfg, cache_dtype, batch=batch)
-                    print(json.dumps({**row, "bucket": bucket, "split_keys": keys}), flush=True)
-                del batch
-                torch.cuda.empty_cache()
-
-
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
     """The fused qkv prologue vs the unfused sequence (q_norm, k_norm, v copy, rotary, store_kv)."""
     from tokenmill.kernels.reference import qkv_prologue_ref
@@ -293,7 +267,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
     parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
     parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes (and P2's, P5's), K splits and tiles")
-    parser.add_argument("--split-keys-sweep", action="store_true", help="only decode steps with splits by context length")
     parser.add_argument("--order-sweep", action="store_true", help="only decode steps with their rows in four orders (ragged tails)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -306,9 +279,6 @@ def main() -> None:
         return
     if args.order_sweep:
         run_order_sweep(args)
-        return
-    if args.split_keys_sweep:
-        run_split_keys_sweep(args)
         return
     rng = random.Random(0)
     lo, hi = int(args.ctx * (1 - args.jitter)), int(args.ctx * (1 + args.jitter))

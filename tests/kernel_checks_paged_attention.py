@@ -124,26 +124,6 @@ _case(
     config={"block_q": 4, "tile_n": 16, "num_splits": 2}, decode_config={"block_q": 1, "tile_n": 16, "num_splits": 3},
 )
 
-# Splits by context length (split_keys): short contexts run whole (no merge), longer ones take a
-# split per 32 keys up to 4 (the 130-key one hits the cap, the 33-key one takes 2); decode only,
-# padded like a graph batch; then prefill tokens in one-token blocks, where each token's own causal
-# end decides its count (the merge must agree with the kernel), and a mixed step's decode launch.
-_case(
-    "attention", "attn-decode-split-keys-bs16-g2-d64-float32", dtype="float32", block_size=16, num_heads=4,
-    num_kv_heads=2, head_dim=64, query_lens=[1] * 6, seq_lens=[130, 5, 33, 64, 32, 97], pad=2,
-    config={"block_q": 1, "tile_n": 16, "num_splits": 4, "split_keys": 32},
-)
-_case(
-    "attention", "attn-prefill-bq1-split-keys-bs16-g1-d64-float16", dtype="float16", block_size=16, num_heads=2,
-    num_kv_heads=2, head_dim=64, query_lens=[40, 1, 7], seq_lens=[70, 50, 7], pad=1, split_decodes=False,
-    config={"block_q": 1, "tile_n": 16, "num_splits": 2, "split_keys": 32},
-)
-_case(
-    "attention", "attn-split-decodes-split-keys-float16", dtype="float16", block_size=16, num_heads=4, num_kv_heads=2,
-    head_dim=64, query_lens=[1, 1, 1, 6, 1], seq_lens=[90, 17, 40, 26, 9], pad=0,
-    config={"block_q": 4, "tile_n": 16, "num_splits": 1}, decode_config={"block_q": 1, "tile_n": 16, "num_splits": 4, "split_keys": 16},
-)
-
 # More sequences than one vector load of the sequence search covers (256): its loop must iterate.
 _case(
     "attention", "attn-decode-260seqs-g2-d32-float32", dtype="float32", block_size=16, num_heads=2, num_kv_heads=1,

@@ -61,7 +61,6 @@ from tokenmill.kernels.triton.paged_attention_config import (  # noqa: F401
 from tokenmill.kernels.triton.paged_attention_deterministic import _merge_parts_kernel, _paged_attention_fixed_split_kernel
 from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_tiles,
-    _find_sequence,
     _dot_query,
     _load_rows,
     _locate_rows,
@@ -114,7 +113,6 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
@@ -128,18 +126,11 @@ def _paged_attention_kernel(
     )
     if q_first >= query_len:
         return  # a spare program of the static grid
-    # How many splits this block's keys take: NUM_SPLITS, or with SPLIT_KEYS (decode) one per
-    # SPLIT_KEYS keys up to NUM_SPLITS, so that long contexts are cut and short ones are not.
-    num_parts = NUM_SPLITS
-    if SPLIT_KEYS > 0:
-        num_parts = tl.minimum(tl.cdiv(kv_end, SPLIT_KEYS), NUM_SPLITS)
-        if split >= num_parts:
-            return  # this sequence needs fewer splits; the merge reads only the first num_parts
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
     q = _dot_query(q, scale_log2, FP16_DOTS)
     # This split's share of the block's key tiles.
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_parts)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -172,8 +163,6 @@ def _paged_attention_kernel(
 
     if NUM_SPLITS == 1:
         _store_normalised(out_ptr, acc, l_i, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
-    elif num_parts == 1:  # SPLIT_KEYS: a short context in one program, nothing to merge
-        _store_normalised(out_ptr, acc, l_i, token, row_head, row_valid, stride_o_tok, stride_o_head, HEAD_DIM)
     else:
         # Unnormalised partials; an empty split stores acc 0, m -inf, l 0, which the merge weighs 0.
         _store_partial(part_acc_ptr, part_m_ptr, part_l_ptr, acc, m_i, l_i, token - token_offset, row_head, row_valid,
@@ -187,7 +176,6 @@ def _merge_splits_kernel(
     part_m_ptr,
     part_l_ptr,
     query_start_loc_ptr,
-    seq_lens_ptr,
     num_seqs,
     token_offset,
     stride_o_tok,
@@ -199,8 +187,6 @@ def _merge_splits_kernel(
     stride_pml_head,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     part_row = tl.program_id(0)
@@ -208,19 +194,8 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding past the last real token: leave the output alone
-    num_parts = NUM_SPLITS
-    if SPLIT_KEYS > 0:
-        # The kernel's rule for this token (block_q 1: its block is the token): one split per
-        # SPLIT_KEYS of the keys it sees, up to NUM_SPLITS.
-        seq = _find_sequence(query_start_loc_ptr, num_seqs, token, 1, SEARCH_BLOCK)
-        q_start = tl.load(query_start_loc_ptr + seq)
-        query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        kv_end = tl.load(seq_lens_ptr + seq) - query_len + (token - q_start) + 1
-        num_parts = tl.minimum(tl.cdiv(kv_end, SPLIT_KEYS), NUM_SPLITS)
-        if num_parts <= 1:
-            return  # written whole by its one program
     splits = tl.arange(0, SPLITS_P)
-    present = splits < num_parts
+    present = splits < NUM_SPLITS
     pml = part_row * stride_pml_tok + head * stride_pml_head + splits
     m = tl.load(part_m_ptr + pml, mask=present, other=float("-inf"))
     l = tl.load(part_l_ptr + pml, mask=present, other=0.0)
@@ -356,8 +331,6 @@ def _launch(
         raise ValueError(f"tile_n must be a power of two >= 16 and block_q a power of two, got {config}")
     if config.num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {config.num_splits}")
-    if config.split_keys and (config.block_q != 1 or config.part_keys or config.split_keys % config.tile_n):
-        raise ValueError(f"split_keys is for decode launches (block_q 1) and must be a multiple of tile_n, got {config}")
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -408,8 +381,7 @@ def _launch(
         )
     else:
         launcher(_paged_attention_kernel, grid, compile_only)(
-            *pointers, num_launch_seqs, block_offset, token_offset, scale * _LOG2E, *strides, NUM_SPLITS=splits,
-            SPLIT_KEYS=config.split_keys if splits > 1 else 0, **shape
+            *pointers, num_launch_seqs, block_offset, token_offset, scale * _LOG2E, *strides, NUM_SPLITS=splits, **shape
         )
     if splits > 1 and fixed_parts:
         launcher(_merge_parts_kernel, (num_launch_tokens, num_kv_heads), compile_only)(
@@ -424,7 +396,6 @@ def _launch(
             part_m,
             part_l,
             query_start_loc,
-            seq_lens,
             num_launch_seqs,
             token_offset,
             out.stride(0),
@@ -436,8 +407,6 @@ def _launch(
             part_m.stride(1),
             NUM_SPLITS=splits,
             SPLITS_P=triton.next_power_of_2(splits),
-            SPLIT_KEYS=config.split_keys,
-            SEARCH_BLOCK=_SEARCH_BLOCK,
             HEAD_DIM=head_dim,
             num_warps=4 if head_dim * splits >= 2048 else 2,
         )

@@ -68,9 +68,6 @@ class AttentionLaunchConfig:
     # Deterministic mode (> 0): keys are cut into parts of this many keys from key 0 (a multiple
     # of tile_n), merged in order, and num_splits only says how many programs share the parts.
     part_keys: int = 0
-    # Decode (> 0, with num_splits > 1): a sequence takes one split per this many keys of its
-    # context, up to num_splits, so long contexts are cut and short ones run whole without a merge.
-    split_keys: int = 0
 
 
 def choose_config(
