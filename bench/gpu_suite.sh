@@ -171,7 +171,7 @@ for part in $parts; do
       grep -c us_median "$OUT/batch_sweep.raw"; : > "$OUT/batch_sweep.raw" ;;
     order-sweep)  # the same decode steps with their rows request-ordered, longest first, shortest first, uniform (dispatch-order tails)
       timeout 300 python3 bench/kernels_bench.py --order-sweep > "$OUT/order_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/order_sweep.raw" "$OUT/kernels.jsonl"
-      grep -c us_median "$OUT/order_sweep.raw" ;;
+      grep -c us_median "$OUT/order_sweep.raw"; : > "$OUT/order_sweep.raw" ;;
     kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache
       timeout 240 python3 bench/prefill_step_bench.py --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
       timeout 240 python3 bench/prefill_step_bench.py --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"

@@ -12,8 +12,9 @@ the same decode shape (Qwen3's qk-norm on); the step over an fp8 cache, on Llama
 P1's thin tail. --sweep adds tile/warp/stage variants, --long few-sequence 32K-context decode with
 and without split-KV. --batch-sweep runs only decode steps at P1's graph buckets (and P2's and
 P5's steps) over K splits and tiles, bf16 and fp8; --order-sweep the same steps with their rows in
-four orders (request, longest first, shortest first, one uniform length). The other attention benches: P5's prefill and
-mixed steps (``prefill_step_bench.py``), the pooling models' varlen attention (``varlen_bench.py``).
+four orders (request, longest first, shortest first, one uniform length). The other attention
+benches: P5's prefill and mixed steps (``prefill_step_bench.py``), the pooling models' varlen
+attention (``varlen_bench.py``).
 Usage:
     python bench/kernels_bench.py [--sweep] [--long] [--seqs 256 --ctx 1000 ...]
     python bench/kernels_bench.py --batch-sweep [--heads 32]
