@@ -412,8 +412,50 @@ def _check_precompile(p: dict[str, Any]) -> None:
                                              cache_dtype=cache_dtype)
 
 
+def _check_persistent(p: dict[str, Any]) -> None:
+    """The item-queue decode kernel (an experiment) against the twin, launched twice on the same
+    buffers: the second launch finds the queue and the chunk counters reset by the first."""
+    import torch
+
+    from support.kernel_cases import make_paged_batch
+    from tokenmill.kernels import reference
+    from tokenmill.kernels.triton.paged_attention_persistent import (
+        PersistentDecodeBuffers,
+        decode_work_plan,
+        persistent_decode_attention,
+    )
+
+    dtype = getattr(torch, p["dtype"])
+    seq_lens = p["seq_lens"]
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
+                             head_dim=p["head_dim"], block_size=p["block_size"], dtype=dtype, seed=len(seq_lens))
+    scale = p["head_dim"] ** -0.5
+    expected = reference.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                             batch.block_tables, scale)
+    plan = decode_work_plan(batch.seq_lens, p["num_kv_heads"], p["chunk_keys"], p["max_chunks"])
+    ranked = [seq_lens[i] for i in plan.order.tolist()]
+    assert ranked == sorted(seq_lens, reverse=True), f"not longest first: {ranked}"
+    buffers = PersistentDecodeBuffers.allocate(len(seq_lens), p["num_heads"], p["num_kv_heads"], p["head_dim"],
+                                               p["max_chunks"], "cpu")
+    for _ in range(2):
+        out = torch.full_like(batch.q, float("nan"))
+        persistent_decode_attention(batch.q, batch.kv_cache, batch.seq_lens, batch.block_tables, scale, plan, buffers,
+                                    out=out, tile_n=16, num_warps=4, num_stages=1, programs_per_sm=p.get("programs_per_sm", 1))
+        torch.testing.assert_close(out, expected, **_tol(dtype))
+        assert buffers.queue.tolist() == [0, 0] and not buffers.done.any(), "queue or chunk counters left set"
+
+
+for _dt in ("float32", "float16"):
+    # Contexts of one tile to several chunks (capped at 3: the 130-key one), GQA 2, across blocks.
+    _case("persistent", f"persistent-chunks-g2-d64-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
+          head_dim=64, seq_lens=[130, 5, 33, 64, 32, 97, 1], chunk_keys=32, max_chunks=3)
+# One chunk a sequence (no merge); a group of 3 padded to 4 rows; head_dim 128.
+_case("persistent", "persistent-whole-g3-d128-float16", dtype="float16", block_size=16, num_heads=6, num_kv_heads=2,
+      head_dim=128, seq_lens=[40, 7, 100, 16], chunk_keys=0, max_chunks=1)
+
 
 CHECKS = {
+    "persistent": _check_persistent,
     "attention": _check_attention,
     "backend": _check_backend,
     "layer": _check_layer,
