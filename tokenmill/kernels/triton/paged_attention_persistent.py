@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.paged_attention_tiles import _attend_tiles, _dot_query, _store_normalised
+from tokenmill.kernels.triton.paged_attention_tiles import _attend_tiles, _dot_query, _load_rows, _store_normalised
 
 _LOG2E = 1.4426950408889634
 _SEARCH_BLOCK = 256
@@ -98,9 +98,7 @@ def _persistent_decode_kernel(
         chunk = local % num_chunks
         row_head = kv_head * GROUP + row_in_group
         token = tl.zeros([BLOCK_M], dtype=tl.int32) + seq  # decode: sequence i's one token is token i
-        q = tl.load(q_ptr + seq * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
-                    mask=row_valid[:, None], other=0.0)
-        q = _dot_query(q, scale_log2, FP16_DOTS)
+        q = _dot_query(_load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM), scale_log2, FP16_DOTS)
         num_tiles = tl.cdiv(kv_end, TILE_N)
         tiles_per_chunk = tl.cdiv(num_tiles, num_chunks)
         tile_lo = chunk * tiles_per_chunk
