@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [persistent-sweep] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [persistent-sweep] [queue-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -175,6 +175,13 @@ for part in $parts; do
     persistent-sweep)  # the item-queue decode kernel (an experiment, docs/perf.md 43) against the graphs' launch
       timeout 400 python3 bench/kernels_bench.py --persistent-sweep > "$OUT/persistent.raw" 2>>"$OUT/suite.log"; tag "$OUT/persistent.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/persistent.raw"; : > "$OUT/persistent.raw" ;;
+    queue-throughput)  # P1, P5 and P3 on the default decode attention, then on the item queue (TOKENMILL_DECODE_QUEUE, default 512,4), alternating
+      for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
+        for engine in tokenmill tokenmill_queue tokenmill; do
+          RESULTS="$OUT/queue.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine $run 2>&1 | grep -v "^\s*$" | tail -2
+        done
+      done
+      tag "$OUT/queue.raw" "$OUT/throughput.jsonl"; : > "$OUT/queue.raw" ;;
     kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache
       timeout 240 python3 bench/prefill_step_bench.py --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
       timeout 240 python3 bench/prefill_step_bench.py --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"

@@ -67,6 +67,11 @@ for _dt in ("float32", "float16"):
         "backend", f"backend-decode-bs32-g1-d128-{_dt}", dtype=_dt, block_size=32, num_heads=2, num_kv_heads=2,
         head_dim=128, query_lens=[1, 1, 1], seq_lens=[31, 33, 64],
     )
+    # Pure decode through the item queue (decode_queue), padded as a graph bucket pads.
+    _case(
+        "backend", f"backend-decode-queue-bs16-g2-d64-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
+        head_dim=64, query_lens=[1, 1, 1, 1], seq_lens=[70, 3, 33, 129], decode_queue=(32, 3), graph_pad=2,
+    )
     _case(
         "layer", f"layer-qwen3-g2-d64-bs16-{_dt}", dtype=_dt, qk_norm=True, qkv_bias=False, num_heads=4, num_kv_heads=2,
         head_dim=64, block_size=16, query_lens=[1, 5, 3], seq_lens=[18, 5, 20],
@@ -253,10 +258,31 @@ def _check_backend(p: dict[str, Any]) -> None:
         batch.q.float(), batch.k.float(), batch.v.float(), cache_ref.float(), batch.metadata(), 0.125
     )
     meta = batch.metadata()
-    got = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, cache, meta, 0.125)
-    assert got.dtype == dtype and got.shape == batch.q.shape
-    torch.testing.assert_close(got.float(), expected, **_tol(dtype))
+    q, k, v = batch.q, batch.k, batch.v
+    pad = p.get("graph_pad", 0)
+    if pad:
+        # As a decode graph's bucket pads: rows past the batch with no keys (seq_len 0), no query
+        # tokens (query_start_loc stays at the end) and no slot; their output is never read.
+        import dataclasses
+
+        n = len(p["seq_lens"])
+        q, k, v = (torch.cat([x, torch.full((pad, *x.shape[1:]), float("nan"), dtype=x.dtype)]) for x in (q, k, v))
+        meta = dataclasses.replace(
+            meta, slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, dtype=meta.slot_mapping.dtype)]),
+            query_start_loc=torch.cat([meta.query_start_loc, torch.full((pad,), n, dtype=torch.int32)]),
+            seq_lens=torch.cat([meta.seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+            block_tables=torch.cat([meta.block_tables, torch.zeros((pad, meta.block_tables.shape[1]), dtype=torch.int32)]),
+            query_lens_host=meta.query_lens_host + [1] * pad, seq_lens_host=meta.seq_lens_host + [meta.max_seq_len] * pad,
+        )
+    backend = TritonAttentionBackend(decode_queue=p.get("decode_queue"))
+    for _ in range(2 if backend.decode_queue else 1):  # the queue's buffers serve the next step as well
+        cache = batch.kv_cache.clone()
+        got = backend.forward(q, k, v, cache, meta, 0.125)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got[: batch.q.shape[0]].float(), expected, **_tol(dtype))
     assert meta.backend_cache, "config not cached per step"
+    if backend.decode_queue:
+        assert any(key[0] == "decode_queue_plan" for key in meta.backend_cache), "the item queue did not run"
 
 
 def _check_layer(p: dict[str, Any]) -> None:

@@ -30,6 +30,18 @@ from tokenmill.kernels.triton.paged_attention_tiles import _attend_tiles, _dot_q
 
 _LOG2E = 1.4426950408889634
 _SEARCH_BLOCK = 256
+# Programs an SM: the 64-key tile on 2 warps takes 240 registers a thread (sm_90 compile), so 4 fit.
+PROGRAMS_PER_SM = 4
+
+
+def launch_shape(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(tile_n, num_warps, num_stages): the default decode launch's (``paged_attention_config``),
+    on at least 2 warps (on 1, as over an fp8 cache, the merge's state beside the pipeline spills)."""
+    from tokenmill.kernels.triton.paged_attention_config import _config
+
+    group_p = 1  # decode tiles do not depend on the group (16 rows hold any group up to 16)
+    config = _config(1, 1, group_p, head_dim, dtype, cache_dtype)
+    return config.tile_n, max(2, config.num_warps), config.num_stages
 
 
 @dataclass(frozen=True)
