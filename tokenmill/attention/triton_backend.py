@@ -57,7 +57,7 @@ class TritonAttentionBackend:
         if decode_queue is not None and deterministic:
             raise ValueError("decode_queue is not for deterministic mode (its kernels are the batch-invariant ones)")
         self.decode_queue = decode_queue
-        self._queue_buffers: dict[tuple, object] = {}  # per (heads, kv heads, head_dim, device): grown, never shrunk
+        self._queue_buffers: dict[tuple, object] = {}  # per (heads, kv heads, head_dim, device, stream): grown, never shrunk
 
     def forward(
         self,
@@ -151,8 +151,10 @@ class TritonAttentionBackend:
         if plan is None:
             plan = meta.backend_cache[key] = queue.decode_work_plan(meta.seq_lens, num_kv_heads, chunk_keys, max_chunks)
         # Sized by the first (largest: graphs are captured largest first, after an eager warm-up)
-        # batch; a larger one later reallocates, which only an eager step can meet.
-        buffers_key = (num_heads, num_kv_heads, head_dim, q.device)
+        # batch; a larger one later reallocates, which only an eager step can meet. One set a
+        # stream: two micro-batches in flight on two streams must not share a queue.
+        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+        buffers_key = (num_heads, num_kv_heads, head_dim, q.device, stream)
         buffers = self._queue_buffers.get(buffers_key)
         if buffers is None or buffers.done.numel() < num_seqs * num_kv_heads:
             buffers = self._queue_buffers[buffers_key] = queue.PersistentDecodeBuffers.allocate(

@@ -1,4 +1,4 @@
-"""Decode attention as a queue of work items, longest contexts first (an experiment; docs/perf.md 43).
+"""Decode attention as a queue of work items, longest contexts first (an experiment; docs/perf.md 43-44).
 
 The default decode launch has one program per (sequence, kv head), dispatched in grid order, so a
 step of ragged contexts ends with a few long programs running while most SMs are idle: 6-9% of
@@ -206,10 +206,12 @@ def persistent_decode_attention(
         plan.max_chunks > 1 and buffers.part_ml.numel() < num_seqs * num_heads * plan.max_chunks * 2
     ):
         raise ValueError("the buffers were allocated for fewer sequences or chunks than this plan has")
+    from tokenmill.kernels.triton.paged_attention import _fp16_dots
+    from tokenmill.kernels.triton.sm_count import num_sms
+
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
-    fp16_dots = kv_cache.dtype.itemsize == 1 and head_dim <= 128
-    from tokenmill.kernels.triton.sm_count import num_sms
+    block_m = max(16, group_p)
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_sms(q.device) * programs_per_sm,)
@@ -219,8 +221,8 @@ def persistent_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=max(16, group_p), TILE_N=tile_n, CHUNK_KEYS=plan.chunk_keys, MAX_CHUNKS=plan.max_chunks,
-        SEARCH_BLOCK=_SEARCH_BLOCK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP16_DOTS=fp16_dots,
+        BLOCK_M=block_m, TILE_N=tile_n, CHUNK_KEYS=plan.chunk_keys, MAX_CHUNKS=plan.max_chunks,
+        SEARCH_BLOCK=_SEARCH_BLOCK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP16_DOTS=_fp16_dots(kv_cache.dtype, head_dim, block_m),
         CONVERT_ASM=not triton.knobs.runtime.interpret, num_warps=num_warps, num_stages=num_stages,
     )
     return out
