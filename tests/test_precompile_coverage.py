@@ -29,7 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "PRECOMPILE-RESULTS:"
-CHECKS = ("sampler", "attention", "load")
+CHECKS = ("sampler", "attention", "attention_queue", "load")
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,32 @@ def _check_attention(recorder: _KeyRecorder) -> str | None:
     return _missing(precompiled, runs)
 
 
+def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
+    """Pure decode steps through the item-queue kernel (``decode_queue``, an experiment) at batch
+    sizes 1-1,024 and block tables of two widths, against the backend's precompile with it on."""
+    import torch
+
+    from tokenmill.attention.metadata import AttentionMetadata
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+
+    heads, kv_heads, dim, block = 16, 8, 128, 16
+    backend = TritonAttentionBackend(decode_queue=(512, 4))
+    cache = torch.empty((2, 64, block, kv_heads, dim), dtype=torch.bfloat16)
+    precompiled = recorder.of(lambda: backend.precompile(
+        heads, torch.empty((2, 1, block, kv_heads, dim), dtype=torch.bfloat16), torch.bfloat16, 4096))
+
+    def step(seqs: int, max_blocks: int) -> None:
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(seqs, dtype=torch.int64), query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
+            seq_lens=torch.ones(seqs, dtype=torch.int32), block_tables=torch.zeros((seqs, max_blocks), dtype=torch.int32),
+            block_size=block, query_lens_host=[1] * seqs, seq_lens_host=[4096] * seqs, max_query_len=1, max_seq_len=4096,
+        )
+        backend._attend(torch.empty((seqs, heads, dim), dtype=torch.bfloat16), cache, meta, dim**-0.5)
+
+    runs = {case: recorder.of(lambda: step(*case)) for case in itertools.product((1, 2, 17, 256, 1024), (1, 256, 300))}
+    return _missing(precompiled, runs)
+
+
 def _check_load(driver: Any) -> str | None:
     """A compile-only launch inside ``parallel_compile`` leaves the kernel loaded and its launcher
     built, so its first real launch does neither."""
@@ -231,7 +257,7 @@ def _worker_main() -> None:
         return
     recorder = _KeyRecorder()
     checks = {"sampler": lambda: _check_sampler(recorder), "attention": lambda: _check_attention(recorder),
-              "load": lambda: _check_load(driver)}
+              "attention_queue": lambda: _check_attention_queue(recorder), "load": lambda: _check_load(driver)}
     for name in CHECKS:
         start = time.perf_counter()
         knobs.runtime.jit_cache_hook = None if name == "load" else recorder  # "load" compiles for real

@@ -188,6 +188,17 @@ class TritonAttentionBackend:
                 q, kv_cache, query_start_loc, seq_lens, block_tables, 1.0,
                 max_query_len=1, max_seq_len=1, config=config, compile_only=True,
             )
+        if self.decode_queue is not None:
+            from tokenmill.kernels.triton import paged_attention_persistent as queue
+
+            chunk_keys, max_chunks = self.decode_queue
+            tile_n, num_warps, num_stages = queue.launch_shape(dtype, kv_cache.dtype, head_dim)
+            queue.persistent_decode_attention(
+                q, kv_cache, seq_lens, block_tables, 1.0, queue.decode_work_plan(seq_lens, num_kv_heads, chunk_keys, max_chunks),
+                queue.PersistentDecodeBuffers.allocate(1, num_heads, num_kv_heads, head_dim, max_chunks, dev), out=q,
+                tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=queue.PROGRAMS_PER_SM,
+                compile_only=True,
+            )
 
 
 def _check_block_size(kv_cache: "torch.Tensor", meta: AttentionMetadata) -> None:

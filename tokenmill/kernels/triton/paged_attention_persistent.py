@@ -80,7 +80,8 @@ def _find_rank(item_start_ptr, num_seqs, item, SEARCH_BLOCK: tl.constexpr):
     return tl.minimum(count, num_seqs - 1)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# Host ints that change with the batch are not specialised on (one variant for every step).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _persistent_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     seq_lens_ptr, block_tables_ptr, order_ptr, item_start_ptr, queue_ptr, done_ptr,
@@ -196,8 +197,10 @@ def persistent_decode_attention(
     num_warps: int,
     num_stages: int,
     programs_per_sm: int,
+    compile_only: bool = False,
 ) -> torch.Tensor:
-    """Decode attention of B one-token sequences through the item queue (see the module doc)."""
+    """Decode attention of B one-token sequences through the item queue (see the module doc).
+    ``compile_only``: compile this launch's variant and launch nothing (``precompile.py``)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     if seq_lens.shape != (num_seqs,) or block_tables.shape[0] != num_seqs or plan.order.shape != (num_seqs,):
@@ -207,6 +210,7 @@ def persistent_decode_attention(
     ):
         raise ValueError("the buffers were allocated for fewer sequences or chunks than this plan has")
     from tokenmill.kernels.triton.paged_attention import _fp16_dots
+    from tokenmill.kernels.triton.precompile import launcher
     from tokenmill.kernels.triton.sm_count import num_sms
 
     group = num_heads // num_kv_heads
@@ -215,7 +219,7 @@ def persistent_decode_attention(
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_sms(q.device) * programs_per_sm,)
-    _persistent_decode_kernel[grid](
+    launcher(_persistent_decode_kernel, grid, compile_only)(
         q, k_cache, v_cache, out, buffers.part_acc, buffers.part_ml, seq_lens, block_tables, plan.order,
         plan.item_start, buffers.queue, buffers.done, num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
