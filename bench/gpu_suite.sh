@@ -172,7 +172,7 @@ for part in $parts; do
     order-sweep)  # the same decode steps with their rows request-ordered, longest first, shortest first, uniform (dispatch-order tails)
       timeout 300 python3 bench/kernels_bench.py --order-sweep > "$OUT/order_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/order_sweep.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/order_sweep.raw"; : > "$OUT/order_sweep.raw" ;;
-    persistent-sweep)  # the item-queue decode kernel (an experiment, docs/perf.md 43) against the graphs' launch
+    persistent-sweep)  # the item-queue decode kernel (an experiment, docs/perf.md 44) against the graphs' launch
       timeout 400 python3 bench/kernels_bench.py --persistent-sweep > "$OUT/persistent.raw" 2>>"$OUT/suite.log"; tag "$OUT/persistent.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/persistent.raw"; : > "$OUT/persistent.raw" ;;
     queue-throughput)  # P1, P5 and P3 on the default decode attention, then on the item queue (TOKENMILL_DECODE_QUEUE, default 512,4), alternating

@@ -188,7 +188,7 @@ def _check_attention(recorder: _KeyRecorder) -> str | None:
 
 def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
     """Pure decode steps through the item-queue kernel (``decode_queue``, an experiment) at batch
-    sizes 1-1,024 and block tables of two widths, against the backend's precompile with it on."""
+    sizes 1-1,024 and block tables of three widths, against the backend's precompile with it on."""
     import torch
 
     from tokenmill.attention.metadata import AttentionMetadata
