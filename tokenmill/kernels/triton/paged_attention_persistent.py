@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.paged_attention_tiles import _attend_tiles, _dot_query, _load_rows, _store_normalised
+from tokenmill.kernels.triton.paged_attention_tiles import _attend_tiles, _dot_query, _load_rows, _split_tiles, _store_normalised
 
 _LOG2E = 1.4426950408889634
 _SEARCH_BLOCK = 256
@@ -112,10 +112,7 @@ def _persistent_decode_kernel(
         row_head = kv_head * GROUP + row_in_group
         token = tl.zeros([BLOCK_M], dtype=tl.int32) + seq  # decode: sequence i's one token is token i
         q = _dot_query(_load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM), scale_log2, FP16_DOTS)
-        num_tiles = tl.cdiv(kv_end, TILE_N)
-        tiles_per_chunk = tl.cdiv(num_tiles, num_chunks)
-        tile_lo = chunk * tiles_per_chunk
-        tile_hi = tl.minimum(tile_lo + tiles_per_chunk, num_tiles)
+        tile_lo, tile_hi = _split_tiles(kv_end, chunk, num_chunks, TILE_N)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
