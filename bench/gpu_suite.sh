@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [persistent-sweep] [queue-throughput] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -172,12 +172,12 @@ for part in $parts; do
     order-sweep)  # the same decode steps with their rows request-ordered, longest first, shortest first, uniform (dispatch-order tails)
       timeout 300 python3 bench/kernels_bench.py --order-sweep > "$OUT/order_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/order_sweep.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/order_sweep.raw"; : > "$OUT/order_sweep.raw" ;;
-    persistent-sweep)  # the item-queue decode kernel (an experiment, docs/perf.md 44) against the graphs' launch
-      timeout 400 python3 bench/kernels_bench.py --persistent-sweep > "$OUT/persistent.raw" 2>>"$OUT/suite.log"; tag "$OUT/persistent.raw" "$OUT/kernels.jsonl"
-      grep -c us_median "$OUT/persistent.raw"; : > "$OUT/persistent.raw" ;;
-    queue-throughput)  # P1, P5 and P3 on the default decode attention, then on the item queue (TOKENMILL_DECODE_QUEUE, default 512,4), alternating
+    queue-sweep)  # the item-queue decode kernel against the default launch, bucket by bucket (docs/perf.md 44)
+      timeout 400 python3 bench/kernels_bench.py --queue-sweep > "$OUT/queue_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/queue_sweep.raw" "$OUT/kernels.jsonl"
+      grep -c us_median "$OUT/queue_sweep.raw"; : > "$OUT/queue_sweep.raw" ;;
+    queue-throughput)  # P1, P5 and P3 with the item queue off (tokenmill_noqueue) and on (tokenmill, the default), alternating
       for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
-        for engine in tokenmill tokenmill_queue tokenmill; do
+        for engine in tokenmill_noqueue tokenmill tokenmill_noqueue tokenmill; do
           RESULTS="$OUT/queue.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine $run 2>&1 | grep -v "^\s*$" | tail -2
         done
       done

@@ -201,57 +201,52 @@ def run_order_sweep(args: argparse.Namespace) -> None:
                     torch.cuda.empty_cache()
 
 
-def run_persistent_sweep(args: argparse.Namespace) -> None:
-    """The item-queue decode kernel (``paged_attention_persistent.py``, an experiment: docs/perf.md
-    43) against the graphs' own launch on the same steps (rows in request order): whole contexts
-    longest first, then chunked at 256-1,024 keys, 4 programs an SM (the registers allow 4 at 2
-    warps). The plan (a sort and a cumsum, once a step for every layer) is timed on its own."""
-    from tokenmill.kernels.triton.paged_attention_persistent import (
-        PersistentDecodeBuffers,
-        decode_work_plan,
-        persistent_decode_attention,
+def run_queue_sweep(args: argparse.Namespace) -> None:
+    """The item-queue decode kernel (``paged_attention_queue.py``; docs/perf.md 44) against the
+    default launch a graph of the same bucket takes, on the same steps (rows in request order), on
+    both head layouts over a bf16 cache, at the buckets around ``queue_pays``' threshold and above;
+    the ranking launch (once a step for every layer) timed on its own. Rows carry which launch
+    the engine's rule picks for that step."""
+    from tokenmill.kernels.triton.paged_attention_queue import (
+        decode_order,
+        launch_shape,
+        new_queue,
+        queue_pays,
+        queued_decode_attention,
     )
 
-    steps = [(str(b), b, protocol_contexts("nano", b)) for b in (16, 32, 64, 128, 192, 256)]
+    steps = [(str(b), b, protocol_contexts("nano", b)) for b in (48, 64, 96, 128, 160, 192, 224, 256)]
     steps += [("1024", 1024, [640] * 1024), ("p5-256", 256, protocol_contexts("prefill", 256))]
-    tiles = {None: (64, 2, 3), torch.float8_e4m3fn: (32, 2, 6)}
     for heads in (16, 32):
         layout = argparse.Namespace(**{**vars(args), "heads": heads})
-        for cache_dtype, (tile_n, warps, stages) in tiles.items():
-            for label, bucket, seq_lens in steps:
-                batch = decode_batch(layout, seq_lens, cache_dtype)
-                base = run_case(layout, seq_lens, f"persistent-{label}-graph", None, cache_dtype, bucket, 4096, batch=batch)
-                print(json.dumps({**base, "bucket": bucket}), flush=True)
-                q, cache, lens, tables = batch.q[: len(seq_lens)], batch.kv_cache, batch.seq_lens, batch.block_tables
-                expected = paged_attention_ref(q, cache, batch.query_start_loc, lens, tables, args.head_dim**-0.5)
-                for chunk_keys, max_chunks in ((0, 1), (1024, 2), (512, 4), (256, 8)):
-                    plan = decode_work_plan(lens, args.kv_heads, chunk_keys, max_chunks)
-                    buffers = PersistentDecodeBuffers.allocate(len(seq_lens), heads, args.kv_heads, args.head_dim, max_chunks, "cuda")
-                    out = torch.full_like(q, float("nan"))
+        for label, bucket, seq_lens in steps:
+            batch = decode_batch(layout, seq_lens)
+            base = run_case(layout, seq_lens, f"queue-{label}-graph", None, None, bucket, 4096, batch=batch)
+            print(json.dumps({**base, "bucket": bucket}), flush=True)
+            q, cache, lens, tables = batch.q[: len(seq_lens)], batch.kv_cache, batch.seq_lens, batch.block_tables
+            expected = paged_attention_ref(q, cache, batch.query_start_loc, lens, tables, args.head_dim**-0.5)
+            tile_n, warps, stages = launch_shape(q.dtype, cache.dtype, args.head_dim)
+            order, counters, out = decode_order(lens), new_queue("cuda"), torch.full_like(q, float("nan"))
 
-                    def call(plan: Any = plan, buffers: Any = buffers, out: torch.Tensor = out) -> None:
-                        persistent_decode_attention(q, cache, lens, tables, args.head_dim**-0.5, plan, buffers, out=out,
-                                                    tile_n=tile_n, num_warps=warps, num_stages=stages, programs_per_sm=4)
+            def call(order: torch.Tensor = order, counters: torch.Tensor = counters, out: torch.Tensor = out) -> None:
+                queued_decode_attention(q, cache, lens, tables, args.head_dim**-0.5, order, counters, out=out,
+                                        tile_n=tile_n, num_warps=warps, num_stages=stages)
 
-                    call()
-                    rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-                    if not rel < 2e-2:
-                        raise SystemExit(f"persistent {label} {chunk_keys}: wrong result (rel {rel})")
-                    us_median, us_min = _time_graph(call)
-                    try:
-                        plan_us = _time_graph(lambda ck=chunk_keys, mc=max_chunks: decode_work_plan(lens, args.kv_heads, ck, mc))[0]
-                    except Exception as exc:  # noqa: BLE001  (a sort that cannot be captured: say so, go on)
-                        plan_us = repr(exc)[:200]
-                    print(json.dumps({**base, "case": f"persistent-{label}", "bucket": bucket, "chunk_keys": chunk_keys,
-                                      "max_chunks": max_chunks, "config": {"tile_n": tile_n, "num_warps": warps, "num_stages": stages,
-                                                                           "programs_per_sm": 4},
-                                      "us_median": round(us_median, 2), "us_min": round(us_min, 2),
-                                      "plan_us": round(plan_us, 2) if isinstance(plan_us, float) else plan_us,
-                                      "gbps": round(base["bytes"] / (us_median * 1e-6) / 1e9, 1),
-                                      "frac_of_4300": round(base["bytes"] / (us_median * 1e-6) / 1e9 / HBM_GBPS, 3),
-                                      "vs_graph": round(us_median / base["us_median"], 3), "rel_err": rel}), flush=True)
-                del batch  # (the closures keep the last step's tensors until the next one rebinds them)
-                torch.cuda.empty_cache()
+            call()
+            rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+            if not rel < 2e-2:
+                raise SystemExit(f"queue {label}: wrong result (rel {rel})")
+            us_median, us_min = _time_graph(call)
+            order_us = _time_graph(lambda lens=lens: decode_order(lens))[0]
+            print(json.dumps({**base, "case": f"queue-{label}", "bucket": bucket,
+                              "config": {"tile_n": tile_n, "num_warps": warps, "num_stages": stages},
+                              "us_median": round(us_median, 2), "us_min": round(us_min, 2), "order_us": round(order_us, 2),
+                              "gbps": round(base["bytes"] / (us_median * 1e-6) / 1e9, 1),
+                              "frac_of_4300": round(base["bytes"] / (us_median * 1e-6) / 1e9 / HBM_GBPS, 3),
+                              "vs_graph": round(us_median / base["us_median"], 3), "rel_err": rel,
+                              "engine_picks_queue": queue_pays(bucket, args.kv_heads, cache.dtype, q.device)}), flush=True)
+            del batch  # (the closures keep the last step's tensors until the next one rebinds them)
+            torch.cuda.empty_cache()
 
 
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
@@ -323,7 +318,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
     parser.add_argument("--long", action="store_true", help="also time 8 seqs x 32K context, split-KV on and off")
     parser.add_argument("--batch-sweep", action="store_true", help="only decode steps of P1's batch sizes (and P2's, P5's), K splits and tiles")
-    parser.add_argument("--persistent-sweep", action="store_true", help="only decode steps on the item-queue kernel (experiment)")
+    parser.add_argument("--queue-sweep", action="store_true", help="only decode steps on the item-queue kernel against the default launch")
     parser.add_argument("--order-sweep", action="store_true", help="only decode steps with their rows in four orders (ragged tails)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -337,8 +332,8 @@ def main() -> None:
     if args.order_sweep:
         run_order_sweep(args)
         return
-    if args.persistent_sweep:
-        run_persistent_sweep(args)
+    if args.queue_sweep:
+        run_queue_sweep(args)
         return
     rng = random.Random(0)
     lo, hi = int(args.ctx * (1 - args.jitter)), int(args.ctx * (1 + args.jitter))

@@ -64,15 +64,10 @@ _COMPILE_QKV_PROLOGUE = {
 }
 for _name in _COMPILE_QKV_PROLOGUE:
     _case("compile_sm90", f"sm90-qkv_prologue-{_name}", kernel="qkv_prologue", shape=_name)
-# The item-queue decode kernel (an experiment): the default decode launch's tile over bf16 (P1's
-# and P3's heads, chunked and whole) and over fp8.
-_case("compile_sm90", "sm90-persistent-decode-bf16-g2-chunks", kernel="persistent_decode", heads=16, chunk_keys=512,
-      max_chunks=4, tile_n=64, num_warps=2, num_stages=3)
-_case("compile_sm90", "sm90-persistent-decode-bf16-g4-whole", kernel="persistent_decode", heads=32, chunk_keys=0,
-      max_chunks=1, tile_n=64, num_warps=2, num_stages=3)
-# (1 warp, as the default fp8 decode launch, spills 4 B here: the merge's state beside the pipeline.)
-_case("compile_sm90", "sm90-persistent-decode-fp8cache-g2-chunks", kernel="persistent_decode", heads=16, chunk_keys=256,
-      max_chunks=8, tile_n=32, num_warps=2, num_stages=6, cache_dtype="float8_e4m3fn")
+# The item-queue decode kernel: the default decode launch's tile over bf16 (P1's and P3's heads),
+# and its ranking kernel.
+_case("compile_sm90", "sm90-queue-decode-bf16-g2", kernel="queue_decode", heads=16, tile_n=64, num_warps=2, num_stages=3)
+_case("compile_sm90", "sm90-queue-decode-bf16-g4", kernel="queue_decode", heads=32, tile_n=64, num_warps=2, num_stages=3)
 # kv_cache_dtype="fp8": bf16 keys and values stored as float8 e4m3 and read back by attention.
 _case("compile_sm90", "sm90-attn-p1-decode-fp8cache", kernel="attention", shape="p1-decode-bf16-d128-g2", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-attn-prefill-fp8cache", kernel="attention", shape="prefill-bf16-d128-g2", cache_dtype="float8_e4m3fn")
@@ -227,19 +222,17 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             torch.zeros((seqs, max_seq // bs), dtype=torch.int32), dim**-0.5, max_query_len=qlen, max_seq_len=max_seq,
             config=config,
         )
-    elif kernel == "persistent_decode":
-        from tokenmill.kernels.triton.paged_attention_persistent import PersistentDecodeBuffers, DecodeWorkPlan, persistent_decode_attention
+    elif kernel == "queue_decode":
+        from tokenmill.kernels.triton.paged_attention_queue import decode_order, new_queue, queued_decode_attention
 
         seqs, heads, kv_heads, dim = 256, p["heads"], 8, 128
-        cache_dtype = getattr(torch, p.get("cache_dtype", "bfloat16"))
         qkv = torch.empty((seqs, (heads + 2 * kv_heads) * dim), dtype=bf16)
         q = qkv[:, : heads * dim].view(seqs, heads, dim)
-        plan = DecodeWorkPlan(torch.zeros(seqs, dtype=torch.int32), torch.zeros(seqs + 1, dtype=torch.int32), p["chunk_keys"], p["max_chunks"])
-        buffers = PersistentDecodeBuffers.allocate(seqs, heads, kv_heads, dim, p["max_chunks"], "cpu")
-        persistent_decode_attention(
-            q, torch.empty((2, 8, 16, kv_heads, dim), dtype=cache_dtype), torch.zeros(seqs, dtype=torch.int32),
-            torch.zeros((seqs, 256), dtype=torch.int32), dim**-0.5, plan, buffers, out=torch.empty_like(q),
-            tile_n=p["tile_n"], num_warps=p["num_warps"], num_stages=p["num_stages"], programs_per_sm=4,
+        seq_lens = torch.zeros(seqs, dtype=torch.int32)
+        queued_decode_attention(
+            q, torch.empty((2, 8, 16, kv_heads, dim), dtype=bf16), seq_lens, torch.zeros((seqs, 256), dtype=torch.int32),
+            dim**-0.5, decode_order(seq_lens), new_queue("cpu"), out=torch.empty_like(q), tile_n=p["tile_n"],
+            num_warps=p["num_warps"], num_stages=p["num_stages"],
         )
     elif kernel == "matmul":
         from tokenmill.kernels.triton.matmul import matmul
@@ -355,7 +348,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel",
-                               "_persistent_decode_kernel") and entry["float_inputs"]:
+                               "_queue_decode_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
         if entry["kernel"] == "_w4a16_kernel" and p["m"] <= SWAPPED_MAX_M:
             # Decode sizes: the dequantized weight is the wgmma's register operand, made from words

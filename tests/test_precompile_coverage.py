@@ -187,15 +187,15 @@ def _check_attention(recorder: _KeyRecorder) -> str | None:
 
 
 def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
-    """Pure decode steps through the item-queue kernel (``decode_queue``, an experiment) at batch
-    sizes 1-1,024 and block tables of three widths, against the backend's precompile with it on."""
+    """Pure decode steps through the item-queue kernel at batch sizes 1-1,024 and block tables of
+    three widths, on a backend that takes the queue for every decode step, against its precompile."""
     import torch
 
     from tokenmill.attention.metadata import AttentionMetadata
     from tokenmill.attention.triton_backend import TritonAttentionBackend
 
     heads, kv_heads, dim, block = 16, 8, 128, 16
-    backend = TritonAttentionBackend(decode_queue=(512, 4))
+    backend = TritonAttentionBackend(decode_queue=True)
     cache = torch.empty((2, 64, block, kv_heads, dim), dtype=torch.bfloat16)
     precompiled = recorder.of(lambda: backend.precompile(
         heads, torch.empty((2, 1, block, kv_heads, dim), dtype=torch.bfloat16), torch.bfloat16, 4096))

@@ -190,7 +190,7 @@ def test_backend_forward_never_syncs() -> None:
     from tokenmill.attention.triton_backend import TritonAttentionBackend
 
     backend = TritonAttentionBackend()
-    batches = [_batch(s, "qwen3-0.6b", 16, torch.bfloat16, seed=6) for s in ("decode64", "mixed", "few_long_decode")]
+    batches = [_batch(s, "qwen3-0.6b", 16, torch.bfloat16, seed=6) for s in ("decode64", "decode256", "mixed", "few_long_decode")]
     for b in batches:  # compile first: the first launch of a new specialisation may sync
         backend.forward(b.q, b.k, b.v, b.kv_cache, b.metadata(), 0.1)
     torch.cuda.synchronize()
@@ -204,10 +204,13 @@ def test_backend_forward_never_syncs() -> None:
 
 
 @pytest.mark.skipif(DRYRUN, reason="CUDA only")
-@pytest.mark.parametrize("graph_batch", [32, 256])
-def test_cuda_graph_decode_replay(graph_batch: int) -> None:
+@pytest.mark.parametrize("graph_batch,decode_queue", [(32, None), (256, None), (256, False)],
+                         ids=["32-default-launch", "256-queue", "256-default-launch"])
+def test_cuda_graph_decode_replay(graph_batch: int, decode_queue: bool | None) -> None:
     """Capture one decode step at static bounds, then replay it for other lengths, block tables and
-    padding (unused sequences either empty, or 1-token dummies with slot -1)."""
+    padding (unused sequences either empty, or 1-token dummies with slot -1). At 256 sequences
+    the backend's rule takes the item queue (its ranking captured with it); told not to, the
+    default launch."""
     from tokenmill.attention.metadata import AttentionMetadata
     from tokenmill.attention.triton_backend import TritonAttentionBackend
     from tokenmill.kernels import reference
@@ -252,7 +255,7 @@ def test_cuda_graph_decode_replay(graph_batch: int) -> None:
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, generator=g, device=dev))
 
-    backend = TritonAttentionBackend()
+    backend = TritonAttentionBackend(decode_queue=decode_queue)
     fill(graph_batch, "empty", 0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -262,6 +265,7 @@ def test_cuda_graph_decode_replay(graph_batch: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.forward(q, k, v, cache, meta, scale)
+    assert ("decode_order" in meta.backend_cache) == (graph_batch == 256 and decode_queue is None), "wrong decode launch"
 
     for trial, (real, padding) in enumerate([(graph_batch, "empty"), (graph_batch // 2, "empty"), (graph_batch - 3, "dummy"), (1, "empty")]):
         fill(real, padding, trial + 1)

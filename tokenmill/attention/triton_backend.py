@@ -36,12 +36,13 @@ class TritonAttentionBackend:
 
     ``deterministic``: every step launches the batch-invariant variant (one tile shape for decode
     and prefill, fixed key parts merged in order; ``choose_config(deterministic=True)``).
-    ``decode_queue`` (chunk_keys, max_chunks): pure decode steps run on the item-queue kernel
-    (``kernels/triton/paged_attention_persistent.py``), an experiment that is off unless a benchmark
-    turns it on (docs/perf.md 44); not with ``deterministic``.
+    ``decode_queue``: whether pure decode steps run on the item queue
+    (``kernels/triton/paged_attention_queue.py``): ``None`` where ``queue_pays`` says it is faster
+    (large steps over a 16-bit cache), ``True`` for every pure decode step, ``False`` never; not
+    with ``deterministic``.
     """
 
-    def __init__(self, deterministic: bool = False, decode_queue: tuple[int, int] | None = None) -> None:
+    def __init__(self, deterministic: bool = False, decode_queue: bool | None = None) -> None:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
         from tokenmill.kernels.triton.paged_attention import paged_attention
@@ -54,10 +55,10 @@ class TritonAttentionBackend:
         self._choose_configs = choose_configs
         self._launch_configs = launch_configs
         self.deterministic = deterministic
-        if decode_queue is not None and deterministic:
+        if decode_queue and deterministic:
             raise ValueError("decode_queue is not for deterministic mode (its kernels are the batch-invariant ones)")
-        self.decode_queue = decode_queue
-        self._queue_buffers: dict[tuple, object] = {}  # per (heads, kv heads, head_dim, device, stream): grown, never shrunk
+        self.decode_queue = False if deterministic else decode_queue
+        self._queues: dict[tuple, "torch.Tensor"] = {}  # the queue's counters per (device, stream)
 
     def forward(
         self,
@@ -97,7 +98,7 @@ class TritonAttentionBackend:
         return self._attend(q, kv_cache, meta, scale)
 
     def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
-        if self.decode_queue is not None and meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0] and self._queued(q, kv_cache):
             return self._attend_queued(q, kv_cache, meta, scale)
         # The launch shapes are the same for every layer of a step: choose them once per step.
         key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype)
@@ -134,37 +135,33 @@ class TritonAttentionBackend:
             decode_config=decode_config,
         )
 
+    def _queued(self, q: "torch.Tensor", kv_cache: "torch.Tensor") -> bool:
+        if self.decode_queue is not None:
+            return self.decode_queue
+        from tokenmill.kernels.triton.paged_attention_queue import queue_pays
+
+        return queue_pays(q.shape[0], kv_cache.shape[3], kv_cache.dtype, q.device)
+
     def _attend_queued(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
-        """A pure decode step (row i is sequence i's one token) through the item queue. The plan
-        (ranking and item counts) is built once per step from ``seq_lens`` on the device and reused
-        by every layer; padding rows (seq_len 0) get no items and are not written."""
+        """A pure decode step (row i is sequence i's one token) through the item queue. The order
+        (longest context first) is ranked once per step on the device and reused by every layer;
+        padding rows (seq_len 0) rank last and are not written."""
         import torch
 
-        from tokenmill.kernels.triton import paged_attention_persistent as queue
+        from tokenmill.kernels.triton import paged_attention_queue as queue
 
-        assert self.decode_queue is not None
-        chunk_keys, max_chunks = self.decode_queue
-        num_seqs, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[3]
-        key = ("decode_queue_plan", num_kv_heads)
-        plan = meta.backend_cache.get(key)
-        if plan is None:
-            plan = meta.backend_cache[key] = queue.decode_work_plan(meta.seq_lens, num_kv_heads, chunk_keys, max_chunks)
-        # Sized by the first (largest: graphs are captured largest first, after an eager warm-up)
-        # batch; a larger one later reallocates, which only an eager step can meet. One set a
-        # stream: two micro-batches in flight on two streams must not share a queue.
+        order = meta.backend_cache.get("decode_order")
+        if order is None:
+            order = meta.backend_cache["decode_order"] = queue.decode_order(meta.seq_lens)
+        # One set of counters a stream: two micro-batches in flight on two streams must not share one.
         stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-        buffers_key = (num_heads, num_kv_heads, head_dim, q.device, stream)
-        buffers = self._queue_buffers.get(buffers_key)
-        if buffers is None or buffers.done.numel() < num_seqs * num_kv_heads:
-            buffers = self._queue_buffers[buffers_key] = queue.PersistentDecodeBuffers.allocate(
-                num_seqs, num_heads, num_kv_heads, head_dim, max_chunks, q.device
-            )
-        tile_n, num_warps, num_stages = queue.launch_shape(q.dtype, kv_cache.dtype, head_dim)
-        out = torch.empty_like(q)
-        return queue.persistent_decode_attention(
-            q, kv_cache, meta.seq_lens, meta.block_tables, scale, plan, buffers, out=out, tile_n=tile_n,
-            num_warps=num_warps, num_stages=num_stages, programs_per_sm=queue.PROGRAMS_PER_SM,
+        counters = self._queues.get((q.device, stream))
+        if counters is None:
+            counters = self._queues[(q.device, stream)] = queue.new_queue(q.device)
+        tile_n, num_warps, num_stages = queue.launch_shape(q.dtype, kv_cache.dtype, q.shape[2])
+        return queue.queued_decode_attention(
+            q, kv_cache, meta.seq_lens, meta.block_tables, scale, order, counters, out=torch.empty_like(q),
+            tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
         )
 
     def precompile(self, num_heads: int, kv_cache: "torch.Tensor", dtype: "torch.dtype", max_seq_len: int) -> None:
@@ -188,15 +185,14 @@ class TritonAttentionBackend:
                 q, kv_cache, query_start_loc, seq_lens, block_tables, 1.0,
                 max_query_len=1, max_seq_len=1, config=config, compile_only=True,
             )
-        if self.decode_queue is not None:
-            from tokenmill.kernels.triton import paged_attention_persistent as queue
+        if self.decode_queue or (self.decode_queue is None and kv_cache.dtype.itemsize > 1):
+            # The queue's variant (and its ranking), for the large decode steps that take it.
+            from tokenmill.kernels.triton import paged_attention_queue as queue
 
-            chunk_keys, max_chunks = self.decode_queue
             tile_n, num_warps, num_stages = queue.launch_shape(dtype, kv_cache.dtype, head_dim)
-            queue.persistent_decode_attention(
-                q, kv_cache, seq_lens, block_tables, 1.0, queue.decode_work_plan(seq_lens, num_kv_heads, chunk_keys, max_chunks),
-                queue.PersistentDecodeBuffers.allocate(1, num_heads, num_kv_heads, head_dim, max_chunks, dev), out=q,
-                tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=queue.PROGRAMS_PER_SM,
+            queue.queued_decode_attention(
+                q, kv_cache, seq_lens, block_tables, 1.0, queue.decode_order(seq_lens, compile_only=True),
+                queue.new_queue(dev), out=q, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
                 compile_only=True,
             )
 

@@ -64,7 +64,6 @@ from tokenmill.kernels.triton.paged_attention_tiles import (
     _dot_query,
     _load_rows,
     _locate_rows,
-    _split_tiles,
     _store_normalised,
     _store_partial,
 )
@@ -130,7 +129,10 @@ def _paged_attention_kernel(
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
     q = _dot_query(q, scale_log2, FP16_DOTS)
     # This split's share of the block's key tiles.
-    tile_lo, tile_hi = _split_tiles(kv_end, split, NUM_SPLITS, TILE_N)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

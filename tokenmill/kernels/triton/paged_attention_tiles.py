@@ -66,16 +66,6 @@ def _locate_rows(
 
 
 @triton.jit
-def _split_tiles(kv_end, part, num_parts, TILE_N: tl.constexpr):
-    """Key tiles ``tile_lo..tile_hi - 1`` of part ``part`` when the ``kv_end`` keys are cut into
-    ``num_parts`` runs of whole tiles (the later parts may be empty)."""
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_part = tl.cdiv(num_tiles, num_parts)
-    tile_lo = part * tiles_per_part
-    return tile_lo, tl.minimum(tile_lo + tiles_per_part, num_tiles)
-
-
-@triton.jit
 def _load_rows(q_ptr, token, head, valid, stride_q_tok, stride_q_head, HEAD_DIM: tl.constexpr):
     """q[token, head] of the tile's rows (0 for invalid rows)."""
     dims = tl.arange(0, HEAD_DIM)
