@@ -506,7 +506,7 @@ def _check_queue_rule(p: dict[str, Any]) -> None:
                                torch.empty(2, 1, 16, kv_heads, 128, dtype=cache_dtype))
 
     auto = TritonAttentionBackend()
-    assert [queued(auto, n) for n in (1, 64, 96, 128, 256, 1024)] == [False, False, False, True, True, True]
+    assert [queued(auto, n) for n in (1, 64, 96, 128, 256, 1024)] == [False, False, True, True, True, True]
     assert not queued(auto, 256, kv_heads=2) and queued(auto, 512, kv_heads=2)
     assert not queued(auto, 1024, cache_dtype=torch.float8_e4m3fn)
     assert not queued(TritonAttentionBackend(deterministic=True), 1024)

@@ -30,9 +30,9 @@ _LOG2E = 1.4426950408889634
 _RANK_BLOCK = 128
 # Programs an SM: the 64-key tile on 2 warps takes 240 registers a thread (sm_90 compile), so 4 fit.
 PROGRAMS_PER_SM = 4
-# Items an SM from which the queue beats the default launch (measured: 3.9 loses 11%, 7.8 gains
-# 6-7% at 8 kv heads on Qwen3-0.6B's and Llama-3-8B's head layouts; docs/perf.md 44).
-MIN_ITEMS_PER_SM = 6
+# Items an SM from which the queue beats the default launch (measured: 3.9 loses 7%, 5.8-7.8 gain
+# 8-9% at 8 kv heads on Qwen3-0.6B's and Llama-3-8B's head layouts; docs/perf.md 44).
+MIN_ITEMS_PER_SM = 5
 
 
 def queue_pays(num_seqs: int, num_kv_heads: int, cache_dtype: torch.dtype, device: torch.device) -> bool:
