@@ -1,7 +1,9 @@
 """Attention on the GPU through our Triton kernels: same contract as ``TorchAttentionBackend``.
 
 ``forward`` stores the step's keys and values by ``slot_mapping`` (slot -1 = padding, skipped) and
-runs the unified paged attention kernel over the flattened batch. Nothing in it syncs with the
+runs the unified paged attention kernel over the flattened batch, or, for a large pure decode step
+over a 16-bit cache, the item-queue decode kernel (``paged_attention_queue.py``: longest contexts
+first, so a ragged step does not end on a few long programs). Nothing in it syncs with the
 device or allocates a data-dependent amount of memory, so the runner can capture it in a CUDA
 graph:
 - the kernels read lengths, starts and block tables only from the metadata tensors;

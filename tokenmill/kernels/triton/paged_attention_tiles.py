@@ -1,7 +1,8 @@
-"""The pieces that every paged attention kernel is built from (``paged_attention.py`` and
-``paged_attention_deterministic.py``): which sequence, query rows and key range a program serves,
-the online softmax of its rows over a run of key tiles, and the store of a finished (normalised) or
-partial (unnormalised) result. Each is a ``@triton.jit`` function, inlined into the kernels.
+"""The pieces that every paged attention kernel is built from (``paged_attention.py``,
+``paged_attention_deterministic.py`` and ``paged_attention_queue.py``): which sequence, query rows
+and key range a program serves, the online softmax of its rows over a run of key tiles, and the
+store of a finished (normalised) or partial (unnormalised) result. Each is a ``@triton.jit``
+function, inlined into the kernels.
 """
 
 from __future__ import annotations
