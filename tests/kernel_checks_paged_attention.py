@@ -72,6 +72,11 @@ for _dt in ("float32", "float16"):
         "backend", f"backend-decode-queue-bs16-g2-d64-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
         head_dim=64, query_lens=[1, 1, 1, 1], seq_lens=[70, 3, 33, 129], decode_queue=True, graph_pad=2,
     )
+    # A mixed step: its leading decodes through the queue, the chunks through the prefill launch.
+    _case(
+        "backend", f"backend-mixed-queue-bs16-g2-d64-{_dt}", dtype=_dt, block_size=16, num_heads=4, num_kv_heads=2,
+        head_dim=64, query_lens=[1, 1, 1, 6, 3], seq_lens=[70, 3, 33, 6, 35], decode_queue=True,
+    )
     _case(
         "layer", f"layer-qwen3-g2-d64-bs16-{_dt}", dtype=_dt, qk_norm=True, qkv_bias=False, num_heads=4, num_kv_heads=2,
         head_dim=64, block_size=16, query_lens=[1, 5, 3], seq_lens=[18, 5, 20],

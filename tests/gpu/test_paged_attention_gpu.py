@@ -170,8 +170,10 @@ def test_attention_64bit_cache_offsets() -> None:
 
 
 # ---------------------------------------------------------------- the backend
-@pytest.mark.parametrize("scenario", ["mixed", "decode256", "prefill_long"])
+@pytest.mark.parametrize("scenario", ["mixed", "decode64", "decode256", "p5_mixed", "prefill_long"])
 def test_backend_matches_torch_backend(scenario: str) -> None:
+    """The backend's own choices: the default launches, and the item queue for decode256's step
+    and for p5_mixed's 256 leading decodes (the prefill launch takes the rest)."""
     from tokenmill.attention.torch_backend import TorchAttentionBackend
     from tokenmill.attention.triton_backend import TritonAttentionBackend
 
@@ -180,9 +182,12 @@ def test_backend_matches_torch_backend(scenario: str) -> None:
     expected = TorchAttentionBackend().forward(
         batch.q.float(), batch.k.float(), batch.v.float(), cache_ref, batch.metadata(), 0.1
     )
-    got = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata(), 0.1)
+    meta = batch.metadata()
+    got = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, 0.1)
     torch.testing.assert_close(got.float(), expected, **_attn_tol(batch.q.dtype))
     torch.testing.assert_close(batch.kv_cache.float(), cache_ref, atol=0, rtol=0)
+    if not DRYRUN:
+        assert ("decode_order" in meta.backend_cache) == (scenario in ("decode256", "p5_mixed")), "wrong decode launch"
 
 
 @pytest.mark.skipif(DRYRUN, reason="CUDA only")

@@ -100,8 +100,10 @@ class TritonAttentionBackend:
         return self._attend(q, kv_cache, meta, scale)
 
     def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
+        import torch
+
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0] and self._queued(q, kv_cache):
-            return self._attend_queued(q, kv_cache, meta, scale)
+            return self._attend_queued(q, kv_cache, meta.seq_lens, meta.block_tables, meta, scale, torch.empty_like(q))
         # The launch shapes are the same for every layer of a step: choose them once per step.
         key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype)
         plan = meta.backend_cache.get(key)
@@ -123,6 +125,12 @@ class TritonAttentionBackend:
             )
             plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config)
         num_decode_seqs, decode_config, config = plan
+        out = torch.empty_like(q)
+        # A mixed step's leading decodes: on the item queue when there are enough of them.
+        decodes_done = num_decode_seqs > 0 and self._queued(q[:num_decode_seqs], kv_cache)
+        if decodes_done:
+            d = num_decode_seqs
+            self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d])
         return self._paged_attention(
             q,
             kv_cache,
@@ -133,8 +141,10 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             num_decode_seqs=num_decode_seqs,
+            out=out,
             config=config,
             decode_config=decode_config,
+            decodes_done=decodes_done,
         )
 
     def _queued(self, q: "torch.Tensor", kv_cache: "torch.Tensor") -> bool:
@@ -144,17 +154,21 @@ class TritonAttentionBackend:
 
         return queue_pays(q.shape[0], kv_cache.shape[3], kv_cache.dtype, q.device)
 
-    def _attend_queued(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
-        """A pure decode step (row i is sequence i's one token) through the item queue. The order
-        (longest context first) is ranked once per step on the device and reused by every layer;
-        padding rows (seq_len 0) rank last and are not written."""
+    def _attend_queued(
+        self, q: "torch.Tensor", kv_cache: "torch.Tensor", seq_lens: "torch.Tensor", block_tables: "torch.Tensor",
+        meta: AttentionMetadata, scale: float, out: "torch.Tensor",
+    ) -> "torch.Tensor":
+        """Decode rows (row i is sequence i's one token: a pure decode step, or a mixed step's
+        leading decodes) through the item queue, into ``out``. The order (longest context first) is
+        ranked once per step on the device and reused by every layer; padding rows (seq_len 0)
+        rank last and are not written."""
         import torch
 
         from tokenmill.kernels.triton import paged_attention_queue as queue
 
         order = meta.backend_cache.get("decode_order")
         if order is None:
-            order = meta.backend_cache["decode_order"] = queue.decode_order(meta.seq_lens)
+            order = meta.backend_cache["decode_order"] = queue.decode_order(seq_lens)
         # One set of counters a stream: two micro-batches in flight on two streams must not share one.
         stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
         counters = self._queues.get((q.device, stream))
@@ -162,7 +176,7 @@ class TritonAttentionBackend:
             counters = self._queues[(q.device, stream)] = queue.new_queue(q.device)
         tile_n, num_warps, num_stages = queue.launch_shape(q.dtype, kv_cache.dtype, q.shape[2])
         return queue.queued_decode_attention(
-            q, kv_cache, meta.seq_lens, meta.block_tables, scale, order, counters, out=torch.empty_like(q),
+            q, kv_cache, seq_lens, block_tables, scale, order, counters, out=out,
             tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
         )
 

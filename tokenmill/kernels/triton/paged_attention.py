@@ -226,6 +226,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     config: AttentionLaunchConfig | None = None,
     decode_config: AttentionLaunchConfig | None = None,
+    decodes_done: bool = False,
     compile_only: bool = False,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q.dtype
     """Causal paged attention of the flattened batch (its keys/values already in the cache).
@@ -240,8 +241,10 @@ def paged_attention(
     get a launch of their own with the decode tile and the rest the prefill tile; a count larger
     than the true one gives wrong results, a smaller one (0: one launch) only a slower step.
     ``config`` overrides the choice of the (prefill or only) launch, ``decode_config`` that of the
-    decode launch (benchmarks, tests of the split path). ``compile_only`` compiles the kernels
-    this call would launch and launches nothing (``precompile.py``).
+    decode launch (benchmarks, tests of the split path). ``decodes_done``: those leading decodes'
+    rows of ``out`` were written by the caller (the item queue, ``paged_attention_queue.py``), so
+    only the rest is launched. ``compile_only`` compiles the kernels this call would launch and
+    launches nothing (``precompile.py``).
     """
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, num_heads, head_dim] with a contiguous last dim, got {tuple(q.shape)}")
@@ -277,6 +280,8 @@ def paged_attention(
         raise ValueError(f"a deterministic config (part_keys {config.part_keys}) runs alone: decode_config must be None")
     # A deterministic config's one tile serves decodes too: its steps stay in one launch.
     split_decodes = not fixed_parts and _splits_off_decodes(num_decode_seqs, num_seqs, max_query_len)
+    if decodes_done and not split_decodes:
+        raise ValueError("decodes_done needs leading decodes followed by longer queries, and no deterministic config")
     if config is None or (decode_config is None and split_decodes):
         chosen_decode, chosen = choose_configs(
             num_tokens=num_tokens, num_seqs=num_seqs, num_decode_seqs=num_decode_seqs, num_heads=num_heads,
@@ -291,7 +296,8 @@ def paged_attention(
     if split_decodes:
         assert decode_config is not None
         d = num_decode_seqs
-        launch(decode_config, num_launch_seqs=d, first_seq=0, num_launch_tokens=d)
+        if not decodes_done:
+            launch(decode_config, num_launch_seqs=d, first_seq=0, num_launch_tokens=d)
         launch(config, num_launch_seqs=num_seqs, first_seq=d, num_launch_tokens=num_tokens - d)
     else:
         launch(config, num_launch_seqs=num_seqs, first_seq=0, num_launch_tokens=num_tokens)

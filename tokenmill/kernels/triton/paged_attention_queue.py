@@ -1,4 +1,5 @@
-"""Decode attention of a large step as a queue of (sequence, kv head) items, longest contexts first.
+"""Decode attention of many sequences as a queue of (sequence, kv head) items, longest contexts first:
+a large pure decode step, or the leading decodes of a mixed step (the prefill launch takes the rest).
 
 The default decode launch has one program per (sequence, kv head) and split, dispatched in grid
 order, so a step of ragged contexts ends with a few long programs running while most SMs idle:
@@ -36,8 +37,8 @@ MIN_ITEMS_PER_SM = 5
 
 
 def queue_pays(num_seqs: int, num_kv_heads: int, cache_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a pure decode step of ``num_seqs`` rows (a graph bucket counts its padding rows)
-    should run on the queue rather than the default launch."""
+    """Whether ``num_seqs`` decode rows (a graph bucket counts its padding rows) should run on the
+    queue rather than the default decode launch."""
     from tokenmill.kernels.triton.sm_count import num_sms
 
     if cache_dtype.itemsize == 1:
