@@ -204,49 +204,65 @@ def run_order_sweep(args: argparse.Namespace) -> None:
 def run_queue_sweep(args: argparse.Namespace) -> None:
     """The item-queue decode kernel (``paged_attention_queue.py``; docs/perf.md 44) against the
     default launch a graph of the same bucket takes, on the same steps (rows in request order), on
-    both head layouts over a bf16 cache, at the buckets around ``queue_pays``' threshold and above;
-    the ranking launch (once a step for every layer) timed on its own. Rows carry which launch
-    the engine's rule picks for that step."""
+    both head layouts, over a bf16 cache (the engine's launch shape first, then others the
+    registers allow) and over an fp8 one (which the engine keeps on the default launch), at the
+    buckets around ``queue_pays``' threshold and above; the ranking launch (once a step for every
+    layer) timed on its own. Rows carry whether the engine's rule picks the queue for that step."""
     from tokenmill.kernels.triton.paged_attention_queue import (
+        PROGRAMS_PER_SM,
         decode_order,
         launch_shape,
         new_queue,
         queue_pays,
         queued_decode_attention,
     )
+    from tokenmill.kernels.triton.sm_count import num_sms
 
-    steps = [(str(b), b, protocol_contexts("nano", b)) for b in (48, 64, 96, 128, 160, 192, 224, 256)]
+    steps = [(str(b), b, protocol_contexts("nano", b)) for b in (48, 64, 96, 128, 192, 256)]
     steps += [("1024", 1024, [640] * 1024), ("p5-256", 256, protocol_contexts("prefill", 256))]
+    # (tile_n, num_warps, num_stages, programs an SM); sm_90 registers: bf16 (64, 2, 3) 230, (32, 2, 6)
+    # 239, (64, 4, 3) 168; fp8 (32, 1, 6) 246, (32, 2, 6) 194, (64, 2, 3) 193.
+    shapes = {
+        None: [(*launch_shape(getattr(torch, args.dtype), torch.bfloat16, args.head_dim), PROGRAMS_PER_SM),
+               (64, 2, 4, 4), (32, 2, 6, 4), (64, 4, 3, 3)],
+        torch.float8_e4m3fn: [(32, 1, 6, 8), (32, 1, 6, 6), (32, 2, 6, 4), (64, 2, 3, 5)],
+    }
     for heads in (16, 32):
         layout = argparse.Namespace(**{**vars(args), "heads": heads})
-        for label, bucket, seq_lens in steps:
-            batch = decode_batch(layout, seq_lens)
-            base = run_case(layout, seq_lens, f"queue-{label}-graph", None, None, bucket, 4096, batch=batch)
-            print(json.dumps({**base, "bucket": bucket}), flush=True)
-            q, cache, lens, tables = batch.q[: len(seq_lens)], batch.kv_cache, batch.seq_lens, batch.block_tables
-            expected = paged_attention_ref(q, cache, batch.query_start_loc, lens, tables, args.head_dim**-0.5)
-            tile_n, warps, stages = launch_shape(q.dtype, cache.dtype, args.head_dim)
-            order, counters, out = decode_order(lens), new_queue("cuda"), torch.full_like(q, float("nan"))
+        for cache_dtype, configs in shapes.items():
+            for label, bucket, seq_lens in steps:
+                batch = decode_batch(layout, seq_lens, cache_dtype)
+                base = run_case(layout, seq_lens, f"queue-{label}-graph", None, cache_dtype, bucket, 4096, batch=batch)
+                print(json.dumps({**base, "bucket": bucket}), flush=True)
+                q, cache, lens, tables = batch.q[: len(seq_lens)], batch.kv_cache, batch.seq_lens, batch.block_tables
+                expected = paged_attention_ref(q, cache, batch.query_start_loc, lens, tables, args.head_dim**-0.5)
+                order, sms = decode_order(lens), num_sms(q.device)
+                order_us = _time_graph(lambda lens=lens: decode_order(lens))[0]
+                for tile_n, warps, stages, per_sm in configs:
+                    counters, out = new_queue(q.device), torch.full_like(q, float("nan"))
 
-            def call(order: torch.Tensor = order, counters: torch.Tensor = counters, out: torch.Tensor = out) -> None:
-                queued_decode_attention(q, cache, lens, tables, args.head_dim**-0.5, order, counters, out=out,
-                                        tile_n=tile_n, num_warps=warps, num_stages=stages)
+                    def call(counters: torch.Tensor = counters, out: torch.Tensor = out, tile_n: int = tile_n,
+                             warps: int = warps, stages: int = stages, per_sm: int = per_sm) -> None:
+                        queued_decode_attention(q, cache, lens, tables, args.head_dim**-0.5, order, counters, out=out,
+                                                tile_n=tile_n, num_warps=warps, num_stages=stages, programs=sms * per_sm)
 
-            call()
-            rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-            if not rel < 2e-2:
-                raise SystemExit(f"queue {label}: wrong result (rel {rel})")
-            us_median, us_min = _time_graph(call)
-            order_us = _time_graph(lambda lens=lens: decode_order(lens))[0]
-            print(json.dumps({**base, "case": f"queue-{label}", "bucket": bucket,
-                              "config": {"tile_n": tile_n, "num_warps": warps, "num_stages": stages},
-                              "us_median": round(us_median, 2), "us_min": round(us_min, 2), "order_us": round(order_us, 2),
-                              "gbps": round(base["bytes"] / (us_median * 1e-6) / 1e9, 1),
-                              "frac_of_4300": round(base["bytes"] / (us_median * 1e-6) / 1e9 / HBM_GBPS, 3),
-                              "vs_graph": round(us_median / base["us_median"], 3), "rel_err": rel,
-                              "engine_picks_queue": queue_pays(bucket, args.kv_heads, cache.dtype, q.device)}), flush=True)
-            del batch  # (the closures keep the last step's tensors until the next one rebinds them)
-            torch.cuda.empty_cache()
+                    call()
+                    rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+                    if not rel < 2e-2:
+                        raise SystemExit(f"queue {label} {tile_n, warps, stages, per_sm}: wrong result (rel {rel})")
+                    us_median, us_min = _time_graph(call)
+                    print(json.dumps({**base, "case": f"queue-{label}", "bucket": bucket,
+                                      "config": {"tile_n": tile_n, "num_warps": warps, "num_stages": stages,
+                                                 "programs_per_sm": per_sm},
+                                      "us_median": round(us_median, 2), "us_min": round(us_min, 2),
+                                      "order_us": round(order_us, 2),
+                                      "gbps": round(base["bytes"] / (us_median * 1e-6) / 1e9, 1),
+                                      "frac_of_4300": round(base["bytes"] / (us_median * 1e-6) / 1e9 / HBM_GBPS, 3),
+                                      "vs_graph": round(us_median / base["us_median"], 3), "rel_err": rel,
+                                      "engine_picks_queue": queue_pays(bucket, args.kv_heads, cache.dtype, q.device)}),
+                          flush=True)
+                del batch  # (the closures keep the last step's tensors until the next one rebinds them)
+                torch.cuda.empty_cache()
 
 
 def run_qkv_prologue_case(args: argparse.Namespace, tokens: int, label: str) -> dict[str, Any]:
