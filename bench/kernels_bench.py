@@ -209,23 +209,21 @@ def run_queue_sweep(args: argparse.Namespace) -> None:
     buckets around ``queue_pays``' threshold and above; the ranking launch (once a step for every
     layer) timed on its own. Rows carry whether the engine's rule picks the queue for that step."""
     from tokenmill.kernels.triton.paged_attention_queue import (
-        PROGRAMS_PER_SM,
         decode_order,
         launch_shape,
         new_queue,
         queue_pays,
         queued_decode_attention,
     )
-    from tokenmill.kernels.triton.sm_count import num_sms
-
     steps = [(str(b), b, protocol_contexts("nano", b)) for b in (48, 64, 96, 128, 192, 256)]
     steps += [("1024", 1024, [640] * 1024), ("p5-256", 256, protocol_contexts("prefill", 256))]
     # (tile_n, num_warps, num_stages, programs an SM); sm_90 registers: bf16 (64, 2, 3) 230, (32, 2, 6)
     # 239, (64, 4, 3) 168; fp8 (32, 1, 6) 246, (32, 2, 6) 194, (64, 2, 3) 193.
-    shapes = {
-        None: [(*launch_shape(getattr(torch, args.dtype), torch.bfloat16, args.head_dim), PROGRAMS_PER_SM),
-               (64, 2, 4, 4), (32, 2, 6, 4), (64, 4, 3, 3)],
-        torch.float8_e4m3fn: [(32, 1, 6, 8), (32, 1, 6, 6), (32, 2, 6, 4), (64, 2, 3, 5)],
+    dtype = getattr(torch, args.dtype)
+    shapes = {  # the engine's shape first
+        None: [launch_shape(dtype, torch.bfloat16, args.head_dim), (64, 2, 4, 4), (32, 2, 6, 4), (64, 4, 3, 3)],
+        torch.float8_e4m3fn: [launch_shape(dtype, torch.float8_e4m3fn, args.head_dim), (32, 1, 6, 6), (32, 2, 6, 4),
+                              (64, 2, 3, 5)],
     }
     for heads in (16, 32):
         layout = argparse.Namespace(**{**vars(args), "heads": heads})
@@ -236,7 +234,7 @@ def run_queue_sweep(args: argparse.Namespace) -> None:
                 print(json.dumps({**base, "bucket": bucket}), flush=True)
                 q, cache, lens, tables = batch.q[: len(seq_lens)], batch.kv_cache, batch.seq_lens, batch.block_tables
                 expected = paged_attention_ref(q, cache, batch.query_start_loc, lens, tables, args.head_dim**-0.5)
-                order, sms = decode_order(lens), num_sms(q.device)
+                order = decode_order(lens)
                 order_us = _time_graph(lambda lens=lens: decode_order(lens))[0]
                 for tile_n, warps, stages, per_sm in configs:
                     counters, out = new_queue(q.device), torch.full_like(q, float("nan"))
@@ -244,7 +242,7 @@ def run_queue_sweep(args: argparse.Namespace) -> None:
                     def call(counters: torch.Tensor = counters, out: torch.Tensor = out, tile_n: int = tile_n,
                              warps: int = warps, stages: int = stages, per_sm: int = per_sm) -> None:
                         queued_decode_attention(q, cache, lens, tables, args.head_dim**-0.5, order, counters, out=out,
-                                                tile_n=tile_n, num_warps=warps, num_stages=stages, programs=sms * per_sm)
+                                                tile_n=tile_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
 
                     call()
                     rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()

@@ -455,8 +455,10 @@ def _check_queue(p: dict[str, Any]) -> None:
 
     dtype = getattr(torch, p["dtype"])
     seq_lens, pad = p["seq_lens"], p.get("pad", 0)
+    cache_dtype = getattr(torch, p["cache_dtype"]) if "cache_dtype" in p else None
     batch = make_paged_batch([1] * len(seq_lens), seq_lens, num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
-                             head_dim=p["head_dim"], block_size=p["block_size"], dtype=dtype, seed=len(seq_lens))
+                             head_dim=p["head_dim"], block_size=p["block_size"], dtype=dtype, seed=len(seq_lens),
+                             cache_dtype=cache_dtype)
     scale = p["head_dim"] ** -0.5
     expected = reference.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
                                              batch.block_tables, scale)
@@ -469,7 +471,7 @@ def _check_queue(p: dict[str, Any]) -> None:
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         queued_decode_attention(q, batch.kv_cache, lens, tables, scale, order, queue, out=out, tile_n=16, num_warps=4,
-                                num_stages=1, programs=p["programs"])
+                                num_stages=1, programs_per_sm=1, programs=p["programs"])
         torch.testing.assert_close(out[: len(seq_lens)], expected, **_tol(dtype))
         assert out[len(seq_lens):].isnan().all(), "a padding row was written"
         assert queue.tolist() == [0, 0], "the queue was left set"
@@ -492,6 +494,9 @@ for _dt in ("float32", "float16"):
     for _programs in (3, None):
         _case("queue", f"queue-g2-d64-{_dt}-{_programs or 'default'}", dtype=_dt, block_size=16, num_heads=4,
               num_kv_heads=2, head_dim=64, seq_lens=[130, 5, 33, 64, 33, 97, 1], pad=2, programs=_programs)
+# Over an fp8 cache (made in fp8 by the batch builder; the twin reads the same bytes).
+_case("queue", "queue-fp8cache-g2-d64-float16", dtype="float16", cache_dtype="float8_e4m3fn", block_size=16,
+      num_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[130, 5, 33, 64, 33, 97, 1], pad=1, programs=3)
 # A group of 3 padded to 4 rows; head_dim 128.
 _case("queue", "queue-g3-d128-float16", dtype="float16", block_size=16, num_heads=6, num_kv_heads=2,
       head_dim=128, seq_lens=[40, 7, 100, 16, 3], programs=4)
@@ -500,8 +505,8 @@ _case("decode_order", "decode-order-300-ties", num_seqs=300, max_len=40)
 
 def _check_queue_rule(p: dict[str, Any]) -> None:
     """Which pure decode steps the backend sends to the queue by default: the measured side of the
-    threshold (64 sequences of 8 kv heads: the default launch; 128: the queue), never over an fp8
-    cache, never in deterministic mode, and everything when told to."""
+    threshold (8 kv heads: from 96 sequences over bf16, from 128 over fp8), never in deterministic
+    mode, and everything when told to."""
     import torch
 
     from tokenmill.attention.triton_backend import TritonAttentionBackend
@@ -510,10 +515,10 @@ def _check_queue_rule(p: dict[str, Any]) -> None:
         return backend._queued(torch.empty(seqs, 16, 128, dtype=torch.bfloat16),
                                torch.empty(2, 1, 16, kv_heads, 128, dtype=cache_dtype))
 
-    auto = TritonAttentionBackend()
+    auto, fp8 = TritonAttentionBackend(), torch.float8_e4m3fn
     assert [queued(auto, n) for n in (1, 64, 96, 128, 256, 1024)] == [False, False, True, True, True, True]
     assert not queued(auto, 256, kv_heads=2) and queued(auto, 512, kv_heads=2)
-    assert not queued(auto, 1024, cache_dtype=torch.float8_e4m3fn)
+    assert [queued(auto, n, cache_dtype=fp8) for n in (64, 96, 128, 1024)] == [False, False, True, True]
     assert not queued(TritonAttentionBackend(deterministic=True), 1024)
     assert queued(TritonAttentionBackend(decode_queue=True), 1) and not queued(TritonAttentionBackend(decode_queue=False), 1024)
 

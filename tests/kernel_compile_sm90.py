@@ -235,7 +235,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             q, torch.empty((2, 8, 16, kv_heads, dim), dtype=getattr(torch, p.get("cache_dtype", "bfloat16"))), seq_lens,
             torch.zeros((seqs, 256), dtype=torch.int32), dim**-0.5, decode_order(seq_lens), new_queue("cpu"),
             out=torch.empty_like(q), tile_n=p["tile_n"],
-            num_warps=p["num_warps"], num_stages=p["num_stages"],
+            num_warps=p["num_warps"], num_stages=p["num_stages"], programs_per_sm=8 // p["num_warps"],
         )
     elif kernel == "matmul":
         from tokenmill.kernels.triton.matmul import matmul

@@ -187,8 +187,9 @@ def _check_attention(recorder: _KeyRecorder) -> str | None:
 
 
 def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
-    """Pure decode steps through the item-queue kernel at batch sizes 1-1,024 and block tables of
-    three widths, on a backend that takes the queue for every decode step, against its precompile."""
+    """Decode steps through the item-queue kernel (pure ones at batch sizes 1-1,024 and block tables
+    of three widths, and a mixed step's leading decodes) over a bf16 and an fp8 cache, on a backend
+    that takes the queue for every step's decodes, against its precompile."""
     import torch
 
     from tokenmill.attention.metadata import AttentionMetadata
@@ -196,19 +197,25 @@ def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
 
     heads, kv_heads, dim, block = 16, 8, 128, 16
     backend = TritonAttentionBackend(decode_queue=True)
-    cache = torch.empty((2, 64, block, kv_heads, dim), dtype=torch.bfloat16)
-    precompiled = recorder.of(lambda: backend.precompile(
-        heads, torch.empty((2, 1, block, kv_heads, dim), dtype=torch.bfloat16), torch.bfloat16, 4096))
+    precompiled, runs = [], {}
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = torch.empty((2, 64, block, kv_heads, dim), dtype=cache_dtype)
+        precompiled += recorder.of(lambda: backend.precompile(
+            heads, torch.empty((2, 1, block, kv_heads, dim), dtype=cache_dtype), torch.bfloat16, 4096))
 
-    def step(seqs: int, max_blocks: int) -> None:
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(seqs, dtype=torch.int64), query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
-            seq_lens=torch.ones(seqs, dtype=torch.int32), block_tables=torch.zeros((seqs, max_blocks), dtype=torch.int32),
-            block_size=block, query_lens_host=[1] * seqs, seq_lens_host=[4096] * seqs, max_query_len=1, max_seq_len=4096,
-        )
-        backend._attend(torch.empty((seqs, heads, dim), dtype=torch.bfloat16), cache, meta, dim**-0.5)
+        def step(seqs: int, max_blocks: int, chunk: int) -> None:
+            lens = [1] * seqs + [chunk] * (chunk > 0)
+            starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(starts[-1].item(), dtype=torch.int64), query_start_loc=starts,
+                seq_lens=torch.ones(len(lens), dtype=torch.int32),
+                block_tables=torch.zeros((len(lens), max_blocks), dtype=torch.int32), block_size=block,
+                query_lens_host=lens, seq_lens_host=[4096] * len(lens), max_query_len=max(lens), max_seq_len=4096,
+            )
+            backend._attend(torch.empty((sum(lens), heads, dim), dtype=torch.bfloat16), cache, meta, dim**-0.5)
 
-    runs = {case: recorder.of(lambda: step(*case)) for case in itertools.product((1, 2, 17, 256, 1024), (1, 256, 300))}
+        for case in itertools.product((1, 2, 17, 256, 1024), (1, 256, 300), (0, 7)):
+            runs[(str(cache_dtype), *case)] = recorder.of(lambda: step(*case))
     return _missing(precompiled, runs)
 
 

@@ -190,6 +190,25 @@ def test_backend_matches_torch_backend(scenario: str) -> None:
         assert ("decode_order" in meta.backend_cache) == (scenario in ("decode256", "p5_mixed")), "wrong decode launch"
 
 
+@pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
+@pytest.mark.parametrize("heads", ["qwen3-0.6b", "llama3-8b"])
+@pytest.mark.parametrize("scenario", ["decode256", "p5_mixed"])
+def test_backend_over_an_fp8_cache_takes_the_queue(scenario: str, heads: str) -> None:
+    """kv_cache_dtype="fp8": 256 decodes (alone, or in front of P5's chunks) go to the item queue on
+    the fp8 launch's 1-warp tile; the result against the twin reading the same fp8 cache."""
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.kernels import reference
+
+    batch = _batch(scenario, heads, 16, torch.bfloat16, seed=7, cache_dtype=torch.float8_e4m3fn)
+    meta, scale = batch.metadata(), batch.q.shape[-1] ** -0.5
+    got = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, scale)
+    assert "decode_order" in meta.backend_cache, "the decodes did not take the queue"
+    expected = reference.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                             batch.block_tables, scale)
+    n = batch.num_real_tokens
+    torch.testing.assert_close(got[:n].float(), expected[:n].float(), **_attn_tol(batch.q.dtype))
+
+
 @pytest.mark.skipif(DRYRUN, reason="CUDA only")
 def test_backend_forward_never_syncs() -> None:
     from tokenmill.attention.triton_backend import TritonAttentionBackend

@@ -1,8 +1,8 @@
 """Attention on the GPU through our Triton kernels: same contract as ``TorchAttentionBackend``.
 
 ``forward`` stores the step's keys and values by ``slot_mapping`` (slot -1 = padding, skipped) and
-runs the unified paged attention kernel over the flattened batch, or, for a large pure decode step
-over a 16-bit cache, the item-queue decode kernel (``paged_attention_queue.py``: longest contexts
+runs the unified paged attention kernel over the flattened batch; a step's decodes, when there are
+many, go to the item-queue decode kernel instead (``paged_attention_queue.py``: longest contexts
 first, so a ragged step does not end on a few long programs). Nothing in it syncs with the
 device or allocates a data-dependent amount of memory, so the runner can capture it in a CUDA
 graph:
@@ -38,10 +38,10 @@ class TritonAttentionBackend:
 
     ``deterministic``: every step launches the batch-invariant variant (one tile shape for decode
     and prefill, fixed key parts merged in order; ``choose_config(deterministic=True)``).
-    ``decode_queue``: whether pure decode steps run on the item queue
-    (``kernels/triton/paged_attention_queue.py``): ``None`` where ``queue_pays`` says it is faster
-    (large steps over a 16-bit cache), ``True`` for every pure decode step, ``False`` never; not
-    with ``deterministic``.
+    ``decode_queue``: whether a step's decodes (a pure decode step, or a mixed step's leading ones)
+    run on the item queue (``kernels/triton/paged_attention_queue.py``): ``None`` where
+    ``queue_pays`` says it is faster (many decodes), ``True`` always, ``False`` never; not with
+    ``deterministic``.
     """
 
     def __init__(self, deterministic: bool = False, decode_queue: bool | None = None) -> None:
@@ -174,10 +174,10 @@ class TritonAttentionBackend:
         counters = self._queues.get((q.device, stream))
         if counters is None:
             counters = self._queues[(q.device, stream)] = queue.new_queue(q.device)
-        tile_n, num_warps, num_stages = queue.launch_shape(q.dtype, kv_cache.dtype, q.shape[2])
+        tile_n, num_warps, num_stages, per_sm = queue.launch_shape(q.dtype, kv_cache.dtype, q.shape[2])
         return queue.queued_decode_attention(
             q, kv_cache, seq_lens, block_tables, scale, order, counters, out=out,
-            tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
+            tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=per_sm,
         )
 
     def precompile(self, num_heads: int, kv_cache: "torch.Tensor", dtype: "torch.dtype", max_seq_len: int) -> None:
@@ -201,15 +201,15 @@ class TritonAttentionBackend:
                 q, kv_cache, query_start_loc, seq_lens, block_tables, 1.0,
                 max_query_len=1, max_seq_len=1, config=config, compile_only=True,
             )
-        if self.decode_queue or (self.decode_queue is None and kv_cache.dtype.itemsize > 1):
+        if self.decode_queue is not False:
             # The queue's variant (and its ranking), for the large decode steps that take it.
             from tokenmill.kernels.triton import paged_attention_queue as queue
 
-            tile_n, num_warps, num_stages = queue.launch_shape(dtype, kv_cache.dtype, head_dim)
+            tile_n, num_warps, num_stages, per_sm = queue.launch_shape(dtype, kv_cache.dtype, head_dim)
             queue.queued_decode_attention(
                 q, kv_cache, seq_lens, block_tables, 1.0, queue.decode_order(seq_lens, compile_only=True),
                 queue.new_queue(dev), out=q, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
-                compile_only=True,
+                programs_per_sm=per_sm, compile_only=True,
             )
 
 

@@ -9,10 +9,10 @@ length, longest first, so the items that finish last are the short ones. Each it
 sequence's whole context for one kv head: nothing is split and nothing merged, so a sequence's
 result is computed exactly as the unsplit default launch computes it.
 
-It pays only when there are several items an SM to balance (``queue_pays``; docs/perf.md 44: 4-7%
-faster than the default launch from 128 sequences of 8 kv heads, 11% slower at 64, where the
-default's key splits fill the GPU and the queue cannot), and not over an fp8 cache (slower at
-every size measured: that launch is tuned for 1 warp, which the queue's state does not fit).
+It pays only when there are several items an SM to balance (``queue_pays``; docs/perf.md 44: over
+a bf16 cache 8-9% faster than the default launch at 96-128 sequences of 8 kv heads, 5-7% at
+192-256, 7% on P5's long contexts, but 6-9% slower at 48-64, where the default's key splits fill
+the GPU and the queue cannot; over an fp8 cache 4-18% faster at 128-256 sequences, slower below).
 
 ``decode_order`` ranks the sequences once per step (one small kernel, no host sync); every layer's
 launch reuses the order. The last program to leave resets the counter, so one counter serves every
@@ -29,11 +29,13 @@ from tokenmill.kernels.triton.paged_attention_tiles import _attend_tiles, _dot_q
 
 _LOG2E = 1.4426950408889634
 _RANK_BLOCK = 64
-# Programs an SM: the 64-key tile on 2 warps takes 240 registers a thread (sm_90 compile), so 4 fit.
-PROGRAMS_PER_SM = 4
-# Items an SM from which the queue beats the default launch (measured: 3.9 loses 7%, 5.8-7.8 gain
-# 8-9% at 8 kv heads on Qwen3-0.6B's and Llama-3-8B's head layouts; docs/perf.md 44).
-MIN_ITEMS_PER_SM = 5
+# Warps an SM the queue's programs fill: 4 programs of the bf16 tile (2 warps, 230 registers a
+# thread on sm_90), 8 of the fp8 tile (1 warp, 246 registers; shared memory lets 7 stay resident).
+WARPS_PER_SM = 8
+# (sequence, kv head) items an SM from which the queue beats the default launch, by the cache's
+# bytes a value (kernels_bench --queue-sweep: bf16 from 5.8 items an SM, fp8 from 7.8; 3.9 and
+# 5.8 lose over fp8, 3.9 over bf16).
+MIN_ITEMS_PER_SM = {2: 5, 1: 7}
 
 
 def queue_pays(num_seqs: int, num_kv_heads: int, cache_dtype: torch.dtype, device: torch.device) -> bool:
@@ -41,19 +43,18 @@ def queue_pays(num_seqs: int, num_kv_heads: int, cache_dtype: torch.dtype, devic
     queue rather than the default decode launch."""
     from tokenmill.kernels.triton.sm_count import num_sms
 
-    if cache_dtype.itemsize == 1:
-        return False
-    return num_seqs * num_kv_heads >= MIN_ITEMS_PER_SM * num_sms(device)
+    min_items = MIN_ITEMS_PER_SM.get(cache_dtype.itemsize)
+    return min_items is not None and num_seqs * num_kv_heads >= min_items * num_sms(device)
 
 
-def launch_shape(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(tile_n, num_warps, num_stages): the default decode launch's (``paged_attention_config``),
-    on at least 2 warps."""
+def launch_shape(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """(tile_n, num_warps, num_stages, programs an SM): the default decode launch's tile
+    (``paged_attention_config``), as many programs as fill ``WARPS_PER_SM``."""
     from tokenmill.kernels.triton.paged_attention_config import _config
 
     group_p = 1  # decode tiles do not depend on the group (16 rows hold any group up to 16)
     config = _config(1, 1, group_p, head_dim, dtype, cache_dtype)
-    return config.tile_n, max(2, config.num_warps), config.num_stages
+    return config.tile_n, config.num_warps, config.num_stages, max(1, WARPS_PER_SM // config.num_warps)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -146,12 +147,13 @@ def queued_decode_attention(
     tile_n: int,
     num_warps: int,
     num_stages: int,
+    programs_per_sm: int,
     programs: int | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
     """Decode attention of B one-token sequences through the item queue (see the module doc).
-    ``programs``: the grid (default ``PROGRAMS_PER_SM`` an SM). ``compile_only``: compile this
-    launch's variant and launch nothing (``precompile.py``)."""
+    ``programs``: the grid, if not ``programs_per_sm`` an SM (tests). ``compile_only``: compile
+    this launch's variant and launch nothing (``precompile.py``)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     if seq_lens.shape != (num_seqs,) or block_tables.shape[0] != num_seqs or order.shape != (num_seqs,):
@@ -164,7 +166,7 @@ def queued_decode_attention(
     group_p = triton.next_power_of_2(group)
     block_m = max(16, group_p)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (programs or num_sms(q.device) * PROGRAMS_PER_SM,)
+    grid = (programs or num_sms(q.device) * programs_per_sm,)
     launcher(_queue_decode_kernel, grid, compile_only)(
         q, k_cache, v_cache, out, seq_lens, block_tables, order, queue, num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
