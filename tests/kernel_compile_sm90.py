@@ -70,6 +70,9 @@ _case("compile_sm90", "sm90-queue-decode-bf16-g2", kernel="queue_decode", heads=
 _case("compile_sm90", "sm90-queue-decode-bf16-g4", kernel="queue_decode", heads=32, tile_n=64, num_warps=2, num_stages=3)
 _case("compile_sm90", "sm90-queue-decode-fp8cache-g2", kernel="queue_decode", heads=16, tile_n=32, num_warps=1, num_stages=6,
       cache_dtype="float8_e4m3fn")
+for _cache in ("bfloat16", "float8_e4m3fn"):  # head_dim 256: the default decode tile, 32 keys on 4 warps
+    _case("compile_sm90", f"sm90-queue-decode-d256-{_cache}", kernel="queue_decode", heads=32, head_dim=256, tile_n=32,
+          num_warps=4, num_stages=3, cache_dtype=_cache)
 # kv_cache_dtype="fp8": bf16 keys and values stored as float8 e4m3 and read back by attention.
 _case("compile_sm90", "sm90-attn-p1-decode-fp8cache", kernel="attention", shape="p1-decode-bf16-d128-g2", cache_dtype="float8_e4m3fn")
 _case("compile_sm90", "sm90-attn-prefill-fp8cache", kernel="attention", shape="prefill-bf16-d128-g2", cache_dtype="float8_e4m3fn")
@@ -227,7 +230,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
     elif kernel == "queue_decode":
         from tokenmill.kernels.triton.paged_attention_queue import decode_order, new_queue, queued_decode_attention
 
-        seqs, heads, kv_heads, dim = 256, p["heads"], 8, 128
+        seqs, heads, kv_heads, dim = 256, p["heads"], 8, p.get("head_dim", 128)
         qkv = torch.empty((seqs, (heads + 2 * kv_heads) * dim), dtype=bf16)
         q = qkv[:, : heads * dim].view(seqs, heads, dim)
         seq_lens = torch.zeros(seqs, dtype=torch.int32)
