@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -179,6 +179,13 @@ for part in $parts; do
       for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
         for engine in tokenmill_noqueue tokenmill tokenmill_noqueue tokenmill; do
           RESULTS="$OUT/queue.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine $run 2>&1 | grep -v "^\s*$" | tail -2
+        done
+      done
+      tag "$OUT/queue.raw" "$OUT/throughput.jsonl"; : > "$OUT/queue.raw" ;;
+    queue-throughput-fp8kv)  # P1 and P3 over an fp8 cache with the item queue off and on, alternating (docs/perf.md 46)
+      for run in "qwen3-0.6b nano" "llama3-8b nano"; do
+        for engine in tokenmill_fp8kv_noqueue tokenmill_fp8kv tokenmill_fp8kv_noqueue tokenmill_fp8kv; do
+          RESULTS="$OUT/queue.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine $run 2>&1 | grep -v "^\s*$" | tail -1
         done
       done
       tag "$OUT/queue.raw" "$OUT/throughput.jsonl"; : > "$OUT/queue.raw" ;;

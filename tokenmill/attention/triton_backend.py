@@ -123,12 +123,12 @@ class TritonAttentionBackend:
                 deterministic=self.deterministic,
                 cache_dtype=kv_cache.dtype,
             )
-            plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config)
-        num_decode_seqs, decode_config, config = plan
+            # A mixed step's leading decodes go to the item queue when there are enough of them.
+            queue_decodes = num_decode_seqs > 0 and self._queued(q[:num_decode_seqs], kv_cache)
+            plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config, queue_decodes)
+        num_decode_seqs, decode_config, config, queue_decodes = plan
         out = torch.empty_like(q)
-        # A mixed step's leading decodes: on the item queue when there are enough of them.
-        decodes_done = num_decode_seqs > 0 and self._queued(q[:num_decode_seqs], kv_cache)
-        if decodes_done:
+        if queue_decodes:
             d = num_decode_seqs
             self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d])
         return self._paged_attention(
@@ -144,7 +144,7 @@ class TritonAttentionBackend:
             out=out,
             config=config,
             decode_config=decode_config,
-            decodes_done=decodes_done,
+            decodes_done=queue_decodes,
         )
 
     def _queued(self, q: "torch.Tensor", kv_cache: "torch.Tensor") -> bool:
