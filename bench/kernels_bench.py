@@ -12,13 +12,15 @@ the same decode shape (Qwen3's qk-norm on); the step over an fp8 cache, on Llama
 P1's thin tail. --sweep adds tile/warp/stage variants, --long few-sequence 32K-context decode with
 and without split-KV. --batch-sweep runs only decode steps at P1's graph buckets (and P2's and
 P5's steps) over K splits and tiles, bf16 and fp8; --order-sweep the same steps with their rows in
-four orders (request, longest first, shortest first, one uniform length). The other attention
+four orders (request, longest first, shortest first, one uniform length); --queue-sweep the item-queue
+kernel (``paged_attention_queue.py``) against the default launch on those steps. The other attention
 benches: P5's prefill and mixed steps (``prefill_step_bench.py``), the pooling models' varlen
 attention (``varlen_bench.py``).
 Usage:
     python bench/kernels_bench.py [--sweep] [--long] [--seqs 256 --ctx 1000 ...]
     python bench/kernels_bench.py --batch-sweep [--heads 32]
     python bench/kernels_bench.py --order-sweep
+    python bench/kernels_bench.py --queue-sweep
 """
 
 from __future__ import annotations
@@ -204,10 +206,10 @@ def run_order_sweep(args: argparse.Namespace) -> None:
 def run_queue_sweep(args: argparse.Namespace) -> None:
     """The item-queue decode kernel (``paged_attention_queue.py``; docs/perf.md 44) against the
     default launch a graph of the same bucket takes, on the same steps (rows in request order), on
-    both head layouts, over a bf16 cache (the engine's launch shape first, then others the
-    registers allow) and over an fp8 one (which the engine keeps on the default launch), at the
-    buckets around ``queue_pays``' threshold and above; the ranking launch (once a step for every
-    layer) timed on its own. Rows carry whether the engine's rule picks the queue for that step."""
+    both head layouts, over a bf16 and an fp8 cache (the engine's launch shape first, then others
+    the registers allow; docs/perf.md 46), at the buckets around ``queue_pays``' thresholds and
+    above; the ranking launch (once a step for every layer) timed on its own. Rows carry whether
+    the engine's rule picks the queue for that step."""
     from tokenmill.kernels.triton.paged_attention_queue import (
         decode_order,
         launch_shape,
@@ -215,6 +217,7 @@ def run_queue_sweep(args: argparse.Namespace) -> None:
         queue_pays,
         queued_decode_attention,
     )
+
     steps = [(str(b), b, protocol_contexts("nano", b)) for b in (48, 64, 96, 128, 192, 256)]
     steps += [("1024", 1024, [640] * 1024), ("p5-256", 256, protocol_contexts("prefill", 256))]
     # (tile_n, num_warps, num_stages, programs an SM); sm_90 registers: bf16 (64, 2, 3) 230, (32, 2, 6)
