@@ -175,17 +175,12 @@ for part in $parts; do
     queue-sweep)  # the item-queue decode kernel against the default launch, bucket by bucket (docs/perf.md 44)
       timeout 400 python3 bench/kernels_bench.py --queue-sweep > "$OUT/queue_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/queue_sweep.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/queue_sweep.raw"; : > "$OUT/queue_sweep.raw" ;;
-    queue-throughput)  # P1, P5 and P3 with the item queue off (tokenmill_noqueue) and on (tokenmill, the default), alternating
-      for run in "qwen3-0.6b nano prefill" "llama3-8b nano"; do
-        for engine in tokenmill_noqueue tokenmill tokenmill_noqueue tokenmill; do
+    queue-throughput|queue-throughput-fp8kv)  # P1, P5, P3 (over an fp8 cache: P1, P3) with the item queue off and on, alternating (docs/perf.md 44, 46)
+      if [ "$part" = queue-throughput ]; then off=tokenmill_noqueue on=tokenmill runs=("qwen3-0.6b nano prefill" "llama3-8b nano")
+      else off=tokenmill_fp8kv_noqueue on=tokenmill_fp8kv runs=("qwen3-0.6b nano" "llama3-8b nano"); fi
+      for run in "${runs[@]}"; do
+        for engine in $off $on $off $on; do
           RESULTS="$OUT/queue.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine $run 2>&1 | grep -v "^\s*$" | tail -2
-        done
-      done
-      tag "$OUT/queue.raw" "$OUT/throughput.jsonl"; : > "$OUT/queue.raw" ;;
-    queue-throughput-fp8kv)  # P1 and P3 over an fp8 cache with the item queue off and on, alternating (docs/perf.md 46)
-      for run in "qwen3-0.6b nano" "llama3-8b nano"; do
-        for engine in tokenmill_fp8kv_noqueue tokenmill_fp8kv tokenmill_fp8kv_noqueue tokenmill_fp8kv; do
-          RESULTS="$OUT/queue.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine $run 2>&1 | grep -v "^\s*$" | tail -1
         done
       done
       tag "$OUT/queue.raw" "$OUT/throughput.jsonl"; : > "$OUT/queue.raw" ;;
