@@ -13,8 +13,8 @@ here (the interpreter's bf16 is not trustworthy); tests/gpu/ covers it on CUDA.
 This file holds the harness and the per-token kernels' cases and checks (KV store, RMSNorm,
 LayerNorm, rotary, the qkv prologue, SiLU-mul); each other kernel family brings its ``CASES`` and
 ``CHECKS`` from a module of its own, merged here: ``kernel_checks_paged_attention.py``,
-``kernel_checks_varlen_attention.py``, ``kernel_checks_sampling.py``, ``quant_kernel_checks.py``,
-``kernel_checks_deterministic.py``.
+``kernel_checks_attention_queue.py``, ``kernel_checks_varlen_attention.py``,
+``kernel_checks_sampling.py``, ``quant_kernel_checks.py``, ``kernel_checks_deterministic.py``.
 
 The same harness also reports the sm_90 compile checks (``kernel_compile_sm90.py``), whose
 worker compiles real-hardware shapes with Triton's compiler and ptxas instead of interpreting.
@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 import kernel_checks_deterministic as deterministic
+import kernel_checks_attention_queue
 import kernel_checks_paged_attention
 import kernel_checks_sampling
 import kernel_checks_varlen_attention
@@ -82,6 +83,7 @@ _case("qkv_prologue", "qkvpro-f32-into-f16-cache", dtype="float32", cache_dtype=
 _case("lazy_import", "import-tokenmill-does-not-import-triton")
 
 CASES.update(kernel_checks_paged_attention.CASES)  # paged attention, its backend and layers
+CASES.update(kernel_checks_attention_queue.CASES)  # the item-queue decode attention
 CASES.update(kernel_checks_varlen_attention.CASES)  # varlen attention and pooling models through it
 CASES.update(kernel_checks_sampling.CASES)  # the Gumbel-max draw, penalties and filters
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
@@ -335,6 +337,7 @@ _CHECKS = {
     "qkv_prologue": _check_qkv_prologue,
     "lazy_import": _check_lazy_import,
     **kernel_checks_paged_attention.CHECKS,
+    **kernel_checks_attention_queue.CHECKS,
     **kernel_checks_varlen_attention.CHECKS,
     **kernel_checks_sampling.CHECKS,
     **deterministic.CHECKS,

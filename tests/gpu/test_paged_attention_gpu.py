@@ -187,7 +187,7 @@ def test_backend_matches_torch_backend(scenario: str) -> None:
     torch.testing.assert_close(got.float(), expected, **_attn_tol(batch.q.dtype))
     torch.testing.assert_close(batch.kv_cache.float(), cache_ref, atol=0, rtol=0)
     if not DRYRUN:
-        assert ("decode_order" in meta.backend_cache) == (scenario in ("decode256", "p5_mixed")), "wrong decode launch"
+        assert ("decode_queue" in meta.backend_cache) == (scenario in ("decode256", "p5_mixed")), "wrong decode launch"
 
 
 @pytest.mark.skipif(DRYRUN, reason="the interpreter's float8 rounding is not exact")
@@ -202,7 +202,7 @@ def test_backend_over_an_fp8_cache_takes_the_queue(scenario: str, heads: str) ->
     batch = _batch(scenario, heads, 16, torch.bfloat16, seed=7, cache_dtype=torch.float8_e4m3fn)
     meta, scale = batch.metadata(), batch.q.shape[-1] ** -0.5
     got = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache, meta, scale)
-    assert "decode_order" in meta.backend_cache, "the decodes did not take the queue"
+    assert "decode_queue" in meta.backend_cache, "the decodes did not take the queue"
     expected = reference.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
                                              batch.block_tables, scale)
     n = batch.num_real_tokens
@@ -289,7 +289,7 @@ def test_cuda_graph_decode_replay(graph_batch: int, decode_queue: bool | None) -
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.forward(q, k, v, cache, meta, scale)
-    assert ("decode_order" in meta.backend_cache) == (graph_batch == 256 and decode_queue is None), "wrong decode launch"
+    assert ("decode_queue" in meta.backend_cache) == (graph_batch == 256 and decode_queue is None), "wrong decode launch"
 
     for trial, (real, padding) in enumerate([(graph_batch, "empty"), (graph_batch // 2, "empty"), (graph_batch - 3, "dummy"), (1, "empty")]):
         fill(real, padding, trial + 1)

@@ -102,7 +102,7 @@ class TritonAttentionBackend:
     def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
         import torch
 
-        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0] and self._queued(q, kv_cache):
+        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0] and self._queued(q.shape[0], kv_cache):
             return self._attend_queued(q, kv_cache, meta.seq_lens, meta.block_tables, meta, scale, torch.empty_like(q))
         # The launch shapes are the same for every layer of a step: choose them once per step.
         key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype)
@@ -124,7 +124,7 @@ class TritonAttentionBackend:
                 cache_dtype=kv_cache.dtype,
             )
             # A mixed step's leading decodes go to the item queue when there are enough of them.
-            queue_decodes = num_decode_seqs > 0 and self._queued(q[:num_decode_seqs], kv_cache)
+            queue_decodes = num_decode_seqs > 0 and self._queued(num_decode_seqs, kv_cache)
             plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config, queue_decodes)
         num_decode_seqs, decode_config, config, queue_decodes = plan
         out = torch.empty_like(q)
@@ -147,12 +147,13 @@ class TritonAttentionBackend:
             decodes_done=queue_decodes,
         )
 
-    def _queued(self, q: "torch.Tensor", kv_cache: "torch.Tensor") -> bool:
+    def _queued(self, num_decodes: int, kv_cache: "torch.Tensor") -> bool:
+        """Whether ``num_decodes`` decode rows of a step go to the item queue."""
         if self.decode_queue is not None:
             return self.decode_queue
         from tokenmill.kernels.triton.paged_attention_queue import queue_pays
 
-        return queue_pays(q.shape[0], kv_cache.shape[3], kv_cache.dtype, q.device)
+        return queue_pays(num_decodes, kv_cache.shape[3], kv_cache.dtype, kv_cache.device)
 
     def _attend_queued(
         self, q: "torch.Tensor", kv_cache: "torch.Tensor", seq_lens: "torch.Tensor", block_tables: "torch.Tensor",
@@ -160,21 +161,22 @@ class TritonAttentionBackend:
     ) -> "torch.Tensor":
         """Decode rows (row i is sequence i's one token: a pure decode step, or a mixed step's
         leading decodes) through the item queue, into ``out``. The order (longest context first) is
-        ranked once per step on the device and reused by every layer; padding rows (seq_len 0)
-        rank last and are not written."""
+        ranked once per step on the device and reused by every layer, with the step's counters and
+        launch shape; padding rows (seq_len 0) rank last and are not written."""
         import torch
 
         from tokenmill.kernels.triton import paged_attention_queue as queue
 
-        order = meta.backend_cache.get("decode_order")
-        if order is None:
-            order = meta.backend_cache["decode_order"] = queue.decode_order(seq_lens)
-        # One set of counters a stream: two micro-batches in flight on two streams must not share one.
-        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-        counters = self._queues.get((q.device, stream))
-        if counters is None:
-            counters = self._queues[(q.device, stream)] = queue.new_queue(q.device)
-        tile_n, num_warps, num_stages, per_sm = queue.launch_shape(q.dtype, kv_cache.dtype, q.shape[2])
+        step = meta.backend_cache.get("decode_queue")
+        if step is None:
+            # One set of counters a stream: two micro-batches in flight on two streams must not share one.
+            stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+            counters = self._queues.get((q.device, stream))
+            if counters is None:
+                counters = self._queues[(q.device, stream)] = queue.new_queue(q.device)
+            shape = queue.launch_shape(q.dtype, kv_cache.dtype, q.shape[2])
+            step = meta.backend_cache["decode_queue"] = (queue.decode_order(seq_lens), counters, shape)
+        order, counters, (tile_n, num_warps, num_stages, per_sm) = step
         return queue.queued_decode_attention(
             q, kv_cache, seq_lens, block_tables, scale, order, counters, out=out,
             tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=per_sm,
