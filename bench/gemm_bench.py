@@ -7,6 +7,12 @@ graph? Shapes: Qwen3-0.6B's and Llama-3-8B's four projections (qkv, o, gate_up, 
 then timed by CUDA-graph replays (bench/gpu_timing.py's timer). One JSON row per (shape, M).
 This is a prototype to decide whether a GEMM of our own is worth building; the engine uses cuBLAS.
     python bench/gemm_bench.py
+
+``--decode-sweep`` asks the question again after entry 37 (docs/perf.md) gave fp8 weights a swapped,
+split-K decode GEMM: at M 1-256, cuBLAS as the engine calls it (F.linear), cuBLASLt (torch's
+``preferred_blas_library``), cuBLAS on the weight stored [K, N], and the swapped kernel
+(``fp8_gemm._fp8_swapped_kernel`` on bf16 operands, unit scales) over its tiles, stages and splits.
+    python bench/gemm_bench.py --decode-sweep
 """
 
 from __future__ import annotations
@@ -61,9 +67,76 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: t
     return out
 
 
+SWEEP_M = {"qwen3-0.6b": (1, 16, 32, 64, 96, 128, 192, 256), "llama3-8b": (16, 64, 128, 256)}
+
+
+def swapped_linear(x: torch.Tensor, w: torch.Tensor, ones: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
+                   partial: torch.Tensor, block_m: int, split: int, stages: int) -> torch.Tensor:
+    """y = x W^T on the fp8 path's swapped split-K kernel, bf16 operands and unit scales."""
+    from tokenmill.kernels.triton.fp8_gemm import _fp8_swapped_kernel
+
+    m, k = x.shape
+    n = w.shape[0]
+    steps = triton.cdiv(k, 64)
+    per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, per_split)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128), split)
+    _fp8_swapped_kernel[grid](x, w, ones, ones, ones, out, partial, counters, m, n, k, per_split, split, x.stride(0),
+                              w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, EVEN_N=n % 128 == 0,
+                              EVEN_K=k % 64 == 0, HAS_BIAS=False, SPLIT=split > 1, num_warps=4, num_stages=stages)
+    return out
+
+
+def decode_sweep() -> None:
+    """One row per (shape, M): cuBLAS, cuBLASLt, cuBLAS on W^T stored, and the best swapped config."""
+    torch.manual_seed(0)
+    for model, shapes in SHAPES.items():
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            wt = w.t().contiguous()
+            ones = torch.ones(max(n, 256), device="cuda", dtype=torch.float32)
+            counters = torch.zeros(triton.cdiv(n, 128) * 16, device="cuda", dtype=torch.int32)
+            for m in SWEEP_M[model]:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                want = torch.nn.functional.linear(x, w)
+                row = {**_provenance("decode_gemm_sweep", f"{model}-{name}-m{m}"), "n": n, "k": k, "m": m}
+                row["cublas_us"] = round(_time_graph(lambda: torch.nn.functional.linear(x, w))[0], 2)
+                row["cublas_wt_us"] = round(_time_graph(lambda: torch.mm(x, wt))[0], 2)
+                previous = torch.backends.cuda.preferred_blas_library()
+                try:
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                    row["cublaslt_us"] = round(_time_graph(lambda: torch.nn.functional.linear(x, w))[0], 2)
+                finally:
+                    torch.backends.cuda.preferred_blas_library(previous)
+                best = None
+                max_split = max(1, triton.cdiv(k, 64) // 4)
+                for block_m in dict.fromkeys(min(bm, max(16, triton.next_power_of_2(m))) for bm in (16, 32, 64)):
+                    for stages in (4, 6):
+                        for split in (s for s in (1, 2, 4, 8, 16) if s <= max_split):
+                            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                            partial = torch.empty((split, m, n), device="cuda", dtype=torch.float32)
+                            args = (x, w, ones, out, counters, partial, block_m, split, stages)
+                            try:
+                                torch.testing.assert_close(swapped_linear(*args), want, atol=2e-2, rtol=2e-2)
+                                us = _time_graph(lambda: swapped_linear(*args))[0]
+                            except Exception as exc:  # noqa: BLE001  (out of shared memory: skip the config)
+                                print(f"# {model} {name} M={m} {(block_m, stages, split)}: {repr(exc)[:120]}", file=sys.stderr)
+                                continue
+                            if best is None or us < best[0]:
+                                best = (us, [block_m, stages, split])
+                if best is not None:
+                    row.update(swapped_us=round(best[0], 2), swapped_config=best[1],
+                               speedup=round(row["cublas_us"] / best[0], 3))
+                row["weight_floor_us"] = round(n * k * 2 / 4.3e6, 2)
+                print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gemm_bench.py needs a CUDA GPU")
+    if "--decode-sweep" in sys.argv[1:]:
+        decode_sweep()
+        return
     torch.manual_seed(0)
     for model, shapes in SHAPES.items():
         for name, (n, k) in shapes.items():

@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
+#   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
 #   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -105,6 +105,8 @@ for part in $parts; do
       tag "$OUT/offload.raw" "$OUT/throughput.jsonl"; : > "$OUT/offload.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
+    gemm-sweep)  # M 1-256: cuBLAS, cuBLASLt, W^T stored, the swapped split-K kernel on bf16 (rows: gpu_gemm.jsonl)
+      timeout 240 python3 bench/gemm_bench.py --decode-sweep > "$OUT/gemm_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm_sweep.raw" "$OUT/gemm_sweep.jsonl"; cat "$OUT/gemm_sweep.jsonl" ;;
     sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
       timeout 300 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
