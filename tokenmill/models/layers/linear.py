@@ -141,9 +141,25 @@ class UnquantizedLinearMethod:
         layer.weight = new_param((output_size, input_size), loader, ParamLayout(output_dim=0, input_dim=1))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass
+        weight = layer.weight
+        if weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1:
+            # Decode-sized products run on the swapped split-K kernel (kernels/triton/decode_gemm.py),
+            # whose tiles count themselves in on these.
+            from tokenmill.kernels.triton.decode_gemm import counters_needed
+
+            layer.register_buffer("splitk_counters", torch.zeros(counters_needed(weight.shape[0]), dtype=torch.int32,
+                                                                 device=weight.device), persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        counters = getattr(layer, "splitk_counters", None)
+        if counters is not None and self.matmul is F.linear and x.device == counters.device and x.dtype == layer.weight.dtype:
+            from tokenmill.kernels.triton.decode_gemm import decode_gemm, runs_decode_gemm
+            from tokenmill.kernels.triton.sm_count import num_sms
+
+            rows = x.reshape(-1, x.shape[-1])
+            if runs_decode_gemm(rows.shape[0], layer.weight.shape[0], num_sms(x.device)):
+                y = decode_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), layer.weight, bias, counters)
+                return y.view(*x.shape[:-1], y.shape[-1])
         return self.matmul(x, layer.weight, bias)
 
 
