@@ -49,16 +49,28 @@ def choose_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=BLOCK_K, num_warps=4, num_stages=stages, split_k=split)
 
 
+def _launch_shape(config: dict[str, int], k: int) -> tuple[dict[str, int], int, int]:
+    """(the kernel's meta-parameters, the K split, K steps a split): rounding may leave fewer
+    non-empty splits than asked."""
+    cfg = dict(config)
+    k_steps = triton.cdiv(k, cfg["BLOCK_K"])
+    steps_per_split = triton.cdiv(k_steps, cfg.pop("split_k"))
+    return cfg, triton.cdiv(k_steps, steps_per_split), steps_per_split
+
+
 def counters_needed(n: int) -> int:
     """Size of a layer's split-K counter buffer."""
     return split_k.counters_needed(n, MAX_M)
 
 
 def decode_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
-                config: dict[str, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                config: dict[str, int] | None = None, out: torch.Tensor | None = None,
+                compile_only: bool = False) -> torch.Tensor:
     """x [M, K] and w [N, K] (bf16 or fp16, last dims contiguous) -> [M, N] in x's dtype.
     ``counters``: the layer's int32 zeros (``counters_needed(N)``), left zeroed again. ``config``
-    overrides ``choose_config`` (tests); ``out`` receives y (tests poison it)."""
+    overrides ``choose_config`` (tests); ``out`` receives y (tests poison it). ``compile_only``
+    compiles the launch and runs nothing (``precompile``)."""
+    from tokenmill.kernels.triton.precompile import launcher
     from tokenmill.kernels.triton.sm_count import num_sms
 
     m, k = x.shape
@@ -68,18 +80,36 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cou
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = dict(config or choose_config(m, n, k, num_sms(x.device)))
-    split = cfg.pop("split_k")
-    k_steps = triton.cdiv(k, cfg["BLOCK_K"])
-    steps_per_split = triton.cdiv(k_steps, split)
-    split = triton.cdiv(k_steps, steps_per_split)  # rounding may leave fewer non-empty splits
+    cfg, split, steps_per_split = _launch_shape(config or choose_config(m, n, k, num_sms(x.device)), k)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
     if split > 1 and grid[0] * grid[1] > counters.numel():
         raise ValueError(f"split-K over {grid[0] * grid[1]} tiles needs that many counters, got {counters.numel()}")
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     unused = counters  # the scale pointers: SCALED=False never reads them
-    _fp8_swapped_kernel[grid](x, w, unused, unused, bias if bias is not None else unused, y, partial, counters, m, n, k,
-                              steps_per_split, split, x.stride(0), w.stride(0), y.stride(0), EVEN_N=n % cfg["BLOCK_N"] == 0,
-                              EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, SPLIT=split > 1, SCALED=False,
-                              **cfg)
+    launcher(_fp8_swapped_kernel, grid, compile_only)(
+        x, w, unused, unused, bias if bias is not None else unused, y, partial, counters, m, n, k, steps_per_split, split,
+        x.stride(0), w.stride(0), y.stride(0), EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, SCALED=False, **cfg,
+    )
     return y
+
+
+def precompile(layers: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]) -> None:
+    """Compile every variant the layers' (weight, bias, counters) can launch (inside
+    ``precompile.parallel_compile``): each tile and stage class up to MAX_M tokens, split or not."""
+    from tokenmill.kernels.triton.sm_count import num_sms
+
+    seen = set()
+    for weight, bias, counters in layers:
+        n, k = weight.shape
+        sms = num_sms(weight.device)
+        for m in range(1, MAX_M + 1):
+            if not runs_decode_gemm(m, n, sms):
+                continue
+            cfg, split, _ = _launch_shape(choose_config(m, n, k, sms), k)
+            key = (n, k, weight.dtype, bias is not None, cfg["BLOCK_M"], cfg["num_stages"], split > 1)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.empty((m, k), dtype=weight.dtype, device=weight.device)
+            decode_gemm(x, weight, bias, counters, compile_only=True)
