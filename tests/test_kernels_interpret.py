@@ -35,7 +35,6 @@ import pytest
 
 import kernel_checks_deterministic as deterministic
 import kernel_checks_attention_queue
-import kernel_checks_decode_gemm
 import kernel_checks_paged_attention
 import kernel_checks_sampling
 import kernel_checks_varlen_attention
@@ -88,7 +87,6 @@ CASES.update(kernel_checks_attention_queue.CASES)  # the item-queue decode atten
 CASES.update(kernel_checks_varlen_attention.CASES)  # varlen attention and pooling models through it
 CASES.update(kernel_checks_sampling.CASES)  # the Gumbel-max draw, penalties and filters
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
-CASES.update(kernel_checks_decode_gemm.CASES)  # the 16-bit decode GEMM
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 
@@ -344,7 +342,6 @@ _CHECKS = {
     **kernel_checks_sampling.CHECKS,
     **deterministic.CHECKS,
     **quant_kernel_checks.CHECKS,
-    **kernel_checks_decode_gemm.CHECKS,
 }
 
 

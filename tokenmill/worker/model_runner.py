@@ -106,8 +106,8 @@ class ModelRunner:
 
     def precompile_kernels(self, max_model_len: int) -> None:
         """Compile every Triton kernel variant the steps can launch, on several threads, before the
-        first step (GPU only): attention's variants, the draw kernel and the 16-bit decode GEMMs. The
-        layers' other kernels have one variant per model and compile in the profiling forward."""
+        first step (GPU only): attention's variants and the draw kernel. The layers' other kernels
+        have one variant per model and compile in the profiling forward."""
         precompile = getattr(self.backend, "precompile", None)
         if self.device.type != "cuda" or precompile is None:
             return
@@ -120,21 +120,10 @@ class ModelRunner:
             with parallel_compile():
                 precompile(m.num_heads, scratch, self.dtype, max_model_len)
                 self.sampler.precompile(self.vocab_size, self.dtype, self.device)
-                self._precompile_decode_gemms()
         except Exception as exc:  # noqa: BLE001  (an optimisation: the kernels still compile on first use)
             logger.warning("compiling kernels ahead failed (%r); they will compile when first launched", exc)
             return
         logger.info("compiled the attention and sampling kernels in %.1f s", time.perf_counter() - start)
-
-    def _precompile_decode_gemms(self) -> None:
-        """The linear layers' decode GEMM variants (``kernels/triton/decode_gemm.py``): an eager step
-        of up to 256 tokens can meet one the decode graphs' buckets never captured."""
-        from tokenmill.kernels.triton.decode_gemm import precompile
-        from tokenmill.models.layers.linear import UnquantizedLinearMethod
-
-        precompile([(mod.weight, mod.bias, mod.splitk_counters) for mod in self.model.modules()
-                    if isinstance(getattr(mod, "quant_method", None), UnquantizedLinearMethod)
-                    and mod.quant_method.takes_decode_gemm(mod)])
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(

@@ -187,12 +187,10 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
 def _fp8_swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
                         M, N, K, steps_per_split, split_k, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                        SCALED: tl.constexpr = True):
+                        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """y^T = W x^T for few tokens: BLOCK_N weight rows are the MMA's 64-row side (read once, from
     HBM, the only large operand), the tokens its N; K cut into ``split_k`` runs of ``steps_per_split``
-    K steps. ``SCALED=False``: 16-bit operands without scales (``decode_gemm.py``; the scale
-    pointers are not read)."""
+    K steps."""
     # Row tiles vary fastest: the programs that share a weight tile run together, so only the first
     # reads it from HBM.
     pid_m = tl.program_id(0)
@@ -218,9 +216,9 @@ def _fp8_swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr,
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
         xt = tl.load(x_ptr + rm_in[None, :] * stride_xm + rk[:, None], mask=k_in[:, None], other=0.0)
         acc = tl.dot(w, xt, acc)
-    if SCALED:  # before the split-K sum: scaling is linear, and the last program then only adds
-        acc = acc * tl.load(w_scale_ptr + rn, mask=n_in, other=0.0)[:, None]
-        acc = acc * tl.load(x_scale_ptr + rm_in)[None, :]
+    # Scaled before the split-K sum: scaling is linear, and the last program then only adds.
+    acc = acc * tl.load(w_scale_ptr + rn, mask=n_in, other=0.0)[:, None]
+    acc = acc * tl.load(x_scale_ptr + rm_in)[None, :]
     store_tile(tl.trans(acc), rm, rn, M, N, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, pid_k, split_k,
                pid_n * tl.num_programs(0) + pid_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 

@@ -141,30 +141,9 @@ class UnquantizedLinearMethod:
         layer.weight = new_param((output_size, input_size), loader, ParamLayout(output_dim=0, input_dim=1))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight = layer.weight
-        if weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1:
-            # Decode-sized products run on the swapped split-K kernel (kernels/triton/decode_gemm.py),
-            # whose tiles count themselves in on these.
-            from tokenmill.kernels.triton.decode_gemm import counters_needed
-
-            layer.register_buffer("splitk_counters", torch.zeros(counters_needed(weight.shape[0]), dtype=torch.int32,
-                                                                 device=weight.device), persistent=False)
-
-    def takes_decode_gemm(self, layer: nn.Module) -> bool:
-        """Whether the layer's decode-sized products may run on the decode GEMM: it has its counters
-        and the product is cuBLAS's (deterministic mode swaps in its own, batch-invariant one)."""
-        counters = getattr(layer, "splitk_counters", None)
-        return counters is not None and self.matmul is F.linear and layer.weight.device == counters.device
+        pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and x.dtype == layer.weight.dtype and self.takes_decode_gemm(layer):
-            from tokenmill.kernels.triton.decode_gemm import decode_gemm, runs_decode_gemm
-            from tokenmill.kernels.triton.sm_count import num_sms
-
-            rows = x.reshape(-1, x.shape[-1])
-            if runs_decode_gemm(rows.shape[0], layer.weight.shape[0], num_sms(x.device)):
-                y = decode_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), layer.weight, bias, layer.splitk_counters)
-                return y.view(*x.shape[:-1], y.shape[-1])
         return self.matmul(x, layer.weight, bias)
 
 
