@@ -10,7 +10,7 @@
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
-#   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's two parts must be in
+#   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
 #   workload with tutorial sampling settings (bench/workload_bench.py). ray: P1 through tokenmill.ray against
 #   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried. Tests that load GGUF or quantized
@@ -222,7 +222,10 @@ for part in $parts; do
       RESULTS="$OUT/tp2.raw" timeout 170 python3 bench/peer_bench.py tokenmill llama3-8b nano 2>&1 | grep '^{'
       RESULTS="$OUT/tp2.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 python3 bench/peer_bench.py tokenmill_tp2 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -3
       tag "$OUT/tp2.raw" "$OUT/throughput.jsonl"; : > "$OUT/tp2.raw" ;;
-    vllm-unpack)  # join the bundle's parts (carried in .vllmchunk/, possibly over two calls) into /tmp/vllm-site
+    vllm-unpack)  # join the bundle's parts (carried in .vllmchunk/ over several calls, each moved to /tmp/vllmchunk by the
+      # call that carried it) into /tmp/vllm-site. A call carries at most 64 MiB with the working tree, and the tree's
+      # 4.8 MB of tracked files no longer fit beside one of build_vllm_bundle.sh's two 59 MiB parts: re-split them in
+      # three (cat part0 part1 | split -n 3 -d -a 1 - <name>.part), carried in three calls < 30 s apart.
       if [ ! -d /tmp/vllm-site/vllm ]; then
         mkdir -p /tmp/vllm-site
         cat /tmp/vllmchunk/*.part* .vllmchunk/*.part* 2>/dev/null | xz -d | tar -C /tmp/vllm-site -xf - || echo "vllm bundle: unpack failed"
