@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import sys
@@ -67,9 +68,12 @@ def main() -> None:
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
+    pauses = _GcPauses()
+    gc.callbacks.append(pauses)
     start, cpu_start = time.perf_counter(), time.process_time()
     llm.generate(inputs, params, use_tqdm=False)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    gc.callbacks.remove(pauses)
     if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
@@ -78,7 +82,26 @@ def main() -> None:
                       "out_tokens": sequence_steps, "seconds": round(seconds, 3),
                       "us_per_sequence_step": round(seconds / sequence_steps * 1e6, 2),
                       # CPU time: steadier than wall time on a shared machine (torch runs one thread)
-                      "cpu_us_per_sequence_step": round(cpu_seconds / sequence_steps * 1e6, 2), "profiled": args.profile}))
+                      "cpu_us_per_sequence_step": round(cpu_seconds / sequence_steps * 1e6, 2), "profiled": args.profile,
+                      # The interpreter's collections during the call: a full one stops the host for as
+                      # long as it takes to walk every tracked object (the GPU idles meanwhile).
+                      "gc_full_collections": pauses.full, "gc_longest_pause_ms": round(pauses.longest * 1e3, 2),
+                      "gc_pause_ms": round(pauses.total * 1e3, 2)}))
+
+
+class _GcPauses:
+    """A ``gc.callbacks`` hook: how many full (generation 2) collections ran, the longest pause, the sum."""
+
+    def __init__(self) -> None:
+        self.full, self.longest, self.total, self._start = 0, 0.0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        took = time.perf_counter() - self._start
+        self.full += info["generation"] == 2
+        self.longest, self.total = max(self.longest, took), self.total + took
 
 
 if __name__ == "__main__":

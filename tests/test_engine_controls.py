@@ -42,6 +42,29 @@ def llm(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), disable_log_stats=False, **OPTIONS)
 
 
+# ---- start-up ------------------------------------------------------------------------------------------
+def test_llm_start_ends_with_a_full_garbage_collection(tiny_llama_dir):
+    """The objects start-up leaves are walked once inside LLM(), not by a full collection that would
+    stop the host early in the first long call (llm.py, docs/perf.md 49): the last collection LLM()
+    runs is a full one, and no younger collection has been counted toward the next full one since."""
+    import gc
+
+    generations: list[int] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "stop":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        LLM(str(tiny_llama_dir), **OPTIONS)
+        after = gc.get_count()
+    finally:
+        gc.callbacks.remove(record)
+    assert generations and generations[-1] == 2, generations[-5:]
+    assert after[2] == 0, after
+
+
 # ---- sleep / wake_up --------------------------------------------------------------------------------
 def test_sleep_level_1_frees_the_kv_cache_and_waking_gives_the_same_outputs(llm, tiny_llama_dir):
     expected = hf_tokens(tiny_llama_dir)

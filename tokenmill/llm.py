@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -34,6 +35,12 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self._queued: dict[str, None] = {}
         # Enqueued requests that finished while another call (generate, imap, ...) stepped the engine.
         self._queued_done: dict[str, RequestOutput] = {}
+        # Starting the engine leaves hundreds of thousands of new objects (modules, compiled kernels,
+        # the tokenizer) that the interpreter would otherwise walk in a full collection early in the
+        # first long call: ~0.1 s with the host stopped and the GPU starved of steps (docs/perf.md 49).
+        # Walked once here, they count as survivors, and the next full collection waits until a
+        # quarter as many new long-lived objects have piled up.
+        gc.collect()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":

@@ -15,6 +15,7 @@ fails (the ranks are then out of step, so carrying on would only hang them).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -55,6 +56,7 @@ def main(argv: list[str]) -> int:
     except BaseException:
         send(conn, Reply(-1, False, error=traceback.format_exc()))
         return 1
+    gc.collect()  # the start-up's objects walked now, not mid-run with every rank waiting (LLM.__init__ says why)
     send(conn, Reply(-1, True))
     return serve(conn, worker, group)
 
