@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -177,6 +177,11 @@ for part in $parts; do
     queue-sweep)  # the item-queue decode kernel against the default launch, bucket by bucket (docs/perf.md 44)
       timeout 400 python3 bench/kernels_bench.py --queue-sweep > "$OUT/queue_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/queue_sweep.raw" "$OUT/kernels.jsonl"
       grep -c us_median "$OUT/queue_sweep.raw"; : > "$OUT/queue_sweep.raw" ;;
+    gc-throughput)  # P1, P5, P2 without and with the full garbage collection at the end of LLM(), alternating (docs/perf.md 49)
+      for engine in tokenmill_nocollect tokenmill tokenmill_nocollect tokenmill; do
+        RESULTS="$OUT/gc.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine qwen3-0.6b nano prefill uniform 2>&1 | grep -v "^\s*$" | tail -3
+      done
+      tag "$OUT/gc.raw" "$OUT/throughput.jsonl"; : > "$OUT/gc.raw" ;;
     queue-throughput|queue-throughput-fp8kv)  # P1, P5, P3 (over an fp8 cache: P1, P3) with the item queue off and on, alternating (docs/perf.md 44, 46)
       if [ "$part" = queue-throughput ]; then off=tokenmill_noqueue on=tokenmill runs=("qwen3-0.6b nano prefill" "llama3-8b nano")
       else off=tokenmill_fp8kv_noqueue on=tokenmill_fp8kv runs=("qwen3-0.6b nano" "llama3-8b nano"); fi
