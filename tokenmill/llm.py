@@ -18,11 +18,11 @@ from tokenmill.engine_factory import create_engine
 from tokenmill.inputs import PromptType, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts
 from tokenmill.pooling.llm_methods import PoolingMethods
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.outputs import BeamSearchOutput, PoolingRequestOutput, RequestOutput
+from tokenmill.request_progress import ProgressOption, RequestProgress
+from tokenmill.outputs import BeamSearchOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _R = TypeVar("_R")
-ProgressOption = bool | Callable[..., Any]  # vLLM's use_tqdm: on/off, or a tqdm-like factory
 
 
 class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score for pooling models
@@ -444,7 +444,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
-        progress = _Progress(len(ids), use_tqdm)
+        progress = RequestProgress(len(ids), use_tqdm)
         for request_id, output in (done or {}).items():
             results[order[request_id]] = output
             progress.finished(output)
@@ -476,32 +476,3 @@ def _read_generation_config(folder: str) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"generation_config={folder!r}: cannot read {path}: {exc}") from exc
-
-
-class _Progress:
-    """tqdm bar: requests done, with generated tokens per second (prompt tokens for pooling models)."""
-
-    def __init__(self, total: int, use_tqdm: ProgressOption):
-        self.bar = None
-        if callable(use_tqdm):  # vLLM: a tqdm-like factory, e.g. functools.partial(tqdm, leave=False)
-            self.bar = use_tqdm(total=total, desc="Processed prompts")
-        elif use_tqdm:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-        self.tokens = 0
-
-    def finished(self, output: RequestOutput | PoolingRequestOutput) -> None:
-        if self.bar is None:
-            return
-        if isinstance(output, PoolingRequestOutput):
-            kind, self.tokens = "input", self.tokens + len(output.prompt_token_ids)
-        else:
-            kind, self.tokens = "output", self.tokens + sum(len(c.token_ids) for c in output.outputs)
-        elapsed = self.bar.format_dict.get("elapsed") or 1e-9
-        self.bar.set_postfix_str(f"{kind} {self.tokens / elapsed:,.0f} tok/s", refresh=False)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
