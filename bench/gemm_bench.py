@@ -73,20 +73,13 @@ SWEEP_M = {"qwen3-0.6b": (1, 16, 32, 64, 96, 128, 192, 256), "llama3-8b": (16, 6
 
 
 def swapped_linear(x: torch.Tensor, w: torch.Tensor, ones: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
-                   partial: torch.Tensor, block_m: int, split: int, stages: int) -> torch.Tensor:
-    """y = x W^T on the fp8 path's swapped split-K kernel, bf16 operands and unit scales."""
-    from tokenmill.kernels.triton.fp8_gemm import _fp8_swapped_kernel
+                   block_m: int, split: int, stages: int) -> torch.Tensor:
+    """y = x W^T on the fp8 path's swapped split-K kernel (``fp8_gemm`` with a forced config), bf16
+    operands and unit scales."""
+    from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 
-    m, k = x.shape
-    n = w.shape[0]
-    steps = triton.cdiv(k, 64)
-    per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, per_split)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128), split)
-    _fp8_swapped_kernel[grid](x, w, ones, ones, ones, out, partial, counters, m, n, k, per_split, split, x.stride(0),
-                              w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, EVEN_N=n % 128 == 0,
-                              EVEN_K=k % 64 == 0, HAS_BIAS=False, SPLIT=split > 1, num_warps=4, num_stages=stages)
-    return out
+    config = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=stages, split_k=split)
+    return fp8_gemm(x, ones[: x.shape[0]], w, ones[: w.shape[0]], None, out.dtype, counters, config, out=out)
 
 
 def decode_sweep() -> None:
@@ -116,8 +109,7 @@ def decode_sweep() -> None:
                     for stages in (4, 6):
                         for split in (s for s in (1, 2, 4, 8, 16) if s <= max_split):
                             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                            partial = torch.empty((split, m, n), device="cuda", dtype=torch.float32)
-                            args = (x, w, ones, out, counters, partial, block_m, split, stages)
+                            args = (x, w, ones, out, counters, block_m, split, stages)
                             try:
                                 torch.testing.assert_close(swapped_linear(*args), want, atol=2e-2, rtol=2e-2)
                                 us = _time_graph(lambda: swapped_linear(*args))[0]
