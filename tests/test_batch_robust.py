@@ -109,9 +109,35 @@ def test_a_row_that_fails_inside_a_step_fails_alone(tmp_path, llm, monkeypatch):
     assert [records[(i, 0)]["text"] for i in good] == reference(llm, [TEXTS[i] for i in good])
 
 
+def test_the_last_row_failing_alone_is_blamed_only_after_rows_finished(tmp_path, llm, monkeypatch):
+    """A row failing alone with no row after it is an error row when the engine finished rows
+    before it; when it finished none, nothing says the row is at fault: the job stops, writing none."""
+    from tokenmill.batch.job import EngineFailure
+
+    executor = llm.llm_engine.executor
+    execute = executor.execute_model
+    poisoned_ids = {f"row-{len(TEXTS) - 1}"}
+
+    def poisoned(plan, *args, **kwargs):
+        if any(item.seq.request.request_id in poisoned_ids for item in plan.scheduled):
+            raise RuntimeError("selected index k out of range")
+        return execute(plan, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "execute_model", poisoned)
+    summary = job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS]))
+    assert summary.exit_code == 3 and summary.rows_done == len(TEXTS) and summary.failed == 1
+    assert "selected index k out of range" in by_row(read_jsonl(tmp_path / "out.jsonl"))[(len(TEXTS) - 1, None)]["error"]
+    poisoned_ids = {"row-0"}
+    with pytest.raises(EngineFailure, match="finished no row"):
+        job(tmp_path, llm, write_jsonl(tmp_path / "one.jsonl", [{"prompt": TEXTS[0]}]), output="one_out.jsonl")
+    monkeypatch.undo()
+    assert not (tmp_path / "one_out.jsonl").exists() or read_jsonl(tmp_path / "one_out.jsonl") == []
+
+
 def test_an_engine_that_fails_on_every_row_stops_the_job(tmp_path, llm, monkeypatch):
     """Row after row failing alone means the engine, not the rows: stop (finished rows kept) rather
-    than write the whole file as error rows."""
+    than write the whole file as error rows, and blame none of them: a row that fails alone becomes
+    an error row only once another row has finished on the same engine."""
     from tokenmill.batch.job import EngineFailure
 
     def broken(plan, *args, **kwargs):
@@ -122,8 +148,7 @@ def test_an_engine_that_fails_on_every_row_stops_the_job(tmp_path, llm, monkeypa
     with pytest.raises(EngineFailure, match="internal error"):
         job(tmp_path, llm, path)
     monkeypatch.undo()
-    failed = [r for r in read_jsonl(tmp_path / "out.jsonl") if r["error"]]
-    assert 0 < len(failed) < len(TEXTS) * 3
+    assert not (tmp_path / "out.jsonl").exists() or read_jsonl(tmp_path / "out.jsonl") == []
 
 
 # --- 2-6. rows read as meant ------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable, TextIO
 
@@ -103,10 +104,15 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                     raise ValueError("replicas load their own models: pass no llm with replicas or ray_address")
                 loop: Any = _parallel_loop(config, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
             else:
-                if llm is None:
-                    llm = load_llm(config)
+                # An engine the job loads itself is the job's to replace when it stops for good (a
+                # tensor-parallel worker died); one passed in stays the caller's. Held by the loop
+                # only, so that a replaced engine's memory can be freed.
+                new_llm = None if llm is not None else (lambda: load_llm(config))
+                engine_llm = llm if llm is not None else load_llm(config)
                 progress.start = time.monotonic()  # the summary's throughput leaves model loading out
-                loop = JobLoop(config, llm, journal, progress, fmt, shape, fingerprint(settings), should_stop)
+                loop = JobLoop(config, engine_llm, journal, progress, fmt, shape, fingerprint(settings), should_stop,
+                               new_llm=new_llm, notice=lambda message: print(message, file=stderr or sys.stderr, flush=True))
+                del engine_llm
             try:
                 interrupted = not loop.run(read_rows(input_path, fmt))
             except KeyboardInterrupt:

@@ -12,6 +12,8 @@ finished row is written at the end of the step that finished it.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -76,9 +78,13 @@ class JobLoop:
     replica (whose journal and progress are stand-ins that forward to the parent)."""
 
     def __init__(self, config: JobConfig, llm: Any, journal: Journal, progress: Progress, fmt: str, shape: str,
-                 job_key: str, should_stop: Callable[[], bool] | None = None):
+                 job_key: str, should_stop: Callable[[], bool] | None = None,
+                 new_llm: Callable[[], Any] | None = None, notice: Callable[[str], None] | None = None):
+        """``new_llm`` builds a replacement engine for one that stopped for good (a tensor-parallel
+        worker died); without it such a stop ends the job. ``notice`` prints a line for the user."""
         self.config, self.llm, self.journal, self.progress = config, llm, journal, progress
         self.should_stop = should_stop or (lambda: False)
+        self.new_llm, self.notice = new_llm, notice or _print_notice
         self._committing = False  # True while a commit is half done (an interrupt landed inside it)
         self.engine = llm.llm_engine
         self.tokenizer = llm.get_tokenizer()
@@ -95,7 +101,12 @@ class JobLoop:
         self.inflight: dict[str, _InFlight] = {}
         self.pending: list[tuple[RowResult, _InFlight | None]] = []  # finished rows (and their flight)
         self.retry: deque[list[RawRow]] = deque()  # rows to run again apart, a group at a time (_isolate)
-        self.lone_failures = 0  # rows that failed alone in the engine since a row last finished
+        # Rows that failed alone in the engine since a row last finished, with their error: written
+        # as error rows only once another row finishes (the engine works, so the row is at fault).
+        self.suspects: list[tuple[_InFlight, str]] = []
+        self.row_finished_on_engine = False  # whether this engine (since its last restart) finished a row
+        self.restarts_without_progress = 0  # engine restarts since a row last finished
+        self.alone_on_new_engine: set[int] = set()  # rows that stopped an engine alone and ran alone again
         self.errors: list[str] = []
         from jinja2 import TemplateError  # chat templates can raise their own errors for odd conversations
 
@@ -126,6 +137,7 @@ class JobLoop:
                 except Exception as error:  # noqa: BLE001  (a row broke the step: find it, see _isolate)
                     self._isolate(error)
             elif exhausted and not self.retry:
+                self._settle_suspects_at_end()
                 self._commit()
                 return True
             self._commit()
@@ -214,7 +226,7 @@ class JobLoop:
             flight.generated_seen = generated
             self.progress.on_tokens(flight.raw.index, prompt, delta)
             if out.finished:
-                self.lone_failures = 0
+                self._row_finished()
                 del self.inflight[out.request_id]
                 req = flight.request
                 result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req))
@@ -222,6 +234,7 @@ class JobLoop:
 
     def _pooled(self, flight: _InFlight, out: Any) -> None:
         """A pooling request is done (each finishes in one step); the row is, once all its parts are."""
+        self._row_finished()
         del self.inflight[out.request_id]
         flight.outputs[out.request_id] = out
         flight.prompt_tokens += len(out.prompt_token_ids)
@@ -246,18 +259,70 @@ class JobLoop:
         flights = list({id(f): f for f in self.inflight.values()}.values())
         self.drop_inflight()
         rows = sorted((f.raw for f in flights), key=lambda raw: raw.index)
+        if _is_engine_stopped(error):
+            self._restart_engine(error)
+            if len(rows) == 1 and rows[0].index not in self.alone_on_new_engine:
+                # A worker killed from outside while this row ran alone would blame it: it runs
+                # alone once more, on the new engine, before it can be held to account.
+                self.alone_on_new_engine.add(rows[0].index)
+                self.retry.appendleft(rows)
+                return
         if len(rows) == 1:
-            self.lone_failures += 1
-            if self.lone_failures >= _ENGINE_BROKEN_AFTER:
-                raise EngineFailure(f"{self.lone_failures} rows in a row failed inside the engine, each on its own, the "
-                                    f"last with {type(error).__name__}: {error}; the engine itself looks broken. The "
-                                    "finished rows are kept: rerun the same command to continue") from error
             flight = flights[0]
             message = f"the engine failed on this row: {type(error).__name__}: {error}"
-            self._fail(flight.raw.index, flight.request.row_id, _row_message(flight.raw, RuntimeError(message)), flight.request)
+            self.suspects.append((flight, _row_message(flight.raw, RuntimeError(message))))
+            if len(self.suspects) >= _ENGINE_BROKEN_AFTER:
+                raise EngineFailure(f"{len(self.suspects)} rows in a row failed inside the engine, each on its own, the "
+                                    f"last with {type(error).__name__}: {error}; the engine itself looks broken. The "
+                                    "finished rows are kept: rerun the same command to continue") from error
             return
         half = len(rows) // 2
         self.retry.extendleft([rows[half:], rows[:half]])  # extendleft reverses: the first half runs first
+
+    def _row_finished(self) -> None:
+        """A row came out of the engine: the engine works, so the rows that failed alone in it are at
+        fault, and become error rows."""
+        self.row_finished_on_engine = True
+        self.restarts_without_progress = 0
+        for flight, message in self.suspects:
+            self._fail(flight.raw.index, flight.request.row_id, message, flight.request)
+        self.suspects = []
+
+    def _settle_suspects_at_end(self) -> None:
+        """The last rows failed alone and no row came after them: they are at fault if this engine
+        finished rows before them; if it never finished one, nothing says the rows are to blame."""
+        if not self.suspects:
+            return
+        if not self.row_finished_on_engine:
+            raise EngineFailure(f"the last {len(self.suspects)} row(s) each failed alone inside an engine that finished no "
+                                f"row, so the engine may be at fault: {self.suspects[-1][1]}. The finished rows are "
+                                "kept: rerun the same command to continue")
+        self._row_finished()
+
+    def _restart_engine(self, error: Exception) -> None:
+        """The engine cannot run another step (a tensor-parallel worker died, or a step failed midway
+        and the workers were stopped): replace it with a new one and run the rows again, or end the
+        job. A row that breaks every engine it runs on is still found by halving (a restart a half)."""
+        limit = self.max_inflight.bit_length() + 2  # enough restarts to halve every row in flight down to one
+        if self.new_llm is None or self.pooling is not None or self.restarts_without_progress >= limit:
+            why = "" if self.new_llm is None or self.pooling is not None else f" ({limit} engines in a row stopped)"
+            raise EngineFailure(f"the engine stopped{why}: {type(error).__name__}: {error}. The finished rows are kept: "
+                                "rerun the same command to continue") from error
+        self.restarts_without_progress += 1
+        self.notice(f"tokenmill run: the engine stopped ({type(error).__name__}: {error}); starting a new one and "
+                    "running its unfinished rows again")
+        with contextlib.suppress(Exception):  # stop what is left of its workers
+            self.engine.executor.shutdown()
+        self.llm = self.engine = None
+        _free_device_memory()  # the old engine's weights and KV cache, before the new one loads
+        try:
+            self.llm = self.new_llm()
+        except Exception as load_error:  # noqa: BLE001
+            raise EngineFailure(f"the engine stopped ({type(error).__name__}: {error}) and a new one could not start: "
+                                f"{type(load_error).__name__}: {load_error}. The finished rows are kept: rerun the same "
+                                "command to continue") from load_error
+        self.engine = self.llm.llm_engine
+        self.row_finished_on_engine = False
 
     def _commit(self) -> None:
         if not self.pending:
@@ -323,6 +388,28 @@ def _row_message(raw: RawRow, error: BaseException) -> str:
     if isinstance(error, RowError) or message.startswith(_WHERE_PREFIXES):
         return message
     return f"{raw.where or f'row {raw.index}'}: {message}"
+
+
+def _is_engine_stopped(error: BaseException) -> bool:
+    """The engine can run nothing more: its tensor-parallel workers are gone or were stopped."""
+    from tokenmill.distributed.worker_processes import WorkerDiedError
+
+    return isinstance(error, WorkerDiedError)
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _print_notice(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _is_device_failure(error: BaseException) -> bool:

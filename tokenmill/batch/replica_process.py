@@ -99,7 +99,8 @@ def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
         llm = load_llm(config)
         send(conn, Ready())
         loop = JobLoop(config, llm, link, link, setup.input_format, setup.output_shape,  # type: ignore[arg-type]
-                     setup.job_key, link.should_stop)
+                     setup.job_key, link.should_stop, new_llm=lambda: load_llm(config))
+        del llm  # the loop's alone: a replaced engine's memory must be freeable
         complete = loop.run(shard_rows(read_rows(config.input, setup.input_format), setup.shard, setup.shards))
         if not complete:
             loop.abort()
