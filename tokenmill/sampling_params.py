@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Any, Callable
 
+# vLLM's import path: vllm.sampling_params.RepetitionDetectionParams.
+from tokenmill.repetition_detection import RepetitionDetectionParams
+
 if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputsParams
 
@@ -83,6 +86,9 @@ class SamplingParams:
     guided_decoding: "StructuredOutputsParams | None" = None  # vLLM's older name for structured_outputs
     # vLLM's free-form arguments for custom sampling code and plugins; tokenmill's own sampling reads none.
     extra_args: dict[str, Any] | None = None
+    # End the completion once its output ends in a pattern repeated min_count times in a row
+    # (finish_reason "repetition"; tokenmill/repetition_detection.py). A dict of its fields is taken too.
+    repetition_detection: RepetitionDetectionParams | None = None
     # Filled by the engine: the model's eos ids (from its config and generation_config).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token-id sequences.
@@ -106,6 +112,8 @@ class SamplingParams:
                    self.structured_outputs, "a StructuredOutputsParams")
         if self.top_k == -1:
             self.top_k = 0  # vLLM accepts both spellings of "disabled"
+        if self.repetition_detection is not None:
+            self.repetition_detection = RepetitionDetectionParams.coerce(self.repetition_detection)
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

@@ -31,6 +31,8 @@ from typing import Callable, Protocol
 
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.step import ScheduledSequence, SchedulerOutput, StepResult
+from tokenmill.repetition_detection import FINISH_REASON as REPETITION, STOP_REASON as REPETITION_DETECTED
+from tokenmill.repetition_detection import ends_in_repetition
 
 
 class BlockAllocator(Protocol):
@@ -57,7 +59,11 @@ class BlockAllocator(Protocol):
 def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None:
     """Set ``seq.finish_reason`` (and stop_reason) if ``token``, just appended, ends the sequence:
     a stop token or stop string once min_tokens are out, else the length rule (max_tokens or
-    max_model_len, `Request.max_output_tokens`). Feeds the token to the detokenizer."""
+    max_model_len, `Request.max_output_tokens`), else (min_tokens out) a repeated pattern when
+    the request asked for repetition detection. Feeds the token to the detokenizer.
+
+    The order is vLLM's outcome: its scheduler tests stop ids, then length, then repetition, and
+    a stop string its front end finds in the same token overrides either of the last two."""
     params = seq.params
     num_out = len(seq.output_token_ids)
     stop_allowed = num_out >= params.min_tokens
@@ -72,6 +78,9 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None
             return
     if num_out >= seq.request.max_output_tokens:
         seq.finish_reason = "length"
+    elif stop_allowed and params.repetition_detection is not None:  # one attribute read for everyone else
+        if ends_in_repetition(seq.output_token_ids, params.repetition_detection):
+            seq.finish_reason, seq.stop_reason = REPETITION, REPETITION_DETECTED
 
 
 class Scheduler:
