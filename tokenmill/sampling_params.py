@@ -89,6 +89,12 @@ class SamplingParams:
     # End the completion once its output ends in a pattern repeated min_count times in a row
     # (finish_reason "repetition"; tokenmill/repetition_detection.py). A dict of its fields is taken too.
     repetition_detection: RepetitionDetectionParams | None = None
+    # True: the request takes no blocks from the prefix cache (it still commits its own for later
+    # requests). None or False: it reads the cache. vLLM turns None into True when prompt_logprobs
+    # is set, since a cache hit would leave prompt positions unscored; tokenmill leaves it None:
+    # its scheduler skips the cache for such a request until every prompt position is scored, so
+    # prompt logprobs are complete whatever this says.
+    skip_reading_prefix_cache: bool | None = None
     # Filled by the engine: the model's eos ids (from its config and generation_config).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token-id sequences.
@@ -150,6 +156,8 @@ class SamplingParams:
                      "detokenize"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
+        _check(self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
+               "skip_reading_prefix_cache", self.skip_reading_prefix_cache, "None, True or False")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(
             self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= self.n),

@@ -265,7 +265,8 @@ class Scheduler:
 
     def _shareable_prefix(self, seq: Sequence) -> list[int]:
         # A forked beam shares its parent's blocks (all its tokens but the last are the parent's);
-        # samples 1..n-1 share sample 0's prompt blocks.
+        # samples 1..n-1 share sample 0's prompt blocks. These are the request's own blocks, not
+        # prefix-cache reads, so skip_reading_prefix_cache leaves them shared.
         source = seq.fork_parent if seq.fork_parent is not None else seq.request.sequences[0]
         if seq is not source and source.status is SequenceStatus.RUNNING and not seq.num_preemptions:
             full = min(source.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
@@ -273,6 +274,8 @@ class Scheduler:
                 return source.block_ids[:full]
         if seq.request.needs_prompt_logprobs:
             return []  # every prompt position must be computed to have logits (vLLM does the same)
+        if seq.params.skip_reading_prefix_cache:
+            return []  # asked for (it still commits its own blocks for later requests)
         return self.kv.find_cached_prefix(seq)
 
     def _preempt(self, seq: Sequence) -> None:
