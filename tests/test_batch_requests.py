@@ -106,6 +106,8 @@ def test_row_repetition_detection_object():
             p.repetition_detection.min_count) == (4, 0, 3)
     with pytest.raises(RowError, match=r"row 2: RepetitionDetectionParams\.min_count=1 is invalid"):
         row_sampling_params({}, {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, 2, 0)
+    with pytest.raises(RowError, match="thinking_token_budget=64 is invalid.*no reasoning parsers"):
+        row_sampling_params({}, {"thinking_token_budget": 64}, 0, 0)
 
 
 # --- OpenAI batch ------------------------------------------------------------------------------
