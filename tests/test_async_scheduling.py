@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from test_generate import as_inputs, make_llm, random_prompts
-from tokenmill import SamplingParams
+from tokenmill import RepetitionDetectionParams, SamplingParams
 
 
 def completions(outputs) -> list[tuple]:
@@ -158,6 +158,27 @@ def test_penalties_under_preemption(tiny_llama_dir, engines, prompts):
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert refilled, "no preempted sequence with outputs had its penalty state rebuilt"
     assert completions(got) == completions(expected)
+
+
+def test_repetition_stops_drop_the_token_in_flight(engines, prompts):
+    # A loop is found only once its last token is read back, a step after the next one was
+    # launched: the in-flight token must be dropped, as after a stop token. Few allowed tokens make
+    # the random model loop (greedy rows) or repeat by chance (seeded rows, n > 1); a logit bias
+    # forces a run of one token.
+    detect = RepetitionDetectionParams(max_pattern_size=4, min_count=3)
+    settings = [
+        dict(temperature=0, allowed_token_ids=[60, 61, 62]),
+        dict(temperature=1.0, seed=4, n=3, allowed_token_ids=[70, 71]),
+        dict(temperature=0, logit_bias={33: 100.0}, min_tokens=5),
+        dict(temperature=0),  # no detection asked: runs to max_tokens
+    ]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, repetition_detection=detect if i % 4 != 3 else None,
+                             **settings[i % 4]) for i in range(len(prompts))]
+    expected, got, overlapped = run_both(engines, prompts, params)
+    assert completions(got) == completions(expected)
+    reasons = [c.finish_reason for o in expected for c in o.outputs]
+    assert reasons.count("repetition") >= 6 and "length" in reasons
+    assert overlapped >= 10
 
 
 @pytest.mark.parametrize("max_tokens", [100, 7])

@@ -141,6 +141,27 @@ def test_parquet_in_parquet_out(tmp_path, llm):
     assert sorted(os.listdir(side)) == ["lock", "state.json"]  # staging and journal cleaned up
 
 
+def test_rows_carry_repetition_detection(tmp_path, llm):
+    """A Parquet struct column of sampling values, one row forced into a one-token loop (a logit
+    bias) with detection on: it ends early with finish_reason "repetition", as LLM.generate does.
+    Arrow fills the keys a row left out with nulls (min_pattern_size in row 2): not set."""
+    texts = prompts(3, seed=6)
+    loop = {"repetition_detection": {"max_pattern_size": 1, "min_pattern_size": 1, "min_count": 3}, "logit_bias": {"33": 100.0}}
+    sampling = [loop, None, {"repetition_detection": {"max_pattern_size": 3, "min_count": 3}}]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": t, "sampling_params": sp} for t, sp in zip(texts, sampling)]), path)
+    summary = job(tmp_path, llm, path, output="out.parquet")
+    assert summary.exit_code == 0
+    rows = {r["row"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    for i, text in enumerate(texts):
+        given = {k: v for k, v in (sampling[i] or {}).items()}
+        want = llm.generate([text], SamplingParams(**{**GREEDY, **given}), use_tqdm=False)[0].outputs[0]
+        assert (rows[i]["text"], rows[i]["finish_reason"], rows[i]["completion_tokens"]) == \
+            (want.text, want.finish_reason, len(want.token_ids))
+    assert (rows[0]["finish_reason"], rows[0]["completion_tokens"]) == ("repetition", 3)
+    assert rows[1]["finish_reason"] == "length"
+
+
 def test_n_samples_one_record_each(tmp_path, llm):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in prompts(3, seed=4)])
     job(tmp_path, llm, path, sampling={"max_tokens": 4, "temperature": 1.0, "n": 3})

@@ -98,6 +98,18 @@ def test_row_sampling_params():
         row_sampling_params(base, {"max_tokens": "8"}, 0, 0)
 
 
+def test_row_repetition_detection_object():
+    # A JSON object, or an Arrow struct whose unset keys come back as nulls.
+    rd = {"max_pattern_size": 4, "min_pattern_size": None, "min_count": 3}
+    p = row_sampling_params({"max_tokens": 8}, {"repetition_detection": rd}, index=0, base_seed=0)
+    assert (p.repetition_detection.max_pattern_size, p.repetition_detection.min_pattern_size,
+            p.repetition_detection.min_count) == (4, 0, 3)
+    with pytest.raises(RowError, match=r"row 2: RepetitionDetectionParams\.min_count=1 is invalid"):
+        row_sampling_params({}, {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, 2, 0)
+    with pytest.raises(RowError, match="thinking_token_budget=64 is invalid.*no reasoning parsers"):
+        row_sampling_params({}, {"thinking_token_budget": 64}, 0, 0)
+
+
 # --- OpenAI batch ------------------------------------------------------------------------------
 
 
@@ -118,6 +130,10 @@ def test_openai_chat_and_completion_requests():
     assert req.prompt_token_ids == [1, 2, 3]
     req = build_openai_request(openai_line(body={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}))
     assert req.overrides["logprobs"] == 2 and req.openai.top_logprobs == 2
+    rd = {"max_pattern_size": 8, "min_count": 4}  # an object, as vLLM's server takes it
+    req = build_openai_request(openai_line(url="/v1/completions", body={"prompt": "a", "repetition_detection": rd}))
+    assert req.overrides == {"repetition_detection": rd}
+    assert row_sampling_params({}, req.overrides, 0, 0).repetition_detection.min_count == 4
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,22 @@ def test_prefix_cache_hit_gives_same_output(tiny_llama_dir, llama_llm, llama_pro
     assert all(o.num_cached_tokens >= 32 for o in outputs)
 
 
+def test_skip_reading_prefix_cache_computes_the_whole_prompt(llama_llm):
+    """Two prompts sharing 40 tokens (two full blocks): the second, with skip_reading_prefix_cache,
+    takes no cached block, and gives the same tokens; the blocks it computes still serve others."""
+    base = random_prompts(llama_llm.llm_engine.config.vocab_size, [40], seed=21)[0]  # no other test uses it
+    variants = [base + [5, 6], base + [7, 8], base + [9]]
+    skip = GREEDY.clone(skip_reading_prefix_cache=True)
+    first = llama_llm.generate(as_inputs(variants[:1]), skip, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    skipping = llama_llm.generate(as_inputs(variants[1:2]), skip, use_tqdm=False)[0]
+    reading = llama_llm.generate(as_inputs(variants[1:2]), GREEDY, use_tqdm=False)[0]
+    assert skipping.num_cached_tokens == 0 and reading.num_cached_tokens >= 32  # first's blocks were committed
+    assert skipping.outputs[0].token_ids == reading.outputs[0].token_ids
+    default = llama_llm.generate(as_inputs(variants[2:]), GREEDY.clone(skip_reading_prefix_cache=False), use_tqdm=False)[0]
+    assert default.num_cached_tokens >= 32
+
+
 def test_prefix_key_collision_never_reuses_another_prompts_block(tiny_llama_dir, llama_prompts, monkeypatch):
     """Every prefix-cache key forced equal, so each block's key collides with every other's: a hit
     is checked on the block's token ids, so no prompt computes on another prompt's keys and values."""

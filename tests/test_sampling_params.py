@@ -71,3 +71,48 @@ def test_types_are_strict_and_numbers_finite(field, value):
     """As vLLM's request models check them: bool is not an integer, a string is not a bool, inf/nan are refused."""
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**{field: value})
+
+
+# vLLM 0.26's SamplingParams fields a user sets (its internal ones, output_text_buffer_length and the
+# underscored ones, left out). A vLLM script passing any of them must construct ours.
+VLLM_0_26_FIELDS = {
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "logprob_token_ids", "flat_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "output_kind", "skip_clone", "structured_outputs", "logit_bias",
+    "allowed_token_ids", "extra_args", "routed_experts_prompt_start", "bad_words", "skip_reading_prefix_cache",
+    "thinking_token_budget", "repetition_detection",
+}
+NOT_YET = {"logprob_token_ids", "flat_logprobs"}  # known gaps: a TypeError names them today
+
+
+def test_every_vllm_field_is_a_field_here_but_the_known_gaps():
+    import dataclasses
+
+    ours = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert VLLM_0_26_FIELDS - ours == NOT_YET
+
+
+def test_vllm_026_fields_defaults():
+    p = SamplingParams()
+    assert (p.repetition_detection, p.skip_reading_prefix_cache, p.skip_clone) == (None, None, False)
+    assert (p.routed_experts_prompt_start, p.thinking_token_budget) == (0, None)
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None  # vLLM: -1 means unlimited
+    assert SamplingParams(skip_clone=True, skip_reading_prefix_cache=True, routed_experts_prompt_start=0).skip_clone
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("skip_clone", 1, "True or False"),
+    ("skip_reading_prefix_cache", "yes", "None, True or False"),
+    ("routed_experts_prompt_start", 4, "0: tokenmill has no mixture-of-experts models"),
+    ("routed_experts_prompt_start", True, "0: tokenmill has no mixture-of-experts models"),
+    ("thinking_token_budget", 100, "tokenmill has no reasoning parsers"),
+    ("thinking_token_budget", 0, "tokenmill has no reasoning parsers"),
+    ("thinking_token_budget", -2, "a non-negative integer or -1 (unlimited)"),
+    ("thinking_token_budget", 1.5, "a non-negative integer or -1 (unlimited)"),
+    ("thinking_token_budget", True, "a non-negative integer or -1 (unlimited)"),
+])
+def test_vllm_026_fields_refuse_what_does_not_apply(field, value, allowed):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert f"SamplingParams.{field}={value!r} is invalid" in str(err.value) and allowed in str(err.value)

@@ -194,12 +194,14 @@ def test_reset_prefix_cache_with_running_requests(llm):
 
 
 def test_import_paths_of_vllm_scripts():
+    import tokenmill
     from tokenmill import distributed, structured_outputs
     from tokenmill.distributed import cleanup_dist_env_and_memory
     from tokenmill.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
-    from tokenmill.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+    from tokenmill.sampling_params import GuidedDecodingParams, RepetitionDetectionParams, StructuredOutputsParams
 
     assert StructuredOutputsParams is structured_outputs.StructuredOutputsParams
+    assert RepetitionDetectionParams is tokenmill.RepetitionDetectionParams  # vllm.sampling_params' name
     assert GuidedDecodingParams is structured_outputs.GuidedDecodingParams
     assert all(issubclass(kind, Metric) for kind in (Counter, Gauge, Histogram, Vector))
     assert cleanup_dist_env_and_memory is distributed.cleanup_dist_env_and_memory

@@ -18,6 +18,7 @@ _PUBLIC = {
     "SamplingParams": "tokenmill.sampling_params",
     "BeamSearchParams": "tokenmill.sampling_params",
     "RequestOutputKind": "tokenmill.sampling_params",
+    "RepetitionDetectionParams": "tokenmill.sampling_params",
     "StructuredOutputsParams": "tokenmill.structured_outputs",
     "GuidedDecodingParams": "tokenmill.structured_outputs",
     "RequestOutput": "tokenmill.outputs",
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     )
     from tokenmill.pooling.config import PoolerConfig
     from tokenmill.pooling_params import PoolingParams
-    from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from tokenmill.sampling_params import BeamSearchParams, RepetitionDetectionParams, RequestOutputKind, SamplingParams
     from tokenmill.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 

@@ -29,8 +29,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "repetition" | None while running
+    # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Any, Callable
 
+# vLLM's import path: vllm.sampling_params.RepetitionDetectionParams.
+from tokenmill.repetition_detection import RepetitionDetectionParams
+
 if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputsParams
 
@@ -83,6 +86,26 @@ class SamplingParams:
     guided_decoding: "StructuredOutputsParams | None" = None  # vLLM's older name for structured_outputs
     # vLLM's free-form arguments for custom sampling code and plugins; tokenmill's own sampling reads none.
     extra_args: dict[str, Any] | None = None
+    # End the completion once its output ends in a pattern repeated min_count times in a row
+    # (finish_reason "repetition"; tokenmill/repetition_detection.py). A dict of its fields is taken too.
+    repetition_detection: RepetitionDetectionParams | None = None
+    # True: the request takes no blocks from the prefix cache (it still commits its own for later
+    # requests). None or False: it reads the cache. vLLM turns None into True when prompt_logprobs
+    # is set, since a cache hit would leave prompt positions unscored; tokenmill leaves it None:
+    # its scheduler skips the cache for such a request until every prompt position is scored, so
+    # prompt logprobs are complete whatever this says.
+    skip_reading_prefix_cache: bool | None = None
+    # vLLM's flag that clone() may skip its deep copy. tokenmill never deep-copies a request's
+    # params: the engine reads the caller's object, and copies it (shallowly, `clone`) only to set
+    # its own fields (eos ids, bad-word ids, the call's output_kind). So it changes nothing here.
+    skip_clone: bool = False
+    # vLLM: with enable_return_routed_experts, routing data skips this many prompt tokens.
+    # tokenmill has no mixture-of-experts models and returns no routing: only 0 is accepted.
+    routed_experts_prompt_start: int = 0
+    # vLLM: a cap on the tokens of a reasoning model's thinking section, which needs a reasoning
+    # parser. tokenmill has none (LLM(reasoning_parser=...) is refused): only None, or -1 (vLLM's
+    # "unlimited", stored as None), is accepted.
+    thinking_token_budget: int | None = None
     # Filled by the engine: the model's eos ids (from its config and generation_config).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token-id sequences.
@@ -106,6 +129,10 @@ class SamplingParams:
                    self.structured_outputs, "a StructuredOutputsParams")
         if self.top_k == -1:
             self.top_k = 0  # vLLM accepts both spellings of "disabled"
+        if self.repetition_detection is not None:
+            self.repetition_detection = RepetitionDetectionParams.coerce(self.repetition_detection)
+        if self.thinking_token_budget == -1 and _is_int(self.thinking_token_budget):
+            self.thinking_token_budget = None  # vLLM's "unlimited"
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
@@ -139,9 +166,20 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or _is_int(value), name, value, "an integer or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                     "detokenize"):
+                     "detokenize", "skip_clone"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
+        _check(self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
+               "skip_reading_prefix_cache", self.skip_reading_prefix_cache, "None, True or False")
+        _check(self.routed_experts_prompt_start == 0 and _is_int(self.routed_experts_prompt_start),
+               "routed_experts_prompt_start", self.routed_experts_prompt_start,
+               "0: tokenmill has no mixture-of-experts models, so it returns no routed experts to skip")
+        budget = self.thinking_token_budget
+        _check(budget is None or (_is_int(budget) and budget >= 0), "thinking_token_budget", budget,
+               "None, a non-negative integer or -1 (unlimited)")
+        _check(budget is None, "thinking_token_budget", budget,
+               "None or -1 (unlimited): tokenmill has no reasoning parsers (LLM(reasoning_parser=...) is refused), "
+               "so there is no thinking section to cap")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(
             self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= self.n),

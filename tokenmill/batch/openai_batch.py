@@ -34,6 +34,10 @@ _COMMON = {
     "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids", "include_stop_str_in_output": "include_stop_str_in_output",
     "skip_special_tokens": "skip_special_tokens",
+    # An object {"max_pattern_size", "min_pattern_size", "min_count"}, as vLLM's server takes it.
+    "repetition_detection": "repetition_detection",
+    # vLLM's server takes it for reasoning models; SamplingParams refuses a set value with the reason.
+    "thinking_token_budget": "thinking_token_budget",
 }
 # Accepted and without effect offline.
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}

@@ -7,7 +7,7 @@ per sample (``n`` records for ``n > 1``), or one record with ``error`` set for a
     id                  str|int the row's id field (``--id-field``, else ``id``), else its index
     sample_index        int     0..n-1 (null for an error row)
     text                str     the completion (null for an error row)
-    finish_reason       str     "stop" | "length" (null for an error row)
+    finish_reason       str     "stop" | "length" | "repetition" (null for an error row)
     prompt_tokens       int
     completion_tokens   int
     cumulative_logprob  float   when logprobs were asked for, else null

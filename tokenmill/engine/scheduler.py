@@ -31,6 +31,8 @@ from typing import Callable, Protocol
 
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.step import ScheduledSequence, SchedulerOutput, StepResult
+from tokenmill.repetition_detection import FINISH_REASON as REPETITION, STOP_REASON as REPETITION_DETECTED
+from tokenmill.repetition_detection import ends_in_repetition
 
 
 class BlockAllocator(Protocol):
@@ -57,7 +59,11 @@ class BlockAllocator(Protocol):
 def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None:
     """Set ``seq.finish_reason`` (and stop_reason) if ``token``, just appended, ends the sequence:
     a stop token or stop string once min_tokens are out, else the length rule (max_tokens or
-    max_model_len, `Request.max_output_tokens`). Feeds the token to the detokenizer."""
+    max_model_len, `Request.max_output_tokens`), else (min_tokens out) a repeated pattern when
+    the request asked for repetition detection. Feeds the token to the detokenizer.
+
+    The order is vLLM's outcome: its scheduler tests stop ids, then length, then repetition, and
+    a stop string its front end finds in the same token overrides either of the last two."""
     params = seq.params
     num_out = len(seq.output_token_ids)
     stop_allowed = num_out >= params.min_tokens
@@ -72,6 +78,9 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None
             return
     if num_out >= seq.request.max_output_tokens:
         seq.finish_reason = "length"
+    elif stop_allowed and params.repetition_detection is not None:  # one attribute read for everyone else
+        if ends_in_repetition(seq.output_token_ids, params.repetition_detection):
+            seq.finish_reason, seq.stop_reason = REPETITION, REPETITION_DETECTED
 
 
 class Scheduler:
@@ -256,7 +265,8 @@ class Scheduler:
 
     def _shareable_prefix(self, seq: Sequence) -> list[int]:
         # A forked beam shares its parent's blocks (all its tokens but the last are the parent's);
-        # samples 1..n-1 share sample 0's prompt blocks.
+        # samples 1..n-1 share sample 0's prompt blocks. These are the request's own blocks, not
+        # prefix-cache reads, so skip_reading_prefix_cache leaves them shared.
         source = seq.fork_parent if seq.fork_parent is not None else seq.request.sequences[0]
         if seq is not source and source.status is SequenceStatus.RUNNING and not seq.num_preemptions:
             full = min(source.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
@@ -264,6 +274,8 @@ class Scheduler:
                 return source.block_ids[:full]
         if seq.request.needs_prompt_logprobs:
             return []  # every prompt position must be computed to have logits (vLLM does the same)
+        if seq.params.skip_reading_prefix_cache:
+            return []  # asked for (it still commits its own blocks for later requests)
         return self.kv.find_cached_prefix(seq)
 
     def _preempt(self, seq: Sequence) -> None:
