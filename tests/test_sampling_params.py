@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tokenmill import SamplingParams
+from tokenmill import RequestOutputKind, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -14,6 +16,7 @@ def test_defaults_match_vllm():
     assert p.stop == [] and p.stop_token_ids == [] and p.seed is None and p.logprobs is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
     assert not p.ignore_eos and not p.include_stop_str_in_output and p.min_tokens == 0
+    assert p.logprob_token_ids is None and p.flat_logprobs is False and p.num_logprobs is None
 
 
 def test_single_stop_string_becomes_a_list_and_top_k_minus_one_means_off():
@@ -38,6 +41,13 @@ def test_single_stop_string_becomes_a_list_and_top_k_minus_one_means_off():
         ({"temperature": "hot"}, "temperature", "a finite number"),
         ({"stop": [""]}, "stop", "non-empty"),
         ({"stop_token_ids": [-3]}, "stop_token_ids", "non-negative"),
+        ({"logprob_token_ids": [1, -2]}, "logprob_token_ids", "integers >= 0"),
+        ({"logprob_token_ids": [1.0]}, "logprob_token_ids", "integers >= 0"),
+        ({"logprob_token_ids": 5}, "logprob_token_ids", "a list of token ids"),
+        ({"logprob_token_ids": list(range(129))}, "logprob_token_ids", "at most 128 token ids (got 129)"),
+        ({"logprobs": 2, "logprob_token_ids": [1, 2, 3]}, "logprob_token_ids", "as long as logprobs (2)"),
+        ({"logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids", "as long as logprobs (1)"),
+        ({"flat_logprobs": "yes"}, "flat_logprobs", "True or False"),
     ],
 )
 def test_invalid_values_name_field_and_range(kwargs, field, allowed):
@@ -45,6 +55,39 @@ def test_invalid_values_name_field_and_range(kwargs, field, allowed):
         SamplingParams(**kwargs)
     message = str(err.value)
     assert f"SamplingParams.{field}=" in message and allowed in message
+
+
+def test_num_logprobs_counts_listed_ids_as_vllm_does():
+    assert SamplingParams(logprob_token_ids=(4, 2, 9)).num_logprobs == 3  # a tuple becomes a list
+    assert SamplingParams(logprob_token_ids=(4, 2, 9)).logprob_token_ids == [4, 2, 9]
+    assert SamplingParams(logprobs=3, logprob_token_ids=[4, 2, 9]).num_logprobs == 3
+    assert SamplingParams(logprob_token_ids=list(range(128))).num_logprobs == 128
+    assert SamplingParams(logprob_token_ids=[]).num_logprobs is None  # an empty list asks for nothing
+    assert SamplingParams(logprobs=0, logprob_token_ids=[]).num_logprobs == 0
+    assert SamplingParams(logprobs=4).num_logprobs == 4
+
+
+# vLLM 0.26's public SamplingParams fields and their declared defaults (read from its
+# sampling_params.py), and those tokenmill does not have yet.
+VLLM_0_26_FIELDS = {
+    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None, "stop_token_ids": None, "ignore_eos": False,
+    "max_tokens": 16, "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "logprob_token_ids": None,
+    "flat_logprobs": False, "detokenize": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False, "output_kind": RequestOutputKind.CUMULATIVE, "skip_clone": False,
+    "output_text_buffer_length": 0, "structured_outputs": None, "logit_bias": None, "allowed_token_ids": None,
+    "extra_args": None, "routed_experts_prompt_start": 0, "bad_words": None, "skip_reading_prefix_cache": None,
+    "thinking_token_budget": None, "repetition_detection": None,
+}
+NOT_YET = {"output_text_buffer_length"}  # vLLM's internal detokenizer setting, not one a user sets
+
+
+def test_fields_and_declared_defaults_match_vllm():
+    ours = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert not NOT_YET & set(ours), "implemented now: take it off NOT_YET"
+    for name, default in VLLM_0_26_FIELDS.items():
+        if name not in NOT_YET:
+            assert name in ours and ours[name] == default, name
 
 
 def test_greedy_normalises_filters():
@@ -71,26 +114,6 @@ def test_types_are_strict_and_numbers_finite(field, value):
     """As vLLM's request models check them: bool is not an integer, a string is not a bool, inf/nan are refused."""
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**{field: value})
-
-
-# vLLM 0.26's SamplingParams fields a user sets (its internal ones, output_text_buffer_length and the
-# underscored ones, left out). A vLLM script passing any of them must construct ours.
-VLLM_0_26_FIELDS = {
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
-    "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-    "logprob_token_ids", "flat_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
-    "include_stop_str_in_output", "output_kind", "skip_clone", "structured_outputs", "logit_bias",
-    "allowed_token_ids", "extra_args", "routed_experts_prompt_start", "bad_words", "skip_reading_prefix_cache",
-    "thinking_token_budget", "repetition_detection",
-}
-NOT_YET = {"logprob_token_ids", "flat_logprobs"}  # known gaps: a TypeError names them today
-
-
-def test_every_vllm_field_is_a_field_here_but_the_known_gaps():
-    import dataclasses
-
-    ours = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert VLLM_0_26_FIELDS - ours == NOT_YET
 
 
 def test_vllm_026_fields_defaults():

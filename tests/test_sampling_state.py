@@ -15,7 +15,8 @@ from tokenmill import SamplingParams
 from tokenmill.kernels.reference import penalize_ref, prompt_mask_ref
 from tokenmill.kernels.triton.sampling import RowState
 from tokenmill.worker.sampling_state import (
-    BadWordState, LogitBiasState, PenaltyState, SlotTable, StepRows, apply_bias, apply_penalties, step_rows,
+    BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, SlotTable, StepRows, apply_bias, apply_penalties,
+    step_rows,
 )
 
 VOCAB = 300
@@ -128,6 +129,29 @@ def test_logit_bias_rows():
     assert logits[0, 3] == 2.5 and logits[0, 7] == -100.0 and (logits[0].abs() > 0).sum() == 2
     assert torch.equal(logits[1], torch.zeros(VOCAB))
     assert logits[2, 4] == 0.0 and logits[2, 9] == 1.0 and torch.isinf(logits[2]).sum() == VOCAB - 2
+
+
+def test_logprob_ids_gather_each_rows_list_as_lists_come_grow_and_go():
+    rng = random.Random(5)
+    state = LogprobIdsState(CPU)
+    seqs = [Seq(0, SamplingParams(logprob_token_ids=[3, 7]), [1]), Seq(1, SamplingParams(), [1]),
+            Seq(2, SamplingParams(logprob_token_ids=[VOCAB - 1]), [1])]
+    for step in range(8):
+        if step == 3:  # a longer list widens the table; a finished sequence's slot is reused
+            state.release([seqs[0].seq_id])
+            seqs[0] = Seq(3, SamplingParams(logprob_token_ids=[rng.randrange(VOCAB) for _ in range(9)]), [1])
+        if step == 5:  # more sequences than slots: the table grows
+            seqs += [Seq(4 + i, SamplingParams(logprob_token_ids=[i, i + 1, i]), [1]) for i in range(3)]
+        rows = step_rows(state.slots(seqs, same), same)
+        logprobs = torch.log_softmax(torch.randn(len(seqs), VOCAB), dim=-1)
+        gathered = state.gather(logprobs, rows)
+        for row, seq in enumerate(seqs):
+            listed = seq.params.logprob_token_ids
+            if listed:
+                assert torch.equal(gathered[row, : len(listed)], logprobs[row, listed]), (step, row)
+            else:
+                assert torch.equal(gathered[row], torch.zeros(gathered.shape[1]))
+    assert state.ids.shape[1] == 9 and len(state.table) == 5
 
 
 def vllm_bans(words: list[list[int]], out: list[int]) -> set[int]:

@@ -23,7 +23,7 @@ _PUBLIC = {
     "GuidedDecodingParams": "tokenmill.structured_outputs",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
-    "Logprob": "tokenmill.outputs",
+    "Logprob": "tokenmill.logprobs",
     "BeamSearchOutput": "tokenmill.outputs",
     "BeamSearchSequence": "tokenmill.outputs",
     "PoolingParams": "tokenmill.pooling_params",
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.llm import LLM
+    from tokenmill.logprobs import Logprob
     from tokenmill.outputs import (
         BeamSearchOutput,
         BeamSearchSequence,
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
-        Logprob,
         PoolingOutput,
         PoolingRequestOutput,
         RequestOutput,

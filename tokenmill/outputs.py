@@ -5,21 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+# Logprob and the containers live in tokenmill/logprobs.py (vLLM: vllm/logprobs.py); importing
+# them from here keeps working.
+from tokenmill.logprobs import Logprob, LogprobsOnePosition, PromptLogprobs, SampleLogprobs  # noqa: F401
+
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class Logprob:
-    """Log probability of one token at one position, its rank in the distribution, and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One dict per generated position: token id -> Logprob (the sampled token plus the top ones).
-SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
@@ -28,7 +19,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: SampleLogprobs | None
+    logprobs: SampleLogprobs | None  # a list of dicts, or a FlatLogprobs with flat_logprobs=True
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | None while running
     # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
     stop_reason: int | str | None = None
@@ -50,7 +41,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
@@ -64,7 +55,7 @@ class BeamSearchSequence:
     generated token, with the top candidates of the beam at that step."""
 
     tokens: list[int]
-    logprobs: SampleLogprobs
+    logprobs: list[LogprobsOnePosition]
     lora_request: None = None  # vLLM's field; tokenmill has no LoRA
     cum_logprob: float = 0.0
     text: str | None = None  # the decoded tokens, prompt included (the eos only with include_stop_str_in_output)

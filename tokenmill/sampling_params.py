@@ -19,6 +19,8 @@ LogitsProcessor = Callable[..., Any]
 ENGINE_FILLED_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
 
 _GREEDY_EPS = 1e-5
+# The longest logprob_token_ids list (vLLM's limit and name).
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class SamplingType(IntEnum):
@@ -37,6 +39,7 @@ class SamplerNeeds(IntFlag):
     BAD_WORDS = 8
     MIN_TOKENS = 16
     PROCESSORS = 32  # Python logits processors
+    LOGPROB_IDS = 64  # logprob_token_ids: the logprobs of given ids, gathered per row
 
 
 class RequestOutputKind(IntEnum):
@@ -72,6 +75,14 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # top tokens per prompt position besides the prompt's own
+    # Instead of the top ``logprobs`` tokens, each output position lists the sampled token and exactly
+    # these ids (raw logprobs, like ``logprobs``; prompt logprobs are not affected). Each listed id's
+    # rank is its place in this list (1 first), as vLLM reports it; the sampled token keeps its
+    # rank in the distribution unless it is listed too.
+    logprob_token_ids: list[int] | None = None
+    # Return CompletionOutput.logprobs and RequestOutput.prompt_logprobs as a FlatLogprobs (a few
+    # flat lists per request, tokenmill/logprobs.py) rather than a list of dicts.
+    flat_logprobs: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -116,6 +127,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop) if self.stop else []
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        if isinstance(self.logprob_token_ids, tuple):
+            self.logprob_token_ids = list(self.logprob_token_ids)
         if self.guided_decoding is not None:
             _check(self.structured_outputs is None, "guided_decoding", self.guided_decoding,
                    "left unset when structured_outputs is given (it is the older name of the same field)")
@@ -166,7 +179,7 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or _is_int(value), name, value, "an integer or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                     "detokenize", "skip_clone"):
+                     "detokenize", "skip_clone", "flat_logprobs"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
         _check(self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
@@ -220,6 +233,7 @@ class SamplingParams:
             self.prompt_logprobs,
             "None or an integer >= 0",
         )
+        self._validate_logprob_token_ids()
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -249,6 +263,26 @@ class SamplingParams:
             self.logits_processors,
             "None or a list of callables (output_ids, logits) -> logits",
         )
+
+    def _validate_logprob_token_ids(self) -> None:
+        """vLLM's rules, but for the vocabulary's bound: intake checks that one, against the model."""
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        _check(isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids), "logprob_token_ids", ids,
+               "None or a list of token ids (integers >= 0)")
+        _check(len(ids) <= MAX_LOGPROB_TOKEN_IDS, "logprob_token_ids", ids,
+               f"at most {MAX_LOGPROB_TOKEN_IDS} token ids (got {len(ids)})")
+        _check(self.logprobs is None or self.logprobs == len(ids), "logprob_token_ids", ids,
+               f"as long as logprobs ({self.logprobs}) when both are set; or leave logprobs None")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's count of sample logprobs per position besides the sampled token's: ``logprobs``,
+        else ``len(logprob_token_ids)``; None when no sample logprobs are returned."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def num_samples(self) -> int:
@@ -289,6 +323,8 @@ class SamplingParams:
             needs |= SamplerNeeds.MIN_TOKENS
         if self.logits_processors:
             needs |= SamplerNeeds.PROCESSORS
+        if self.logprob_token_ids:
+            needs |= SamplerNeeds.LOGPROB_IDS
         return int(needs)
 
     @property

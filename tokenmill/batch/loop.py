@@ -93,7 +93,7 @@ class JobLoop:
         self.created = int(time.time())
         self.base = base_sampling(llm, config.sampling)
         self.pooling = PoolingRows(config.task, llm, config.prompt, config.pooling) if config.task != "generate" else None
-        self.keep_logprobs = self.base.get("logprobs") is not None
+        self.keep_logprobs = _asks_logprobs(self.base)
         self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * _max_num_seqs(self.engine, config)
         self.max_model_len = self.engine.config.max_model_len
         if self.pooling is None:
@@ -229,7 +229,7 @@ class JobLoop:
                 self._row_finished()
                 del self.inflight[out.request_id]
                 req = flight.request
-                result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req))
+                result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
                 self.pending.append((result, flight))
 
     def _pooled(self, flight: _InFlight, out: Any) -> None:
@@ -375,8 +375,10 @@ def _max_num_seqs(engine: Any, config: JobConfig) -> int:
     return int(config.engine.get("max_num_seqs") or 256)
 
 
-def _asks_logprobs(request: RowRequest) -> bool:
-    return request.overrides.get("logprobs") is not None
+def _asks_logprobs(sampling: dict[str, Any]) -> bool:
+    """Whether these sampling values ask for sample logprobs: ``logprobs``, or ``logprob_token_ids``
+    (vLLM's ``SamplingParams.num_logprobs`` rule)."""
+    return sampling.get("logprobs") is not None or bool(sampling.get("logprob_token_ids"))
 
 
 def _fallback_id(fmt: str, index: int) -> Any:

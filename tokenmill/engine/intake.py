@@ -3,9 +3,9 @@
 Everything that can be wrong with a request is found here, before the engine takes it: the
 prompt (tokenized, truncated, checked against the vocabulary and max_model_len), whether its
 longest possible sequence fits the KV cache (so the scheduler never waits on a request that can
-never run), token ids in the logit controls, beam widths. The engine's additions to the
-sampling parameters are filled in: stop ids (with the model's eos), bad_words tokenised, one
-grammar matcher per sample, and the length limit (`Request.max_output_tokens`).
+never run), token ids in the logit controls and in logprob_token_ids, beam widths. The engine's
+additions to the sampling parameters are filled in: stop ids (with the model's eos), bad_words
+tokenised, one grammar matcher per sample, and the length limit (`Request.max_output_tokens`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, Sequence, max_output_tokens
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
+from tokenmill.logprobs import create_prompt_logprobs, create_sample_logprobs
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Intake:
         if beam_params is not None:
             request.beam = BeamSearch(beam_params, params.all_stop_token_ids, max(1, request.max_output_tokens))
         if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]  # nothing predicts the first prompt token
+            request.prompt_logprobs = create_prompt_logprobs(params.flat_logprobs)  # position 0 empty: nothing predicts it
         for i in range(params.num_samples):
             request.sequences.append(self.new_sequence(request, i))
             request.sequences[-1].grammar = matchers[i] if matchers else None
@@ -83,8 +84,8 @@ class Intake:
         if params.seed is not None:
             # A 63-bit draw key of its own for each of the request's sequences (see worker/sampler.py).
             seq.seed = (params.seed if index == 0 else hash((params.seed, index))) & (2**63 - 1)
-        if params.logprobs is not None:
-            seq.logprobs = []
+        if params.num_logprobs is not None:  # logprobs, or logprob_token_ids
+            seq.logprobs = create_sample_logprobs(params.flat_logprobs)
         if params.detokenize and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
@@ -119,10 +120,11 @@ class Intake:
             raise ValueError(f"{where}: {exc}") from exc
 
     def _with_logit_controls(self, params: SamplingParams, where: str) -> SamplingParams:
-        """Check token ids against the vocabulary and tokenize bad_words (vLLM: each word as is and
-        with a leading space, since both spellings occur mid-text)."""
+        """Check token ids (logit controls, logprob_token_ids) against the vocabulary and tokenize
+        bad_words (vLLM: each word as is and with a leading space, since both spellings occur mid-text)."""
         vocab = self.config.vocab_size
-        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or [])):
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logprob_token_ids", params.logprob_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")

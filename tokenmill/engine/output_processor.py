@@ -1,9 +1,15 @@
 """From the engine's request state to what the user gets: logprob dicts, `RequestOutput`s.
 
 After the scheduler has taken in a step's tokens (`Scheduler.update_from_output`), the output
-processor records the logprobs that step produced (each entry a dict of `Logprob`s with decoded
-tokens, the sampled token first, then the top-k) and builds the `RequestOutput`s: the best ``n``
-of ``best_of`` samples, only what is new for DELTA streams, a beam search's finished hypotheses.
+processor records the logprobs that step produced (each position the sampled token first, then
+the top-k or the request's logprob_token_ids, with decoded tokens; kept as a list of dicts or a
+`FlatLogprobs`, ``tokenmill/logprobs.py``) and builds the `RequestOutput`s: the best ``n`` of
+``best_of`` samples, only what is new for DELTA streams, a beam search's finished hypotheses.
+
+Ranks, as vLLM reports them: the sampled (or prompt) token's rank in the distribution, the i-th
+top token's i, and the i-th of logprob_token_ids i too (its place in the list, not in the
+distribution). A top token that is the sampled one keeps the sampled token's entry; a listed id
+that is the sampled one takes its listed rank (vLLM's dict is built in that order).
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from typing import Any
 
 from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.step import StepResult
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.logprobs import PromptLogprobs, SampleLogprobs, append_position
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
 
@@ -24,17 +31,15 @@ class OutputProcessor:
         for chunk in result.prompt_logprobs or ():
             request = chunk.seq.request
             assert request.prompt_logprobs is not None, "the runner scores prompts only when asked"
-            k = request.params.prompt_logprobs
             for i, (lp, rank) in enumerate(zip(chunk.token_logprobs, chunk.ranks)):
                 position = chunk.first + i
                 if position < len(request.prompt_logprobs):
                     continue  # already scored before a preemption
                 token = request.prompt_token_ids[position]
-                entry = {token: Logprob(lp, rank, self._token_text(token))}
-                if k and chunk.top_ids is not None and chunk.top_logprobs is not None:
-                    for r, (tid, tlp) in enumerate(zip(chunk.top_ids[i], chunk.top_logprobs[i]), start=1):
-                        entry.setdefault(tid, Logprob(tlp, r, self._token_text(tid)))
-                request.prompt_logprobs.append(entry)
+                top = None
+                if chunk.top_ids is not None and chunk.top_logprobs is not None:
+                    top = (chunk.top_ids[i], chunk.top_logprobs[i])
+                self._append(request.prompt_logprobs, token, lp, rank, top)
 
     def record_sample_logprobs(self, result: StepResult[Sequence], rows: list[int]) -> None:
         """The logprobs of the tokens taken from ``rows`` (`Scheduler.update_from_output`), for
@@ -42,7 +47,7 @@ class OutputProcessor:
         samples = result.read()
         if samples is None or samples.logprobs is None:
             return
-        sampled_lp, ranks = samples.logprobs, samples.ranks
+        sampled_lp, ranks, requested = samples.logprobs, samples.ranks, samples.requested_logprobs
         assert ranks is not None
         for row in rows:
             seq = result.sampled[row].seq
@@ -51,14 +56,15 @@ class OutputProcessor:
             token = samples.token_ids[row]
             if seq.params.best_of is not None:
                 seq.best_of_logprob += sampled_lp[row]
-            if seq.params.logprobs is not None:
-                assert seq.logprobs is not None
-                k = seq.params.logprobs
-                entry = {token: Logprob(sampled_lp[row], ranks[row], self._token_text(token))}
-                if k and samples.top_ids is not None and samples.top_logprobs is not None:
-                    for rank, (tid, lp) in enumerate(zip(samples.top_ids[row][:k], samples.top_logprobs[row][:k]), start=1):
-                        entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
-                seq.logprobs.append(entry)
+            if seq.logprobs is not None:  # logprobs or logprob_token_ids (intake made the container)
+                listed, k = seq.params.logprob_token_ids, seq.params.logprobs
+                alternatives = None
+                if listed:
+                    assert requested is not None, "rows with logprob_token_ids get their ids' logprobs"
+                    alternatives = (listed, requested[row])
+                elif k and samples.top_ids is not None and samples.top_logprobs is not None:
+                    alternatives = (samples.top_ids[row][:k], samples.top_logprobs[row][:k])
+                self._append(seq.logprobs, token, sampled_lp[row], ranks[row], alternatives, listed=bool(listed))
                 seq.cumulative_logprob += sampled_lp[row]
 
     def request_output(self, request: Request) -> RequestOutput:
@@ -70,7 +76,7 @@ class OutputProcessor:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            prompt_logprobs=request.prompt_logprobs[:] if request.prompt_logprobs is not None else None,  # a copy, either form
             outputs=completions,
             finished=request.is_finished,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
@@ -101,6 +107,22 @@ class OutputProcessor:
                 )
             )
         return completions
+
+    def _append(self, container: SampleLogprobs | PromptLogprobs, token: int, logprob: float, rank: int,
+                alternatives: tuple[list[int], list[float]] | None, listed: bool = False) -> None:
+        """One position: the token with its logprob and rank, then the alternatives with ranks 1, 2,
+        ... (the top ones, or the listed logprob_token_ids, whose row beyond the list is padding
+        that zip drops). A top alternative that is the token itself is left out, so the token keeps
+        its rank in the distribution; a listed one is kept and, coming later, takes over the
+        token's entry (vLLM builds its dict in that order)."""
+        ids, logprobs, ranks = [token], [logprob], [rank]
+        if alternatives is not None:
+            for r, (tid, lp) in enumerate(zip(*alternatives), start=1):
+                if listed or tid != token:
+                    ids.append(tid)
+                    logprobs.append(lp)
+                    ranks.append(r)
+        append_position(container, ids, logprobs, ranks, [self._token_text(t) for t in ids])
 
     def _token_text(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 if TYPE_CHECKING:
     from tokenmill.engine.beam_search import BeamSearch
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
-    from tokenmill.outputs import SampleLogprobs
+    from tokenmill.logprobs import PromptLogprobs, SampleLogprobs
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -131,8 +131,9 @@ class Request(Generic[ParamsT]):
     arrival_time: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # One entry per prompt token once computed (the first is None: nothing predicts it).
-    prompt_logprobs: list | None = None
+    # One entry per prompt token once computed (the first empty: nothing predicts it); a list of
+    # dicts (the first None) or a FlatLogprobs (flat_logprobs=True).
+    prompt_logprobs: "PromptLogprobs | None" = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

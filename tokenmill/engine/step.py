@@ -117,6 +117,14 @@ class SamplerOutput:
     sampled_ranks: "torch.Tensor | None" = None  # [N], 1 = most likely
     top_ids: "torch.Tensor | None" = None  # [N, K]
     top_logprobs: "torch.Tensor | None" = None  # [N, K]
+    # Only when some row has logprob_token_ids: row r's logprobs at its ids in its first
+    # len(ids) columns (the host knows the ids; the other columns are padding).
+    requested_logprobs: "torch.Tensor | None" = None  # [N, W]
+
+    def tensors(self) -> tuple["torch.Tensor | None", ...]:
+        """Every field, in order (to copy them all to the host at once)."""
+        return (self.token_ids, self.sampled_logprobs, self.sampled_ranks, self.top_ids, self.top_logprobs,
+                self.requested_logprobs)
 
 
 @dataclass
@@ -141,6 +149,7 @@ class SampledTokens:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    requested_logprobs: list[list[float]] | None = None  # per row, at its logprob_token_ids
 
 
 @dataclass
@@ -165,10 +174,5 @@ class StepResult(Generic[S]):
         if self.output is None:
             return None
         if self._host is None:
-            out = self.output
-            self._host = SampledTokens(
-                out.token_ids.tolist(),
-                *(t.tolist() if t is not None else None
-                  for t in (out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs)),
-            )
+            self._host = SampledTokens(*(t.tolist() if t is not None else None for t in self.output.tensors()))
         return self._host

@@ -30,7 +30,7 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.sampler import Sampler, SamplingBatch
-from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, PenaltyState, step_rows
+from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class ModelRunner:
         self._side_stream = torch.cuda.Stream(device) if overlap.mixed and device.type == "cuda" else None
 
     def _new_sampling_state(self) -> None:
-        """Per-sequence sampling state on the device (penalties, logit bias, bad words), released
+        """Per-sequence sampling state on the device (penalties, logit bias, bad words, logprob ids), released
         for the sequences each plan reports finished or preempted. A plan with nothing scheduled
         is never launched, so its report is lost: a full table also takes back the slots of
         finished sequences itself before it grows. Each table starts with one row."""
@@ -83,6 +83,7 @@ class ModelRunner:
         self.penalties = PenaltyState(self.vocab_size, self.device, is_done)
         self.logit_bias = LogitBiasState(self.vocab_size, self.device, is_done)
         self.bad_words = BadWordState(self.device, is_done)
+        self.logprob_ids = LogprobIdsState(self.device, is_done)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -206,11 +207,8 @@ class ModelRunner:
         """Start copying the sampler's output to (pinned) host memory; an event marks the end."""
         if not self._pin or result.output is None:
             return result
-        out = result.output
-        result.output = SamplerOutput(*(
-            t.to("cpu", non_blocking=True) if t is not None else None
-            for t in (out.token_ids, out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs)
-        ))
+        result.output = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None
+                                        for t in result.output.tensors()))
         result.ready = torch.cuda.Event()
         result.ready.record()
         return result
@@ -353,9 +351,10 @@ class ModelRunner:
             top_p_alone=filtered and any(p.top_p < 1.0 and not 0 < p.top_k < self.vocab_size for p in params),
             top_p=floats[1] if filtered else None,
             min_p=floats[2] if filtered else None,
-            # best_of ranks samples by their logprobs, so it needs them even when logprobs is None.
-            max_num_logprobs=max((p.logprobs if p.logprobs is not None else 0 for p in params
-                                  if p.logprobs is not None or p.best_of is not None), default=-1),
+            # best_of ranks samples by their logprobs, so it needs them even when logprobs is None;
+            # a row with logprob_token_ids needs them too, but no top ones (its ids replace them).
+            max_num_logprobs=max((0 if p.logprobs is None or p.logprob_token_ids else p.logprobs for p in params
+                                  if p.logprobs is not None or p.best_of is not None or p.logprob_token_ids), default=-1),
         )
         if not all_greedy:
             batch.draw_keys, batch.draw_counters = self._draw_keys(seqs)
@@ -367,6 +366,8 @@ class ModelRunner:
             batch.penalty_rows = step_rows(penalty_slots, self._to_device)
         if needs & SamplerNeeds.BAD_WORDS:
             batch.bad_words = (self.bad_words, step_rows(self.bad_words.slots(seqs), self._to_device))
+        if needs & SamplerNeeds.LOGPROB_IDS:
+            batch.logprob_ids = (self.logprob_ids, step_rows(self.logprob_ids.slots(seqs, self._to_device), self._to_device))
         if needs & SamplerNeeds.MIN_TOKENS:
             # eos and stop ids may not be sampled below min_tokens (the output count includes tokens in flight).
             banned = [(row, token) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
@@ -400,7 +401,7 @@ class ModelRunner:
     def release_sequences(self, seq_ids: Iterable[int]) -> None:
         """Drop the device sampling state of sequences that finished, were aborted or preempted."""
         seq_ids = list(seq_ids)
-        for state in (self.penalties, self.logit_bias, self.bad_words):
+        for state in (self.penalties, self.logit_bias, self.bad_words, self.logprob_ids):
             state.release(seq_ids)
 
 

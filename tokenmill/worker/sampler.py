@@ -1,6 +1,7 @@
 """Turns the last-position logits of each sampling sequence into the next tokens.
 
-Order of operations (vLLM's): logprobs are taken from the raw logits; then the logit controls
+Order of operations (vLLM's): logprobs are taken from the raw logits (the top ones, or those of
+each row's logprob_token_ids, gathered by ids kept on the device); then the logit controls
 (allowed_token_ids, logit_bias, bad_words, logits_processors), penalties, the min_tokens mask,
 greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a draw.
 
@@ -30,7 +31,7 @@ import torch
 
 from tokenmill.engine.step import SamplerOutput
 from tokenmill.kernels.sampling_args import Filters, RowState
-from tokenmill.worker.sampling_state import BadWordState, StepRows, apply_bias, apply_penalties
+from tokenmill.worker.sampling_state import BadWordState, LogprobIdsState, StepRows, apply_bias, apply_penalties
 
 
 @dataclass
@@ -57,7 +58,9 @@ class SamplingBatch:
     bad_words: tuple[BadWordState, StepRows] | None = None
     # Tokens that may not be sampled yet (eos and stop ids while below min_tokens): [2, B] (row, id).
     banned: torch.Tensor | None = None
-    max_num_logprobs: int = -1  # -1: no row wants logprobs
+    max_num_logprobs: int = -1  # -1: no row wants logprobs; else the most top logprobs a row wants
+    # The rows with logprob_token_ids and the device state holding their ids.
+    logprob_ids: tuple[LogprobIdsState, StepRows] | None = None
     # vLLM-style logits processors per row: (row, callables, prompt ids, output ids so far).
     processors: list[tuple[int, list, list[int], list[int]]] | None = None
     # Structured outputs: xgrammar's packed allowed-token bitmask and the function applying it.
@@ -97,7 +100,11 @@ class Sampler:
             token_ids = self._sample_on_gpu(logits, batch, state)
         else:
             token_ids = self._sample_on_cpu(logits, batch, state)
-        return self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
+        output = self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
+        if batch.logprob_ids is not None:
+            assert raw_logprobs is not None, "rows with logprob_token_ids count as rows wanting logprobs"
+            output.requested_logprobs = batch.logprob_ids[0].gather(raw_logprobs, batch.logprob_ids[1])
+        return output
 
     @staticmethod
     def precompile(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:

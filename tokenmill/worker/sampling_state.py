@@ -1,5 +1,5 @@
-"""Per-sequence sampling state kept on the device, so that penalties and logit controls need no
-host sync and no per-step rebuild from Python lists.
+"""Per-sequence sampling state kept on the device, so that penalties, logit controls and
+logprob_token_ids need no host sync and no per-step rebuild from Python lists.
 
 A sequence that needs state gets a slot (a row of each tensor below) the first time it samples;
 the slot is filled then from its prompt and the output tokens the host knows (all of them: a
@@ -17,6 +17,8 @@ Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
 - ``LogitBiasState`` (logit_bias, allowed_token_ids): one additive float32 row, 4 V bytes (608 KB).
 - ``BadWordState`` (bad_words): the words as token ids, and the last L - 1 output ids for words
   of up to L tokens: a few hundred bytes.
+- ``LogprobIdsState`` (logprob_token_ids): the ids, int64, as wide as the longest list (<= 128):
+  at most 1 KB. Fixed for the sequence's life: nothing to record.
 min_tokens needs no state: the host knows each sequence's output count, tokens in flight included.
 The GPU kernels read the bias and penalty tables directly (``kernels/sampling_args.RowState``);
 ``apply_bias`` and ``apply_penalties`` are the same steps in torch, for the CPU.
@@ -281,3 +283,45 @@ class BadWordState:
         self.prefixes[slot], self.last[slot], self.recent[slot] = (
             t.to(self.device) for t in (own_prefixes, own_last, history)
         )
+
+
+class LogprobIdsState:
+    """The ids whose logprobs each sequence with logprob_token_ids gets at every output position:
+    ``ids[slot, :len(list)]``, padded with id 0 to the table's width (the longest list seen).
+    Padding columns are gathered too and dropped on the host, which knows each list's length."""
+
+    def __init__(self, device: torch.device, is_done: Callable[[object], bool] | None = None):
+        self.table = SlotTable(is_done)
+        self.ids = torch.zeros((1, 1), dtype=torch.int64, device=device)
+
+    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
+        """Each row's slot (-1: no ids), filling those of sequences that sample for the first time."""
+        slots, new = self.table.assign_rows(seqs, SamplerNeeds.LOGPROB_IDS)
+        if new:
+            self._fill(new, to_device)
+        return slots
+
+    def gather(self, logprobs: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """[N, width] float32: each row's logprobs at its ids (rows without ids: zeros, never read)."""
+        out = logprobs.new_zeros((logprobs.shape[0], self.ids.shape[1]))
+        out[rows.rows] = logprobs[rows.rows].gather(1, self.ids[rows.slots])
+        return out
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, new: list, to_device: ToDevice) -> None:
+        lists = [seq.params.logprob_token_ids for _, seq in new]
+        width = max(self.ids.shape[1], *(len(ids) for ids in lists))
+        if width > self.ids.shape[1]:  # a longer list than any before: widen every row (zeros)
+            wider = torch.zeros((self.ids.shape[0], width), dtype=torch.int64, device=self.ids.device)
+            wider[:, : self.ids.shape[1]] = self.ids
+            self.ids = wider
+        self.ids = _grown(self.ids, self.table.capacity)
+        # The new rows in one pinned copy, not one synchronous copy per sequence.
+        host = np.zeros((len(new), width + 1), dtype=np.int64)  # column 0: the slot
+        for i, ((slot, _), ids) in enumerate(zip(new, lists)):
+            host[i, 0] = slot
+            host[i, 1 : 1 + len(ids)] = ids
+        packed = to_device(torch.from_numpy(host))
+        self.ids.index_copy_(0, packed[:, 0], packed[:, 1:])
