@@ -122,7 +122,7 @@ def test_logit_bias_rows():
     params = [SamplingParams(logit_bias={3: 2.5, 7: -100.0}), SamplingParams(), SamplingParams(allowed_token_ids=[4, 9], logit_bias={9: 1.0})]
     seqs = [Seq(i, p, [1]) for i, p in enumerate(params)]
     state = LogitBiasState(VOCAB, CPU)
-    slots = state.slots(seqs)
+    slots = state.slots(seqs, same)
     assert slots[1] == -1
     logits = torch.zeros(3, VOCAB)
     apply_bias(logits, state.bias, step_rows(slots, same))
@@ -172,7 +172,7 @@ def test_bad_word_bans_follow_the_outputs():
         if step == 12:  # a sequence with longer words arrives: the tables widen
             seqs.append(Seq(2, SamplingParams(), [1], [0, 1, 2]))
             seqs[2].params.bad_words_token_ids = long + [[3, 3, 3, 3, 3]]
-        rows = step_rows(state.slots(seqs), same)
+        rows = step_rows(state.slots(seqs, same), same)
         logits = torch.zeros(len(seqs), vocab)
         state.apply(logits, rows)
         for row, seq in enumerate(seqs):

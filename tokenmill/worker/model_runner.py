@@ -336,7 +336,7 @@ class ModelRunner:
             floats += [[p.top_p for p in params], [p.min_p for p in params]]
         none = [-1] * len(seqs)
         penalty_slots = self.penalties.slots(seqs, self._to_device) if needs & SamplerNeeds.PENALTIES else none
-        bias_slots = self.logit_bias.slots(seqs) if needs & SamplerNeeds.LOGIT_BIAS else none
+        bias_slots = self.logit_bias.slots(seqs, self._to_device) if needs & SamplerNeeds.LOGIT_BIAS else none
         has_state = bool(needs & (SamplerNeeds.PENALTIES | SamplerNeeds.LOGIT_BIAS))
         if has_state:
             floats += [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
@@ -365,7 +365,7 @@ class ModelRunner:
             batch.bias_rows = step_rows(bias_slots, self._to_device)
             batch.penalty_rows = step_rows(penalty_slots, self._to_device)
         if needs & SamplerNeeds.BAD_WORDS:
-            batch.bad_words = (self.bad_words, step_rows(self.bad_words.slots(seqs), self._to_device))
+            batch.bad_words = (self.bad_words, step_rows(self.bad_words.slots(seqs, self._to_device), self._to_device))
         if needs & SamplerNeeds.LOGPROB_IDS:
             batch.logprob_ids = (self.logprob_ids, step_rows(self.logprob_ids.slots(seqs, self._to_device), self._to_device))
         if needs & SamplerNeeds.MIN_TOKENS:

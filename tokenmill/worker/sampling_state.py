@@ -192,25 +192,30 @@ class LogitBiasState:
         self.table = SlotTable(is_done)
         self.bias = torch.zeros((1, vocab_size), dtype=torch.float32, device=device)
 
-    def slots(self, seqs: list) -> list[int]:
+    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
         """Each row's slot (-1: no bias), filling those of sequences that sample for the first time."""
         slots, new = self.table.assign_rows(seqs, SamplerNeeds.LOGIT_BIAS)
-        for slot, seq in new:
-            self._fill(slot, seq.params)
+        if new:
+            self._fill(new, to_device)
         return slots
 
     def release(self, seq_ids: Iterable[int]) -> None:
         self.table.release(seq_ids)
 
-    def _fill(self, slot: int, params) -> None:
+    def _fill(self, new: list, to_device: ToDevice) -> None:
+        """The new rows built on the host and copied in one go: a copy from pageable memory would
+        wait for the device's queue to drain, stalling asynchronous scheduling once per sequence."""
         self.bias = _grown(self.bias, self.table.capacity)
-        row = torch.zeros(self.bias.shape[1], dtype=torch.float32)
-        if params.allowed_token_ids:
-            row.fill_(float("-inf"))
-            row[params.allowed_token_ids] = 0.0
-        if params.logit_bias:
-            row[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
-        self.bias[slot] = row.to(self.bias.device)
+        rows = torch.zeros((len(new), self.bias.shape[1]), dtype=torch.float32)
+        for row, (_, seq) in zip(rows, new):
+            params = seq.params
+            if params.allowed_token_ids:
+                row.fill_(float("-inf"))
+                row[params.allowed_token_ids] = 0.0
+            if params.logit_bias:
+                row[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        self.bias.index_copy_(0, slots, to_device(rows))
 
 
 def apply_bias(logits: torch.Tensor, bias: torch.Tensor, rows: StepRows) -> None:
@@ -233,11 +238,11 @@ class BadWordState:
         self.last = torch.full((1, 1), -1, dtype=torch.int64, device=device)
         self.recent = torch.full((1, 1), -1, dtype=torch.int64, device=device)  # -1: no output there yet
 
-    def slots(self, seqs: list) -> list[int]:
+    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
         """Each row's slot (-1: no bad words), filling those of sequences that sample for the first time."""
         slots, new = self.table.assign_rows(seqs, SamplerNeeds.BAD_WORDS)
-        for slot, seq in new:
-            self._fill(slot, seq)
+        if new:
+            self._fill(new, to_device)
         return slots
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
@@ -256,12 +261,13 @@ class BadWordState:
     def release(self, seq_ids: Iterable[int]) -> None:
         self.table.release(seq_ids)
 
-    def _fill(self, slot: int, seq) -> None:
-        words = seq.params.bad_words_token_ids
-        count = max(len(words), self.last.shape[1])
-        width = max(max(len(w) for w in words) - 1, self.recent.shape[1])  # recent ids a word can need
-        # Grow every dimension as needed: the older recent ids of the slots already there are
-        # unknown (-1), but their own words never reach that far back.
+    def _fill(self, new: list, to_device: ToDevice) -> None:
+        """The new rows built on the host and copied in one go (pinned: see LogitBiasState._fill)."""
+        words_of = [seq.params.bad_words_token_ids for _, seq in new]
+        count = max(max(len(words) for words in words_of), self.last.shape[1])
+        # Recent ids a word can need: grow every dimension as needed. The older recent ids of the
+        # slots already there are unknown (-1), but their own words never reach that far back.
+        width = max(max(len(w) for words in words_of for w in words) - 1, self.recent.shape[1])
         rows, (n, c, w) = self.table.capacity, self.prefixes.shape
         prefixes = torch.full((rows, count, width), _WILDCARD, dtype=torch.int64, device=self.device)
         prefixes[:n, :c, width - w:] = self.prefixes
@@ -270,19 +276,20 @@ class BadWordState:
         recent = torch.full((rows, width), -1, dtype=torch.int64, device=self.device)
         recent[:n, width - w:] = self.recent
         self.prefixes, self.last, self.recent = prefixes, last, recent
-        own_prefixes = torch.full((count, width), _WILDCARD, dtype=torch.int64)
-        own_last = torch.full((count,), -1, dtype=torch.int64)
-        for i, word in enumerate(words):
-            if len(word) > 1:
-                own_prefixes[i, width - len(word) + 1:] = torch.tensor(word[:-1])
-            own_last[i] = word[-1]
-        history = torch.full((width,), -1, dtype=torch.int64)
-        out = seq.output_token_ids[-width:]
-        if out:
-            history[width - len(out):] = torch.tensor(out)
-        self.prefixes[slot], self.last[slot], self.recent[slot] = (
-            t.to(self.device) for t in (own_prefixes, own_last, history)
-        )
+        own_prefixes = torch.full((len(new), count, width), _WILDCARD, dtype=torch.int64)
+        own_last = torch.full((len(new), count), -1, dtype=torch.int64)
+        history = torch.full((len(new), width), -1, dtype=torch.int64)
+        for i, ((_, seq), words) in enumerate(zip(new, words_of)):
+            for j, word in enumerate(words):
+                if len(word) > 1:
+                    own_prefixes[i, j, width - len(word) + 1:] = torch.tensor(word[:-1])
+                own_last[i, j] = word[-1]
+            out = seq.output_token_ids[-width:]
+            if out:
+                history[i, width - len(out):] = torch.tensor(out)
+        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        for table, rows_now in ((self.prefixes, own_prefixes), (self.last, own_last), (self.recent, history)):
+            table.index_copy_(0, slots, to_device(rows_now))
 
 
 class LogprobIdsState:
