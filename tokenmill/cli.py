@@ -101,6 +101,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-inflight={args.max_inflight} is invalid: must be >= 1")
     if args.replicas < 1:
         raise UsageError(f"--replicas={args.replicas} is invalid: must be >= 1")
+    if not args.stall_timeout >= 0:  # also refuses nan
+        raise UsageError(f"--stall-timeout={args.stall_timeout} is invalid: must be >= 0 seconds (0: never)")
     check_task_flags(args)
     generate = args.task == "generate"
     config = JobConfig(
@@ -110,6 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         chat_template=read_chat_template(args.chat_template), overwrite=args.overwrite,
         max_inflight=args.max_inflight, fsync_interval=args.fsync_interval, progress=not args.no_progress,
         log_interval=args.progress_interval, replicas=args.replicas, ray_address=args.ray_address,
+        stall_timeout=args.stall_timeout,
     )
     stop = _StopRequests()
     previous = stop.install()

@@ -18,6 +18,7 @@ from tokenmill.batch.openai_batch import OpenAIRecordReader
 from tokenmill.batch.pooling import pooling_parquet_schema
 from tokenmill.batch.progress import Progress
 from tokenmill.batch.readers import detect_format, input_columns, read_rows, scan_input
+from tokenmill.batch.stall_watchdog import StallWatchdog
 from tokenmill.batch.requests import check_columns
 from tokenmill.batch.results import read_result_record
 from tokenmill.batch.summary import JobSummary
@@ -99,6 +100,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                             log_interval=config.log_interval, engines=config.replicas)
         interrupted, errors = False, []
         if info.rows is None or journal.resumed_rows < info.rows:
+            watchdog: StallWatchdog | None = None  # replicas keep their own
             if config.replicas > 1 or config.ray_address is not None:
                 if llm is not None:
                     raise ValueError("replicas load their own models: pass no llm with replicas or ray_address")
@@ -110,11 +112,14 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                 new_llm = None if llm is not None else (lambda: load_llm(config))
                 engine_llm = llm if llm is not None else load_llm(config)
                 progress.start = time.monotonic()  # the summary's throughput leaves model loading out
+                watchdog = StallWatchdog(config.stall_timeout, stream=stderr) if config.stall_timeout > 0 else None
                 loop = JobLoop(config, engine_llm, journal, progress, fmt, shape, fingerprint(settings), should_stop,
-                               new_llm=new_llm, notice=lambda message: print(message, file=stderr or sys.stderr, flush=True))
+                               new_llm=new_llm, notice=lambda message: print(message, file=stderr or sys.stderr, flush=True),
+                               watchdog=watchdog)
                 del engine_llm
             try:
-                interrupted = not loop.run(read_rows(input_path, fmt))
+                with watchdog or contextlib.nullcontext():
+                    interrupted = not loop.run(read_rows(input_path, fmt))
             except KeyboardInterrupt:
                 interrupted = True
             except BaseException:

@@ -30,6 +30,7 @@ from tokenmill.batch.writers import encode_lines
 if TYPE_CHECKING:
     from tokenmill.batch.journal import Journal
     from tokenmill.batch.progress import Progress
+    from tokenmill.batch.stall_watchdog import StallWatchdog
 
 _INFLIGHT_PER_SEQ = 2
 _MAX_PENDING_ERRORS = 256  # commit early when a stretch of bad rows piles up
@@ -79,12 +80,14 @@ class JobLoop:
 
     def __init__(self, config: JobConfig, llm: Any, journal: Journal, progress: Progress, fmt: str, shape: str,
                  job_key: str, should_stop: Callable[[], bool] | None = None,
-                 new_llm: Callable[[], Any] | None = None, notice: Callable[[str], None] | None = None):
+                 new_llm: Callable[[], Any] | None = None, notice: Callable[[str], None] | None = None,
+                 watchdog: StallWatchdog | None = None):
         """``new_llm`` builds a replacement engine for one that stopped for good (a tensor-parallel
-        worker died); without it such a stop ends the job. ``notice`` prints a line for the user."""
+        worker died); without it such a stop ends the job. ``notice`` prints a line for the user.
+        ``watchdog`` hears of every step (and is paused while a new engine loads)."""
         self.config, self.llm, self.journal, self.progress = config, llm, journal, progress
         self.should_stop = should_stop or (lambda: False)
-        self.new_llm, self.notice = new_llm, notice or _print_notice
+        self.new_llm, self.notice, self.watchdog = new_llm, notice or _print_notice, watchdog
         self._committing = False  # True while a commit is half done (an interrupt landed inside it)
         self.engine = llm.llm_engine
         self.tokenizer = llm.get_tokenizer()
@@ -210,6 +213,8 @@ class JobLoop:
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        if self.watchdog is not None:
+            self.watchdog.beat()
         self.progress.on_step()
         for out in outputs:
             flight = self.inflight.get(out.request_id)
@@ -316,7 +321,8 @@ class JobLoop:
         self.llm = self.engine = None
         _free_device_memory()  # the old engine's weights and KV cache, before the new one loads
         try:
-            self.llm = self.new_llm()
+            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+                self.llm = self.new_llm()
         except Exception as load_error:  # noqa: BLE001
             raise EngineFailure(f"the engine stopped ({type(error).__name__}: {error}) and a new one could not start: "
                                 f"{type(load_error).__name__}: {load_error}. The finished rows are kept: rerun the same "

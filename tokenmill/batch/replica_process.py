@@ -12,6 +12,7 @@ parent process disappears (a killed parent cannot stop it, so it stops itself).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -88,6 +89,7 @@ def main(argv: list[str]) -> int:
 def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
     from tokenmill.batch.loop import JobLoop, load_llm
     from tokenmill.batch.readers import read_rows
+    from tokenmill.batch.stall_watchdog import StallWatchdog
 
     config = setup.config
     link = ParentLink(conn, setup.done)
@@ -98,10 +100,12 @@ def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
             torch.set_num_threads(setup.num_threads)
         llm = load_llm(config)
         send(conn, Ready())
+        watchdog = StallWatchdog(config.stall_timeout) if config.stall_timeout > 0 else None  # the parent restarts us
         loop = JobLoop(config, llm, link, link, setup.input_format, setup.output_shape,  # type: ignore[arg-type]
-                     setup.job_key, link.should_stop, new_llm=lambda: load_llm(config))
+                     setup.job_key, link.should_stop, new_llm=lambda: load_llm(config), watchdog=watchdog)
         del llm  # the loop's alone: a replaced engine's memory must be freeable
-        complete = loop.run(shard_rows(read_rows(config.input, setup.input_format), setup.shard, setup.shards))
+        with watchdog or contextlib.nullcontext():
+            complete = loop.run(shard_rows(read_rows(config.input, setup.input_format), setup.shard, setup.shards))
         if not complete:
             loop.abort()
         link.flush()

@@ -1,0 +1,108 @@
+"""`tokenmill run --stall-timeout`: a job whose engine stops returning steps (a hung device or
+collective) ends with exit code 1 and a message saying so, keeps every row it finished, and a rerun
+completes the rest, every row exactly once. The watchdog's rule (the limit, or ten times the
+longest step; paused while a new engine loads) is checked on a fake clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from test_batch_e2e import by_row, prompts, read_jsonl, write_jsonl
+from tokenmill.batch.stall_watchdog import EXIT_STALLED, StallWatchdog
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watchdog(timeout_s: float) -> tuple[StallWatchdog, FakeClock, list[int]]:
+    clock, exits = FakeClock(), []
+    return StallWatchdog(timeout_s, stream=open(os.devnull, "w"), exit=exits.append, clock=clock), clock, exits
+
+
+def test_no_step_for_the_limit_ends_the_process():
+    dog, clock, exits = watchdog(60)
+    for _ in range(5):
+        clock.now += 2.0
+        dog.beat()
+        dog.check()
+    clock.now += 59.9
+    dog.check()
+    assert exits == []
+    clock.now += 0.2
+    dog.check()
+    assert exits == [EXIT_STALLED]
+
+
+def test_slow_steps_raise_the_limit_and_a_pause_suspends_it():
+    dog, clock, exits = watchdog(60)
+    clock.now += 30.0  # a 30 s step (a large model on a CPU): the limit becomes 300 s
+    dog.beat()
+    clock.now += 299.0
+    dog.check()
+    assert exits == [] and dog.limit_s == 300.0
+    with dog.paused():  # a new engine loading takes what it takes
+        clock.now += 10_000.0
+        dog.check()
+    assert exits == []
+    clock.now += 299.0  # the clock restarts when the pause ends
+    dog.check()
+    assert exits == []
+    clock.now += 2.0
+    dog.check()
+    assert exits == [EXIT_STALLED]
+
+
+def test_a_job_whose_engine_hangs_exits_1_and_a_rerun_completes_it(tmp_path, tiny_llama_dir):
+    """The engine hangs in its 6th step (as a wedged kernel would): the job must end on its own within
+    the limit, with the rows of the first steps written, and a rerun must finish every row once."""
+    rows = 16
+    input_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in prompts(rows, seed=11)])
+    output = tmp_path / "out.jsonl"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from tokenmill import LLM
+        from tokenmill.batch.job import JobConfig, run_job
+
+        llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", device="cpu", max_model_len=128,
+                  kv_cache_memory_bytes=8 * 2**20, max_num_seqs=2, seed=0)
+        hang = sys.argv[1] == "hang"
+        step, steps = llm.llm_engine.step, []
+
+        def step_that_hangs(*args, **kwargs):
+            steps.append(1)
+            if hang and len(steps) == 6:
+                time.sleep(3600)
+            return step(*args, **kwargs)
+
+        llm.llm_engine.step = step_that_hangs
+        config = JobConfig(input={str(input_path)!r}, output={str(output)!r}, model="tiny", progress=False,
+                           sampling={{"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
+                           max_inflight=2, fsync_interval=0, stall_timeout=2.0)
+        print(run_job(config, llm=llm, stderr=sys.stderr).report(), file=sys.stderr)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    started = time.monotonic()
+    hung = subprocess.run([sys.executable, "-c", script, "hang"], env=env, capture_output=True, text=True, timeout=300)
+    assert hung.returncode == 1, hung.stderr[-2000:]
+    assert "has finished no step for" in hung.stderr and "rerun the same command to continue" in hung.stderr
+    assert time.monotonic() - started < 120  # ended by the watchdog, not by the test's timeout
+    written = read_jsonl(output)
+    assert 0 < len(written) < rows and all(r["error"] is None for r in written)
+    again = subprocess.run([sys.executable, "-c", script, "run"], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    records = by_row(read_jsonl(output))  # each row once
+    assert sorted(row for row, _ in records) == list(range(rows))
+    assert json.loads((tmp_path / "out.jsonl.tokenmill" / "state.json").read_text())["complete"]
