@@ -96,6 +96,24 @@ def test_skip_reading_prefix_cache_computes_the_whole_prompt(llama_llm):
     assert default.num_cached_tokens >= 32
 
 
+def test_cache_creation_tokens_count_the_full_prompt_blocks_a_request_computed(llama_llm):
+    """vLLM's num_cache_creation_tokens: the prompt tokens a request computed into full blocks of the
+    prefix cache (16-token blocks here): all of a new 42-token prompt's 32, none of a repeat's, and a
+    sibling sharing 40 tokens adds only its third block's worth."""
+    block = llama_llm.llm_engine.config.block_size
+    base = random_prompts(llama_llm.llm_engine.config.vocab_size, [40], seed=23)[0]  # no other test uses it
+    first = llama_llm.generate(as_inputs([base + [5, 6]]), GREEDY, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, first.num_cache_creation_tokens) == (0, 42 // block * block)
+    again = llama_llm.generate(as_inputs([base + [5, 6]]), GREEDY, use_tqdm=False)[0]
+    assert again.num_cache_creation_tokens == 0 and again.num_cached_tokens == 42 // block * block
+    longer = llama_llm.generate(as_inputs([base + list(range(3, 13))]), GREEDY, use_tqdm=False)[0]  # 50 tokens
+    assert longer.num_cached_tokens == 40 // block * block
+    assert longer.num_cache_creation_tokens == 50 // block * block - longer.num_cached_tokens
+    # vLLM's fields for what tokenmill does not do are there, and None.
+    assert (first.lora_request, first.encoder_prompt, first.encoder_prompt_token_ids, first.kv_transfer_params,
+            first.ec_transfer_params, first.outputs[0].lora_request, first.outputs[0].routed_experts) == (None,) * 7
+
+
 def test_prefix_key_collision_never_reuses_another_prompts_block(tiny_llama_dir, llama_prompts, monkeypatch):
     """Every prefix-cache key forced equal, so each block's key collides with every other's: a hit
     is checked on the block's token ids, so no prompt computes on another prompt's keys and values."""

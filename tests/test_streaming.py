@@ -62,6 +62,26 @@ def test_engine_output_kinds(llm, prompts):
     assert [len(x) for x in delta] == [1, 1, 1, 1, 1] and sum(delta, []) == final[0]
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_delta_outputs_carry_the_prompt_logprobs_once(llm, prompts, flat):
+    """vLLM's DELTA rule: the first output holds every prompt position's logprobs, later ones none
+    ([]); cumulative outputs repeat them whole. Checked against a final-only run's."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, flat_logprobs=flat)
+    want = llm.generate(as_inputs([prompts[1]]), params, use_tqdm=False)[0].prompt_logprobs
+    assert len(want) == len(prompts[1])
+    engine = llm.llm_engine
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        engine.add_request(f"plp-{kind.name}", {"prompt_token_ids": prompts[1]}, params.clone(output_kind=kind))
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.prompt_logprobs)
+    delta, cumulative = seen["plp-DELTA"], seen["plp-CUMULATIVE"]
+    assert len(delta) == len(cumulative) == 4
+    assert list(delta[0]) == list(want) and all(len(later) == 0 for later in delta[1:])
+    assert all(list(whole) == list(want) for whole in cumulative)
+
+
 def test_generate_returns_whole_outputs_whatever_the_kind(llm, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     plain = llm.generate(as_inputs([prompts[0]]), params, use_tqdm=False)[0].outputs[0].token_ids

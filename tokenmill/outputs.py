@@ -23,6 +23,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | None while running
     # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
     stop_reason: int | str | None = None
+    # vLLM's fields for what tokenmill does not do (LoRA adapters, mixture-of-experts routing):
+    # always None here, present so that code reading them runs unchanged.
+    lora_request: None = None
+    routed_experts: None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -45,7 +49,15 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    num_cache_creation_tokens: int = 0  # prompt tokens this request computed into full blocks of the prefix cache
+    # vLLM's fields for what tokenmill does not do (LoRA, encoder-decoder models, KV / encoder-cache
+    # transfer between engines): always None here, present so that code reading them runs unchanged.
+    lora_request: None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

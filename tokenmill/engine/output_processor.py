@@ -76,12 +76,25 @@ class OutputProcessor:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=request.prompt_logprobs[:] if request.prompt_logprobs is not None else None,  # a copy, either form
+            prompt_logprobs=self._prompt_logprobs(request),
             outputs=completions,
             finished=request.is_finished,
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
             num_cached_tokens=request.num_cached_tokens,
+            num_cache_creation_tokens=request.num_cache_creation_tokens,
         )
+
+    @staticmethod
+    def _prompt_logprobs(request: Request) -> PromptLogprobs | None:
+        """A copy (either form). With DELTA outputs, vLLM's rule: all of them in the request's first
+        output (its prompt is whole by then: outputs start with the first sampled token), then []."""
+        if request.prompt_logprobs is None:
+            return None
+        if request.params.output_kind is RequestOutputKind.DELTA:
+            if request.prompt_logprobs_sent:
+                return request.prompt_logprobs[:0]
+            request.prompt_logprobs_sent = True
+        return request.prompt_logprobs[:]
 
     def _sample_completions(self, request: Request) -> list[CompletionOutput]:
         delta = request.params.output_kind is RequestOutputKind.DELTA

@@ -131,6 +131,8 @@ class Request(Generic[ParamsT]):
     arrival_time: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0  # prompt tokens it computed into full blocks of the prefix cache
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry the prompt logprobs once
     # One entry per prompt token once computed (the first empty: nothing predicts it); a list of
     # dicts (the first None) or a FlatLogprobs (flat_logprobs=True).
     prompt_logprobs: "PromptLogprobs | None" = None

@@ -242,6 +242,9 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = len(prefix) * self.kv.block_size
+                if self.kv.enable_prefix_caching:  # the prompt's full blocks it computes are committed for others
+                    full = len(request.prompt_token_ids) // self.kv.block_size * self.kv.block_size
+                    request.num_cache_creation_tokens = max(0, full - request.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(self._schedule(seq, num))
