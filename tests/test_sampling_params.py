@@ -139,3 +139,22 @@ def test_vllm_026_fields_refuse_what_does_not_apply(field, value, allowed):
     with pytest.raises(ValueError) as err:
         SamplingParams(**{field: value})
     assert f"SamplingParams.{field}={value!r} is invalid" in str(err.value) and allowed in str(err.value)
+
+
+def test_clone_is_a_deep_copy_as_in_vllm():
+    """vLLM's clone() deep-copies: a copy's lists changed in place leave the original alone;
+    skip_clone=True makes it shallow. clone(**changes) (tokenmill's) replaces fields shallowly."""
+    original = SamplingParams(stop=["a"], allowed_token_ids=[1, 2], logit_bias={3: 1.0}, extra_args={"k": [1]})
+    copied = original.clone()
+    copied.stop.append("b")
+    copied.allowed_token_ids.append(3)
+    copied.logit_bias[4] = 2.0
+    copied.extra_args["k"].append(2)
+    assert (original.stop, original.allowed_token_ids, original.logit_bias, original.extra_args) == (
+        ["a"], [1, 2], {3: 1.0}, {"k": [1]})
+    shallow = SamplingParams(stop=["a"], skip_clone=True)
+    assert shallow.clone().stop is shallow.stop
+    changed = original.clone(max_tokens=5)
+    assert changed.max_tokens == 5 and changed.stop == original.stop
+    with pytest.raises(ValueError, match="max_tokens"):
+        original.clone(max_tokens=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum, IntFlag
@@ -106,9 +107,8 @@ class SamplingParams:
     # its scheduler skips the cache for such a request until every prompt position is scored, so
     # prompt logprobs are complete whatever this says.
     skip_reading_prefix_cache: bool | None = None
-    # vLLM's flag that clone() may skip its deep copy. tokenmill never deep-copies a request's
-    # params: the engine reads the caller's object, and copies it (shallowly, `clone`) only to set
-    # its own fields (eos ids, bad-word ids, the call's output_kind). So it changes nothing here.
+    # vLLM's flag: clone() makes a shallow copy instead of a deep one. The engine itself never
+    # deep-copies a request's params (it copies them shallowly, only to set its own fields).
     skip_clone: bool = False
     # vLLM: with enable_return_routed_experts, routing data skips this many prompt tokens.
     # tokenmill has no mixture-of-experts models and returns no routing: only 0 is accepted.
@@ -335,7 +335,13 @@ class SamplingParams:
         return bool(self.logits_processors or self.structured_outputs is not None)
 
     def clone(self, **changes: Any) -> "SamplingParams":
-        return replace(self, **changes)
+        """vLLM's ``clone()``: a deep copy, so that changing the copy's lists or dicts in place
+        leaves this one alone (a shallow copy with ``skip_clone=True``). With ``changes`` (a
+        tokenmill extension, what the engine uses): a shallow copy with those fields replaced and
+        checked again."""
+        if changes:
+            return replace(self, **changes)
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> "SamplingParams":

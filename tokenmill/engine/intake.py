@@ -99,8 +99,7 @@ class Intake:
         if not params.ignore_eos:
             stop_ids |= self.config.eos_token_ids
         if stop_ids != params.all_stop_token_ids:
-            params = params.clone()
-            params.all_stop_token_ids = stop_ids
+            params = params.clone(all_stop_token_ids=stop_ids)
         return params
 
     def _grammar_matchers(self, params: SamplingParams, where: str) -> list | None:
@@ -138,9 +137,7 @@ class Intake:
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if ids and ids not in sequences:
                     sequences.append(ids)
-        params = params.clone()
-        params.bad_words_token_ids = sequences
-        return params
+        return params.clone(bad_words_token_ids=sequences)
 
     def _check_logprobs(self, params: SamplingParams, where: str) -> None:
         """vLLM's rule: at most ``max_logprobs`` alternatives per position (-1: the vocabulary), and
