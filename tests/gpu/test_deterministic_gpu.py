@@ -162,18 +162,14 @@ def test_attention_token_bits_do_not_depend_on_the_batch(layout):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
+
+    from support.tiny_models import save_redrawn_bf16_model
 
     config = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
                          tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.08 if param.dim() > 1 else 0.3).add_(1.0 if param.dim() == 1 else 0.0)
-    path = tmp_path_factory.mktemp("det-qwen3")
-    model.to(torch.bfloat16).save_pretrained(path)
+    path = Path(save_redrawn_bf16_model(tmp_path_factory.mktemp("det-qwen3"), config))
     # A word-level tokenizer covering every id, for the batch job (which writes text).
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -23,18 +23,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detoken
 
 
 def _save(folder, seed: int, layers: int = 8) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
+
+    from support.tiny_models import save_redrawn_bf16_model
 
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
                          tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.05 if param.dim() > 1 else 0.2).add_(1.0 if param.dim() == 1 else 0.0)
-    model.to(torch.bfloat16).save_pretrained(folder)
-    return str(folder)
+    return save_redrawn_bf16_model(folder, config, seed=seed, matrix_std=0.05, vector_std=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from support.tiny_models import save_redrawn_bf16_model
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")  # before fixtures build models
@@ -17,16 +18,7 @@ FIRST_TOKENS = 4  # bf16 greedy paths diverge eventually; the first tokens must 
 
 
 def _save(tmp_path_factory, name: str, config) -> str:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.08 if param.dim() > 1 else 0.3).add_(1.0 if param.dim() == 1 else 0.0)
-    path = tmp_path_factory.mktemp(name)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return str(path)
+    return save_redrawn_bf16_model(tmp_path_factory.mktemp(name), config)
 
 
 @pytest.fixture(scope="module")

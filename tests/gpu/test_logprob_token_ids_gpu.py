@@ -19,19 +19,14 @@ VOCAB = 1024
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
+
+    from support.tiny_models import save_redrawn_bf16_model
 
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, max_position_embeddings=2048, rms_norm_eps=1e-5,
                          tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.08 if param.dim() > 1 else 0.3).add_(1.0 if param.dim() == 1 else 0.0)
-    path = tmp_path_factory.mktemp("qwen3_logprob_ids")
-    model.to(torch.bfloat16).save_pretrained(path)
-    return str(path)
+    return save_redrawn_bf16_model(tmp_path_factory.mktemp("qwen3_logprob_ids"), config)
 
 
 def _inputs(count: int, seed: int) -> list[dict]:

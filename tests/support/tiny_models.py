@@ -165,3 +165,19 @@ def save_tiny_bert(root: Path, name: str, model_cls_name: str, config, seed: int
     model.save_pretrained(out)
     build_tiny_bert_tokenizer().save_pretrained(out)
     return out
+
+
+def save_redrawn_bf16_model(folder: Path | str, config, seed: int = 0, matrix_std: float = 0.08,
+                            vector_std: float = 0.3) -> str:
+    """A model of ``config`` with every weight redrawn (matrices N(0, matrix_std), vectors
+    1 + N(0, vector_std): logits peaked enough for bf16 greedy paths to agree for a while), saved in
+    bf16 to ``folder``: the GPU tests' models."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, matrix_std if param.dim() > 1 else vector_std).add_(1.0 if param.dim() == 1 else 0.0)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return str(folder)
