@@ -104,6 +104,17 @@ def test_penalties_match_independent_computation(llm, hf, prompts, presence, fre
     assert ours == expected
 
 
+def test_the_models_eos_ends_a_request_unless_ignore_eos(llm, prompts):
+    """The engine adds the model's eos ids to every request's stop ids (not a user stop id: no
+    stop_reason); ignore_eos=True leaves them out. eos is forced with a large bias at one position."""
+    (eos,) = llm.llm_engine.config.eos_token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100.0})
+    ended = llm.generate(as_inputs([prompts[0]]), params, use_tqdm=False)[0].outputs[0]
+    assert ended.token_ids == [eos] and (ended.finish_reason, ended.stop_reason) == ("stop", None)
+    kept = llm.generate(as_inputs([prompts[0]]), params.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == [eos] * 8 and kept.finish_reason == "length"
+
+
 def test_stop_token_ids_and_min_tokens(llm, hf, prompts):
     free = llm.generate(as_inputs([prompts[3]]), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     tokens = free[0].outputs[0].token_ids

@@ -337,8 +337,8 @@ class SamplingParams:
     def clone(self, **changes: Any) -> "SamplingParams":
         """vLLM's ``clone()``: a deep copy, so that changing the copy's lists or dicts in place
         leaves this one alone (a shallow copy with ``skip_clone=True``). With ``changes`` (a
-        tokenmill extension, what the engine uses): a shallow copy with those fields replaced and
-        checked again."""
+        tokenmill extension): a shallow copy with those fields replaced and checked again (which
+        refills the engine's own fields from the user's)."""
         if changes:
             return replace(self, **changes)
         return copy.copy(self) if self.skip_clone else copy.deepcopy(self)

@@ -10,6 +10,7 @@ tokenised, one grammar matcher per sample, and the length limit (`Request.max_ou
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Callable, Container
 
 from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
@@ -99,7 +100,8 @@ class Intake:
         if not params.ignore_eos:
             stop_ids |= self.config.eos_token_ids
         if stop_ids != params.all_stop_token_ids:
-            params = params.clone(all_stop_token_ids=stop_ids)
+            params = copy.copy(params)  # the engine's field, set on a shallow copy (validation would reset it)
+            params.all_stop_token_ids = stop_ids
         return params
 
     def _grammar_matchers(self, params: SamplingParams, where: str) -> list | None:
@@ -137,7 +139,9 @@ class Intake:
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if ids and ids not in sequences:
                     sequences.append(ids)
-        return params.clone(bad_words_token_ids=sequences)
+        params = copy.copy(params)
+        params.bad_words_token_ids = sequences
+        return params
 
     def _check_logprobs(self, params: SamplingParams, where: str) -> None:
         """vLLM's rule: at most ``max_logprobs`` alternatives per position (-1: the vocabulary), and
