@@ -4,12 +4,12 @@ time and all together, on any engine with vLLM's offline API (like peer_bench.py
 Usage: python bench/workload_bench.py ENGINE SHAPE [VARIANT ...]
   ENGINE   tokenmill | vllm | any importable module exposing LLM and SamplingParams
   SHAPE    qwen3-0.6b | llama3-8b (random weights with the real shapes, from peer_bench.py)
-  VARIANT  temperature | top_p | top_k | top_k_top_p | repetition | all (default: every one, in that order)
+  VARIANT  temperature | top_p | top_k | top_k_top_p | repetition | all | logit_bias (default: every one, in that order)
 
 Workload ("chat"): 1,024 requests sharing a 256-token system prefix, each with its own U[16, 256]
 tokens, output U[32, 512] tokens, eos ignored, temperature 0.7 (random.seed(0)). The variants add
 top_p 0.9, top_k 50, top_k 100 with top_p 0.95 (issue 15's filter target), repetition_penalty 1.1,
-or top_p 0.9, top_k 50 and repetition_penalty 1.1 together. One LLM serves every variant (after a
+top_p 0.9, top_k 50 and repetition_penalty 1.1 together, or a logit bias on ten ids. One LLM serves every variant (after a
 warm-up call); each prints one JSON row (output tokens / wall seconds of the generate call) and
 appends it to $RESULTS when set.
 """
@@ -33,6 +33,8 @@ VARIANTS = {
     "top_k_top_p": dict(top_k=100, top_p=0.95),
     "repetition": dict(repetition_penalty=1.1),
     "all": dict(top_p=0.9, top_k=50, repetition_penalty=1.1),
+    # A logit bias on a few ids (every request its own): the per-sequence bias rows' fill (perf.md 50).
+    "logit_bias": dict(logit_bias={token: -2.0 for token in range(3, 13)}),
 }
 
 
