@@ -64,7 +64,7 @@ The threshold is found without sorting, in four to six launches:
    wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``); a
    row the threshold kernel drew passes its token on as chunk 0's, with score +inf.
 Launches 3 and 4 live in ``sampling_wide.py``, the per-row pieces all kernels share (state, scores,
-float keys, the mass bisection) in ``sampling_rows.py``. Without filters only the draw kernel runs. A call is host-bound up to a few hundred rows (each
+a chunk's draw, float keys, the mass bisection) in ``sampling_rows.py``. Without filters only the draw kernel runs. A call is host-bound up to a few hundred rows (each
 Triton launch costs tens of µs of Python), so the wrapper launches nothing it can do without: two
 torch ops after the kernels, and no placeholder tensors for absent state.
 """
@@ -78,6 +78,7 @@ import triton.language as tl
 from tokenmill.kernels.sampling_args import Filters, RowState
 from tokenmill.kernels.triton.precompile import launcher
 from tokenmill.kernels.triton.sampling_rows import (
+    _chunk_draw,
     _largest_reaching,
     _row_filters,
     _row_state,
@@ -313,36 +314,10 @@ def _gumbel_argmax_kernel(
     else:
         bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
             row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
-        # Token i = 4 * quad + lane: one Philox call (four 32-bit outputs) serves a quad of tokens.
-        quads = chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
-        lanes = tl.arange(0, 4)
-        tokens = quads[:, None] * 4 + lanes[None, :]  # [CHUNK // 4, 4], row-major = token order
-        valid = tokens < vocab_size
-        temperature = tl.load(temperature_ptr + row)
-        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
-                    counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
-                    HAS_STATE)
-        if temperature > 0.0:
-            key = tl.load(key_ptr + row)
-            counter = tl.load(counter_ptr + row)
-            zero = quads * 0
-            c1 = zero + (counter & 0xFFFFFFFF).to(tl.int32)
-            c2 = zero + (counter >> 32).to(tl.int32)
-            r0, r1, r2, r3 = tl.philox(key, quads, c1, c2, zero)
-            lane = lanes[None, :]
-            bits = tl.where(lane == 0, r0[:, None],
-                            tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-            uniform = tl.uint_to_uniform_float(bits)  # [0, 1); 0 gives -inf noise, never chosen
-            score = tl.where(s >= threshold, s - tl.log(-tl.log(uniform)), float("-inf"))
-        else:
-            score = s
-        score = tl.where(valid, score, float("-inf"))
-        # The best score of the chunk and the lowest token holding it, reduced over both tile axes (a
-        # reshape to 1-D may reorder elements on the GPU, so no index is taken from a flattened tile).
-        best = tl.max(tl.max(score, axis=1), axis=0)
-        token = tl.min(tl.min(tl.where(score == best, tokens, first + CHUNK), axis=1), axis=0)
-        # A NaN score matches nothing: fall back to the chunk's first token, always a real one.
-        token = tl.where(token < vocab_size, token, first)
+        best, token = _chunk_draw(logits_ptr, stride_row, row, chunk, tl.load(temperature_ptr + row), key_ptr,
+                                  counter_ptr, threshold, bias_slot, bias_ptr, penalty_slot, counts_ptr,
+                                  prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, CHUNK,
+                                  False, HAS_STATE)
         tl.store(best_score_ptr + out, best)
         tl.store(best_token_ptr + out, token)
 
