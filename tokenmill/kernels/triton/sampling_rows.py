@@ -60,8 +60,8 @@ def _chunk_draw(
 ):
     """One chunk of a row's Gumbel-max draw: the best score s + g among the chunk's candidates (s >=
     ``threshold``; s > it when STRICT; a greedy row scores s, every token) and the lowest token
-    holding it. Every full-row draw goes through here: the same noise and the same ties whichever
-    kernel draws."""
+    holding it. Every draw over whole chunks (the final one, the argmax rounds) goes through here:
+    the same noise and the same ties whichever kernel draws."""
     # Token i = 4 * quad + lane: one Philox call (four 32-bit outputs) serves a quad of tokens.
     quads = chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
     lanes = tl.arange(0, 4)
