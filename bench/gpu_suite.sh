@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
-#   [sampler] [chat] [chat-8b] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [chat] [chat-8b] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -109,6 +109,10 @@ for part in $parts; do
       timeout 240 python3 bench/gemm_bench.py --decode-sweep > "$OUT/gemm_sweep.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm_sweep.raw" "$OUT/gemm_sweep.jsonl"; cat "$OUT/gemm_sweep.jsonl" ;;
     sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
       timeout 300 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
+      grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
+    sampler-rounds)  # top-p alone (0.5 / 0.9 / 0.95) with 0-3 argmax rounds: 0 is the exact path alone (perf.md 51)
+      timeout 500 python3 bench/sampler_bench.py --json --cases "top_p 0.5" "top_p 0.9" "top_p 0.95" --rounds 0 1 2 3 \
+        > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
     chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all
       [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b

@@ -3,6 +3,7 @@ settings users take: temperature only, top-k / top-p / min-p, penalties, all of 
 bf16 logits of Qwen's vocabulary (151,936) at 64 / 256 / 1,024 rows.
 
     python bench/sampler_bench.py [--rows 64 256 1024] [--vocab 151936] [--repeats 20] [--json]
+                                  [--cases NAME ...] [--rounds N ...]
 
 Two kinds of logits: "flat", the spread of a random-weight model (normal, std 0.9 after a
 temperature of 0.7: what P4 and the chat workloads sample from; top-p keeps most of the
@@ -13,6 +14,10 @@ the host's launch time shows where it exceeds the GPU's) and, per case, the GPU 
 a CUDA graph of --graph-calls calls replayed, µs per call) and the host time alone (``host``: wall
 time of --graph-calls back-to-back calls without a sync, µs per call); with --json, one JSON row per
 case (rows, logits, case, us, us_gpu, us_host) for bench/results.
+
+--cases picks cases by name (also the extra ones, "top_p 0.5" and "top_p 0.95", which run only when
+named); --rounds N ... runs each top-p-alone case once per number of argmax rounds (0: the exact
+path alone, as before the rounds; ``sampling._ROUNDS``), its rows with a field "rounds": N.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
 from gpu_timing import _time_events, _time_graph  # noqa: E402
+from tokenmill.kernels.triton import sampling  # noqa: E402
 from tokenmill.kernels.triton.sampling import Filters, RowState, sample_tokens  # noqa: E402
 
 # case -> (top_k, top_p, min_p, repetition_penalty) at temperature 0.7
@@ -39,6 +45,11 @@ CASES = {
     "min_p 0.05": (0, 1.0, 0.05, 1.0),
     "repetition 1.1": (0, 1.0, 0.0, 1.1),
     "top_k 50 + top_p 0.9 + repetition 1.1": (50, 0.9, 0.0, 1.1),
+}
+# Run only when named in --cases: top-p alone where the argmax rounds reject more (0.5) and less (0.95).
+EXTRA_CASES = {
+    "top_p 0.5": (0, 0.5, 0.0, 1.0),
+    "top_p 0.95": (0, 0.95, 0.0, 1.0),
 }
 
 
@@ -74,12 +85,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=10, help="calls per CUDA graph and per host timing")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cases", nargs="+", choices=[*CASES, *EXTRA_CASES], help="cases to run (default: CASES)")
+    parser.add_argument("--rounds", type=int, nargs="+", help="argmax rounds of top-p-alone rows, each in turn")
     args = parser.parse_args()
+    cases = {name: {**CASES, **EXTRA_CASES}[name] for name in args.cases} if args.cases else CASES
+    # (name, settings, rounds): top-p-alone cases once per --rounds value, the others once.
+    runs = [(name, settings, n) for name, settings in cases.items()
+            for n in (args.rounds if args.rounds and settings[1] < 1.0 and settings[0] == 0 else [None])]
+    default_rounds = sampling._ROUNDS
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} vocab={args.vocab} bf16, median µs per sample_tokens call: "
           "one call event-timed / GPU alone (CUDA graph) / host alone")
-    print(f"{'rows':>5} {'logits':>7}  " + "  ".join(f"{name:>14.14}" for name in CASES))
+    labels = [name if n is None else f"{name} r{n}" for name, _, n in runs]
+    print(f"{'rows':>5} {'logits':>7}  " + "  ".join(f"{label:>14.14}" for label in labels))
     for rows in args.rows:
         counts, bits = penalty_state(rows, args.vocab, device, gen)
         temperature = torch.full((rows,), 0.7, device=device)
@@ -91,7 +110,8 @@ def main() -> None:
             # logits = std * normal at T = 1 becomes the described spread after dividing by 0.7
             logits = (torch.randn(rows, args.vocab, device=device, generator=gen) * std).to(torch.bfloat16)
             line = []
-            for name, (top_k, top_p, min_p, repetition) in CASES.items():
+            for name, (top_k, top_p, min_p, repetition), rounds in runs:
+                sampling._ROUNDS = default_rounds if rounds is None else rounds
                 filters = None
                 if top_k or top_p < 1.0 or min_p:
                     filters = Filters(torch.full((rows,), top_k, device=device), torch.full((rows,), top_p, device=device),
@@ -111,7 +131,8 @@ def main() -> None:
                 line.append(f"{us:.0f}/{us_gpu:.0f}/{us_host:.0f}")
                 if args.json:
                     print(json.dumps({"rows": rows, "vocab": args.vocab, "logits": kind, "case": name, "us": round(us, 1),
-                                      "us_gpu": round(us_gpu, 1), "us_host": round(us_host, 1)}))
+                                      "us_gpu": round(us_gpu, 1), "us_host": round(us_host, 1),
+                                      **({} if rounds is None else {"rounds": rounds})}))
             print(f"{rows:>5} {kind:>7}  " + "  ".join(f"{cell:>14}" for cell in line))
 
 

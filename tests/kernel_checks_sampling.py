@@ -1,7 +1,8 @@
 """The sampling kernels' cases and checks under the interpreter, run by the workers of
 ``test_kernels_interpret.py`` (which merges ``CASES`` and ``CHECKS`` into its own): the Gumbel-max
 draw, and penalties, logit bias and top-k / top-p / min-p with the draw (narrow rows, wide top-p
-rows through the histogram passes), against ``reference.sample_ref`` token for token.
+rows through the argmax rounds and the histogram passes), against ``reference.sample_ref`` token for
+token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ _case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", voc
 _case("sample_tokens_wide", "sample-tokens-wide-v5003-float32", dtype="float32", vocab=5003)
 _case("sample_tokens_wide", "sample-tokens-wide-v5003-float16", dtype="float16", vocab=5003)
 _case("sample_tokens_wide", "sample-tokens-wide-v9000-float32", dtype="float32", vocab=9000)
+# Wide top-p rows settled by argmax rounds (in round 1, 2 or 3) or left to the exact path after them,
+# mixed with rows of every other kind (seeds chosen so that every path is taken; the check asserts it).
+_case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float32", dtype="float32", vocab=9000, seed=2)
+_case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float16", dtype="float16", vocab=9000, seed=6)
 
 
 def _check_gumbel_argmax(p: dict[str, Any]) -> None:
@@ -134,6 +139,64 @@ def _check_sample_tokens_wide(p: dict[str, Any]) -> None:
     assert torch.equal(without, thresholds) and not (chosen_without == -4).any()
 
 
+def _check_sample_tokens_rounds(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import filter_threshold_ref, sample_ref
+    from support.kernel_cases import ROUND_SAMPLING_ROWS, round_sampling_rows
+    from tokenmill.kernels.triton import sampling
+
+    logits, temperature, keys, counters, filters, state, tail_rows = round_sampling_rows(
+        p["vocab"], getattr(torch, p["dtype"]), seed=p["seed"])
+    rows = len(ROUND_SAMPLING_ROWS)
+    want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
+    got = sampling.sample_tokens(logits, temperature, keys, counters, filters, state)
+    assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
+    # Without rounds: every filtered row's threshold the twin's, and the tail rows wide (-4).
+    args = (logits, temperature, keys, counters, filters, sampling._state_args(state, logits), True, False)
+    exact, exact_chosen = sampling._thresholds(*args)
+    for row, s in enumerate(_twin_scores(logits, temperature, state)):
+        k, top_p, min_p = (float(f[row]) for f in filters)
+        if float(temperature[row]) > 0 and (k > 0 or top_p < 1.0 or min_p > 0.0):
+            assert float(exact[row]) == filter_threshold_ref(s, int(k), top_p, min_p), row
+    assert all(int(exact_chosen[row]) == -4 for row in tail_rows), exact_chosen.tolist()
+    # With 1, 2, 3 rounds: a row they settle holds the twin's draw (no threshold), stays settled with
+    # more rounds, and every other row comes out of the exact path exactly as without rounds.
+    settled_in: dict[int, int] = {}
+    for rounds in (1, 2, 3):
+        thresholds, chosen = sampling._thresholds(*args, True, rounds)
+        settled = {row for row in range(rows) if int(chosen[row]) >= 0 and int(exact_chosen[row]) < 0}
+        assert set(settled_in) <= settled, (rounds, sorted(settled_in), sorted(settled))
+        for row in range(rows):
+            if row in settled:
+                settled_in.setdefault(row, rounds)
+                assert int(chosen[row]) == int(want[row]) and float(thresholds[row]) == float("-inf"), (rounds, row)
+            else:
+                assert int(chosen[row]) == int(exact_chosen[row]), (rounds, row, chosen.tolist())
+                assert float(thresholds[row]) == float(exact[row]), (rounds, row)
+    by_round = [sorted(row for row in tail_rows if settled_in.get(row) == r) for r in (1, 2, 3)]
+    left = sorted(set(tail_rows) - set(settled_in))
+    assert all(by_round) and left, f"settled in rounds 1, 2, 3: {by_round}; left to the exact path: {left}"
+    # Any number of rounds draws the twin's tokens (1: many rows fall through to the exact path).
+    default = sampling._ROUNDS
+    try:
+        for rounds in (1, 3):
+            sampling._ROUNDS = rounds
+            assert sampling.sample_tokens(logits, temperature, keys, counters, filters, state).tolist() == want.tolist()
+    finally:
+        sampling._ROUNDS = default
+    # Seeded rows: the same key, counter and logits draw the same token ("copy"), a row alone draws
+    # what it drew in the batch ("next", and row 2's settling round).
+    copy, following = (next(i for i, r in enumerate(ROUND_SAMPLING_ROWS) if r[0] == kind) for kind in ("copy", "next"))
+    assert got[copy] == got[2] and settled_in.get(copy) == settled_in.get(2)
+    for row in (2, following):
+        one = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
+        one_filters = type(filters)(*(f[row : row + 1] for f in filters))
+        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
+                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        assert sampling.sample_tokens(*one, one_filters, one_state).tolist() == got[row : row + 1].tolist(), row
+
+
 def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:
     """Each row's tempered, biased and penalised scores, as ``reference.sample_ref`` computes them."""
     import torch
@@ -156,4 +219,5 @@ CHECKS = {
     "gumbel_argmax": _check_gumbel_argmax,
     "sample_tokens": _check_sample_tokens,
     "sample_tokens_wide": _check_sample_tokens_wide,
+    "sample_tokens_rounds": _check_sample_tokens_rounds,
 }

@@ -282,7 +282,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         rows = 256
         sampling.gumbel_argmax(torch.empty((rows, 151936), dtype=bf16), torch.ones(rows),
                                torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
-    elif kernel == "sample_tokens":  # every kernel of the filtered, penalised draw
+    elif kernel == "sample_tokens":  # every kernel of the filtered, penalised draw (wide top-p: rounds, passes)
         rows, vocab = 256, 151936
         ids = torch.zeros(rows, dtype=torch.int64)
         slots = torch.zeros(rows, dtype=torch.int32)
@@ -341,6 +341,10 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
 
     launched = report[start:]
     assert launched, "the wrapper launched no kernel"
+    if kernel == "sample_tokens":
+        names = {entry["kernel"] for entry in launched}
+        wide = {"_round_draw_kernel", "_round_weigh_kernel", "_wide_histogram_kernel", "_wide_compact_kernel"}
+        assert wide <= names, f"the wide top-p launches were not all compiled: {sorted(wide - names)}"
     for entry in launched:
         print(f"  sm_90 {entry}", flush=True)
         assert entry["shared"] <= _SM90_MAX_SHARED, f"{entry['kernel']} needs {entry['shared']} B of shared memory"

@@ -446,3 +446,70 @@ def wide_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
     keys = torch.randint(0, 2**62, (rows,), generator=gen)
     counters = torch.randint(0, 2**40, (rows,), generator=gen)
     return (logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state, histogram_rows)
+
+
+# (kind, tail or logit scale, temperature, top_k, top_p, min_p) of each row of ``round_sampling_rows``.
+# "tail": three tokens hold 40% of the mass above a long flat tail (past 8,192 tokens, so no gather
+# holds it), and top_p about 0.5 keeps them and the top of the tail: a Gumbel argmax over the bound lo
+# lands outside the kept set often (round 1 rejects ~40%, later rounds less), so over the tail rows
+# some settle in round 1, some in round 2 or 3, some take the exact path after the rounds. Mixed
+# with rows of every other kind.
+ROUND_SAMPLING_ROWS = [
+    ("tail", 0.4, 1.0, 0, 0.5, 0.0),  # penalised
+    ("tail", 0.3, 1.0, 0, 0.5, 0.0),  # biased
+    ("tail", 0.5, 1.0, 0, 0.5, 0.0),  # seeded: rows "copy" and "next" share its key
+    ("tail", 0.6, 0.9, 0, 0.5, 0.0),
+    ("tail", 0.5, 1.0, 0, 0.6, 0.0),
+    ("tail", 0.3, 1.0, 0, 0.45, 0.0),
+    ("tail", 0.5, 1.0, 0, 0.5, 1e-4),  # min-p far below the cut
+    ("tail", 0.4, 1.0, 0, 0.5, 0.0),
+    ("tail", 0.5, 1.3, 0, 0.55, 0.0),
+    ("tail", 0.3, 0.7, 0, 0.5, 0.0),
+    ("copy", 0.5, 1.0, 0, 0.5, 0.0),  # row 2 again, same key and counter: the same draw
+    ("next", 0.5, 1.0, 0, 0.5, 0.0),  # row 2's logits and key, the next counter
+    ("flat", 0.3, 1.0, 0, 0.9, 0.0),  # flat top-p 0.9: round 1 settles it most of the time
+    ("flat", 0.5, 0.8, 0, 0.95, 0.02),  # with min-p below the cut
+    ("flat", 0.3, 1.0, 0, 0.8, 0.3),  # top-p below min-p's cut: lo is t_min, round 1's check passes by it
+    ("ties", 0.3, 1.0, 0, 0.9, 0.0),  # multiples of 1/8: many ties at the cut and at each draw
+    ("flat", 0.3, 0.0, 0, 0.5, 0.0),  # greedy
+    ("flat", 0.3, 1.0, 20, 0.9, 0.0),  # top-k bounds it: the threshold kernel
+    ("flat", 0.3, 1.0, 0, 1.0, 0.05),  # min-p alone
+    ("flat", 5.0, 1.0, 0, 0.9, 0.0),  # peaked: the threshold kernel gathers and draws it
+]
+
+
+def round_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
+    """Inputs of ``sampling.sample_tokens`` with one row of each kind in ROUND_SAMPLING_ROWS (a
+    repetition penalty on row 0, a bias on row 1) -> (logits, temperature, keys, counters, Filters,
+    RowState, the tail rows)."""
+    from tokenmill.kernels.triton.sampling import Filters, RowState
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(ROUND_SAMPLING_ROWS)
+    logits = torch.randn(rows, vocab, generator=gen)
+    temperature, top_p, min_p = torch.zeros(rows), torch.ones(rows), torch.zeros(rows)
+    top_k = torch.zeros(rows, dtype=torch.int64)
+    keys = torch.randint(0, 2**62, (rows,), generator=gen)
+    counters = torch.randint(0, 2**40, (rows,), generator=gen)
+    tail_rows = []
+    for i, (kind, scale, t, k, p, mp) in enumerate(ROUND_SAMPLING_ROWS):
+        logits[i] *= scale
+        if kind == "tail":
+            tail_rows.append(i)
+            tail = torch.logsumexp(logits[i] / t, dim=0)  # the heads weigh 2/3 of the tail: 40% of the mass
+            heads = torch.randperm(vocab, generator=gen)[:3]
+            logits[i, heads] = t * (tail + torch.log(torch.tensor(2 / 9)))
+        elif kind == "ties":
+            logits[i] = (logits[i] * 8).round() / 8
+        elif kind in ("copy", "next"):
+            logits[i], keys[i], counters[i] = logits[2], keys[2], counters[2] + (kind == "next")
+        temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p, mp
+    words = -(-vocab // 32)
+    counts = torch.zeros(1, vocab, dtype=torch.int32)
+    counts[0].index_add_(0, torch.randint(0, vocab, (300,), generator=gen), torch.ones(300, dtype=torch.int32))
+    prompt_bits = torch.randint(-2**31, 2**31, (1, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bias = torch.randn(1, vocab, generator=gen) * 0.2
+    slot_of = lambda row: torch.tensor([0 if i == row else -1 for i in range(rows)], dtype=torch.int32)  # noqa: E731
+    state = RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.full((rows,), 1.2),
+                     torch.full((rows,), 0.1), torch.full((rows,), 0.05))
+    return logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state, tail_rows

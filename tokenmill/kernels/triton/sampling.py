@@ -29,7 +29,7 @@ exactly the tokens with s >= t for one threshold t per row:
 Ties are equal tempered logits. The draw then takes the Gumbel argmax over s >= t: the same noise,
 so a filter only removes tokens from the race.
 
-The threshold is found without sorting, in four to six launches:
+Filtered rows take four launches, none of which sorts (eleven where a row may have top-p alone):
 1. ``_row_stats_kernel``, one program per (row, 2,048-token chunk), so thin batches fill the GPU:
    each chunk's max, sum of exp(s - max) and smallest finite s, and the max of every group of
    GROUP (32) consecutive tokens.
@@ -42,31 +42,41 @@ The threshold is found without sorting, in four to six launches:
    and t_p exactly among them (bisections that weigh 7 cut points per block-wide reduction), and
    draws the row's token right there (noise for those tokens only). This is the usual case: top-k
    up to a few hundred, top-p on peaked logits, min-p.
-3. Wide top-p rows (top-p without top-k keeping a large part of a broad vocabulary), in two
-   passes over a (row, split) grid, each split a run of whole tiles (enough programs to fill the
-   GPU at any batch size); launched only when the caller says a row may have top-p alone:
-   ``_wide_histogram_kernel`` counts the tokens in BINS (512) equal bins over [lo, max] (lo: the
-   larger of the threshold kernel's bound and max + log((1 - top_p) Z / V), below which all tokens
-   together weigh too little to matter) and sums their weight exactly; ``_wide_compact_kernel``
-   bounds each bin's weight by its count times exp(its edges - max), which, taken from above and
-   from below (the exact sum less the bins under the cut: tight as top_p nears 1), pins t_p to a
-   few bins, then writes those bins' tokens (~300-1,500 of a flat 151,936-token row) in token
-   order to a bracket and sums the weight above them. No atomics and every sum in a fixed order,
-   so a call gives the same bits every time.
-4. ``_wide_threshold_kernel``, one program per row: t_p exactly among a wide top-p row's bracket
+3. Wide top-p rows (top-p without top-k keeping a large part of a broad vocabulary) are first
+   drawn WITHOUT their threshold, by argmax rounds with the row's own noise (``sampling_rounds.py``
+   says why that is exact): round 1 takes the Gumbel argmax over s >= lo and weighs the tokens
+   strictly above it; if they hold less than top_p * Z the token is kept, so it is the draw (an
+   argmax over a superset that lands in the kept set); if not, every kept token is above it and
+   the next round draws over the tokens strictly above it. ``_ROUNDS`` (2) rounds, each a
+   ``_round_draw_kernel`` and a ``_round_weigh_kernel`` over (row, chunk), then a (row,) launch
+   judging the last; a settled row gets its token as if the threshold kernel had drawn it. Round 1
+   settles a row with probability >= top_p; ~0.5% of top_p 0.9 rows go on to the exact path:
+4. the rows left, in two passes over a (row, split) grid, each split a run of whole tiles (enough
+   programs to fill the GPU at any batch size); launched, like the rounds, only when the caller
+   says a row may have top-p alone: ``_wide_histogram_kernel`` counts the tokens in BINS (512)
+   equal bins over [lo, max] (lo: the larger of the threshold kernel's bound and max + log((1 -
+   top_p) Z / V), below which all tokens together weigh too little to matter) and sums their
+   weight exactly; ``_wide_compact_kernel`` bounds each bin's weight by its count times exp(its
+   edges - max), which, taken from above and from below (the exact sum less the bins under the
+   cut: tight as top_p nears 1), pins t_p to a few bins, then writes those bins' tokens (~300-1,500
+   of a flat 151,936-token row) in token order to a bracket and sums the weight above them. No
+   atomics and every sum in a fixed order (the rounds' too), so a call gives the same bits every time.
+5. ``_wide_threshold_kernel``, one program per row: t_p exactly among a wide top-p row's bracket
    tokens (plus the weight above it); for the other rows the threshold kernel could not settle (a
    large top-k, masses of ties, a bracket past BRACKET tokens) it narrows a bracket [lo, hi) around
    t with sweeps over the row that count and weigh the tokens above PROBES (8) values at once,
    until the bracket holds at most BRACKET (8,192) tokens; those are compacted and t found among
    them, again exactly.
-5. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows the
-   threshold kernel did not draw; each program writes its chunk's best score and token, and the
-   wrapper picks the best chunk per row (ties go to the lowest token id, as ``torch.argmax``); a
-   row the threshold kernel drew passes its token on as chunk 0's, with score +inf.
-Launches 3 and 4 live in ``sampling_wide.py``, the per-row pieces all kernels share (state, scores,
-float keys, the mass bisection) in ``sampling_rows.py``. Without filters only the draw kernel runs. A call is host-bound up to a few hundred rows (each
-Triton launch costs tens of µs of Python), so the wrapper launches nothing it can do without: two
-torch ops after the kernels, and no placeholder tensors for absent state.
+6. ``_gumbel_argmax_kernel``, one program per (row, chunk): the draw over s >= t for the rows not
+   drawn yet; each program writes its chunk's best score and token (``_chunk_draw``, which the
+   rounds draw with too), and the wrapper picks the best chunk per row (ties go to the lowest token
+   id, as ``torch.argmax``); a row the threshold kernel or the rounds drew passes its token on as
+   chunk 0's, with score +inf.
+Launch 3 lives in ``sampling_rounds.py``, 4 and 5 in ``sampling_wide.py``, the per-row pieces all
+kernels share (state, scores, a chunk's draw, float keys, the mass bisection) in
+``sampling_rows.py``. Without filters only the draw kernel runs. A call is host-bound up to a few
+hundred rows (each Triton launch costs tens of µs of Python), so the wrapper launches nothing it
+can do without: two torch ops after the kernels, and no placeholder tensors for absent state.
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ import triton.language as tl
 from tokenmill.kernels.sampling_args import Filters, RowState
 from tokenmill.kernels.triton.precompile import launcher
 from tokenmill.kernels.triton.sampling_rows import (
+    _chunk_draw,
     _largest_reaching,
     _row_filters,
     _row_state,
@@ -85,6 +96,7 @@ from tokenmill.kernels.triton.sampling_rows import (
     _scores,
     _total,
 )
+from tokenmill.kernels.triton.sampling_rounds import draw_rounds
 from tokenmill.kernels.triton.sampling_wide import _wide_compact_kernel, _wide_histogram_kernel, _wide_threshold_kernel
 
 _CHUNK = 2048  # tokens per program of the chunked kernels: 75 chunks over Qwen's 151,936-token vocabulary
@@ -97,6 +109,7 @@ _SWEEP_TILE = 1024  # tokens per iteration of a wide sweep
 _BINS = 512  # bins of a wide top-p row's count histogram over [lo, max]
 _WIDE_PROGRAMS = 2048  # programs the chunk-parallel wide passes aim to launch (at most 16 per row)
 _NUM_WARPS_ROW = 16  # the per-row kernels' warps: a program holds a row's group maxima in registers
+_ROUNDS = 2  # argmax rounds a wide top-p row gets before the exact path (sampling_rounds.py)
 
 
 # ---- the noise -----------------------------------------------------------------------------------
@@ -286,7 +299,7 @@ def _gumbel_argmax_kernel(
     best_score_ptr,
     best_token_ptr,
     threshold_ptr,  # [rows] (HAS_FILTERS): keep s >= threshold
-    chosen_ptr,  # [rows] (HAS_FILTERS): >= 0 where the threshold kernel already drew the row
+    chosen_ptr,  # [rows] (HAS_FILTERS): >= 0 where the threshold kernel or the argmax rounds drew the row
     bias_slot_ptr, bias_ptr, penalty_slot_ptr, counts_ptr, prompt_bits_ptr, repetition_ptr, frequency_ptr,
     presence_ptr, words_per_row,
     vocab_size,
@@ -306,43 +319,17 @@ def _gumbel_argmax_kernel(
         threshold = tl.load(threshold_ptr + row)
         drawn = tl.load(chosen_ptr + row) >= 0
     if drawn:
-        # The threshold kernel's token wins the row through chunk 0 (+inf against -inf everywhere
-        # else), so the wrapper's argmax over chunks returns it: no separate merge of the two.
+        # The token drawn earlier wins the row through chunk 0 (+inf against -inf everywhere else),
+        # so the wrapper's argmax over chunks returns it: no separate merge of the two.
         tl.store(best_score_ptr + out, tl.where(chunk == 0, float("inf"), float("-inf")))
         tl.store(best_token_ptr + out, tl.where(chunk == 0, tl.load(chosen_ptr + row), first))
     else:
         bias_slot, penalty_slot, repetition, frequency, presence = _row_state(
             row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr, HAS_STATE)
-        # Token i = 4 * quad + lane: one Philox call (four 32-bit outputs) serves a quad of tokens.
-        quads = chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
-        lanes = tl.arange(0, 4)
-        tokens = quads[:, None] * 4 + lanes[None, :]  # [CHUNK // 4, 4], row-major = token order
-        valid = tokens < vocab_size
-        temperature = tl.load(temperature_ptr + row)
-        s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
-                    counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence,
-                    HAS_STATE)
-        if temperature > 0.0:
-            key = tl.load(key_ptr + row)
-            counter = tl.load(counter_ptr + row)
-            zero = quads * 0
-            c1 = zero + (counter & 0xFFFFFFFF).to(tl.int32)
-            c2 = zero + (counter >> 32).to(tl.int32)
-            r0, r1, r2, r3 = tl.philox(key, quads, c1, c2, zero)
-            lane = lanes[None, :]
-            bits = tl.where(lane == 0, r0[:, None],
-                            tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-            uniform = tl.uint_to_uniform_float(bits)  # [0, 1); 0 gives -inf noise, never chosen
-            score = tl.where(s >= threshold, s - tl.log(-tl.log(uniform)), float("-inf"))
-        else:
-            score = s
-        score = tl.where(valid, score, float("-inf"))
-        # The best score of the chunk and the lowest token holding it, reduced over both tile axes (a
-        # reshape to 1-D may reorder elements on the GPU, so no index is taken from a flattened tile).
-        best = tl.max(tl.max(score, axis=1), axis=0)
-        token = tl.min(tl.min(tl.where(score == best, tokens, first + CHUNK), axis=1), axis=0)
-        # A NaN score matches nothing: fall back to the chunk's first token, always a real one.
-        token = tl.where(token < vocab_size, token, first)
+        best, token = _chunk_draw(logits_ptr, stride_row, row, chunk, tl.load(temperature_ptr + row), key_ptr,
+                                  counter_ptr, threshold, bias_slot, bias_ptr, penalty_slot, counts_ptr,
+                                  prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, CHUNK,
+                                  False, HAS_STATE)
         tl.store(best_score_ptr + out, best)
         tl.store(best_token_ptr + out, token)
 
@@ -385,7 +372,7 @@ def sample_tokens(
     of softmax(logits / temperature) restricted by the row's filters (see the module docstring).
 
     ``top_p_alone``: whether some row may have top-p without top-k (the caller knows it from the
-    requests' settings); False skips the histogram passes, which only such rows take.
+    requests' settings); False skips the argmax rounds and the histogram passes, which only such rows take.
     ``compile_only`` compiles the kernels for these inputs and launches nothing (``precompile.py``);
     the result is then meaningless."""
     if logits.dim() != 2 or logits.stride(1) != 1:
@@ -404,7 +391,7 @@ def sample_tokens(
         _check_rows(rows, top_k=(filters.top_k, (torch.int32, torch.int64)), top_p=(filters.top_p, (torch.float32,)),
                     min_p=(filters.min_p, (torch.float32,)))
         threshold, chosen = _thresholds(logits, temperature, keys, counters, filters, state_args, state is not None,
-                                        compile_only, top_p_alone)
+                                        compile_only, top_p_alone, _ROUNDS if top_p_alone else 0)
     if rows:
         launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
             logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *state_args,
@@ -417,9 +404,12 @@ def sample_tokens(
 
 def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
                 filters: Filters, state_args: tuple, has_state: bool, compile_only: bool,
-                top_p_alone: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                top_p_alone: bool = True, rounds: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the statistics and threshold kernels: per row the threshold and, where the threshold
-    kernel drew the row itself, the token (else < 0: -4 where the histogram passes settled it)."""
+    kernel drew the row itself, the token (else < 0: -4 where the histogram passes settled it).
+    ``rounds`` (with ``top_p_alone``): argmax rounds first for wide top-p rows; a row they settle
+    gets its token and no threshold (-inf). Without them every filtered row's threshold is exact."""
+    assert top_p_alone or not rounds, "argmax rounds take only wide top-p rows: without top_p_alone there are none"
     rows, vocab = logits.shape
     device = logits.device
     num_chunks = triton.cdiv(vocab, _CHUNK)
@@ -437,8 +427,11 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     bracket = torch.empty((rows, _BRACKET), dtype=torch.float32, device=device)
     threshold = torch.empty(rows, dtype=torch.float32, device=device)
     chosen = torch.empty(rows, dtype=torch.int32, device=device)
-    # The histogram passes split each row into `splits` runs of whole tiles, enough programs to fill the GPU.
-    splits = max(1, min(16, triton.cdiv(_WIDE_PROGRAMS, max(rows, 1)), triton.cdiv(vocab, _CHUNK)))
+    # The histogram passes split each row into `splits` runs of whole tiles, enough programs to fill the
+    # GPU; after argmax rounds, for the rows they leave, taken as 1 in 8 (about what two rounds leave
+    # at top_p 0.5; ~0.5% at 0.9): more rows left only make more programs than the GPU needs.
+    busy_rows = triton.cdiv(rows, 8) if rounds else rows
+    splits = max(1, min(16, triton.cdiv(_WIDE_PROGRAMS, max(busy_rows, 1)), triton.cdiv(vocab, _CHUNK)))
     tokens_per_split = triton.cdiv(triton.cdiv(vocab, splits), _CHUNK) * _CHUNK
     splits = triton.cdiv(vocab, tokens_per_split)
     wide = torch.empty((rows, 4), dtype=torch.float32, device=device)
@@ -461,6 +454,9 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES,
             num_warps=_NUM_WARPS_ROW, **options,
         )
+        if rounds:
+            draw_rounds(logits, temperature, keys, counters, filters.min_p, state_args, chosen, wide, rounds, _CHUNK,
+                        has_state, compile_only)
         if top_p_alone:
             scores = (logits, logits.stride(0), temperature, *state_args)
             launcher(_wide_histogram_kernel, (rows, splits), compile_only)(

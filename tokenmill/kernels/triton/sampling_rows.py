@@ -1,7 +1,8 @@
 """The per-row pieces every sampling kernel shares (``kernels/triton/sampling.py`` describes the
-algorithm): a row's state and filters, its scores (logits with bias and penalties, tempered), float
-keys that sort like the floats, block-wide sums, the bisection that finds the largest value whose
-weight at or above it reaches a target, and a row's summary from its chunk statistics."""
+algorithm): a row's state and filters, its scores (logits with bias and penalties, tempered), one
+chunk of the Gumbel-max draw, float keys that sort like the floats, block-wide sums, the bisection
+that finds the largest value whose weight at or above it reaches a target, and a row's summary
+from its chunk statistics."""
 
 from __future__ import annotations
 
@@ -49,6 +50,51 @@ def _scores(
     if temperature > 0.0:
         x = tl.math.div_rn(x, temperature)
     return x
+
+
+@triton.jit
+def _chunk_draw(
+    logits_ptr, stride_row, row, chunk, temperature, key_ptr, counter_ptr, threshold,
+    bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row,
+    repetition, frequency, presence, CHUNK: tl.constexpr, STRICT: tl.constexpr, HAS_STATE: tl.constexpr,
+):
+    """One chunk of a row's Gumbel-max draw: the best score s + g among the chunk's candidates (s >=
+    ``threshold``; s > it when STRICT; a greedy row scores s, every token) and the lowest token
+    holding it. Every draw over whole chunks (the final one, the argmax rounds) goes through here:
+    the same noise and the same ties whichever kernel draws."""
+    # Token i = 4 * quad + lane: one Philox call (four 32-bit outputs) serves a quad of tokens.
+    quads = chunk * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
+    lanes = tl.arange(0, 4)
+    tokens = quads[:, None] * 4 + lanes[None, :]  # [CHUNK // 4, 4], row-major = token order
+    valid = tokens < vocab_size
+    first = chunk * CHUNK
+    s = _scores(logits_ptr, stride_row, row, tokens, valid, temperature, bias_slot, bias_ptr, penalty_slot,
+                counts_ptr, prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, HAS_STATE)
+    if temperature > 0.0:
+        key = tl.load(key_ptr + row)
+        counter = tl.load(counter_ptr + row)
+        zero = quads * 0
+        c1 = zero + (counter & 0xFFFFFFFF).to(tl.int32)
+        c2 = zero + (counter >> 32).to(tl.int32)
+        r0, r1, r2, r3 = tl.philox(key, quads, c1, c2, zero)
+        lane = lanes[None, :]
+        bits = tl.where(lane == 0, r0[:, None],
+                        tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
+        uniform = tl.uint_to_uniform_float(bits)  # [0, 1); 0 gives -inf noise, never chosen
+        if STRICT:
+            candidate = s > threshold
+        else:
+            candidate = s >= threshold
+        score = tl.where(candidate, s - tl.log(-tl.log(uniform)), float("-inf"))
+    else:
+        score = s
+    score = tl.where(valid, score, float("-inf"))
+    # The best score of the chunk and the lowest token holding it, reduced over both tile axes (a
+    # reshape to 1-D may reorder elements on the GPU, so no index is taken from a flattened tile).
+    best = tl.max(tl.max(score, axis=1), axis=0)
+    token = tl.min(tl.min(tl.where(score == best, tokens, first + CHUNK), axis=1), axis=0)
+    # A NaN score matches nothing: fall back to the chunk's first token, always a real one.
+    return best, tl.where(token < vocab_size, token, first)
 
 
 @triton.jit
