@@ -74,7 +74,7 @@ def _check_sample_tokens(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import sample_ref
-    from support.kernel_cases import sampling_rows
+    from support.sampling_cases import sampling_rows
     from tokenmill.kernels.triton.sampling import sample_tokens
 
     logits, temperature, keys, counters, filters, state = sampling_rows(p["vocab"], getattr(torch, p["dtype"]), p["vocab"])
@@ -104,7 +104,7 @@ def _check_sample_tokens_wide(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import filter_threshold_ref, sample_ref
-    from support.kernel_cases import wide_sampling_rows
+    from support.sampling_cases import wide_sampling_rows
     from tokenmill.kernels.triton import sampling
 
     logits, temperature, keys, counters, filters, state, histogram_rows = wide_sampling_rows(
@@ -143,7 +143,7 @@ def _check_sample_tokens_rounds(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import filter_threshold_ref, sample_ref
-    from support.kernel_cases import ROUND_SAMPLING_ROWS, round_sampling_rows
+    from support.sampling_cases import ROUND_SAMPLING_ROWS, round_sampling_rows
     from tokenmill.kernels.triton import sampling
 
     logits, temperature, keys, counters, filters, state, tail_rows = round_sampling_rows(

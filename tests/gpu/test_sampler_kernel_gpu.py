@@ -8,7 +8,7 @@
 - Greedy rows against ``torch.argmax``.
 - The filtered, penalised draw (``sample_tokens``: statistics, threshold and wide-threshold
   kernels, then the draw) against ``reference.sample_ref`` on every kind of row
-  (``tests/support/kernel_cases.sampling_rows``): the thresholds must be the twin's, except where the GPU's
+  (``tests/support/sampling_cases.sampling_rows``): the thresholds must be the twin's, except where the GPU's
   ``exp``/``log`` rounding can move a cut (a top-p budget within 1e-5 of a cumulative mass, a
   min-p cut within a few ulps), and the tokens as for the draw.
 - Top-k / top-p / min-p draws against the softmax renormalised over the kept tokens (chi-square),
@@ -142,7 +142,7 @@ def _rows_moved_by_rounding(thresholds, expected, scores, filters) -> set[int]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sample_tokens_matches_twin(vocab: int, dtype: torch.dtype) -> None:
     from tokenmill.kernels.reference import gumbel_noise_ref, sample_ref
-    from support.kernel_cases import sampling_rows
+    from support.sampling_cases import sampling_rows
     from tokenmill.kernels.triton import sampling
 
     if DRYRUN and (dtype is torch.bfloat16 or vocab > 50000):
@@ -293,11 +293,11 @@ def test_wide_top_p_draws_follow_the_renormalised_softmax() -> None:
 def test_wide_top_p_argmax_rounds_draw_what_the_exact_path_draws(dtype: torch.dtype) -> None:
     """Wide top-p rows (three tokens holding 40% of the mass above a flat tail, top_p about 0.5; flat
     top_p 0.9 and 0.95) mixed with rows of every other kind over Qwen's vocabulary
-    (``support.kernel_cases.round_sampling_rows``): with 1, 2 or 3 argmax rounds the draws are the
+    (``support.sampling_cases.round_sampling_rows``): with 1, 2 or 3 argmax rounds the draws are the
     exact path's (no rounds) token for token on this GPU, and those the twin's up to exp/log
     rounding at a cut, as above. A row the rounds settle holds that token and stays settled with
     more rounds; some tail rows need a later round, some are left to the exact path after one."""
-    from support.kernel_cases import round_sampling_rows
+    from support.sampling_cases import round_sampling_rows
     from tokenmill.kernels.reference import sample_ref
     from tokenmill.kernels.triton import sampling
     from tokenmill.kernels.triton.sampling import Filters, RowState

@@ -7,6 +7,7 @@ Fixtures stay in tests/conftest.py; this package holds the plain code behind the
 - ``tiny_models``: tiny random Hugging Face models and tokenizers (the conftest fixtures save them)
 - ``paged_cache``: ``PagedCache``, a model driven step by step like the runner drives it
 - ``kernel_cases``: random paged batches and qkv-prologue cases for the kernel tests and benchmark
+- ``sampling_cases``: random rows of every filter kind for the sampling kernel tests (wide top-p rows, tail-heavy rows for the argmax rounds)
 - ``gpu_kernel_cases``: the GPU kernel tests' head layouts, scheduler steps and tolerances (and their CPU dry run)
 - ``seeded_weights``: random weights that are one model at every tensor_parallel_size (a seeded full tensor sliced per rank)
 - ``processes``: ``child_pids``, the processes a test left behind
