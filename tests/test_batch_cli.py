@@ -63,6 +63,8 @@ def test_job_state_folders_are_ignored_by_git_and_dtype_help_says_what_auto_does
         (["run", "in.jsonl", "-o", "o.jsonl", "--prompt-template", "{"], "malformed"),
         (["run", "in.jsonl", "-o", "o.jsonl", "--prompt-template", "{a}", "--text-field", "b"], "pass one of them"),
         (["run", "in.jsonl", "-o", "o.jsonl", "--max-inflight", "0"], "--max-inflight"),
+        (["run", "in.jsonl", "-o", "o.jsonl", "--stall-timeout", "-5"], "--stall-timeout=-5.0 is invalid"),
+        (["run", "in.jsonl", "-o", "o.jsonl", "--stall-timeout", "nan"], "--stall-timeout=nan is invalid"),
         (["run", "in.jsonl", "-o", "in.jsonl"], "must not be the input"),
         (["generate", "hi", "--top-p", "0"], "SamplingParams.top_p=0"),
     ],
@@ -186,3 +188,20 @@ def test_models_lists_builtins_and_lookup(capsys):
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct  [default]" in out
     assert "local path" in out and "Hugging Face" in out and "TOKENMILL_CACHE" in out
+
+
+def test_run_stops_a_hung_engine_after_600_s_by_default(tmp_path, monkeypatch):
+    """`tokenmill run` hands the job a stall limit (batch/stall_watchdog.py): 600 s unless
+    --stall-timeout says otherwise (0: never); the Python API's JobConfig leaves it off."""
+    from tokenmill.batch import job
+    from tokenmill.batch.config import JobConfig
+
+    seen = []
+    monkeypatch.setattr(job, "run_job", lambda config, **kwargs: seen.append(config.stall_timeout) or 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    for extra in ([], ["--stall-timeout", "0"], ["--stall-timeout", "90"]):
+        with pytest.raises(ZeroDivisionError):
+            main(["run", "in.jsonl", "-o", "o.jsonl", *extra])
+    assert seen == [600.0, 0.0, 90.0]
+    assert JobConfig(input="in.jsonl", output="o.jsonl").stall_timeout == 0.0
