@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "needs pip install 'tokenmill[ray]'); --replicas sets the number of engines (default: one per "
                      "GPU of the cluster); see docs/scale-out.md")
     job.add_argument("--stall-timeout", type=float, default=600.0, metavar="SECONDS",
-                     help="stop the job (exit code 1, finished rows kept) when no engine step returns for this long, "
-                     "or for ten times the longest step so far if that is longer: a hung device or collective "
-                     "would otherwise hold the machine forever; 0: never (default: 600)")
+                     help="stop the job (exit code 1, finished rows kept) when an engine step has not returned after "
+                     "this long, or ten times the longest step so far if that is longer: a hung device or "
+                     "collective would otherwise hold the machine forever; 0: never (default: 600)")
     job.add_argument("--no-progress", action="store_true", help="no progress line on stderr (the summary is still printed)")
     job.add_argument("--progress-interval", type=float, default=10.0, metavar="SECONDS",
                      help="seconds between progress lines when stderr is not a terminal (default: 10)")

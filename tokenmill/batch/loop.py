@@ -84,7 +84,7 @@ class JobLoop:
                  watchdog: StallWatchdog | None = None):
         """``new_llm`` builds a replacement engine for one that stopped for good (a tensor-parallel
         worker died); without it such a stop ends the job. ``notice`` prints a line for the user.
-        ``watchdog`` hears of every step (and is paused while a new engine loads)."""
+        ``watchdog`` times every engine step."""
         self.config, self.llm, self.journal, self.progress = config, llm, journal, progress
         self.should_stop = should_stop or (lambda: False)
         self.new_llm, self.notice, self.watchdog = new_llm, notice or _print_notice, watchdog
@@ -212,9 +212,8 @@ class JobLoop:
             self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
 
     def _step(self) -> None:
-        outputs = self.engine.step()
-        if self.watchdog is not None:
-            self.watchdog.beat()
+        with self.watchdog.step() if self.watchdog is not None else contextlib.nullcontext():
+            outputs = self.engine.step()
         self.progress.on_step()
         for out in outputs:
             flight = self.inflight.get(out.request_id)
@@ -321,8 +320,7 @@ class JobLoop:
         self.llm = self.engine = None
         _free_device_memory()  # the old engine's weights and KV cache, before the new one loads
         try:
-            with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
-                self.llm = self.new_llm()
+            self.llm = self.new_llm()
         except Exception as load_error:  # noqa: BLE001
             raise EngineFailure(f"the engine stopped ({type(error).__name__}: {error}) and a new one could not start: "
                                 f"{type(load_error).__name__}: {load_error}. The finished rows are kept: rerun the same "
