@@ -95,7 +95,7 @@ def wide_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
     """Inputs of ``sampling.sample_tokens`` with one row of each kind in WIDE_SAMPLING_ROWS (a
     repetition penalty on row 0, a bias on row 1) -> (logits, temperature, keys, counters, Filters,
     RowState, the rows the histogram passes should settle)."""
-    from tokenmill.kernels.triton.sampling import Filters, RowState
+    from tokenmill.kernels.triton.sampling import Filters
 
     gen = torch.Generator().manual_seed(seed)
     rows = len(WIDE_SAMPLING_ROWS)
@@ -114,14 +114,7 @@ def wide_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
         if kind.startswith("hist") or (kind == "equal" and vocab <= 8192):
             histogram_rows.append(i)
         temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p, mp
-    words = -(-vocab // 32)
-    counts = torch.zeros(1, vocab, dtype=torch.int32)
-    counts[0].index_add_(0, torch.randint(0, vocab, (300,), generator=gen), torch.ones(300, dtype=torch.int32))
-    prompt_bits = torch.randint(-2**31, 2**31, (1, words), generator=gen, dtype=torch.int64).to(torch.int32)
-    bias = torch.randn(1, vocab, generator=gen) * 0.2
-    slot_of = lambda row: torch.tensor([0 if i == row else -1 for i in range(rows)], dtype=torch.int32)  # noqa: E731
-    state = RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.full((rows,), 1.2),
-                     torch.full((rows,), 0.1), torch.full((rows,), 0.05))
+    state = _one_slot_state(vocab, rows, gen)
     keys = torch.randint(0, 2**62, (rows,), generator=gen)
     counters = torch.randint(0, 2**40, (rows,), generator=gen)
     return (logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state, histogram_rows)
@@ -161,7 +154,7 @@ def round_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
     """Inputs of ``sampling.sample_tokens`` with one row of each kind in ROUND_SAMPLING_ROWS (a
     repetition penalty on row 0, a bias on row 1) -> (logits, temperature, keys, counters, Filters,
     RowState, the tail rows)."""
-    from tokenmill.kernels.triton.sampling import Filters, RowState
+    from tokenmill.kernels.triton.sampling import Filters
 
     gen = torch.Generator().manual_seed(seed)
     rows = len(ROUND_SAMPLING_ROWS)
@@ -183,12 +176,23 @@ def round_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
         elif kind in ("copy", "next"):
             logits[i], keys[i], counters[i] = logits[2], keys[2], counters[2] + (kind == "next")
         temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p, mp
+    state = _one_slot_state(vocab, rows, gen)
+    return logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state, tail_rows
+
+
+def _one_slot_state(vocab: int, rows: int, gen: torch.Generator):
+    """Per-row state with one slot each: row 0 penalised (300 random output counts, a random prompt
+    bitmap; repetition 1.2, frequency 0.1, presence 0.05), row 1 biased (N(0, 0.2) on every token)."""
+    from tokenmill.kernels.triton.sampling import RowState
+
     words = -(-vocab // 32)
     counts = torch.zeros(1, vocab, dtype=torch.int32)
     counts[0].index_add_(0, torch.randint(0, vocab, (300,), generator=gen), torch.ones(300, dtype=torch.int32))
     prompt_bits = torch.randint(-2**31, 2**31, (1, words), generator=gen, dtype=torch.int64).to(torch.int32)
     bias = torch.randn(1, vocab, generator=gen) * 0.2
-    slot_of = lambda row: torch.tensor([0 if i == row else -1 for i in range(rows)], dtype=torch.int32)  # noqa: E731
-    state = RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.full((rows,), 1.2),
-                     torch.full((rows,), 0.1), torch.full((rows,), 0.05))
-    return logits.to(dtype), temperature, keys, counters, Filters(top_k, top_p, min_p), state, tail_rows
+
+    def slot_of(row: int) -> torch.Tensor:
+        return torch.tensor([0 if i == row else -1 for i in range(rows)], dtype=torch.int32)
+
+    return RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.full((rows,), 1.2),
+                    torch.full((rows,), 0.1), torch.full((rows,), 0.05))
