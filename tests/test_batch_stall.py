@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from test_batch_e2e import by_row, prompts, read_jsonl, write_jsonl
 from tokenmill.batch.stall_watchdog import EXIT_STALLED, StallWatchdog
 
@@ -114,3 +116,47 @@ def test_a_job_whose_engine_hangs_exits_1_and_a_rerun_completes_it(tmp_path, tin
     records = by_row(read_jsonl(output))  # each row once
     assert sorted(row for row, _ in records) == list(range(rows))
     assert json.loads((tmp_path / "out.jsonl.tokenmill" / "state.json").read_text())["complete"]
+
+
+@pytest.mark.slow  # a parent and three replica processes, each loading a model
+def test_a_replica_whose_engine_hangs_is_restarted_and_the_job_completes(tmp_path, tiny_llama_dir):
+    """With --replicas 2, the first replica to reach its 4th step hangs there (once: a marker file
+    says it happened): its watchdog ends it, the parent restarts it like a replica that died, and
+    the job finishes with every row once."""
+    rows = 16
+    input_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in prompts(rows, seed=12)])
+    output, marker, hooks = tmp_path / "out.jsonl", tmp_path / "hung-once", tmp_path / "hooks"
+    hooks.mkdir()
+    # Loaded by every Python process of the job (sitecustomize); only replicas run JobLoop._step.
+    (hooks / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import contextlib, os, time
+        import tokenmill.batch.loop as loop
+
+        step, calls = loop.JobLoop._step, []
+
+        def step_that_hangs_once(self):
+            calls.append(1)
+            if len(calls) == 4:
+                try:
+                    os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    pass
+                else:
+                    # The engine's step never returns (timed like one when the job has a watchdog).
+                    with self.watchdog.step() if self.watchdog is not None else contextlib.nullcontext():
+                        time.sleep(3600)
+            return step(self)
+
+        loop.JobLoop._step = step_that_hangs_once
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "tokenmill.cli", "run", str(input_path), "-o", str(output), "--replicas", "2",
+           "--stall-timeout", "2", "--fsync-interval", "0", "--no-progress", "--model", str(tiny_llama_dir),
+           "--dtype", "float32", "--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes",
+           str(8 * 2**20), "--max-num-seqs", "1", "--max-tokens", "4", "--temperature", "0", "--ignore-eos"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert marker.exists() and "an engine step has not returned for" in done.stderr
+    assert "died: exit code 1; starting a replacement" in done.stderr
+    records = by_row(read_jsonl(output))  # each row once
+    assert sorted(row for row, _ in records) == list(range(rows))
