@@ -53,11 +53,26 @@ def kill_workers_at(call: int, before: set[int]):
 
 
 def test_a_killed_worker_of_the_jobs_own_engine_is_replaced_and_no_row_fails(tmp_path, tiny_llama_dir, texts, expected,
-                                                                               capsys):
+                                                                               capsys, monkeypatch):
+    import weakref
+
+    from tokenmill.batch import job, loop
+
+    loaded, alive_at_load = [], []
+
+    def load_llm(config):  # the job's loader, noting which engines still exist when a new one loads
+        alive_at_load.append(sum(ref() is not None for ref in loaded))
+        llm = loop.load_llm(config)
+        loaded.append(weakref.ref(llm.llm_engine.executor.runner))  # it holds the weights and the KV cache
+        return llm
+
+    monkeypatch.setattr(job, "load_llm", load_llm)
     before = child_pids()
     summary = run_job(config(tmp_path, tiny_llama_dir, texts, tensor_parallel_size=2, **ENGINE),
                       should_stop=kill_workers_at(3, before))
     assert summary.exit_code == 0 and summary.rows_done == ROWS and summary.failed == 0
+    # The dead engine is gone (on a GPU: its weights and KV cache freed) before its replacement loads.
+    assert alive_at_load == [0, 0]
     records = by_row(read_jsonl(tmp_path / "out.jsonl"))  # each row once
     assert [records[(i, 0)]["text"] for i in range(ROWS)] == expected
     assert "the engine stopped (WorkerDiedError" in capsys.readouterr().err

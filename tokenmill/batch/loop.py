@@ -318,6 +318,7 @@ class JobLoop:
         with contextlib.suppress(Exception):  # stop what is left of its workers
             self.engine.executor.shutdown()
         self.llm = self.engine = None
+        _drop_tracebacks(error)  # their frames hold the old engine's runner (weights, KV cache)
         _free_device_memory()  # the old engine's weights and KV cache, before the new one loads
         try:
             self.llm = self.new_llm()
@@ -401,6 +402,16 @@ def _is_engine_stopped(error: BaseException) -> bool:
     from tokenmill.distributed.worker_processes import WorkerDiedError
 
     return isinstance(error, WorkerDiedError)
+
+
+def _drop_tracebacks(error: BaseException | None) -> None:
+    """Forget the tracebacks of ``error`` and the exceptions it chains: a step's frames reference
+    the engine that raised it, which must be freed before another is loaded (the message is kept)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 def _free_device_memory() -> None:
