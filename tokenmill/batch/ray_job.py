@@ -178,8 +178,9 @@ class JobReplica:
 
             torch.set_num_threads(num_threads)
         self.link = _CollectedCommits()
+        # An engine stopped for good (a tensor-parallel worker died) is replaced, as in a local job.
         self.loop = JobLoop(config, load_llm(config), self.link, self.link, input_format, output_shape,  # type: ignore[arg-type]
-                          job_key)
+                          job_key, new_llm=lambda: load_llm(config))
 
     def __call__(self, batch: Any) -> Any:
         import pickle
