@@ -256,7 +256,9 @@ class JobLoop:
         Every row in flight is taken out and run again in two halves, one half at a time; a half
         that fails again is halved again, until the row that fails on its own becomes an error row.
         Rows run again give the same results (greedy, or their own per-row seed). A failure of the
-        device itself (out of memory, a CUDA error) is no row's fault and stops the job.
+        device itself (out of memory, a CUDA error) is no row's fault and stops the job; an engine
+        that can run no more steps (a tensor-parallel worker died) is replaced first
+        (``_restart_engine``). A row failing alone is held as a suspect until another row finishes.
         """
         if _is_device_failure(error):
             raise error
