@@ -412,10 +412,15 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         """
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in prompts]
+        # One copy of each distinct params object (most calls pass one for every prompt): the
+        # engine never changes a request's params in place, so the requests may share it.
+        copies: dict[int, SamplingParams] = {}
         try:
             for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params)):
                 if isinstance(sp, SamplingParams) and sp.output_kind is not kind:
-                    sp = sp.clone(output_kind=kind)
+                    if id(sp) not in copies:
+                        copies[id(sp)] = sp.clone(output_kind=kind)
+                    sp = copies[id(sp)]
                 engine.add_request(request_id, prompt, sp, index=index)
         except Exception:
             engine.abort_request(ids)
