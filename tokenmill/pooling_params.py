@@ -11,14 +11,18 @@ Fields left None take the model's defaults (its pooler config, then vLLM's), fil
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
+
+from tokenmill.param_checks import check, is_int as _is_int
 
 if TYPE_CHECKING:
     from tokenmill.pooling.config import PoolerConfig
 
 PoolingTask = Literal["embed", "token_embed", "classify", "score"]
 POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "score")
+_check = functools.partial(check, owner="PoolingParams")
 # Which optional fields each task accepts (vLLM's valid_parameters).
 _TASK_FIELDS = {
     "embed": ("dimensions", "normalize"),
@@ -89,12 +93,3 @@ class PoolingParams:
     def field_names(cls) -> set[str]:
         """The user-settable fields (for batch rows and the CLI)."""
         return {f.name for f in fields(cls)} - {"task"}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"PoolingParams.{name}={value!r} is invalid: must be {allowed}")

@@ -14,11 +14,15 @@ length on one comparison in the common case and compares the rest as list slices
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.param_checks import check, is_int
+
 FINISH_REASON = "repetition"
 STOP_REASON = "repetition_detected"
+_check = functools.partial(check, owner="RepetitionDetectionParams")
 
 
 @dataclass
@@ -38,7 +42,7 @@ class RepetitionDetectionParams:
     def __post_init__(self) -> None:
         for name in ("max_pattern_size", "min_pattern_size", "min_count"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+            _check(is_int(value), name, value, "an integer")
         _check(self.max_pattern_size >= 0, "max_pattern_size", self.max_pattern_size, ">= 0 (0 turns detection off)")
         _check(self.min_pattern_size >= 0, "min_pattern_size", self.min_pattern_size, ">= 0 (0 means 1)")
         _check(self.min_pattern_size <= self.max_pattern_size, "min_pattern_size", self.min_pattern_size,
@@ -85,8 +89,3 @@ def ends_in_repetition(token_ids: list[int], params: RepetitionDetectionParams) 
         if token_ids[n - span : n - length] == token_ids[n - span + length :]:
             return True
     return False
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"RepetitionDetectionParams.{name}={value!r} is invalid: must be {allowed}")

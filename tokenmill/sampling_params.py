@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum, IntFlag
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 # vLLM's import path: vllm.sampling_params.RepetitionDetectionParams.
 from tokenmill.repetition_detection import RepetitionDetectionParams
+from tokenmill.param_checks import check, is_int as _is_int
 
 if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputsParams
@@ -20,6 +22,8 @@ LogitsProcessor = Callable[..., Any]
 ENGINE_FILLED_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
 
 _GREEDY_EPS = 1e-5
+_check = functools.partial(check, owner="SamplingParams")  # BeamSearchParams passes its own owner
+
 # The longest logprob_token_ids list (vLLM's limit and name).
 MAX_LOGPROB_TOKEN_IDS = 128
 
@@ -392,14 +396,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str, owner: str = "SamplingParams") -> None:
-    if not ok:
-        raise ValueError(f"{owner}.{name}={value!r} is invalid: must be {allowed}")
