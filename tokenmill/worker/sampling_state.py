@@ -122,33 +122,52 @@ def _grown(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
     return out
 
 
-class PenaltyState:
+class _SlottedState:
+    """A piece of per-sequence state: a row (slot) for each sequence whose request needs ``NEED``,
+    filled by the subclass's ``_fill`` when the sequence first samples, given back on release."""
+
+    NEED: SamplerNeeds
+    table: SlotTable
+
+    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
+        """Each row's slot (-1: not needed), filling those of sequences that sample for the first time."""
+        slots, new = self.table.assign_rows(seqs, self.NEED)
+        if new:
+            self._fill(new, to_device)
+        return slots
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        self.table.release(seq_ids)
+
+    def _fill(self, new: list, to_device: ToDevice) -> None:
+        """Write the rows of the (slot, seq) pairs in ``new``: built on the host, copied at once."""
+        raise NotImplementedError
+
+
+def _slot_index(new: list, to_device: ToDevice) -> torch.Tensor:
+    """The slots of the (slot, seq) pairs in ``new``, on the device."""
+    return to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+
+
+class PenaltyState(_SlottedState):
     """Output-token counts and prompt-token bitmaps of the sequences with penalties."""
+
+    NEED = SamplerNeeds.PENALTIES
 
     def __init__(self, vocab_size: int, device: torch.device, is_done: Callable[[object], bool] | None = None):
         self.table = SlotTable(is_done)
         self.counts = torch.zeros((1, vocab_size), dtype=torch.int32, device=device)
         self.prompt_bits = torch.zeros((1, -(-vocab_size // 32)), dtype=torch.int32, device=device)
 
-    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
-        """Each row's slot (-1: no penalties), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, SamplerNeeds.PENALTIES)
-        if new:
-            self._fill(new, to_device)
-        return slots
-
     def record(self, rows: StepRows, token_ids: torch.Tensor) -> None:
         """Count this step's sampled tokens (on the device; nothing is read back)."""
         ones = torch.ones(1, dtype=torch.int32, device=token_ids.device).expand(rows.slots.shape[0])
         self.counts.index_put_((rows.slots, token_ids[rows.rows]), ones, accumulate=True)
 
-    def release(self, seq_ids: Iterable[int]) -> None:
-        self.table.release(seq_ids)
-
     def _fill(self, new: list, to_device: ToDevice) -> None:
         self.counts = _grown(self.counts, self.table.capacity)
         self.prompt_bits = _grown(self.prompt_bits, self.table.capacity)
-        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        slots = _slot_index(new, to_device)
         self.counts.index_fill_(0, slots, 0)
         # Outputs: one count per token (index_put_ with accumulate adds repeated ids up).
         outputs = [(slot, token) for slot, seq in new for token in seq.output_token_ids]
@@ -185,22 +204,14 @@ def apply_penalties(logits: torch.Tensor, state: RowState, rows: StepRows) -> to
     return logits
 
 
-class LogitBiasState:
+class LogitBiasState(_SlottedState):
     """One additive float32 row per sequence with logit_bias or allowed_token_ids (-inf bans a token)."""
+
+    NEED = SamplerNeeds.LOGIT_BIAS
 
     def __init__(self, vocab_size: int, device: torch.device, is_done: Callable[[object], bool] | None = None):
         self.table = SlotTable(is_done)
         self.bias = torch.zeros((1, vocab_size), dtype=torch.float32, device=device)
-
-    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
-        """Each row's slot (-1: no bias), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, SamplerNeeds.LOGIT_BIAS)
-        if new:
-            self._fill(new, to_device)
-        return slots
-
-    def release(self, seq_ids: Iterable[int]) -> None:
-        self.table.release(seq_ids)
 
     def _fill(self, new: list, to_device: ToDevice) -> None:
         """The new rows built on the host and copied in one go: a copy from pageable memory would
@@ -214,7 +225,7 @@ class LogitBiasState:
                 row[params.allowed_token_ids] = 0.0
             if params.logit_bias:
                 row[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
-        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        slots = _slot_index(new, to_device)
         self.bias.index_copy_(0, slots, to_device(rows))
 
 
@@ -223,7 +234,7 @@ def apply_bias(logits: torch.Tensor, bias: torch.Tensor, rows: StepRows) -> None
     logits.index_add_(0, rows.rows, bias[rows.slots])
 
 
-class BadWordState:
+class BadWordState(_SlottedState):
     """The bad words of each sequence that has some, and its last few sampled ids.
 
     A word's last token is banned when the output ends with the rest of the word (vLLM's rule);
@@ -231,19 +242,14 @@ class BadWordState:
     ``prefixes[slot, w, j]`` is the id that must be at recent position j (the newest last),
     _WILDCARD before the word starts; ``last[slot, w]`` is the banned token (-1: no word)."""
 
+    NEED = SamplerNeeds.BAD_WORDS
+
     def __init__(self, device: torch.device, is_done: Callable[[object], bool] | None = None):
         self.device = device
         self.table = SlotTable(is_done)
         self.prefixes = torch.full((1, 1, 1), _WILDCARD, dtype=torch.int64, device=device)
         self.last = torch.full((1, 1), -1, dtype=torch.int64, device=device)
         self.recent = torch.full((1, 1), -1, dtype=torch.int64, device=device)  # -1: no output there yet
-
-    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
-        """Each row's slot (-1: no bad words), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, SamplerNeeds.BAD_WORDS)
-        if new:
-            self._fill(new, to_device)
-        return slots
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
         """Ban the rows' banned tokens in ``logits``, in place (adding -inf or 0, so repeated ids are fine)."""
@@ -257,9 +263,6 @@ class BadWordState:
         """Shift this step's sampled ids into the rows' recent ids (on the device)."""
         recent = self.recent[rows.slots]
         self.recent[rows.slots] = torch.cat([recent[:, 1:], token_ids[rows.rows][:, None]], dim=1)
-
-    def release(self, seq_ids: Iterable[int]) -> None:
-        self.table.release(seq_ids)
 
     def _fill(self, new: list, to_device: ToDevice) -> None:
         """The new rows built on the host and copied in one go (pinned: see LogitBiasState._fill)."""
@@ -287,35 +290,27 @@ class BadWordState:
             out = seq.output_token_ids[-width:]
             if out:
                 history[i, width - len(out):] = torch.tensor(out)
-        slots = to_device(torch.tensor([slot for slot, _ in new], dtype=torch.int64))
+        slots = _slot_index(new, to_device)
         for table, rows_now in ((self.prefixes, own_prefixes), (self.last, own_last), (self.recent, history)):
             table.index_copy_(0, slots, to_device(rows_now))
 
 
-class LogprobIdsState:
+class LogprobIdsState(_SlottedState):
     """The ids whose logprobs each sequence with logprob_token_ids gets at every output position:
     ``ids[slot, :len(list)]``, padded with id 0 to the table's width (the longest list seen).
     Padding columns are gathered too and dropped on the host, which knows each list's length."""
 
+    NEED = SamplerNeeds.LOGPROB_IDS
+
     def __init__(self, device: torch.device, is_done: Callable[[object], bool] | None = None):
         self.table = SlotTable(is_done)
         self.ids = torch.zeros((1, 1), dtype=torch.int64, device=device)
-
-    def slots(self, seqs: list, to_device: ToDevice) -> list[int]:
-        """Each row's slot (-1: no ids), filling those of sequences that sample for the first time."""
-        slots, new = self.table.assign_rows(seqs, SamplerNeeds.LOGPROB_IDS)
-        if new:
-            self._fill(new, to_device)
-        return slots
 
     def gather(self, logprobs: torch.Tensor, rows: StepRows) -> torch.Tensor:
         """[N, width] float32: each row's logprobs at its ids (rows without ids: zeros, never read)."""
         out = logprobs.new_zeros((logprobs.shape[0], self.ids.shape[1]))
         out[rows.rows] = logprobs[rows.rows].gather(1, self.ids[rows.slots])
         return out
-
-    def release(self, seq_ids: Iterable[int]) -> None:
-        self.table.release(seq_ids)
 
     def _fill(self, new: list, to_device: ToDevice) -> None:
         lists = [seq.params.logprob_token_ids for _, seq in new]
