@@ -26,6 +26,7 @@ from tokenmill.batch.readers import RawRow
 from tokenmill.batch.requests import RowError, RowRequest, build_row_request, check_engine_limits, row_sampling_params
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
 from tokenmill.batch.writers import encode_lines
+from tokenmill.distributed import cleanup_dist_env_and_memory
 
 if TYPE_CHECKING:
     from tokenmill.batch.journal import Journal
@@ -321,7 +322,8 @@ class JobLoop:
             self.engine.executor.shutdown()
         self.llm = self.engine = None
         _drop_tracebacks(error)  # their frames hold the old engine's runner (weights, KV cache)
-        _free_device_memory()  # the old engine's weights and KV cache, before the new one loads
+        with contextlib.suppress(Exception):  # the old engine's weights and KV cache, before the new one loads
+            cleanup_dist_env_and_memory()
         try:
             self.llm = self.new_llm()
         except Exception as load_error:  # noqa: BLE001
@@ -414,17 +416,6 @@ def _drop_tracebacks(error: BaseException | None) -> None:
         seen.add(id(error))
         error.__traceback__ = None
         error = error.__cause__ or error.__context__
-
-
-def _free_device_memory() -> None:
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(Exception):
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def _print_notice(message: str) -> None:
