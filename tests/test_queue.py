@@ -42,6 +42,18 @@ def test_enqueue_chat(llm):
     assert token_ids(outputs)[0] == token_ids(outputs)[1] == token_ids(llm.chat(conversation, GREEDY, use_tqdm=False))[0]
 
 
+def test_enqueue_chat_takes_vllms_positional_order(llm):
+    """vLLM's order: messages, sampling_params, use_tqdm, lora_request, priority, chat_template, ..."""
+    conversation = [{"role": "user", "content": "hello there"}]
+    template = "{% for m in messages %}{{ m['content'] }} and more{% endfor %}"
+    ids = llm.enqueue_chat([conversation], GREEDY, False, None, [3], template)
+    templated = llm.generate(["hello there and more"], GREEDY, use_tqdm=False)
+    assert token_ids(llm.wait_for_completion(use_tqdm=False)) == token_ids(templated)
+    assert len(ids) == 1
+    with pytest.raises(ValueError, match="priority must be a list of 1 integers"):
+        llm.enqueue_chat([conversation], GREEDY, priority=[1, 2])
+
+
 @pytest.mark.slow  # 10,000 requests under tracemalloc
 def test_imap_streams_10000_prompts_with_flat_memory(llm):
     vocab = llm.llm_engine.config.vocab_size

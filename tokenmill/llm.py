@@ -172,6 +172,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: ProgressOption = True,
         lora_request: Any = None,
+        priority: list[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -181,9 +182,12 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
+        """Queue conversations without running them (vLLM's argument order, ``priority`` included:
+        checked, no effect under first-come-first-served); returns their request ids."""
         prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
                                      chat_template_kwargs, chat_template_content_format)
-        return self.enqueue(prompts, sampling_params, lora_request, None, use_tqdm, tokenization_kwargs, mm_processor_kwargs)
+        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm, tokenization_kwargs,
+                            mm_processor_kwargs)
 
     def wait_for_completion(self, output_type: Any = None, *, use_tqdm: ProgressOption = True) -> list[RequestOutput]:
         """Run until every enqueued request is done; outputs in the order they were enqueued
