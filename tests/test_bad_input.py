@@ -29,6 +29,11 @@ def assert_engine_idle(llm):
         ({"prompt_token_ids": "abc"}, r"prompts\[1\].prompt_token_ids must be a list of integers"),
         ({"text": "hi"}, r"prompts\[1\] is a dict without 'prompt' or 'prompt_token_ids'"),
         (42, r"prompts\[1\] has type int"),
+        ([5, "x"], r"prompts\[1\] is a list, so it must be token ids"),
+        ({"prompt": "hi", "multi_modal_data": {"image": object()}}, r"prompts\[1\].multi_modal_data is not supported: .*text-only"),
+        ({"prompt_embeds": [[0.0]]}, r"prompts\[1\].prompt_embeds is not supported"),
+        ({"encoder_prompt": "hi", "decoder_prompt": None}, r"prompts\[1\].encoder_prompt is not supported"),
+        ({"prompt": "hi", "cache_salt": 7}, r"prompts\[1\].cache_salt must be a non-empty string, got 7"),
     ],
 )
 def test_bad_prompt_fails_whole_call_before_work(llm, prompt, message):

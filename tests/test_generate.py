@@ -179,6 +179,31 @@ def test_prompt_forms_and_outputs_in_input_order(llama_llm, llama_prompts):
     assert ids == sorted(ids)
 
 
+def test_token_id_lists_are_prompts_as_in_vllm(llama_llm, llama_prompts):
+    """vLLM's rule: a list starting with an int is one prompt of token ids; a list of such lists
+    is several; each gives what its {"prompt_token_ids": ...} form gives."""
+    expected = token_ids(llama_llm.generate(as_inputs(llama_prompts[:2]), GREEDY, use_tqdm=False))
+    single = llama_llm.generate(llama_prompts[0], GREEDY, use_tqdm=False)
+    assert len(single) == 1 and token_ids(single) == expected[:1] and single[0].prompt_token_ids == llama_prompts[0]
+    assert token_ids(llama_llm.generate(llama_prompts[:2], GREEDY, use_tqdm=False)) == expected
+    mixed = llama_llm.generate([llama_prompts[0], {"prompt_token_ids": llama_prompts[1]}], GREEDY, use_tqdm=False)
+    assert token_ids(mixed) == expected
+
+
+def test_cache_salt_shares_blocks_only_within_a_salt(llama_llm):
+    """vLLM's cache_salt: prompts with the same salt share prefix-cache blocks, prompts with another
+    salt or none do not; the tokens are the same either way."""
+    base = random_prompts(llama_llm.llm_engine.config.vocab_size, [40], seed=22)[0]  # no other test uses it
+    run = lambda tail, **salt: llama_llm.generate([{"prompt_token_ids": base + tail, **salt}], GREEDY, use_tqdm=False)[0]
+    first = run([5], cache_salt="alice")
+    other_salt, unsalted, same_salt = run([6], cache_salt="bob"), run([7]), run([8], cache_salt="alice")
+    assert first.num_cached_tokens == other_salt.num_cached_tokens == unsalted.num_cached_tokens == 0
+    assert same_salt.num_cached_tokens >= 32
+    assert run([9]).num_cached_tokens >= 32  # the unsalted prompt's blocks serve unsalted prompts
+    plain = llama_llm.generate([{"prompt_token_ids": base + [5]}], GREEDY.clone(skip_reading_prefix_cache=True), use_tqdm=False)
+    assert first.outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
 def test_per_prompt_sampling_params(llama_llm, llama_prompts):
     params = [GREEDY.clone(max_tokens=k) for k in (1, 4, 7)]
     outputs = llama_llm.generate(as_inputs(llama_prompts[:3]), params, use_tqdm=False)

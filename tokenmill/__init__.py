@@ -15,6 +15,9 @@ _PUBLIC = {
     "LLM": "tokenmill.llm",
     "LLMEngine": "tokenmill.engine.engine",
     "EngineArgs": "tokenmill.config",
+    "PromptType": "tokenmill.inputs",
+    "TextPrompt": "tokenmill.inputs",
+    "TokensPrompt": "tokenmill.inputs",
     "SamplingParams": "tokenmill.sampling_params",
     "BeamSearchParams": "tokenmill.sampling_params",
     "RequestOutputKind": "tokenmill.sampling_params",
@@ -43,6 +46,7 @@ __all__ = sorted(_PUBLIC)
 if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
     from tokenmill.engine.engine import LLMEngine
+    from tokenmill.inputs import PromptType, TextPrompt, TokensPrompt
     from tokenmill.llm import LLM
     from tokenmill.logprobs import Logprob
     from tokenmill.outputs import (

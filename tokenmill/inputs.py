@@ -4,20 +4,52 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NotRequired, Sequence, TypedDict
 
-PromptType = str | dict
+
+class TextPrompt(TypedDict):
+    """A prompt given as text, tokenized by the model's tokenizer (vLLM's ``TextPrompt``)."""
+
+    prompt: str
+    cache_salt: NotRequired[str]  # prompts share prefix-cache blocks only with prompts of the same salt
+
+
+class TokensPrompt(TypedDict):
+    """A prompt given as token ids (vLLM's ``TokensPrompt``); ``prompt`` is its text, if known."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+# Every form a prompt may take: text, a list of token ids, or one of the two dicts.
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+# Prompt keys of vLLM's that need what tokenmill does not serve (images and audio, embeddings
+# as input, encoder-decoder models), refused by name rather than ignored.
+_UNSERVED_KEYS = {
+    "multi_modal_data": "tokenmill serves text-only models",
+    "multi_modal_uuids": "tokenmill serves text-only models",
+    "mm_processor_kwargs": "tokenmill serves text-only models",
+    "prompt_embeds": "prompts are text or token ids",
+    "encoder_prompt": "tokenmill serves decoder-only and encoder-only models, not encoder-decoder ones",
+    "decoder_prompt": "tokenmill serves decoder-only and encoder-only models, not encoder-decoder ones",
+}
 
 
 @dataclass
 class ProcessedPrompt:
     prompt: str | None  # the text, when the user gave text
     token_ids: list[int]
+    cache_salt: str | None = None
 
 
 def prompt_list(prompts: Any) -> list:
-    """One prompt (a string or a dict) or many, as a list."""
-    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    """One prompt or many, as a list. As in vLLM, a list whose first item is an int is one prompt
+    of token ids; any other list (or iterable) holds several prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
@@ -31,25 +63,43 @@ def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
 
 
 def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> ProcessedPrompt:
-    """Accepts vLLM's prompt forms: "text", {"prompt": "text"}, {"prompt_token_ids": [...]}."""
+    """Accepts vLLM's prompt forms: "text", [token ids], {"prompt": "text"}, {"prompt_token_ids": [...]}."""
     where = f"prompts[{index}]" if index is not None else "prompt"
     if isinstance(prompt, str):
         return ProcessedPrompt(prompt, _tokenize(prompt, tokenizer, where))
+    if isinstance(prompt, list):
+        if not _is_token_list(prompt):
+            raise ValueError(f"{where} is a list, so it must be token ids (integers), got {_short(prompt)}")
+        return ProcessedPrompt(None, list(prompt))
     if isinstance(prompt, dict):
+        salt = _cache_salt(prompt, where)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not _is_token_list(ids):
                 raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {_short(ids)}")
-            return ProcessedPrompt(prompt.get("prompt"), list(ids))
+            return ProcessedPrompt(prompt.get("prompt"), list(ids), salt)
         if "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
                 raise ValueError(f"{where}.prompt must be a string, got {type(text).__name__}")
-            return ProcessedPrompt(text, _tokenize(text, tokenizer, where))
+            return ProcessedPrompt(text, _tokenize(text, tokenizer, where), salt)
         raise ValueError(f"{where} is a dict without 'prompt' or 'prompt_token_ids' (keys: {sorted(prompt)})")
     raise ValueError(
-        f"{where} has type {type(prompt).__name__}; expected a string, {{'prompt': str}} or {{'prompt_token_ids': [int]}}"
+        f"{where} has type {type(prompt).__name__}; expected a string, a list of token ids, "
+        "{'prompt': str} or {'prompt_token_ids': [int]}"
     )
+
+
+def _cache_salt(prompt: dict, where: str) -> str | None:
+    """The prompt's cache_salt, after refusing the keys of inputs tokenmill does not serve."""
+    for key, why in _UNSERVED_KEYS.items():
+        value = prompt.get(key)
+        if value is not None and not (isinstance(value, dict) and not value):  # None or {}: nothing asked
+            raise ValueError(f"{where}.{key} is not supported: {why}")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"{where}.cache_salt must be a non-empty string, got {_short(salt)}")
+    return salt
 
 
 def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs: dict[str, Any]) -> list[Any]:

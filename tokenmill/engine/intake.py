@@ -66,6 +66,7 @@ class Intake:
         params = self._with_logit_controls(params, where)
         matchers = self._grammar_matchers(params, where)
         request = Request(request_id, processed.prompt, processed.token_ids, params)
+        request.cache_salt = processed.cache_salt
         request.max_output_tokens = max_output_tokens(params.max_tokens, len(processed.token_ids), config.max_model_len)
         if beam_params is not None:
             request.beam = BeamSearch(beam_params, params.all_stop_token_ids, max(1, request.max_output_tokens))

@@ -26,7 +26,15 @@ from collections import OrderedDict
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.step import NULL_BLOCK  # noqa: F401  (block 0; BlockPool never hands it out)
 
-_ROOT_HASH = bytes(16)  # parent key of a sequence's first block
+_ROOT_HASH = bytes(16)  # parent key of an unsalted sequence's first block
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent key of a sequence's first block: a salted prompt's chain starts from its salt's
+    digest, so its blocks match only prompts with the same salt (vLLM's cache_salt)."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
 
 
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -207,5 +215,5 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         while len(seq.block_hashes) < num_blocks:
-            parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.request.cache_salt)
             seq.block_hashes.append(chain_hash(parent, self._block_tokens(seq, len(seq.block_hashes))))

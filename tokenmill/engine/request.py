@@ -142,6 +142,8 @@ class Request(Generic[ParamsT]):
     beam: "BeamSearch | None" = None  # set for LLM.beam_search requests; sequences are then its live beams
     # Outputs each sequence may have (`max_output_tokens`, set at intake; no limit until then).
     max_output_tokens: int = sys.maxsize
+    # The prompt's cache_salt: its blocks are shared only with prompts of the same salt.
+    cache_salt: str | None = None
 
     @cached_property
     def sampler_needs(self) -> int:
