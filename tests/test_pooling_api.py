@@ -136,11 +136,28 @@ def test_pooling_params_validation_names_the_field(kwargs, message):
         PoolingParams(**kwargs)
 
 
+def test_use_activation_is_an_embedders_normalisation_as_in_vllm_0_26(tiny_bert_embedder_dir, bert_embedder_llm):
+    """vLLM 0.26 dropped ``normalize``: ``use_activation`` switches an embedder's L2 normalisation,
+    per request and in pooler_config; the older name still works and must agree when both are set."""
+    embed = lambda llm, params=None: torch.tensor(llm.embed("the cat sat", params, use_tqdm=False)[0].outputs.embedding)
+    raw = embed(bert_embedder_llm, PoolingParams(normalize=False))
+    assert abs(float(raw.norm()) - 1.0) > 1e-3  # really unnormalised, so the checks below can tell
+    torch.testing.assert_close(embed(bert_embedder_llm, PoolingParams(use_activation=False)), raw, rtol=0, atol=0)
+    torch.testing.assert_close(embed(bert_embedder_llm, PoolingParams(use_activation=True)),
+                               torch.nn.functional.normalize(raw, dim=0), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"normalize=True and use_activation=False disagree"):
+        bert_embedder_llm.embed("the cat", PoolingParams(normalize=True, use_activation=False))
+    torch.testing.assert_close(embed(bert_embedder_llm), raw, rtol=0, atol=0)  # its sentence-transformers folder: no Normalize
+    normalising = LLM(str(tiny_bert_embedder_dir), **ENGINE, pooler_config={"use_activation": True})
+    torch.testing.assert_close(embed(normalising), torch.nn.functional.normalize(raw, dim=0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(embed(normalising, PoolingParams(use_activation=False)), raw, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"pooler_config: normalize=True and use_activation=False disagree"):
+        LLM(str(tiny_bert_embedder_dir), **ENGINE, pooler_config={"use_activation": False, "normalize": True})
+
+
 def test_pooling_params_older_names_and_task_fields(bert_embedder_llm, bert_classifier_llm):
     assert PoolingParams(softmax=False).use_activation is False  # vLLM's deprecated spellings still work
     assert PoolingParams(activation=True).use_activation is True
-    with pytest.raises(ValueError, match=r"\['use_activation'\] do not apply to task 'embed'"):
-        bert_embedder_llm.embed("the cat", PoolingParams(use_activation=True))
     with pytest.raises(ValueError, match=r"\['normalize'\] do not apply to task 'classify'"):
         bert_classifier_llm.classify("the cat", PoolingParams(normalize=True))
     with pytest.raises(ValueError, match="not trained for Matryoshka"):

@@ -49,7 +49,7 @@ def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embed
     words = texts(6)
     rows = [{"id": f"r{i}", "prompt": t} for i, t in enumerate(words)]
     rows[2] = {"id": "r2", "body": words[2]}  # no prompt
-    rows[3] = {"id": "r3", "prompt": words[3], "pooling_params": {"normalize": True}}
+    rows[3] = {"id": "r3", "prompt": words[3], "pooling_params": {"use_activation": True}}  # vLLM 0.26's name beats the job's normalize
     rows.append({"id": "long", "prompt": " ".join(["cat"] * 60)})  # over max_model_len=48
     rows.append({"id": "chat", "messages": [{"role": "user", "content": "hi"}]})
     rows.append({"id": "bad", "prompt": "the cat", "pooling_params": {"dimension": 8}})
@@ -144,6 +144,8 @@ def test_interrupted_embed_job_resumes_with_every_row_once(tmp_path, bert_embedd
         (["--task", "classify"], "--task classify needs --model"),
         (["--task", "score", "--text-field", "t"], "reads the pair from each row's text_1 and text_2"),
         (["--task", "embed", "--dimensions", "0"], "PoolingParams.dimensions=0 is invalid"),
+        (["--task", "embed", "--normalize", "--no-use-activation"], "normalize=True and use_activation=False disagree"),
+        (["--task", "classify", "--model", "m", "--normalize"], "['normalize'] do not apply to task 'classify'"),
     ],
 )
 def test_cli_usage_errors(tmp_path, monkeypatch, capsys, flags, message):

@@ -146,7 +146,8 @@ def _add_pooling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="embed: L2-normalise the vectors (default: the model's setting, else yes)")
     g.add_argument("--use-activation", action=argparse.BooleanOptionalAction, default=None,
-                   help="classify/score: apply softmax or sigmoid to the logits (default: yes)")
+                   help="classify/score: apply softmax or sigmoid to the logits (default: yes); embed: "
+                        "L2-normalise, vLLM 0.26's name for --normalize")
     g.add_argument("--pooling-type", choices=("CLS", "MEAN", "LAST"),
                    help="how token states become one vector (default: the model's, e.g. its sentence-transformers config)")
 
@@ -200,12 +201,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pooling_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The pooling flags that were given, checked by PoolingParams itself (a bad value is a usage error)."""
+    """The pooling flags that were given, checked by PoolingParams itself for --task (a bad value,
+    or one the task does not take, is a usage error rather than every row's error)."""
     values = {name: getattr(args, name) for name in _POOLING_FLAGS if getattr(args, name, None) is not None}
+    from tokenmill.pooling.config import PoolerConfig
     from tokenmill.pooling_params import PoolingParams
 
     try:
-        PoolingParams(**values)
+        PoolingParams(**values).resolved(args.task, PoolerConfig())
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     return values

@@ -2,7 +2,8 @@
 
 One object serves every pooling task; which fields apply depends on the task:
 
-    embed, token_embed   dimensions (Matryoshka truncation), normalize (L2, default True)
+    embed, token_embed   dimensions (Matryoshka truncation), use_activation (L2 normalisation,
+                         default True; ``normalize`` is its name before vLLM 0.26)
     classify, score      use_activation (softmax / sigmoid on the logits, default True)
 
 Fields left None take the model's defaults (its pooler config, then vLLM's), filled in by
@@ -25,8 +26,8 @@ POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "score")
 _check = functools.partial(check, owner="PoolingParams")
 # Which optional fields each task accepts (vLLM's valid_parameters).
 _TASK_FIELDS = {
-    "embed": ("dimensions", "normalize"),
-    "token_embed": ("dimensions", "normalize"),
+    "embed": ("dimensions", "normalize", "use_activation"),
+    "token_embed": ("dimensions", "normalize", "use_activation"),
     "classify": ("use_activation",),
     "score": ("use_activation",),
 }
@@ -79,15 +80,15 @@ class PoolingParams:
         wrong = [name for name in _TASK_SPECIFIC if name not in allowed and getattr(self, name) is not None]
         if wrong:
             raise ValueError(f"PoolingParams field(s) {wrong} do not apply to task {task!r}; it takes {list(allowed)}")
-        values = {name: getattr(self, name) for name in allowed}
-        for name in allowed:
-            if values[name] is None:
-                values[name] = getattr(defaults, name, None)
-        if "normalize" in allowed and values["normalize"] is None:
-            values["normalize"] = True
-        if "use_activation" in allowed and values["use_activation"] is None:
-            values["use_activation"] = True
-        return replace(self, task=task, **values)  # type: ignore[arg-type]
+        if "normalize" in allowed:  # an embedding task: use_activation is normalize's vLLM 0.26 name
+            if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
+                raise ValueError(f"PoolingParams.normalize={self.normalize} and use_activation={self.use_activation} "
+                                 f"disagree: for task {task!r} both name the L2 normalisation; set one")
+            normalize = next((v for v in (self.normalize, self.use_activation, defaults.normalize) if v is not None), True)
+            dimensions = self.dimensions if self.dimensions is not None else defaults.dimensions
+            return replace(self, task=task, dimensions=dimensions, normalize=normalize, use_activation=normalize)  # type: ignore[arg-type]
+        use_activation = next((v for v in (self.use_activation, defaults.use_activation) if v is not None), True)
+        return replace(self, task=task, use_activation=use_activation)  # type: ignore[arg-type]
 
     @classmethod
     def field_names(cls) -> set[str]:

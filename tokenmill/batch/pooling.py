@@ -34,6 +34,8 @@ DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"  # --task embed and score without -
 TASK_FIELDS: dict[str, tuple[str, ...]] = {"embed": ("embedding",), "classify": ("label", "probs"), "score": ("score",)}
 # Engine requests of one row: (request id, prompt, params).
 Parts = list[tuple[str, Any, "PoolingParams"]]
+# An embedding's L2 normalisation: vLLM 0.26 calls it use_activation, older vLLM normalize.
+_NORMALISATION = {"normalize", "use_activation"}
 
 
 class PoolingRows:
@@ -111,8 +113,11 @@ class PoolingRows:
         unknown = sorted(set(overrides) - PoolingParams.field_names())
         if unknown:
             raise RowError(f"{where}: unknown pooling parameter(s) {unknown} in pooling_params", row_id)
+        job = self.job_params
+        if task in ("embed", "token_embed") and overrides.keys() & _NORMALISATION:
+            job = {k: v for k, v in job.items() if k not in _NORMALISATION}  # the row's word, under either name
         try:
-            return PoolingParams(**{**self.job_params, **overrides, "task": task})
+            return PoolingParams(**{**job, **overrides, "task": task})
         except (TypeError, ValueError) as e:
             raise RowError(f"{where}: {e}", row_id) from None
 

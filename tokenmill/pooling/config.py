@@ -14,7 +14,7 @@ module's ``config.json``, ``sentence_bert_config.json``), then the user's ``pool
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +36,8 @@ class PoolerConfig:
     """Model-level pooling settings (vLLM's ``PoolerConfig``); request fields left None take these.
 
     ``LLM(model, pooler_config=PoolerConfig(pooling_type="MEAN"))`` or a dict with these keys.
+    ``use_activation`` is the classifier's activation, and for an embedder (as in vLLM 0.26) its
+    L2 normalisation, which older vLLM called ``normalize``.
     """
 
     pooling_type: PoolingType | None = None
@@ -198,6 +200,8 @@ def resolve_pooling(
     config = source.hf_config
     model_cls = get_model_class(architecture)
     user = PoolerConfig.coerce(pooler_config)
+    if head == "embed":
+        user = _embedder_normalize(user)
     st = _sentence_transformers(source.config_dir) if head == "embed" else {}
     defaults = PoolerConfig(pooling_type=st.get("pooling_type") or model_cls.default_pooling_type,
                             normalize=st.get("normalize"))
@@ -215,6 +219,16 @@ def resolve_pooling(
         is_matryoshka=bool(getattr(config, "matryoshka_dimensions", None) or getattr(config, "is_matryoshka", False)),
         hidden_size=int(config.hidden_size),
     )
+
+
+def _embedder_normalize(config: PoolerConfig) -> PoolerConfig:
+    """An embedder's config with vLLM 0.26's ``use_activation`` read as ``normalize`` (its name before)."""
+    if config.use_activation is None:
+        return config
+    if config.normalize is not None and config.normalize != config.use_activation:
+        raise ValueError(f"pooler_config: normalize={config.normalize} and use_activation={config.use_activation} disagree; "
+                         "for an embedding model both name the L2 normalisation, so set one")
+    return replace(config, normalize=config.use_activation, use_activation=None)
 
 
 def _runner_and_convert(runner: str, convert: str, task: str | None) -> tuple[str, str]:
