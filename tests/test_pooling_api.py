@@ -129,6 +129,8 @@ def test_unsupported_sentence_transformers_module_is_refused(tiny_bert_embedder_
         ({"truncate_prompt_tokens": 0}, r"PoolingParams.truncate_prompt_tokens=0 is invalid"),
         ({"task": "rerank"}, r"PoolingParams.task='rerank' is invalid"),
         ({"softmax": False, "use_activation": True}, r"PoolingParams.softmax=False is invalid"),
+        ({"step_tag_id": 5}, r"PoolingParams.step_tag_id=5 is invalid: must be None: STEP pooling"),
+        ({"skip_reading_prefix_cache": "no"}, r"PoolingParams.skip_reading_prefix_cache='no' is invalid"),
     ],
 )
 def test_pooling_params_validation_names_the_field(kwargs, message):
@@ -153,6 +155,36 @@ def test_use_activation_is_an_embedders_normalisation_as_in_vllm_0_26(tiny_bert_
     torch.testing.assert_close(embed(normalising, PoolingParams(use_activation=False)), raw, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"pooler_config: normalize=True and use_activation=False disagree"):
         LLM(str(tiny_bert_embedder_dir), **ENGINE, pooler_config={"use_activation": False, "normalize": True})
+
+
+def test_pooler_config_calibrates_classifier_logits(tiny_bert_classifier_dir, bert_classifier_llm):
+    """vLLM's logit_mean / logit_sigma: activation((logit - mean) / sigma), raw outputs calibrated too."""
+    texts = ["the cat", "a dog ran far"]
+    raw = torch.tensor([o.outputs.probs for o in bert_classifier_llm.classify(texts, PoolingParams(use_activation=False), use_tqdm=False)])
+    calibrated = LLM(str(tiny_bert_classifier_dir), **ENGINE, pooler_config={"logit_mean": 0.5, "logit_sigma": 2.0})
+    got_raw = torch.tensor([o.outputs.probs for o in calibrated.classify(texts, PoolingParams(use_activation=False), use_tqdm=False)])
+    torch.testing.assert_close(got_raw, (raw - 0.5) / 2.0, rtol=0, atol=1e-6)
+    got = torch.tensor([o.outputs.probs for o in calibrated.classify(texts, use_tqdm=False)])
+    torch.testing.assert_close(got, ((raw - 0.5) / 2.0).softmax(-1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "pooler_config, message",
+    [
+        ({"logit_sigma": 0}, "PoolerConfig.logit_sigma=0 is invalid"),
+        ({"logit_mean": "high"}, "PoolerConfig.logit_mean='high' is invalid"),
+        ({"tok_pooling_type": "STEP"}, "PoolerConfig.tok_pooling_type='STEP' is not supported"),
+        ({"enable_chunked_processing": True}, "PoolerConfig.enable_chunked_processing=True is not supported"),
+        ({"step_tag_id": 5}, "PoolerConfig.step_tag_id=5 is not supported"),
+        ({"pooling_type": "CLS", "seq_pooling_type": "MEAN"}, "pooling_type='CLS' and seq_pooling_type='MEAN' disagree"),
+    ],
+)
+def test_pooler_config_refuses_what_it_cannot_do(pooler_config, message):
+    from tokenmill import PoolerConfig
+
+    with pytest.raises(ValueError, match=message):
+        PoolerConfig(**pooler_config)
+    assert PoolerConfig(seq_pooling_type="mean").pooling_type == "MEAN"  # vLLM 0.26's name for it
 
 
 def test_pooling_params_older_names_and_task_fields(bert_embedder_llm, bert_classifier_llm):

@@ -43,6 +43,11 @@ class PoolingParams:
     softmax: bool | None = None  # older name of use_activation (vLLM keeps it, deprecated)
     activation: bool | None = None  # older name of use_activation (vLLM keeps it, deprecated)
     task: PoolingTask | None = None  # set by LLM.embed/classify/score/encode; None: the model's default task
+    # vLLM's: a pooling step keeps no KV cache here, so there is no cached prefix to skip reading.
+    skip_reading_prefix_cache: bool | None = None
+    # vLLM's STEP pooling (process reward models), which tokenmill does not implement: None only.
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         for old in ("softmax", "activation"):
@@ -64,6 +69,11 @@ class PoolingParams:
             value = getattr(self, name)
             _check(value is None or isinstance(value, bool), name, value, "None, True or False")
         _check(self.task is None or self.task in POOLING_TASKS, "task", self.task, f"None or one of {POOLING_TASKS}")
+        _check(self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool),
+               "skip_reading_prefix_cache", self.skip_reading_prefix_cache, "None, True or False")
+        for name in ("step_tag_id", "returned_token_ids"):
+            _check(getattr(self, name) is None, name, getattr(self, name),
+                   "None: STEP pooling (process reward models) is not implemented")
 
     def clone(self, **changes: Any) -> "PoolingParams":
         return replace(self, **changes)

@@ -44,8 +44,35 @@ class PoolerConfig:
     normalize: bool | None = None
     dimensions: int | None = None
     use_activation: bool | None = None
+    # Classifiers: logits calibrated as (logit - logit_mean) / logit_sigma before the activation
+    # (vLLM's Platt scaling), raw outputs included.
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
+    # vLLM 0.26's split of pooling_type: the sequence pooling is pooling_type; token-wise pooling
+    # (token_embed) keeps every token ("ALL"), the only kind tokenmill has.
+    seq_pooling_type: PoolingType | None = None
+    tok_pooling_type: Literal["ALL"] | None = None
+    task: str | None = None  # vLLM's; the runner and the LLM method called decide the task here
+    # vLLM features tokenmill lacks, taken only at their "off" values.
+    enable_chunked_processing: bool = False
+    max_embed_len: int | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.seq_pooling_type is not None:
+            if self.pooling_type is not None and str(self.pooling_type).upper() != str(self.seq_pooling_type).upper():
+                raise ValueError(f"PoolerConfig.pooling_type={self.pooling_type!r} and seq_pooling_type="
+                                 f"{self.seq_pooling_type!r} disagree: set one")
+            object.__setattr__(self, "pooling_type", self.seq_pooling_type)
+            object.__setattr__(self, "seq_pooling_type", None)
+        _refuse_unless_off(self)
+        for name in ("logit_mean", "logit_sigma"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value):
+                raise ValueError(f"PoolerConfig.{name}={value!r} is invalid: must be None or a number")
+        if self.logit_sigma == 0:
+            raise ValueError("PoolerConfig.logit_sigma=0 is invalid: the logits are divided by it")
         if self.pooling_type is not None:
             upper = str(self.pooling_type).upper()
             if upper not in POOLING_TYPES:
@@ -73,10 +100,38 @@ class PoolerConfig:
             return cls(**value)
         raise TypeError(f"{where} must be a PoolerConfig or a dict, got {type(value).__name__}")
 
+    def calibrated(self, logits: "torch.Tensor") -> "torch.Tensor":
+        """A classifier's logits after logit_mean and logit_sigma (unchanged when neither is set)."""
+        if self.logit_mean is not None:
+            logits = logits - self.logit_mean
+        if self.logit_sigma is not None:
+            logits = logits / self.logit_sigma
+        return logits
+
     def merged_over(self, base: "PoolerConfig") -> "PoolerConfig":
         """These settings where set, ``base``'s elsewhere."""
         return PoolerConfig(**{f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
                                for f in fields(self)})
+
+
+# PoolerConfig fields of vLLM's whose features tokenmill lacks: their "off" value, and why.
+_OFF_ONLY: dict[str, tuple[Any, str]] = {
+    "tok_pooling_type": ("ALL", "token-wise pooling keeps every token; STEP pooling (reward models) is not implemented"),
+    "enable_chunked_processing": (False, "inputs longer than max_model_len are refused (or cut with "
+                                         "truncate_prompt_tokens), not embedded in chunks"),
+    "max_embed_len": (None, "an input may be as long as max_model_len"),
+    "step_tag_id": (None, "STEP pooling (process reward models) is not implemented"),
+    "returned_token_ids": (None, "STEP pooling (process reward models) is not implemented"),
+}
+
+
+def _refuse_unless_off(config: PoolerConfig) -> None:
+    for name, (off, why) in _OFF_ONLY.items():
+        value = getattr(config, name)
+        if value is not None and value != off:
+            raise ValueError(f"PoolerConfig.{name}={value!r} is not supported: {why}")
+    if config.task is not None and config.task not in ("embed", "classify", "token_embed"):
+        raise ValueError(f"PoolerConfig.task={config.task!r} is invalid: must be None, 'embed', 'classify' or 'token_embed'")
 
 
 RUNNERS = ("auto", "generate", "pooling")

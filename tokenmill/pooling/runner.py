@@ -172,7 +172,7 @@ class PoolingRunner:
                 if p.task == "embed":
                     out = finish_embeddings(rows, p.dimensions, p.normalize)
                 else:
-                    logits = self.model.classify(rows).float()
+                    logits = self.pooling.pooler.calibrated(self.model.classify(rows).float())
                     activation = self.pooling.score_activation if p.task == "score" else self.pooling.classify_activation
                     assert activation is not None, "the engine accepts score requests only for cross-encoders"
                     out = activate(logits, activation) if p.use_activation else logits
