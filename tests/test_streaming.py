@@ -36,6 +36,35 @@ def test_stream_deltas_join_into_the_generate_output(llm, prompts):
         assert ids == want.outputs[0].token_ids and text == want.outputs[0].text and num_lp == len(ids)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_request_output_add_folds_deltas_into_the_final_output(llm, prompts, flat):
+    """vLLM's RequestOutput.add: DELTA outputs aggregated equal the FINAL_ONLY output (n=2, with
+    logprobs, plain and flat); CUMULATIVE outputs added without aggregating end as the last one."""
+    params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=9, ignore_eos=True, logprobs=2, flat_logprobs=flat)
+    want = llm.generate(as_inputs([prompts[1]]), params, use_tqdm=False)[0]
+    engine = llm.llm_engine
+    folded: dict = {}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        engine.add_request(f"add-{kind.name}", {"prompt_token_ids": prompts[1]}, params.clone(output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in folded:
+                folded[out.request_id].add(out, aggregate=out.request_id == "add-DELTA")
+            else:
+                folded[out.request_id] = out
+    for got in folded.values():
+        assert got.finished
+        assert sorted((c.index, c.token_ids, c.text, c.finish_reason) for c in got.outputs) == \
+            sorted((c.index, c.token_ids, c.text, c.finish_reason) for c in want.outputs)
+        for c in got.outputs:
+            expected = next(w for w in want.outputs if w.index == c.index)
+            assert len(c.logprobs) == len(expected.logprobs) == len(c.token_ids)
+            for mine, theirs in zip(c.logprobs, expected.logprobs):  # two requests in a step, not one: last bits move
+                assert {t: lp.rank for t, lp in mine.items()} == {t: lp.rank for t, lp in theirs.items()}
+                assert [lp.logprob for lp in mine.values()] == pytest.approx([lp.logprob for lp in theirs.values()], abs=1e-5)
+            assert c.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
+
+
 def test_stream_holds_back_text_a_stop_string_may_cut(llm, prompts):
     free = llm.generate(as_inputs([prompts[1]]), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     full = free[0].outputs[0].text

@@ -59,6 +59,28 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
 
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Fold a later output of this request into this one (vLLM's ``add``): with ``aggregate``,
+        a DELTA output's new text, tokens and logprobs extend the completion of the same index;
+        without, its completion replaces that one. A completion seen first is appended."""
+        self.finished |= next_output.finished
+        for new in next_output.outputs:
+            at = next((i for i, old in enumerate(self.outputs) if old.index == new.index), None)
+            if at is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[at] = new
+            else:
+                old = self.outputs[at]
+                old.text += new.text
+                old.token_ids = [*old.token_ids, *new.token_ids]
+                if new.logprobs and old.logprobs is None:
+                    old.logprobs = new.logprobs
+                elif new.logprobs:
+                    old.logprobs.extend(new.logprobs)
+                old.cumulative_logprob = new.cumulative_logprob
+                old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+
 
 @dataclass
 class BeamSearchSequence:
