@@ -203,6 +203,22 @@ def test_metrics_count_tokens_requests_latencies_and_cache_hits(tiny_llama_dir):
     assert aborted["abort"] == 1
 
 
+
+def test_do_log_stats_logs_the_counters_only_when_stats_are_on(llm, tiny_llama_dir, caplog):
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    with caplog.at_level("INFO", logger="tokenmill.engine.engine"):
+        llm.llm_engine.do_log_stats()
+        llm.llm_engine.do_log_stats_with_interval()  # just logged: within the interval, silent
+    lines = [r.getMessage() for r in caplog.records if r.name == "tokenmill.engine.engine"]
+    steps = llm.llm_engine.stats.num_steps
+    assert len(lines) == 1 and lines[0].startswith(f"engine: {steps} steps,") and "KV blocks free" in lines[0]
+    caplog.clear()
+    quiet = LLM(str(tiny_llama_dir), **OPTIONS)  # disable_log_stats defaults to True in LLM, as in vLLM
+    with caplog.at_level("INFO", logger="tokenmill.engine.engine"):
+        quiet.llm_engine.do_log_stats()
+    assert not [r for r in caplog.records if r.name == "tokenmill.engine.engine"]
+
+
 def test_preemptions_are_counted(tiny_llama_dir):
     tight = LLM(str(tiny_llama_dir), disable_log_stats=False, **{**OPTIONS, "kv_cache_memory_bytes": None},
                 num_gpu_blocks_override=12, block_size=4)

@@ -180,6 +180,36 @@ def test_generate_keywords_of_vllm(llm):
         SamplingParams(extra_args=5)
 
 
+def test_llm_engine_add_request_keywords_of_vllm(llm, caplog):
+    """vLLM's LLMEngine.add_request(request_id, prompt, params, arrival_time, lora_request,
+    tokenization_kwargs, trace_headers, priority, prompt_text) -> request_id, and its small controls."""
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    text = "the weather is fine today"
+    ids = tokenizer(text)["input_ids"]
+    assert engine.add_request("kw-1", text, GREEDY, 123.0, None, {"truncation": True, "max_length": 3},
+                              {"traceparent": "00-1-2-01"}, 7) == "kw-1"
+    assert engine.add_request("kw-2", {"prompt_token_ids": ids}, GREEDY, prompt_text=text) == "kw-2"
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert outputs["kw-1"].prompt_token_ids == ids[:3] and outputs["kw-1"].metrics.arrival_time == 123.0
+    assert outputs["kw-2"].prompt == text
+    assert token_ids([outputs["kw-2"]]) == token_ids(llm.generate([text], GREEDY, use_tqdm=False))
+    with pytest.raises(TypeError, match="request_id must be a string, got int"):
+        engine.add_request(5, text, GREEDY)
+    with pytest.raises(ValueError, match="priority=1.5 is invalid"):
+        engine.add_request("kw-3", text, GREEDY, priority=1.5)
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        engine.add_request("kw-3", text, GREEDY, lora_request=object())
+    assert not engine.has_unfinished_requests()
+    assert engine.get_supported_tasks() == ("generate",)
+    assert engine.apply_model(lambda model: type(model).__name__) == ["LlamaForCausalLM"]
+    assert engine.list_loras() == set() and engine.remove_lora(1) is False and engine.reset_encoder_cache() is None
+    with pytest.raises(ValueError, match="tokenmill has no LoRA adapters; merge the adapter"):
+        engine.add_lora(object())
+
+
 def test_reset_prefix_cache_with_running_requests(llm):
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 33)]
     expected = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))

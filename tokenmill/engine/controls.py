@@ -1,5 +1,5 @@
 """The generation engine's controls between steps (vLLM's names): sleep and wake-up, the prefix
-cache, profiling, weight transfer for RL loops and metrics.
+cache, profiling, weight transfer for RL loops, metrics, and LoRA's controls (no adapters here).
 
 Each one that touches device state goes through `Executor.collective_rpc`, so every
 tensor-parallel rank does its part (the `Worker` methods of the same names); the engine keeps
@@ -97,6 +97,23 @@ class EngineControls:
 
     def reset_mm_cache(self) -> None:
         """No multimodal models, so no multimodal cache: nothing to do."""
+
+    def reset_encoder_cache(self) -> None:
+        """No vision encoders, so no encoder cache: nothing to do."""
+
+    # ---- LoRA (vLLM's adapter controls; tokenmill has no adapters) ----------------------------------
+    def add_lora(self, lora_request: Any) -> bool:
+        raise ValueError("add_lora: tokenmill has no LoRA adapters; merge the adapter into the weights "
+                         "(peft's merge_and_unload) and load the merged model")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False  # nothing is loaded, so nothing was removed
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
 
     # ---- profiling --------------------------------------------------------------------------------
     def start_profile(self, profile_prefix: str | None = None) -> None:

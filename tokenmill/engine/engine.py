@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.executor import Executor
@@ -31,7 +31,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step import SchedulerOutput, StepResult
-from tokenmill.inputs import PromptType
+from tokenmill.inputs import PromptType, tokenize_prompts
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from tokenmill.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
+STATS_LOG_INTERVAL_S = 10.0
 
 
 class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight transfer, metrics
@@ -82,6 +83,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         self.metrics = _start_metrics(config)
         self.asleep: set[str] = set()  # "weights" / "kv_cache" while asleep (LLM.sleep)
         self.weight_version = 0  # bumped by update_weights
+        self._last_stats_log = time.monotonic()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -92,25 +94,52 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | BeamSearchParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        prompt_text: str | None = None,
         *,
         index: int | None = None,
-    ) -> None:
-        """Validate and queue one request; a ValueError leaves the engine untouched.
+    ) -> str:
+        """Validate and queue one request; a ValueError leaves the engine untouched. Returns its id.
 
         With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
+        vLLM's keywords: ``arrival_time`` (``time.monotonic()`` seconds) dates the request for its
+        metrics; ``tokenization_kwargs`` go to the tokenizer for a text prompt; ``prompt_text`` is a
+        token prompt's text for its output; ``priority`` is checked and, under first-come-first-served
+        scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request`` must be None.
         """
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.asleep))} freed by sleep()); "
                                "call wake_up() before adding requests")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        if tokenization_kwargs:
+            (prompt,) = tokenize_prompts([prompt], self.tokenizer, tokenization_kwargs)
         request = self.intake.make_request(request_id, prompt, params, index, self.requests)
+        if arrival_time is not None:
+            request.arrival_time = float(arrival_time)
+        if prompt_text is not None and request.prompt is None:
+            request.prompt = prompt_text
         self.requests[request_id] = request
         if self.metrics is not None:
             self.metrics.request_added(request)
         if request.needs_sync:
             self._history_readers.add(request_id)
         self.scheduler.add(request)
+        return request_id
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
+        """Forget these requests (``internal``: vLLM's flag for its own aborts; no difference here)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             request = self.requests.pop(request_id, None)
@@ -204,6 +233,25 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
     ) -> list[Any]:
         """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor."""
         return self.executor.collective_rpc(method, timeout, args, kwargs)
+
+    def do_log_stats(self) -> None:
+        """Log the engine's counters, as vLLM's stat logger does (only with disable_log_stats=False)."""
+        if not self.config.log_stats:
+            return
+        stats = self.stats
+        logger.info("engine: %d steps, %d tokens batched, %d generated, %d requests unfinished, %d of %d KV blocks free",
+                    stats.num_steps, stats.num_batched_tokens, stats.num_generated_tokens, len(self.requests),
+                    self.kv.num_free_blocks, self.kv.num_usable_blocks)
+        self._last_stats_log = time.monotonic()
+
+    def do_log_stats_with_interval(self) -> None:
+        """do_log_stats at most every STATS_LOG_INTERVAL_S seconds (vLLM's default interval)."""
+        if time.monotonic() - self._last_stats_log >= STATS_LOG_INTERVAL_S:
+            self.do_log_stats()
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every tensor-parallel rank's model; one result per rank."""
+        return self.collective_rpc("apply_model", args=(func,))
 
 
 def _start_metrics(config: EngineConfig) -> "EngineMetrics | None":
