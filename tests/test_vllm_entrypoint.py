@@ -148,8 +148,40 @@ def test_chat_has_one_bos_and_takes_template_kwargs(bos_model_dir):
     marked = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={"marker": "sat on"})[0]
     assert marked.prompt.endswith("assistant\nsat on")
     assert marked.prompt_token_ids[: len(output.prompt_token_ids)] == output.prompt_token_ids
-    with pytest.raises(ValueError, match="chat_template_content_format='openai' is not supported"):
-        llm.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="chat_template_content_format='markdown' is invalid"):
+        llm.chat(messages, GREEDY, use_tqdm=False, chat_template_content_format="markdown")
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% set parts = m['content'] %}"
+                  "{% for p in parts %}{{ p['type'][0] }}{{ p['text'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _rendered_by_jinja(template: str, messages: list[dict], bos_token: str) -> str:
+    """The reference render: plain jinja2, the messages given in the form the template expects."""
+    import jinja2
+
+    return jinja2.Environment().from_string(template).render(messages=messages, add_generation_prompt=True, bos_token=bos_token)
+
+
+def test_chat_content_parts_reach_the_template_in_its_format(llm):
+    """vLLM's chat_template_content_format: OpenAI-style content parts are joined into a string for a
+    template that prints the content (most models'), and passed as parts to a template that loops over
+    them ("auto" tells the two apart); image parts are refused by name."""
+    tokenizer = llm.get_tokenizer()
+    parts = [{"role": "system", "content": "be"},
+             {"role": "user", "content": [{"type": "text", "text": "a cat"}, {"type": "input_text", "text": "sat"}]}]
+    as_strings = [{"role": "system", "content": "be"}, {"role": "user", "content": "a cat\nsat"}]
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": "be"}]},
+                {"role": "user", "content": [{"type": "text", "text": "a cat"}, {"type": "text", "text": "sat"}]}]
+    for template, content_format, reference in ((BOS_TEMPLATE, "auto", as_strings), (PARTS_TEMPLATE, "auto", as_parts),
+                                                (BOS_TEMPLATE, "string", as_strings), (PARTS_TEMPLATE, "openai", as_parts)):
+        out = llm.chat(parts, GREEDY, use_tqdm=False, chat_template=template, chat_template_content_format=content_format)[0]
+        assert out.prompt_token_ids == tokenizer.encode(_rendered_by_jinja(template, reference, tokenizer.bos_token),
+                                                             add_special_tokens=False)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\[0\].content\[0\] has type 'image_url': tokenmill serves text-only"):
+        llm.chat(image, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE)
 
 
 def test_generate_keywords_of_vllm(llm):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, Sequence, TypedDict
 
+from tokenmill.chat_content import formatted_messages, resolve_content_format
+
 
 class TextPrompt(TypedDict):
     """A prompt given as text, tokenized by the model's tokenizer (vLLM's ``TextPrompt``)."""
@@ -159,12 +161,14 @@ def render_chat_prompt(
     tools: list[dict] | None = None,
     where: str = "messages",
     chat_template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template.
 
     transformers renders templates in a sandboxed Jinja environment, so a template cannot reach
     Python objects it was not given. ``chat_template_kwargs`` are more variables for the template
-    (e.g. Qwen3's ``enable_thinking``).
+    (e.g. Qwen3's ``enable_thinking``). Contents given as lists of parts reach the template as
+    ``content_format`` says (`tokenmill.chat_content`).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
@@ -181,6 +185,7 @@ def render_chat_prompt(
         raise ValueError(
             "the tokenizer has no chat template; pass chat_template= or use generate() with plain prompts"
         )
+    messages = formatted_messages(messages, resolve_content_format(content_format, template), where)
     ids = tokenizer.apply_chat_template(
         messages,
         chat_template=template,

@@ -360,9 +360,6 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         content_format: str = "auto",
     ) -> list[PromptType]:
         self._refuse_pooling_model("chat")
-        if content_format != "auto":
-            raise ValueError(f"chat_template_content_format={content_format!r} is not supported by tokenmill: "
-                             "supported: 'auto' (message contents reach the template as given)")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -376,7 +373,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         for i, conversation in enumerate(conversations):
             ids = render_chat_prompt(
                 tokenizer, conversation, template, add_generation_prompt, continue_final_message, tools,
-                where=f"messages[{i}]", chat_template_kwargs=chat_template_kwargs,
+                where=f"messages[{i}]", chat_template_kwargs=chat_template_kwargs, content_format=content_format,
             )
             prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
         return prompts

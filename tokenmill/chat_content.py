@@ -1,0 +1,91 @@
+"""Message contents as a chat template expects them (vLLM's ``chat_template_content_format``).
+
+OpenAI-style messages may carry their content as a list of parts
+(``[{"type": "text", "text": "..."}]``). Most models' templates print ``message['content']`` as a
+string, so a list there renders as a Python repr or fails inside Jinja; a few templates loop over
+the parts. vLLM's rule, kept here: ``"string"`` joins a message's text parts with newlines,
+``"openai"`` hands the template a list of ``{"type": "text", "text": ...}`` parts (a string content
+becomes one part), and ``"auto"`` picks ``"openai"`` only for a template that loops over a
+message's content. tokenmill serves text-only models, so image, audio and other parts are refused
+by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+# Part types that carry text, and the key holding it (vLLM's text-like parts).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def resolve_content_format(content_format: str, template: str) -> str:
+    """``"string"`` or ``"openai"`` for this template."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format={content_format!r} is invalid: must be one of {CONTENT_FORMATS}")
+    if content_format != "auto":
+        return content_format
+    return "openai" if template_loops_over_content(template) else "string"
+
+
+def template_loops_over_content(template: str) -> bool:
+    """Whether the template iterates over a message's content (``{% for part in message['content'] %}``,
+    directly or through a variable set from it). A template Jinja cannot parse counts as a string reader."""
+    from jinja2 import Environment, TemplateSyntaxError, nodes
+
+    try:
+        tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError:
+        return False
+    holders: set[str] = set()  # variables assigned some message's content
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and _reads_content(assign.node, holders):
+            holders.add(assign.target.name)
+    return any(_reads_content(loop.iter, holders) for loop in tree.find_all(nodes.For))
+
+
+def _reads_content(node: Any, holders: set[str]) -> bool:
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Filter):  # message['content'] | selectattr(...) and the like
+        return node.node is not None and _reads_content(node.node, holders)
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    return isinstance(node, nodes.Name) and node.name in holders
+
+
+def formatted_messages(messages: list[dict], content_format: str, where: str) -> list[dict]:
+    """Copies of the messages whose list contents are in ``content_format`` ("string" or "openai");
+    messages without a list content, or already in form, are passed through."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content_format == "openai" and isinstance(content, str):
+            out.append({**message, "content": [{"type": "text", "text": content}]})
+        elif isinstance(content, list):
+            texts = [_part_text(part, f"{where}[{i}].content[{j}]") for j, part in enumerate(content)]
+            if content_format == "string":
+                out.append({**message, "content": "\n".join(texts)})
+            else:
+                out.append({**message, "content": [{"type": "text", "text": text} for text in texts]})
+        else:
+            out.append(message)
+    return out
+
+
+def _part_text(part: Any, where: str) -> str:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise ValueError(f"{where} must be a string or a {{'type': 'text', 'text': ...}} part, got {type(part).__name__}")
+    kind = part.get("type")
+    key = _TEXT_PARTS.get(kind)  # type: ignore[arg-type]
+    if key is None:
+        raise ValueError(f"{where} has type {kind!r}: tokenmill serves text-only models, so a message part must be "
+                         f"one of {sorted(_TEXT_PARTS)}")
+    text = part.get(key)
+    if not isinstance(text, str):
+        raise ValueError(f"{where}.{key} must be a string, got {type(text).__name__}")
+    return text
