@@ -359,6 +359,7 @@ def test_aborting_a_beam_search_frees_its_blocks(llama, prompts):
         ({"length_penalty": float("nan")}, "length_penalty", "finite"),
         ({"length_penalty": "long"}, "length_penalty", "a finite number"),
         ({"ignore_eos": "yes"}, "ignore_eos", "True or False"),
+        ({"structured_outputs": {"json": {}}}, "structured_outputs", "beam search under a grammar is not implemented"),
     ],
 )
 def test_bad_beam_search_params_name_the_field(kwargs, field, allowed):

@@ -374,9 +374,16 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the final eos token's text in BeamSearchSequence.text
+    # vLLM 0.26's grammar-constrained beam search, which tokenmill does not do: None only.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
+        _check(self.structured_outputs is None, "structured_outputs", self.structured_outputs,
+               "None: beam search under a grammar is not implemented; use LLM.generate with "
+               "SamplingParams(structured_outputs=...)", owner="BeamSearchParams")
         for name, value in vars(self).items():
+            if name == "structured_outputs":
+                continue
             if name in ("beam_width", "max_tokens"):
                 ok, allowed = _is_int(value) and value >= 1, "an integer >= 1"
             elif name in ("ignore_eos", "include_stop_str_in_output"):
