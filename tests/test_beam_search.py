@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -107,6 +108,54 @@ def test_beams_equal_transformers_beam_search(path_fixture, cases, request, prom
     # Hypotheses finished on eos before the last step, at the length limit, and searches ended by
     # the early-stop heuristic all occurred.
     assert seen["early eos"] >= 3 and seen["length"] >= 3 and seen["early stop"] >= 1, seen
+    assert_cache_released(llm)
+
+
+def grammar_allowed_tokens(tokenizer, vocab_size: int, regex: str, prompt_len: int, eos: int):
+    """transformers' prefix_allowed_tokens_fn for a regex, from xgrammar directly: the tokens its
+    matcher allows after a beam's generated tokens (eos alone once the grammar has ended)."""
+    import xgrammar
+
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)).compile_regex(regex)
+
+    def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        for token in input_ids[prompt_len:].tolist():
+            assert matcher.accept_token(token)
+        if matcher.is_terminated():
+            return [eos]
+        mask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        bits = ((mask[0, :, None] >> torch.arange(32)) & 1).reshape(-1)[:vocab_size]
+        return bits.nonzero().flatten().tolist()
+
+    return allowed
+
+
+@pytest.mark.parametrize("regex, width, length_penalty", [("(ab|b[ac]|c)+d?", 3, 1.0), ("[a-c]{2,4}|de", 2, 0.5)])
+def test_beams_under_a_grammar_equal_transformers_with_allowed_tokens(tiny_llama_dir, prompts, regex, width, length_penalty):
+    """vLLM 0.26's BeamSearchParams(structured_outputs=...): every step's candidates are the best
+    tokens the grammar allows, scored by raw logprobs, as transformers' beam search with a
+    prefix_allowed_tokens_fn (built from xgrammar, not from tokenmill) finds them."""
+    from tokenmill import StructuredOutputsParams
+
+    llm = make_llm(tiny_llama_dir)
+    (eos,) = llm.llm_engine.config.eos_token_ids
+    tokenizer, vocab_size = llm.get_tokenizer(), llm.llm_engine.config.vocab_size
+    params = BeamSearchParams(width, MAX_TOKENS, length_penalty=length_penalty,
+                              structured_outputs=StructuredOutputsParams(regex=regex))
+    ended = 0
+    for prompt, output in zip(prompts, run(llm, prompts, params)):
+        allowed = grammar_allowed_tokens(tokenizer, vocab_size, regex, len(prompt), eos)
+        reference = hf_beam_search(hf_model(str(tiny_llama_dir)), prompt, width, MAX_TOKENS, length_penalty,
+                                   prefix_allowed_tokens_fn=allowed)
+        assert_matches_hf(output, prompt, reference, length_penalty)
+        for beam in output.sequences:
+            allowed(0, torch.tensor(beam.tokens))  # xgrammar accepts every generated token
+            if beam.finish_reason == "stop":
+                ended += 1
+                assert re.fullmatch(regex, tokenizer.decode(beam.tokens[len(prompt):], skip_special_tokens=True))
+    assert ended >= 1  # some beam completed its grammar and ended on eos
     assert_cache_released(llm)
 
 
@@ -359,7 +408,7 @@ def test_aborting_a_beam_search_frees_its_blocks(llama, prompts):
         ({"length_penalty": float("nan")}, "length_penalty", "finite"),
         ({"length_penalty": "long"}, "length_penalty", "a finite number"),
         ({"ignore_eos": "yes"}, "ignore_eos", "True or False"),
-        ({"structured_outputs": {"json": {}}}, "structured_outputs", "beam search under a grammar is not implemented"),
+        ({"structured_outputs": {"json": {}}}, "structured_outputs", "None or a StructuredOutputsParams"),
     ],
 )
 def test_bad_beam_search_params_name_the_field(kwargs, field, allowed):

@@ -374,13 +374,16 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the final eos token's text in BeamSearchSequence.text
-    # vLLM 0.26's grammar-constrained beam search, which tokenmill does not do: None only.
-    structured_outputs: Any = None
+    # A grammar every beam follows: each step's candidates are the best tokens it allows, scored
+    # by their raw log-probabilities (transformers' beam search with a prefix_allowed_tokens_fn).
+    structured_outputs: "StructuredOutputsParams | None" = None
 
     def __post_init__(self) -> None:
-        _check(self.structured_outputs is None, "structured_outputs", self.structured_outputs,
-               "None: beam search under a grammar is not implemented; use LLM.generate with "
-               "SamplingParams(structured_outputs=...)", owner="BeamSearchParams")
+        if self.structured_outputs is not None:
+            from tokenmill.structured_outputs import StructuredOutputsParams
+
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   self.structured_outputs, "None or a StructuredOutputsParams", owner="BeamSearchParams")
         for name, value in vars(self).items():
             if name == "structured_outputs":
                 continue

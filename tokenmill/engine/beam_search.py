@@ -16,6 +16,10 @@ step of transformers' algorithm (``num_beams=beam_width``, ``do_sample=False``,
 4. the search ends at the length limit, or when the best live beam, scored at its current length,
    can no longer beat the worst of ``width`` finished hypotheses (transformers' heuristic).
 
+Under a grammar (``BeamSearchParams.structured_outputs``) a beam's top-K are the best tokens its
+matcher allows, with their raw log-probabilities (transformers with a ``prefix_allowed_tokens_fn``);
+a fork takes a fork of its parent's matcher, and each beam's matcher accepts the token it continues with.
+
 A parent that continues with one token keeps its sequence and blocks. Each extra token forks a new
 sequence that, when admitted, takes references on the parent's full KV blocks and recomputes only
 the parent's partial last block plus its new token (see `Scheduler._shareable_prefix`). A parent
@@ -67,6 +71,7 @@ def beam_sampling_params(params: BeamSearchParams, num_eos_ids: int) -> Sampling
         logprobs=candidates_per_step(params.beam_width, eos_ids),
         detokenize=False,  # only the final beams are decoded
         output_kind=RequestOutputKind.FINAL_ONLY,
+        structured_outputs=params.structured_outputs,  # the first beam's matcher; forks fork it
     )
 
 
@@ -104,7 +109,11 @@ class BeamSearch:
 
     # ---- engine interface -----------------------------------------------------------------
     def report(self, seq: "Sequence", token_ids: list[int], logprobs: list[float]) -> None:
-        self._reports[seq.seq_id] = (token_ids[: self.num_candidates], logprobs[: self.num_candidates])
+        token_ids, logprobs = token_ids[: self.num_candidates], logprobs[: self.num_candidates]
+        if seq.grammar is not None:  # ranked among the allowed tokens: fewer than K leaves -inf ones, impossible
+            kept = [i for i, lp in enumerate(logprobs) if lp != float("-inf")]
+            token_ids, logprobs = [token_ids[i] for i in kept], [logprobs[i] for i in kept]
+        self._reports[seq.seq_id] = (token_ids, logprobs)
         seq.on_hold = True
 
     def ready(self, beams: list["Sequence"]) -> bool:
@@ -130,6 +139,8 @@ class BeamSearch:
                 child.output_token_ids = list(parent.output_token_ids)
                 child.logprobs = list(parent.logprobs)
                 child.fork_parent = parent
+                if parent.grammar is not None:  # the parent's state, before the parent takes its own token
+                    child.grammar = parent.grammar.fork()
                 forks.append(child)
             else:
                 child = parent
@@ -140,6 +151,8 @@ class BeamSearch:
             if beam.seq_id not in kept:
                 host.finish(beam)
         for child, cand in continuing:
+            if child.grammar is not None:
+                child.grammar.accept_token(cand.token)  # the grammar allowed it: it was a candidate
             child.output_token_ids.append(cand.token)
             child.logprobs.append(entries[cand.parent.seq_id])
             child.cumulative_logprob = cand.cumulative_logprob

@@ -161,6 +161,11 @@ class Request(Generic[ParamsT]):
         return self.beam is not None or params.reads_output_history
 
     @property
+    def ranks_within_grammar(self) -> bool:
+        """A beam search under a grammar: its beams' candidates are the best tokens the grammar allows."""
+        return self.beam is not None and self.beam.params.structured_outputs is not None
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and some prompt position has none yet (a preempted lead recomputes)."""
         done = len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0

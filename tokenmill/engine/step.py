@@ -34,6 +34,9 @@ class StepRequest(Protocol):
     @property
     def sampler_needs(self) -> int: ...  # SamplerNeeds bits of its params (see SamplingParams.sampler_needs)
 
+    @property
+    def ranks_within_grammar(self) -> bool: ...  # its top logprobs are the best tokens its grammar allows
+
 
 class StepSequence(Protocol):
     """The sequence fields the runner reads: its tokens, its blocks and its sampling settings."""

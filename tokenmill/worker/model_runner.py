@@ -379,6 +379,9 @@ class ModelRunner:
         if self.grammars is not None and any(s.grammar is not None for s in seqs):
             batch.grammar_bitmask = self.grammars.bitmask([s.grammar for s in seqs])
             batch.apply_grammar = self.grammars.apply
+            within = [s.request.ranks_within_grammar for s in seqs]
+            if any(within):
+                batch.rank_within_grammar = self._tensor(within, torch.bool)
         return batch
 
     def _draw_keys(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,7 +409,7 @@ class ModelRunner:
 
 
 # The dtypes of the step tensors built from Python lists (``ModelRunner._tensor``, ``_columns``).
-_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

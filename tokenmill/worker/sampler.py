@@ -66,6 +66,9 @@ class SamplingBatch:
     # Structured outputs: xgrammar's packed allowed-token bitmask and the function applying it.
     grammar_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32
     apply_grammar: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    # Rows whose top logprobs are ranked among the tokens their grammar allows (beam search under a
+    # grammar; the values stay the raw logprobs): [N] bool, None when no row is one.
+    rank_within_grammar: torch.Tensor | None = None
 
     @property
     def filters(self) -> Filters | None:
@@ -100,7 +103,11 @@ class Sampler:
             token_ids = self._sample_on_gpu(logits, batch, state)
         else:
             token_ids = self._sample_on_cpu(logits, batch, state)
-        output = self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs)
+        ranked = raw_logprobs
+        if batch.rank_within_grammar is not None and raw_logprobs is not None:
+            # logits hold -inf where the grammar forbids (a beam row has no other bans).
+            ranked = raw_logprobs.masked_fill(batch.rank_within_grammar[:, None] & (logits == float("-inf")), float("-inf"))
+        output = self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, ranked)
         if batch.logprob_ids is not None:
             assert raw_logprobs is not None, "rows with logprob_token_ids count as rows wanting logprobs"
             output.requested_logprobs = batch.logprob_ids[0].gather(raw_logprobs, batch.logprob_ids[1])
@@ -173,12 +180,15 @@ class Sampler:
         return _exponential_race(logits, temperature, batch.draw_keys, batch.draw_counters)
 
     @staticmethod
-    def _with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int) -> SamplerOutput:
+    def _with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int,
+                       ranked: torch.Tensor | None = None) -> SamplerOutput:
+        """The sampled tokens' logprobs and ranks, and the top ``k`` of ``ranked`` (the logprobs, or
+        them with some rows' forbidden tokens at -inf)."""
         if logprobs is None:
             return SamplerOutput(token_ids)
         sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
         ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
-        top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        top_logprobs, top_ids = (logprobs if ranked is None else ranked).topk(k, dim=-1) if k > 0 else (None, None)
         return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
 
 
