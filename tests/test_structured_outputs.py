@@ -71,14 +71,28 @@ def test_grammar_and_older_guided_decoding_spelling(tiny):
 
 
 def test_each_distinct_constraint_compiles_once(tiny):
-    compiled = []
+    sizes = []
     for _ in range(2):
         for schema in SCHEMAS[:2]:
             constrained(tiny, ["a"], StructuredOutputsParams(json=dict(schema)), max_tokens=60)
-        compiled.append(dict(tiny.llm_engine.intake.grammars._compiled))
-    first, second = compiled
-    assert first.keys() == second.keys() and all(first[k] is second[k] for k in first)
-    assert all(StructuredOutputsParams(json=s).key in first for s in SCHEMAS[:2])
+        sizes.append(tiny.llm_engine.intake.grammars.cache_size_bytes())
+    assert sizes[0] > 0 and sizes[1] == sizes[0]  # the second round compiled nothing new
+
+
+def test_compiled_grammars_are_kept_within_a_bound(tiny):
+    """A job whose rows bring distinct schemas must not keep every compiled grammar: the cache
+    evicts the least recently used beyond its byte limit, and an evicted constraint recompiles."""
+    from tokenmill.structured_outputs import GrammarCache
+
+    limit = 200_000
+    cache = GrammarCache(tiny.get_tokenizer(), tiny.llm_engine.config.vocab_size, cache_limit_bytes=limit)
+    schemas = [{"type": "object", "properties": {f"field{i}": {"type": "string"}}, "required": [f"field{i}"]}
+               for i in range(40)]
+    for schema in schemas:
+        cache.matcher(StructuredOutputsParams(json=schema))
+    assert 0 < cache.cache_size_bytes() <= limit
+    matcher = cache.matcher(StructuredOutputsParams(json=schemas[0]))  # evicted long ago: compiled again
+    assert matcher.accept_string('{"field0": "x"}') and matcher.is_completed()  # xgrammar's compact form
 
 
 def test_a_constraint_that_does_not_compile_names_its_request_and_the_reason(tiny):

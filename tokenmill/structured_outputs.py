@@ -52,26 +52,32 @@ class StructuredOutputsParams:
 # vLLM's older spelling.
 GuidedDecodingParams = StructuredOutputsParams
 
+# The compiled grammars an engine keeps: thousands of distinct constraints.
+GRAMMAR_CACHE_BYTES = 512 * 2**20
+
 
 class GrammarCache:
-    """One xgrammar compiler per engine and one compiled grammar per distinct constraint."""
+    """One xgrammar compiler per engine; its cache keeps the compiled grammars of recent constraints.
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    The cache is bounded (least recently used out first): a job whose rows each bring their own
+    JSON schema would otherwise keep every compiled grammar for its whole run (~45 KB each at a
+    49K vocabulary, more at larger ones). A repeated constraint is a cache hit (microseconds).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_limit_bytes: int = GRAMMAR_CACHE_BYTES):
         import xgrammar
 
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_limit_bytes=cache_limit_bytes)
         self.vocab_size = vocab_size
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A fresh matcher for one sequence; ValueError with the compiler's message if it fails."""
-        key = params.key
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._compile(params)
-        return self._xgr.GrammarMatcher(compiled)
+        return self._xgr.GrammarMatcher(self._compile(params))
+
+    def cache_size_bytes(self) -> int:
+        return int(self._compiler.get_cache_size_bytes())
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         kind, spec = params.key
