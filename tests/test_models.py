@@ -293,3 +293,40 @@ def test_bf16_model_runs(tiny_qwen3_dir: Path, hf_reference, paged_cache) -> Non
     assert ours.dtype == torch.bfloat16  # logits stay in the model dtype; the sampler upcasts where it computes
     assert (ours.float() - ref).abs().max() < 0.1 * ref.abs().max()
 
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral_dir(tiny_mistral_dir, tmp_path_factory) -> Path:
+    """The tiny Mistral with a 24-token sliding window, shorter than its positions."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("windowed") / "mistral"
+    shutil.copytree(tiny_mistral_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sliding_window"] = 24
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_sliding_window_limits_max_model_len_and_keeps_outputs_exact(windowed_mistral_dir, caplog):
+    """tokenmill attends fully, so a windowed model defaults to max_model_len = its window, where
+    transformers' windowed attention gives the same tokens; a longer max_model_len asked for is
+    taken with a warning; with disable_sliding_window=True (vLLM: full attention, capped) refused."""
+    from reference import hf_greedy, hf_model
+    from tokenmill import LLM, SamplingParams
+
+    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)
+    llm = LLM(str(windowed_mistral_dir), **options)
+    assert llm.llm_engine.config.max_model_len == 24
+    prompt = _tokens(14, llm.llm_engine.config.vocab_size, seed=3)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"  # stopped at the window
+    assert out.token_ids == hf_greedy(hf_model(str(windowed_mistral_dir)), prompt, 10)[0]
+    with caplog.at_level("WARNING", logger="tokenmill.config"):
+        longer = LLM(str(windowed_mistral_dir), max_model_len=40, **options)
+    assert longer.llm_engine.config.max_model_len == 40
+    assert any("sliding window of 24 tokens" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"max_model_len=40 is larger than the model's sliding_window \(24\)"):
+        LLM(str(windowed_mistral_dir), max_model_len=40, disable_sliding_window=True, **options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from tokenmill.profiler import ProfilerConfig
     from tokenmill.quantization.config import QuantizationConfig
 
+logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as
@@ -132,6 +134,10 @@ class EngineArgs(_VllmOnlyArguments):
     # Every request's logits a function of its own tokens only, bit for bit, whatever else is in the
     # batch, chunking or prefix-cache hits (batch-invariant kernels; docs/batch.md says what it costs).
     deterministic: bool = False
+    # tokenmill attends to the whole sequence, so for a model with a sliding window max_model_len
+    # defaults to the window (outputs exact); True (vLLM: attend fully, cap at the window) also
+    # refuses a longer max_model_len. See `window_limited_max_len`.
+    disable_sliding_window: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -325,6 +331,38 @@ def model_max_len(hf_config: Any) -> int:
     return 2048
 
 
+def model_sliding_window(hf_config: Any) -> int | None:
+    """The model's attention window, if it has one (Qwen2's configs carry a window they use only
+    with use_sliding_window=True)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    return None if getattr(hf_config, "use_sliding_window", True) is False else window
+
+
+def window_limited_max_len(max_model_len: int, args: EngineArgs, hf_config: Any) -> int:
+    """max_model_len for a model with a sliding window, which tokenmill does not implement (every
+    token attends to the whole sequence). Within the window the two are the same, so by default
+    max_model_len stops there and outputs stay exact; a longer max_model_len asked for is taken,
+    with a warning that past the window attention is full; with disable_sliding_window (vLLM's
+    switch for full attention, which caps at the window) it is refused."""
+    window = model_sliding_window(hf_config)
+    if window is None or max_model_len <= window:
+        return max_model_len
+    if args.max_model_len is None:
+        logger.info("the model attends within a sliding window of %d tokens, which tokenmill does not implement: "
+                    "max_model_len=%d keeps its outputs exact (a larger max_model_len attends fully past it)",
+                    window, window)
+        return window
+    if args.disable_sliding_window:
+        raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's sliding_window ({window}), which "
+                         f"disable_sliding_window=True caps it at; use max_model_len <= {window}")
+    logger.warning("the model attends within a sliding window of %d tokens, which tokenmill does not implement: with "
+                   "max_model_len=%d, tokens past position %d attend to the whole sequence and their outputs differ from "
+                   "the model's (max_model_len <= %d is exact)", window, max_model_len, window, window)
+    return max_model_len
+
+
 def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     """The settings the engine runs with, for this model: generation, or a pooling model's
     (whole-prompt steps: every prompt must fit one step's token budget)."""
@@ -367,6 +405,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
             f"max_model_len={max_model_len} is larger than the model's max_position_embeddings ({limit}); "
             f"use max_model_len <= {limit}"
         )
+    max_model_len = window_limited_max_len(max_model_len, args, hf_config)
     seqs, batched = _default_batch_limits(device)
     max_num_seqs = args.max_num_seqs or seqs
     dtype = resolve_dtype(args.dtype, device, hf_config)

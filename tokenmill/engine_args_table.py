@@ -191,7 +191,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "disable_hybrid_kv_cache_manager": inert(None, "tokenmill has one KV cache layout"),
     "async_scheduling": ours(),
     "stream_interval": inert(1, "LLM.stream yields after every step"),
-    "disable_sliding_window": inert(False, "attention is always full (a model with a sliding window warns when loaded)"),
+    "disable_sliding_window": ours(False),
     "disable_cascade_attn": inert(True, _TUNING),
     "preemption_mode": only(None, _OLD + "preempted sequences are recomputed", "recompute"),
     "num_scheduler_steps": inert(1, _OLD + _TUNING),

@@ -12,7 +12,6 @@ sequences; the attention metadata in ``ctx`` says which tokens belong to which s
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from tokenmill.quantization.fp8 import QuantizedActivation
     from tokenmill.quantization.config import QuantizationConfig
 
-logger = logging.getLogger(__name__)
 
 # (stacked parameter, HF name part, shard id): HF stores these projections separately.
 STACKED = (
@@ -190,13 +188,6 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads: int = first.num_heads
         self.num_kv_heads: int = first.num_kv_heads
         self.head_dim: int = first.head_dim
-        self.sliding_window: int | None = _sliding_window(config)
-        if self.sliding_window is not None and self.sliding_window < config.max_position_embeddings:
-            logger.warning(
-                "%s: sliding_window=%d is not implemented; attention is full, so outputs for sequences longer "
-                "than %d tokens differ from the reference. Cap max_model_len at %d for exact results.",
-                type(self).__name__, self.sliding_window, self.sliding_window, self.sliding_window,
-            )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""
@@ -224,16 +215,8 @@ class LlamaForCausalLM(nn.Module):
         return hf_weight_names(self, STACKED)
 
 
-def _sliding_window(config: "PretrainedConfig") -> int | None:
-    window = getattr(config, "sliding_window", None)
-    # Qwen2 configs carry a window but only use it with use_sliding_window=True.
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama block without biases (sliding window: see the warning in __init__)."""
+    """Mistral: the Llama block without biases (a sliding window limits max_model_len: config.py)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
