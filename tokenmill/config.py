@@ -138,6 +138,9 @@ class EngineArgs(_VllmOnlyArguments):
     # defaults to the window (outputs exact); True (vLLM: attend fully, cap at the window) also
     # refuses a longer max_model_len. See `window_limited_max_len`.
     disable_sliding_window: bool = False
+    # vLLM V1's batch-level logits processors: classes (or "module:Class" names) implementing
+    # tokenmill.logits_processor.LogitsProcessor, built once and applied to every step's logits.
+    logits_processors: list[Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -277,6 +280,8 @@ class EngineConfig:
     # How a pooling model pools (tokenmill/pooling/); None: a generative model.
     pooling: "PoolingModelConfig | None" = None
     deterministic: bool = False  # batch-invariant kernels (tokenmill/kernels/batch_invariant.py)
+    # LLM(logits_processors=...): the classes rank 0's runner builds (tokenmill/logits_processor.py).
+    logits_processors: tuple[type, ...] = ()
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -376,6 +381,8 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         raise ValueError(f"LLM(cpu_offload_gb={args.cpu_offload_gb}) is for generative models; {source.name!r} is a pooling model")
     if args.deterministic:
         raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
+    if config.logits_processors:
+        raise ValueError(f"LLM(logits_processors=...) is for generative models; {source.name!r} is a pooling model")
     max_model_len, batched, seqs = pooling.step_limits(
         config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
         max_model_len_given=args.max_model_len is not None, batched_given=args.max_num_batched_tokens is not None,
@@ -387,6 +394,8 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
 
 def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     import torch
+
+    from tokenmill.logits_processor import load_logits_processor_classes
 
     from tokenmill.quantization.config import resolve_quantization
 
@@ -450,6 +459,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         worker_extension_cls=args.worker_extension_cls,
         quantization=quantization,
         deterministic=args.deterministic,
+        logits_processors=tuple(load_logits_processor_classes(args.logits_processors or ())),
     )
 
 

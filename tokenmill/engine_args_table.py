@@ -133,7 +133,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "max_logprobs": ours(20),
     "logprobs_mode": only("raw_logprobs", "logprobs are the model's raw log-probabilities (vLLM's default)"),
     "use_fp64_gumbel": inert(False, "draws are exponential races on Philox noise (docs/architecture.md), not Gumbel noise"),
-    "logits_processors": only(None, "per-request SamplingParams(logits_processors=[...]) functions"),
+    "logits_processors": ours(),
     "io_processor_plugin": only(None, "prompts and outputs are text or token ids; there are no IO processor plugins"),
     "tokens_only": only(False, "the engine detokenizes; skip_tokenizer_init=True runs on token ids alone"),
     "reasoning_parser": only("", "tokenmill has no reasoning parsers"),

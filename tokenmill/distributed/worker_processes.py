@@ -13,6 +13,7 @@ Failure handling, in one place:
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import pickle
 import subprocess
@@ -65,8 +66,11 @@ class WorkerProcesses:
         self._finalizer = weakref.finalize(self, _stop_workers, self._shared)
         try:
             store = create_store(self.world_size)
+            # Only rank 0 samples, so only it builds logits processors (a class defined in the user's
+            # __main__ could not be unpickled in a worker anyway).
+            worker_config = dataclasses.replace(config, logits_processors=())
             for rank in range(1, self.world_size):
-                self._start(WorkerSetup(rank, config, source, load_format, store.port, num_threads, list(sys.path)))
+                self._start(WorkerSetup(rank, worker_config, source, load_format, store.port, num_threads, list(sys.path)))
             # Rank 0 joins last: joining blocks until every rank has, so a worker that failed
             # first must be noticed here, not after the collective timeout.
             self._receive_all("start-up", lambda message: isinstance(message, (Joining, Reply)))

@@ -161,7 +161,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
 
         With asynchronous scheduling the outputs are those of the step launched by the previous call.
         """
-        overlap = self.config.async_scheduling and not self._history_readers
+        # Logits processors read each row's output list, complete only when steps run one at a time.
+        overlap = self.config.async_scheduling and not self._history_readers and not self.config.logits_processors
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and not overlap:
             outputs += self._read_back(self._take_in_flight(), finished_only)

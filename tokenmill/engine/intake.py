@@ -55,6 +55,11 @@ class Intake:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if beam_params is None:
             self._check_logprobs(params, where)
+        for processor in self.config.logits_processors:  # vLLM's validate_params, where a class has it
+            try:
+                getattr(processor, "validate_params", lambda params: None)(params)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {processor.__name__} refuses its SamplingParams: {exc}") from exc
         config = self.config
         processed = parse_prompt(prompt, self.tokenizer, index)
         if params.truncate_prompt_tokens is not None:

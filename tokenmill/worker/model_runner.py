@@ -14,7 +14,7 @@ import logging
 import operator
 import random
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, step_rows
+
+if TYPE_CHECKING:
+    from tokenmill.logits_processor import BatchLogitsProcessors
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.grammars = None  # the engine's GrammarCache once a structured request arrives
+        self.logits_processors: BatchLogitsProcessors | None = None  # LLM(logits_processors=...), on rank 0
         self._pin = device.type == "cuda"
         # The previous step's sampled ids, left on the device: a sequence whose newest token is
         # still in flight reads its next input from here (row given by seq_id).
@@ -382,6 +386,9 @@ class ModelRunner:
             within = [s.request.ranks_within_grammar for s in seqs]
             if any(within):
                 batch.rank_within_grammar = self._tensor(within, torch.bool)
+        if self.logits_processors is not None:
+            self.logits_processors.update(seqs)
+            batch.batch_processors = self.logits_processors.apply
         return batch
 
     def _draw_keys(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:

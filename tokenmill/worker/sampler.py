@@ -69,6 +69,8 @@ class SamplingBatch:
     # Rows whose top logprobs are ranked among the tokens their grammar allows (beam search under a
     # grammar; the values stay the raw logprobs): [N] bool, None when no row is one.
     rank_within_grammar: torch.Tensor | None = None
+    # LLM(logits_processors=...): their apply, on the float32 logits of every row.
+    batch_processors: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def filters(self) -> Filters | None:
@@ -80,7 +82,7 @@ class Sampler:
         """logits: [N, V] in the model's dtype (the step's own: bans are applied to them in place)."""
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if batch.max_num_logprobs >= 0 else None
         state = batch.state
-        if batch.grammar_bitmask is not None or batch.processors:
+        if batch.grammar_bitmask is not None or batch.processors or batch.batch_processors:
             # Structured outputs and Python processors see float32 logits with the controls before
             # them applied, in vLLM's order; the kernels then add only the penalties.
             logits = logits.float()
@@ -97,6 +99,8 @@ class Sampler:
                 takes_prompt = len(inspect.signature(fn).parameters) == 3
                 args = (prompt_ids, list(output_ids), logits[row]) if takes_prompt else (list(output_ids), logits[row])
                 logits[row] = fn(*args)
+        if batch.batch_processors is not None:
+            logits = batch.batch_processors(logits)
         if batch.banned is not None:
             logits[batch.banned[0], batch.banned[1]] = float("-inf")
         if logits.is_cuda:

@@ -74,6 +74,11 @@ class Worker:
             # forwards on two streams would race for cpu_offload_gb's staging buffers.
             overlap=Overlap.from_env() if self.tp_size == 1 and self.offloader is None else Overlap(),
         )
+        if config.logits_processors and rank == 0:  # rank 0 samples
+            from tokenmill.logits_processor import BatchLogitsProcessors
+
+            self.runner.logits_processors = BatchLogitsProcessors(
+                config.logits_processors, self.config, self.device, self.device.type == "cuda")
         # Before the profiling forward, so no kernel variant is first compiled in the middle of a run.
         self.runner.precompile_kernels(config.max_model_len)
         self.num_blocks = 0
