@@ -145,7 +145,7 @@ class PoolingEngine:
         for request, data in zip(batch, results):
             if live.get(request.request_id) is request:
                 del live[request.request_id]
-                outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, True))
+                outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, 0, True))
         return outputs
 
     def _forget(self, batch: list[PoolingRequest]) -> None:

@@ -221,5 +221,6 @@ def embedding_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> Scoring
         request_id=f"{a.request_id}_{b.request_id}",
         outputs=ScoringOutput(float(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))),
         prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids,
+        num_cached_tokens=0,
         finished=True,
     )
