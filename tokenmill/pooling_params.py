@@ -2,9 +2,11 @@
 
 One object serves every pooling task; which fields apply depends on the task:
 
-    embed, token_embed   dimensions (Matryoshka truncation), use_activation (L2 normalisation,
-                         default True; ``normalize`` is its name before vLLM 0.26)
-    classify, score      use_activation (softmax / sigmoid on the logits, default True)
+    embed, token_embed        dimensions (Matryoshka truncation), use_activation (L2 normalisation,
+                              default True; ``normalize`` is its name before vLLM 0.26)
+    classify, token_classify  use_activation (softmax / sigmoid on the logits, default True)
+    score                     as classify (tokenmill's name for a cross-encoder's pair scores;
+                              vLLM 0.26 runs them as "classify")
 
 Fields left None take the model's defaults (its pooler config, then vLLM's), filled in by
 `resolved`, which the engine calls once per request; the user's object is never modified.
@@ -21,14 +23,15 @@ from tokenmill.param_checks import check, is_int as _is_int
 if TYPE_CHECKING:
     from tokenmill.pooling.config import PoolerConfig
 
-PoolingTask = Literal["embed", "token_embed", "classify", "score"]
-POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "score")
+PoolingTask = Literal["embed", "token_embed", "classify", "token_classify", "score"]
+POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "token_classify", "score")
 _check = functools.partial(check, owner="PoolingParams")
 # Which optional fields each task accepts (vLLM's valid_parameters).
 _TASK_FIELDS = {
     "embed": ("dimensions", "normalize", "use_activation"),
     "token_embed": ("dimensions", "normalize", "use_activation"),
     "classify": ("use_activation",),
+    "token_classify": ("use_activation",),
     "score": ("use_activation",),
 }
 _TASK_SPECIFIC = ("dimensions", "normalize", "use_activation")
