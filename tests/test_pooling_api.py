@@ -35,7 +35,7 @@ def engines_left_clean(request):
 def test_generation_on_a_pooling_model_names_the_pooling_methods(bert_embedder_llm, bert_classifier_llm):
     with pytest.raises(ValueError, match=r"LLM.generate\(\) needs a generative model.*use LLM.embed\(\)"):
         bert_embedder_llm.generate("the cat")
-    with pytest.raises(ValueError, match=r"LLM.chat\(\) needs a generative model.*is a pooling model: use LLM.classify\(\)$"):
+    with pytest.raises(ValueError, match=r"LLM.chat\(\) needs a generative model.*is a pooling model: use LLM.classify\(\) or LLM.encode\(pooling_task='token_classify'\)$"):
         bert_classifier_llm.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match=r"pooling model: use LLM.embed\(\)"):
         bert_embedder_llm.llm_engine.add_request("r1", "the cat", SamplingParams())

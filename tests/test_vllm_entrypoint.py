@@ -283,7 +283,7 @@ def test_pooling_output_equality():
     assert PoolingOutput(data) != PoolingOutput(data + 1)
     assert PoolingOutput(data) != PoolingOutput(data[:2])
     assert PoolingOutput(data) != data
-    assert PoolingRequestOutput("0", PoolingOutput(data), [1, 2], True) == PoolingRequestOutput("0", PoolingOutput(data.clone()), [1, 2], True)
+    assert PoolingRequestOutput("0", PoolingOutput(data), [1, 2], 0, True) == PoolingRequestOutput("0", PoolingOutput(data.clone()), [1, 2], 0, True)
 
 
 def test_engine_arguments_with_an_effect(tiny_llama_dir):

@@ -48,6 +48,11 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         return cls(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
 
     # ---- information ----------------------------------------------------------------------
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's LLM.supported_tasks: ("generate",), or the pooling tasks of a pooling model."""
+        return self.llm_engine.get_supported_tasks()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

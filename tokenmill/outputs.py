@@ -124,11 +124,14 @@ class PoolingOutput:
 
 @dataclass
 class PoolingRequestOutput:
+    """vLLM's fields in vLLM 0.26's order, so that positional construction
+    (request_id, outputs, prompt_token_ids, num_cached_tokens, finished) means the same."""
+
     request_id: str
     outputs: PoolingOutput
     prompt_token_ids: list[int]
+    num_cached_tokens: int  # always 0: a pooling step keeps no prefix cache
     finished: bool
-    num_cached_tokens: int = 0
 
 
 def _one_vector(output: PoolingOutput, what: str) -> list[float]:
@@ -184,7 +187,7 @@ class _TypedPoolingRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> Any:
         return cls(output.request_id, cls.output_type.from_base(output.outputs), output.prompt_token_ids,
-                   output.finished, output.num_cached_tokens)
+                   output.num_cached_tokens, output.finished)
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 One object serves every pooling task; which fields apply depends on the task:
 
-    embed, token_embed   dimensions (Matryoshka truncation), use_activation (L2 normalisation,
-                         default True; ``normalize`` is its name before vLLM 0.26)
-    classify, score      use_activation (softmax / sigmoid on the logits, default True)
+    embed, token_embed        dimensions (Matryoshka truncation), use_activation (L2 normalisation,
+                              default True; ``normalize`` is its name before vLLM 0.26)
+    classify, token_classify  use_activation (softmax / sigmoid on the logits, default True)
+    score                     as classify (tokenmill's name for a cross-encoder's pair scores;
+                              vLLM 0.26 runs them as "classify")
 
 Fields left None take the model's defaults (its pooler config, then vLLM's), filled in by
 `resolved`, which the engine calls once per request; the user's object is never modified.
@@ -17,21 +19,26 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenmill.param_checks import check, is_int as _is_int
+from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from tokenmill.pooling.config import PoolerConfig
 
-PoolingTask = Literal["embed", "token_embed", "classify", "score"]
-POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "score")
+PoolingTask = Literal["embed", "token_embed", "classify", "token_classify", "score"]
+POOLING_TASKS: tuple[str, ...] = ("embed", "token_embed", "classify", "token_classify", "score")
 _check = functools.partial(check, owner="PoolingParams")
 # Which optional fields each task accepts (vLLM's valid_parameters).
 _TASK_FIELDS = {
     "embed": ("dimensions", "normalize", "use_activation"),
     "token_embed": ("dimensions", "normalize", "use_activation"),
     "classify": ("use_activation",),
+    "token_classify": ("use_activation",),
     "score": ("use_activation",),
 }
 _TASK_SPECIFIC = ("dimensions", "normalize", "use_activation")
+EXTRA_KWARGS = ("max_tokens_per_query", "max_tokens_per_doc")  # the extra_kwargs LLM.score reads (vLLM's)
+# vLLM's fields for its engine's use, not set from batch rows or the command line.
+_INTERNAL = {"task", "requires_token_ids", "late_interaction_params", "output_kind"}
 
 
 @dataclass
@@ -48,6 +55,13 @@ class PoolingParams:
     # vLLM's STEP pooling (process reward models), which tokenmill does not implement: None only.
     step_tag_id: int | None = None
     returned_token_ids: list[int] | None = None
+    # vLLM 0.26's other fields. requires_token_ids: every output carries prompt_token_ids anyway.
+    requires_token_ids: bool = False
+    # Late-interaction (ColBERT MaxSim) scoring, which tokenmill does not implement: None only.
+    late_interaction_params: Any = None
+    # Read by LLM.score: {"max_tokens_per_query": k, "max_tokens_per_doc": k} cut the texts (0: no cut).
+    extra_kwargs: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY  # pooling outputs are final only
 
     def __post_init__(self) -> None:
         for old in ("softmax", "activation"):
@@ -74,6 +88,16 @@ class PoolingParams:
         for name in ("step_tag_id", "returned_token_ids"):
             _check(getattr(self, name) is None, name, getattr(self, name),
                    "None: STEP pooling (process reward models) is not implemented")
+        _check(isinstance(self.requires_token_ids, bool), "requires_token_ids", self.requires_token_ids, "True or False")
+        _check(self.late_interaction_params is None, "late_interaction_params", self.late_interaction_params,
+               "None: late-interaction (ColBERT MaxSim) scoring is not implemented; score() serves cross-encoders "
+               "and embedding models (cosine)")
+        _check(self.extra_kwargs is None or (isinstance(self.extra_kwargs, dict) and set(self.extra_kwargs) <= set(EXTRA_KWARGS)),
+               "extra_kwargs", self.extra_kwargs, f"None or a dict with keys among {EXTRA_KWARGS} (read by LLM.score)")
+        for name, value in (self.extra_kwargs or {}).items():
+            _check(_is_int(value) and value >= 0, f"extra_kwargs[{name!r}]", value, "an integer >= 0 (0: no cut)")
+        _check(self.output_kind == RequestOutputKind.FINAL_ONLY, "output_kind", self.output_kind,
+               "RequestOutputKind.FINAL_ONLY: a pooling request has one output")
 
     def clone(self, **changes: Any) -> "PoolingParams":
         return replace(self, **changes)
@@ -103,4 +127,4 @@ class PoolingParams:
     @classmethod
     def field_names(cls) -> set[str]:
         """The user-settable fields (for batch rows and the CLI)."""
-        return {f.name for f in fields(cls)} - {"task"}
+        return {f.name for f in fields(cls)} - _INTERNAL

@@ -18,9 +18,16 @@ class Engine(Protocol):
     source: "ModelSource"
     tokenizer: Any  # None with skip_tokenizer_init
 
-    def add_request(self, request_id: str, prompt: "PromptType", params: Any = None, *, index: int | None = None) -> None:
-        """Validate and queue one request; a ValueError leaves the engine untouched."""
+    def add_request(
+        self, request_id: str, prompt: "PromptType", params: Any = None, arrival_time: float | None = None,
+        lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+        priority: int = 0, prompt_text: str | None = None, *, index: int | None = None,
+    ) -> str:
+        """Validate and queue one request (vLLM 0.26's LLMEngine.add_request keywords); a ValueError
+        leaves the engine untouched. Returns the request id."""
         ...
+
+    def get_supported_tasks(self) -> tuple[str, ...]: ...
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None: ...
 

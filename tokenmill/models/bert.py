@@ -222,6 +222,11 @@ class BertForSequenceClassification(nn.Module):
         assert self.bert.pooler is not None
         return self.classifier(self.bert.pooler(pooled))
 
+    def classify_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, num_labels]: the classifier on every token's state (vLLM's token_classify
+        for BERT, which skips the [CLS]-only dense + tanh pooler)."""
+        return self.classifier(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:
             return None if name.endswith("position_ids") else _hf_name(name)

@@ -92,5 +92,9 @@ class DecoderForSequenceClassification(DecoderEmbeddingModel):
         """[B, hidden] -> [B, num_labels] logits."""
         return self.score(pooled)
 
+    def classify_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, num_labels]: the score head on every token (token_classify)."""
+        return self.score(hidden)
+
     def _checkpoint_name(self, name: str) -> str | None:
         return name if name.startswith("score.") else super()._checkpoint_name(name)

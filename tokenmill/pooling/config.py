@@ -60,6 +60,13 @@ class PoolerConfig:
     returned_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if str(self.pooling_type).upper() in ("ALL", "STEP"):
+            # vLLM reads a token-wise type given as pooling_type as tok_pooling_type.
+            if self.tok_pooling_type is not None:
+                raise ValueError(f"PoolerConfig.pooling_type={self.pooling_type!r} and tok_pooling_type="
+                                 f"{self.tok_pooling_type!r}: set one")
+            object.__setattr__(self, "tok_pooling_type", str(self.pooling_type).upper())
+            object.__setattr__(self, "pooling_type", None)
         if self.seq_pooling_type is not None:
             if self.pooling_type is not None and str(self.pooling_type).upper() != str(self.seq_pooling_type).upper():
                 raise ValueError(f"PoolerConfig.pooling_type={self.pooling_type!r} and seq_pooling_type="
@@ -130,8 +137,13 @@ def _refuse_unless_off(config: PoolerConfig) -> None:
         value = getattr(config, name)
         if value is not None and value != off:
             raise ValueError(f"PoolerConfig.{name}={value!r} is not supported: {why}")
-    if config.task is not None and config.task not in ("embed", "classify", "token_embed"):
-        raise ValueError(f"PoolerConfig.task={config.task!r} is invalid: must be None, 'embed', 'classify' or 'token_embed'")
+    if config.task is not None and config.task not in CONFIG_TASKS:
+        raise ValueError(f"PoolerConfig.task={config.task!r} is invalid: must be None or one of {CONFIG_TASKS}"
+                         + ("; vLLM 0.26 scores with the 'classify' task" if config.task == "score" else ""))
+
+
+# PoolerConfig.task values: vLLM 0.26's pooling tasks that tokenmill serves.
+CONFIG_TASKS = ("embed", "token_embed", "classify", "token_classify")
 
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -146,7 +158,8 @@ TASK_SPELLINGS: dict[str, tuple[str, str]] = {
     "score": ("pooling", "auto"),
 }
 # Which LLM method serves each pooling task (for error messages).
-TASK_METHODS = {"embed": "embed()", "token_embed": "encode(pooling_task='token_embed')", "classify": "classify()", "score": "score()"}
+TASK_METHODS = {"embed": "embed()", "token_embed": "encode(pooling_task='token_embed')", "classify": "classify()",
+                "token_classify": "encode(pooling_task='token_classify')", "score": "score()"}
 # sentence-transformers 1_Pooling/config.json flags -> our pooling type.
 _ST_POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
 _ST_ACTIVATIONS: dict[str, Activation] = {"Sigmoid": "sigmoid", "Identity": "identity"}
@@ -159,7 +172,7 @@ class PoolingModelConfig:
     head: str  # "embed" or "classify": what the model's head produces
     architecture: str  # the registry entry to build (a causal LM run as an embedder: its base model)
     pooler: PoolerConfig  # pooling_type decided; the other fields are request defaults (None: vLLM's)
-    classify_activation: Activation
+    classify_activation: Activation  # classify, token_classify and (one label) score, as vLLM's get_act_fn
     score_activation: Activation | None  # None: not a cross-encoder (score needs exactly one label)
     labels: tuple[str, ...] | None  # config.id2label in label order (classifiers)
     takes_token_type_ids: bool
@@ -172,7 +185,9 @@ class PoolingModelConfig:
     def tasks(self) -> tuple[str, ...]:
         if self.head == "embed":
             return ("embed", "token_embed")
-        return ("classify", "score") if self.score_activation is not None else ("classify",)
+        if self.score_activation is not None:
+            return ("classify", "token_classify", "score")
+        return ("classify", "token_classify")
 
     def step_limits(
         self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, *, max_model_len_given: bool,
@@ -261,12 +276,17 @@ def resolve_pooling(
     defaults = PoolerConfig(pooling_type=st.get("pooling_type") or model_cls.default_pooling_type,
                             normalize=st.get("normalize"))
     num_labels = int(getattr(config, "num_labels", 0) or 0) if head == "classify" else 0
+    activation = _classify_activation(config, num_labels)
+    served = ("embed", "token_embed") if head == "embed" else ("classify", "token_classify")
+    if user.task is not None and user.task not in served:
+        raise ValueError(f"PoolerConfig.task={user.task!r} is not served by {architecture} ({head}); "
+                         f"it serves {served}")
     return PoolingModelConfig(
         head=head,
         architecture=architecture,
         pooler=user.merged_over(defaults),
-        classify_activation=_classify_activation(config, num_labels),
-        score_activation=_score_activation(config) if num_labels == 1 else None,
+        classify_activation=activation,
+        score_activation=activation if num_labels == 1 else None,
         labels=_labels(config, num_labels) if head == "classify" else None,
         takes_token_type_ids=bool(getattr(model_cls, "takes_token_type_ids", False)),
         max_seq_length=st.get("max_seq_length"),
@@ -297,27 +317,25 @@ def _runner_and_convert(runner: str, convert: str, task: str | None) -> tuple[st
 
 
 def _classify_activation(config: Any, num_labels: int) -> Activation:
-    # As transformers' losses read problem_type (and vLLM's classify pooler): regression is raw,
-    # multi-label is a sigmoid per label, otherwise softmax over labels (sigmoid for a single label).
+    """A classifier's activation, decided as vLLM 0.26's get_act_fn does (for classify, token_classify
+    and a cross-encoder's score alike): the problem_type transformers' losses read (regression raw,
+    multi-label a sigmoid per label, single-label softmax), else the activation sentence-transformers
+    saved with a cross-encoder, else softmax over labels (sigmoid for a single label)."""
     problem = getattr(config, "problem_type", None)
     if problem == "regression":
         return "identity"
-    if problem == "multi_label_classification" or num_labels == 1:
+    if problem == "multi_label_classification":
         return "sigmoid"
-    return "softmax"
-
-
-def _score_activation(config: Any) -> Activation:
-    """A cross-encoder's activation: the one sentence-transformers saved with it, else sigmoid
-    (CrossEncoder's default for one label)."""
-    saved = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") \
-        or getattr(config, "sbert_ce_default_activation_function", None)
-    if saved is None:
-        return "sigmoid"
-    name = str(saved).rsplit(".", 1)[-1]
-    if name not in _ST_ACTIVATIONS:
-        raise ValueError(f"the cross-encoder's activation {saved!r} is not supported; supported: {sorted(_ST_ACTIVATIONS)}")
-    return _ST_ACTIVATIONS[name]
+    saved = None
+    if problem != "single_label_classification":
+        saved = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") \
+            or getattr(config, "sbert_ce_default_activation_function", None)
+    if saved is not None:
+        name = str(saved).rsplit(".", 1)[-1]
+        if name not in _ST_ACTIVATIONS:
+            raise ValueError(f"the cross-encoder's activation {saved!r} is not supported; supported: {sorted(_ST_ACTIVATIONS)}")
+        return _ST_ACTIVATIONS[name]
+    return "sigmoid" if num_labels == 1 else "softmax"
 
 
 def _labels(config: Any, num_labels: int) -> tuple[str, ...]:

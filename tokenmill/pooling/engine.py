@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
-from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
+from tokenmill.inputs import PromptType, parse_prompt, tokenize_prompts, validate_prompt_ids
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
 from tokenmill.pooling.request import PoolingRequest
@@ -54,21 +54,86 @@ class PoolingEngine:
         self._resolved: dict[tuple, PoolingParams] = {}
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: Any = None, *, index: int | None = None) -> None:
-        """Validate and queue one pooling request; a ValueError leaves the engine untouched."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Any = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        prompt_text: str | None = None,
+        *,
+        index: int | None = None,
+    ) -> str:
+        """Validate and queue one pooling request; a ValueError leaves the engine untouched. Returns its id.
+
+        vLLM 0.26's keywords, as LLMEngine takes them: ``tokenization_kwargs`` as in `tokenized`;
+        ``prompt_text`` is a token prompt's text; ``arrival_time``, ``trace_headers`` and ``priority``
+        are accepted (a pooling request has no metrics, tracing or priority queue); ``lora_request``
+        must be None.
+        """
         where = f"prompts[{index}]" if index is not None else "prompt"
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
         if params is None:
             params = PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(self.generation_refused(f"a request with {type(params).__name__}"))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if tokenization_kwargs:
+            (prompt,), truncate = self.tokenized([prompt], tokenization_kwargs, params.truncate_prompt_tokens)
+            params = params.clone(truncate_prompt_tokens=truncate)
         params = self._resolve(params)
         text, ids, token_types = self._tokenize(prompt, params, index, where)
         validate_prompt_ids(ids, self.config.vocab_size, self.config.max_model_len, where)
-        request = PoolingRequest(request_id, text, ids, params, token_types)
+        request = PoolingRequest(request_id, text if text is not None else prompt_text, ids, params, token_types)
         self.requests[request_id] = request
         self.waiting.append(request)
+        return request_id
+
+    def tokenized(self, prompts: list[PromptType], tokenization_kwargs: dict[str, Any] | None,
+                  truncate_prompt_tokens: int | None) -> tuple[list[PromptType], int | None]:
+        """vLLM 0.26's ``tokenization_kwargs`` applied to pooling prompts: (the prompts, the
+        truncation to ask of their requests).
+
+        ``truncate_prompt_tokens`` there is the requests' truncation (vLLM 0.26 has no keyword of
+        that name; ours must agree with it); ``truncation_side`` may only name the tokenizer's own
+        side; the other keys go to the tokenizer for text prompts (token prompts are left as they are).
+        """
+        if tokenization_kwargs is None:
+            return prompts, truncate_prompt_tokens
+        if not isinstance(tokenization_kwargs, dict):
+            raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got "
+                             f"{type(tokenization_kwargs).__name__}")
+        rest = dict(tokenization_kwargs)
+        truncate = rest.pop("truncate_prompt_tokens", None)
+        if truncate is not None and truncate_prompt_tokens not in (None, truncate):
+            raise ValueError(f"tokenization_kwargs['truncate_prompt_tokens']={truncate!r} and truncate_prompt_tokens="
+                             f"{truncate_prompt_tokens!r} disagree; set one")
+        truncate = truncate if truncate is not None else truncate_prompt_tokens
+        side = rest.pop("truncation_side", None)
+        own_side = getattr(self.tokenizer, "truncation_side", "left")
+        if side is not None and side != own_side:
+            raise ValueError(f"tokenization_kwargs['truncation_side']={side!r} is not supported: this tokenizer "
+                             f"truncates on the {own_side!r} side, the only side tokenmill cuts pooling prompts on")
+        if rest:
+            if truncate is not None:  # cut text in the tokenizer, which keeps the special tokens
+                PoolingParams(truncate_prompt_tokens=truncate)  # the value checked first
+                rest.update(truncation=True, max_length=self.config.max_model_len if truncate == -1 else truncate)
+            prompts = tokenize_prompts(prompts, self.tokenizer, rest)
+        return prompts, truncate
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM 0.26's pooling tasks of this model (a cross-encoder's score runs as "classify")."""
+        return tuple(task for task in self.pooling.tasks if task != "score")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Forget these requests: a queued one is skipped when its turn comes, the result of one in
@@ -145,7 +210,7 @@ class PoolingEngine:
         for request, data in zip(batch, results):
             if live.get(request.request_id) is request:
                 del live[request.request_id]
-                outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, True))
+                outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data), request.prompt_token_ids, 0, True))
         return outputs
 
     def _forget(self, batch: list[PoolingRequest]) -> None:
@@ -153,7 +218,8 @@ class PoolingEngine:
             if self.requests.get(request.request_id) is request:
                 del self.requests[request.request_id]
 
-    def pair_prompt(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None) -> dict[str, Any]:
+    def pair_prompt(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None,
+                    tokenizer_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A cross-encoder's input for a text pair: the tokenizer joins the two as a pair
         ([CLS] a [SEP] b [SEP] for BERT, with segment ids), cutting the longer first when truncating."""
         if self.tokenizer is None:
@@ -162,7 +228,11 @@ class PoolingEngine:
             if not isinstance(text, str):
                 raise TypeError(f"a cross-encoder scores text pairs; {name} is a {type(text).__name__}")
         keep = self.config.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-        encoded = self.tokenizer(text_1, text_2, truncation=keep is not None, max_length=keep)
+        try:
+            encoded = self.tokenizer(text_1, text_2, **{"truncation": keep is not None, "max_length": keep,
+                                                         **(tokenizer_kwargs or {})})
+        except TypeError as exc:
+            raise ValueError(f"tokenization_kwargs={tokenizer_kwargs!r} are not tokenizer arguments: {exc}") from exc
         prompt: dict[str, Any] = {"prompt_token_ids": list(encoded["input_ids"]), "prompt": text_1}
         if self.pooling.takes_token_type_ids and "token_type_ids" in encoded:
             prompt["token_type_ids"] = list(encoded["token_type_ids"])
@@ -213,7 +283,8 @@ class PoolingEngine:
         key = (params.task, params.truncate_prompt_tokens, params.dimensions, params.normalize, params.use_activation)
         resolved = self._resolved.get(key)
         if resolved is None:
-            task = params.task or self.pooling.head
+            # vLLM's encode() needs a task; ours without one takes the PoolerConfig's, else the model's.
+            task = params.task or self.pooling.pooler.task or self.pooling.head
             if task not in self.pooling.tasks:
                 raise ValueError(self.unsupported(task))
             resolved = params.resolved(task, self.pooling.pooler)
@@ -238,12 +309,15 @@ class PoolingEngine:
 
     # ---- error messages that say which method fits -----------------------------------------
     def unsupported(self, task: str) -> str:
+        """Why ``task`` is refused, opening with vLLM 0.26's words for it (scripts may match them)."""
         if task == "score" and self.pooling.head == "classify":
-            return (f"score needs a cross-encoder (a classifier with one output label); {self._describe()} has "
-                    f"{len(self.pooling.labels or ())} labels: use LLM.classify()")
+            return (f"Scoring API is only enabled for num_labels == 1. score needs a cross-encoder (a classifier with "
+                    f"one output label); {self._describe()} has {len(self.pooling.labels or ())} labels: use LLM.classify()")
         if task == "score":
             return "an embedding model scores text pairs by the cosine of their embeddings: use LLM.score()"
-        return f"task {task!r} is not served by {self._describe()}; use LLM.{self._methods()}"
+        api = "Embedding" if task in ("embed", "token_embed") else "Classification"
+        return (f"{api} API is not supported by this model: task {task!r} is not served by {self._describe()}; "
+                f"use LLM.{self._methods()}")
 
     def generation_refused(self, what: str) -> str:
         return (f"{what} needs a generative model, but {self._describe()} is a pooling model: "

@@ -24,6 +24,7 @@ from tokenmill.outputs import (
 )
 from tokenmill.pooling.engine import PoolingEngine
 from tokenmill.pooling_params import POOLING_TASKS, PoolingParams
+from tokenmill.request_progress import ProgressOption
 
 if TYPE_CHECKING:
     from tokenmill.engine.protocol import Engine
@@ -70,18 +71,25 @@ class PoolingMethods:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
+        lora_request: Any = None,
         pooling_task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Run a pooling model over every prompt; the raw pooled tensors, in input order.
 
-        ``pooling_task`` is "embed", "token_embed" (one vector per token), "classify" or "score";
-        None means the model's own task (embed for embedders, classify for classifiers).
+        ``pooling_task`` is "embed", "token_embed" (one vector per token), "classify",
+        "token_classify" (class probabilities per token) or "score"; None (an error in vLLM 0.26)
+        means PoolerConfig.task, else the model's own task (embed for embedders, classify for
+        classifiers). vLLM's keywords: ``tokenization_kwargs`` (``truncate_prompt_tokens`` among
+        them: vLLM 0.26's way to truncate; tokenmill's older keyword of that name still works),
+        ``use_tqdm`` on/off or a tqdm-like factory, ``lora_request`` None only.
         """
-        self._pooling_engine("encode")
-        if pooling_task is not None and pooling_task not in POOLING_TASKS:
-            raise ValueError(f"pooling_task={pooling_task!r} is invalid: must be None or one of {POOLING_TASKS}")
-        prompts = prompt_list(prompts)
+        engine = self._pooling_engine("encode")
+        _check_pooling_task(pooling_task, prompts)
+        _refuse_lora(lora_request)
+        prompts, truncate_prompt_tokens = engine.tokenized(prompt_list(prompts), tokenization_kwargs,
+                                                           truncate_prompt_tokens)
         params = _params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
         return self._run(prompts, params, use_tqdm)
 
@@ -92,13 +100,15 @@ class PoolingMethods:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (``outputs.embedding``), normalised unless the model or
-        ``PoolingParams(normalize=False)`` says otherwise."""
+        """One embedding per prompt (``outputs.embedding``), L2-normalised unless the model or
+        ``PoolingParams(use_activation=False)`` says otherwise. Keywords as `encode`'s."""
         self._pooling_engine("embed")
-        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                              use_tqdm=use_tqdm, pooling_task="embed")
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                              lora_request=lora_request, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
 
     @_gc_paused
@@ -108,12 +118,15 @@ class PoolingMethods:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ClassificationRequestOutput]:
-        """Class probabilities per prompt (``outputs.probs``, in the order of the model's id2label)."""
+        """Class probabilities per prompt (``outputs.probs``, in the order of the model's id2label).
+        Keywords as `encode`'s."""
         self._pooling_engine("classify")
-        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                              use_tqdm=use_tqdm, pooling_task="classify")
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                              lora_request=lora_request, pooling_task="classify", tokenization_kwargs=tokenization_kwargs)
         return [ClassificationRequestOutput.from_base(o) for o in outputs]
 
     @_gc_paused
@@ -124,19 +137,33 @@ class PoolingMethods:
         /,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
         pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """Scores of text pairs: one ``data_1`` against each of ``data_2`` (1-to-1, 1-to-N), or
         pairwise (N-to-N, equal lengths).
 
         A cross-encoder (a classifier with one label) reads each pair as one input, text_1 and
         text_2 joined by the tokenizer as a pair; an embedding model embeds both texts and scores
-        their cosine similarity.
+        their cosine similarity. ``pooling_params.extra_kwargs`` may hold vLLM's
+        ``max_tokens_per_query`` / ``max_tokens_per_doc`` (data_1's / data_2's texts cut to that many
+        tokens, special tokens not counted). ``chat_template`` (vLLM's score templates) must be None.
         """
         engine = self._pooling_engine("score")
+        _refuse_lora(lora_request)
+        if chat_template is not None:
+            raise ValueError("score(chat_template=...) is not supported: tokenmill joins a cross-encoder's texts as "
+                             "the tokenizer's text pair, with no score template; leave chat_template None")
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+        for name, items in (("data_1", first), ("data_2", second)):
+            for item in items:
+                if isinstance(item, dict) and "content" in item:
+                    raise ValueError(f"score {name}: a multi-modal input ({{'content': [...]}}) is not supported for "
+                                     f"{engine.pooling.architecture}: tokenmill serves text-only models; give strings")
         if not first or not second:
             raise ValueError("score needs at least one text in data_1 and in data_2")
         if len(first) > 1 and len(first) != len(second):
@@ -146,29 +173,42 @@ class PoolingMethods:
             )
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        extra = (pooling_params.extra_kwargs if pooling_params is not None else None) or {}
+        first = _cut_texts(engine, first, extra.get("max_tokens_per_query", 0), "max_tokens_per_query")
+        second = _cut_texts(engine, second, extra.get("max_tokens_per_doc", 0), "max_tokens_per_doc")
         if engine.pooling.head == "embed":
-            return self._embedding_scores(first, second, pooling_params, truncate_prompt_tokens, use_tqdm)
-        return self._cross_encoder_scores(engine, first, second, pooling_params, truncate_prompt_tokens, use_tqdm)
+            return self._embedding_scores(first, second, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                          tokenization_kwargs)
+        return self._cross_encoder_scores(engine, first, second, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                          tokenization_kwargs)
 
     # ---- internals ------------------------------------------------------------------------
     def _embedding_scores(self, first: list, second: list, params: PoolingParams | None,
-                          truncate_prompt_tokens: int | None, use_tqdm: bool) -> list[ScoringRequestOutput]:
+                          truncate_prompt_tokens: int | None, use_tqdm: ProgressOption,
+                          tokenization_kwargs: dict[str, Any] | None) -> list[ScoringRequestOutput]:
         # Each distinct input is embedded once: data_1's text(s), then data_2's.
         embedded = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens,
-                               use_tqdm=use_tqdm, pooling_task="embed")
+                               use_tqdm=use_tqdm, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
         lefts, rights = embedded[: len(first)], embedded[len(first):]
         if len(lefts) == 1:
             lefts = lefts * len(rights)
         return [embedding_score(a, b) for a, b in zip(lefts, rights)]
 
     def _cross_encoder_scores(self, engine: "PoolingEngine", first: list, second: list, params: PoolingParams | None,
-                              truncate_prompt_tokens: int | None, use_tqdm: bool) -> list[ScoringRequestOutput]:
+                              truncate_prompt_tokens: int | None, use_tqdm: ProgressOption,
+                              tokenization_kwargs: dict[str, Any] | None) -> list[ScoringRequestOutput]:
         if "score" not in engine.pooling.tasks:
             raise ValueError(engine.unsupported("score"))
+        if params is not None and params.task == "classify":  # vLLM 0.26's name of a cross-encoder's task
+            params = params.clone(task=None)
+        _, truncate_prompt_tokens = engine.tokenized([], tokenization_kwargs, truncate_prompt_tokens)
+        tokenizer_kwargs = {k: v for k, v in (tokenization_kwargs or {}).items()
+                            if k not in ("truncate_prompt_tokens", "truncation_side")}
         params = _params_per_prompt(params, 1, truncate_prompt_tokens, "score")[0]
         if len(first) == 1:
             first = first * len(second)
-        prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens) for a, b in zip(first, second)]
+        prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens, tokenizer_kwargs)
+                   for a, b in zip(first, second)]
         outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
         return [ScoringRequestOutput.from_base(o) for o in outputs]
 
@@ -187,6 +227,43 @@ class PoolingMethods:
         engine = self.llm_engine
         if isinstance(engine, PoolingEngine):
             raise ValueError(engine.generation_refused(f"LLM.{method}()"))
+
+
+def _check_pooling_task(pooling_task: str | None, prompts: Any) -> None:
+    if pooling_task == "plugin" or (isinstance(prompts, dict) and "data" in prompts):
+        raise ValueError("pooling_task='plugin' and {'data': ...} prompts (vLLM's IOProcessor plugins) are not "
+                         f"supported: tokenmill has no plugins; pooling_task must be None or one of {POOLING_TASKS}")
+    if pooling_task is not None and pooling_task not in POOLING_TASKS:
+        raise ValueError(f"pooling_task={pooling_task!r} is invalid: must be None or one of {POOLING_TASKS}"
+                         + ("; reward models: 'classify' or 'token_classify' (STEP pooling is not implemented)"
+                            if pooling_task in ("reward", "encode") else ""))
+
+
+def _refuse_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters; leave it None")
+
+
+def _cut_texts(engine: "PoolingEngine", texts: list, limit: int, name: str) -> list:
+    """vLLM's max_tokens_per_query / max_tokens_per_doc: each text cut after its first ``limit``
+    tokens (special tokens not counted), at the character where that token ends."""
+    if not limit:
+        return texts
+    if limit >= engine.config.max_model_len:
+        raise ValueError(f"PoolingParams.extra_kwargs[{name!r}]={limit} is invalid: must be less than "
+                         f"max_model_len={engine.config.max_model_len}")
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"PoolingParams.extra_kwargs[{name!r}] needs a fast (Rust) tokenizer to cut texts "
+                         "at token boundaries; this model's is not one")
+    out = []
+    for text in texts:
+        if isinstance(text, str):
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            if len(encoded["input_ids"]) > limit:
+                text = text[: encoded["offset_mapping"][limit - 1][1]]
+        out.append(text)
+    return out
 
 
 def _params_per_prompt(pooling_params: PoolingParams | Sequence[PoolingParams] | None, count: int,
@@ -221,5 +298,6 @@ def embedding_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> Scoring
         request_id=f"{a.request_id}_{b.request_id}",
         outputs=ScoringOutput(float(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))),
         prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids,
+        num_cached_tokens=0,
         finished=True,
     )

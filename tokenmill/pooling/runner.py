@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tokenmill.pooling_params import PoolingParams
 
 _ALIGN = 4  # int32 elements in 16 bytes
+TOKEN_TASKS = ("token_embed", "token_classify")  # one output row per prompt token
 
 @dataclass
 class _Group:
@@ -59,13 +60,13 @@ class LaunchedStep:
 
     def results(self) -> list[torch.Tensor]:
         """Per request, in the step's order: [width] (embed, classify, score) or [tokens, width]
-        (token_embed) CPU float32 views of one host buffer."""
+        (token_embed, token_classify) CPU float32 views of one host buffer."""
         if self.done is not None:
             self.done.synchronize()
         out: list[torch.Tensor | None] = [None] * self.num_requests
         for group in self.groups:
             rows = range(self.num_requests) if group.rows is None else group.rows
-            if group.params.task == "token_embed":
+            if group.params.task in TOKEN_TASKS:
                 counts = [self.lens[r] * group.width for r in rows]
                 pieces = self.output[group.offset : group.offset + sum(counts)].split(counts)
                 views = [p.view(-1, group.width) for p in pieces]
@@ -161,9 +162,12 @@ class PoolingRunner:
         for group in groups:
             p = group.params
             index = None if group.rows is None else self._to_device(np.asarray(group.rows, dtype=np.int64))
-            if p.task == "token_embed":
+            if p.task in TOKEN_TASKS:
                 tokens = hidden if index is None else hidden[self._to_device(_token_rows(group.rows, lens))]
-                out = finish_embeddings(tokens, p.dimensions, p.normalize)
+                if p.task == "token_embed":
+                    out = finish_embeddings(tokens, p.dimensions, p.normalize)
+                else:  # token_classify: the classifier on every token (vLLM's AllPool + classifier head)
+                    out = self._classified(self.model.classify_tokens(tokens), p, "token_classify")
             else:
                 if pooled is None:
                     starts = meta.query_start_loc[:-1]
@@ -172,14 +176,19 @@ class PoolingRunner:
                 if p.task == "embed":
                     out = finish_embeddings(rows, p.dimensions, p.normalize)
                 else:
-                    logits = self.pooling.pooler.calibrated(self.model.classify(rows).float())
-                    activation = self.pooling.score_activation if p.task == "score" else self.pooling.classify_activation
-                    assert activation is not None, "the engine accepts score requests only for cross-encoders"
-                    out = activate(logits, activation) if p.use_activation else logits
+                    out = self._classified(self.model.classify(rows), p, p.task)
             group.offset, group.width = offset, out.shape[-1]
             offset += out.numel()
             pieces.append(out.float().reshape(-1))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _classified(self, logits: torch.Tensor, p: "PoolingParams", task: str) -> torch.Tensor:
+        """A classifier's logits after logit_mean/logit_sigma, then its activation unless the request
+        turned it off (use_activation=False: the calibrated logits)."""
+        logits = self.pooling.pooler.calibrated(logits.float())
+        activation = self.pooling.score_activation if task == "score" else self.pooling.classify_activation
+        assert activation is not None, "the engine accepts score requests only for cross-encoders"
+        return activate(logits, activation) if p.use_activation else logits
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host index array on the device without a sync (a copy from pageable memory would wait)."""
@@ -207,6 +216,6 @@ def _groups(requests: list["PoolingRequest"]) -> list[_Group]:
 
 
 def _token_rows(rows: list[int], lens: list[int]) -> np.ndarray:
-    """The flat-batch rows of every token of the requests ``rows`` (token_embed), in order."""
+    """The flat-batch rows of every token of the requests ``rows`` (token_embed, token_classify), in order."""
     starts = np.concatenate([[0], np.cumsum(lens)])
     return np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows])
