@@ -129,3 +129,37 @@ def test_json_schema_on_the_builtin_model():
     ask = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]
     out = llm.chat([ask], anything, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+
+
+TAGGED = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+
+
+@pytest.mark.parametrize("tag", [
+    {"structures": [{"begin": "<f>", "schema": TAGGED, "end": "</f>"}], "triggers": ["<f>"]},  # vLLM's older form
+    {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"],
+                                          "tags": [{"begin": "<f>", "content": {"type": "json_schema", "json_schema": TAGGED},
+                                                    "end": "</f>"}]}},
+], ids=["structures", "format"])
+def test_structural_tags_constrain_only_the_tagged_sections(tiny, tag):
+    """vLLM's structural_tag: free text, where each trigger opens a section held to its schema
+    (xgrammar's matcher says which strings the compiled tag accepts)."""
+    from tokenmill.structured_outputs import GrammarCache
+
+    cache = GrammarCache(tiny.get_tokenizer(), tiny.llm_engine.config.vocab_size)
+    params = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    assert cache.matcher(params).accept_string('free text <f>{"x": 12}</f> and more')
+    assert not cache.matcher(params).accept_string('free text <f>{"y": 12}')
+    out = tiny.generate(["a"], SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs=params),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 1  # runs through the engine (random text rarely reaches a trigger)
+
+
+def test_vllms_other_structured_output_options(tiny):
+    assert StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True, disable_additional_properties=True)
+    with pytest.raises(ValueError, match=r"whitespace_pattern='\[ \]\*' is not supported"):
+        StructuredOutputsParams(regex="a+", whitespace_pattern="[ ]*")
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object, structural_tag"):
+        StructuredOutputsParams(regex="a", structural_tag="{}")
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"structures": [{"begin": "<f>"}]}'))
+    with pytest.raises(ValueError, match=r"prompts\[0\]: structured_outputs\.structural_tag does not compile"):
+        tiny.generate(["a"], bad, use_tqdm=False)

@@ -12,28 +12,49 @@ from dataclasses import dataclass
 from typing import Any
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 @dataclass
 class StructuredOutputsParams:
     """Exactly one constraint (vLLM's names): ``json`` (a schema, as a dict or a JSON string),
-    ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF/GBNF), or
-    ``json_object=True`` (any JSON object)."""
+    ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF/GBNF),
+    ``json_object=True`` (any JSON object), or ``structural_tag`` (free text in which each trigger
+    opens a tagged, schema-constrained section; xgrammar's format as a JSON string, or vLLM's
+    older ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
+
+    vLLM's options, as its xgrammar backend treats them: JSON is always compact (no free
+    whitespace between tokens, so a model cannot pad forever) and objects never take properties
+    the schema does not name, so ``disable_any_whitespace`` and ``disable_additional_properties``
+    are accepted and change nothing; ``whitespace_pattern`` needs another backend and is refused.
+    """
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        given = [name for name in _CONSTRAINTS if getattr(self, name)]
         if len(given) != 1:
-            raise ValueError(
-                f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
-            )
+            raise ValueError(f"StructuredOutputsParams needs exactly one of {', '.join(_CONSTRAINTS)}; got {given or 'none'}")
         if self.choice is not None and not (
             isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError(f"StructuredOutputsParams.choice={self.choice!r} is invalid: must be a non-empty list of non-empty strings")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            raise ValueError(f"StructuredOutputsParams.structural_tag must be a JSON string, got {type(self.structural_tag).__name__}")
+        if self.whitespace_pattern is not None:
+            raise ValueError(f"StructuredOutputsParams.whitespace_pattern={self.whitespace_pattern!r} is not supported: "
+                             "tokenmill's grammars (xgrammar) write compact JSON; leave it None")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StructuredOutputsParams.{name}={getattr(self, name)!r} is invalid: must be True or False")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -46,6 +67,8 @@ class StructuredOutputsParams:
             return ("choice", json.dumps(list(self.choice)))
         if self.grammar is not None:
             return ("grammar", self.grammar)
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag)
         return ("json_object", "")
 
 
@@ -92,9 +115,19 @@ class GrammarCache:
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice) for choice in params.choice))
             if kind == "grammar":
                 return c.compile_grammar(spec)
+            if kind == "structural_tag":
+                return self._compile_structural_tag(spec)
             return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)  # an object, as vLLM
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses with the reason
             raise ValueError(f"structured_outputs.{kind} does not compile: {exc}") from exc
+
+    def _compile_structural_tag(self, spec: str) -> Any:
+        tag = json.loads(spec)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's older form: xgrammar's tag items and triggers
+            items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return self._compiler.compile_structural_tag(items, tag["triggers"])
+        return self._compiler.compile_structural_tag(spec)
 
     def bitmask(self, matchers: list[Any]) -> Any:
         """[N, ceil(V/32)] int32 allowed-token bitmask; rows without a matcher allow everything."""
