@@ -196,3 +196,15 @@ def test_generic_records():
     assert all(r["row"] == 3 and r["id"] == "x" and r["error"] is None for r in recs)
     (err,) = generic_records(RowResult(4, 4, error="boom"))
     assert err["error"] == "boom" and err["text"] is None
+
+
+def test_null_prompt_fields_count_as_absent():
+    # A Parquet table mixing chat and text rows gives each row both columns, one of them null.
+    text_row = build_row_request(row({"prompt": "hi", "messages": None, "prompt_token_ids": None}), PromptSettings())
+    assert text_row.prompt == "hi" and text_row.messages is None
+    chat_row = build_row_request(row({"prompt": None, "messages": [{"role": "user", "content": "q"}]}), PromptSettings())
+    assert chat_row.messages == [{"role": "user", "content": "q"}]
+    ids_row = build_row_request(row({"prompt": None, "messages": None, "prompt_token_ids": [5, 6]}), PromptSettings())
+    assert ids_row.prompt_token_ids == [5, 6]
+    with pytest.raises(RowError, match=r"has no prompt: .*\('messages' and 'prompt' are null\)"):
+        build_row_request(row({"prompt": None, "messages": None}), PromptSettings())
