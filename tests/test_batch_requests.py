@@ -208,3 +208,8 @@ def test_null_prompt_fields_count_as_absent():
     assert ids_row.prompt_token_ids == [5, 6]
     with pytest.raises(RowError, match=r"has no prompt: .*\('messages' and 'prompt' are null\)"):
         build_row_request(row({"prompt": None, "messages": None}), PromptSettings())
+
+
+def test_template_null_field_is_an_error_not_the_text_none():
+    with pytest.raises(RowError, match=r"line 1: field\(s\) \['audience'\] used by --prompt-template are null"):
+        build_row_request(row({"name": "x", "audience": None}), PromptSettings(prompt_template="{name} for {audience}"))

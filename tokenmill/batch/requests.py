@@ -162,9 +162,15 @@ def _row_overrides(record: dict[str, Any], where: str, row_id: Any) -> dict[str,
 
 
 def _fill_template(template: str, record: dict[str, Any], where: str, row_id: Any) -> str:
-    missing = [name for name in template_fields(template) if name.split(".")[0].split("[")[0] not in record]
+    names = [name.split(".")[0].split("[")[0] for name in template_fields(template)]
+    missing = [name for name in names if name not in record]
     if missing:
         raise RowError(f"{where} has no field(s) {missing} used by --prompt-template (fields: {sorted(record)[:12]})", row_id)
+    # A null would be filled in as the text "None" and the row generated for a prompt it never had.
+    nulls = sorted({name for name in names if record[name] is None})
+    if nulls:
+        raise RowError(f"{where}: field(s) {nulls} used by --prompt-template are null; the template needs a value "
+                       "in each", row_id)
     values = {k: _as_text(v) for k, v in record.items()}
     try:
         return template.format_map(values)
