@@ -213,3 +213,14 @@ def test_null_prompt_fields_count_as_absent():
 def test_template_null_field_is_an_error_not_the_text_none():
     with pytest.raises(RowError, match=r"line 1: field\(s\) \['audience'\] used by --prompt-template are null"):
         build_row_request(row({"name": "x", "audience": None}), PromptSettings(prompt_template="{name} for {audience}"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"stop": 5}, r"SamplingParams\.stop=5 is invalid: must be a string, a list of strings or None"),
+    ({"stop": {"a": 1}}, r"SamplingParams\.stop=\{'a': 1\} is invalid"),
+    ({"stop_token_ids": 7}, r"SamplingParams\.stop_token_ids=7 is invalid: must be a list of non-negative integers"),
+    ({"stop_token_ids": "12"}, r"SamplingParams\.stop_token_ids='12' is invalid"),
+])
+def test_row_stop_values_of_the_wrong_shape_name_the_field(overrides, message):
+    with pytest.raises(RowError, match=rf"line 3: {message}"):
+        row_sampling_params({}, overrides, 2, 0, where="line 3")
