@@ -147,6 +147,12 @@ def test_openai_chat_and_completion_requests():
         ({"body": {"max_tokens": 3}}, "body.messages is required"),
         ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": True}},
+         r"body\.top_logprobs=True is invalid: must be an integer in \[0, 20\]"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}},
+         "body.logprobs='yes' is invalid: must be true or false"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}},
+         "body.top_logprobs=3 needs body.logprobs=true"),
     ],
 )
 def test_openai_bad_requests(overrides, message):
