@@ -111,6 +111,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas={args.replicas} is invalid: must be >= 1")
     if not args.stall_timeout >= 0:  # also refuses nan
         raise UsageError(f"--stall-timeout={args.stall_timeout} is invalid: must be >= 0 seconds (0: never)")
+    if not args.fsync_interval >= 0:  # nan would never fsync before the end, silently
+        raise UsageError(f"--fsync-interval={args.fsync_interval} is invalid: must be >= 0 seconds (0: every commit)")
+    if not args.progress_interval >= 0:  # nan would never print a progress line, silently
+        raise UsageError(f"--progress-interval={args.progress_interval} is invalid: must be >= 0 seconds")
     check_task_flags(args)
     generate = args.task == "generate"
     config = JobConfig(
