@@ -103,6 +103,16 @@ def test_jsonl_messages_and_chat_flag(tmp_path, llm):
     assert [records[(i, 0)]["text"] for i in range(4)] == reference(llm, texts, chat=True)
 
 
+def test_a_chat_template_no_row_can_use_is_a_usage_error_before_any_row(tmp_path, llm, monkeypatch):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in prompts(3)])
+    with pytest.raises(ValueError, match=r"--chat-template is not a valid Jinja template: .* \(line 1\)"):
+        job(tmp_path, llm, path, chat_template="{{ messages[0]['content'] ")
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)
+    with pytest.raises(ValueError, match="--chat and --system need a chat template, and the model tiny has none"):
+        job(tmp_path, llm, path, prompt=PromptSettings(system="be brief"))
+    assert os.path.getsize(tmp_path / "out.jsonl") == 0  # no row was written as failed
+
+
 def test_csv_with_prompt_template(tmp_path, llm):
     path = tmp_path / "in.csv"
     names = ["cat", "mat", "sun"]

@@ -147,6 +147,12 @@ def test_openai_chat_and_completion_requests():
         ({"body": {"max_tokens": 3}}, "body.messages is required"),
         ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": True}},
+         r"body\.top_logprobs=True is invalid: must be an integer in \[0, 20\]"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}},
+         "body.logprobs='yes' is invalid: must be true or false"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}},
+         "body.top_logprobs=3 needs body.logprobs=true"),
     ],
 )
 def test_openai_bad_requests(overrides, message):
@@ -196,3 +202,31 @@ def test_generic_records():
     assert all(r["row"] == 3 and r["id"] == "x" and r["error"] is None for r in recs)
     (err,) = generic_records(RowResult(4, 4, error="boom"))
     assert err["error"] == "boom" and err["text"] is None
+
+
+def test_null_prompt_fields_count_as_absent():
+    # A Parquet table mixing chat and text rows gives each row both columns, one of them null.
+    text_row = build_row_request(row({"prompt": "hi", "messages": None, "prompt_token_ids": None}), PromptSettings())
+    assert text_row.prompt == "hi" and text_row.messages is None
+    chat_row = build_row_request(row({"prompt": None, "messages": [{"role": "user", "content": "q"}]}), PromptSettings())
+    assert chat_row.messages == [{"role": "user", "content": "q"}]
+    ids_row = build_row_request(row({"prompt": None, "messages": None, "prompt_token_ids": [5, 6]}), PromptSettings())
+    assert ids_row.prompt_token_ids == [5, 6]
+    with pytest.raises(RowError, match=r"has no prompt: .*\('messages' and 'prompt' are null\)"):
+        build_row_request(row({"prompt": None, "messages": None}), PromptSettings())
+
+
+def test_template_null_field_is_an_error_not_the_text_none():
+    with pytest.raises(RowError, match=r"line 1: field\(s\) \['audience'\] used by --prompt-template are null"):
+        build_row_request(row({"name": "x", "audience": None}), PromptSettings(prompt_template="{name} for {audience}"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"stop": 5}, r"SamplingParams\.stop=5 is invalid: must be a string, a list of strings or None"),
+    ({"stop": {"a": 1}}, r"SamplingParams\.stop=\{'a': 1\} is invalid"),
+    ({"stop_token_ids": 7}, r"SamplingParams\.stop_token_ids=7 is invalid: must be a list of non-negative integers"),
+    ({"stop_token_ids": "12"}, r"SamplingParams\.stop_token_ids='12' is invalid"),
+])
+def test_row_stop_values_of_the_wrong_shape_name_the_field(overrides, message):
+    with pytest.raises(RowError, match=rf"line 3: {message}"):
+        row_sampling_params({}, overrides, 2, 0, where="line 3")

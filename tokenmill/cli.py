@@ -39,7 +39,15 @@ _CHAT_MAX_TOKENS = 256
 
 
 def read_chat_template(value: str | None) -> str | None:
-    if value is None or not os.path.isfile(value):
+    """--chat-template's value: a file's text, or the value itself when it is a Jinja template."""
+    if value is None:
+        return value
+    if not os.path.isfile(value):
+        if not any(c in value for c in "{}\n"):
+            # vLLM's rule: text without a Jinja brace or a newline is a path. A mistyped one would
+            # otherwise be the template, and every prompt the path itself.
+            raise UsageError(f"--chat-template {value!r} is not a file, and not a Jinja template either (no '{{' "
+                             "or '}' in it); give the path of a template file, or the template's text")
         return value
     with open(value, encoding="utf-8") as f:
         return f.read()
@@ -103,6 +111,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas={args.replicas} is invalid: must be >= 1")
     if not args.stall_timeout >= 0:  # also refuses nan
         raise UsageError(f"--stall-timeout={args.stall_timeout} is invalid: must be >= 0 seconds (0: never)")
+    if not args.fsync_interval >= 0:  # nan would never fsync before the end, silently
+        raise UsageError(f"--fsync-interval={args.fsync_interval} is invalid: must be >= 0 seconds (0: every commit)")
+    if not args.progress_interval >= 0:  # nan would never print a progress line, silently
+        raise UsageError(f"--progress-interval={args.progress_interval} is invalid: must be >= 0 seconds")
     check_task_flags(args)
     generate = args.task == "generate"
     config = JobConfig(
@@ -136,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--no-chat sends the prompt as it is; --system and --chat-template need the chat template")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     values = sampling_values(args)
+    template = read_chat_template(args.chat_template)  # before the model loads: a typo costs nothing
     llm = load_llm(args)
     params = SamplingParams(**{**_defaults(llm), **values})
     has_template = getattr(llm.get_tokenizer(), "chat_template", None) is not None
@@ -143,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         if chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
-            outputs = llm.chat(messages, params, use_tqdm=False, chat_template=read_chat_template(args.chat_template))
+            outputs = llm.chat(messages, params, use_tqdm=False, chat_template=template)
         else:
             outputs = llm.generate([text], params, use_tqdm=False)
     except ValueError as e:
@@ -185,9 +198,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     values = sampling_values(args)
     values.setdefault("max_tokens", _CHAT_MAX_TOKENS)
+    template = read_chat_template(args.chat_template)
     llm = load_llm(args)
     params = SamplingParams(**{**_defaults(llm), **values})
-    template = read_chat_template(args.chat_template)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, str]] = list(system)
     interactive = sys.stdin.isatty()

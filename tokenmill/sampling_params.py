@@ -129,6 +129,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # Checked before list() below: list() of a number raises a bare "not iterable", and of a
+        # dict or a string (a JSON row's "stop": {...}, "stop_token_ids": "12") keeps what it iterates.
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop", self.stop,
+               "a string, a list of strings or None")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               self.stop_token_ids, "a list of non-negative integers or None")
         self.stop = list(self.stop) if self.stop else []
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
         if isinstance(self.logprob_token_ids, tuple):

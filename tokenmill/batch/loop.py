@@ -102,6 +102,7 @@ class JobLoop:
         self.max_model_len = self.engine.config.max_model_len
         if self.pooling is None:
             self._check_job_limits()
+            self._check_chat_template()
         self.inflight: dict[str, _InFlight] = {}
         self.pending: list[tuple[RowResult, _InFlight | None]] = []  # finished rows (and their flight)
         self.retry: deque[list[RawRow]] = deque()  # rows to run again apart, a group at a time (_isolate)
@@ -155,6 +156,30 @@ class JobLoop:
             if value is not None and value > limit:
                 raise ValueError(f"--{name.replace('_', '-')} {value} is more than this engine's {what} ({limit}); "
                                  f"lower it, or raise --{what.replace('_', '-')}")
+
+    def _check_chat_template(self) -> None:
+        """A chat template the job asks for but cannot use is a usage error before any row runs:
+        otherwise every row of the job would be written as failed with the same message, and the
+        output would need --overwrite once the flag was fixed."""
+        if self.tokenizer is None:
+            return
+        from jinja2 import TemplateSyntaxError
+
+        from tokenmill.inputs import render_chat_prompt
+
+        template = self.config.chat_template
+        wants_chat = self.config.prompt.chat or self.config.prompt.system is not None
+        if template is None and wants_chat and self.fmt != "openai" and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"--chat and --system need a chat template, and the model {self.config.model} has none; "
+                             "pass --chat-template FILE, or leave out --chat and --system to send the text as it is")
+        if template is None:
+            return
+        try:  # a one-turn conversation: the smallest test that the template compiles
+            render_chat_prompt(self.tokenizer, [{"role": "user", "content": "hi"}], chat_template=template)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+        except Exception:  # noqa: BLE001  (it compiles; a row's own conversation decides whether it renders)
+            pass
 
     def _submit(self, raw: RawRow) -> None:
         request: RowRequest | None = None

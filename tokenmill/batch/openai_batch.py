@@ -73,10 +73,16 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
         if "messages" not in body:
             raise RowError(f"{where}: body.messages is required for {CHAT_URL}", custom_id)
         request.messages = parse_messages(body["messages"], f"{where}: body", custom_id, None)
-        if body.get("logprobs"):
-            top_logprobs = body.get("top_logprobs") or 0
-            if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
-                raise RowError(f"{where}: body.top_logprobs must be an integer in [0, 20]", custom_id)
+        asks = body.get("logprobs")
+        if asks is not None and not isinstance(asks, bool):
+            raise RowError(f"{where}: body.logprobs={asks!r} is invalid: must be true or false", custom_id)
+        top = body.get("top_logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+            raise RowError(f"{where}: body.top_logprobs={top!r} is invalid: must be an integer in [0, 20]", custom_id)
+        if top is not None and not asks:  # OpenAI refuses it too, rather than returning no logprobs
+            raise RowError(f"{where}: body.top_logprobs={top!r} needs body.logprobs=true", custom_id)
+        if asks:
+            top_logprobs = top or 0
             overrides["logprobs"] = top_logprobs
     else:
         _set_completion_prompt(request, body.get("prompt"), where, custom_id)

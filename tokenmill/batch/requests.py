@@ -3,7 +3,8 @@
 A generic row (JSONL, CSV, Parquet) finds its prompt, in this order of precedence:
   1. ``--prompt-template "...{field}..."``: the template filled with the row's fields;
   2. ``--text-field F``: the row's field F;
-  3. the row's own ``messages`` (chat), ``prompt`` (text) or ``prompt_token_ids``.
+  3. the row's own ``messages`` (chat), ``prompt`` (text) or ``prompt_token_ids``, the first that is
+     not null (Parquet gives every row every column).
 Text becomes a chat turn with ``--chat`` (or ``--system``, which needs a chat). A row may override
 sampling values in a ``sampling_params`` object (a JSON string in CSV); a null value there means
 "not set" (Parquet structs fill the keys a row did not set with nulls).
@@ -98,10 +99,12 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
         text = _fill_template(settings.prompt_template, record, where, row_id)
     elif settings.text_field is not None:
         text = _text_field(record, settings.text_field, where, row_id)
-    elif "messages" in record:
+    # A null prompt field counts as absent: Parquet (and a JSONL made from a table) gives every
+    # row every column, so a row with a prompt carries "messages": null and the reverse.
+    elif record.get("messages") is not None:
         request.messages = parse_messages(record["messages"], where, row_id, settings.system)
         return request
-    elif "prompt" in record:
+    elif record.get("prompt") is not None:
         prompt = record["prompt"]
         if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             request.prompt_token_ids = list(prompt)
@@ -109,16 +112,18 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
         if not isinstance(prompt, str):
             raise RowError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}", row_id)
         text = prompt
-    elif "prompt_token_ids" in record:
+    elif record.get("prompt_token_ids") is not None:
         ids = record["prompt_token_ids"]
         if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
             raise RowError(f"{where}: 'prompt_token_ids' must be a list of integers", row_id)
         request.prompt_token_ids = list(ids)
         return request
     else:
+        nulls = sorted(name for name in ("prompt", "messages", "prompt_token_ids") if name in record)
+        null_note = f" ({' and '.join(map(repr, nulls))} {'is' if len(nulls) == 1 else 'are'} null)" if nulls else ""
         raise RowError(
-            f"{where} has no prompt: it needs a 'prompt', 'messages' or 'prompt_token_ids' field "
-            f"(fields: {sorted(record)[:12]}); or pass --text-field or --prompt-template",
+            f"{where} has no prompt: it needs a 'prompt', 'messages' or 'prompt_token_ids' field that is not "
+            f"null{null_note} (fields: {sorted(record)[:12]}); or pass --text-field or --prompt-template",
             row_id,
         )
     if not text:
@@ -157,9 +162,15 @@ def _row_overrides(record: dict[str, Any], where: str, row_id: Any) -> dict[str,
 
 
 def _fill_template(template: str, record: dict[str, Any], where: str, row_id: Any) -> str:
-    missing = [name for name in template_fields(template) if name.split(".")[0].split("[")[0] not in record]
+    names = [name.split(".")[0].split("[")[0] for name in template_fields(template)]
+    missing = [name for name in names if name not in record]
     if missing:
         raise RowError(f"{where} has no field(s) {missing} used by --prompt-template (fields: {sorted(record)[:12]})", row_id)
+    # A null would be filled in as the text "None" and the row generated for a prompt it never had.
+    nulls = sorted({name for name in names if record[name] is None})
+    if nulls:
+        raise RowError(f"{where}: field(s) {nulls} used by --prompt-template are null; the template needs a value "
+                       "in each", row_id)
     values = {k: _as_text(v) for k, v in record.items()}
     try:
         return template.format_map(values)
