@@ -69,7 +69,7 @@ def test_job_state_folders_are_ignored_by_git_and_dtype_help_says_what_auto_does
         (["run", "in.jsonl", "-o", "o.jsonl", "--fsync-interval", "nan"], "--fsync-interval=nan is invalid: must be >= 0"),
         (["run", "in.jsonl", "-o", "o.jsonl", "--progress-interval", "-1"], "--progress-interval=-1.0 is invalid"),
         (["run", "in.jsonl", "-o", "o.jsonl", "--chat-template", "tmpl/chatml.jinja"],
-         "--chat-template 'tmpl/chatml.jinja' is not a file"),
+         "--chat-template: chat_template='tmpl/chatml.jinja' is neither a file nor a Jinja template"),
         (["generate", "hi", "--top-p", "0"], "SamplingParams.top_p=0"),
     ],
 )

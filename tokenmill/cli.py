@@ -39,18 +39,14 @@ _CHAT_MAX_TOKENS = 256
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """--chat-template's value: a file's text, or the value itself when it is a Jinja template."""
-    if value is None:
-        return value
-    if not os.path.isfile(value):
-        if not any(c in value for c in "{}\n"):
-            # vLLM's rule: text without a Jinja brace or a newline is a path. A mistyped one would
-            # otherwise be the template, and every prompt the path itself.
-            raise UsageError(f"--chat-template {value!r} is not a file, and not a Jinja template either (no '{{' "
-                             "or '}' in it); give the path of a template file, or the template's text")
-        return value
-    with open(value, encoding="utf-8") as f:
-        return f.read()
+    """--chat-template's value: a file's text, or the value itself when it is a Jinja template. A
+    mistyped path (no '{', '}' or newline: vLLM's rule) is a usage error, not the template of every prompt."""
+    from tokenmill.inputs import load_chat_template
+
+    try:
+        return load_chat_template(value)
+    except ValueError as e:
+        raise UsageError(f"--chat-template: {e}; give the path of a template file, or the template's text") from None
 
 
 def load_llm(args: argparse.Namespace) -> Any:
