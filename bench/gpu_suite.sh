@@ -51,7 +51,7 @@ for part in $parts; do
       # The whole of tests/gpu (~450 tests) takes ~450 s on the H200: give it most of a call (TESTS_TIMEOUT).
       # TESTS_IGNORE drops files (the quant tests need compressed-tensors from .whl, which cannot travel
       # beside a vLLM bundle part); the Ray tests skip without the Ray bundle and have their own part.
-      [ "$part" = tests ] && sel=tests/gpu || sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py"
+      [ "$part" = tests ] && sel=tests/gpu || sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py tests/gpu/test_logits_processor_gpu.py"
       ignores=""; for f in tests/gpu/test_ray_gpu.py ${TESTS_IGNORE:-}; do ignores="$ignores --ignore=$f"; done
       OMP_NUM_THREADS=$TESTS_OMP timeout ${TESTS_TIMEOUT:-540} python3 -m pytest $sel $ignores -q --maxfail=25 -p no:cacheprovider -rs \
         --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
