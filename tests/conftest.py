@@ -92,6 +92,16 @@ def tiny_mistral_dir(tiny_models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tiny_models_root: Path) -> Path:
+    """Phi-3: q/k/v and gate/up fused in the checkpoint, tied embeddings (no sliding window: the
+    architecture tests run sequences longer than any small window)."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(**tiny_config_kwargs(tie_word_embeddings=True), sliding_window=None, architectures=["Phi3ForCausalLM"])
+    return save_tiny_model(tiny_models_root, "phi3", config, seed=6)
+
+
+@pytest.fixture(scope="session")
 def smollm2_source():
     """The resolved built-in SmolLM2-135M-Instruct, stored in fp32 (the bit-faithful conversion).
 

@@ -4,7 +4,8 @@ Under tensor parallelism each rank keeps 1/N of most weights. Handing the weight
 whole tensor would make every rank read (and page in) the whole checkpoint; a CheckpointTensor
 instead reads just the rows or columns a loader asks for through ``narrow``. It offers the two
 tensor operations the weight loaders use, ``shape`` and ``narrow``, plus ``[...]`` for a whole
-read, so a loader accepts either a CheckpointTensor or a plain ``torch.Tensor``.
+read, so a loader accepts either a CheckpointTensor or a plain ``torch.Tensor``. ``rows_of`` cuts a
+fused tensor into its parts the same lazy way.
 """
 
 from __future__ import annotations
@@ -38,3 +39,32 @@ class CheckpointTensor:
 
     def __repr__(self) -> str:
         return f"CheckpointTensor({self.name!r}, shape={tuple(self.shape)})"
+
+
+class RowSlice:
+    """Rows ``[start, start + length)`` of a checkpoint tensor, read only as far as a loader narrows
+    them: a fused checkpoint tensor (Phi-3's qkv_proj) handed out as its separate parts."""
+
+    def __init__(self, tensor: "CheckpointTensor", start: int, length: int):
+        self._tensor, self._start = tensor, start
+        self.shape = torch.Size((length, *tensor.shape[1:]))
+        self.name = f"{tensor.name}[{start}:{start + length}]"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._tensor.narrow(0, self._start + start, length)
+        return self[...].narrow(dim, start, length)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._tensor.narrow(0, self._start, self.shape[0])[index]
+
+
+def rows_of(tensor: "torch.Tensor | CheckpointTensor", start: int, length: int) -> "torch.Tensor | RowSlice":
+    """Rows of a tensor, lazily for a checkpoint tensor."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(0, start, length)
+    return RowSlice(tensor, start, length)

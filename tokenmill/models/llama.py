@@ -229,3 +229,50 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: RMSNorm over each head of q and k before RoPE; head_dim set explicitly in the config."""
 
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3.5 / Phi-4: the Llama block, with q/k/v and gate/up already fused in the
+    checkpoint (``qkv_proj``, ``gate_up_proj``); they are cut into their parts at load, so tensor
+    parallelism slices each part as for Llama. LongRoPE and partial rotary (Phi-3.5, the 128K
+    variants, Phi-4-mini) are refused by the rotary layer."""
+
+    _FUSED = {".qkv_proj.weight": (".q_proj.weight", ".k_proj.weight", ".v_proj.weight"),
+              ".gate_up_proj.weight": (".gate_proj.weight", ".up_proj.weight")}
+
+    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
+                 quant_config: "QuantizationConfig | None" = None):
+        if quant_config is not None and not all(getattr(scheme, "quantize_at_load", False) for _, scheme in quant_config.groups):
+            raise ValueError("Phi3ForCausalLM: pre-quantized checkpoints are not supported (their fused qkv/gate_up "
+                             "scales are not split); load the full-precision model, optionally with quantization='fp8'")
+        super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
+        attn = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or attn
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // attn
+        inter = config.intermediate_size
+        self._part_rows = {".qkv_proj.weight": (attn * head_dim, kv * head_dim, kv * head_dim),
+                           ".gate_up_proj.weight": (inter, inter)}
+
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False) -> None:
+        from tokenmill.models.checkpoint_tensor import rows_of
+
+        def unfused():
+            for name, tensor in weights:
+                fused = next((f for f in self._FUSED if name.endswith(f)), None)
+                if fused is None:
+                    yield name, tensor
+                    continue
+                start = 0
+                for part, rows in zip(self._FUSED[fused], self._part_rows[fused]):
+                    yield name[: -len(fused)] + part, rows_of(tensor, start, rows)
+                    start += rows
+
+        super().load_weights(unfused(), partial)
+
+    def expected_weight_names(self) -> set[str]:
+        names = set()
+        for name in super().expected_weight_names():
+            fused = next((f for f, parts in self._FUSED.items() for part in parts if name.endswith(part)), None)
+            part = next((p for p in self._FUSED.get(fused, ()) if name.endswith(p)), None)
+            names.add(name[: -len(part)] + fused if part else name)
+        return names

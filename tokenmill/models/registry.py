@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tokenmill.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("tokenmill.models.llama", "Phi3ForCausalLM"),
 }
 
 # Pooling models: HF ``architectures[0]`` -> (module, class name, the pooling task its head serves).
@@ -49,6 +50,7 @@ _MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
