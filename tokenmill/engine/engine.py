@@ -106,8 +106,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         """Validate and queue one request; a ValueError leaves the engine untouched. Returns its id.
 
         With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
-        vLLM's keywords: ``arrival_time`` (``time.monotonic()`` seconds) dates the request for its
-        metrics; ``tokenization_kwargs`` go to the tokenizer for a text prompt; ``prompt_text`` is a
+        vLLM's keywords: ``arrival_time`` (wall-clock ``time.time()`` seconds, as vLLM's) dates the
+        request for its metrics (kept on the engine's monotonic clock); ``tokenization_kwargs`` go to the tokenizer for a text prompt; ``prompt_text`` is a
         token prompt's text for its output; ``priority`` is checked and, under first-come-first-served
         scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request`` must be None.
         """
@@ -124,7 +124,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             (prompt,) = tokenize_prompts([prompt], self.tokenizer, tokenization_kwargs)
         request = self.intake.make_request(request_id, prompt, params, index, self.requests)
         if arrival_time is not None:
-            request.arrival_time = float(arrival_time)
+            request.arrival_time = time.monotonic() - (time.time() - float(arrival_time))
         if prompt_text is not None and request.prompt is None:
             request.prompt = prompt_text
         self.requests[request_id] = request
