@@ -8,6 +8,7 @@ on each sampled token. A constraint that fails to compile is refused with xgramm
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +120,7 @@ class GrammarCache:
                 return self._compile_structural_tag(spec)
             return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)  # an object, as vLLM
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses with the reason
-            raise ValueError(f"structured_outputs.{kind} does not compile: {exc}") from exc
+            raise ValueError(f"structured_outputs.{kind} does not compile: {_reason(exc)}") from exc
 
     def _compile_structural_tag(self, spec: str) -> Any:
         tag = json.loads(spec)
@@ -139,3 +140,8 @@ class GrammarCache:
 
     def apply(self, logits: Any, bitmask: Any) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without the C++ log prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
