@@ -141,6 +141,64 @@ def test_rotary_matches_hf(rope: dict) -> None:
     torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(8, -1), atol=1e-6, rtol=0)
 
 
+def test_longrope_rotary_matches_hf_within_the_original_length() -> None:
+    """Phi-3's LongRoPE within original_max_position_embeddings: transformers' short factors and
+    its cos/sin scale (from max_position_embeddings / original), as its Phi3RotaryEmbedding has them."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from tokenmill.models.layers.rotary import RotaryEmbedding, longrope_limit
+
+    gen = torch.Generator().manual_seed(1)
+    factors = lambda low, high: (low + (high - low) * torch.rand(64, generator=gen)).tolist()  # noqa: E731
+    config = Phi3Config(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
+                        original_max_position_embeddings=4096,
+                        rope_scaling={"type": "longrope", "short_factor": factors(1.0, 3.0), "long_factor": factors(2.0, 40.0)})
+    assert longrope_limit(config) == 4096
+    ours = RotaryEmbedding.from_config(config, head_dim=128)
+    positions = torch.tensor([0, 1, 5, 100, 2000, 4000, 4095])
+    q, k = torch.randn(7, 8 * 128, generator=gen), torch.randn(7, 2 * 128, generator=gen)
+    oq, ok = ours(positions, q, k)
+    cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
+    assert cos.abs().max() > 1.01  # the scale is there (sqrt(1 + ln 32 / ln 4096) = 1.19)
+    rq, rk = apply_rotary_pos_emb(q.view(1, 7, 8, 128).transpose(1, 2), k.view(1, 7, 2, 128).transpose(1, 2), cos, sin)
+    torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(7, -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(7, -1), atol=1e-5, rtol=0)
+
+
+def test_a_longrope_model_runs_to_its_original_length(tiny_phi3_dir, tmp_path) -> None:
+    """A tiny Phi-3 with LongRoPE: max_model_len defaults to original_max_position_embeddings, where
+    greedy tokens and logprobs equal transformers'; a longer max_model_len is refused by name."""
+    import json
+    import shutil
+
+    from reference import hf_greedy, hf_model
+    from tokenmill import LLM, SamplingParams
+
+    folder = tmp_path / "phi3_longrope"
+    shutil.copytree(tiny_phi3_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    gen = torch.Generator().manual_seed(2)
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    config.pop("rope_parameters", None)
+    config.update(original_max_position_embeddings=64, rope_scaling={
+        "type": "longrope", "short_factor": (1 + 2 * torch.rand(half, generator=gen)).tolist(),
+        "long_factor": (4 + 8 * torch.rand(half, generator=gen)).tolist()})
+    (folder / "config.json").write_text(json.dumps(config))
+    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)
+    llm = LLM(str(folder), **options)
+    assert llm.llm_engine.config.max_model_len == 64
+    prompt = _tokens(30, config["vocab_size"], seed=8)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    ref_tokens, ref_logprobs = hf_greedy(hf_model(str(folder)), prompt, 30)
+    assert out.token_ids == ref_tokens
+    ours = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
+    with pytest.raises(ValueError, match=r"max_model_len=128 is past the model's original_max_position_embeddings \(64\)"):
+        LLM(str(folder), max_model_len=128, **options)
+
+
 def test_rope_params_old_and_new_config_layouts() -> None:
     from types import SimpleNamespace
 

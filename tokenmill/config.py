@@ -368,6 +368,25 @@ def window_limited_max_len(max_model_len: int, args: EngineArgs, hf_config: Any)
     return max_model_len
 
 
+def longrope_limited_max_len(max_model_len: int, args: EngineArgs, hf_config: Any) -> int:
+    """max_model_len for a LongRoPE model (Phi-3.5, Phi-3's 128K variants): at most its
+    original_max_position_embeddings, the length up to which its rotation is the same however
+    sequences are batched (tokenmill/models/layers/rotary.py)."""
+    from tokenmill.models.layers.rotary import longrope_limit
+
+    limit = longrope_limit(hf_config)
+    if limit is None or max_model_len <= limit:
+        return max_model_len
+    if args.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} is past the model's original_max_position_embeddings ({limit}): its "
+            f"LongRoPE switches to long-context factors there, which tokenmill does not implement; use max_model_len <= {limit}"
+        )
+    logger.info("LongRoPE model: max_model_len=%d (its original_max_position_embeddings, past which its long-context "
+                "factors are not implemented)", limit)
+    return limit
+
+
 def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     """The settings the engine runs with, for this model: generation, or a pooling model's
     (whole-prompt steps: every prompt must fit one step's token budget)."""
@@ -415,6 +434,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
             f"use max_model_len <= {limit}"
         )
     max_model_len = window_limited_max_len(max_model_len, args, hf_config)
+    max_model_len = longrope_limited_max_len(max_model_len, args, hf_config)
     seqs, batched = _default_batch_limits(device)
     max_num_seqs = args.max_num_seqs or seqs
     dtype = resolve_dtype(args.dtype, device, hf_config)

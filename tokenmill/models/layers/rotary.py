@@ -6,7 +6,11 @@ every position up to ``max_position_embeddings``. The layout is the "neox" one H
 Llama uses: the head is split in halves (x1, x2) rather than interleaved pairs.
 
 Frequencies follow transformers' ``modeling_rope_utils`` for the supported ``rope_type``s
-("default", "linear", "llama3"), computed in fp32 the same way so results match bit for bit.
+("default", "linear", "llama3", "longrope"), computed in fp32 the same way so results match bit
+for bit. LongRoPE (Phi-3.5, Phi-3's 128K variants) switches to its long-context factors once a
+forward reaches past ``original_max_position_embeddings``, which in a batch of many sequences
+would make one sequence's rotation depend on the others; tokenmill keeps the short factors and
+the engine stops at that length (`longrope_limit`), where both agree.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,23 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        if not original:
+            raise ValueError("rope_type='longrope' needs original_max_position_embeddings in the config")
+        params["original_max_position_embeddings"] = int(original)
+        # transformers' rule: the scale of cos and sin, from the context extension factor.
+        factor = params.get("factor") or config.max_position_embeddings / original
+        if params.get("attention_factor") is None:
+            params["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeParams(rope_type=rope_type, theta=float(theta), extra=params)
+
+
+def longrope_limit(config: "PretrainedConfig") -> int | None:
+    """The longest sequence a LongRoPE model runs exactly here (its original_max_position_embeddings);
+    None for other models."""
+    rope = rope_params_from_config(config)
+    return rope.extra["original_max_position_embeddings"] if rope.rope_type == "longrope" else None
 
 
 def inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
@@ -65,6 +85,11 @@ def inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":
         return inv_freq
+    if rope.rope_type == "longrope":  # the short factors: see the module docstring
+        ext_factors = torch.tensor(_require(rope, "short_factor"), dtype=torch.float32)
+        if ext_factors.shape != inv_freq.shape:
+            raise ValueError(f"rope short_factor has {ext_factors.numel()} values; head_dim {head_dim} needs {inv_freq.numel()}")
+        return 1.0 / (ext_factors * rope.theta**exponents)
     factor = float(_require(rope, "factor"))
     if rope.rope_type == "linear":
         # Position interpolation: positions are effectively divided by `factor`.
@@ -109,7 +134,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq.to(torch.float32))
         # [max_position, head_dim]: cos of the half angles, then sin. Kept fp32 and cast at use,
         # which is what HF does with its freshly computed fp32 cos/sin.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        scaling = self.rope.extra.get("attention_factor")  # LongRoPE scales cos and sin (in fp32, as HF)
+        if scaling is not None and scaling != 1.0:
+            table = table * scaling
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     @classmethod
     def from_config(cls, config: "PretrainedConfig", head_dim: int) -> "RotaryEmbedding":
