@@ -26,6 +26,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.executor import Executor
 from tokenmill.engine.controls import EngineControls
 from tokenmill.engine.intake import Intake
+from tokenmill.engine.protocol import check_add_request_keywords
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, Sequence
@@ -107,19 +108,14 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
 
         With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
         vLLM's keywords: ``arrival_time`` (wall-clock ``time.time()`` seconds, as vLLM's) dates the
-        request for its metrics (kept on the engine's monotonic clock); ``tokenization_kwargs`` go to the tokenizer for a text prompt; ``prompt_text`` is a
-        token prompt's text for its output; ``priority`` is checked and, under first-come-first-served
+        request for its metrics (kept on the engine's monotonic clock); ``tokenization_kwargs`` go to
+        the tokenizer for a text prompt; ``prompt_text`` is a token prompt's text for its output; ``priority`` is checked and, under first-come-first-served
         scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request`` must be None.
         """
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.asleep))} freed by sleep()); "
                                "call wake_up() before adding requests")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        check_add_request_keywords(request_id, lora_request, priority)
         if tokenization_kwargs:
             (prompt,) = tokenize_prompts([prompt], self.tokenizer, tokenization_kwargs)
         request = self.intake.make_request(request_id, prompt, params, index, self.requests)

@@ -21,6 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.protocol import check_add_request_keywords
 from tokenmill.inputs import PromptType, parse_prompt, tokenize_prompts, validate_prompt_ids
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
@@ -76,12 +77,7 @@ class PoolingEngine:
         must be None.
         """
         where = f"prompts[{index}]" if index is not None else "prompt"
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        check_add_request_keywords(request_id, lora_request, priority)
         if params is None:
             params = PoolingParams()
         if not isinstance(params, PoolingParams):
