@@ -93,11 +93,13 @@ def tiny_mistral_dir(tiny_models_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_phi3_dir(tiny_models_root: Path) -> Path:
-    """Phi-3: q/k/v and gate/up fused in the checkpoint, tied embeddings (no sliding window: the
-    architecture tests run sequences longer than any small window)."""
+    """Phi-3: q/k/v and gate/up fused in the checkpoint, tied embeddings, rotary on half of each
+    head (as Phi-4-mini on three quarters); no sliding window (the architecture tests run sequences
+    longer than any small window)."""
     from transformers import Phi3Config
 
-    config = Phi3Config(**tiny_config_kwargs(tie_word_embeddings=True), sliding_window=None, architectures=["Phi3ForCausalLM"])
+    config = Phi3Config(**tiny_config_kwargs(tie_word_embeddings=True), sliding_window=None, partial_rotary_factor=0.5,
+                        architectures=["Phi3ForCausalLM"])
     return save_tiny_model(tiny_models_root, "phi3", config, seed=6)
 
 

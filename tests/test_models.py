@@ -141,29 +141,38 @@ def test_rotary_matches_hf(rope: dict) -> None:
     torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(8, -1), atol=1e-6, rtol=0)
 
 
-def test_longrope_rotary_matches_hf_within_the_original_length() -> None:
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_rotary_matches_hf_within_the_original_length(partial: float) -> None:
     """Phi-3's LongRoPE within original_max_position_embeddings: transformers' short factors and
-    its cos/sin scale (from max_position_embeddings / original), as its Phi3RotaryEmbedding has them."""
+    its cos/sin scale (from max_position_embeddings / original), as its Phi3RotaryEmbedding has them;
+    with partial rotary (Phi-4-mini's 0.75) on q/k whose head dims are reordered as the model's
+    loader reorders them (``partial_rotary_permutation``), and put back for the comparison."""
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
-    from tokenmill.models.layers.rotary import RotaryEmbedding, longrope_limit
+    from tokenmill.models.layers.rotary import RotaryEmbedding, longrope_limit, partial_rotary_permutation
 
     gen = torch.Generator().manual_seed(1)
-    factors = lambda low, high: (low + (high - low) * torch.rand(64, generator=gen)).tolist()  # noqa: E731
+    pairs = int(128 * partial) // 2
+    factors = lambda low, high: (low + (high - low) * torch.rand(pairs, generator=gen)).tolist()  # noqa: E731
     config = Phi3Config(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
-                        original_max_position_embeddings=4096,
+                        original_max_position_embeddings=4096, partial_rotary_factor=partial,
                         rope_scaling={"type": "longrope", "short_factor": factors(1.0, 3.0), "long_factor": factors(2.0, 40.0)})
     assert longrope_limit(config) == 4096
     ours = RotaryEmbedding.from_config(config, head_dim=128)
+    perm = partial_rotary_permutation(128, ours.rope)
+    assert (perm is None) == (partial == 1.0)
+    order = torch.arange(128) if perm is None else perm
     positions = torch.tensor([0, 1, 5, 100, 2000, 4000, 4095])
-    q, k = torch.randn(7, 8 * 128, generator=gen), torch.randn(7, 2 * 128, generator=gen)
-    oq, ok = ours(positions, q, k)
+    q, k = torch.randn(7, 8, 128, generator=gen), torch.randn(7, 2, 128, generator=gen)
+    oq, ok = ours(positions, q[..., order].reshape(7, -1), k[..., order].reshape(7, -1))
+    back = torch.argsort(order)
+    oq, ok = oq.view(7, 8, 128)[..., back], ok.view(7, 2, 128)[..., back]
     cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
     assert cos.abs().max() > 1.01  # the scale is there (sqrt(1 + ln 32 / ln 4096) = 1.19)
-    rq, rk = apply_rotary_pos_emb(q.view(1, 7, 8, 128).transpose(1, 2), k.view(1, 7, 2, 128).transpose(1, 2), cos, sin)
-    torch.testing.assert_close(oq, rq.transpose(1, 2).reshape(7, -1), atol=1e-5, rtol=0)
-    torch.testing.assert_close(ok, rk.transpose(1, 2).reshape(7, -1), atol=1e-5, rtol=0)
+    rq, rk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(oq, rq[0].transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ok, rk[0].transpose(0, 1), atol=1e-5, rtol=0)
 
 
 def test_a_longrope_model_runs_to_its_original_length(tiny_phi3_dir, tmp_path) -> None:
@@ -179,10 +188,10 @@ def test_a_longrope_model_runs_to_its_original_length(tiny_phi3_dir, tmp_path) -
     shutil.copytree(tiny_phi3_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     gen = torch.Generator().manual_seed(2)
-    half = config["hidden_size"] // config["num_attention_heads"] // 2
-    config.pop("rope_parameters", None)
+    partial = config.pop("rope_parameters")["partial_rotary_factor"]  # the fixture's, kept: LongRoPE on part of each head
+    half = int(config["hidden_size"] // config["num_attention_heads"] * partial) // 2
     config.update(original_max_position_embeddings=64, rope_scaling={
-        "type": "longrope", "short_factor": (1 + 2 * torch.rand(half, generator=gen)).tolist(),
+        "type": "longrope", "partial_rotary_factor": partial, "short_factor": (1 + 2 * torch.rand(half, generator=gen)).tolist(),
         "long_factor": (4 + 8 * torch.rand(half, generator=gen)).tolist()})
     (folder / "config.json").write_text(json.dumps(config))
     options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)

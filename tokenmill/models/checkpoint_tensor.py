@@ -68,3 +68,32 @@ def rows_of(tensor: "torch.Tensor | CheckpointTensor", start: int, length: int) 
     if isinstance(tensor, torch.Tensor):
         return tensor.narrow(0, start, length)
     return RowSlice(tensor, start, length)
+
+
+class HeadPermuted:
+    """A q or k projection's rows (weight or bias) with each head's rows in ``perm`` order, read
+    as lazily as the tensor underneath: a loader narrows whole heads (tensor-parallel slices are
+    whole heads). Partial rotary uses it (``rotary.partial_rotary_permutation``)."""
+
+    def __init__(self, tensor: Any, head_dim: int, perm: torch.Tensor):
+        if tensor.shape[0] % head_dim:
+            raise ValueError(f"{tensor!r} has {tensor.shape[0]} rows, not whole heads of {head_dim}")
+        self._tensor, self._head_dim, self._perm = tensor, head_dim, perm
+        self.shape = tensor.shape
+        self.name = getattr(tensor, "name", "tensor")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim != 0:
+            return self[...].narrow(dim, start, length)
+        if start % self._head_dim or length % self._head_dim:
+            raise ValueError(f"rows [{start}, {start + length}) of {self.name!r} are not whole heads of {self._head_dim}")
+        rows = self._tensor.narrow(0, start, length)
+        heads = rows.reshape(length // self._head_dim, self._head_dim, *rows.shape[1:])
+        return heads[:, self._perm].reshape(rows.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])[index]

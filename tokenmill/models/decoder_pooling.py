@@ -29,6 +29,7 @@ from tokenmill.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     TensorParallel,
+    qk_rows_for_rotary,
 )
 from tokenmill.models.weights import load_hf_weights
 
@@ -70,7 +71,7 @@ class DecoderEmbeddingModel(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_hf_weights(self, weights, STACKED, self._checkpoint_name)
+        load_hf_weights(self, qk_rows_for_rotary(weights, self.model), STACKED, self._checkpoint_name)
 
     def _checkpoint_name(self, name: str) -> str | None:
         """The name of a checkpoint tensor in this model, or None when it is not used (the LM head)."""

@@ -25,7 +25,7 @@ from tokenmill.models.layers.attention import Attention
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.models.layers.norm import RMSNorm
-from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.layers.rotary import RotaryEmbedding, partial_rotary_permutation
 from tokenmill.models.weights import hf_weight_names, load_hf_weights
 from tokenmill.quantization import linear_method
 
@@ -45,6 +45,8 @@ STACKED = (
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 )
+# The q and k projections' rows (reordered per head for partial rotary).
+_QK_ROWS = (".q_proj.weight", ".k_proj.weight", ".q_proj.bias", ".k_proj.bias")
 # Checkpoint entries that are not weights (old HF checkpoints saved the rope buffer).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -152,6 +154,11 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn = self.layers[0].self_attn
+        if quant is not None and partial_rotary_permutation(attn.head_dim, attn.rotary_emb.rope) is not None and not all(
+                getattr(scheme, "quantize_at_load", False) for _, scheme in quant.groups):
+            raise ValueError("partial rotary with a pre-quantized checkpoint is not supported (its q/k scales would "
+                             "need the reordering its q/k rows get at load)")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -160,6 +167,19 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+def qk_rows_for_rotary(weights: Iterable[tuple[str, Any]], model: LlamaModel) -> Iterable[tuple[str, Any]]:
+    """The checkpoint's tensors, with each q/k head's rows reordered when the model's rotary is
+    partial (``rotary.partial_rotary_permutation``: a full-head rotation then does it)."""
+    from tokenmill.models.checkpoint_tensor import HeadPermuted
+
+    attn = model.layers[0].self_attn
+    perm = partial_rotary_permutation(attn.head_dim, attn.rotary_emb.rope)
+    for name, tensor in weights:
+        if perm is not None and name.endswith(_QK_ROWS):
+            tensor = HeadPermuted(tensor, attn.head_dim, perm)
+        yield name, tensor
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
                 return None  # tied: the embedding is the head; HF ignores this copy too
             return name
 
-        load_hf_weights(self, weights, STACKED, rename, partial=partial)
+        load_hf_weights(self, qk_rows_for_rotary(weights, self.model), STACKED, rename, partial=partial)
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""

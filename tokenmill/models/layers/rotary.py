@@ -56,8 +56,10 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
     partial = params.pop("partial_rotary_factor", None) or getattr(config, "partial_rotary_factor", None) or 1.0
+    if not 0.0 < float(partial) <= 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is invalid: must be in (0, 1]")
     if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        params["partial_rotary_factor"] = float(partial)
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     if rope_type == "longrope":
@@ -79,8 +81,39 @@ def longrope_limit(config: "PretrainedConfig") -> int | None:
     return rope.extra["original_max_position_embeddings"] if rope.rope_type == "longrope" else None
 
 
+def rotary_dim(head_dim: int, rope: RopeParams) -> int:
+    """How many of a head's dims rotate (transformers: ``int(head_dim * partial_rotary_factor)``)."""
+    dim = int(head_dim * rope.extra.get("partial_rotary_factor", 1.0))
+    if dim % 2 or (head_dim - dim) % 2:
+        raise ValueError(f"partial rotary over {dim} of {head_dim} dims is not supported: both parts must be even")
+    return dim
+
+
+def partial_rotary_permutation(head_dim: int, rope: RopeParams) -> torch.Tensor | None:
+    """For partial rotary: the order of a head's q/k dims that lets a full-head rotation do it.
+
+    transformers rotates the first ``r`` dims as pairs (i, i + r/2) and passes the rest through.
+    The kernels rotate pairs (i, i + head_dim/2). With q and k rows reordered the same way (their
+    dot product does not change) as [rotating first halves, pass-through A, rotating second
+    halves, pass-through B], the pairs line up, and the pass-through pairs get angle 0 (cos 1,
+    sin 0) in the table. ``new[j] = old[perm[j]]``; None for full rotary."""
+    dim = rotary_dim(head_dim, rope)
+    if dim == head_dim:
+        return None
+    half, rest = dim // 2, (head_dim - dim) // 2
+    return torch.cat([torch.arange(half), torch.arange(dim, dim + rest),
+                      torch.arange(half, dim), torch.arange(dim + rest, head_dim)])
+
+
 def inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, scaled as ``rope.rope_type`` prescribes."""
+    """[head_dim // 2] fp32 inverse frequencies, scaled as ``rope.rope_type`` prescribes; with partial
+    rotary the pass-through pairs (see `partial_rotary_permutation`) get frequency 0."""
+    dim = rotary_dim(head_dim, rope)
+    inv_freq = _inverse_frequencies(dim, rope)
+    return torch.cat([inv_freq, torch.zeros((head_dim - dim) // 2, dtype=inv_freq.dtype)])
+
+
+def _inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":
@@ -134,10 +167,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq.to(torch.float32))
         # [max_position, head_dim]: cos of the half angles, then sin. Kept fp32 and cast at use,
         # which is what HF does with its freshly computed fp32 cos/sin.
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
         scaling = self.rope.extra.get("attention_factor")  # LongRoPE scales cos and sin (in fp32, as HF)
         if scaling is not None and scaling != 1.0:
-            table = table * scaling
+            rotating = rotary_dim(self.head_dim, self.rope) // 2  # pass-through pairs stay (1, 0)
+            cos[:, :rotating] *= scaling
+            sin[:, :rotating] *= scaling
+        table = torch.cat([cos, sin], dim=-1)
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
     @classmethod
