@@ -1,0 +1,153 @@
+"""vLLM 0.26's assertions on generation (tests/samplers/, tests/v1/sample/, tests/detokenizer/,
+tests/entrypoints/llm/, tests/test_sampling_params.py of vLLM) that make sense on a tiny model on a
+CPU, run against tokenmill. References are Hugging Face transformers (fp32) and the model's own
+tokenizer; the vLLM rules a test pins (which text a stop token leaves, when min_tokens lets a stop
+string count, ...) are quoted from vLLM 0.26's source where no reference computes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import hf_greedy, hf_model, hf_next_logprobs
+from tokenmill import LLM, SamplingParams
+
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=48, kv_cache_memory_bytes=8 * 2**20, max_num_seqs=8, seed=0)
+PROMPTS = ["Hello, my name is", "The capital of France is", "the cat sat on the mat"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+EOS = 2  # the tiny tokenizer's <|im_end|> (tests/support/tiny_models.py)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    return hf_model(str(tiny_llama_dir))
+
+
+def generate_one(llm, prompt, params):
+    return llm.generate(prompt, params, use_tqdm=False)[0]
+
+
+# --- tests/samplers/test_logprobs.py, test_ranks.py; tests/v1/sample/test_logprobs_e2e.py ---------
+
+def test_logprobs_and_ranks_match_hugging_face(llm, reference):
+    """Greedy: `logprobs` top entries per position (the sampled one among them, rank 1), values and
+    ranks of Hugging Face's log-softmax, cumulative_logprob their sum; prompt_logprobs: None first,
+    then the prompt token plus the top ones."""
+    k = 3
+    for prompt in PROMPTS:
+        out = generate_one(llm, prompt, GREEDY.clone(logprobs=k, prompt_logprobs=k))
+        completion, ids = out.outputs[0], out.prompt_token_ids
+        assert len(completion.logprobs) == len(completion.token_ids) == GREEDY.max_tokens
+        context = list(ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            expected = hf_next_logprobs(reference, context)
+            assert len(entry) == k and entry[token].rank == 1
+            top = torch.topk(expected, k)
+            assert list(entry) == top.indices.tolist()  # best first, as vLLM's dict is ordered
+            for tid, lp in entry.items():
+                assert abs(lp.logprob - float(expected[tid])) < 1e-4
+            context.append(token)
+        assert abs(completion.cumulative_logprob - sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs))) < 1e-6
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for position in range(1, len(ids)):
+            entry, expected = out.prompt_logprobs[position], hf_next_logprobs(reference, ids[:position])
+            assert ids[position] in entry and len(entry) in (k, k + 1)
+            assert entry[ids[position]].rank == int((expected > expected[ids[position]]).sum()) + 1
+
+
+def test_sampled_ranks_are_ranks_in_the_distribution(llm, reference):
+    """test_ranks: a sampled token's rank is >= 1 and counts the tokens more likely than it."""
+    out = generate_one(llm, PROMPTS[0], SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=0))
+    context = list(out.prompt_token_ids)
+    for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        expected = hf_next_logprobs(reference, context)
+        assert list(entry) == [token]  # logprobs=0: the sampled token alone
+        assert entry[token].rank == int((expected > expected[token]).sum()) + 1
+        context.append(token)
+
+
+def test_max_logprobs_is_enforced(llm):
+    """test_max_logprobs: more than LLM(max_logprobs=20) alternatives is a ValueError."""
+    generate_one(llm, PROMPTS[0], GREEDY.clone(logprobs=20, max_tokens=1))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        generate_one(llm, PROMPTS[0], GREEDY.clone(logprobs=21))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        generate_one(llm, PROMPTS[0], GREEDY.clone(prompt_logprobs=21))
+
+
+# --- tests/samplers/test_ignore_eos.py, tests/detokenizer/test_stop_reason.py ----------------------
+
+def test_ignore_eos_runs_to_max_tokens_and_eos_stops_otherwise(llm, reference):
+    forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={EOS: 100.0})
+    out = generate_one(llm, PROMPTS[0], forced.clone(ignore_eos=True)).outputs[0]
+    assert out.token_ids == [EOS] * 5 and out.finish_reason == "length" and out.stop_reason is None
+    out = generate_one(llm, PROMPTS[0], forced).outputs[0]
+    assert out.token_ids == [EOS] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_stop_reason_of_stop_ids_strings_and_length(llm, reference):
+    ids = llm.get_tokenizer()(PROMPTS[2])["input_ids"]
+    greedy = hf_greedy(reference, ids, 8)[0]
+    third = greedy[2]
+    out = generate_one(llm, PROMPTS[2], GREEDY.clone(stop_token_ids=[third])).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == third and out.token_ids == greedy[:3]
+    out = generate_one(llm, PROMPTS[2], GREEDY).outputs[0]
+    assert out.finish_reason == "length" and out.stop_reason is None and out.token_ids == greedy
+
+
+# --- tests/detokenizer/test_stop_token_ids.py, test_stop_strings.py, test_min_tokens.py ---------------
+
+def test_a_stop_tokens_text_is_left_out_unless_asked(llm, reference):
+    """vLLM's detokenizer drops the text of the token that stopped the sequence (eos or a stop id)
+    unless include_stop_str_in_output; its id stays in token_ids. Before, tokenmill kept the text
+    (with skip_special_tokens=False even '<|im_end|>')."""
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    greedy = hf_greedy(reference, ids, 8)[0]
+    stop_at = next(i for i, t in enumerate(greedy) if tokenizer.decode([t]).strip())  # a token with visible text
+    params = GREEDY.clone(stop_token_ids=[greedy[stop_at]])
+    out = generate_one(llm, PROMPTS[2], params).outputs[0]
+    assert out.token_ids == greedy[: stop_at + 1]
+    assert out.text == tokenizer.decode(greedy[:stop_at])
+    kept = generate_one(llm, PROMPTS[2], params.clone(include_stop_str_in_output=True)).outputs[0]
+    assert kept.text == tokenizer.decode(greedy[: stop_at + 1])
+    eos = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={EOS: 100.0}, skip_special_tokens=False)
+    out = generate_one(llm, PROMPTS[0], eos).outputs[0]
+    assert out.token_ids == [EOS] and out.text == ""
+    assert generate_one(llm, PROMPTS[0], eos.clone(include_stop_str_in_output=True)).outputs[0].text == "<|im_end|>"
+
+
+def test_stop_strings_cut_the_text_and_count_after_min_tokens(llm, reference):
+    """Stop strings: text cut before (or, included, after) the string, stop_reason the string,
+    token_ids up to the token that completed it. With min_tokens=m, vLLM checks stop strings only
+    once more than m tokens are out (`num_output_tokens() > min_tokens`): a string the m-th token
+    completes does not stop the sequence (tokenmill stopped there before)."""
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    greedy = hf_greedy(reference, ids, 12)[0]
+    pieces = [tokenizer.decode(greedy[:i]) for i in range(len(greedy) + 1)]
+    # a stop string of one token's text: where it first ends, and whether it ends again later
+    stop_at = next(i for i, t in enumerate(greedy) if tokenizer.decode([t]).strip())
+    stop = tokenizer.decode([greedy[stop_at]])
+    text = pieces[-1]
+    first = text.find(stop)
+    out = generate_one(llm, PROMPTS[2], GREEDY.clone(max_tokens=12, stop=[stop])).outputs[0]
+    assert out.text == text[:first] and out.stop_reason == stop and out.finish_reason == "stop"
+    ends = next(i for i in range(len(pieces)) if len(pieces[i]) >= first + len(stop))  # tokens out when it completes
+    assert out.token_ids == greedy[:ends]
+    included = generate_one(llm, PROMPTS[2], GREEDY.clone(max_tokens=12, stop=[stop], include_stop_str_in_output=True))
+    assert included.outputs[0].text == text[: first + len(stop)]
+    # min_tokens = the count at which it completes: that token may not stop; the next occurrence does
+    held = generate_one(llm, PROMPTS[2], GREEDY.clone(max_tokens=12, stop=[stop], min_tokens=ends)).outputs[0]
+    later = text.find(stop, len(pieces[ends]) - len(stop) + 1)
+    if later == -1:
+        assert held.finish_reason == "length" and held.text == text
+    else:
+        assert held.stop_reason == stop and held.text == text[:later] and len(held.token_ids) > ends
+    assert len(held.token_ids) > ends
+
