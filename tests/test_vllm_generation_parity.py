@@ -37,7 +37,8 @@ def generate_one(llm, prompt, params):
 def test_logprobs_and_ranks_match_hugging_face(llm, reference):
     """Greedy: `logprobs` top entries per position (the sampled one among them, rank 1), values and
     ranks of Hugging Face's log-softmax, cumulative_logprob their sum; prompt_logprobs: None first,
-    then the prompt token plus the top ones."""
+    then the prompt token plus the top ones. (test_logprobs' "decoded top tokens spell the text":
+    test_decoded_tokens_complete_split_characters, on text whose bytes we choose.)"""
     k = 3
     for prompt in PROMPTS:
         out = generate_one(llm, prompt, GREEDY.clone(logprobs=k, prompt_logprobs=k))
@@ -151,3 +152,27 @@ def test_stop_strings_cut_the_text_and_count_after_min_tokens(llm, reference):
         assert held.stop_reason == stop and held.text == text[:later] and len(held.token_ids) > ends
     assert len(held.token_ids) > ends
 
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    """test_disable_detokenization: same tokens, empty text; vLLM also leaves decoded_token None."""
+    params = GREEDY.clone(logprobs=1)
+    with_text = generate_one(llm, PROMPTS[0], params).outputs[0]
+    without = generate_one(llm, PROMPTS[0], params.clone(detokenize=False)).outputs[0]
+    assert without.text == "" and with_text.text != "" and without.token_ids == with_text.token_ids
+    assert all(lp.decoded_token is None for entry in without.logprobs for lp in entry.values())
+
+
+def test_decoded_tokens_complete_split_characters(llm):
+    """vLLM 0.26 reports a token holding part of a character ("é" is two byte tokens here) as ""
+    and the token that completes it as the whole character (LogprobsProcessor._verify_tokens),
+    so a position's decoded tokens, read in order, spell the text; tokenmill said "\ufffd" for both.
+    Checked on prompt logprobs, whose tokens the test chooses, in both containers."""
+    tokenizer = llm.get_tokenizer()
+    text = "the café é"
+    ids = tokenizer(text)["input_ids"]
+    assert len(tokenizer.encode("é", add_special_tokens=False)) == 2  # the case under test
+    for flat in (False, True):
+        out = generate_one(llm, text, SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=flat))
+        decoded = [out.prompt_logprobs[i][ids[i]].decoded_token for i in range(1, len(ids))]
+        assert "".join(decoded) == tokenizer.decode(ids[1:])
+        assert "\ufffd" not in "".join(decoded) and decoded[-2:] == ["", "é"]
