@@ -176,3 +176,43 @@ def test_decoded_tokens_complete_split_characters(llm):
         decoded = [out.prompt_logprobs[i][ids[i]].decoded_token for i in range(1, len(ids))]
         assert "".join(decoded) == tokenizer.decode(ids[1:])
         assert "\ufffd" not in "".join(decoded) and decoded[-2:] == ["", "é"]
+
+
+# --- tests/test_sampling_params.py, tests/v1/sample/test_sampling_params_e2e.py; vLLM 0.26's SamplingParams ---
+
+def test_sampling_params_spellings_and_checks_of_vllm():
+    """vLLM 0.26's __post_init__ / _verify_args: logprobs=True is 1, seed=-1 is no seed, a positive
+    temperature below 0.01 is raised to 0.01 (so it samples), temperature above 2, n > 1 with greedy
+    sampling and stop strings without detokenization are refused (tokenmill accepted all three,
+    and ignored the stop strings)."""
+    assert SamplingParams(logprobs=True, prompt_logprobs=True).logprobs == 1
+    assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(seed=-1).seed is None
+    low = SamplingParams(temperature=1e-3)
+    assert low.temperature == 0.01 and low.sampling_type.name == "RANDOM"
+    assert SamplingParams(temperature=2.0).temperature == 2.0
+    with pytest.raises(ValueError, match=r"SamplingParams.temperature=2.5 is invalid: must be in \[0, 2\]"):
+        SamplingParams(temperature=2.5)
+    with pytest.raises(ValueError, match="SamplingParams.n=2 is invalid: must be 1 when using greedy sampling"):
+        SamplingParams(n=2, temperature=0.0)
+    assert SamplingParams(n=2, temperature=1e-3).n == 2  # raised to 0.01: not greedy
+    with pytest.raises(ValueError, match=r"SamplingParams.stop=\['a'\] is invalid: must be empty when detokenize=False"):
+        SamplingParams(stop="a", detokenize=False)
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1
+    with pytest.raises(ValueError, match="logprobs=-2 is invalid"):
+        SamplingParams(logprobs=-2)
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_llama_dir, llm, reference):
+    """vLLM: logprobs=-1 / prompt_logprobs=-1 return every token's logprob, allowed when
+    LLM(max_logprobs=-1) (or a limit >= the vocabulary); under the default 20 it is refused."""
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary, 289\) is invalid: must be <= max_logprobs \(20\)"):
+        generate_one(llm, PROMPTS[0], GREEDY.clone(logprobs=-1))
+    whole = LLM(str(tiny_llama_dir), **{**OPTIONS, "max_logprobs": -1})
+    out = generate_one(whole, PROMPTS[0], GREEDY.clone(max_tokens=2, logprobs=-1, prompt_logprobs=-1))
+    vocab = reference.config.vocab_size
+    expected = hf_next_logprobs(reference, out.prompt_token_ids)
+    first = out.outputs[0].logprobs[0]
+    assert len(first) == vocab and all(abs(first[t].logprob - float(expected[t])) < 1e-4 for t in range(vocab))
+    assert all(len(entry) == vocab for entry in out.prompt_logprobs[1:])
+
