@@ -216,3 +216,13 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_llama_dir, llm, referen
     assert len(first) == vocab and all(abs(first[t].logprob - float(expected[t])) < 1e-4 for t in range(vocab))
     assert all(len(entry) == vocab for entry in out.prompt_logprobs[1:])
 
+
+def test_truncate_prompt_tokens_in_tokenization_kwargs_is_refused_not_ignored(llm):
+    """vLLM 0.26 truncates generation prompts with tokenization_kwargs={"truncate_prompt_tokens": k}
+    (its renderer's key, keeping the tokenizer's side); the tokenizer tokenmill handed it to ignored
+    it, so the whole prompt ran. Now it is refused, naming what does truncate."""
+    with pytest.raises(ValueError, match=r"tokenization_kwargs\['truncate_prompt_tokens'\]=3 is not supported for generation"):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    assert generate_one(llm, PROMPTS[2], GREEDY.clone(truncate_prompt_tokens=3)).prompt_token_ids == ids[-3:]
