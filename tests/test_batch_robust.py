@@ -194,12 +194,12 @@ BAD_VALUES = [
     ('{"ignore_eos": "no"}', "SamplingParams.ignore_eos='no'"),
     ('{"temperature": Infinity}', "SamplingParams.temperature=inf"),
     ('{"top_p": NaN}', "SamplingParams.top_p=nan"),
-    ('{"logprobs": true}', "SamplingParams.logprobs=True"),
+    ('{"logprobs": "3"}', "SamplingParams.logprobs='3'"),  # (true is vLLM's 1)
     ('{"seed": 1.5}', "SamplingParams.seed=1.5"),
     ('{"max_tokens": 1e12}', "SamplingParams.max_tokens=1000000000000.0"),
     ('{"max_tokens": 1000000000000}', "max_model_len (128)"),
-    ('{"n": 1000000}', "max_num_seqs (4)"),
-    ('{"n": 2, "best_of": 1000}', "max_num_seqs (4)"),
+    ('{"n": 1000000, "temperature": 1.0}', "max_num_seqs (4)"),  # (sampled: n > 1 is refused under greedy)
+    ('{"n": 2, "best_of": 1000, "temperature": 1.0}', "max_num_seqs (4)"),
     ('{"skip_special_tokens": 0}', "SamplingParams.skip_special_tokens=0"),
 ]
 

@@ -27,7 +27,7 @@ def test_single_stop_string_becomes_a_list_and_top_k_minus_one_means_off():
 @pytest.mark.parametrize(
     "kwargs, field, allowed",
     [
-        ({"temperature": -0.1}, "temperature", ">= 0"),
+        ({"temperature": -0.1}, "temperature", "in [0, 2]"),
         ({"top_p": 0.0}, "top_p", "(0, 1]"),
         ({"top_p": 1.5}, "top_p", "(0, 1]"),
         ({"max_tokens": 0}, "max_tokens", ">= 1"),
@@ -37,7 +37,7 @@ def test_single_stop_string_becomes_a_list_and_top_k_minus_one_means_off():
         ({"presence_penalty": 3.0}, "presence_penalty", "[-2, 2]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "<= max_tokens"),
-        ({"logprobs": -1}, "logprobs", ">= 0"),
+        ({"logprobs": -2}, "logprobs", "-1 (the whole vocabulary)"),
         ({"temperature": "hot"}, "temperature", "a finite number"),
         ({"stop": [""]}, "stop", "non-empty"),
         ({"stop_token_ids": [-3]}, "stop_token_ids", "non-negative"),
@@ -102,7 +102,7 @@ def test_from_optional_rejects_unknown_fields():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", True), ("n", True), ("seed", False), ("logprobs", True), ("prompt_logprobs", True),
+    ("max_tokens", True), ("n", True), ("seed", False),
     ("best_of", True), ("top_k", 2.0), ("min_tokens", True), ("truncate_prompt_tokens", True),
     ("ignore_eos", "no"), ("ignore_eos", 1), ("skip_special_tokens", "false"), ("detokenize", None),
     ("include_stop_str_in_output", 0), ("spaces_between_special_tokens", "yes"),

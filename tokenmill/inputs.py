@@ -110,6 +110,12 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs
     already has token ids is left as it is."""
     if not isinstance(tokenization_kwargs, dict):
         raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got {type(tokenization_kwargs).__name__}")
+    for key in ("truncate_prompt_tokens", "truncation_side"):
+        # vLLM 0.26's renderer keys, not the tokenizer's (which would ignore them without a word).
+        if key in tokenization_kwargs:
+            raise ValueError(f"tokenization_kwargs[{key!r}]={tokenization_kwargs[key]!r} is not supported for generation: "
+                             "use SamplingParams(truncate_prompt_tokens=k) (keeps the last k prompt tokens), or "
+                             "tokenization_kwargs={'truncation': True, 'max_length': k} (the tokenizer's own side)")
     found = []
     for i, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum, IntFlag
@@ -22,6 +23,11 @@ LogitsProcessor = Callable[..., Any]
 ENGINE_FILLED_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
 
 _GREEDY_EPS = 1e-5
+# vLLM's smallest sampling temperature (its _MAX_TEMP): a lower positive one is raised to it, since
+# dividing logits by less risks inf/nan; vLLM logs the same warning.
+_MIN_TEMPERATURE = 1e-2
+_MAX_TEMPERATURE = 2.0  # vLLM 0.26 refuses a higher temperature
+logger = logging.getLogger(__name__)
 _check = functools.partial(check, owner="SamplingParams")  # BeamSearchParams passes its own owner
 
 # The longest logprob_token_ids list (vLLM's limit and name).
@@ -78,8 +84,8 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # top tokens per prompt position besides the prompt's own
+    logprobs: int | None = None  # top tokens per output position besides the sampled one; -1: the whole vocabulary
+    prompt_logprobs: int | None = None  # top tokens per prompt position besides the prompt's own; -1 as for logprobs
     # Instead of the top ``logprobs`` tokens, each output position lists the sampled token and exactly
     # these ids (raw logprobs, like ``logprobs``; prompt logprobs are not affected). Each listed id's
     # rank is its place in this list (1 first), as vLLM reports it; the sampled token keeps its
@@ -127,6 +133,12 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        # vLLM's spellings: logprobs=True / prompt_logprobs=True mean 1, seed=-1 means no seed.
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         # Checked before list() below: list() of a number raises a bare "not iterable", and of a
@@ -170,6 +182,10 @@ class SamplingParams:
                    "a dict of integer token ids -> finite numbers")
             self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in bias.items()}
         self._validate()
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors; "
+                           "raised to %s (as vLLM does)", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         if self.temperature < _GREEDY_EPS:
             # Greedy ignores the filtering knobs; normalising keeps the sampler's fast path simple.
             self.temperature = 0.0
@@ -211,7 +227,10 @@ class SamplingParams:
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(0.0 <= self.temperature <= _MAX_TEMPERATURE, "temperature", self.temperature,
+               f"in [0, {_MAX_TEMPERATURE:g}] (0 means greedy)")
+        _check(self.n == 1 or self.temperature > 0.0, "n", self.n,
+               "1 when using greedy sampling (temperature=0): every sample would be the same")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or >= 1")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
@@ -224,12 +243,8 @@ class SamplingParams:
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs",
-            self.logprobs,
-            "None or an integer >= 0",
-        )
+        _check(self.logprobs is None or self.logprobs >= -1, "logprobs", self.logprobs,
+               "None, an integer >= 0 or -1 (the whole vocabulary)")
         _check(
             self.truncate_prompt_tokens is None
             or (isinstance(self.truncate_prompt_tokens, int) and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
@@ -237,14 +252,12 @@ class SamplingParams:
             self.truncate_prompt_tokens,
             "None, -1 (max_model_len) or an integer >= 1",
         )
-        _check(
-            self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
-            "prompt_logprobs",
-            self.prompt_logprobs,
-            "None or an integer >= 0",
-        )
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs", self.prompt_logprobs,
+               "None, an integer >= 0 or -1 (the whole vocabulary)")
         self._validate_logprob_token_ids()
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(not self.stop or self.detokenize, "stop", self.stop,
+               "empty when detokenize=False: stop strings are found in the text (set detokenize=True to use stop)")
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -54,7 +54,7 @@ class Intake:
         if request_id in ids_in_use:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if beam_params is None:
-            self._check_logprobs(params, where)
+            params = self._check_logprobs(params, where)
         for processor in self.config.logits_processors:  # vLLM's validate_params, where a class has it
             try:
                 getattr(processor, "validate_params", lambda params: None)(params)
@@ -149,19 +149,30 @@ class Intake:
         params.bad_words_token_ids = sequences
         return params
 
-    def _check_logprobs(self, params: SamplingParams, where: str) -> None:
+    def _check_logprobs(self, params: SamplingParams, where: str) -> SamplingParams:
         """vLLM's rule: at most ``max_logprobs`` alternatives per position (-1: the vocabulary), and
-        never more than the vocabulary holds (asking for more would fail inside the step)."""
+        never more than the vocabulary holds (asking for more would fail inside the step). A
+        request's -1 (vLLM: every token of the vocabulary) counts as the vocabulary's size and is
+        replaced by it, on a shallow copy, for the runner."""
         vocab, most = self.config.vocab_size, self.config.max_logprobs
         if most == -1 or most >= vocab:
             limit, allowed = vocab, f"<= the size of the vocabulary ({vocab})"
         else:
             limit = most
             allowed = f"<= max_logprobs ({most}); LLM(max_logprobs=N) raises the limit, -1 allows the whole vocabulary"
+        whole = {}
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
+            if value == -1:
+                value = whole[name] = vocab
             if value is not None and value > limit:
-                raise ValueError(f"{where}: SamplingParams.{name}={value} is invalid: must be {allowed}")
+                shown = f"-1 (the whole vocabulary, {vocab})" if name in whole else str(value)
+                raise ValueError(f"{where}: SamplingParams.{name}={shown} is invalid: must be {allowed}")
+        if whole:
+            params = copy.copy(params)  # __post_init__ not rerun: the engine's fields stay as they are
+            for name, value in whole.items():
+                setattr(params, name, value)
+        return params
 
     def _check_fits_cache(self, token_ids: list[int], params: SamplingParams, where: str) -> None:
         longest = len(token_ids) + (params.max_tokens or self.config.max_model_len)

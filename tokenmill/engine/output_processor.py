@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.step import StepResult
-from tokenmill.logprobs import PromptLogprobs, SampleLogprobs, append_position
+from tokenmill.logprobs import FlatLogprobs, PromptLogprobs, SampleLogprobs, append_position
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
@@ -39,7 +39,7 @@ class OutputProcessor:
                 top = None
                 if chunk.top_ids is not None and chunk.top_logprobs is not None:
                     top = (chunk.top_ids[i], chunk.top_logprobs[i])
-                self._append(request.prompt_logprobs, token, lp, rank, top)
+                self._append(request.prompt_logprobs, token, lp, rank, top, detokenize=request.params.detokenize)
 
     def record_sample_logprobs(self, result: StepResult[Sequence], rows: list[int]) -> None:
         """The logprobs of the tokens taken from ``rows`` (`Scheduler.update_from_output`), for
@@ -64,7 +64,8 @@ class OutputProcessor:
                     alternatives = (listed, requested[row])
                 elif k and samples.top_ids is not None and samples.top_logprobs is not None:
                     alternatives = (samples.top_ids[row][:k], samples.top_logprobs[row][:k])
-                self._append(seq.logprobs, token, sampled_lp[row], ranks[row], alternatives, listed=bool(listed))
+                self._append(seq.logprobs, token, sampled_lp[row], ranks[row], alternatives, listed=bool(listed),
+                             detokenize=seq.params.detokenize)
                 seq.cumulative_logprob += sampled_lp[row]
 
     def request_output(self, request: Request) -> RequestOutput:
@@ -122,12 +123,14 @@ class OutputProcessor:
         return completions
 
     def _append(self, container: SampleLogprobs | PromptLogprobs, token: int, logprob: float, rank: int,
-                alternatives: tuple[list[int], list[float]] | None, listed: bool = False) -> None:
+                alternatives: tuple[list[int], list[float]] | None, listed: bool = False,
+                detokenize: bool = True) -> None:
         """One position: the token with its logprob and rank, then the alternatives with ranks 1, 2,
         ... (the top ones, or the listed logprob_token_ids, whose row beyond the list is padding
         that zip drops). A top alternative that is the token itself is left out, so the token keeps
         its rank in the distribution; a listed one is kept and, coming later, takes over the
-        token's entry (vLLM builds its dict in that order)."""
+        token's entry (vLLM builds its dict in that order). With detokenize=False every
+        decoded_token is None, as in vLLM."""
         ids, logprobs, ranks = [token], [logprob], [rank]
         if alternatives is not None:
             for r, (tid, lp) in enumerate(zip(*alternatives), start=1):
@@ -135,7 +138,48 @@ class OutputProcessor:
                     ids.append(tid)
                     logprobs.append(lp)
                     ranks.append(r)
-        append_position(container, ids, logprobs, ranks, [self._token_text(t) for t in ids])
+        if self.tokenizer is None or not detokenize:
+            texts: list[str | None] = [None] * len(ids)
+        else:
+            context = _recent_tokens(container)
+            texts = [self._token_text(t, context) for t in ids]
+        append_position(container, ids, logprobs, ranks, texts)
 
-    def _token_text(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+    def _token_text(self, token_id: int, context: list[int]) -> str:
+        """The token's text as vLLM 0.26 reports it (v1/engine/logprobs.py, _correct_decoded_token):
+        a token that is part of a character split over several tokens (byte-level or byte-fallback
+        vocabularies) decodes alone to U+FFFD; it gets the text it completes together with the
+        tokens before it at this position's left, or "" when the character is still incomplete."""
+        text = self.tokenizer.decode([token_id])
+        if not text.endswith("\ufffd"):
+            return text
+        for size in range(1, min(len(context), 4) + 1):
+            before = context[-size:]
+            whole = self.tokenizer.decode(before + [token_id])
+            if whole.endswith("\ufffd"):
+                continue
+            # Context tokens that were themselves incomplete pieces reported "": their bytes belong
+            # to this token's text, so only the complete ones before them are cut off.
+            clean = len(before)
+            while clean > 0 and self.tokenizer.decode([before[clean - 1]]).endswith("\ufffd"):
+                clean -= 1
+            prefix = self.tokenizer.decode(before[:clean]) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            common = 0
+            for a, b in zip(prefix, whole):
+                if a != b:
+                    break
+                common += 1
+            return whole[common:]
+        return ""
+
+
+def _recent_tokens(container: SampleLogprobs | PromptLogprobs, most: int = 4) -> list[int]:
+    """The sampled (or prompt) tokens of the container's last ``most`` positions, oldest first:
+    each position's first entry (positions without entries, prompt position 0, are skipped)."""
+    if isinstance(container, FlatLogprobs):
+        n = len(container.start_indices)
+        return [container.token_ids[container.start_indices[i]] for i in range(max(0, n - most), n)
+                if container.start_indices[i] < container.end_indices[i]]
+    return [next(iter(entry)) for entry in container[-most:] if entry]

@@ -63,22 +63,24 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None
     the request asked for repetition detection. Feeds the token to the detokenizer.
 
     The order is vLLM's outcome: its scheduler tests stop ids, then length, then repetition, and
-    a stop string its front end finds in the same token overrides either of the last two."""
+    a stop string its front end finds in the same token overrides any of them. As in vLLM's
+    detokenizer, a stop token's text (eos or a stop_token_ids id) stays out of the text unless
+    include_stop_str_in_output (its id stays in token_ids), and a stop string counts only from the
+    token after the first min_tokens (the sampler already bans stop ids until then)."""
     params = seq.params
     num_out = len(seq.output_token_ids)
-    stop_allowed = num_out >= params.min_tokens
-    stop_string = seq.detokenizer.add_token(token, stop_allowed) if seq.detokenizer is not None else None
-    if stop_allowed:
-        if token in params.all_stop_token_ids:
-            seq.finish_reason = "stop"
-            seq.stop_reason = None if token in eos_token_ids and token not in params.stop_token_ids else token
-            return
-        if stop_string is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_string
-            return
-    if num_out >= seq.request.max_output_tokens:
+    stop_id = num_out >= params.min_tokens and token in params.all_stop_token_ids
+    stop_string = None
+    if seq.detokenizer is not None and (params.include_stop_str_in_output or not stop_id):
+        stop_string = seq.detokenizer.add_token(token, num_out > params.min_tokens)
+    if stop_string is not None:
+        seq.finish_reason, seq.stop_reason = "stop", stop_string
+    elif stop_id:
+        seq.finish_reason = "stop"
+        seq.stop_reason = None if token in eos_token_ids and token not in params.stop_token_ids else token
+    elif num_out >= seq.request.max_output_tokens:
         seq.finish_reason = "length"
-    elif stop_allowed and params.repetition_detection is not None:  # one attribute read for everyone else
+    elif num_out >= params.min_tokens and params.repetition_detection is not None:  # one attribute read for everyone else
         if ends_in_repetition(seq.output_token_ids, params.repetition_detection):
             seq.finish_reason, seq.stop_reason = REPETITION, REPETITION_DETECTED
 
