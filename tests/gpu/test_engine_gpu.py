@@ -23,7 +23,7 @@ def _save(tmp_path_factory, name: str, config) -> str:
 
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen3Config
 
     common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5)
@@ -34,6 +34,13 @@ def gpu_models(tmp_path_factory):
                                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                             "original_max_position_embeddings": 512},
                                                               **{**common, "num_attention_heads": 4})),
+        # Phi-4-mini's rotary: LongRoPE (short factors, scaled cos/sin) on three quarters of each head,
+        # q/k rows reordered at load; the qkv prologue kernel sees a full-head rotation.
+        "phi3": _save(tmp_path_factory, "phi3", Phi3Config(
+            tie_word_embeddings=True, original_max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            rope_scaling={"type": "longrope", "partial_rotary_factor": 0.75,
+                          "short_factor": [1.0 + 0.25 * i for i in range(12)], "long_factor": [4.0 + i for i in range(12)]},
+            **{**common, "max_position_embeddings": 8192})),
     }
 
 
@@ -55,7 +62,7 @@ def _hf_logprobs(path: str, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "phi3"])
 def test_greedy_matches_hf_bf16_on_gpu(gpu_models, name):
     """Teacher-forced along our own greedy tokens: at every step our token must be HF's argmax
     unless HF's top two are within bf16 noise, and our logprob of it must match HF's."""
