@@ -339,7 +339,8 @@ _READ_BY_MODELS = (
 def test_config_read_directly_agrees_with_autoconfig(fixture: str, request: pytest.FixtureRequest) -> None:
     from transformers import AutoConfig
 
-    from tokenmill.config import model_max_len, resolve_dtype
+    from tokenmill.config import resolve_dtype
+    from tokenmill.max_model_len import model_max_len
     from tokenmill.models.layers.rotary import rope_params_from_config
     from tokenmill.models.source import resolve_model
 

@@ -392,7 +392,7 @@ def test_a_sliding_window_limits_max_model_len_and_keeps_outputs_exact(windowed_
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"  # stopped at the window
     assert out.token_ids == hf_greedy(hf_model(str(windowed_mistral_dir)), prompt, 10)[0]
-    with caplog.at_level("WARNING", logger="tokenmill.config"):
+    with caplog.at_level("WARNING", logger="tokenmill.max_model_len"):
         longer = LLM(str(windowed_mistral_dir), max_model_len=40, **options)
     assert longer.llm_engine.config.max_model_len == 40
     assert any("sliding window of 24 tokens" in r.getMessage() for r in caplog.records)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
     from tokenmill.profiler import ProfilerConfig
     from tokenmill.quantization.config import QuantizationConfig
 
-logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as
@@ -136,7 +134,7 @@ class EngineArgs(_VllmOnlyArguments):
     deterministic: bool = False
     # tokenmill attends to the whole sequence, so for a model with a sliding window max_model_len
     # defaults to the window (outputs exact); True (vLLM: attend fully, cap at the window) also
-    # refuses a longer max_model_len. See `window_limited_max_len`.
+    # refuses a longer max_model_len. See tokenmill/max_model_len.py.
     disable_sliding_window: bool = False
     # vLLM V1's batch-level logits processors: classes (or "module:Class" names) implementing
     # tokenmill.logits_processor.LogitsProcessor, built once and applied to every step's logits.
@@ -328,65 +326,6 @@ def resolve_dtype(dtype: str, device: "torch.device", hf_config: Any) -> "torch.
     return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def model_max_len(hf_config: Any) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
-def model_sliding_window(hf_config: Any) -> int | None:
-    """The model's attention window, if it has one (Qwen2's configs carry a window they use only
-    with use_sliding_window=True)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    return None if getattr(hf_config, "use_sliding_window", True) is False else window
-
-
-def window_limited_max_len(max_model_len: int, args: EngineArgs, hf_config: Any) -> int:
-    """max_model_len for a model with a sliding window, which tokenmill does not implement (every
-    token attends to the whole sequence). Within the window the two are the same, so by default
-    max_model_len stops there and outputs stay exact; a longer max_model_len asked for is taken,
-    with a warning that past the window attention is full; with disable_sliding_window (vLLM's
-    switch for full attention, which caps at the window) it is refused."""
-    window = model_sliding_window(hf_config)
-    if window is None or max_model_len <= window:
-        return max_model_len
-    if args.max_model_len is None:
-        logger.info("the model attends within a sliding window of %d tokens, which tokenmill does not implement: "
-                    "max_model_len=%d keeps its outputs exact (a larger max_model_len attends fully past it)",
-                    window, window)
-        return window
-    if args.disable_sliding_window:
-        raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's sliding_window ({window}), which "
-                         f"disable_sliding_window=True caps it at; use max_model_len <= {window}")
-    logger.warning("the model attends within a sliding window of %d tokens, which tokenmill does not implement: with "
-                   "max_model_len=%d, tokens past position %d attend to the whole sequence and their outputs differ from "
-                   "the model's (max_model_len <= %d is exact)", window, max_model_len, window, window)
-    return max_model_len
-
-
-def longrope_limited_max_len(max_model_len: int, args: EngineArgs, hf_config: Any) -> int:
-    """max_model_len for a LongRoPE model (Phi-3.5, Phi-3's 128K variants): at most its
-    original_max_position_embeddings, the length up to which its rotation is the same however
-    sequences are batched (tokenmill/models/layers/rotary.py)."""
-    from tokenmill.models.layers.rotary import longrope_limit
-
-    limit = longrope_limit(hf_config)
-    if limit is None or max_model_len <= limit:
-        return max_model_len
-    if args.max_model_len is not None:
-        raise ValueError(
-            f"max_model_len={args.max_model_len} is past the model's original_max_position_embeddings ({limit}): its "
-            f"LongRoPE switches to long-context factors there, which tokenmill does not implement; use max_model_len <= {limit}"
-        )
-    logger.info("LongRoPE model: max_model_len=%d (its original_max_position_embeddings, past which its long-context "
-                "factors are not implemented)", limit)
-    return limit
-
-
 def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     """The settings the engine runs with, for this model: generation, or a pooling model's
     (whole-prompt steps: every prompt must fit one step's token budget)."""
@@ -415,6 +354,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     import torch
 
     from tokenmill.logits_processor import load_logits_processor_classes
+    from tokenmill.max_model_len import resolve_max_model_len
 
     from tokenmill.quantization.config import resolve_quantization
 
@@ -426,15 +366,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
             "by batch size, so their rows are not batch-invariant"
         )
     device = resolve_device(args.device)
-    limit = model_max_len(hf_config)
-    max_model_len = args.max_model_len or limit
-    if max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} is larger than the model's max_position_embeddings ({limit}); "
-            f"use max_model_len <= {limit}"
-        )
-    max_model_len = window_limited_max_len(max_model_len, args, hf_config)
-    max_model_len = longrope_limited_max_len(max_model_len, args, hf_config)
+    max_model_len = resolve_max_model_len(args.max_model_len, args.disable_sliding_window, hf_config)
     seqs, batched = _default_batch_limits(device)
     max_num_seqs = args.max_num_seqs or seqs
     dtype = resolve_dtype(args.dtype, device, hf_config)

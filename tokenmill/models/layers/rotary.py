@@ -76,9 +76,11 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
 
 def longrope_limit(config: "PretrainedConfig") -> int | None:
     """The longest sequence a LongRoPE model runs exactly here (its original_max_position_embeddings);
-    None for other models."""
-    rope = rope_params_from_config(config)
-    return rope.extra["original_max_position_embeddings"] if rope.rope_type == "longrope" else None
+    None for other models (whose rope settings, supported or not, the model's own build reads)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict) or (params.get("rope_type") or params.get("type")) != "longrope":
+        return None
+    return rope_params_from_config(config).extra["original_max_position_embeddings"]
 
 
 def rotary_dim(head_dim: int, rope: RopeParams) -> int:
