@@ -8,6 +8,7 @@ import tracemalloc
 import pytest
 
 from test_generate import GREEDY, as_inputs, make_llm, random_prompts, token_ids
+from test_streaming import forbid_idle_spin
 from tokenmill import SamplingParams
 
 
@@ -93,6 +94,23 @@ def test_imap_stopped_early_leaves_nothing_running(llm):
     next(stream)
     stream.close()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_imap_yields_outputs_that_a_generate_between_two_items_finished(tiny_llama_dir, monkeypatch):
+    """generate() called while an imap is open steps the imap's requests too: one that finishes
+    there must still come out of the imap (not be dropped, leaving the imap waiting forever)."""
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16)  # the long prompt's prefill takes 3 steps
+    forbid_idle_spin(llm, monkeypatch)
+    prompts = as_inputs(random_prompts(llm.llm_engine.config.vocab_size, [4, 40], seed=5))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    stream = llm.imap(prompts, params)
+    first = next(stream)  # the short prompt's: the long one is still running
+    assert first.prompt_token_ids == prompts[0]["prompt_token_ids"] and llm.llm_engine.has_unfinished_requests()
+    llm.generate(prompts[:1], params, use_tqdm=False)  # runs the long prompt's request to its end
+    rest = list(stream)
+    assert [o.prompt_token_ids for o in rest] == [prompts[1]["prompt_token_ids"]] and rest[0].finished
+    assert token_ids([first, *rest]) == token_ids(llm.generate(prompts, params, use_tqdm=False))
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
 
 
 def test_enqueued_requests_finishing_during_another_call_are_kept(tiny_llama_dir):

@@ -35,6 +35,11 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self._queued: dict[str, None] = {}
         # Enqueued requests that finished while another call (generate, imap, ...) stepped the engine.
         self._queued_done: dict[str, RequestOutput] = {}
+        # Requests of open imap() / stream() iterators -> that iterator's mailbox. Whoever steps the
+        # engine (the iterator itself, another iterator, a generate() made between two items) leaves
+        # their outputs there, so no iterator loses an output, or waits forever for one, that
+        # another call's step produced.
+        self._mailboxes: dict[str, dict[str, RequestOutput]] = {}
         # Starting the engine leaves hundreds of thousands of new objects (modules, compiled kernels,
         # the tokenizer) that the interpreter would otherwise walk in a full collection early in the
         # first long call: ~0.1 s with the host stopped and the GPU starved of steps (docs/perf.md 49).
@@ -212,12 +217,13 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         Reads ``prompts`` lazily and keeps at most ``max_in_flight`` requests in the engine
         (default: twice max_num_seqs, enough to keep every batch full), so memory stays flat for
         inputs of any length. A bad prompt raises when it is reached, after the outputs before it.
+        Other calls between two items (generate, another imap or stream) keep its outputs for it.
         """
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
-        engine = self.llm_engine
         source = iter(prompts)
         mine: set[str] = set()
+        box: dict[str, RequestOutput] = {}
         exhausted = False
         try:
             while True:
@@ -226,15 +232,12 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
                     if prompt is _END:
                         exhausted = True
                         break
-                    mine.update(self._submit([prompt], [params]))
+                    self._watch(self._submit([prompt], [params]), mine, box)
                 if not mine:
                     return
-                for output in self._step(finished_only=True):
-                    if output.request_id in mine:
-                        mine.discard(output.request_id)
-                        yield output
+                yield from self._deliver(mine, box, finished_only=True)
         finally:
-            engine.abort_request(list(mine))  # a caller that stops early leaves nothing running
+            self._unwatch(mine)  # a caller that stops early leaves nothing running
 
     def stream(
         self,
@@ -243,21 +246,19 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
     ) -> Iterator[RequestOutput]:
         """Token streaming for interactive use: yields a RequestOutput after every engine step that
         advanced a request, holding only what is new (``RequestOutputKind.DELTA``: the new token ids
-        and text, ``finished`` on the last one). Stopping early aborts what is still running.
+        and text, ``finished`` on the last one). Stopping early aborts what is still running. Steps
+        made by other calls between two items (generate, another stream) are folded into the next delta.
         """
         prompts = prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)), RequestOutputKind.DELTA)
-        mine = set(ids)
-        engine = self.llm_engine
+        mine: set[str] = set()
+        box: dict[str, RequestOutput] = {}
+        self._watch(ids, mine, box)
         try:
             while mine:
-                for output in self._step():
-                    if output.request_id in mine:
-                        if output.finished:
-                            mine.discard(output.request_id)
-                        yield output
+                yield from self._deliver(mine, box, finished_only=False)
         finally:
-            engine.abort_request(list(mine))
+            self._unwatch(mine)
 
     # ---- engine controls (tokenmill/engine/controls.py; every rank through collective_rpc) ----
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
@@ -445,7 +446,46 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         outputs = self.llm_engine.step(finished_only=finished_only)
         if self._queued:
             self._queued_done.update((o.request_id, o) for o in outputs if o.finished and o.request_id in self._queued)
+        if self._mailboxes:
+            for output in outputs:
+                box = self._mailboxes.get(output.request_id)
+                if box is None:
+                    continue
+                waiting = box.get(output.request_id)
+                if waiting is None:
+                    box[output.request_id] = output
+                else:  # a stream's deltas from several steps before its consumer came back: fold them
+                    waiting.add(output, aggregate=True)
         return outputs
+
+    def _watch(self, ids: list[str], mine: set[str], box: dict[str, RequestOutput]) -> None:
+        """Make ``ids`` an iterator's requests: their outputs go to ``box`` (see _mailboxes)."""
+        mine.update(ids)
+        self._mailboxes.update(dict.fromkeys(ids, box))
+
+    def _unwatch(self, mine: set[str]) -> None:
+        """An iterator ends: abort its unfinished requests and close their mailboxes."""
+        self.llm_engine.abort_request(list(mine))
+        for request_id in mine:
+            self._mailboxes.pop(request_id, None)
+        mine.clear()
+
+    def _deliver(self, mine: set[str], box: dict[str, RequestOutput], finished_only: bool) -> Iterator[RequestOutput]:
+        """Step the engine once unless ``box`` already holds outputs (another call stepped it since),
+        then yield what ``box`` holds, oldest first, dropping finished requests from ``mine``."""
+        if not box:
+            self._step(finished_only=finished_only)
+            if not box and not self.llm_engine.has_unfinished_requests():
+                # Nothing left to run, yet some of ours never finished: they were aborted under the
+                # iterator (sleep(), llm_engine.abort_request). Like generate(), skip them, not wait forever.
+                self._unwatch(mine)
+                return
+        while box:  # the consumer may step the engine between two items: read box afresh each time
+            output = box.pop(next(iter(box)))
+            if output.finished:
+                mine.discard(output.request_id)
+                self._mailboxes.pop(output.request_id, None)
+            yield output
 
     def _collect(
         self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None
