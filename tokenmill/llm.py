@@ -200,8 +200,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
                             mm_processor_kwargs)
 
     def wait_for_completion(self, output_type: Any = None, *, use_tqdm: ProgressOption = True) -> list[RequestOutput]:
-        """Run until every enqueued request is done; outputs in the order they were enqueued
-        (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
+        """Run until every enqueued request is done; outputs in the order they were enqueued, less those
+        aborted meanwhile, e.g. by sleep() (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
         ids, self._queued = list(self._queued), {}
         done, self._queued_done = self._queued_done, {}
         return self._collect(ids, use_tqdm, done)
@@ -491,7 +491,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None
     ) -> list[RequestOutput]:
         """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
-        (``done``: outputs of some of them that already finished)."""
+        (``done``: outputs of some of them that already finished; aborted ones are left out)."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
@@ -512,7 +512,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
             raise
         finally:
             progress.close()
-        return results  # type: ignore[return-value]
+        # A request aborted meanwhile (sleep(), llm_engine.abort_request) has no output: left out, as in vLLM.
+        return [output for output in results if output is not None]
 
 
 _END = object()
