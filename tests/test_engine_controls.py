@@ -327,8 +327,17 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
     assert outputs[2].num_cached_tokens == 0 and cached  # the old weights' blocks were forgotten
     engine.update_weight_version(40)
     assert engine.get_weight_version() == 40
-    with pytest.raises(ValueError, match="unexpected tensors"):
-        engine.update_weights({"update_info": {"names": ["model.no_such.weight"], "tensors": [torch.zeros(1)]}})
+    # An unknown name (here the engine's fused qkv_proj) is refused before any tensor is replaced.
+    first = _checkpoint(tiny_llama_dir)[0]
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    with pytest.raises(ValueError, match=r"has no tensors \(2\) model.layers.0.self_attn.qkv_proj.weight, model.no_such.weight; nothing"):
+        engine.update_weights({"update_info": {"names": [first[0], "model.no_such.weight", fused],
+                                               "tensors": [first[1], torch.zeros(1), torch.zeros(1)]}})
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == target
+    # A tensor that fails while loading leaves those before it replaced: the prefix cache is forgotten.
+    with pytest.raises(ValueError, match=r"shape mismatch: checkpoint tensor has shape \(1,\)"):
+        engine.update_weights({"update_info": {"names": [first[0], "lm_head.weight"], "tensors": [first[1], torch.zeros(1)]}})
+    assert engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="call init_weight_transfer_engine first"):
         engine.update_weights({"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}})
 
