@@ -340,6 +340,15 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
     assert engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="call init_weight_transfer_engine first"):
         engine.update_weights({"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}})
+    # Back to the checkpoint through collective_rpc: the blocks cached under the other weights must go too.
+    engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)
+    assert engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    engine.collective_rpc("reload_weights")
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(tiny_llama_dir)
+    for method in ("sleep", "wake_up"):  # the engine keeps the books on sleep: only its own methods may
+        with pytest.raises(ValueError, match=rf"collective_rpc\(method='{method}'\).*call LLM.{method}\(\)"):
+            engine.collective_rpc(method, args=(1,))
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(tiny_llama_dir)
 
 
 def test_update_weights_over_a_torch_distributed_group(tiny_llama_dir, other_llama_dir):

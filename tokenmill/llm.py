@@ -340,6 +340,9 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         ``method`` is the name of a worker method or a function called as
         ``method(worker, *args, **kwargs)``; it is pickled for the worker processes (with
         cloudpickle when installed, so lambdas work). A one-rank LLM returns a one-item list.
+        ``"sleep"`` / ``"wake_up"`` are refused (call ``LLM.sleep`` / ``wake_up``, which keep the engine's
+        books); ``"reload_weights"`` / ``"update_weights"`` also forget the prefix cache, as a function
+        that changes weights should (``reset_prefix_cache()``).
         """
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
