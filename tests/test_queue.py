@@ -89,6 +89,14 @@ def test_imap_streams_10000_prompts_with_flat_memory(llm):
     assert late - early < 512 * 1024, (early, late)
 
 
+def test_imap_takes_one_prompt_as_generate_does(llm):
+    """A single text, prompt dict or token-id list is one prompt, not an iterable of prompts (characters, keys)."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for prompt in ("hello", {"prompt": "hello"}, [5, 6, 7]):
+        outputs = list(llm.imap(prompt, params))
+        assert token_ids(outputs) == token_ids(llm.generate(prompt, params, use_tqdm=False))
+
+
 def test_imap_stopped_early_leaves_nothing_running(llm):
     stream = llm.imap(({"prompt_token_ids": [5, 6, i % 50 + 3]} for i in range(1000)), GREEDY, max_in_flight=32)
     next(stream)

@@ -15,7 +15,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from tokenmill.config import GENERATION_CONFIG_FIELDS, EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
-from tokenmill.inputs import PromptType, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts
+from tokenmill.inputs import (
+    PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts,
+)
 from tokenmill.pooling.llm_methods import PoolingMethods
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.request_progress import ProgressOption, RequestProgress
@@ -208,7 +210,7 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
 
     def imap(
         self,
-        prompts: Iterable[PromptType],
+        prompts: PromptType | Iterable[PromptType],
         sampling_params: SamplingParams | None = None,
         max_in_flight: int | None = None,
     ) -> Iterator[RequestOutput]:
@@ -221,7 +223,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         """
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
-        source = iter(prompts)
+        # One prompt, as generate() takes it: iterating it would run each character (or dict key) as a prompt.
+        source = iter([prompts] if is_one_prompt(prompts) else prompts)
         mine: set[str] = set()
         box: dict[str, RequestOutput] = {}
         exhausted = False
