@@ -97,6 +97,12 @@ def test_imap_takes_one_prompt_as_generate_does(llm):
         assert token_ids(outputs) == token_ids(llm.generate(prompt, params, use_tqdm=False))
 
 
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
+def test_imap_refuses_a_bad_max_in_flight(llm, limit):
+    with pytest.raises(ValueError, match=rf"max_in_flight={limit!r} is invalid: must be None or an integer >= 1"):
+        llm.imap([[5, 6, 7]], GREEDY, max_in_flight=limit)
+
+
 def test_imap_stopped_early_leaves_nothing_running(llm):
     stream = llm.imap(({"prompt_token_ids": [5, 6, i % 50 + 3]} for i in range(1000)), GREEDY, max_in_flight=32)
     next(stream)

@@ -221,6 +221,16 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         inputs of any length. A bad prompt raises when it is reached, after the outputs before it.
         Other calls between two items (generate, another imap or stream) keep its outputs for it.
         """
+        # Checked here, not at the first next(): a bad value would otherwise yield nothing (max_in_flight < 1).
+        if max_in_flight is not None and (
+            not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
+        ):
+            raise ValueError(f"max_in_flight={max_in_flight!r} is invalid: must be None or an integer >= 1")
+        return self._imap(prompts, sampling_params, max_in_flight)
+
+    def _imap(
+        self, prompts: PromptType | Iterable[PromptType], sampling_params: SamplingParams | None, max_in_flight: int | None,
+    ) -> Iterator[RequestOutput]:
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
         # One prompt, as generate() takes it: iterating it would run each character (or dict key) as a prompt.
