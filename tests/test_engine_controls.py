@@ -138,6 +138,7 @@ def test_sleep_waits_for_enqueued_requests_or_aborts_them(llm):
     llm.sleep(level=1)  # mode="abort"
     llm.wake_up()
     assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.wait_for_completion(use_tqdm=False) == []  # aborted requests have no outputs (vLLM: left out)
     with pytest.raises(ValueError, match="sleep\\(level=3\\) is invalid"):
         llm.sleep(level=3)
     with pytest.raises(ValueError, match="mode='keep'.*not supported"):
@@ -326,10 +327,28 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
     assert outputs[2].num_cached_tokens == 0 and cached  # the old weights' blocks were forgotten
     engine.update_weight_version(40)
     assert engine.get_weight_version() == 40
-    with pytest.raises(ValueError, match="unexpected tensors"):
-        engine.update_weights({"update_info": {"names": ["model.no_such.weight"], "tensors": [torch.zeros(1)]}})
+    # An unknown name (here the engine's fused qkv_proj) is refused before any tensor is replaced.
+    first = _checkpoint(tiny_llama_dir)[0]
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    with pytest.raises(ValueError, match=r"has no tensors \(2\) model.layers.0.self_attn.qkv_proj.weight, model.no_such.weight; nothing"):
+        engine.update_weights({"update_info": {"names": [first[0], "model.no_such.weight", fused],
+                                               "tensors": [first[1], torch.zeros(1), torch.zeros(1)]}})
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == target
+    # A tensor that fails while loading leaves those before it replaced: the prefix cache is forgotten.
+    with pytest.raises(ValueError, match=r"shape mismatch: checkpoint tensor has shape \(1,\)"):
+        engine.update_weights({"update_info": {"names": [first[0], "lm_head.weight"], "tensors": [first[1], torch.zeros(1)]}})
+    assert engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="call init_weight_transfer_engine first"):
         engine.update_weights({"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}})
+    # Back to the checkpoint through collective_rpc: the blocks cached under the other weights must go too.
+    engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)
+    assert engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    engine.collective_rpc("reload_weights")
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(tiny_llama_dir)
+    for method in ("sleep", "wake_up"):  # the engine keeps the books on sleep: only its own methods may
+        with pytest.raises(ValueError, match=rf"collective_rpc\(method='{method}'\).*call LLM.{method}\(\)"):
+            engine.collective_rpc(method, args=(1,))
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(tiny_llama_dir)
 
 
 def test_update_weights_over_a_torch_distributed_group(tiny_llama_dir, other_llama_dir):

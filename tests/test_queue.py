@@ -8,6 +8,7 @@ import tracemalloc
 import pytest
 
 from test_generate import GREEDY, as_inputs, make_llm, random_prompts, token_ids
+from test_streaming import forbid_idle_spin
 from tokenmill import SamplingParams
 
 
@@ -88,11 +89,42 @@ def test_imap_streams_10000_prompts_with_flat_memory(llm):
     assert late - early < 512 * 1024, (early, late)
 
 
+def test_imap_takes_one_prompt_as_generate_does(llm):
+    """A single text, prompt dict or token-id list is one prompt, not an iterable of prompts (characters, keys)."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for prompt in ("hello", {"prompt": "hello"}, [5, 6, 7]):
+        outputs = list(llm.imap(prompt, params))
+        assert token_ids(outputs) == token_ids(llm.generate(prompt, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
+def test_imap_refuses_a_bad_max_in_flight(llm, limit):
+    with pytest.raises(ValueError, match=rf"max_in_flight={limit!r} is invalid: must be None or an integer >= 1"):
+        llm.imap([[5, 6, 7]], GREEDY, max_in_flight=limit)
+
+
 def test_imap_stopped_early_leaves_nothing_running(llm):
     stream = llm.imap(({"prompt_token_ids": [5, 6, i % 50 + 3]} for i in range(1000)), GREEDY, max_in_flight=32)
     next(stream)
     stream.close()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_imap_yields_outputs_that_a_generate_between_two_items_finished(tiny_llama_dir, monkeypatch):
+    """generate() called while an imap is open steps the imap's requests too: one that finishes
+    there must still come out of the imap (not be dropped, leaving the imap waiting forever)."""
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16)  # the long prompt's prefill takes 3 steps
+    forbid_idle_spin(llm, monkeypatch)
+    prompts = as_inputs(random_prompts(llm.llm_engine.config.vocab_size, [4, 40], seed=5))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    stream = llm.imap(prompts, params)
+    first = next(stream)  # the short prompt's: the long one is still running
+    assert first.prompt_token_ids == prompts[0]["prompt_token_ids"] and llm.llm_engine.has_unfinished_requests()
+    llm.generate(prompts[:1], params, use_tqdm=False)  # runs the long prompt's request to its end
+    rest = list(stream)
+    assert [o.prompt_token_ids for o in rest] == [prompts[1]["prompt_token_ids"]] and rest[0].finished
+    assert token_ids([first, *rest]) == token_ids(llm.generate(prompts, params, use_tqdm=False))
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
 
 
 def test_enqueued_requests_finishing_during_another_call_are_kept(tiny_llama_dir):

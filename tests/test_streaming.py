@@ -19,6 +19,27 @@ def prompts(llm):
     return random_prompts(llm.llm_engine.config.vocab_size, [5, 23, 11], seed=3)
 
 
+def forbid_idle_spin(llm, monkeypatch) -> None:
+    """Make a loop that steps an engine with nothing left to run fail instead of spinning forever
+    (an iterator waiting for an output some other call already took)."""
+    engine = llm.llm_engine
+    step = engine.step
+    idle = 0
+
+    def guarded_step(*args, **kwargs):
+        nonlocal idle
+        idle = 0 if engine.has_unfinished_requests() else idle + 1
+        assert idle < 100, "stepping an engine with nothing to run: waiting for an output that will never come"
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", guarded_step)
+
+
+def join_deltas(joined: dict[str, tuple[list[int], str]], out) -> None:
+    ids, text = joined.get(out.request_id, ([], ""))
+    joined[out.request_id] = (ids + out.outputs[0].token_ids, text + out.outputs[0].text)
+
+
 def test_stream_deltas_join_into_the_generate_output(llm, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     expected = {o.request_id: o for o in llm.generate(as_inputs(prompts), params, use_tqdm=False)}
@@ -34,6 +55,58 @@ def test_stream_deltas_join_into_the_generate_output(llm, prompts):
     by_index = sorted(joined.items())
     for (_, (ids, text, num_lp)), want in zip(by_index, sorted(expected.values(), key=lambda o: int(o.request_id))):
         assert ids == want.outputs[0].token_ids and text == want.outputs[0].text and num_lp == len(ids)
+
+
+def test_streams_read_in_turn_each_get_all_their_tokens(llm, prompts, monkeypatch):
+    """Two streams read alternately: each one's step advances the other's requests too, whose
+    deltas (and final outputs) must reach the other stream, not be dropped."""
+    forbid_idle_spin(llm, monkeypatch)
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0] for o in llm.generate(as_inputs(prompts[:2]), [short, long], use_tqdm=False)]
+    streams = [llm.stream(as_inputs([prompts[0]]), short), llm.stream(as_inputs([prompts[1]]), long)]
+    joined: list[dict[str, tuple[list[int], str]]] = [{}, {}]
+    finished = [0, 0]
+    while any(s is not None for s in streams):
+        for i, stream in enumerate(streams):
+            out = next(stream, None) if stream is not None else None
+            if out is None:
+                streams[i] = None
+                continue
+            join_deltas(joined[i], out)
+            finished[i] += out.finished
+    assert finished == [1, 1]
+    assert [list(j.values()) for j in joined] == [[(w.token_ids, w.text)] for w in want]
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_generate_between_two_stream_items(llm, prompts, monkeypatch):
+    """generate() called while a stream is open steps the stream's requests to their end: the
+    stream still yields every token and its final output afterwards."""
+    forbid_idle_spin(llm, monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = {o.request_id: o.outputs[0] for o in llm.generate(as_inputs(prompts), params, use_tqdm=False)}
+    stream = llm.stream(as_inputs(prompts), params)
+    joined: dict[str, tuple[list[int], str]] = {}
+    join_deltas(joined, next(stream))
+    inner = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in inner] == [w.token_ids for w in want.values()]
+    finals = 0
+    for out in stream:
+        join_deltas(joined, out)
+        finals += out.finished
+    assert finals == len(prompts)
+    assert sorted(joined.values()) == sorted((w.token_ids, w.text) for w in want.values())
+
+
+def test_a_stream_whose_requests_sleep_aborted_ends(llm, prompts, monkeypatch):
+    forbid_idle_spin(llm, monkeypatch)
+    stream = llm.stream(as_inputs(prompts), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert not next(stream).finished
+    llm.sleep()  # mode="abort": the stream's requests are gone
+    llm.wake_up()
+    assert not any(out.finished for out in stream)  # the deltas made before the abort, then the end
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
 
 
 @pytest.mark.parametrize("flat", [False, True])

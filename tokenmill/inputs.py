@@ -49,9 +49,12 @@ class ProcessedPrompt:
 def prompt_list(prompts: Any) -> list:
     """One prompt or many, as a list. As in vLLM, a list whose first item is an int is one prompt
     of token ids; any other list (or iterable) holds several prompts."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+    return [prompts] if is_one_prompt(prompts) else list(prompts)
+
+
+def is_one_prompt(prompts: Any) -> bool:
+    """Whether ``prompts`` is a single prompt (text, a prompt dict, a list of token ids), not several."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
 
 
 def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:

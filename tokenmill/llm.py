@@ -15,7 +15,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from tokenmill.config import GENERATION_CONFIG_FIELDS, EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
-from tokenmill.inputs import PromptType, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts
+from tokenmill.inputs import (
+    PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts,
+)
 from tokenmill.pooling.llm_methods import PoolingMethods
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.request_progress import ProgressOption, RequestProgress
@@ -35,6 +37,11 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         self._queued: dict[str, None] = {}
         # Enqueued requests that finished while another call (generate, imap, ...) stepped the engine.
         self._queued_done: dict[str, RequestOutput] = {}
+        # Requests of open imap() / stream() iterators -> that iterator's mailbox. Whoever steps the
+        # engine (the iterator itself, another iterator, a generate() made between two items) leaves
+        # their outputs there, so no iterator loses an output, or waits forever for one, that
+        # another call's step produced.
+        self._mailboxes: dict[str, dict[str, RequestOutput]] = {}
         # Starting the engine leaves hundreds of thousands of new objects (modules, compiled kernels,
         # the tokenizer) that the interpreter would otherwise walk in a full collection early in the
         # first long call: ~0.1 s with the host stopped and the GPU starved of steps (docs/perf.md 49).
@@ -195,15 +202,15 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
                             mm_processor_kwargs)
 
     def wait_for_completion(self, output_type: Any = None, *, use_tqdm: ProgressOption = True) -> list[RequestOutput]:
-        """Run until every enqueued request is done; outputs in the order they were enqueued
-        (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
+        """Run until every enqueued request is done; outputs in the order they were enqueued, less those
+        aborted meanwhile, e.g. by sleep() (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
         ids, self._queued = list(self._queued), {}
         done, self._queued_done = self._queued_done, {}
         return self._collect(ids, use_tqdm, done)
 
     def imap(
         self,
-        prompts: Iterable[PromptType],
+        prompts: PromptType | Iterable[PromptType],
         sampling_params: SamplingParams | None = None,
         max_in_flight: int | None = None,
     ) -> Iterator[RequestOutput]:
@@ -212,12 +219,24 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         Reads ``prompts`` lazily and keeps at most ``max_in_flight`` requests in the engine
         (default: twice max_num_seqs, enough to keep every batch full), so memory stays flat for
         inputs of any length. A bad prompt raises when it is reached, after the outputs before it.
+        Other calls between two items (generate, another imap or stream) keep its outputs for it.
         """
+        # Checked here, not at the first next(): a bad value would otherwise yield nothing (max_in_flight < 1).
+        if max_in_flight is not None and (
+            not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
+        ):
+            raise ValueError(f"max_in_flight={max_in_flight!r} is invalid: must be None or an integer >= 1")
+        return self._imap(prompts, sampling_params, max_in_flight)
+
+    def _imap(
+        self, prompts: PromptType | Iterable[PromptType], sampling_params: SamplingParams | None, max_in_flight: int | None,
+    ) -> Iterator[RequestOutput]:
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
-        engine = self.llm_engine
-        source = iter(prompts)
+        # One prompt, as generate() takes it: iterating it would run each character (or dict key) as a prompt.
+        source = iter([prompts] if is_one_prompt(prompts) else prompts)
         mine: set[str] = set()
+        box: dict[str, RequestOutput] = {}
         exhausted = False
         try:
             while True:
@@ -226,15 +245,12 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
                     if prompt is _END:
                         exhausted = True
                         break
-                    mine.update(self._submit([prompt], [params]))
+                    self._watch(self._submit([prompt], [params]), mine, box)
                 if not mine:
                     return
-                for output in self._step(finished_only=True):
-                    if output.request_id in mine:
-                        mine.discard(output.request_id)
-                        yield output
+                yield from self._deliver(mine, box, finished_only=True)
         finally:
-            engine.abort_request(list(mine))  # a caller that stops early leaves nothing running
+            self._unwatch(mine)  # a caller that stops early leaves nothing running
 
     def stream(
         self,
@@ -243,21 +259,19 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
     ) -> Iterator[RequestOutput]:
         """Token streaming for interactive use: yields a RequestOutput after every engine step that
         advanced a request, holding only what is new (``RequestOutputKind.DELTA``: the new token ids
-        and text, ``finished`` on the last one). Stopping early aborts what is still running.
+        and text, ``finished`` on the last one). Stopping early aborts what is still running. Steps
+        made by other calls between two items (generate, another stream) are folded into the next delta.
         """
         prompts = prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)), RequestOutputKind.DELTA)
-        mine = set(ids)
-        engine = self.llm_engine
+        mine: set[str] = set()
+        box: dict[str, RequestOutput] = {}
+        self._watch(ids, mine, box)
         try:
             while mine:
-                for output in self._step():
-                    if output.request_id in mine:
-                        if output.finished:
-                            mine.discard(output.request_id)
-                        yield output
+                yield from self._deliver(mine, box, finished_only=False)
         finally:
-            engine.abort_request(list(mine))
+            self._unwatch(mine)
 
     # ---- engine controls (tokenmill/engine/controls.py; every rank through collective_rpc) ----
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
@@ -339,6 +353,9 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         ``method`` is the name of a worker method or a function called as
         ``method(worker, *args, **kwargs)``; it is pickled for the worker processes (with
         cloudpickle when installed, so lambdas work). A one-rank LLM returns a one-item list.
+        ``"sleep"`` / ``"wake_up"`` are refused (call ``LLM.sleep`` / ``wake_up``, which keep the engine's
+        books); ``"reload_weights"`` / ``"update_weights"`` also forget the prefix cache, as a function
+        that changes weights should (``reset_prefix_cache()``).
         """
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
@@ -445,13 +462,52 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
         outputs = self.llm_engine.step(finished_only=finished_only)
         if self._queued:
             self._queued_done.update((o.request_id, o) for o in outputs if o.finished and o.request_id in self._queued)
+        if self._mailboxes:
+            for output in outputs:
+                box = self._mailboxes.get(output.request_id)
+                if box is None:
+                    continue
+                waiting = box.get(output.request_id)
+                if waiting is None:
+                    box[output.request_id] = output
+                else:  # a stream's deltas from several steps before its consumer came back: fold them
+                    waiting.add(output, aggregate=True)
         return outputs
+
+    def _watch(self, ids: list[str], mine: set[str], box: dict[str, RequestOutput]) -> None:
+        """Make ``ids`` an iterator's requests: their outputs go to ``box`` (see _mailboxes)."""
+        mine.update(ids)
+        self._mailboxes.update(dict.fromkeys(ids, box))
+
+    def _unwatch(self, mine: set[str]) -> None:
+        """An iterator ends: abort its unfinished requests and close their mailboxes."""
+        self.llm_engine.abort_request(list(mine))
+        for request_id in mine:
+            self._mailboxes.pop(request_id, None)
+        mine.clear()
+
+    def _deliver(self, mine: set[str], box: dict[str, RequestOutput], finished_only: bool) -> Iterator[RequestOutput]:
+        """Step the engine once unless ``box`` already holds outputs (another call stepped it since),
+        then yield what ``box`` holds, oldest first, dropping finished requests from ``mine``."""
+        if not box:
+            self._step(finished_only=finished_only)
+            if not box and not self.llm_engine.has_unfinished_requests():
+                # Nothing left to run, yet some of ours never finished: they were aborted under the
+                # iterator (sleep(), llm_engine.abort_request). Like generate(), skip them, not wait forever.
+                self._unwatch(mine)
+                return
+        while box:  # the consumer may step the engine between two items: read box afresh each time
+            output = box.pop(next(iter(box)))
+            if output.finished:
+                mine.discard(output.request_id)
+                self._mailboxes.pop(output.request_id, None)
+            yield output
 
     def _collect(
         self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None
     ) -> list[RequestOutput]:
         """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
-        (``done``: outputs of some of them that already finished)."""
+        (``done``: outputs of some of them that already finished; aborted ones are left out)."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
@@ -472,7 +528,8 @@ class LLM(PoolingMethods):  # PoolingMethods: encode / embed / classify / score 
             raise
         finally:
             progress.close()
-        return results  # type: ignore[return-value]
+        # A request aborted meanwhile (sleep(), llm_engine.abort_request) has no output: left out, as in vLLM.
+        return [output for output in results if output is not None]
 
 
 _END = object()

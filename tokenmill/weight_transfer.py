@@ -84,7 +84,7 @@ class WeightReceiver:
             yield name, tensor
 
 
-def named_tensors(update_info: dict[str, Any], receiver: WeightReceiver | None) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(update_info: dict[str, Any], receiver: WeightReceiver | None) -> Iterable[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs an ``update_info`` describes: its own tensors, or received over the group."""
     names = update_info.get("names")
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
@@ -93,7 +93,7 @@ def named_tensors(update_info: dict[str, Any], receiver: WeightReceiver | None) 
     if tensors is not None:
         if len(tensors) != len(names) or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ValueError(f"update_weights: update_info['tensors'] must be {len(names)} tensors, one per name")
-        return iter(zip(names, tensors))
+        return list(zip(names, tensors))  # a list: the model checks every name before replacing any
     dtype_names, shapes = update_info.get("dtype_names"), update_info.get("shapes")
     if not isinstance(dtype_names, (list, tuple)) or not isinstance(shapes, (list, tuple)) \
             or not len(dtype_names) == len(shapes) == len(names):

@@ -146,11 +146,19 @@ class EngineControls:
             raise ValueError(f"update_weights: update_info must be a dict, got {type(update_info).__name__}")
         if "weights" in self.asleep:
             raise RuntimeError("update_weights while the weights sleep: wake_up(tags=['weights']) first")
-        self.executor.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        try:
+            self.executor.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        except BaseException:
+            self._forget_prefix_cache("update_weights")  # the tensors before the one that failed are replaced
+            raise
         self.weight_version += 1
+        self._forget_prefix_cache("update_weights")
+
+    def _forget_prefix_cache(self, what: str) -> None:
+        """After weights changed: cached prefix blocks hold the old weights' keys and values."""
         if not self.reset_prefix_cache():
-            logger.warning("update_weights while requests run: their cached prefix blocks keep the old weights' keys "
-                           "and values until they finish")
+            logger.warning("%s while requests run: their cached prefix blocks keep the old weights' keys "
+                           "and values until they finish", what)
 
     def finish_weight_update(self) -> None:
         self.executor.collective_rpc("finish_weight_update")

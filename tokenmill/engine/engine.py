@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0
+# Worker methods collective_rpc refuses: the engine must know of them (LLM.sleep / wake_up).
+ENGINE_KEPT_METHODS = ("sleep", "wake_up")
+# Worker methods that replace weights: the cached prefix blocks then hold stale keys and values.
+WEIGHT_WRITING_METHODS = ("reload_weights", "update_weights")
 
 
 class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight transfer, metrics
@@ -228,8 +232,22 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
     def collective_rpc(
         self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor."""
-        return self.executor.collective_rpc(method, timeout, args, kwargs)
+        """Call a Worker method (or method(worker, ...)) on every tensor-parallel rank; see Executor.
+
+        The engine keeps the books on sleep (what is freed, the aborted requests), so ``"sleep"`` and
+        ``"wake_up"`` are refused by name; after ``"reload_weights"`` or ``"update_weights"`` the prefix
+        cache, computed with the old weights, is forgotten (a function that changes weights itself
+        should be followed by reset_prefix_cache()).
+        """
+        if method in ENGINE_KEPT_METHODS:
+            raise ValueError(f"collective_rpc(method={method!r}) would leave the engine unaware of it; "
+                             f"call LLM.{method}() (or LLMEngine.{method}()) instead")
+        if method not in WEIGHT_WRITING_METHODS:
+            return self.executor.collective_rpc(method, timeout, args, kwargs)
+        try:
+            return self.executor.collective_rpc(method, timeout, args, kwargs)
+        finally:  # even a failed load may have replaced some tensors
+            self._forget_prefix_cache(f"collective_rpc({method!r})")
 
     def do_log_stats(self) -> None:
         """Log the engine's counters, as vLLM's stat logger does (only with disable_log_stats=False)."""

@@ -49,6 +49,18 @@ def load_hf_weights(
     ``partial``: tensors may be missing (an update of some weights); unknown ones are still an error."""
     params = dict(model.named_parameters())
     expected = hf_weight_names(model, stacked)
+
+    def known(name: str) -> bool:
+        local = rename(name)
+        return local is None or (local in expected and stacked_param(local, stacked)[0] in params)
+
+    if partial and isinstance(weights, Sequence):
+        # An update (update_weights) with its tensors in hand: refuse unknown names before any
+        # tensor is replaced, so a typo does not leave the model half updated.
+        unknown = sorted(name for name, _ in weights if not known(name))
+        if unknown:
+            raise ValueError(f"update_weights: {type(model).__name__} has no tensors {_summary(unknown)}; nothing was "
+                             "replaced (names are the checkpoint's, e.g. q_proj / k_proj / v_proj, not the fused qkv_proj)")
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
