@@ -26,7 +26,7 @@ from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbed
 from tokenmill.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, partial_rotary_permutation
-from tokenmill.models.weights import hf_weight_names, load_hf_weights
+from tokenmill.models.weights import each_weight, hf_weight_names, load_hf_weights
 from tokenmill.quantization import linear_method
 
 if TYPE_CHECKING:
@@ -176,10 +176,13 @@ def qk_rows_for_rotary(weights: Iterable[tuple[str, Any]], model: LlamaModel) ->
 
     attn = model.layers[0].self_attn
     perm = partial_rotary_permutation(attn.head_dim, attn.rotary_emb.rope)
-    for name, tensor in weights:
-        if perm is not None and name.endswith(_QK_ROWS):
-            tensor = HeadPermuted(tensor, attn.head_dim, perm)
-        yield name, tensor
+    if perm is None:
+        return weights
+
+    def reordered(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        return [(name, HeadPermuted(tensor, attn.head_dim, perm) if name.endswith(_QK_ROWS) else tensor)]
+
+    return each_weight(weights, reordered)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -276,18 +279,15 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False) -> None:
         from tokenmill.models.checkpoint_tensor import rows_of
 
-        def unfused():
-            for name, tensor in weights:
-                fused = next((f for f in self._FUSED if name.endswith(f)), None)
-                if fused is None:
-                    yield name, tensor
-                    continue
-                start = 0
-                for part, rows in zip(self._FUSED[fused], self._part_rows[fused]):
-                    yield name[: -len(fused)] + part, rows_of(tensor, start, rows)
-                    start += rows
+        def unfused(name: str, tensor: Any) -> list[tuple[str, Any]]:
+            fused = next((f for f in self._FUSED if name.endswith(f)), None)
+            if fused is None:
+                return [(name, tensor)]
+            starts = [sum(self._part_rows[fused][:i]) for i in range(len(self._part_rows[fused]))]
+            return [(name[: -len(fused)] + part, rows_of(tensor, start, rows))
+                    for part, start, rows in zip(self._FUSED[fused], starts, self._part_rows[fused])]
 
-        super().load_weights(unfused(), partial)
+        super().load_weights(each_weight(weights, unfused), partial)
 
     def expected_weight_names(self) -> set[str]:
         names = set()

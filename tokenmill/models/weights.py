@@ -37,6 +37,15 @@ def hf_weight_names(model: nn.Module, stacked: Stacked) -> set[str]:
     return names
 
 
+def each_weight(
+    weights: Iterable[tuple[str, Any]], fn: Callable[[str, Any], Iterable[tuple[str, Any]]]
+) -> Iterable[tuple[str, Any]]:
+    """``fn(name, tensor)``'s pairs for every checkpoint tensor, in order. A list stays a list:
+    `load_hf_weights` checks an update's names before it replaces any tensor, which needs them all."""
+    pairs = (pair for name, tensor in weights for pair in fn(name, tensor))
+    return list(pairs) if isinstance(weights, Sequence) else pairs
+
+
 def load_hf_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
