@@ -12,6 +12,7 @@ by name.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -28,9 +29,13 @@ def resolve_content_format(content_format: str, template: str) -> str:
     return "openai" if template_loops_over_content(template) else "string"
 
 
+@functools.lru_cache(maxsize=16)
 def template_loops_over_content(template: str) -> bool:
     """Whether the template iterates over a message's content (``{% for part in message['content'] %}``,
-    directly or through a variable set from it). A template Jinja cannot parse counts as a string reader."""
+    directly or through a variable set from it). A template Jinja cannot parse counts as a string reader.
+
+    Cached per template text: parsing takes ~0.5 ms, three quarters of rendering a short conversation,
+    and a job renders every row with the same template."""
     from jinja2 import Environment, TemplateSyntaxError, nodes
 
     try:
