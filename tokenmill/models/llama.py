@@ -155,8 +155,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn
-        if quant is not None and partial_rotary_permutation(attn.head_dim, attn.rotary_emb.rope) is not None and not all(
-                getattr(scheme, "quantize_at_load", False) for _, scheme in quant.groups):
+        if quant is not None and quant.from_checkpoint and partial_rotary_permutation(attn.head_dim, attn.rotary_emb.rope) is not None:
             raise ValueError("partial rotary with a pre-quantized checkpoint is not supported (its q/k scales would "
                              "need the reordering its q/k rows get at load)")
 
@@ -265,7 +264,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
                  quant_config: "QuantizationConfig | None" = None):
-        if quant_config is not None and not all(getattr(scheme, "quantize_at_load", False) for _, scheme in quant_config.groups):
+        if quant_config is not None and quant_config.from_checkpoint:
             raise ValueError("Phi3ForCausalLM: pre-quantized checkpoints are not supported (their fused qkv/gate_up "
                              "scales are not split); load the full-precision model, optionally with quantization='fp8'")
         super().__init__(config, tp_rank, tp_size, tp_group, quant_config)

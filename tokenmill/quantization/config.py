@@ -54,6 +54,12 @@ class QuantizationConfig:
     groups: tuple[tuple[tuple[str, ...], Scheme], ...]
     ignore: tuple[str, ...] = ()  # module names, "re:<regex>" patterns or suffixes kept in full precision
 
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether the checkpoint itself is quantized (its own scales and packed weights), rather
+        than full precision quantized while loading (``quantization="fp8"``)."""
+        return not all(getattr(scheme, "quantize_at_load", False) for _, scheme in self.groups)
+
     def scheme_for(self, module_names: Sequence[str]) -> Scheme | None:
         """The scheme of a layer whose checkpoint modules are ``module_names`` (several for stacked
         q/k/v or gate/up, which must agree), or None when the layer stays in full precision."""
