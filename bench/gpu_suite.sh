@@ -12,7 +12,7 @@
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
-#   workload with tutorial sampling settings (bench/workload_bench.py). ray: P1 through tokenmill.ray against
+#   workload with tutorial sampling settings (bench/workload_bench.py; CHAT_VARIANTS picks variants, default all). ray: P1 through tokenmill.ray against
 #   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried. Tests that load GGUF or quantized
 #   checkpoints need .whl/ (bench/build_wheels.sh) carried and installed (that script says how).
 set -uo pipefail
@@ -116,7 +116,7 @@ for part in $parts; do
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
     chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all
       [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
-      RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape 2>&1 | grep '^{'
+      RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape ${CHAT_VARIANTS:-} 2>&1 | grep '^{'
       tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
@@ -267,7 +267,7 @@ for part in $parts; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
-        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b 2>&1 | grep '^{' ;;
+        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep '^{' ;;
       esac
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm.raw" ;;
   esac
