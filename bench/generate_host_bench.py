@@ -12,7 +12,10 @@ cached random tensor), the sampler (token ids taken from a cached random tensor:
 kernels' host cost is the launches, timed by bench/sampler_bench.py); everything else is the real
 engine, asynchronous scheduling's bookkeeping included.
 
-    python bench/generate_host_bench.py [nano|uniform|sampling|prefill] [--profile]
+    python bench/generate_host_bench.py [nano|uniform|sampling|prefill|chat] [--variant NAME] [--profile]
+
+chat is bench/workload_bench.py's workload; --variant takes its sampling settings (temperature,
+top_p, repetition, ...: workload_bench.VARIANTS, at temperature 0.7) instead of the workload's own.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peer_bench import workload  # noqa: E402
+from workload_bench import VARIANTS, chat_workload  # noqa: E402
 
 VOCAB = 10240
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=32, intermediate_size=64,
@@ -41,7 +45,8 @@ CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_siz
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", nargs="?", default="sampling", choices=["nano", "uniform", "sampling", "prefill"])
+    parser.add_argument("workload", nargs="?", default="sampling", choices=["nano", "uniform", "sampling", "prefill", "chat"])
+    parser.add_argument("--variant", choices=list(VARIANTS), help="the chat workload's settings of that name")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions by own time")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -61,7 +66,12 @@ def main() -> None:
     runner.model.compute_logits = lambda h: logits[: h.shape[0]]
     runner.sampler = lambda step_logits, batch: SamplerOutput(draws[: step_logits.shape[0]].clone())
 
-    prompts, outs, settings = workload(args.workload)
+    if args.workload == "chat":
+        (prompts, outs), settings = chat_workload(), dict(temperature=0.7)
+    else:
+        prompts, outs, settings = workload(args.workload)
+    if args.variant is not None:
+        settings = dict(temperature=0.7, **VARIANTS[args.variant])
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:4], params[:4], use_tqdm=False)
@@ -78,7 +88,7 @@ def main() -> None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     sequence_steps = sum(outs)  # one sampled token per sequence-step (prefill chunks add a few more steps)
-    print(json.dumps({"bench": "generate_host", "workload": args.workload, "seqs": len(prompts),
+    print(json.dumps({"bench": "generate_host", "workload": args.workload, "variant": args.variant, "seqs": len(prompts),
                       "out_tokens": sequence_steps, "seconds": round(seconds, 3),
                       "us_per_sequence_step": round(seconds / sequence_steps * 1e6, 2),
                       # CPU time: steadier than wall time on a shared machine (torch runs one thread)

@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
-#   [sampler] [sampler-rounds] [chat] [chat-8b] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [chat] [chat-8b] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -151,6 +151,13 @@ for part in $parts; do
     profile-gpu)
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
+      done ;;
+    profile-chat)  # the chat workload on the 0.6B, temperature only against repetition_penalty 1.1: wall time by batch size
+                   # with the host's wait for the GPU, then GPU time by kernel (issue 15 part 1; perf.md 53)
+      for variant in temperature repetition; do
+        timeout 100 python3 bench/profile_step.py qwen3-0.6b chat:$variant --timeline > "$OUT/timeline_chat_$variant.txt" 2>&1
+        timeout 150 python3 bench/profile_step.py qwen3-0.6b chat:$variant --gpu > "$OUT/profile_gpu_chat_$variant.txt" 2>&1
+        tail -12 "$OUT/timeline_chat_$variant.txt"; head -40 "$OUT/profile_gpu_chat_$variant.txt"
       done ;;
     launch-gap)  # what a kernel boundary costs in a CUDA graph, with and without programmatic dependent launch (perf.md 40)
       timeout 120 python3 bench/launch_gap_bench.py > "$OUT/launch_gap.raw" 2>>"$OUT/suite.log"; tag "$OUT/launch_gap.raw" "$OUT/kernels.jsonl"; cat "$OUT/launch_gap.raw" ;;

@@ -6,6 +6,7 @@
     python bench/profile_step.py qwen3-0.6b nano --timeline                # wall time by batch size
     python bench/profile_step.py llama3-8b nano --timeline --fp8-cache     # ... with kv_cache_dtype="fp8"
     python bench/profile_step.py llama3-8b nano --gpu --fp8-weights        # ... with quantization="fp8"
+    python bench/profile_step.py qwen3-0.6b chat:repetition --timeline     # workload_bench.py's chat workload, one variant
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from peer_bench import model_dir, workload  # noqa: E402
+from workload_bench import VARIANTS, chat_workload  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +31,10 @@ def main() -> None:
     quantization = "fp8" if "--fp8-weights" in sys.argv[3:] else None
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
               kv_cache_dtype=kv_cache_dtype, quantization=quantization)
-    prompts, outs, settings = workload(name)
+    if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
+        (prompts, outs), settings = chat_workload(), dict(temperature=0.7, **VARIANTS[name.split(":", 1)[1]])
+    else:
+        prompts, outs, settings = workload(name)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:4], params[:4], use_tqdm=False)
@@ -102,7 +107,7 @@ def timeline(llm, inputs, params) -> None:
 
     engine = llm.llm_engine
     step = engine.step
-    bins = [(0, 0), (1, 16), (17, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 10**9)]
+    bins = [(0, 0), (1, 16), (17, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 512), (513, 10**9)]
     seconds = {b: 0.0 for b in bins}
     waited = {b: 0.0 for b in bins}
     steps = {b: 0 for b in bins}

@@ -10,8 +10,11 @@ Workload ("chat"): 1,024 requests sharing a 256-token system prefix, each with i
 tokens, output U[32, 512] tokens, eos ignored, temperature 0.7 (random.seed(0)). The variants add
 top_p 0.9, top_k 50, top_k 100 with top_p 0.95 (issue 15's filter target), repetition_penalty 1.1,
 top_p 0.9, top_k 50 and repetition_penalty 1.1 together, or a logit bias on ten ids. One LLM serves every variant (after a
-warm-up call); each prints one JSON row (output tokens / wall seconds of the generate call) and
-appends it to $RESULTS when set.
+warm-up call), its prefix cache emptied before each: every variant's prompts are prefilled, as the
+first's are (without the reset a later variant found every prompt of an earlier one cached and
+looked faster by that prefill, docs/perf.md 53). A variant may be named twice (the first and
+last run of one setting show any drift in the lease). Each prints one JSON row (output tokens /
+wall seconds of the generate call) and appends it to $RESULTS when set.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> None:
     for name in names:
         params = [SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=o, detokenize=False, **VARIANTS[name])
                   for o in outs]
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: a variant would reuse the last one's prompts")
         start = time.time()
         results = llm.generate(inputs, params, use_tqdm=False)
         seconds = time.time() - start

@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from support.hf_reference import hf_logprobs, teacher_forced_positions
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -85,43 +87,10 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 280) for _ in range(rng.choice([1, 7, 33, 150]))] for _ in range(count)]
 
 
-@functools.lru_cache(maxsize=4)
-def _hf(path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(path: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
-    return torch.log_softmax(_hf(path, dtype)(torch.tensor([ids], device="cuda")).logits[0, -1].float(), dim=-1)
-
-
-def _positions(llm, reference, prompts, tokens: int, yardstick=None) -> list[tuple[float, bool, float, float]]:
-    """Along our greedy tokens, each position scored on the same prefix (so errors do not compound):
-    (the reference's top-two gap, whether we picked its argmax, |our logprob - its logprob| of our
-    token, |yardstick's logprob - its logprob| of our token, 0 without a yardstick)."""
-    from tokenmill import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    rows = []
-    for prompt, output in zip(prompts, outputs):
-        ids = list(prompt)
-        for position, token in enumerate(output.outputs[0].token_ids):
-            ref = reference(ids)
-            top2 = torch.topk(ref, 2).values
-            ours = abs(output.outputs[0].logprobs[position][token].logprob - float(ref[token]))
-            noise = abs(float(yardstick(ids)[token] - ref[token])) if yardstick is not None else 0.0
-            rows.append((float(top2[0] - top2[1]), token == int(ref.argmax()), ours, noise))
-            ids.append(token)
-    return rows
-
-
 def _teacher_forced(llm, reference, prompts, tokens: int, margin: float) -> tuple[int, int, float]:
     """Along our greedy tokens: (positions where the reference's top two differ by more than
     ``margin``, how many of those we picked its argmax, largest logprob difference of our token)."""
-    rows = _positions(llm, reference, prompts, tokens)
+    rows = teacher_forced_positions(llm, reference, prompts, tokens)
     clear = [agree for gap, agree, _, _ in rows if gap > margin]
     return len(clear), sum(clear), max(ours for _, _, ours, _ in rows)
 
@@ -160,13 +129,14 @@ def test_quantized_checkpoint_matches_hf_on_reference_weights_on_gpu(tmp_path, k
         folder, reference = gptq_awq_checkpoint(tmp_path, kind, symmetric=kind == "gptq")
     # The tiny checkpoints have 256 positions; the prompts take at most 150 + 8.
     llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, gpu_memory_utilization=0.3, dtype="bfloat16")
-    fp32 = functools.partial(_hf_logprobs, str(reference), torch.float32)
+    fp32 = functools.partial(hf_logprobs, str(reference), torch.float32)
     if kind in ("gptq", "awq"):
         # Twice the prompts: the larger slack leaves fewer positions with a clear margin.
-        rows = _positions(llm, fp32, _prompts(12), 8, functools.partial(_hf_logprobs, str(reference), torch.bfloat16))
+        rows = teacher_forced_positions(llm, fp32, _prompts(12), 8,
+                                        functools.partial(hf_logprobs, str(reference), torch.bfloat16))
         slack = 0.15 + 2 * max(noise for *_, noise in rows)
     else:
-        rows = _positions(llm, fp32, _prompts(6), 8)
+        rows = teacher_forced_positions(llm, fp32, _prompts(6), 8)
         slack = {"ct-w4a16-asym": 0.15, "ct-fp8-dynamic": 0.5, "ct-fp8-static": 0.75}[kind]
     clear = [agree for gap, agree, _, _ in rows if gap > slack]
     worst = max(ours for _, _, ours, _ in rows)
@@ -203,7 +173,7 @@ def test_fp8_engine_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, quantization="fp8")
     prompts = [[random.Random(i).randrange(1, 1024) for _ in range(20 + 30 * (i % 12))] for i in range(64)]
-    clear, agree, _ = _teacher_forced(llm, functools.partial(_hf_logprobs, str(tmp_path), torch.bfloat16), prompts, 16, 1.0)
+    clear, agree, _ = _teacher_forced(llm, functools.partial(hf_logprobs, str(tmp_path), torch.bfloat16), prompts, 16, 1.0)
     assert clear >= 30 and agree >= 0.97 * clear, (clear, agree)
 
 

@@ -1,0 +1,54 @@
+"""Hugging Face transformers on the GPU as the GPU tests' reference: a model folder's next-token
+logprobs in a given dtype, and our greedy tokens scored teacher-forced against them.
+
+A bf16 engine is judged against HF in fp32 (the truth), with HF's own bf16 forward as the yardstick
+of bf16 noise on the same positions: two bf16 implementations that sum in different orders differ
+by up to about twice that noise, and a bug in a kernel or a weight layout moves logprobs by whole
+units (docs/perf.md 53: HF bf16 was up to 0.056 from fp32 on the tiny test models, and ours on
+the H200 0.084 from HF bf16 on one of them)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+
+
+@torch.no_grad()
+def hf_logprobs(path: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
+    """[V] float32 log-softmax of HF's logits after ``ids``."""
+    return torch.log_softmax(hf_model(path, dtype)(torch.tensor([ids], device="cuda")).logits[0, -1].float(), dim=-1)
+
+
+def teacher_forced_positions(llm, reference, prompts, tokens: int, yardstick=None) -> list[tuple[float, bool, float, float]]:
+    """Along our greedy tokens, each position scored on the same prefix (so errors do not compound):
+    (the reference's top-two gap, whether we picked its argmax, |our logprob - its logprob| of our
+    token, |yardstick's logprob - its logprob| of our token, 0 without a yardstick)."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    rows = []
+    for prompt, output in zip(prompts, outputs):
+        ids = list(prompt)
+        for position, token in enumerate(output.outputs[0].token_ids):
+            ref = reference(ids)
+            top2 = torch.topk(ref, 2).values
+            ours = abs(output.outputs[0].logprobs[position][token].logprob - float(ref[token]))
+            noise = abs(float(yardstick(ids)[token] - ref[token])) if yardstick is not None else 0.0
+            rows.append((float(top2[0] - top2[1]), token == int(ref.argmax()), ours, noise))
+            ids.append(token)
+    return rows
+
+
+def bf16_slack(noises) -> float:
+    """How far a bf16 engine's logprob may sit from HF fp32's: 0.05 plus twice HF bf16's own largest
+    distance from fp32 on the same positions."""
+    return 0.05 + 2 * max(noises)
