@@ -118,8 +118,8 @@ def main() -> None:
                                       torch.full((rows,), min_p, device=device))
                 state = None
                 if repetition != 1.0:
-                    factor = torch.full((rows,), repetition, device=device)
-                    zeros = torch.zeros(rows, device=device)
+                    factor = torch.full((counts.shape[0],), repetition, device=device)  # per penalty slot
+                    zeros = torch.zeros(counts.shape[0], device=device)
                     state = RowState(no_bias, torch.zeros(1, args.vocab, device=device), slots, counts, bits, factor,
                                      zeros, zeros)
                 alone = top_p < 1.0 and top_k == 0  # what the runner tells the sampler (SamplingBatch.top_p_alone)

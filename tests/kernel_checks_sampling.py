@@ -70,6 +70,11 @@ def _check_gumbel_argmax(p: dict[str, Any]) -> None:
     assert len(set(draws.tolist())) > 8, draws.tolist()
 
 
+def _state_rows(state, rows):
+    """``state`` for a subset of its rows: their slots; the tables and per-slot factors stay whole."""
+    return state._replace(bias_slots=state.bias_slots[rows], penalty_slots=state.penalty_slots[rows])
+
+
 def _check_sample_tokens(p: dict[str, Any]) -> None:
     import torch
 
@@ -78,12 +83,11 @@ def _check_sample_tokens(p: dict[str, Any]) -> None:
     from tokenmill.kernels.triton.sampling import sample_tokens
 
     logits, temperature, keys, counters, filters, state = sampling_rows(p["vocab"], getattr(torch, p["dtype"]), p["vocab"])
-    if p["rows"] is not None:  # a subset of the rows (the state tables stay whole)
+    if p["rows"] is not None:  # a subset of the rows (the state tables, penalty factors included, stay whole)
         take = torch.tensor(p["rows"])
         logits, temperature, keys, counters = (t[take] for t in (logits, temperature, keys, counters))
         filters = type(filters)(*(f[take] for f in filters))
-        state = state._replace(**{name: getattr(state, name)[take] for name in
-                                  ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        state = _state_rows(state, take)
     got = sample_tokens(logits, temperature, keys, counters, filters, state)
     want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state))
     assert got.tolist() == want.tolist(), (got.tolist(), want.tolist())
@@ -93,8 +97,7 @@ def _check_sample_tokens(p: dict[str, Any]) -> None:
     for row in (1, 9):
         alone = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
         one_filters = type(filters)(*(f[row : row + 1] for f in filters))
-        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
-                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        one_state = _state_rows(state, slice(row, row + 1))
         assert sample_tokens(*alone, one_filters, one_state).tolist() == got[row : row + 1].tolist()
     # Without filters or state, the plain draw matches its twin too.
     assert sample_tokens(logits, temperature, keys, counters).tolist() == sample_ref(logits, temperature, keys, counters).tolist()
@@ -192,8 +195,7 @@ def _check_sample_tokens_rounds(p: dict[str, Any]) -> None:
     for row in (2, following):
         one = [t[row : row + 1] for t in (logits, temperature, keys, counters)]
         one_filters = type(filters)(*(f[row : row + 1] for f in filters))
-        one_state = state._replace(**{name: getattr(state, name)[row : row + 1] for name in
-                                      ("bias_slots", "penalty_slots", "repetition", "frequency", "presence")})
+        one_state = _state_rows(state, slice(row, row + 1))
         assert sampling.sample_tokens(*one, one_filters, one_state).tolist() == got[row : row + 1].tolist(), row
 
 

@@ -130,8 +130,7 @@ def _check_sampler(recorder: _KeyRecorder) -> str | None:
 
     def step(rows: int, vocab: int, filtered: bool, top_p_alone: bool, has_state: bool) -> None:
         floats = [[0.7] * rows] + ([[0.95] * rows, [0.0] * rows] if filtered else [])
-        floats = runner._columns(floats + ([[1.05] * rows, [0.05] * rows, [0.05] * rows] if has_state else []),
-                                 torch.float32)
+        floats = runner._columns(floats, torch.float32)
         keys, counters = runner._columns([[7] * rows, [3] * rows], torch.int64)
         filters = Filters(runner._tensor([100] * rows, torch.int64), floats[1], floats[2]) if filtered else None
         state = None
@@ -141,7 +140,8 @@ def _check_sampler(recorder: _KeyRecorder) -> str | None:
             # torch.empty: the tables' memory is never touched (3,005 x 151,936 would be 1.8 GB each).
             state = RowState(bias_slots, torch.empty(slots, vocab), penalty_slots,
                              torch.empty(slots, vocab, dtype=torch.int32),
-                             torch.empty(slots, -(-vocab // 32), dtype=torch.int32), *floats[-3:])
+                             torch.empty(slots, -(-vocab // 32), dtype=torch.int32),
+                             *(torch.ones(slots) for _ in range(3)))  # the penalty factors, per slot (PenaltyState)
         sample_tokens(torch.empty(rows, vocab, dtype=torch.bfloat16), floats[0], keys, counters, filters, state,
                       top_p_alone=top_p_alone)
 

@@ -107,8 +107,12 @@ def test_torch_penalties_match_the_reference():
     factors = torch.tensor([[s.params.repetition_penalty for s in seqs], [s.params.frequency_penalty for s in seqs],
                             [s.params.presence_penalty for s in seqs]])
     none = torch.full((len(seqs),), -1, dtype=torch.int32)
+    # The factors the state filled per slot are the requests' own.
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            assert [float(t[slot]) for t in (state.repetition, state.frequency, state.presence)] == factors[:, row].tolist()
     row_state = RowState(none, torch.zeros(1, VOCAB), torch.tensor(slots, dtype=torch.int32), state.counts,
-                         state.prompt_bits, *factors)
+                         state.prompt_bits, state.repetition, state.frequency, state.presence)
     logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(2)) * 3
     got = apply_penalties(logits, row_state, step_rows(slots, same))
     counts = torch.stack([expected_counts(s) for s in seqs])

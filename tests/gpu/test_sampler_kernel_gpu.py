@@ -15,6 +15,7 @@
   on an 11-token row and on the same row spread over Qwen's vocabulary.
 - Wide top-p rows drawn by argmax rounds (``kernels/triton/sampling_rounds.py``): token for token
   the exact path's draws on the same GPU, with any number of rounds.
+- The penalties' device state filled and counted without a host sync, at Qwen's vocabulary.
 
 ``TOKENMILL_KERNEL_DRYRUN=1 TRITON_INTERPRET=1`` runs it on the CPU interpreter with fewer rows.
 """
@@ -236,8 +237,7 @@ def test_wide_top_p_matches_twin_and_repeats(dtype: torch.dtype) -> None:
     counters = torch.arange(rows)
     none = torch.full((rows,), -1, dtype=torch.int32)
     state = RowState(none, torch.zeros(1, vocab), none, torch.zeros(1, vocab, dtype=torch.int32),
-                     torch.zeros(1, -(-vocab // 32), dtype=torch.int32), torch.ones(rows), torch.zeros(rows),
-                     torch.zeros(rows))
+                     torch.zeros(1, -(-vocab // 32), dtype=torch.int32), torch.ones(1), torch.zeros(1), torch.zeros(1))
     filters = Filters(top_k, top_p, min_p)
     dev = [t.to(DEVICE) for t in (logits, temperature, keys, counters)]
     dev_filters = Filters(*(f.to(DEVICE) for f in filters))
@@ -337,3 +337,63 @@ def test_wide_top_p_argmax_rounds_draw_what_the_exact_path_draws(dtype: torch.dt
     want = sample_ref(logits, temperature, keys, counters, tuple(filters), tuple(state)).cpu()
     differ = [row for row in torch.nonzero(draws[0] != want).flatten().tolist() if row not in moved]
     assert len(differ) <= 1, f"rows {differ} drew other tokens than the twin"  # one near-tie of noise, at most
+
+
+@pytest.mark.skipif(DRYRUN, reason="CUDA's sync check: a GPU only")
+def test_penalty_state_fills_and_counts_without_a_host_sync() -> None:
+    """The penalties' device state (``worker/sampling_state.PenaltyState``) at Qwen's vocabulary:
+    filling slots (prompt bitmaps, a resumed sequence's output counts) and counting each step's
+    sampled ids never wait for the GPU (asynchronous scheduling stays asynchronous), and the counts
+    and bitmaps are those of the tokens."""
+    import random
+    from dataclasses import dataclass, field
+
+    from tokenmill import SamplingParams
+    from tokenmill.kernels.reference import prompt_mask_ref
+    from tokenmill.worker.sampling_state import PenaltyState, step_rows
+
+    vocab = 151_936
+
+    @dataclass
+    class Seq:
+        seq_id: int
+        prompt_token_ids: list[int]
+        output_token_ids: list[int] = field(default_factory=list)
+        params: SamplingParams = field(default_factory=lambda: SamplingParams(repetition_penalty=1.1))
+
+        @property
+        def request(self):
+            return self
+
+        @property
+        def sampler_needs(self) -> int:
+            return self.params.sampler_needs
+
+    def to_device(host: torch.Tensor) -> torch.Tensor:
+        return host.pin_memory().to("cuda", non_blocking=True)
+
+    rng = random.Random(0)
+    seqs = [Seq(i, [rng.randrange(vocab) for _ in range(rng.randrange(1, 3000))] + [31, 32, vocab - 1],
+                [rng.randrange(100) for _ in range(rng.randrange(0, 50))]) for i in range(40)]
+    state = PenaltyState(vocab, torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(8):
+            batch = seqs[: 12 + 4 * step]  # newcomers every step (all 40 by the last): fills beside the counting
+            rows = step_rows(state.slots(batch, to_device), to_device)
+            sampled = torch.randint(0, 100, (len(batch),), device="cuda")  # small ids: repeats within a row
+            state.record(rows, sampled)
+            torch.cuda.set_sync_debug_mode("default")  # the test's own read, outside the check
+            for seq, token in zip(batch, sampled.tolist()):
+                seq.output_token_ids.append(token)
+            torch.cuda.set_sync_debug_mode("error")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seq in seqs:
+        slot = state.table.get(seq.seq_id)
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=vocab).int()
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[seq.prompt_token_ids] = True
+        assert torch.equal(state.counts[slot].cpu(), counts)
+        assert torch.equal(prompt_mask_ref(state.prompt_bits[slot : slot + 1].cpu(), vocab)[0], mask)

@@ -63,8 +63,9 @@ def sampling_rows(vocab: int, dtype: torch.dtype, seed: int, device: str | torch
     bias = torch.zeros(2, vocab)
     bias[0, torch.randint(0, vocab, (50,), generator=gen)] = float("-inf")
     bias[1, torch.randint(0, vocab, (30,), generator=gen)] = torch.randn(30, generator=gen) * 3
-    state = RowState(bias_slots, bias, penalty_slots, counts, prompt_bits, torch.full((rows,), 1.3),
-                     torch.full((rows,), 0.4), torch.full((rows,), 0.2))
+    # Per slot, each its own factors: a kernel reading them by row instead would penalise wrongly.
+    state = RowState(bias_slots, bias, penalty_slots, counts, prompt_bits, torch.tensor([1.3, 0.7, 1.8, 1.1]),
+                     torch.tensor([0.4, 0.0, 0.9, -0.3]), torch.tensor([0.2, 0.6, 0.0, 0.1]))
     keys = torch.randint(0, 2**62, (rows,), generator=gen)
     counters = torch.randint(0, 2**40, (rows,), generator=gen)
     move = functools.partial(torch.Tensor.to, device=device)
@@ -194,5 +195,5 @@ def _one_slot_state(vocab: int, rows: int, gen: torch.Generator):
     def slot_of(row: int) -> torch.Tensor:
         return torch.tensor([0 if i == row else -1 for i in range(rows)], dtype=torch.int32)
 
-    return RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.full((rows,), 1.2),
-                    torch.full((rows,), 0.1), torch.full((rows,), 0.05))
+    return RowState(slot_of(1), bias, slot_of(0), counts, prompt_bits, torch.tensor([1.2]), torch.tensor([0.1]),
+                    torch.tensor([0.05]))

@@ -26,6 +26,8 @@ class RowState(NamedTuple):
     penalty_slots: torch.Tensor  # [N] int32
     counts: torch.Tensor  # [S', V] int32: occurrences of each token among the slot's outputs
     prompt_bits: torch.Tensor  # [S', ceil(V / 32)] int32: bit i % 32 of word i // 32 = token i is in the prompt
-    repetition: torch.Tensor  # [N] float32
-    frequency: torch.Tensor  # [N] float32
-    presence: torch.Tensor  # [N] float32
+    # The penalties of each penalty slot (not of each row: written once when a sequence takes its
+    # slot, so no step rebuilds them from the requests).
+    repetition: torch.Tensor  # [S'] float32
+    frequency: torch.Tensor  # [S'] float32
+    presence: torch.Tensor  # [S'] float32

@@ -342,9 +342,6 @@ class ModelRunner:
         penalty_slots = self.penalties.slots(seqs, self._to_device) if needs & SamplerNeeds.PENALTIES else none
         bias_slots = self.logit_bias.slots(seqs, self._to_device) if needs & SamplerNeeds.LOGIT_BIAS else none
         has_state = bool(needs & (SamplerNeeds.PENALTIES | SamplerNeeds.LOGIT_BIAS))
-        if has_state:
-            floats += [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                       [p.presence_penalty for p in params]]
         floats = self._columns(floats, torch.float32)
         max_top_k = min(max(p.top_k for p in params), self.vocab_size) if filtered else 0
         batch = SamplingBatch(
@@ -364,8 +361,9 @@ class ModelRunner:
             batch.draw_keys, batch.draw_counters = self._draw_keys(seqs)
         if has_state:
             bias, penalty = self._columns([bias_slots, penalty_slots], torch.int32)
-            batch.state = RowState(bias, self.logit_bias.bias, penalty, self.penalties.counts, self.penalties.prompt_bits,
-                                   *floats[-3:])
+            penalties = self.penalties
+            batch.state = RowState(bias, self.logit_bias.bias, penalty, penalties.counts, penalties.prompt_bits,
+                                   penalties.repetition, penalties.frequency, penalties.presence)
             batch.bias_rows = step_rows(bias_slots, self._to_device)
             batch.penalty_rows = step_rows(penalty_slots, self._to_device)
         if needs & SamplerNeeds.BAD_WORDS:

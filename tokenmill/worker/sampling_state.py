@@ -11,9 +11,9 @@ doubles as needed (1, 2, 4, ...), and are freed by ``release`` (finished, aborte
 sequences; a preempted one is filled again when it samples next).
 
 Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
-- ``PenaltyState`` (repetition / frequency / presence penalties): output counts, V int32, and the
-  prompt's tokens as a bitmap, ceil(V / 32) int32: 4.125 V bytes (627 KB; 256 slots 160 MB,
-  1,024 slots 642 MB).
+- ``PenaltyState`` (repetition / frequency / presence penalties): output counts, V int32, the
+  prompt's tokens as a bitmap, ceil(V / 32) int32, and the three factors: 4.125 V + 12 bytes
+  (627 KB; 256 slots 160 MB, 1,024 slots 642 MB).
 - ``LogitBiasState`` (logit_bias, allowed_token_ids): one additive float32 row, 4 V bytes (608 KB).
 - ``BadWordState`` (bad_words): the words as token ids, and the last L - 1 output ids for words
   of up to L tokens: a few hundred bytes.
@@ -27,6 +27,7 @@ The GPU kernels read the bias and penalty tables directly (``kernels/sampling_ar
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -38,6 +39,7 @@ from tokenmill.sampling_params import SamplerNeeds
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor onto the device (pinned, asynchronous on a GPU)
 _WILDCARD = -2  # a word position before the word's first token: matches any recent id
+_seq_id = operator.attrgetter("seq_id")
 
 
 class SlotTable:
@@ -72,6 +74,9 @@ class SlotTable:
         """Each row's slot (-1 where its request's ``sampler_needs`` lack ``need``: the flags the
         runner also reads to skip a state no row uses), and the (slot, seq) pairs assigned now,
         whose tensors the owner fills."""
+        known = list(map(self._slots.get, map(_seq_id, seqs)))  # C-level loops: this runs every step
+        if None not in known:  # every row needs the state and has its slot: the steady state of a batch
+            return known, []
         slots = [-1] * len(seqs)
         new = []
         need = int(need)  # int & int: IntFlag's operators run in Python
@@ -150,7 +155,7 @@ def _slot_index(new: list, to_device: ToDevice) -> torch.Tensor:
 
 
 class PenaltyState(_SlottedState):
-    """Output-token counts and prompt-token bitmaps of the sequences with penalties."""
+    """Output-token counts, prompt-token bitmaps and the penalty factors of the sequences with penalties."""
 
     NEED = SamplerNeeds.PENALTIES
 
@@ -158,34 +163,53 @@ class PenaltyState(_SlottedState):
         self.table = SlotTable(is_done)
         self.counts = torch.zeros((1, vocab_size), dtype=torch.int32, device=device)
         self.prompt_bits = torch.zeros((1, -(-vocab_size // 32)), dtype=torch.int32, device=device)
+        # [S] float32 each: every slot's repetition, frequency and presence penalty (RowState's factors).
+        self.repetition, self.frequency, self.presence = (torch.ones(1, device=device) for _ in range(3))
 
     def record(self, rows: StepRows, token_ids: torch.Tensor) -> None:
-        """Count this step's sampled tokens (on the device; nothing is read back)."""
-        ones = torch.ones(1, dtype=torch.int32, device=token_ids.device).expand(rows.slots.shape[0])
-        self.counts.index_put_((rows.slots, token_ids[rows.rows]), ones, accumulate=True)
+        """Count this step's sampled tokens (on the device; nothing is read back). Each row is its
+        own sequence with its own slot, so a step's (slot, token) pairs are distinct and a plain
+        read-add-write suffices: on CUDA an accumulating ``index_put_`` sorts its indices in a dozen
+        launches every step (docs/perf.md 53)."""
+        flat = self.counts.view(-1)
+        at = torch.add(token_ids[rows.rows], rows.slots, alpha=self.counts.shape[1])
+        flat[at] = flat[at] + 1
 
     def _fill(self, new: list, to_device: ToDevice) -> None:
         self.counts = _grown(self.counts, self.table.capacity)
         self.prompt_bits = _grown(self.prompt_bits, self.table.capacity)
         slots = _slot_index(new, to_device)
+        params = [seq.params for _, seq in new]
+        factors = to_device(torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                          [p.presence_penalty for p in params]], dtype=torch.float32))
+        self.repetition, self.frequency, self.presence = (
+            _grown(table, self.table.capacity).index_copy_(0, slots, row)
+            for table, row in zip((self.repetition, self.frequency, self.presence), factors))
+        vocab = self.counts.shape[1]
+        # Output counts (a preempted sequence's outputs) and the prompt as a bitmap, both reduced
+        # on the host in numpy to distinct (slot, column) cells, then written with plain
+        # assignments (a step can admit hundreds of prompts, hundreds of thousands of tokens).
         self.counts.index_fill_(0, slots, 0)
-        # Outputs: one count per token (index_put_ with accumulate adds repeated ids up).
         outputs = [(slot, token) for slot, seq in new for token in seq.output_token_ids]
         if outputs:
-            index = to_device(torch.tensor(list(zip(*outputs)), dtype=torch.int64))
-            self.counts.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
-        # The prompt as a bitmap: each distinct (row, token) adds its bit to its word (distinct bits,
-        # so the sum is their OR; bit 31 wraps to the sign when cast to int32). In numpy: a step can
-        # admit hundreds of prompts, hundreds of thousands of tokens.
+            cells, times = np.unique(np.array([slot * vocab + token for slot, token in outputs], dtype=np.int64),
+                                     return_counts=True)
+            index = to_device(torch.from_numpy(np.stack([cells, times])))
+            self.counts.view(-1)[index[0]] = index[1].to(torch.int32)
         lengths = np.array([len(seq.prompt_token_ids) for _, seq in new], dtype=np.int64)
         tokens = np.fromiter(itertools.chain.from_iterable(seq.prompt_token_ids for _, seq in new), np.int64,
                              int(lengths.sum()))
-        vocab = self.counts.shape[1]
         rows, tokens = np.divmod(np.unique(np.repeat(np.arange(len(new)), lengths) * vocab + tokens), vocab)
-        index = to_device(torch.from_numpy(np.stack([rows, tokens >> 5, np.left_shift(1, tokens & 31)])))
-        packed = torch.zeros((len(new), self.prompt_bits.shape[1]), dtype=torch.int64, device=self.counts.device)
-        packed.index_put_((index[0], index[1]), index[2], accumulate=True)
-        self.prompt_bits.index_copy_(0, slots, packed.to(torch.int32))
+        packed = torch.zeros((len(new), self.prompt_bits.shape[1]), dtype=torch.int32, device=self.counts.device)
+        if tokens.size:
+            # Each word's bits ORed: the (row, word) cells come out of np.unique sorted, so the
+            # bits of one cell are adjacent and bitwise_or.reduceat folds them.
+            cell = rows * packed.shape[1] + (tokens >> 5)
+            starts = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
+            words = np.bitwise_or.reduceat(np.left_shift(1, tokens & 31), starts).astype(np.uint32).view(np.int32)
+            index = to_device(torch.from_numpy(np.stack([cell[starts], words.astype(np.int64)])))
+            packed.view(-1)[index[0]] = index[1].to(torch.int32)  # bit 31 is the sign, as the kernels read it
+        self.prompt_bits.index_copy_(0, slots, packed)
 
 
 def apply_penalties(logits: torch.Tensor, state: RowState, rows: StepRows) -> torch.Tensor:
@@ -197,10 +221,10 @@ def apply_penalties(logits: torch.Tensor, state: RowState, rows: StepRows) -> to
     bits = (state.prompt_bits[rows.slots].long()[:, :, None] >> torch.arange(32, device=logits.device)) & 1
     seen = bits.flatten(1)[:, :vocab].bool() | (counts > 0)
     x = logits[rows.rows]
-    rep = state.repetition[rows.rows][:, None]
+    rep = state.repetition[rows.slots][:, None]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - state.frequency[rows.rows][:, None] * counts.float()
-    logits[rows.rows] = x - state.presence[rows.rows][:, None] * (counts > 0).float()
+    x = x - state.frequency[rows.slots][:, None] * counts.float()
+    logits[rows.rows] = x - state.presence[rows.slots][:, None] * (counts > 0).float()
     return logits
 
 

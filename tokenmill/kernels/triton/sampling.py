@@ -345,9 +345,9 @@ def _check_rows(rows: int, **tensors: tuple[torch.Tensor, tuple[torch.dtype, ...
 def _state_args(state: RowState, logits: torch.Tensor) -> tuple:
     """The kernels' state arguments, checked."""
     rows, vocab = logits.shape
-    _check_rows(rows, bias_slots=(state.bias_slots, (torch.int32,)), penalty_slots=(state.penalty_slots, (torch.int32,)),
-                repetition=(state.repetition, (torch.float32,)), frequency=(state.frequency, (torch.float32,)),
-                presence=(state.presence, (torch.float32,)))
+    _check_rows(rows, bias_slots=(state.bias_slots, (torch.int32,)), penalty_slots=(state.penalty_slots, (torch.int32,)))
+    _check_rows(state.counts.shape[0], repetition=(state.repetition, (torch.float32,)),
+                frequency=(state.frequency, (torch.float32,)), presence=(state.presence, (torch.float32,)))
     words = triton.cdiv(vocab, 32)
     for name, t, width, dtype in (("bias", state.bias, vocab, torch.float32), ("counts", state.counts, vocab, torch.int32),
                                   ("prompt_bits", state.prompt_bits, words, torch.int32)):

@@ -15,9 +15,10 @@ def _row_state(row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_p
     if HAS_STATE:
         bias_slot = tl.load(bias_slot_ptr + row)
         penalty_slot = tl.load(penalty_slot_ptr + row)
-        repetition = tl.load(repetition_ptr + row)
-        frequency = tl.load(frequency_ptr + row)
-        presence = tl.load(presence_ptr + row)
+        penalised = penalty_slot >= 0  # the factors are the slot's; a row without one has none
+        repetition = tl.load(repetition_ptr + penalty_slot, mask=penalised, other=1.0)
+        frequency = tl.load(frequency_ptr + penalty_slot, mask=penalised, other=0.0)
+        presence = tl.load(presence_ptr + penalty_slot, mask=penalised, other=0.0)
     else:
         bias_slot = -1
         penalty_slot = -1
