@@ -7,10 +7,10 @@ and after slots are released, reused and grown; the torch penalties against
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import torch
 
+from support.state_seq import StateSeq as Seq
 from tokenmill import SamplingParams
 from tokenmill.kernels.reference import penalize_ref, prompt_mask_ref
 from tokenmill.kernels.triton.sampling import RowState
@@ -21,23 +21,6 @@ from tokenmill.worker.sampling_state import (
 
 VOCAB = 300
 CPU = torch.device("cpu")
-
-
-@dataclass
-class Seq:
-    seq_id: int
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    is_finished: bool = False
-
-    @property
-    def request(self) -> "Seq":  # the runner reads a request's sampler_needs through its sequences
-        return self
-
-    @property
-    def sampler_needs(self) -> int:
-        return self.params.sampler_needs
 
 
 def same(x):

@@ -93,22 +93,8 @@ def test_async_scheduling_equals_synchronous_with_listed_ids_on_gpu(model_path):
 
 
 def test_logprob_ids_state_needs_no_host_sync():
-    from dataclasses import dataclass
-
+    from support.state_seq import StateSeq as Seq
     from tokenmill.worker.sampling_state import LogprobIdsState, step_rows
-
-    @dataclass
-    class Seq:
-        seq_id: int
-        params: SamplingParams
-
-        @property
-        def request(self):
-            return self
-
-        @property
-        def sampler_needs(self) -> int:
-            return self.params.sampler_needs
 
     device = torch.device("cuda")
 

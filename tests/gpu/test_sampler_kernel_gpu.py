@@ -346,35 +346,21 @@ def test_penalty_state_fills_and_counts_without_a_host_sync() -> None:
     sampled ids never wait for the GPU (asynchronous scheduling stays asynchronous), and the counts
     and bitmaps are those of the tokens."""
     import random
-    from dataclasses import dataclass, field
 
+    from support.state_seq import StateSeq
     from tokenmill import SamplingParams
     from tokenmill.kernels.reference import prompt_mask_ref
     from tokenmill.worker.sampling_state import PenaltyState, step_rows
 
     vocab = 151_936
 
-    @dataclass
-    class Seq:
-        seq_id: int
-        prompt_token_ids: list[int]
-        output_token_ids: list[int] = field(default_factory=list)
-        params: SamplingParams = field(default_factory=lambda: SamplingParams(repetition_penalty=1.1))
-
-        @property
-        def request(self):
-            return self
-
-        @property
-        def sampler_needs(self) -> int:
-            return self.params.sampler_needs
-
     def to_device(host: torch.Tensor) -> torch.Tensor:
         return host.pin_memory().to("cuda", non_blocking=True)
 
     rng = random.Random(0)
-    seqs = [Seq(i, [rng.randrange(vocab) for _ in range(rng.randrange(1, 3000))] + [31, 32, vocab - 1],
-                [rng.randrange(100) for _ in range(rng.randrange(0, 50))]) for i in range(40)]
+    penalised = SamplingParams(repetition_penalty=1.1)
+    seqs = [StateSeq(i, penalised, [rng.randrange(vocab) for _ in range(rng.randrange(1, 3000))] + [31, 32, vocab - 1],
+                     [rng.randrange(100) for _ in range(rng.randrange(0, 50))]) for i in range(40)]
     state = PenaltyState(vocab, torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
