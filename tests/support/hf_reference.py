@@ -27,7 +27,8 @@ def hf_logprobs(path: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(hf_model(path, dtype)(torch.tensor([ids], device="cuda")).logits[0, -1].float(), dim=-1)
 
 
-def teacher_forced_positions(llm, reference, prompts, tokens: int, yardstick=None) -> list[tuple[float, bool, float, float]]:
+def teacher_forced_positions(llm, reference, prompts, tokens: int,
+                             yardstick=None) -> list[tuple[float, bool, float, float]]:
     """Along our greedy tokens, each position scored on the same prefix (so errors do not compound):
     (the reference's top-two gap, whether we picked its argmax, |our logprob - its logprob| of our
     token, |yardstick's logprob - its logprob| of our token, 0 without a yardstick)."""
