@@ -49,6 +49,15 @@ def teacher_forced_positions(llm, reference, prompts, tokens: int,
     return rows
 
 
+def assert_within(rows, slack: float, clear_needed: int) -> None:
+    """``teacher_forced_positions`` rows judged: our logprob within ``slack`` of the reference's at
+    every position, and the reference's argmax picked wherever its top two are more than ``slack``
+    apart, at ``clear_needed`` positions at least (so the agreement check is never vacuous)."""
+    clear = [agree for gap, agree, _, _ in rows if gap > slack]
+    worst = max(ours for _, _, ours, _ in rows)
+    assert len(clear) >= clear_needed and all(clear) and worst < slack, (len(clear), sum(clear), worst, slack)
+
+
 def bf16_slack(noises) -> float:
     """How far a bf16 engine's logprob may sit from HF fp32's: 0.05 plus twice HF bf16's own largest
     distance from fp32 on the same positions."""
