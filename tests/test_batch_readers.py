@@ -81,6 +81,22 @@ def test_detect_format(tmp_path):
         detect_format(plain, "xml")
 
 
+def test_openai_batch_refuses_a_custom_id_an_earlier_line_has(tmp_path):
+    def line(custom_id):
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}})
+    data = "\n".join([line("a"), line("b"), "", line("a"), '{"custom_id": "c", ', line("c"), line("a")]) + "\n"
+    path = write(tmp_path / "batch.jsonl", data.encode())
+    rows = list(read_rows(path, "openai"))
+    assert [r.index for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert [r.record["custom_id"] if r.record else None for r in rows] == ["a", "b", None, None, "c", None]
+    assert rows[2].error == ("line 4: custom_id 'a' is already used by line 1; "
+                             "each request of an OpenAI batch file needs its own custom_id")
+    assert "not valid JSON" in rows[3].error  # an undecodable line claims no id: line 6 keeps "c"
+    assert rows[5].where == "line 7" and "'a' is already used by line 1" in rows[5].error
+    # Plain JSONL rows may share any field: ids there are the user's business.
+    assert all(r.error is None for r in read_rows(write(tmp_path / "rows.jsonl", ((line("a") + "\n") * 2).encode()), "jsonl"))
+
+
 def test_csv_rows_quotes_and_errors(tmp_path):
     path = tmp_path / "in.csv"
     with open(path, "w", newline="", encoding="utf-8") as f:

@@ -103,8 +103,10 @@ def scan_input(path: str, fmt: str) -> InputInfo:
 
 def read_rows(path: str, fmt: str) -> Iterator[RawRow]:
     """Yield every row of the input, in file order, decoding one row at a time."""
-    if fmt in ("jsonl", "openai"):
+    if fmt == "jsonl":
         return _jsonl_rows(path)
+    if fmt == "openai":
+        return _unique_custom_ids(_jsonl_rows(path))
     if fmt in ("csv", "tsv"):
         return _csv_rows(path, fmt)
     if fmt == "parquet":
@@ -123,6 +125,22 @@ def _jsonl_rows(path: str) -> Iterator[RawRow]:
                 continue  # blank lines separate nothing and are not rows
             yield _decode_jsonl_line(index, line_no, raw)
             index += 1
+
+
+def _unique_custom_ids(rows: Iterator[RawRow]) -> Iterator[RawRow]:
+    """OpenAI batch lines whose custom_id an earlier line already has become bad rows. Results are
+    matched to requests by custom_id, so two results under one id could not be told apart (OpenAI
+    refuses such a file). The earlier line runs. Every process of a job sees every line in file
+    order (replicas shard after reading), so a resumed or sharded run decides the same way."""
+    first_seen: dict[str, str] = {}  # custom_id -> where its first line is
+    for raw in rows:
+        custom_id = raw.record.get("custom_id") if raw.record is not None else None
+        if isinstance(custom_id, str) and custom_id:
+            first = first_seen.setdefault(custom_id, raw.where)
+            if first != raw.where:
+                raw = RawRow(raw.index, None, f"{raw.where}: custom_id {custom_id!r} is already used by {first}; "
+                             "each request of an OpenAI batch file needs its own custom_id", raw.where)
+        yield raw
 
 
 def _decode_jsonl_line(index: int, line_no: int, raw: bytes) -> RawRow:
