@@ -12,13 +12,16 @@ top_p 0.9, top_k 50, top_k 100 with top_p 0.95 (issue 15's filter target), repet
 top_p 0.9, top_k 50 and repetition_penalty 1.1 together, or a logit bias on ten ids. One LLM serves every variant (after a
 warm-up call), its prefix cache emptied before each: every variant's prompts are prefilled, as the
 first's are (without the reset a later variant found every prompt of an earlier one cached and
-looked faster by that prefill, docs/perf.md 53). A variant may be named twice (the first and
+looked faster by that prefill, docs/perf.md 53); the last variant's results are dropped and the
+heap collected outside the timing, so every variant starts from the same heap (a full collection
+inside a timed call stops the host for tens of ms, docs/perf.md 49). A variant may be named twice (the first and
 last run of one setting show any drift in the lease). Each prints one JSON row (output tokens /
 wall seconds of the generate call) and appends it to $RESULTS when set.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -62,6 +65,8 @@ def main() -> None:
     prompts, outs = chat_workload()
     inputs = [{"prompt_token_ids": p} for p in prompts]
     for name in names:
+        results = None  # the last variant's outputs, before this one allocates its own
+        gc.collect()
         params = [SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=o, detokenize=False, **VARIANTS[name])
                   for o in outs]
         if not llm.reset_prefix_cache():
