@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload]
 #   [sampler] [sampler-rounds] [chat] [chat-8b] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [ray]
@@ -47,14 +47,24 @@ PY
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    tests|engine-tests)
-      # The whole of tests/gpu (~450 tests) takes ~450 s on the H200: give it most of a call (TESTS_TIMEOUT).
-      # TESTS_IGNORE drops files (the quant tests need compressed-tensors from .whl, which cannot travel
-      # beside a vLLM bundle part); the Ray tests skip without the Ray bundle and have their own part.
-      [ "$part" = tests ] && sel=tests/gpu || sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py tests/gpu/test_logits_processor_gpu.py"
+    tests|engine-tests|tests-1|tests-2)
+      # The whole of tests/gpu (~545 tests) took over 450 s on the H200 (cut there on AC): tests-1 and
+      # tests-2 run it in two calls (~420 and ~220 s there), the files before test_quant_kernels_gpu.py
+      # and the rest (a new file falls on one side by its name). TESTS_IGNORE drops files (the quant tests need compressed-tensors
+      # from .whl); the Ray tests skip without the Ray bundle and have their own part.
+      case $part in
+        tests) sel=tests/gpu ;;
+        engine-tests) sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py tests/gpu/test_logits_processor_gpu.py" ;;
+        *) sel=""; for f in tests/gpu/test_*.py; do
+             [ "$(basename "$f")" = test_ray_gpu.py ] && continue
+             if [[ $(basename "$f") < test_quant_kernels_gpu.py ]]; then half=tests-1; else half=tests-2; fi
+             [ "$half" = "$part" ] && sel="$sel $f"
+           done ;;
+      esac
       ignores=""; for f in tests/gpu/test_ray_gpu.py ${TESTS_IGNORE:-}; do ignores="$ignores --ignore=$f"; done
+      log="$OUT/gpu_tests.log"; [[ $part = tests-? ]] && log="$OUT/gpu_$part.log"
       OMP_NUM_THREADS=$TESTS_OMP timeout ${TESTS_TIMEOUT:-540} python3 -m pytest $sel $ignores -q --maxfail=25 -p no:cacheprovider -rs \
-        --durations=15 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+        --durations=15 2>&1 | tee "$log" | tail -40 ;;
     kernels)
       timeout 180 python3 bench/kernels_bench.py > "$OUT/kernels.raw" 2>>"$OUT/suite.log"
       timeout 120 python3 bench/varlen_bench.py >> "$OUT/kernels.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels.raw" "$OUT/kernels.jsonl"; cat "$OUT/kernels.jsonl" ;;
