@@ -51,6 +51,16 @@ def chat_workload() -> tuple[list[list[int]], list[int]]:
     return prompts, [randint(32, 512) for _ in prompts]
 
 
+def _alloc_retries() -> int | None:
+    """This process's CUDA allocator retries so far (None without CUDA in this process: the CPU, or
+    an engine whose GPU work runs in another process)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
 def main() -> None:
     engine, shape = sys.argv[1], sys.argv[2]
     names = sys.argv[3:] or list(VARIANTS)
@@ -71,13 +81,19 @@ def main() -> None:
                   for o in outs]
         if not llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: a variant would reuse the last one's prompts")
+        full_collections, retries = gc.get_stats()[2]["collections"], _alloc_retries()
         start = time.time()
         results = llm.generate(inputs, params, use_tqdm=False)
         seconds = time.time() - start
+        # Two host stalls a variant could meet and another not (docs/perf.md 54): full garbage
+        # collections, and CUDA allocations that had to free the cache and retry (a device sync).
+        full_collections = gc.get_stats()[2]["collections"] - full_collections
+        retries = None if retries is None else _alloc_retries() - retries
         got = sum(len(r.outputs[0].token_ids) for r in results)
         row = dict(engine=engine, version=getattr(mod, "__version__", "?"), shape=shape, workload=f"chat-{name}",
                    seqs=len(prompts), in_tokens=sum(map(len, prompts)), out_tokens=sum(outs), got_tokens=got,
-                   seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1), init_s=round(init_s, 1))
+                   seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1), init_s=round(init_s, 1),
+                   full_collections=full_collections, alloc_retries=retries)
         emit(row)
 
 
