@@ -50,8 +50,9 @@ for part in $parts; do
     tests|engine-tests|tests-1|tests-2)
       # The whole of tests/gpu (~545 tests) took over 450 s on the H200 (cut there on AC): tests-1 and
       # tests-2 run it in two calls (~420 and ~220 s there), the files before test_quant_kernels_gpu.py
-      # and the rest (a new file falls on one side by its name). TESTS_IGNORE drops files (the quant tests need compressed-tensors
-      # from .whl); the Ray tests skip without the Ray bundle and have their own part.
+      # and the rest (a new file falls on one side by its name). TESTS_IGNORE drops files (the quant
+      # tests need compressed-tensors from .whl); the Ray tests skip without the Ray bundle and have
+      # their own part.
       case $part in
         tests) sel=tests/gpu ;;
         engine-tests) sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py tests/gpu/test_logits_processor_gpu.py" ;;

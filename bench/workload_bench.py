@@ -14,8 +14,8 @@ warm-up call), its prefix cache emptied before each: every variant's prompts are
 first's are (without the reset a later variant found every prompt of an earlier one cached and
 looked faster by that prefill, docs/perf.md 53); the last variant's results are dropped and the
 heap collected outside the timing, so every variant starts from the same heap (a full collection
-inside a timed call stops the host for tens of ms, docs/perf.md 49). A variant may be named twice (the first and
-last run of one setting show any drift in the lease). Each prints one JSON row (output tokens /
+inside a timed call stops the host for tens of ms, docs/perf.md 49). A variant may be named twice
+(the first and last run of one setting show any drift in the lease). Each prints one JSON row (output tokens /
 wall seconds of the generate call) and appends it to $RESULTS when set.
 """
 

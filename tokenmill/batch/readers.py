@@ -5,7 +5,8 @@ batch at a time. Every input row becomes a `RawRow` with a stable index (its pos
 non-blank rows), so a resumed run can skip the rows it already finished. A row that cannot be
 decoded (bad UTF-8, truncated JSON, not an object, a CSV line with the wrong number of fields),
 or an OpenAI batch line reusing an earlier line's custom_id, becomes a `RawRow` with an error
-instead of a record: the job writes it as an error row and goes on. Only a file that cannot be read at all (missing, not Parquet) raises.
+instead of a record: the job writes it as an error row and goes on. Only a file that cannot be
+read at all (missing, not Parquet) raises.
 """
 
 from __future__ import annotations
