@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peer_bench import workload  # noqa: E402
-from workload_bench import VARIANTS, chat_workload  # noqa: E402
+from workload_bench import VARIANTS, chat_settings, chat_workload  # noqa: E402
 
 VOCAB = 10240
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=32, intermediate_size=64,
@@ -67,11 +67,11 @@ def main() -> None:
     runner.sampler = lambda step_logits, batch: SamplerOutput(draws[: step_logits.shape[0]].clone())
 
     if args.workload == "chat":
-        (prompts, outs), settings = chat_workload(), dict(temperature=0.7)
+        (prompts, outs), settings = chat_workload(), chat_settings("temperature")
     else:
         prompts, outs, settings = workload(args.workload)
     if args.variant is not None:
-        settings = dict(temperature=0.7, **VARIANTS[args.variant])
+        settings = chat_settings(args.variant)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:4], params[:4], use_tqdm=False)

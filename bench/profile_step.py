@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from peer_bench import model_dir, workload  # noqa: E402
-from workload_bench import VARIANTS, chat_workload  # noqa: E402
+from workload_bench import chat_settings, chat_workload  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
               kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
-        (prompts, outs), settings = chat_workload(), dict(temperature=0.7, **VARIANTS[name.split(":", 1)[1]])
+        (prompts, outs), settings = chat_workload(), chat_settings(name.split(":", 1)[1])
     else:
         prompts, outs, settings = workload(name)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]

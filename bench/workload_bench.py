@@ -51,6 +51,11 @@ def chat_workload() -> tuple[list[list[int]], list[int]]:
     return prompts, [randint(32, 512) for _ in prompts]
 
 
+def chat_settings(variant: str) -> dict:
+    """SamplingParams keywords of a variant: the workload's temperature 0.7 with the variant's settings."""
+    return dict(temperature=0.7, **VARIANTS[variant])
+
+
 def _alloc_retries() -> int | None:
     """This process's CUDA allocator retries so far (None without CUDA in this process: the CPU, or
     an engine whose GPU work runs in another process)."""
@@ -77,8 +82,7 @@ def main() -> None:
     for name in names:
         results = None  # the last variant's outputs, before this one allocates its own
         gc.collect()
-        params = [SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=o, detokenize=False, **VARIANTS[name])
-                  for o in outs]
+        params = [SamplingParams(**chat_settings(name), ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
         if not llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: a variant would reuse the last one's prompts")
         full_collections, retries = gc.get_stats()[2]["collections"], _alloc_retries()
