@@ -189,10 +189,9 @@ class PenaltyState(_SlottedState):
         # Output counts (a preempted sequence's outputs): reduced on the host to distinct (slot,
         # token) cells, written with a plain assignment.
         self.counts.index_fill_(0, slots, 0)
-        outputs = [(slot, token) for slot, seq in new for token in seq.output_token_ids]
-        if outputs:
-            cells, times = np.unique(np.array([slot * vocab + token for slot, token in outputs], dtype=np.int64),
-                                     return_counts=True)
+        cells = np.fromiter((slot * vocab + token for slot, seq in new for token in seq.output_token_ids), np.int64)
+        if cells.size:
+            cells, times = np.unique(cells, return_counts=True)
             index = to_device(torch.from_numpy(np.stack([cells, times])))
             self.counts.view(-1)[index[0]] = index[1].to(torch.int32)
         # The prompts as bitmaps, built whole on the host (bitwise_or.at folds a prompt's repeated
