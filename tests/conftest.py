@@ -104,6 +104,39 @@ def tiny_phi3_dir(tiny_models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tiny_models_root: Path) -> Path:
+    """Qwen3-MoE: 8 experts, 2 a token renormalised (norm_topk_prob), the second of three layers
+    dense (mlp_only_layers), q/k norms, tied head."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**tiny_config_kwargs(tie_word_embeddings=True, head_dim=16, num_hidden_layers=3),
+                            moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                            mlp_only_layers=[1], architectures=["Qwen3MoeForCausalLM"])
+    return save_tiny_model(tiny_models_root, "qwen3_moe", config, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tiny_models_root: Path) -> Path:
+    """Qwen2-MoE: 6 experts, 2 a token not renormalised, plus a gated shared expert; q/k/v biases."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**tiny_config_kwargs(tie_word_embeddings=False), moe_intermediate_size=32,
+                            shared_expert_intermediate_size=96, num_experts=6, num_experts_per_tok=2,
+                            norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])
+    return save_tiny_model(tiny_models_root, "qwen2_moe", config, seed=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tiny_models_root: Path) -> Path:
+    """Mixtral: 4 experts (``block_sparse_moe.experts.{e}.w1/w2/w3`` in the checkpoint), 2 a token."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(**tiny_config_kwargs(tie_word_embeddings=False, intermediate_size=80), num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=None, architectures=["MixtralForCausalLM"])
+    return save_tiny_model(tiny_models_root, "mixtral", config, seed=9)
+
+
+@pytest.fixture(scope="session")
 def smollm2_source():
     """The resolved built-in SmolLM2-135M-Instruct, stored in fp32 (the bit-faithful conversion).
 

@@ -124,6 +124,19 @@ for _m in (1, 32, 64, 256, 1024):
 for _m in (16, 128, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-down-bf16", kernel="fp8_gemm", m=_m, n=4096, k=14336)
 
+# The fused MoE's two grouped GEMMs (and the SiLU between them): Qwen3-30B-A3B's experts (E 128, K 8)
+# at a decode step and past the small tiles' range (choose_config's two classes), Mixtral-8x7B's
+# (E 8, K 2), and fp16 with H and I that fill no tile.
+_COMPILE_MOE = {
+    # name: (dtype, tokens, experts, top_k, hidden, intermediate)
+    "qwen3-30b-a3b-t1-bf16": ("bfloat16", 1, 128, 8, 2048, 768),
+    "qwen3-30b-a3b-t1024-bf16": ("bfloat16", 1024, 128, 8, 2048, 768),
+    "mixtral-8x7b-t8-bf16": ("bfloat16", 8, 8, 2, 4096, 14336),
+    "mixtral-8x7b-t512-bf16": ("bfloat16", 512, 8, 2, 4096, 14336),
+    "odd-fp16": ("float16", 64, 8, 2, 1000, 360),
+}
+for _name in _COMPILE_MOE:
+    _case("compile_sm90", f"sm90-moe-{_name}", kernel="fused_moe", shape=_name)
 
 _SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
 _TRITON_DTYPES = {"torch.float8_e4m3fn": "fp8e4nv", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64", "torch.uint8": "u8"}
@@ -331,6 +344,15 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         x = torch.empty((256, 4096), dtype=bf16)
         residual = torch.empty_like(x) if kernel == "fused_add_rms_norm_fp8" else None
         rmsnorm.rms_norm_fp8(x, torch.empty(4096, dtype=bf16), 1e-5, residual=residual)
+    elif kernel == "fused_moe":
+        from tokenmill.kernels.triton.fused_moe import fused_experts
+
+        dtype_name, tokens, experts, top_k, hidden, inter = _COMPILE_MOE[p["shape"]]
+        dtype = getattr(torch, dtype_name)
+        # The alignment's torch ops run here on the CPU: the ids must be valid experts.
+        fused_experts(torch.empty((tokens, hidden), dtype=dtype), torch.empty((experts, 2 * inter, hidden), dtype=dtype),
+                      torch.empty((experts, hidden, inter), dtype=dtype), torch.ones((tokens, top_k)),
+                      torch.zeros((tokens, top_k), dtype=torch.int64))
     elif kernel == "fp8_gemm":
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 
@@ -358,6 +380,9 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel", "_fp8_swapped_kernel"):
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
+        if entry["kernel"] == "_moe_gemm_kernel":
+            assert entry["wgmma"] or entry["mma_sync"], "the MoE GEMM's dots are not on tensor cores"
+            assert entry["spill_bytes"] == 0, f"the MoE GEMM spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_rank_kernel":  # int inputs only: the float check above does not see it
             assert entry["spill_bytes"] == 0, f"the decode ranking spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel",

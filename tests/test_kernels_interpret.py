@@ -35,6 +35,7 @@ import pytest
 
 import kernel_checks_deterministic as deterministic
 import kernel_checks_attention_queue
+import kernel_checks_moe
 import kernel_checks_paged_attention
 import kernel_checks_sampling
 import kernel_checks_varlen_attention
@@ -89,6 +90,7 @@ CASES.update(kernel_checks_sampling.CASES)  # the Gumbel-max draw, penalties and
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
+CASES.update(kernel_checks_moe.CASES)  # the fused mixture-of-experts kernels: tests/kernel_checks_moe.py
 
 # The slowest cases under the interpreter (seconds each, measured one worker on a busy 2-core
 # machine; together ~2/3 of the interpreter's time): marked slow, so `-m "not slow"` leaves them
@@ -342,6 +344,7 @@ _CHECKS = {
     **kernel_checks_sampling.CHECKS,
     **deterministic.CHECKS,
     **quant_kernel_checks.CHECKS,
+    **kernel_checks_moe.CHECKS,
 }
 
 

@@ -376,3 +376,26 @@ def fp8_linear_ref(
     """(xq wq^T) * x_scale[:, None] * w_scale[None, :] (+ bias), the fp8 products summed in fp32."""
     y = (xq.float() @ wq.float().t()) * x_scale.float()[:, None] * w_scale.float()[None, :]
     return (y if bias is None else y + bias.float()).to(out_dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: rows :I gate's weight, I: up's
+    w2: torch.Tensor,  # [E, H, I]: down's weight
+    topk_weights: torch.Tensor,  # [T, K]
+    topk_ids: torch.Tensor,  # [T, K] int
+) -> torch.Tensor:  # [T, H] in x's dtype
+    """``sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = topk_ids[t,k]: one
+    expert at a time over the pairs routed to it, in fp32. Each linear's output is rounded to x's
+    dtype, as the model's experts do (the SiLU-mul reads the rounded gate_up, down reads the rounded
+    product); down's output is rounded after the routing weight is applied, and a token's K pairs
+    are summed in fp32 and rounded once."""
+    inter = w2.shape[2]
+    pairs = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)  # [T, K, H]
+    for e in topk_ids.unique().tolist():
+        tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate_up = (x[tokens].float() @ w13[e].float().t()).to(x.dtype).float()
+        act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).float()
+        y = (act @ w2[e].float().t()) * topk_weights[tokens, slots].float()[:, None]
+        pairs[tokens, slots] = y.to(x.dtype).float()
+    return pairs.sum(dim=1).to(x.dtype)

@@ -12,7 +12,7 @@ sequences; the attention metadata in ``ctx`` says which tokens belong to which s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,13 +97,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """``intermediate_size``: the config's unless given (Qwen2-MoE's shared expert has its own)."""
+
     def __init__(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None" = None,
-                 prefix: str = ""):
+                 prefix: str = "", intermediate_size: int | None = None):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         gate_up_method = linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, **tp.kwargs(),
                                                        quant_method=gate_up_method)
@@ -115,12 +117,21 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x), feeds=self.down_proj))
 
 
+# Builds a layer's MLP: (config, layer index, tp, quantization, the MLP's checkpoint prefix) -> module.
+MakeMLP = Callable[["PretrainedConfig", int, TensorParallel, "QuantizationConfig | None", str], nn.Module]
+
+
+def dense_mlp(config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, quant: "QuantizationConfig | None",
+              prefix: str) -> nn.Module:
+    return LlamaMLP(config, tp, quant, prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
-                 quant: "QuantizationConfig | None" = None, prefix: str = ""):
+                 quant: "QuantizationConfig | None" = None, prefix: str = "", make_mlp: MakeMLP = dense_mlp):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, tp, qkv_bias, qk_norm, quant, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, tp, quant, f"{prefix}.mlp")
+        self.mlp = make_mlp(config, layer_idx, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,7 +140,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each norm can fuse the preceding add. Each
         # norm is told the linear it feeds: for an fp8 one it also quantizes (RMSNorm.forward).
-        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        # A mixture-of-experts MLP starts with its router, not a linear a norm could quantize for.
+        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, getattr(self.mlp, "gate_up_proj", None)
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden, feeds=qkv_proj)
@@ -146,11 +158,11 @@ class LlamaModel(nn.Module):
     config's ignore lists and targets refer to."""
 
     def __init__(self, config: "PretrainedConfig", tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
-                 quant: "QuantizationConfig | None" = None, prefix: str = "model"):
+                 quant: "QuantizationConfig | None" = None, prefix: str = "model", make_mlp: MakeMLP = dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp.kwargs())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm, quant, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm, quant, f"{prefix}.layers.{i}", make_mlp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -190,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
     # Architecture switches; None means "read config.attention_bias".
     qkv_bias: bool | None = None
     qk_norm: bool = False
+    # The checkpoint's separate tensors that fill one stacked parameter (weights.py).
+    stacked: tuple[tuple[str, str, Any], ...] = STACKED
     # load_weights hands every tensor to a weight_loader, which reads only this rank's slice.
     supports_lazy_weights: bool = True
 
@@ -199,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         tp = TensorParallel(tp_rank, tp_size, tp_group)
         qkv_bias = bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, tp, qkv_bias, self.qk_norm, quant_config)
+        self.model = LlamaModel(config, tp, qkv_bias, self.qk_norm, quant_config, make_mlp=self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp.kwargs())
         if self.tie_word_embeddings:
@@ -210,6 +224,11 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads: int = first.num_heads
         self.num_kv_heads: int = first.num_kv_heads
         self.head_dim: int = first.head_dim
+
+    def make_mlp(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel,
+                 quant: "QuantizationConfig | None", prefix: str) -> nn.Module:
+        """Layer ``layer_idx``'s MLP (the mixture-of-experts models override this)."""
+        return dense_mlp(config, layer_idx, tp, quant, prefix)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden states [T, hidden_size]."""
@@ -230,11 +249,11 @@ class LlamaForCausalLM(nn.Module):
                 return None  # tied: the embedding is the head; HF ignores this copy too
             return name
 
-        load_hf_weights(self, qk_rows_for_rotary(weights, self.model), STACKED, rename, partial=partial)
+        load_hf_weights(self, qk_rows_for_rotary(weights, self.model), self.stacked, rename, partial=partial)
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""
-        return hf_weight_names(self, STACKED)
+        return hf_weight_names(self, self.stacked)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

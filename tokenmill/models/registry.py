@@ -20,6 +20,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("tokenmill.models.llama", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("tokenmill.models.mixture_of_experts", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("tokenmill.models.mixture_of_experts", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tokenmill.models.mixture_of_experts", "Qwen3MoeForCausalLM"),
 }
 
 # Pooling models: HF ``architectures[0]`` -> (module, class name, the pooling task its head serves).

@@ -1,0 +1,70 @@
+"""Mixture-of-experts decoders end to end on a CUDA GPU: the experts through the Triton grouped GEMMs
+(kernels/triton/fused_moe.py) inside the decode CUDA graphs, against Hugging Face fp32 on the same
+GPU, and graph replays against eager steps. The kernel alone: tests/gpu/test_moe_gpu.py."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from support.hf_reference import assert_within, bf16_slack, hf_logprobs, teacher_forced_positions
+from support.tiny_models import save_redrawn_bf16_model
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FIRST_TOKENS = 4  # bf16 greedy paths diverge eventually; the first tokens must agree
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5)
+    return {
+        # Qwen3-30B-A3B's routing (128 experts, 8 a token, renormalised) on a small body, one dense layer.
+        "qwen3_moe": save_redrawn_bf16_model(tmp_path_factory.mktemp("qwen3_moe"), Qwen3MoeConfig(
+            head_dim=64, intermediate_size=512, moe_intermediate_size=96, num_experts=128, num_experts_per_tok=8,
+            norm_topk_prob=True, mlp_only_layers=[2], tie_word_embeddings=True, **common)),
+        "mixtral": save_redrawn_bf16_model(tmp_path_factory.mktemp("mixtral"), MixtralConfig(
+            intermediate_size=384, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+            tie_word_embeddings=False, **common)),
+    }
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1024) for _ in range(rng.choice([1, 7, 16, 33, 150, 600]))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_greedy_matches_hf_on_gpu(moe_models, name):
+    """bf16 with CUDA graphs, teacher-forced against HF fp32 along our greedy tokens, within the
+    bf16 slack HF's own bf16 forward measures on the same positions (as tests/gpu/test_engine_gpu.py)."""
+    path = moe_models[name]
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3)
+    assert llm.llm_engine.executor.runner.graphs is not None
+    prompts = _prompts(6)
+    rows = teacher_forced_positions(llm, functools.partial(hf_logprobs, path, torch.float32), prompts, FIRST_TOKENS,
+                                    yardstick=functools.partial(hf_logprobs, path, torch.bfloat16))
+    assert_within(rows, bf16_slack(noise for *_, noise in rows), clear_needed=len(prompts))
+
+
+def test_moe_cuda_graphs_equal_eager(moe_models):
+    """Decode steps replayed from graphs (the routing, the expert alignment and both grouped GEMMs
+    captured at each bucket's padded size) give the eager engine's tokens; fp32, so the two
+    paths' different batch shapes cannot flip near ties."""
+    path = moe_models["qwen3_moe"]
+    prompts = [{"prompt_token_ids": p} for p in _prompts(37, seed=3)]  # 37: a padded bucket
+    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3,
+                   dtype="float32")
+    graphed, eager = LLM(path, **options), LLM(path, enforce_eager=True, **options)
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True, detokenize=False)):
+        a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        assert a == b

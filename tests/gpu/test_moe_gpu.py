@@ -1,0 +1,137 @@
+"""The fused mixture-of-experts kernels on a CUDA GPU against their plain-torch twin
+(``reference.fused_moe_ref``): bf16 and fp16 over T from 1 to 4096 on Qwen3-30B-A3B's experts
+(E 128, K 8, H 2048, I 768), the same experts 8 to a layer with K 2, and H / I that fill no tile;
+both tile classes at sizes where the engine picks the other; ``moe_align`` at prefill sizes; and
+``fused_experts`` captured in a CUDA graph for a fixed T, replayed with new tokens and routings
+(spread, all on the same K experts) copied into the captured inputs. The engine through the MoE
+models: test_moe_engine_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (experts, top_k, hidden, intermediate)
+SHAPES = [(128, 8, 2048, 768), (8, 2, 2048, 768), (8, 2, 1000, 360), (16, 4, 72, 40)]
+T_VALUES = [1, 2, 3, 8, 16, 17, 33, 64, 100, 256, 1024, 4096]
+
+
+def _experts(experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen, device="cuda") / inter**0.5).to(dtype)
+    return w13, w2
+
+
+def _route(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's output: distinct top-k experts a token and their softmax weights, renormalised."""
+    logits = torch.randn(tokens, experts, generator=gen, device="cuda")
+    weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
+    scale = float(want.float().abs().max()) if want.numel() else 1.0
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2, msg=msg)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_experts_matches_twin(shape, dtype):
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import fused_experts
+
+    experts, top_k, hidden, inter = shape
+    w13, w2 = _experts(experts, hidden, inter, dtype, seed=experts + hidden)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for tokens in T_VALUES:
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+        weights, ids = _route(tokens, experts, top_k, gen)
+        out = torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype)
+        got = fused_experts(x, w13, w2, weights, ids, out=out)
+        assert got is out
+        _assert_matches(got, fused_moe_ref(x, w13, w2, weights, ids), f"T={tokens}")
+
+
+@pytest.mark.parametrize("tile", ["small", "large"])
+def test_both_tile_classes_at_every_size(tile):
+    """The small tiles at prefill sizes and the large ones at decode sizes (the engine's choice
+    switches at SMALL_MAX_PAIRS_PER_EXPERT; the benchmark times both, so both must be right)."""
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton import fused_moe
+
+    config = fused_moe.SMALL_TILES if tile == "small" else fused_moe.LARGE_TILES
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for tokens in (1, 5, 64, 300, 2048):
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        weights, ids = _route(tokens, experts, top_k, gen)
+        got = fused_moe.fused_experts(x, w13, w2, weights, ids, config=config)
+        _assert_matches(got, fused_moe_ref(x, w13, w2, weights, ids), f"T={tokens}")
+
+
+def test_int32_ids_skewed_routing_and_empty_batch():
+    """int32 ids; every token on the same two experts (one long run of blocks each, the rest
+    empty); a token whose two slots pick the same expert; T = 0."""
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import fused_experts
+
+    experts, top_k, hidden, inter = 8, 2, 2048, 768
+    w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for tokens in (1, 37, 1000):
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        ids = torch.tensor([5, 2], device="cuda", dtype=torch.int32).expand(tokens, 2).contiguous()
+        ids[0] = 6  # the same expert twice in one token
+        weights = torch.rand(tokens, top_k, generator=gen, device="cuda")
+        _assert_matches(fused_experts(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids), f"T={tokens}")
+    empty = fused_experts(torch.empty(0, hidden, device="cuda", dtype=torch.bfloat16), w13, w2,
+                          torch.empty(0, top_k, device="cuda"), torch.empty(0, top_k, device="cuda", dtype=torch.int64))
+    assert empty.shape == (0, hidden)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(4096, 128, 8, 64), (8192, 8, 2, 64), (300, 256, 8, 16), (1, 128, 8, 16)])
+def test_moe_align_on_the_gpu(tokens, experts, top_k, block_m):
+    from kernel_checks_moe import assert_align_lists
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    _, ids = _route(tokens, experts, top_k, gen)
+    assert_align_lists(ids, experts, block_m)
+    assert_align_lists(ids.to(torch.int32), experts, block_m)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_fused_experts_replays_in_a_cuda_graph(tokens):
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import fused_experts
+
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = _route(tokens, experts, top_k, gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused_experts(x, w13, w2, weights, ids)  # compile, and the allocator's first blocks, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_experts(x, w13, w2, weights, ids)
+    routings = ["spread", "same-experts", "spread", "last-experts"]
+    for kind in routings:
+        new_weights, new_ids = _route(tokens, experts, top_k, gen)
+        if kind == "same-experts":  # every token on experts 0..K-1: K runs of T pairs, the most padding-free blocks
+            new_ids = torch.arange(top_k, device="cuda").expand(tokens, top_k).contiguous()
+        elif kind == "last-experts":  # every token on the last K experts: the highest expert ids
+            new_ids = torch.arange(experts - top_k, experts, device="cuda").flip(0).expand(tokens, top_k).contiguous()
+        x.copy_(torch.randn(tokens, hidden, generator=gen, device="cuda"))
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches(y, fused_moe_ref(x, w13, w2, weights, ids), f"replay with {kind} routing")

@@ -1,0 +1,153 @@
+"""The fused mixture-of-experts kernels' cases and checks under the interpreter, run by the workers
+of ``test_kernels_interpret.py`` (which merges ``CASES`` and ``CHECKS`` into its own): ``moe_align``
+on its own (every pair listed once, one expert a block, sentinel padding, the padded count), each
+grouped GEMM on its own into a NaN-poisoned buffer, and ``fused_experts`` end to end against
+``reference.fused_moe_ref``.
+
+Shapes are tiny (the interpreter is slow) but awkward: H and I that fill no tile (40, 24: masked K
+steps, columns past N), one token, K = 1 (down written straight into the output), skewed routing
+(experts that get most pairs, experts that get none, the same expert twice in one token), int32
+and int64 expert ids, both tile classes of ``choose_config`` and forced tiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def _case(check: str, name: str, **params: Any) -> None:
+    CASES[name] = (check, params)
+
+
+_case("moe_align", "moe-align-int64", ids_dtype="int64")
+_case("moe_align", "moe-align-int32", ids_dtype="int32")
+
+# (tokens, experts, top_k, hidden, intermediate, routing, forced tiles or None). Routing: "random"
+# (each id drawn independently: some tokens pick an expert twice), "topk" (distinct experts a token,
+# as a router gives), "skewed" (most pairs on one expert, a few on two others, the rest empty).
+_FUSED = [
+    (1, 4, 2, 40, 24, "topk", None),
+    (5, 8, 1, 40, 24, "random", None),  # K = 1; most experts empty
+    (5, 8, 2, 64, 32, "random", None),  # whole K steps (EVEN_K) at fp32's 32-deep tiles
+    (37, 8, 2, 40, 24, "skewed", None),  # one expert over several blocks, five experts with none
+    (37, 4, 2, 40, 24, "topk", None),  # 74 pairs on 4 experts: the large tiles (64-row blocks)
+    (37, 8, 2, 40, 24, "random", dict(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)),
+]
+for _dt in ("float32", "float16"):
+    for _t, _e, _k, _h, _i, _routing, _cfg in _FUSED:
+        _name = f"moe-t{_t}-e{_e}-k{_k}-h{_h}-i{_i}-{_routing}{'-forced' if _cfg else ''}-{_dt}"
+        _case("fused_moe", _name, dtype=_dt, tokens=_t, experts=_e, top_k=_k, hidden=_h, inter=_i, routing=_routing,
+              config=_cfg, ids_dtype="int32" if _t == 37 else "int64")
+_case("fused_moe", "moe-t0-e4-k2-float32", dtype="float32", tokens=0, experts=4, top_k=2, hidden=40, inter=24,
+      routing="random", config=None, ids_dtype="int64")
+
+
+def routing(tokens: int, experts: int, top_k: int, kind: str, gen: Any) -> Any:
+    """[tokens, top_k] int64 expert ids on the CPU: "topk" (distinct experts a token, as a router
+    picks them), "random" (drawn independently: repeats within a token), "skewed" (most pairs on
+    expert 0, some on 3 and E - 1, none on the others)."""
+    import torch
+
+    if kind == "topk":
+        return torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    if kind == "skewed":
+        ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+        ids.view(-1)[::5] = 3
+        ids.view(-1)[1::7] = experts - 1
+        return ids
+    return torch.randint(0, experts, (tokens, top_k), generator=gen)
+
+
+def assert_align_lists(ids: Any, experts: int, block_m: int) -> None:
+    """The invariants of ``moe_align``'s output for ``ids`` [T, K] (on any device; checked on the CPU;
+    tests/gpu/test_moe_gpu.py runs it on CUDA)."""
+    import torch
+
+    from tokenmill.kernels.triton.fused_moe import max_padded_rows, moe_align
+
+    pairs = ids.numel()
+    sorted_pairs, block_experts, num_padded = (t.cpu() for t in moe_align(ids, experts, block_m))
+    ids = ids.cpu()
+    assert sorted_pairs.dtype == block_experts.dtype == num_padded.dtype == torch.int32
+    rows = max_padded_rows(pairs, experts, block_m)
+    assert sorted_pairs.shape == (rows,) and block_experts.shape == (rows // block_m,) and num_padded.shape == (1,)
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=experts)
+    used = int(num_padded)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum()), (used, counts.tolist())
+    assert bool((sorted_pairs[used:] == pairs).all()), "rows past num_padded must hold the sentinel"
+    listed = sorted_pairs[:used]
+    real = listed[listed < pairs].long()
+    assert real.sort().values.tolist() == list(range(pairs)), "every pair exactly once"
+    used_experts = block_experts[:used // block_m]  # unused blocks' entries are never read
+    assert bool(((used_experts >= 0) & (used_experts < experts)).all())
+    for b in range(used // block_m):
+        block = sorted_pairs[b * block_m:(b + 1) * block_m].long()
+        inside = block[block < pairs]
+        assert inside.numel() > 0, f"block {b} holds only padding"
+        assert bool((flat[inside] == int(block_experts[b])).all()), f"block {b} mixes experts"
+        # Padding only after an expert's pairs, and its pairs in increasing order (stable sort).
+        assert block[:inside.numel()].tolist() == sorted(inside.tolist()), f"block {b}: {block.tolist()}"
+    for e in range(experts):  # each expert's run: its pairs in order, then padding to a block
+        mine = (block_experts.long() == e).nonzero().flatten().tolist()
+        run = torch.cat([sorted_pairs[b * block_m:(b + 1) * block_m] for b in mine if b < used // block_m] or [sorted_pairs[:0]])
+        want = (flat == e).nonzero().flatten().tolist()
+        real_rows = int((run < pairs).sum())
+        assert run[:real_rows].tolist() == want, f"expert {e}: its pairs in order, padding only at the end of its run"
+
+
+def _check_moe_align(p: dict[str, Any]) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    ids_dtype = getattr(torch, p["ids_dtype"])
+    for tokens, experts, top_k, block_m, kind in (
+        (1, 128, 8, 16, "topk"), (5, 8, 2, 16, "random"), (37, 8, 2, 16, "skewed"), (37, 4, 1, 64, "random"),
+        (100, 256, 8, 16, "topk"), (300, 8, 2, 64, "topk"), (16, 4, 4, 16, "skewed"), (7, 8, 2, 1, "random"), (0, 8, 2, 16, "random"),
+    ):
+        ids = routing(tokens, experts, top_k, kind, gen).to(ids_dtype)
+        assert_align_lists(ids, experts, block_m)
+
+
+def _check_fused_moe(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import fused_moe_ref, silu_and_mul_ref
+    from tokenmill.kernels.triton.fused_moe import MoeConfig, choose_config, fused_experts, moe_align, moe_gemm
+
+    dtype = getattr(torch, p["dtype"])
+    tokens, experts, top_k, hidden, inter = p["tokens"], p["experts"], p["top_k"], p["hidden"], p["inter"]
+    gen = torch.Generator().manual_seed(tokens * 31 + experts * 7 + top_k + hidden)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    ids = routing(tokens, experts, top_k, p["routing"], gen).to(getattr(torch, p["ids_dtype"]))
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.5  # away from 1: a dropped multiply shows
+    config = MoeConfig(**p["config"]) if p["config"] else None
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+    got = fused_experts(x, w13, w2, weights, ids, config=config, out=out)
+    assert got is out
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, weights, ids), **tol)
+    if tokens == 0:
+        return
+
+    # Each GEMM alone, into a poisoned buffer: every pair's row written, from its own expert.
+    cfg = config or choose_config(tokens * top_k, experts, dtype)
+    lists = (*moe_align(ids, experts, cfg.block_m), cfg)
+    flat = ids.reshape(-1).long()
+    rows_x = x.repeat_interleave(top_k, dim=0).float()  # pair p's token row
+    gate_up = moe_gemm(x, w13, torch.full((tokens * top_k, 2 * inter), float("nan"), dtype=dtype), *lists, top_k=top_k)
+    want = torch.einsum("ph,pnh->pn", rows_x, w13[flat].float()).to(dtype)
+    torch.testing.assert_close(gate_up, want, **tol)
+    act = silu_and_mul_ref(gate_up)
+    route = weights.reshape(-1)
+    down = moe_gemm(act, w2, torch.full((tokens * top_k, hidden), float("nan"), dtype=dtype), *lists, top_k=1, topk_weights=route)
+    want = (torch.einsum("pi,phi->ph", act.float(), w2[flat].float()) * route[:, None]).to(dtype)
+    torch.testing.assert_close(down, want, **tol)
+
+
+CHECKS = {"moe_align": _check_moe_align, "fused_moe": _check_fused_moe}

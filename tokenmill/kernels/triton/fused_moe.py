@@ -1,0 +1,247 @@
+"""Mixture-of-experts MLP, ``sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, as two grouped
+GEMMs over token-expert pairs (twin: ``reference.fused_moe_ref``).
+
+A router gives each token t its top-K experts ``topk_ids[t, k]`` and weights ``topk_weights[t, k]``;
+the flattened index ``p = t * K + k`` names one (token, expert) pair. ``moe_align`` sorts the pairs
+by expert and pads each expert's run to a multiple of BLOCK_M with a sentinel (``T * K``), so every
+BLOCK_M rows of the sorted list belong to one expert. The GEMM kernel then gives each program one
+such block and one BLOCK_N slice of the output: it gathers its rows of A by pair (``x[p // K]`` for
+gate_up, ``act[p]`` for down), multiplies them by that expert's weight and scatters the results
+back to row ``p``. So no token's activations are ever copied into an expert-sorted buffer, and a
+pair's output row is where a per-pair view of the batch expects it.
+
+Why the static shapes: a decode step runs inside a CUDA graph, so nothing here may wait on the
+host. The alignment is torch ops of fixed output sizes only (a stable sort, ``searchsorted``,
+``cumsum``, a scatter): no ``.item()``, ``nonzero`` or ``bincount`` (whose CUDA version reads the
+input's maximum back to size its output). The number of padded rows depends on the routing, so the
+grid covers an upper bound of blocks and each program reads the real count (``num_padded``) from
+device memory and returns at once when its block is unused. The bound is
+``T*K + min(E, T*K) * (BLOCK_M - 1)`` rows: every non-empty expert wastes at most BLOCK_M - 1 rows of
+padding, and at most T*K experts are non-empty (a decode step with one token and K = 8 launches 8
+blocks a column of tiles, not E = 128). The price of plain torch ops: the alignment is ~20 small
+launches, a fixed cost a layer that matters at decode sizes (``align_us`` in bench/moe_bench.py's
+rows); one Triton launch could replace them if it shows.
+
+Rounding: both GEMMs accumulate in fp32 and round their output to x's dtype once (gate_up, then the
+SiLU-mul, then down already multiplied by the pair's routing weight); the K pairs of a token are
+summed in fp32 and rounded once more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton.activation import silu_and_mul
+# The tiles of both GEMMs of one call (they share BLOCK_M because they share the alignment).
+from tokenmill.kernels.triton.matmul import MatmulConfig as MoeConfig
+
+
+# ``num_pairs`` (T * K) changes every step: not specialised on, so one variant serves every batch.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    a_ptr,  # [rows, K_dim]; row r of pair p is p // top_k (x for gate_up, top_k = K) or p (act, top_k = 1)
+    w_ptr,  # [E, N, K_dim]: each expert's Linear weight
+    out_ptr,  # [num_pairs, N]: row p written by pair p
+    sorted_pairs_ptr,  # [num_blocks * BLOCK_M] int32: pairs grouped by expert, sentinel num_pairs as padding
+    block_experts_ptr,  # [num_blocks] int32
+    num_padded_ptr,  # [1] int32: rows of sorted_pairs in use
+    route_ptr,  # [num_pairs] fp32 routing weights (read only with ROUTE)
+    num_pairs,
+    N,
+    K,
+    top_k,
+    num_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # GROUP_M row blocks walk N together, so the programs alive at once share weight tiles (an
+    # expert's blocks are adjacent in the sorted list) and read them from L2 rather than HBM.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # a block past this routing's padded rows: the grid is sized for the worst routing
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pairs < num_pairs
+    # Padding rows read row 0 (any real row would do): no row mask on the loads, and their results
+    # are never stored.
+    rows = tl.where(valid, pairs // top_k, 0).to(tl.int64)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_in = (rn % N).to(tl.int64)  # columns past N read a real weight row; never stored
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :]
+    w_ptrs = w_ptr + expert * stride_we + rn_in[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] of W_e^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if ROUTE:
+        acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (rn < N)[None, :])
+
+
+# Decode-sized batches: an expert holds a few pairs, so a 16-row block wastes little on padding,
+# and the GEMM is a stream of the touched experts' weights (64-wide, 128-deep tiles keep enough
+# programs in flight: Qwen3-30B-A3B's gate_up at one token is 8 experts x 24 column tiles).
+SMALL_TILES = MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+# Prefill-sized: 64-row blocks (one warpgroup MMA tall on Hopper) re-read each weight tile for
+# a quarter as many rows as 16-row blocks would.
+LARGE_TILES = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+# Pairs per expert (T * K / E, the mean) up to which the small tiles run. Not yet tuned on a GPU:
+# bench/moe_bench.py times both tiles at every size so the switch can be read off its rows.
+SMALL_MAX_PAIRS_PER_EXPERT = 16
+
+
+def choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
+    """The tiles for ``num_pairs`` token-expert pairs over ``num_experts`` experts: two classes by
+    the mean pairs an expert (two compiled variants a GEMM and dtype). fp32 (tests only: FMA dots)
+    takes narrower tiles in fewer stages, so its operands fit shared memory."""
+    small = num_pairs <= SMALL_MAX_PAIRS_PER_EXPERT * num_experts
+    if dtype == torch.float32:
+        return MoeConfig(block_m=16 if small else 64, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    return SMALL_TILES if small else LARGE_TILES
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of ``sorted_pairs`` for any routing of ``num_pairs`` pairs, rounded up to whole blocks
+    (each non-empty expert pads at most block_m - 1 rows; at most min(E, pairs) are non-empty)."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the pairs ``p = t * K + k`` of ``topk_ids`` [T, K] (int32/int64, each in [0, E)) by expert.
+
+    Returns ``(sorted_pairs, block_experts, num_padded)``, all int32 on topk_ids's device:
+    ``sorted_pairs`` [``max_padded_rows``]: each expert's pairs in increasing order, its run padded to
+    a multiple of block_m with the sentinel T * K (rows past ``num_padded`` hold it too);
+    ``block_experts`` [rows / block_m]: the expert of each block (unused blocks: E, no expert);
+    ``num_padded`` [1]: the rows in use. Static shapes and device-side ops only (CUDA-graph safe).
+    """
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    flat = topk_ids.reshape(-1)
+    # Stable: an expert's pairs in increasing order, so the lists are a function of the routing alone
+    # (whichever sort algorithm the device picks for this size).
+    expert_of, pair_of = torch.sort(flat, stable=True)
+    # starts[e]: the first sorted position of expert e (starts[E] = T * K); blocks[e]: its blocks.
+    starts = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=device, dtype=flat.dtype))
+    blocks = torch.div(starts.diff() + (block_m - 1), block_m, rounding_mode="floor")
+    block_ends = torch.cumsum(blocks, dim=0)
+    # Sorted position i of expert e moves to row i + shift[e], shift = padded start - start.
+    shift = (block_ends - blocks) * block_m - starts[:-1]
+    dest = torch.arange(num_pairs, device=device).add_(shift[expert_of])
+    sorted_pairs = torch.full((rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, pair_of.to(torch.int32))
+    # Block b's expert: the first whose blocks end past b.
+    block_experts = torch.searchsorted(block_ends, torch.arange(rows // block_m, device=device), right=True, out_int32=True)
+    num_padded = (block_ends[-1:] * block_m).to(torch.int32)
+    return sorted_pairs, block_experts, num_padded
+
+
+def moe_gemm(
+    a: torch.Tensor,  # [rows, K_dim], last dim contiguous
+    w: torch.Tensor,  # [E, N, K_dim], last dim contiguous
+    out: torch.Tensor,  # [T * K, N], last dim contiguous, a's dtype
+    sorted_pairs: torch.Tensor,
+    block_experts: torch.Tensor,
+    num_padded: torch.Tensor,
+    config: MoeConfig,
+    *,
+    top_k: int,  # A's row of pair p is p // top_k (x: the router's K; a per-pair act: 1)
+    topk_weights: torch.Tensor | None = None,  # [T * K] fp32: multiplies pair p's row when given
+) -> torch.Tensor:
+    """``out[p] = (a[p // top_k] @ w[e_p].T) * topk_weights[p]`` for every pair p of ``moe_align``'s
+    lists (made with ``config.block_m``); rows of pairs that are not listed are left untouched."""
+    num_pairs, n = out.shape
+    k = a.shape[1]
+    if w.shape[2] != k or a.stride(1) != 1 or w.stride(2) != 1 or out.stride(1) != 1:
+        raise ValueError(f"moe_gemm: a {tuple(a.shape)} and w {tuple(w.shape)} need the same K and contiguous last dims")
+    num_blocks = block_experts.numel()
+    if num_pairs == 0 or num_blocks == 0:
+        return out
+    grid = (num_blocks * triton.cdiv(n, config.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, out, sorted_pairs, block_experts, num_padded,
+        topk_weights if topk_weights is not None else sorted_pairs,  # unread without ROUTE
+        num_pairs, n, k, top_k, num_blocks,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        EVEN_K=k % config.block_k == 0, ROUTE=topk_weights is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: rows :I are gate's weight, I: up's
+    w2: torch.Tensor,  # [E, H, I]: down's weight
+    topk_weights: torch.Tensor,  # [T, K], fp32 (other float dtypes are converted)
+    topk_ids: torch.Tensor,  # [T, K] int32/int64 in [0, E)
+    *,
+    config: MoeConfig | None = None,
+    out: torch.Tensor | None = None,  # [T, H] in x's dtype, contiguous
+) -> torch.Tensor:
+    """``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = topk_ids[t,k],
+    in x's dtype: align, gate_up GEMM, SiLU-mul, down GEMM (routing weight applied), sum over K.
+    No host sync: capturable in a CUDA graph for a fixed T. ``config`` overrides ``choose_config``
+    (tests, benchmarks); ``out`` receives the result (tests poison it)."""
+    t, h = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    if w13.shape != (num_experts, 2 * inter, h) or w2.shape != (num_experts, h, inter):
+        raise ValueError(f"w13 must be [E, 2I, {h}] and w2 [E, {h}, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids and topk_weights must both be [{t}, K], got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if x.dtype != w13.dtype or x.dtype != w2.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    elif out.shape != (t, h) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [{t}, {h}] in {x.dtype}")
+    if t == 0:
+        return out
+    top_k = topk_ids.shape[1]
+    num_pairs = t * top_k
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    config = config or choose_config(num_pairs, num_experts, x.dtype)
+    sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, config.block_m)
+    lists = (sorted_pairs, block_experts, num_padded, config)
+    gate_up = moe_gemm(x, w13, torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device), *lists, top_k=top_k)
+    act = silu_and_mul(gate_up)
+    route = topk_weights.reshape(-1).to(torch.float32)
+    if top_k == 1:  # one pair a token: its weighted row is the result, rounded once either way
+        return moe_gemm(act, w2, out, *lists, top_k=1, topk_weights=route)
+    down = moe_gemm(act, w2, torch.empty((num_pairs, h), dtype=x.dtype, device=x.device), *lists, top_k=1, topk_weights=route)
+    return out.copy_(down.view(t, top_k, h).sum(dim=1, dtype=torch.float32))  # fp32 sum, rounded once

@@ -1,0 +1,159 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
+experts, each a SwiGLU MLP, and the token's output is their outputs weighted by the router.
+
+Every expert's weights are stacked into two parameters, so the whole layer is two grouped
+matmuls however many experts there are: ``w13`` [E, 2 I, H] (each expert's gate rows, then its
+up rows) and ``w2`` [E, H, I] (down). Under tensor parallelism each rank keeps the same slice of
+every expert's intermediate features, as a dense SwiGLU MLP is split (gate/up by rows, down by
+columns), and the ranks' partial outputs are summed by one all-reduce; the router is replicated,
+so every rank routes every token the same way.
+
+On a GPU the experts run in two Triton grouped GEMMs (``kernels/triton/fused_moe.py``) whose
+launch shapes depend only on the token count, so a decode step's MoE layers are captured in its
+CUDA graph like any other layer. On the CPU a loop over the experts that received tokens does the
+same arithmetic with ``F.linear``.
+
+The routing follows Hugging Face: router logits in the model's dtype, softmax in float32, top-k,
+then (Mixtral always; the Qwen models when ``norm_topk_prob``) renormalised over the k chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.linear import LoadedWeight, check_shape, default_weight_loader, divide, new_param
+
+# The checkpoint's names for an expert's three projections, by architecture family:
+# (gate, up, down) under ``experts.{e}.``.
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def expert_stacking(num_experts: int, names: tuple[str, str, str] = QWEN_EXPERT_NAMES) -> list[tuple[str, str, Any]]:
+    """``weights.load_hf_weights``'s stacked fragments for the experts: each expert's gate and up
+    fill its rows of ``w13``, its down fills its slice of ``w2``. The fragments end in ``.weight``,
+    so ``experts.1.`` never matches inside ``experts.12.``."""
+    gate, up, down = names
+    stacking: list[tuple[str, str, Any]] = []
+    for e in range(num_experts):
+        stacking += [(".experts.w13", f".experts.{e}.{gate}.weight", (e, 0)),
+                     (".experts.w13", f".experts.{e}.{up}.weight", (e, 1)),
+                     (".experts.w2", f".experts.{e}.{down}.weight", (e, None))]
+    return stacking
+
+
+class Router(nn.Module):
+    """The replicated [E, H] gate: which experts each token goes to, and with what weight."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = new_param((num_experts, hidden_size), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, stacked: ``w13`` [E, 2 I_rank, H] and ``w2`` [E, H, I_rank]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size  # every expert's, before the split
+        self.tp_rank = tp_rank
+        self.rank_size = divide(intermediate_size, tp_size, "moe intermediate size")
+        self.w13 = new_param((num_experts, 2 * self.rank_size, hidden_size), self._load_w13)
+        self.w2 = new_param((num_experts, hidden_size, self.rank_size), self._load_w2)
+
+    def _load_w13(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any) -> None:
+        expert, part = self._shard(shard_id, (0, 1))
+        check_shape(param, loaded, (self.intermediate_size, self.hidden_size))
+        rows = loaded.narrow(0, self.tp_rank * self.rank_size, self.rank_size)
+        param.data[expert, part * self.rank_size : (part + 1) * self.rank_size].copy_(rows)
+
+    def _load_w2(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any) -> None:
+        expert, _ = self._shard(shard_id, (None,))
+        check_shape(param, loaded, (self.hidden_size, self.intermediate_size))
+        param.data[expert].copy_(loaded.narrow(1, self.tp_rank * self.rank_size, self.rank_size))
+
+    def _shard(self, shard_id: Any, parts: tuple) -> tuple[int, Any]:
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.num_experts
+                and shard_id[1] in parts):
+            raise ValueError(f"an expert weight needs shard_id (expert < {self.num_experts}, part in {parts}), got {shard_id!r}")
+        return shard_id
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[T, H] tokens, their experts' [T, k] float32 weights and ids -> [T, H] (this rank's partial sum)."""
+        if x.is_cuda:
+            from tokenmill.kernels.triton.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, ids)
+        return experts_by_loop(x, self.w13, self.w2, weights, ids)
+
+
+def experts_by_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """The experts one after another, each over the tokens routed to it (the CPU's path: its token
+    counts are read on the host, which a captured CUDA graph could not do)."""
+    top_k = ids.shape[1]
+    pairs = torch.argsort(ids.flatten(), stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        chosen = pairs[start : start + count]
+        start += count
+        tokens = chosen // top_k
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights.flatten()[chosen, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ an always-on shared expert with a sigmoid gate: Qwen2-MoE)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.gate = Router(num_experts, hidden_size, top_k, renormalize)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.tp_size, self.tp_group = tp_size, tp_group
+        self.shared_expert = shared_expert  # reduces its own output across ranks (a RowParallelLinear)
+        self.shared_expert_gate = SharedExpertGate(hidden_size) if shared_expert is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out, group=self.tp_group)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert_gate(x) * self.shared_expert(x)
+        return out
+
+
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's replicated [1, H] gate: how much of the shared expert each token takes."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = new_param((1, hidden_size), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))

@@ -1,0 +1,119 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Each is its dense sibling of the Llama family (models/llama.py: attention, norms, the LM head,
+the paged KV cache and CUDA graphs are the same) with the MLP of some or all layers replaced by a
+``SparseMoeBlock`` (models/layers/moe.py): a router, E stacked SwiGLU experts and, for Qwen2-MoE,
+a shared expert every token also goes through. The checkpoint's per-expert tensors
+(``experts.{e}.gate_proj.weight`` ...; Mixtral's ``block_sparse_moe.experts.{e}.w1.weight`` ...)
+are stacked at load like q/k/v.
+
+Quantized MoE checkpoints and ``quantization="fp8"`` are refused: the experts' GEMMs exist only
+in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from tokenmill.models.layers.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock, expert_stacking
+from tokenmill.models.llama import STACKED, LlamaForCausalLM, LlamaMLP, TensorParallel, dense_mlp
+from tokenmill.models.weights import each_weight
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from tokenmill.models.checkpoint_tensor import CheckpointTensor
+    from tokenmill.quantization.config import QuantizationConfig
+
+
+class _MoeForCausalLM(LlamaForCausalLM):
+    """The Llama family's causal LM with mixture-of-experts MLPs where ``is_sparse`` says."""
+
+    expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES
+
+    def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
+                 quant_config: "QuantizationConfig | None" = None):
+        if quant_config is not None:
+            raise ValueError(f"quantization={quant_config.describe()} is not supported for {type(self).__name__}: the "
+                             "experts run only in the model's dtype; load the checkpoint unquantized")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
+        super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
+        # Expert stacking first: its fragments (experts.{e}.gate_proj) must win over the dense ones (.gate_proj.).
+        self.stacked = (*expert_stacking(self.num_experts(config), self.expert_names), *STACKED)
+
+    @staticmethod
+    def num_experts(config: "PretrainedConfig") -> int:
+        return config.num_experts
+
+    def is_sparse(self, config: "PretrainedConfig", layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has experts (the Qwen MoE models may keep some layers dense)."""
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+
+    def make_mlp(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel,
+                 quant: "QuantizationConfig | None", prefix: str) -> nn.Module:
+        if not self.is_sparse(config, layer_idx):
+            return dense_mlp(config, layer_idx, tp, quant, prefix)
+        return SparseMoeBlock(self.num_experts(config), config.num_experts_per_tok, config.hidden_size,
+                              self.expert_intermediate_size(config), self.renormalize(config), **tp.kwargs(),
+                              shared_expert=self.shared_expert(config, tp))
+
+    def expert_intermediate_size(self, config: "PretrainedConfig") -> int:
+        return config.moe_intermediate_size
+
+    def renormalize(self, config: "PretrainedConfig") -> bool:
+        return bool(getattr(config, "norm_topk_prob", False))
+
+    def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel) -> nn.Module | None:
+        return None
+
+
+class Qwen3MoeForCausalLM(_MoeForCausalLM):
+    """Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention (per-head q/k norms), 128 experts, 8 a token."""
+
+    qk_norm = True
+
+
+class Qwen2MoeForCausalLM(_MoeForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases), routed experts plus a
+    shared expert weighted by its own sigmoid gate."""
+
+    qkv_bias = True
+
+    def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel) -> nn.Module | None:
+        size = getattr(config, "shared_expert_intermediate_size", 0)
+        return LlamaMLP(config, tp, intermediate_size=size) if size else None
+
+
+class MixtralForCausalLM(_MoeForCausalLM):
+    """Mixtral: the Mistral block with every MLP a mixture of ``num_local_experts`` experts, the
+    router's top k always renormalised. The checkpoint calls the block ``block_sparse_moe`` and the
+    projections w1 (gate), w3 (up) and w2 (down)."""
+
+    expert_names = MIXTRAL_EXPERT_NAMES
+    _CHECKPOINT_BLOCK, _OUR_BLOCK = ".block_sparse_moe.", ".mlp."
+
+    @staticmethod
+    def num_experts(config: "PretrainedConfig") -> int:
+        return config.num_local_experts
+
+    def is_sparse(self, config: "PretrainedConfig", layer_idx: int) -> bool:
+        return True
+
+    def expert_intermediate_size(self, config: "PretrainedConfig") -> int:
+        return config.intermediate_size
+
+    def renormalize(self, config: "PretrainedConfig") -> bool:
+        return True
+
+    def load_weights(self, weights: Iterable[tuple[str, "Any | CheckpointTensor"]], partial: bool = False) -> None:
+        ours, theirs = self._OUR_BLOCK, self._CHECKPOINT_BLOCK
+        super().load_weights(each_weight(weights, lambda name, tensor: [(name.replace(theirs, ours), tensor)]), partial)
+
+    def expected_weight_names(self) -> set[str]:
+        return {name.replace(self._OUR_BLOCK, self._CHECKPOINT_BLOCK) for name in super().expected_weight_names()}
+
