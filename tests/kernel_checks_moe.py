@@ -40,6 +40,8 @@ for _dt in ("float32", "float16"):
         _name = f"moe-t{_t}-e{_e}-k{_k}-h{_h}-i{_i}-{_routing}{'-forced' if _cfg else ''}-{_dt}"
         _case("fused_moe", _name, dtype=_dt, tokens=_t, experts=_e, top_k=_k, hidden=_h, inter=_i, routing=_routing,
               config=_cfg, ids_dtype="int32" if _t == 37 else "int64")
+for _dt in ("float32", "float16"):
+    _case("moe_batch_invariant", f"moe-batch-invariant-{_dt}", dtype=_dt)
 _case("fused_moe", "moe-t0-e4-k2-float32", dtype="float32", tokens=0, experts=4, top_k=2, hidden=40, inter=24,
       routing="random", config=None, ids_dtype="int64")
 
@@ -150,4 +152,31 @@ def _check_fused_moe(p: dict[str, Any]) -> None:
     torch.testing.assert_close(down, want, **tol)
 
 
-CHECKS = {"moe_align": _check_moe_align, "fused_moe": _check_fused_moe}
+def _check_moe_batch_invariant(p: dict[str, Any]) -> None:
+    """``batch_invariant=True`` (deterministic mode): the reference's values, and each token's row
+    bit for bit the same alone, in a small batch and in one large enough that the default path
+    would switch tiles. (The interpreter's dots may be invariant anyway: that the bits hold on the
+    GPU's MMAs is tests/gpu/test_moe_gpu.py's check.)"""
+    import torch
+
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts
+
+    dtype = getattr(torch, p["dtype"])
+    experts, top_k, hidden, inter = 4, 2, 40, 24
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    ids = routing(40, experts, top_k, "topk", gen)
+    weights = torch.rand(40, top_k, generator=gen) + 0.5
+    assert choose_config(40 * top_k, experts, dtype) != choose_config(3 * top_k, experts, dtype)  # the default switches
+    whole = fused_experts(x, w13, w2, weights, ids, batch_invariant=True)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+    torch.testing.assert_close(whole, fused_moe_ref(x, w13, w2, weights, ids), **tol)
+    for rows in ([7], [7, 0, 31], list(range(39, 0, -2))):
+        part = fused_experts(x[rows], w13, w2, weights[rows], ids[rows], batch_invariant=True)
+        assert torch.equal(part, whole[rows]), rows
+
+
+CHECKS = {"moe_align": _check_moe_align, "fused_moe": _check_fused_moe, "moe_batch_invariant": _check_moe_batch_invariant}

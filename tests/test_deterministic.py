@@ -169,6 +169,24 @@ def test_every_linear_layer_and_the_lm_head_use_the_batch_invariant_matmul(alone
     assert alone_llm.llm_engine.executor.runner.backend.deterministic
 
 
+def test_moe_outputs_do_not_depend_on_the_batch(tiny_qwen2_moe_dir):
+    """A mixture-of-experts model (Qwen2-MoE: router, experts, shared expert and its gate) in
+    deterministic mode: every product through the batch-invariant matmul, and each probe's bits
+    the same alone and in chunked, mixed batches."""
+    from tokenmill.kernels.batch_invariant import batch_invariant_linear
+    from tokenmill.models.layers.moe import Experts, Router, SharedExpertGate
+
+    alone_llm = LLM(str(tiny_qwen2_moe_dir), deterministic=True, enable_prefix_caching=False, **MODEL_OPTIONS)
+    probes = probe_requests(alone_llm.llm_engine.config.vocab_size)
+    alone = [signature(alone_llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]) for p, sp in probes]
+    mixed_llm = LLM(str(tiny_qwen2_moe_dir), deterministic=True, max_num_batched_tokens=16, max_num_seqs=5, **MODEL_OPTIONS)
+    moe_parts = [m for m in mixed_llm.llm_engine.executor.runner.model.modules() if isinstance(m, (Router, Experts, SharedExpertGate))]
+    assert len(moe_parts) == 3 * 2 and all(m.matmul is batch_invariant_linear for m in moe_parts)
+    for trial, size in enumerate((3, 6)):
+        got, _ = run_mixed(mixed_llm, probes, size, trial)
+        assert got == alone, f"a probe in a batch with {size} others (trial {trial}) differs from its run alone"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"deterministic": "yes"}, "deterministic"),
     ({"deterministic": True, "tensor_parallel_size": 2}, "tensor_parallel_size > 1"),

@@ -135,3 +135,23 @@ def test_fused_experts_replays_in_a_cuda_graph(tokens):
         graph.replay()
         torch.cuda.synchronize()
         _assert_matches(y, fused_moe_ref(x, w13, w2, weights, ids), f"replay with {kind} routing")
+
+
+def test_batch_invariant_rows_do_not_depend_on_the_batch():
+    """Deterministic mode's ``batch_invariant=True`` in bf16 on the real MMAs: each token's row bit for
+    bit the same alone and in batches on both sides of the default path's tile switch (E 128, K 8)."""
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts
+
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, seed=11)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(2048, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = _route(2048, experts, top_k, gen)
+    assert choose_config(2048 * top_k, experts, torch.bfloat16) != choose_config(top_k, experts, torch.bfloat16)
+    whole = fused_experts(x, w13, w2, weights, ids, batch_invariant=True)
+    _assert_matches(whole, fused_moe_ref(x, w13, w2, weights, ids), "batch_invariant values")
+    for rows in ([5], [5, 1000, 77], list(range(2047, 0, -3))):
+        index = torch.tensor(rows, device="cuda")
+        part = fused_experts(x[index], w13, w2, weights[index], ids[index], batch_invariant=True)
+        assert torch.equal(part, whole[index]), f"{len(rows)} rows"

@@ -211,11 +211,15 @@ def fused_experts(
     *,
     config: MoeConfig | None = None,
     out: torch.Tensor | None = None,  # [T, H] in x's dtype, contiguous
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = topk_ids[t,k],
     in x's dtype: align, gate_up GEMM, SiLU-mul, down GEMM (routing weight applied), sum over K.
     No host sync: capturable in a CUDA graph for a fixed T. ``config`` overrides ``choose_config``
-    (tests, benchmarks); ``out`` receives the result (tests poison it)."""
+    (tests, benchmarks); ``out`` receives the result (tests poison it). ``batch_invariant`` (deterministic
+    mode): one tile class at every size, since a row's bits follow its tile (a pair's row is computed
+    alone within it, whatever rows share its block), and a token's k pairs summed in a fixed order,
+    so a token's output does not depend on the batch."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -235,7 +239,7 @@ def fused_experts(
     num_pairs = t * top_k
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or choose_config(num_pairs, num_experts, x.dtype)
+    config = config or choose_config(0 if batch_invariant else num_pairs, num_experts, x.dtype)
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, config.block_m)
     lists = (sorted_pairs, block_experts, num_padded, config)
     gate_up = moe_gemm(x, w13, torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device), *lists, top_k=top_k)
@@ -244,4 +248,10 @@ def fused_experts(
     if top_k == 1:  # one pair a token: its weighted row is the result, rounded once either way
         return moe_gemm(act, w2, out, *lists, top_k=1, topk_weights=route)
     down = moe_gemm(act, w2, torch.empty((num_pairs, h), dtype=x.dtype, device=x.device), *lists, top_k=1, topk_weights=route)
-    return out.copy_(down.view(t, top_k, h).sum(dim=1, dtype=torch.float32))  # fp32 sum, rounded once
+    per_pair = down.view(t, top_k, h)
+    if batch_invariant:  # k - 1 elementwise adds: their order is fixed, whatever a reduction kernel picks for T
+        total = per_pair[:, 0].float()
+        for k in range(1, top_k):
+            total += per_pair[:, k]
+        return out.copy_(total)
+    return out.copy_(per_pair.sum(dim=1, dtype=torch.float32))  # fp32 sum, rounded once

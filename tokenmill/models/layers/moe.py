@@ -19,7 +19,7 @@ then (Mixtral always; the Qwen models when ``norm_topk_prob``) renormalised over
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,8 @@ def expert_stacking(num_experts: int, names: tuple[str, str, str] = QWEN_EXPERT_
 class Router(nn.Module):
     """The replicated [E, H] gate: which experts each token goes to, and with what weight."""
 
+    matmul = staticmethod(F.linear)  # deterministic mode points it at batch_invariant_linear
+
     def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool):
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -59,7 +61,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        probs = torch.softmax(self.matmul(x, self.weight).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -67,7 +69,13 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, stacked: ``w13`` [E, 2 I_rank, H] and ``w2`` [E, H, I_rank]."""
+    """E SwiGLU experts, stacked: ``w13`` [E, 2 I_rank, H] and ``w2`` [E, H, I_rank].
+
+    ``matmul``: the CPU loop's product; deterministic mode points it at ``batch_invariant_linear``,
+    and on a GPU that also asks the grouped GEMMs for one fixed tile and the k pairs' sum for one
+    fixed order, so a token's output does not depend on the others in the step."""
+
+    matmul = staticmethod(F.linear)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -101,14 +109,15 @@ class Experts(nn.Module):
         if x.is_cuda:
             from tokenmill.kernels.triton.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, ids)
-        return experts_by_loop(x, self.w13, self.w2, weights, ids)
+            return fused_experts(x, self.w13, self.w2, weights, ids, batch_invariant=self.matmul is not F.linear)
+        return experts_by_loop(x, self.w13, self.w2, weights, ids, self.matmul)
 
 
 def experts_by_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+                    ids: torch.Tensor, matmul: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """The experts one after another, each over the tokens routed to it (the CPU's path: its token
-    counts are read on the host, which a captured CUDA graph could not do)."""
+    counts are read on the host, which a captured CUDA graph could not do). A token's k expert
+    outputs are added to its row in expert order, each rounded to x's dtype first, as transformers does."""
     top_k = ids.shape[1]
     pairs = torch.argsort(ids.flatten(), stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
@@ -120,8 +129,8 @@ def experts_by_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         chosen = pairs[start : start + count]
         start += count
         tokens = chosen // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights.flatten()[chosen, None]
+        gate, up = matmul(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = matmul(F.silu(gate) * up, w2[expert]) * weights.flatten()[chosen, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 
@@ -151,9 +160,11 @@ class SparseMoeBlock(nn.Module):
 class SharedExpertGate(nn.Module):
     """Qwen2-MoE's replicated [1, H] gate: how much of the shared expert each token takes."""
 
+    matmul = staticmethod(F.linear)
+
     def __init__(self, hidden_size: int):
         super().__init__()
         self.weight = new_param((1, hidden_size), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(F.linear(x, self.weight))
+        return torch.sigmoid(self.matmul(x, self.weight))
