@@ -68,3 +68,37 @@ def test_moe_cuda_graphs_equal_eager(moe_models):
         a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
         b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
         assert a == b
+
+
+def test_no_moe_kernel_is_compiled_during_a_run(tmp_path):
+    """The grouped GEMMs' variants (both tile classes, both GEMMs) are compiled while ``LLM()`` starts
+    (the profiling step at the full token budget, the decode graphs' capture at every bucket), so
+    a run of chunked prompts, mixed steps and decodes at every batch size compiles none."""
+    import json
+
+    import triton
+
+    config = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=192, intermediate_size=384,
+                  moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=4096,
+                  tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  hidden_act="silu", torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
+              max_num_batched_tokens=512, gpu_memory_utilization=0.3, seed=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 4000) for _ in range(rng.choice([1, 2, 5, 9, 17, 100, 700]))] for _ in range(60)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=rng.choice([1, 3, 30, 200]), ignore_eos=True,
+                             detokenize=False) for i in range(len(prompts))]
+    compiled: list[str] = []
+
+    def record(*, repr: str, **_: object) -> None:
+        compiled.append(repr)
+
+    triton.knobs.runtime.jit_cache_hook = record
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert compiled == [], "compiled during the run:\n" + "\n".join(compiled)

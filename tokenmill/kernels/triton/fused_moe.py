@@ -38,8 +38,10 @@ from tokenmill.kernels.triton.activation import silu_and_mul
 from tokenmill.kernels.triton.matmul import MatmulConfig as MoeConfig
 
 
-# ``num_pairs`` (T * K) changes every step: not specialised on, so one variant serves every batch.
-@triton.jit(do_not_specialize=["num_pairs"])
+# ``num_pairs`` (T * K) and ``num_blocks`` change with every batch size: not specialised on (Triton would
+# otherwise compile a variant for a 1, and for a multiple of 16), so the variants the engine compiles
+# while it starts (graph capture, the profiling step) are all a run needs.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K_dim]; row r of pair p is p // top_k (x for gate_up, top_k = K) or p (act, top_k = 1)
     w_ptr,  # [E, N, K_dim]: each expert's Linear weight
