@@ -40,6 +40,10 @@ for _dt in ("float32", "float16"):
         _name = f"moe-t{_t}-e{_e}-k{_k}-h{_h}-i{_i}-{_routing}{'-forced' if _cfg else ''}-{_dt}"
         _case("fused_moe", _name, dtype=_dt, tokens=_t, experts=_e, top_k=_k, hidden=_h, inter=_i, routing=_routing,
               config=_cfg, ids_dtype="int32" if _t == 37 else "int64")
+# fp8 weights (codes and a scale per output channel): H / I that fill no tile, and whole K steps.
+for _dt in ("float32", "float16"):
+    _case("moe_fp8_weights", f"moe-fp8-weights-h40-i24-{_dt}", dtype=_dt, tokens=9, hidden=40, inter=24)
+    _case("moe_fp8_weights", f"moe-fp8-weights-h64-i32-{_dt}", dtype=_dt, tokens=37, hidden=64, inter=32)
 for _dt in ("float32", "float16"):
     _case("moe_batch_invariant", f"moe-batch-invariant-{_dt}", dtype=_dt)
 _case("fused_moe", "moe-t0-e4-k2-float32", dtype="float32", tokens=0, experts=4, top_k=2, hidden=40, inter=24,
@@ -179,4 +183,36 @@ def _check_moe_batch_invariant(p: dict[str, Any]) -> None:
         assert torch.equal(part, whole[rows]), rows
 
 
-CHECKS = {"moe_align": _check_moe_align, "fused_moe": _check_fused_moe, "moe_batch_invariant": _check_moe_batch_invariant}
+def _check_moe_fp8_weights(p: dict[str, Any]) -> None:
+    """float8 e4m3 weights with per-output-channel scales (quantization="fp8"'s experts): the reference
+    on the dequantized weights, into a poisoned output; a scale dropped on either GEMM would be off by
+    its factor (the scales are far from 1)."""
+    import torch
+
+    from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import fused_experts
+    from tokenmill.quantization.fp8 import quantize_rows
+
+    patch_triton_interpreter_fp8_rounding()
+    dtype = getattr(torch, p["dtype"])
+    tokens, experts, top_k, hidden, inter = p["tokens"], 8, 2, p["hidden"], p["inter"]
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13, w13_scale = quantize_rows(torch.randn(experts * 2 * inter, hidden, generator=gen) / hidden**0.5)
+    w2, w2_scale = quantize_rows(torch.randn(experts * hidden, inter, generator=gen) / inter**0.5)
+    w13, w13_scale = w13.view(experts, 2 * inter, hidden), w13_scale.view(experts, 2 * inter)
+    w2, w2_scale = w2.view(experts, hidden, inter), w2_scale.view(experts, hidden)
+    assert w13_scale.max() < 0.05  # far from 1
+    ids = routing(tokens, experts, top_k, "topk", gen)
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.5
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+    got = fused_experts(x, w13, w2, weights, ids, out=out, w13_scale=w13_scale, w2_scale=w2_scale)
+    want = fused_moe_ref(x, w13, w2, weights, ids, w13_scale, w2_scale)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+    torch.testing.assert_close(got, want, **tol)
+    assert want.abs().mean() > 0.05
+
+
+CHECKS = {"moe_align": _check_moe_align, "fused_moe": _check_fused_moe, "moe_batch_invariant": _check_moe_batch_invariant,
+          "moe_fp8_weights": _check_moe_fp8_weights}

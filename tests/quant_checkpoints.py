@@ -198,7 +198,9 @@ def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "ll
 
 def fp8_fake_quantized_reference(root: Path, folder: Path, family: str = "llama") -> Path:
     """The full-precision checkpoint in ``folder`` with every projection quantized to fp8 per output
-    channel and back by compressed-tensors (what quantization="fp8" should load)."""
+    channel and back by compressed-tensors (what quantization="fp8" should load). A mixture-of-experts
+    model's experts too (transformers holds them stacked, [E, out, in]: each expert's rows); its router
+    stays as it is."""
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
@@ -208,8 +210,9 @@ def fp8_fake_quantized_reference(root: Path, folder: Path, family: str = "llama"
     args = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]).weights
     weights = {}
     for name, param in model.named_parameters():
-        if name.rsplit(".", 2)[-2] in PROJECTIONS:
-            w = param.detach()
+        stacked_experts = ".experts." in name and param.dim() == 3
+        if (name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS) or stacked_experts:  # not biases
+            w = param.detach().flatten(0, -2)  # [rows, in]: a scale per output row, of every expert
             scale, zero_point = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), args)
-            weights[name] = dequantize(quantize(w, scale, zero_point, args), scale, zero_point, args).float()
+            weights[name] = dequantize(quantize(w, scale, zero_point, args), scale, zero_point, args).float().view(param.shape)
     return _save_reference(model, weights, root / f"{folder.name}-fp8-reference")

@@ -110,19 +110,29 @@ def test_a_missing_expert_tensor_is_named(tiny_mixtral_dir, tmp_path):
         _ours(folder)
 
 
-def test_quantization_is_refused_by_name(tiny_qwen3_moe_dir):
+def test_a_pre_quantized_checkpoint_is_refused_by_name(tiny_qwen3_moe_dir, tmp_path):
+    """(quantization="fp8" on a full-precision MoE checkpoint works: tests/test_quantization.py.)"""
+    import json
+
     from tokenmill import LLM
 
-    with pytest.raises(ValueError, match=r"quantization=.*fp8.* not supported for Qwen3MoeForCausalLM"):
-        LLM(str(tiny_qwen3_moe_dir), dtype="float32", device="cpu", quantization="fp8", max_model_len=64)
+    folder = tmp_path / "qwen3_moe_fp8"
+    shutil.copytree(tiny_qwen3_moe_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization=fp8 .* not supported for Qwen3MoeForCausalLM: pre-quantized"):
+        LLM(str(folder), dtype="float32", device="cpu", max_model_len=64)
 
 
-def test_dummy_weights_generate(tiny_mixtral_dir):
-    """load_format="dummy" (the GPU benchmarks' random weights) fills the stacked experts too."""
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_dummy_weights_generate(tiny_mixtral_dir, quantization):
+    """load_format="dummy" (the GPU benchmarks' random weights) fills the stacked experts too, as fp8
+    codes and scales under quantization="fp8" (dequantized here, on the CPU)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(str(tiny_mixtral_dir), load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
-              kv_cache_memory_bytes=8 * 2**20)
+              kv_cache_memory_bytes=8 * 2**20, quantization=quantization)
     experts = _sparse_blocks(llm.llm_engine.executor.runner.model)[0].experts
     assert experts.w13.abs().sum() > 0 and torch.isfinite(experts.w2).all()
     (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -61,6 +61,20 @@ def test_quantization_fp8_quantizes_a_full_precision_checkpoint_while_loading(ro
     _check_against_hf(tiny_llama_dir, reference, quantization="fp8")
 
 
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_moe_dir", "tiny_mixtral_dir"])
+def test_quantization_fp8_quantizes_a_mixture_of_experts_model_while_loading(root, fixture, request):
+    """The experts' weights to fp8 per output channel (stacked, weight-only), the attention and the shared
+    expert as in a dense model, the router and the LM head left alone: HF on the same weights quantized
+    and dequantized by compressed-tensors."""
+    from tokenmill.models.layers.moe import Experts
+
+    folder = request.getfixturevalue(fixture)
+    llm = _check_against_hf(folder, fp8_fake_quantized_reference(root, folder), quantization="fp8")
+    model = llm.llm_engine.executor.runner.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(not e.fp8 and e.w13.dtype == torch.float32 for e in experts)  # dequantized on the CPU
+
+
 def test_fp8_checkpoint_with_quant_method_fp8(root):
     """quant_method "fp8" (per-tensor scales, static activations): the compressed-tensors FP8 tensors
     under the other config, which names the same weight / weight_scale / input_scale tensors."""

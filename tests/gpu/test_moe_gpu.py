@@ -155,3 +155,24 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch():
         index = torch.tensor(rows, device="cuda")
         part = fused_experts(x[index], w13, w2, weights[index], ids[index], batch_invariant=True)
         assert torch.equal(part, whole[index]), f"{len(rows)} rows"
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2048])
+@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (8, 2, 1000, 360)])
+def test_fp8_weights_match_the_dequantized_twin(shape, tokens):
+    """quantization="fp8"'s experts: float8 e4m3 codes with a scale per output channel, widened in
+    registers, bf16 activations; against the twin on the dequantized weights, both tile classes."""
+    from tokenmill.kernels.reference import fused_moe_ref
+    from tokenmill.kernels.triton.fused_moe import fused_experts
+    from tokenmill.quantization.fp8 import quantize_rows
+
+    experts, top_k, hidden, inter = shape
+    w13, w2 = _experts(experts, hidden, inter, torch.float32, seed=21)
+    (w13, s13), (w2, s2) = quantize_rows(w13.flatten(0, 1)), quantize_rows(w2.flatten(0, 1))
+    w13, s13 = w13.view(experts, 2 * inter, hidden), s13.view(experts, 2 * inter)
+    w2, s2 = w2.view(experts, hidden, inter), s2.view(experts, hidden)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = _route(tokens, experts, top_k, gen)
+    got = fused_experts(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
+    _assert_matches(got, fused_moe_ref(x, w13, w2, weights, ids, s13, s2), f"fp8 T={tokens} {shape}")

@@ -384,12 +384,18 @@ def fused_moe_ref(
     w2: torch.Tensor,  # [E, H, I]: down's weight
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K] int
+    w13_scale: torch.Tensor | None = None,  # [E, 2I]: w13 holds fp8 codes, a scale per output channel
+    w2_scale: torch.Tensor | None = None,  # [E, H]: likewise for w2
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """``sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = topk_ids[t,k]: one
     expert at a time over the pairs routed to it, in fp32. Each linear's output is rounded to x's
     dtype, as the model's experts do (the SiLU-mul reads the rounded gate_up, down reads the rounded
     product); down's output is rounded after the routing weight is applied, and a token's K pairs
-    are summed in fp32 and rounded once."""
+    are summed in fp32 and rounded once. fp8 weights are dequantized first (codes times scales, fp32)."""
+    if w13_scale is not None:
+        w13 = w13.float() * w13_scale.float()[..., None]
+    if w2_scale is not None:
+        w2 = w2.float() * w2_scale.float()[..., None]
     inter = w2.shape[2]
     pairs = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)  # [T, K, H]
     for e in topk_ids.unique().tolist():

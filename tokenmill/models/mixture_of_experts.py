@@ -7,8 +7,9 @@ a shared expert every token also goes through. The checkpoint's per-expert tenso
 (``experts.{e}.gate_proj.weight`` ...; Mixtral's ``block_sparse_moe.experts.{e}.w1.weight`` ...)
 are stacked at load like q/k/v.
 
-Quantized MoE checkpoints and ``quantization="fp8"`` are refused: the experts' GEMMs exist only
-in the model's dtype.
+``quantization="fp8"`` quantizes the attention projections (and any dense MLP) as in the dense
+models, and the experts' weights to fp8 per output channel (weight-only: layers/moe.py says why);
+the router and the LM head stay in the model's dtype. Pre-quantized MoE checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from tokenmill.models.layers.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock, expert_stacking
 from tokenmill.models.llama import STACKED, LlamaForCausalLM, LlamaMLP, TensorParallel, dense_mlp
 from tokenmill.models.weights import each_weight
+from tokenmill.quantization.config import Fp8Scheme
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -36,9 +38,10 @@ class _MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
                  quant_config: "QuantizationConfig | None" = None):
-        if quant_config is not None:
-            raise ValueError(f"quantization={quant_config.describe()} is not supported for {type(self).__name__}: the "
-                             "experts run only in the model's dtype; load the checkpoint unquantized")
+        if quant_config is not None and quant_config.from_checkpoint:
+            raise ValueError(f"quantization={quant_config.describe()} is not supported for {type(self).__name__}: "
+                             "pre-quantized mixture-of-experts checkpoints do not load; load the full-precision "
+                             "checkpoint, optionally with quantization='fp8'")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
         super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
@@ -58,9 +61,11 @@ class _MoeForCausalLM(LlamaForCausalLM):
                  quant: "QuantizationConfig | None", prefix: str) -> nn.Module:
         if not self.is_sparse(config, layer_idx):
             return dense_mlp(config, layer_idx, tp, quant, prefix)
+        fp8 = quant is not None and isinstance(quant.scheme_for([f"{prefix}.experts"]), Fp8Scheme)
         return SparseMoeBlock(self.num_experts(config), config.num_experts_per_tok, config.hidden_size,
                               self.expert_intermediate_size(config), self.renormalize(config), **tp.kwargs(),
-                              shared_expert=self.shared_expert(config, tp))
+                              shared_expert=self.shared_expert(config, tp, quant, f"{prefix}.shared_expert"),
+                              fp8_experts=fp8)
 
     def expert_intermediate_size(self, config: "PretrainedConfig") -> int:
         return config.moe_intermediate_size
@@ -68,7 +73,8 @@ class _MoeForCausalLM(LlamaForCausalLM):
     def renormalize(self, config: "PretrainedConfig") -> bool:
         return bool(getattr(config, "norm_topk_prob", False))
 
-    def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel) -> nn.Module | None:
+    def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None",
+                      prefix: str) -> nn.Module | None:
         return None
 
 
@@ -84,9 +90,10 @@ class Qwen2MoeForCausalLM(_MoeForCausalLM):
 
     qkv_bias = True
 
-    def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel) -> nn.Module | None:
+    def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None",
+                      prefix: str) -> nn.Module | None:
         size = getattr(config, "shared_expert_intermediate_size", 0)
-        return LlamaMLP(config, tp, intermediate_size=size) if size else None
+        return LlamaMLP(config, tp, quant, prefix, intermediate_size=size) if size else None
 
 
 class MixtralForCausalLM(_MoeForCausalLM):

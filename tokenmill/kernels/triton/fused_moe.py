@@ -25,6 +25,10 @@ rows); one Triton launch could replace them if it shows.
 Rounding: both GEMMs accumulate in fp32 and round their output to x's dtype once (gate_up, then the
 SiLU-mul, then down already multiplied by the pair's routing weight); the K pairs of a token are
 summed in fp32 and rounded once more.
+
+fp8 weights (``quantization="fp8"``): the codes are loaded as they are stored (half the bytes of a
+bf16 weight, which is what a decode step's expert GEMMs are bound by) and widened to x's dtype in
+registers; each output column's scale multiplies the fp32 accumulator once after the K loop.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def _moe_gemm_kernel(
     block_experts_ptr,  # [num_blocks] int32
     num_padded_ptr,  # [1] int32: rows of sorted_pairs in use
     route_ptr,  # [num_pairs] fp32 routing weights (read only with ROUTE)
+    w_scale_ptr,  # [E, N] fp32 per-output-channel scales of fp8 weights (read only with W_SCALED)
     num_pairs,
     N,
     K,
@@ -59,12 +64,14 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     ROUTE: tl.constexpr,
+    W_SCALED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # GROUP_M row blocks walk N together, so the programs alive at once share weight tiles (an
@@ -100,9 +107,13 @@ def _moe_gemm_kernel(
             k_ok = rk < K - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if W_SCALED:  # fp8 codes widened in registers; their scale is a column's, applied once below
+            b = b.to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALED:
+        acc = acc * tl.load(w_scale_ptr + expert * stride_se + rn_in)[None, :]
     if ROUTE:
         acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :]
@@ -180,13 +191,16 @@ def moe_gemm(
     *,
     top_k: int,  # A's row of pair p is p // top_k (x: the router's K; a per-pair act: 1)
     topk_weights: torch.Tensor | None = None,  # [T * K] fp32: multiplies pair p's row when given
+    w_scale: torch.Tensor | None = None,  # [E, N] fp32: w holds fp8 codes, each output column scaled by its own
 ) -> torch.Tensor:
-    """``out[p] = (a[p // top_k] @ w[e_p].T) * topk_weights[p]`` for every pair p of ``moe_align``'s
-    lists (made with ``config.block_m``); rows of pairs that are not listed are left untouched."""
+    """``out[p] = (a[p // top_k] @ (w[e_p] * w_scale[e_p, :, None]).T) * topk_weights[p]`` for every pair p
+    of ``moe_align``'s lists (made with ``config.block_m``); rows of pairs that are not listed are left untouched."""
     num_pairs, n = out.shape
     k = a.shape[1]
     if w.shape[2] != k or a.stride(1) != 1 or w.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError(f"moe_gemm: a {tuple(a.shape)} and w {tuple(w.shape)} need the same K and contiguous last dims")
+    if w_scale is not None and (w_scale.shape != w.shape[:2] or w_scale.stride(1) != 1 or w_scale.dtype != torch.float32):
+        raise ValueError(f"moe_gemm: w_scale must be float32 [{w.shape[0]}, {w.shape[1]}] with contiguous rows")
     num_blocks = block_experts.numel()
     if num_pairs == 0 or num_blocks == 0:
         return out
@@ -194,10 +208,11 @@ def moe_gemm(
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_experts, num_padded,
         topk_weights if topk_weights is not None else sorted_pairs,  # unread without ROUTE
+        w_scale if w_scale is not None else sorted_pairs,  # unread without W_SCALED
         num_pairs, n, k, top_k, num_blocks,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), w_scale.stride(0) if w_scale is not None else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=k % config.block_k == 0, ROUTE=topk_weights is not None,
+        EVEN_K=k % config.block_k == 0, ROUTE=topk_weights is not None, W_SCALED=w_scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -214,6 +229,8 @@ def fused_experts(
     config: MoeConfig | None = None,
     out: torch.Tensor | None = None,  # [T, H] in x's dtype, contiguous
     batch_invariant: bool = False,
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32 when w13 holds fp8 codes
+    w2_scale: torch.Tensor | None = None,  # [E, H] fp32 when w2 holds fp8 codes
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = topk_ids[t,k],
     in x's dtype: align, gate_up GEMM, SiLU-mul, down GEMM (routing weight applied), sum over K.
@@ -221,7 +238,8 @@ def fused_experts(
     (tests, benchmarks); ``out`` receives the result (tests poison it). ``batch_invariant`` (deterministic
     mode): one tile class at every size, since a row's bits follow its tile (a pair's row is computed
     alone within it, whatever rows share its block), and a token's k pairs summed in a fixed order,
-    so a token's output does not depend on the batch."""
+    so a token's output does not depend on the batch. ``w13_scale`` / ``w2_scale``: the weights are
+    float8 e4m3 codes with a scale per output channel, widened to x's dtype in registers."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -229,8 +247,10 @@ def fused_experts(
         raise ValueError(f"w13 must be [E, 2I, {h}] and w2 [E, {h}, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids and topk_weights must both be [{t}, K], got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    if x.dtype != w13.dtype or x.dtype != w2.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    for w, scale, name in ((w13, w13_scale, "w13"), (w2, w2_scale, "w2")):
+        if w.dtype != (x.dtype if scale is None else torch.float8_e4m3fn):
+            raise ValueError(f"{name} must be in x's dtype ({x.dtype}), or float8_e4m3fn with {name}_scale; "
+                             f"got {w.dtype} {'with' if scale is not None else 'without'} a scale")
     if out is None:
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     elif out.shape != (t, h) or out.dtype != x.dtype or not out.is_contiguous():
@@ -244,12 +264,14 @@ def fused_experts(
     config = config or choose_config(0 if batch_invariant else num_pairs, num_experts, x.dtype)
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, config.block_m)
     lists = (sorted_pairs, block_experts, num_padded, config)
-    gate_up = moe_gemm(x, w13, torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device), *lists, top_k=top_k)
+    gate_up = moe_gemm(x, w13, torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device), *lists, top_k=top_k,
+                       w_scale=w13_scale)
     act = silu_and_mul(gate_up)
     route = topk_weights.reshape(-1).to(torch.float32)
     if top_k == 1:  # one pair a token: its weighted row is the result, rounded once either way
-        return moe_gemm(act, w2, out, *lists, top_k=1, topk_weights=route)
-    down = moe_gemm(act, w2, torch.empty((num_pairs, h), dtype=x.dtype, device=x.device), *lists, top_k=1, topk_weights=route)
+        return moe_gemm(act, w2, out, *lists, top_k=1, topk_weights=route, w_scale=w2_scale)
+    down = moe_gemm(act, w2, torch.empty((num_pairs, h), dtype=x.dtype, device=x.device), *lists, top_k=1,
+                    topk_weights=route, w_scale=w2_scale)
     per_pair = down.view(t, top_k, h)
     if batch_invariant:  # k - 1 elementwise adds: their order is fixed, whatever a reduction kernel picks for T
         total = per_pair[:, 0].float()

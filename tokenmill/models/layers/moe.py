@@ -73,30 +73,69 @@ class Experts(nn.Module):
 
     ``matmul``: the CPU loop's product; deterministic mode points it at ``batch_invariant_linear``,
     and on a GPU that also asks the grouped GEMMs for one fixed tile and the k pairs' sum for one
-    fixed order, so a token's output does not depend on the others in the step."""
+    fixed order, so a token's output does not depend on the others in the step.
+
+    ``fp8`` (``quantization="fp8"``): each expert's rows are quantized to float8 e4m3 as the loader
+    hands them over, a scale per output channel (``w13_scale`` [E, 2 I_rank], ``w2_scale`` [E, H];
+    the dense layers' rule, ``quantization.fp8.quantize_rows``), so no full-precision copy is held.
+    The GEMMs stay in the model's dtype (weight-only fp8: a decode step of a MoE model is a stream
+    of expert weights, which this halves); off the GPU the weights are dequantized once at load."""
 
     matmul = staticmethod(F.linear)
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 fp8: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size  # every expert's, before the split
         self.tp_rank = tp_rank
         self.rank_size = divide(intermediate_size, tp_size, "moe intermediate size")
-        self.w13 = new_param((num_experts, 2 * self.rank_size, hidden_size), self._load_w13)
-        self.w2 = new_param((num_experts, hidden_size, self.rank_size), self._load_w2)
+        self.dtype = torch.get_default_dtype()
+        self.fp8 = fp8
+        stored = torch.float8_e4m3fn if fp8 else None
+        self.w13 = new_param((num_experts, 2 * self.rank_size, hidden_size), self._load_w13, dtype=stored)
+        self.w2 = new_param((num_experts, hidden_size, self.rank_size), self._load_w2, dtype=stored)
+        if fp8:
+            # Buffers, not checkpoint tensors: filled as the rows are quantized.
+            self.register_buffer("w13_scale", torch.empty(self.w13.shape[:2], dtype=torch.float32), persistent=False)
+            self.register_buffer("w2_scale", torch.empty(self.w2.shape[:2], dtype=torch.float32), persistent=False)
+            self.w13.dummy_init = lambda data, gen: self._dummy(data, self.w13_scale, gen)  # type: ignore[attr-defined]
+            self.w2.dummy_init = lambda data, gen: self._dummy(data, self.w2_scale, gen)  # type: ignore[attr-defined]
+            self.quant_method = _Fp8Experts()  # the loader calls its process_weights_after_loading
 
     def _load_w13(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any) -> None:
         expert, part = self._shard(shard_id, (0, 1))
         check_shape(param, loaded, (self.intermediate_size, self.hidden_size))
-        rows = loaded.narrow(0, self.tp_rank * self.rank_size, self.rank_size)
-        param.data[expert, part * self.rank_size : (part + 1) * self.rank_size].copy_(rows)
+        rows = slice(part * self.rank_size, (part + 1) * self.rank_size)
+        self._store(param, getattr(self, "w13_scale", None), expert, rows,
+                    loaded.narrow(0, self.tp_rank * self.rank_size, self.rank_size))
 
     def _load_w2(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any) -> None:
         expert, _ = self._shard(shard_id, (None,))
         check_shape(param, loaded, (self.hidden_size, self.intermediate_size))
-        param.data[expert].copy_(loaded.narrow(1, self.tp_rank * self.rank_size, self.rank_size))
+        self._store(param, getattr(self, "w2_scale", None), expert, slice(None),
+                    loaded.narrow(1, self.tp_rank * self.rank_size, self.rank_size))
+
+    def _store(self, param: nn.Parameter, scale: torch.Tensor | None, expert: int, rows: slice, values: torch.Tensor) -> None:
+        """Write an expert's rows: as they are, or (fp8, still unconverted) as codes and their scales."""
+        if scale is None:
+            param.data[expert, rows].copy_(values)
+            return
+        from tokenmill.quantization.fp8 import quantize_rows
+
+        codes, scales = quantize_rows(values.to(param.device))
+        param.data[expert, rows] = codes
+        scale[expert, rows] = scales
+
+    @staticmethod
+    def _dummy(data: torch.Tensor, scale: torch.Tensor, generator: torch.Generator) -> None:
+        from tokenmill.quantization.fp8 import quantize_rows
+
+        values = torch.randn(data.shape, generator=generator, device=data.device) * 0.02
+        codes, scales = quantize_rows(values.flatten(0, 1))
+        data.copy_(codes.view(data.shape))
+        scale.copy_(scales.view(scale.shape))
 
     def _shard(self, shard_id: Any, parts: tuple) -> tuple[int, Any]:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.num_experts
@@ -109,8 +148,28 @@ class Experts(nn.Module):
         if x.is_cuda:
             from tokenmill.kernels.triton.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, ids, batch_invariant=self.matmul is not F.linear)
+            scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale) if self.fp8 else {}
+            return fused_experts(x, self.w13, self.w2, weights, ids, batch_invariant=self.matmul is not F.linear, **scales)
         return experts_by_loop(x, self.w13, self.w2, weights, ids, self.matmul)
+
+
+class _Fp8Experts:
+    """After loading: on a GPU the fp8 codes and scales stay for the kernels; elsewhere each expert is
+    dequantized once into the model's dtype, and the layer runs as an unquantized one."""
+
+    def process_weights_after_loading(self, experts: Experts) -> None:
+        from tokenmill import quantization
+
+        if quantization.runs_kernels(experts.w13.device):
+            return
+        for name in ("w13", "w2"):
+            codes, scale = getattr(experts, name), getattr(experts, f"{name}_scale")
+            delattr(experts, f"{name}_scale")
+            dequantized = nn.Parameter((codes.data.float() * scale[..., None]).to(experts.dtype), requires_grad=False)
+            dequantized.weight_loader = codes.weight_loader  # type: ignore[attr-defined]
+            setattr(experts, name, dequantized)
+        experts.fp8 = False
+        del experts.quant_method
 
 
 def experts_by_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -139,10 +198,11 @@ class SparseMoeBlock(nn.Module):
     """Router + experts (+ an always-on shared expert with a sigmoid gate: Qwen2-MoE)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, shared_expert: nn.Module | None = None):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, shared_expert: nn.Module | None = None,
+                 fp8_experts: bool = False):
         super().__init__()
         self.gate = Router(num_experts, hidden_size, top_k, renormalize)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, fp8_experts)
         self.tp_size, self.tp_group = tp_size, tp_group
         self.shared_expert = shared_expert  # reduces its own output across ranks (a RowParallelLinear)
         self.shared_expert_gate = SharedExpertGate(hidden_size) if shared_expert is not None else None
