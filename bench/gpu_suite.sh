@@ -122,10 +122,12 @@ for part in $parts; do
         --durations=5 2>&1 | tee "$OUT/moe_tests.log" | tail -12
       timeout 450 python3 bench/moe_bench.py ${MOE_MODELS:-} > "$OUT/moe.raw" 2>>"$OUT/suite.log"; tag "$OUT/moe.raw" "$OUT/moe.jsonl"; : > "$OUT/moe.raw"; cat "$OUT/moe.jsonl" ;;
     moe-engine)  # MoE decoders end to end (tests/gpu/test_moe_engine_gpu.py), then P1's and P2's requests on
-                 # Qwen3-30B-A3B's shape (bench/moe_peer_bench.py; beside vllm-moe in one lease)
+                 # Qwen3-30B-A3B's shape, and P1's with quantization="fp8" (bench/moe_peer_bench.py; beside vllm-moe)
       OMP_NUM_THREADS=$TESTS_OMP timeout 240 python3 -m pytest tests/gpu/test_moe_engine_gpu.py -q --maxfail=4 -p no:cacheprovider -rs \
         2>&1 | tee "$OUT/moe_engine_tests.log" | tail -8
       RESULTS="$OUT/moe_engine.raw" timeout 330 python3 bench/moe_peer_bench.py tokenmill qwen3-30b-a3b nano uniform 2>&1 | grep -v "^\s*$" | tail -3
+      RESULTS="$OUT/moe_engine.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 \
+        python3 bench/moe_peer_bench.py tokenmill_fp8 qwen3-30b-a3b nano 2>&1 | grep -v "^\s*$" | tail -2
       tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
@@ -299,7 +301,9 @@ for part in $parts; do
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
         vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep '^{' ;;
-        vllm-moe) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b nano uniform 2>&1 | tail -3 ;;
+        vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b nano uniform 2>&1 | tail -3
+              RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 250 \
+                python3 bench/moe_peer_bench.py vllm_fp8 qwen3-30b-a3b nano 2>&1 | tail -3 ;;
       esac
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm.raw" ;;
   esac
