@@ -109,17 +109,13 @@ def test_moe_fp8_engine_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
     against HF bf16 on the original weights: top-1 agreement >= 97% where HF's top two are more than
     1.0 apart (the dense fp8 test's rule and margin, tests/gpu/test_quant_engine_gpu.py, whose
     docstring derives it from fp8's noise; the experts' weight-only fp8 adds less noise than W8A8)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
                             num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=4,
                             num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.04)
-    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    # The dense test's weights: matrices N(0, 0.04), norm scales 1 + N(0, 0.1) (this model has no biases).
+    save_redrawn_bf16_model(tmp_path, config, seed=0, matrix_std=0.04, vector_std=0.1)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, quantization="fp8")
     experts = [m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "w13_scale")]
     assert len(experts) == 4 and all(e.w13.dtype == torch.float8_e4m3fn for e in experts)

@@ -55,7 +55,8 @@ class _MoeForCausalLM(LlamaForCausalLM):
     def is_sparse(self, config: "PretrainedConfig", layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has experts (the Qwen MoE models may keep some layers dense)."""
         step = getattr(config, "decoder_sparse_step", 1) or 1
-        return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+        dense = getattr(config, "mlp_only_layers", None) or []
+        return self.num_experts(config) > 0 and layer_idx not in dense and (layer_idx + 1) % step == 0
 
     def make_mlp(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel,
                  quant: "QuantizationConfig | None", prefix: str) -> nn.Module:
