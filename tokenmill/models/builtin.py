@@ -203,8 +203,9 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
     then rounded once to ``dtype``)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
+    from tokenmill.models.gguf_config import read_gguf_config
     from tokenmill.models.gguf_weights import iter_gguf_weights, open_gguf
     from tokenmill.models.registry import architecture_of
 
@@ -212,12 +213,13 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        reader = open_gguf(gguf_path)  # first: it refuses files we cannot load before transformers reads them
+        # transformers' config, with the MoE fields it leaves at class defaults set from the file.
+        config = read_gguf_config(gguf_path, reader)
         if dtype not in STORED_DTYPES:
             raise ValueError(f"cannot store a converted GGUF in {dtype!r}; choose one of {STORED_DTYPES}")
         config.architectures = [architecture_of(config)]
         config.dtype = dtype
-        reader = open_gguf(gguf_path)
         torch_dtype = getattr(torch, dtype)
         tensors = {name: t.to(torch_dtype).contiguous() for name, t in iter_gguf_weights(gguf_path, reader)}
         if config.tie_word_embeddings:

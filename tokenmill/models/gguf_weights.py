@@ -4,10 +4,16 @@ GGUF (llama.cpp's format) names tensors ``blk.N.attn_q.weight`` and may store th
 We dequantize with the ``gguf`` package, map names back to HF ones with gguf's own name table,
 and undo the q/k row permutation llama.cpp's converter applies to "llama" architecture models
 (it reorders each head's rows from HF's half-split rope layout to interleaved pairs).
+
+Mixture-of-experts files (Qwen2-MoE, Qwen3-MoE) hold each layer's experts merged into one 3-D
+tensor per projection (``blk.N.ffn_gate_exps.weight`` [E, I, H] in torch order); we split it into
+the hub's one tensor per expert (``model.layers.N.mlp.experts.{e}.gate_proj.weight``), so a
+converted folder has the same layout as the model's own safetensors folder.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +26,21 @@ _BLOCK_MODULES = (
     "self_attn.q_norm", "self_attn.k_norm",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
     "input_layernorm", "post_attention_layernorm",
+    # Mixture of experts: the router, the merged experts (HF's fused module names, split below),
+    # Qwen2-MoE's shared expert and its gate.
+    "mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
+    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
 )
 _GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # llama.cpp converters that permute q/k rows (Qwen2/Qwen3 converters do not).
 _PERMUTED_ARCHS = ("llama",)
+# llama.cpp architectures whose merged experts we split (and whose configs gguf_config fixes up).
+MOE_ARCHS = ("qwen2moe", "qwen3moe")
+# A dense MLP block inside a MoE architecture (Qwen3-MoE's ``mlp_only_layers``): gguf's table
+# for these architectures has no dense FFN names, so they get the dense models' names.
+_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_MERGED_EXPERTS = re.compile(r"(?P<block>.+\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 
 
 def open_gguf(path: Path) -> Any:
@@ -31,25 +48,43 @@ def open_gguf(path: Path) -> Any:
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises assorted errors on bad files
         raise ValueError(f"cannot read GGUF file {path}: {type(exc).__name__}: {exc}") from exc
+    refuse_unloadable_experts(reader, path)
+    return reader
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+def refuse_unloadable_experts(reader: Any, path: Path) -> None:
+    """Refuse a mixture-of-experts file of an architecture we do not split (every reader of a GGUF
+    goes through open_gguf, so this runs before transformers builds a config from it). llama.cpp
+    writes Mixtral as architecture "llama" with ``llama.expert_count`` > 0: transformers would make
+    a dense LlamaConfig of it and the load would fail on tensors nobody expects."""
+    arch = field(reader, "general.architecture")
+    experts = field(reader, f"{arch}.expert_count")
+    if experts and int(experts) > 0 and arch not in MOE_ARCHS:
+        raise ValueError(
+            f"GGUF file {path} has {arch}.expert_count={int(experts)}: mixture-of-experts GGUF files load only for "
+            f"general.architecture in {list(MOE_ARCHS)}, not {arch!r} (llama.cpp writes Mixtral as 'llama' with "
+            "experts); load such a model from its Hugging Face safetensors folder instead"
+        )
+
+
+def field(reader: Any, key: str) -> Any:
+    """The value of metadata ``key``, or None when the file has no such key."""
+    entry = reader.fields.get(key)
+    return None if entry is None else entry.contents()
 
 
 def gguf_to_hf_names(reader: Any) -> dict[str, str]:
     """GGUF tensor name -> HF tensor name for the decoder family of this file."""
     import gguf
 
-    arch_name = _field(reader, "general.architecture")
+    arch_name = field(reader, "general.architecture")
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
     if arch is None:
         raise ValueError(f"GGUF general.architecture={arch_name!r} is unknown to the gguf package")
-    num_blocks = int(_field(reader, f"{arch_name}.block_count"))
+    num_blocks = int(field(reader, f"{arch_name}.block_count"))
     name_map = gguf.get_tensor_name_map(arch, num_blocks)
     hf_modules = [f"model.layers.{i}.{m}" for i in range(num_blocks) for m in _BLOCK_MODULES]
     mapping: dict[str, str] = {}
@@ -58,6 +93,10 @@ def gguf_to_hf_names(reader: Any) -> dict[str, str]:
         if gguf_name is not None:
             for suffix in (".weight", ".bias"):
                 mapping[gguf_name + suffix] = hf + suffix
+    if arch_name in MOE_ARCHS:
+        for i in range(num_blocks):
+            for gguf_ffn, hf_mlp in _DENSE_MLP.items():
+                mapping.setdefault(f"blk.{i}.{gguf_ffn}.weight", f"model.layers.{i}.{hf_mlp}.weight")
     return mapping
 
 
@@ -74,11 +113,11 @@ def iter_gguf_weights(path: Path, reader: Any | None = None) -> Iterator[tuple[s
     import numpy as np
 
     reader = reader if reader is not None else open_gguf(path)
-    arch_name = _field(reader, "general.architecture")
+    arch_name = field(reader, "general.architecture")
     names = gguf_to_hf_names(reader)
     permute = arch_name in _PERMUTED_ARCHS
-    num_heads = int(_field(reader, f"{arch_name}.attention.head_count") or 0)
-    num_kv_heads = int(_field(reader, f"{arch_name}.attention.head_count_kv") or num_heads)
+    num_heads = int(field(reader, f"{arch_name}.attention.head_count") or 0)
+    num_kv_heads = int(field(reader, f"{arch_name}.attention.head_count_kv") or num_heads)
     for tensor in reader.tensors:
         try:
             array = gguf.dequantize(tensor.data, tensor.tensor_type)
@@ -93,4 +132,14 @@ def iter_gguf_weights(path: Path, reader: Any | None = None) -> Iterator[tuple[s
             weight = _unpermute(weight, num_heads)
         elif permute and ".attn_k." in tensor.name:
             weight = _unpermute(weight, num_kv_heads)
-        yield hf_name, weight
+        elif hf_name.endswith(".shared_expert_gate.weight") and weight.dim() == 1:
+            weight = weight.unsqueeze(0)  # llama.cpp's converter squeezes HF's [1, H] gate to [H]
+        merged = _MERGED_EXPERTS.fullmatch(hf_name) if weight.dim() == 3 else None
+        if merged is None:
+            yield hf_name, weight
+            continue
+        # [E, rows, cols]: expert e is slice e. Each is cloned so that no two yielded tensors share
+        # storage (safetensors refuses to save those) and the merged tensor is freed after the loop.
+        for e in range(weight.shape[0]):
+            yield f"{merged['block']}.{e}.{merged['proj']}.weight", weight[e].clone()
+        del weight

@@ -205,11 +205,15 @@ def _gguf_source(
         return _hf_folder_source(name, ensure_gguf_converted(gguf_path, store), tokenizer, trust_remote_code)
     from transformers import AutoConfig
 
+    from tokenmill.models.gguf_config import read_gguf_config
+    from tokenmill.models.gguf_weights import open_gguf
+
     if config_dir is not None:
         config = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
     else:
+        reader = open_gguf(gguf_path)  # outside the try: its refusal of a file we cannot load keeps its own message
         try:
-            config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            config = read_gguf_config(gguf_path, reader)
         except Exception as exc:  # transformers raises assorted errors on unsupported/corrupt GGUF
             raise ValueError(f"cannot read the model config from GGUF file {gguf_path}: {exc}") from exc
     folder = config_dir or gguf_path.parent
