@@ -7,6 +7,8 @@ random logits). Each row gives, in µs per call:
 - ``fused_us``: ``fused_experts`` with the engine's tiles, timed by CUDA-graph replays (what a
   decode step runs); ``fused_eager_us``: the same call launched eagerly (its ~20 small alignment
   launches and the GEMMs' launch costs show up here);
+- ``fp8_weights_us``: the same call on fp8 codes with per-channel scales (``quantization="fp8"``'s
+  experts: half the weight bytes);
 - ``small_tiles_us`` / ``large_tiles_us``: both of ``choose_config``'s tile classes at every T (where
   they cross is where ``SMALL_MAX_PAIRS_PER_EXPERT`` belongs), ``align_us``: ``moe_align`` alone;
 - ``loop_us``: the model's CPU path run on the GPU (``models/layers/moe.experts_by_loop``: pairs
@@ -70,6 +72,11 @@ def bench(model: str) -> None:
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
     expert_bytes = 3 * hidden * inter * w13.element_size()
+    # quantization="fp8"'s experts: the same weights as codes and per-output-channel scales.
+    from tokenmill.quantization.fp8 import quantize_rows
+
+    (q13, s13), (q2, s2) = quantize_rows(w13.flatten(0, 1)), quantize_rows(w2.flatten(0, 1))
+    q13, s13, q2, s2 = q13.view(w13.shape), s13.view(w13.shape[:2]), q2.view(w2.shape), s2.view(w2.shape[:2])
     for tokens in TOKENS:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         routings = _routings(tokens, experts, top_k)
@@ -88,6 +95,8 @@ def bench(model: str) -> None:
         small_us = _cycled_graph(fused(fused_moe.SMALL_TILES), per_graph)
         large_us = _cycled_graph(fused(fused_moe.LARGE_TILES), per_graph)
         align_us = _cycled_graph([lambda i=i: fused_moe.moe_align(i, experts, auto.block_m) for _, i in routings], 10)
+        fp8_us = _cycled_graph([lambda w=w, i=i: fused_moe.fused_experts(x, q13, q2, w, i, w13_scale=s13, w2_scale=s2)
+                                for w, i in routings], per_graph)
         eager_us = _cycled_events(fused(), 3)
         loop_us = _cycled_events([lambda w=w, i=i: loop_experts(x, w13, w2, w, i) for w, i in routings], 3)
         touched = sum(int(i.unique().numel()) for _, i in routings) / len(routings)  # experts a call reads
@@ -95,7 +104,7 @@ def bench(model: str) -> None:
         row = {**_provenance("fused_moe", f"{model}-t{tokens}"), "tokens": tokens, "hidden": hidden, "inter": inter,
                "experts": experts, "top_k": top_k, "config": dataclasses.asdict(auto), "fused_us": round(fused_us, 2),
                "fused_eager_us": round(eager_us, 2), "small_tiles_us": round(small_us, 2), "large_tiles_us": round(large_us, 2),
-               "align_us": round(align_us, 2), "loop_us": round(loop_us, 2), "speedup_vs_loop": round(loop_us / fused_us, 2),
+               "align_us": round(align_us, 2), "fp8_weights_us": round(fp8_us, 2), "loop_us": round(loop_us, 2), "speedup_vs_loop": round(loop_us / fused_us, 2),
                "tflops": round(flops / fused_us / 1e6, 1), "experts_touched": touched,
                "weight_gbps": round(touched * expert_bytes / fused_us / 1e3, 1)}
         print(json.dumps(row), flush=True)
