@@ -10,7 +10,9 @@ random logits). Each row gives, in µs per call:
 - ``fp8_weights_us``: the same call on fp8 codes with per-channel scales (``quantization="fp8"``'s
   experts: half the weight bytes);
 - ``small_tiles_us`` / ``large_tiles_us``: both of ``choose_config``'s tile classes at every T (where
-  they cross is where ``SMALL_MAX_PAIRS_PER_EXPERT`` belongs), ``align_us``: ``moe_align`` alone;
+  they cross is where ``SMALL_MAX_PAIRS_PER_EXPERT`` belongs), ``align_us``: ``moe_align`` alone (one
+  launch up to 8,192 pairs), ``align_torch_us``: its torch way at the same size (where the two cross
+  is where ``ONE_LAUNCH_MAX_PAIRS`` belongs);
 - ``loop_us``: the model's CPU path run on the GPU (``models/layers/moe.experts_by_loop``: pairs
   grouped by expert, counts read on the host, then per expert ``F.linear`` for gate_up, SiLU-mul,
   ``F.linear`` for down, routing weight, ``index_add_``), timed by CUDA events around eager calls
@@ -36,6 +38,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from gpu_timing import _provenance, _time_events, _time_graph  # noqa: E402
 
 from tokenmill.kernels.triton import fused_moe  # noqa: E402
+from tokenmill.kernels.triton.moe_align import _moe_align_torch  # noqa: E402
 from tokenmill.models.layers.moe import experts_by_loop as loop_experts  # noqa: E402  (the CPU path's loop)
 
 MODELS = {  # name: (hidden, intermediate, experts, top_k)
@@ -95,6 +98,7 @@ def bench(model: str) -> None:
         small_us = _cycled_graph(fused(fused_moe.SMALL_TILES), per_graph)
         large_us = _cycled_graph(fused(fused_moe.LARGE_TILES), per_graph)
         align_us = _cycled_graph([lambda i=i: fused_moe.moe_align(i, experts, auto.block_m) for _, i in routings], 10)
+        align_torch_us = _cycled_graph([lambda i=i: _moe_align_torch(i, experts, auto.block_m) for _, i in routings], 10)
         fp8_us = _cycled_graph([lambda w=w, i=i: fused_moe.fused_experts(x, q13, q2, w, i, w13_scale=s13, w2_scale=s2)
                                 for w, i in routings], per_graph)
         eager_us = _cycled_events(fused(), 3)
@@ -104,7 +108,7 @@ def bench(model: str) -> None:
         row = {**_provenance("fused_moe", f"{model}-t{tokens}"), "tokens": tokens, "hidden": hidden, "inter": inter,
                "experts": experts, "top_k": top_k, "config": dataclasses.asdict(auto), "fused_us": round(fused_us, 2),
                "fused_eager_us": round(eager_us, 2), "small_tiles_us": round(small_us, 2), "large_tiles_us": round(large_us, 2),
-               "align_us": round(align_us, 2), "fp8_weights_us": round(fp8_us, 2), "loop_us": round(loop_us, 2), "speedup_vs_loop": round(loop_us / fused_us, 2),
+               "align_us": round(align_us, 2), "align_torch_us": round(align_torch_us, 2), "fp8_weights_us": round(fp8_us, 2), "loop_us": round(loop_us, 2), "speedup_vs_loop": round(loop_us / fused_us, 2),
                "tflops": round(flops / fused_us / 1e6, 1), "experts_touched": touched,
                "weight_gbps": round(touched * expert_bytes / fused_us / 1e3, 1)}
         print(json.dumps(row), flush=True)

@@ -383,6 +383,8 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] == "_moe_gemm_kernel":
             assert entry["wgmma"] or entry["mma_sync"], "the MoE GEMM's dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"the MoE GEMM spills {entry['spill_bytes']} B of registers"
+        if entry["kernel"] == "_align_kernel":  # int inputs only, like _rank_kernel below
+            assert entry["spill_bytes"] == 0, f"the MoE alignment spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_rank_kernel":  # int inputs only: the float check above does not see it
             assert entry["spill_bytes"] == 0, f"the decode ranking spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel",

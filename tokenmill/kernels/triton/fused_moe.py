@@ -11,16 +11,9 @@ back to row ``p``. So no token's activations are ever copied into an expert-sort
 pair's output row is where a per-pair view of the batch expects it.
 
 Why the static shapes: a decode step runs inside a CUDA graph, so nothing here may wait on the
-host. The alignment is torch ops of fixed output sizes only (a stable sort, ``searchsorted``,
-``cumsum``, a scatter): no ``.item()``, ``nonzero`` or ``bincount`` (whose CUDA version reads the
-input's maximum back to size its output). The number of padded rows depends on the routing, so the
-grid covers an upper bound of blocks and each program reads the real count (``num_padded``) from
-device memory and returns at once when its block is unused. The bound is
-``T*K + min(E, T*K) * (BLOCK_M - 1)`` rows: every non-empty expert wastes at most BLOCK_M - 1 rows of
-padding, and at most T*K experts are non-empty (a decode step with one token and K = 8 launches 8
-blocks a column of tiles, not E = 128). The price of plain torch ops: the alignment is ~20 small
-launches, a fixed cost a layer that matters at decode sizes (``align_us`` in bench/moe_bench.py's
-rows); one Triton launch could replace them if it shows.
+host. The number of padded rows depends on the routing, so the grid covers an upper bound of
+blocks and each program reads the real count (``num_padded``) from device memory and returns at
+once when its block is unused (the bound, and how the pairs are grouped: ``moe_align.py``).
 
 Rounding: both GEMMs accumulate in fp32 and round their output to x's dtype once (gate_up, then the
 SiLU-mul, then down already multiplied by the pair's routing weight); the K pairs of a token are
@@ -38,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.activation import silu_and_mul
+from tokenmill.kernels.triton.moe_align import moe_align
 # The tiles of both GEMMs of one call (they share BLOCK_M because they share the alignment).
 from tokenmill.kernels.triton.matmul import MatmulConfig as MoeConfig
 
@@ -140,44 +134,6 @@ def choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeCo
     if dtype == torch.float32:
         return MoeConfig(block_m=16 if small else 64, block_n=32, block_k=32, num_warps=4, num_stages=2)
     return SMALL_TILES if small else LARGE_TILES
-
-
-def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of ``sorted_pairs`` for any routing of ``num_pairs`` pairs, rounded up to whole blocks
-    (each non-empty expert pads at most block_m - 1 rows; at most min(E, pairs) are non-empty)."""
-    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(rows, block_m) * block_m
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the pairs ``p = t * K + k`` of ``topk_ids`` [T, K] (int32/int64, each in [0, E)) by expert.
-
-    Returns ``(sorted_pairs, block_experts, num_padded)``, all int32 on topk_ids's device:
-    ``sorted_pairs`` [``max_padded_rows``]: each expert's pairs in increasing order, its run padded to
-    a multiple of block_m with the sentinel T * K (rows past ``num_padded`` hold it too);
-    ``block_experts`` [rows / block_m]: the expert of each block (unused blocks: E, no expert);
-    ``num_padded`` [1]: the rows in use. Static shapes and device-side ops only (CUDA-graph safe).
-    """
-    device = topk_ids.device
-    num_pairs = topk_ids.numel()
-    rows = max_padded_rows(num_pairs, num_experts, block_m)
-    flat = topk_ids.reshape(-1)
-    # Stable: an expert's pairs in increasing order, so the lists are a function of the routing alone
-    # (whichever sort algorithm the device picks for this size).
-    expert_of, pair_of = torch.sort(flat, stable=True)
-    # starts[e]: the first sorted position of expert e (starts[E] = T * K); blocks[e]: its blocks.
-    starts = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=device, dtype=flat.dtype))
-    blocks = torch.div(starts.diff() + (block_m - 1), block_m, rounding_mode="floor")
-    block_ends = torch.cumsum(blocks, dim=0)
-    # Sorted position i of expert e moves to row i + shift[e], shift = padded start - start.
-    shift = (block_ends - blocks) * block_m - starts[:-1]
-    dest = torch.arange(num_pairs, device=device).add_(shift[expert_of])
-    sorted_pairs = torch.full((rows,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, dest, pair_of.to(torch.int32))
-    # Block b's expert: the first whose blocks end past b.
-    block_experts = torch.searchsorted(block_ends, torch.arange(rows // block_m, device=device), right=True, out_int32=True)
-    num_padded = (block_ends[-1:] * block_m).to(torch.int32)
-    return sorted_pairs, block_experts, num_padded
 
 
 def moe_gemm(
