@@ -143,3 +143,35 @@ def test_mixtral_gguf_is_refused_by_name(tiny_mixtral_dir: Path, tmp_path: Path,
         resolve_model(str(path), load_format="gguf")
     # Only the content hash was remembered: no converted folder, finished or half-written.
     assert sorted(p.name for p in (conversion_cache / "models").iterdir()) == ["gguf-hashes"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_the_written_gguf_is_what_transformers_reads_as_llama_cpp_files(family: str, tmp_path: Path) -> None:
+    """The test's writer and our reader could share a wrong idea of llama.cpp's layout (merged experts'
+    order, the shared gate's shape) and still agree with each other. transformers' own GGUF loader,
+    written for llama.cpp's files, reads the file into the original model: the layout is llama.cpp's.
+    (Every layer sparse, as llama.cpp's converter writes these architectures: transformers' loader
+    has no dense blocks for them. Its config reading leaves the MoE widths at class defaults, so
+    the original config is given.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    from support.tiny_models import save_tiny_model, tiny_config_kwargs
+
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(**tiny_config_kwargs(tie_word_embeddings=True, head_dim=16), moe_intermediate_size=48,
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
+    else:
+        config = Qwen2MoeConfig(**tiny_config_kwargs(tie_word_embeddings=False), moe_intermediate_size=32,
+                                shared_expert_intermediate_size=96, num_experts=6, num_experts_per_tok=2,
+                                architectures=["Qwen2MoeForCausalLM"])
+    hf_dir = save_tiny_model(tmp_path, family, config, seed=11)
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    write_gguf(hf_dir, folder / "model.gguf")  # every tensor F32: the values are the original's
+    theirs = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf", dtype=torch.float32,
+                                                  config=AutoConfig.from_pretrained(hf_dir))
+    tokens = torch.tensor([_random_prompts(config.vocab_size, [17])[0]])
+    with torch.no_grad():
+        want = hf_model(str(hf_dir))(tokens).logits
+        assert want.std() > 0.1
+        torch.testing.assert_close(theirs(tokens).logits, want, atol=1e-5, rtol=0)
