@@ -134,6 +134,9 @@ _COMPILE_MOE = {
     "mixtral-8x7b-t8-bf16": ("bfloat16", 8, 8, 2, 4096, 14336),
     "mixtral-8x7b-t512-bf16": ("bfloat16", 512, 8, 2, 4096, 14336),
     "odd-fp16": ("float16", 64, 8, 2, 1000, 360),
+    # quantization="fp8"'s experts: fp8 codes widened in registers, per-channel scales after the K loop.
+    "qwen3-30b-a3b-t1-fp8w": ("bfloat16", 1, 128, 8, 2048, 768),
+    "qwen3-30b-a3b-t1024-fp8w": ("bfloat16", 1024, 128, 8, 2048, 768),
 }
 for _name in _COMPILE_MOE:
     _case("compile_sm90", f"sm90-moe-{_name}", kernel="fused_moe", shape=_name)
@@ -350,9 +353,12 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         dtype_name, tokens, experts, top_k, hidden, inter = _COMPILE_MOE[p["shape"]]
         dtype = getattr(torch, dtype_name)
         # The alignment's torch ops run here on the CPU: the ids must be valid experts.
-        fused_experts(torch.empty((tokens, hidden), dtype=dtype), torch.empty((experts, 2 * inter, hidden), dtype=dtype),
-                      torch.empty((experts, hidden, inter), dtype=dtype), torch.ones((tokens, top_k)),
-                      torch.zeros((tokens, top_k), dtype=torch.int64))
+        fp8 = p["shape"].endswith("-fp8w")
+        stored = torch.float8_e4m3fn if fp8 else dtype
+        scales = dict(w13_scale=torch.ones(experts, 2 * inter), w2_scale=torch.ones(experts, hidden)) if fp8 else {}
+        fused_experts(torch.empty((tokens, hidden), dtype=dtype), torch.empty((experts, 2 * inter, hidden), dtype=stored),
+                      torch.empty((experts, hidden, inter), dtype=stored), torch.ones((tokens, top_k)),
+                      torch.zeros((tokens, top_k), dtype=torch.int64), **scales)
     elif kernel == "fp8_gemm":
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 
