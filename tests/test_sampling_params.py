@@ -127,8 +127,8 @@ def test_vllm_026_fields_defaults():
 @pytest.mark.parametrize(("field", "value", "allowed"), [
     ("skip_clone", 1, "True or False"),
     ("skip_reading_prefix_cache", "yes", "None, True or False"),
-    ("routed_experts_prompt_start", 4, "0: tokenmill has no mixture-of-experts models"),
-    ("routed_experts_prompt_start", True, "0: tokenmill has no mixture-of-experts models"),
+    ("routed_experts_prompt_start", 4, "0: tokenmill returns no routed experts"),
+    ("routed_experts_prompt_start", True, "0: tokenmill returns no routed experts"),
     ("thinking_token_budget", 100, "tokenmill has no reasoning parsers"),
     ("thinking_token_budget", 0, "tokenmill has no reasoning parsers"),
     ("thinking_token_budget", -2, "a non-negative integer or -1 (unlimited)"),

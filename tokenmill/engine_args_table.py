@@ -82,7 +82,9 @@ def only(default: Any, instead: str, *also: Any) -> VllmArgument:
 _TUNING = "a tuning knob of vLLM's own kernels or scheduler; tokenmill chooses its own"
 _HUB = "tokenmill loads local folders, built-ins and the local Hugging Face cache; nothing is downloaded"
 _MM = "tokenmill serves text-only models (prompts with multimodal data are refused)"
-_MOE = "tokenmill has no mixture-of-experts models"
+_MOE = "a setting of vLLM's mixture-of-experts kernels; tokenmill's MoE layers run its own (kernels/triton/fused_moe.py)"
+_EP = ("expert parallelism; tokenmill splits every expert's intermediate features over the tensor-parallel ranks "
+       "instead (the same model, another distribution of its work)")
 _MAMBA = "tokenmill has no Mamba / state-space models"
 _LORA = "a LoRA setting; tokenmill has no LoRA adapters (enable_lora=True is refused)"
 _SERVING = "a setting of vLLM's server or multi-process front end; tokenmill is an offline engine"
@@ -256,14 +258,14 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "device": ours("auto"),  # older vLLM's argument; tokenmill keeps it
     "disable_custom_all_reduce": inert(False, "all-reduces are torch.distributed's (NCCL or gloo)"),
     "ray_workers_use_nsight": inert(False, "tokenmill's ranks are not Ray actors"),
-    "enable_expert_parallel": inert(False, _MOE),
-    "enable_ep_weight_filter": inert(False, _MOE),
-    "all2all_backend": inert("allgather_reducescatter", _MOE),
-    "enable_elastic_ep": inert(False, _MOE),
-    "eplb_config": inert(None, _MOE),
-    "enable_eplb": inert(False, _MOE),
-    "expert_placement_strategy": inert("linear", _MOE),
-    "enable_return_routed_experts": inert(False, _MOE),
+    "enable_expert_parallel": inert(False, _EP),
+    "enable_ep_weight_filter": inert(False, _EP),
+    "all2all_backend": inert("allgather_reducescatter", _EP),
+    "enable_elastic_ep": inert(False, _EP),
+    "eplb_config": inert(None, _EP),
+    "enable_eplb": inert(False, _EP),
+    "expert_placement_strategy": inert("linear", _EP),
+    "enable_return_routed_experts": only(False, "outputs carry no routing data (RequestOutput.routed_experts stays None)"),
     "enable_dbo": inert(False, _TUNING),
     "ubatch_size": inert(0, _TUNING),
     "dbo_decode_token_threshold": inert(32, _TUNING),

@@ -23,7 +23,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | None while running
     # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
     stop_reason: int | str | None = None
-    # vLLM's fields for what tokenmill does not do (LoRA adapters, mixture-of-experts routing):
+    # vLLM's fields for what tokenmill does not do (LoRA adapters, returning the experts it routed to):
     # always None here, present so that code reading them runs unchanged.
     lora_request: None = None
     routed_experts: None = None

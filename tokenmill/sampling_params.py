@@ -121,7 +121,7 @@ class SamplingParams:
     # deep-copies a request's params (it copies them shallowly, only to set its own fields).
     skip_clone: bool = False
     # vLLM: with enable_return_routed_experts, routing data skips this many prompt tokens.
-    # tokenmill has no mixture-of-experts models and returns no routing: only 0 is accepted.
+    # tokenmill returns no routing data (enable_return_routed_experts is refused): only 0 is accepted.
     routed_experts_prompt_start: int = 0
     # vLLM: a cap on the tokens of a reasoning model's thinking section, which needs a reasoning
     # parser. tokenmill has none (LLM(reasoning_parser=...) is refused): only None, or -1 (vLLM's
@@ -212,7 +212,7 @@ class SamplingParams:
                "skip_reading_prefix_cache", self.skip_reading_prefix_cache, "None, True or False")
         _check(self.routed_experts_prompt_start == 0 and _is_int(self.routed_experts_prompt_start),
                "routed_experts_prompt_start", self.routed_experts_prompt_start,
-               "0: tokenmill has no mixture-of-experts models, so it returns no routed experts to skip")
+               "0: tokenmill returns no routed experts (enable_return_routed_experts is refused), so there are none to skip")
         budget = self.thinking_token_budget
         _check(budget is None or (_is_int(budget) and budget >= 0), "thinking_token_budget", budget,
                "None, a non-negative integer or -1 (unlimited)")
