@@ -35,8 +35,8 @@ MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 def expert_stacking(num_experts: int, names: tuple[str, str, str] = QWEN_EXPERT_NAMES) -> list[tuple[str, str, Any]]:
     """``weights.load_hf_weights``'s stacked fragments for the experts: each expert's gate and up
-    fill its rows of ``w13``, its down fills its slice of ``w2``. The fragments end in ``.weight``,
-    so ``experts.1.`` never matches inside ``experts.12.``."""
+    fill its rows of ``w13``, its down fills its slice of ``w2``. A dot follows each expert's index,
+    so the fragments of expert 1 never match inside expert 12's names."""
     gate, up, down = names
     stacking: list[tuple[str, str, Any]] = []
     for e in range(num_experts):
