@@ -58,7 +58,7 @@ def _align_kernel(
         ids = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
         tl.atomic_add(scratch_ptr + ids, tl.full([CHUNK], 1, dtype=tl.int32), mask=valid)
     tl.debug_barrier()  # every count is in
-    counts = tl.load(scratch_ptr + bins)
+    counts = tl.load(scratch_ptr + bins, cache_modifier=".cg")  # from L2, where the atomics landed
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(scratch_ptr + E_PAD + bins, ends - padded)  # each expert's first row: its next free one
