@@ -171,17 +171,20 @@ def _check_fused_moe(p: dict[str, Any]) -> None:
 
 
 def _check_moe_batch_invariant(p: dict[str, Any]) -> None:
-    """``batch_invariant=True`` (deterministic mode): the reference's values, and each token's row
-    bit for bit the same alone, in a small batch and in one large enough that the default path
-    would switch tiles. (The interpreter's dots may be invariant anyway: that the bits hold on the
-    GPU's MMAs is tests/gpu/test_moe_gpu.py's check.)"""
+    """``batch_invariant=True`` (deterministic mode): the reference's values, and each token's row bit
+    for bit the same alone, in a small batch and in one large enough that the default path switches
+    tiles. Run with the interpreter's dot made row-independent, as an MMA is
+    (``interpreter_dot_in_fixed_order``): then only the tile's K depth moves a row's bits, and in
+    fp16 the default path's two tile classes walk K=200 and 136 in other depths (128 against 64),
+    which the control shows; fp32's classes share their depth, so there the control is skipped."""
     import torch
 
+    from support.triton_interpreter import interpreter_dot_in_fixed_order
     from tokenmill.kernels.reference import fused_moe_ref
     from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts
 
     dtype = getattr(torch, p["dtype"])
-    experts, top_k, hidden, inter = 4, 2, 40, 24
+    experts, top_k, hidden, inter = 4, 2, 200, 136
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
@@ -189,12 +192,18 @@ def _check_moe_batch_invariant(p: dict[str, Any]) -> None:
     ids = routing(40, experts, top_k, "topk", gen)
     weights = torch.rand(40, top_k, generator=gen) + 0.5
     assert choose_config(40 * top_k, experts, dtype) != choose_config(3 * top_k, experts, dtype)  # the default switches
-    whole = fused_experts(x, w13, w2, weights, ids, batch_invariant=True)
+    subsets = ([7], [7, 0, 31], list(range(39, 0, -2)))
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
-    torch.testing.assert_close(whole, fused_moe_ref(x, w13, w2, weights, ids), **tol)
-    for rows in ([7], [7, 0, 31], list(range(39, 0, -2))):
-        part = fused_experts(x[rows], w13, w2, weights[rows], ids[rows], batch_invariant=True)
-        assert torch.equal(part, whole[rows]), rows
+    with interpreter_dot_in_fixed_order():
+        whole = fused_experts(x, w13, w2, weights, ids, batch_invariant=True)
+        torch.testing.assert_close(whole, fused_moe_ref(x, w13, w2, weights, ids), **tol)
+        for rows in subsets:
+            part = fused_experts(x[rows], w13, w2, weights[rows], ids[rows], batch_invariant=True)
+            assert torch.equal(part, whole[rows]), rows
+        if dtype == torch.float16:  # the control: without the flag, the same subsets do move
+            default = fused_experts(x, w13, w2, weights, ids)
+            moved = [not torch.equal(fused_experts(x[r], w13, w2, weights[r], ids[r]), default[r]) for r in subsets]
+            assert any(moved), "the default path's tile switch moved no bits: this check could not fail"
 
 
 def _check_moe_fp8_weights(p: dict[str, Any]) -> None:

@@ -175,3 +175,23 @@ def test_the_written_gguf_is_what_transformers_reads_as_llama_cpp_files(family: 
         want = hf_model(str(hf_dir))(tokens).logits
         assert want.std() > 0.1
         torch.testing.assert_close(theirs(tokens).logits, want, atol=1e-5, rtol=0)
+
+
+def test_one_part_of_a_split_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp's gguf-split writes split.count into every part; loading one part alone would report
+    the other parts' tensors missing (and read a MoE file's layers as dense)."""
+    import gguf
+
+    from tokenmill.models.gguf_weights import open_gguf
+
+    path = tmp_path / "model-00001-of-00002.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=rf"GGUF file {re.escape(str(path))} has split\.count=2: .*llama-gguf-split --merge"):
+        open_gguf(path)

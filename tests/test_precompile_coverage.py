@@ -4,9 +4,9 @@ Triton picks a compiled kernel by a key of its argument types, constexprs and sp
 int equal to 1 becomes a constant, ints and pointers divisible by 16 get a hint), so a launch
 whose key was not precompiled compiles in the middle of a run. Here Triton's own binder computes
 the keys, as on the GPU, under a stand-in driver that reports an sm_90 device and a
-``jit_cache_hook`` that records each key instead of compiling: ``Sampler.precompile`` and the
-attention backend's ``precompile`` against the launches of steps at many batch sizes, both
-vocabularies of P1-P4 and every sampler path. Also that ``parallel_compile`` leaves each kernel
+``jit_cache_hook`` that records each key instead of compiling: ``Sampler.precompile``, the
+attention backend's ``precompile`` and the MoE layers' ``precompile_experts`` against the launches
+of steps at many batch sizes, both vocabularies of P1-P4, every sampler path and MoE shape. Also that ``parallel_compile`` leaves each kernel
 loaded, its launcher built (a first launch would otherwise build it: ~0.4 s of C compiler each on
 a cold Triton cache).
 
@@ -29,7 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "PRECOMPILE-RESULTS:"
-CHECKS = ("sampler", "attention", "attention_queue", "load")
+CHECKS = ("sampler", "attention", "attention_queue", "moe", "load")
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +219,36 @@ def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
     return _missing(precompiled, runs)
 
 
+def _check_moe(recorder: _KeyRecorder) -> str | None:
+    """The MoE layers' grouped GEMMs and alignment at every token count up to the step budget (both
+    tile classes, both ways of aligning) against ``precompile_experts``, as the layers call both:
+    Qwen3-30B-A3B's and Mixtral-8x7B's experts in bf16, on fp8 codes, and in deterministic mode."""
+    import torch
+
+    from tokenmill.kernels.triton.fused_moe import fused_experts, precompile_experts
+
+    problems = []
+    for (experts, top_k, hidden, inter), budget in (((128, 8, 2048, 768), 8192), ((8, 2, 4096, 14336), 16384),
+                                                    ((128, 8, 2048, 768), 512)):
+        for fp8, batch_invariant in ((False, False), (True, False), (False, True)):
+            stored = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            # torch.empty: untouched memory (Mixtral's w13 would be 1.9 GB).
+            w13, w2 = torch.empty((experts, 2 * inter, hidden), dtype=stored), torch.empty((experts, hidden, inter), dtype=stored)
+            scales = dict(w13_scale=torch.ones(experts, 2 * inter), w2_scale=torch.ones(experts, hidden)) if fp8 else {}
+            precompiled = recorder.of(lambda: precompile_experts(w13, w2, top_k, budget, torch.bfloat16, batch_invariant, **scales))
+
+            def step(tokens: int) -> None:
+                ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)  # valid, spread
+                fused_experts(torch.zeros((tokens, hidden), dtype=torch.bfloat16), w13, w2, torch.ones((tokens, top_k)), ids,
+                              batch_invariant=batch_invariant, **scales)
+
+            sizes = sorted({t for t in (1, 2, 7, 16, 17, 64, 200, 256, 257, 300, 1024, 1025, 2048, 4096, 8192, budget)
+                            if t <= budget})
+            runs = {(experts, fp8, batch_invariant, t): recorder.of(lambda t=t: step(t)) for t in sizes}
+            problems.append(_missing(precompiled, runs))
+    return "\n".join(p for p in problems if p) or None
+
+
 def _check_load(driver: Any) -> str | None:
     """A compile-only launch inside ``parallel_compile`` leaves the kernel loaded and its launcher
     built, so its first real launch does neither."""
@@ -264,7 +294,8 @@ def _worker_main() -> None:
         return
     recorder = _KeyRecorder()
     checks = {"sampler": lambda: _check_sampler(recorder), "attention": lambda: _check_attention(recorder),
-              "attention_queue": lambda: _check_attention_queue(recorder), "load": lambda: _check_load(driver)}
+              "attention_queue": lambda: _check_attention_queue(recorder), "moe": lambda: _check_moe(recorder),
+              "load": lambda: _check_load(driver)}
     for name in CHECKS:
         start = time.perf_counter()
         knobs.runtime.jit_cache_hook = None if name == "load" else recorder  # "load" compiles for real

@@ -103,7 +103,10 @@ def test_moe_align_on_the_gpu(tokens, experts, top_k, block_m):
     assert_align_lists(ids.to(torch.int32), experts, block_m)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+# 1-64 tokens: the small tiles and the one-launch alignment on 16-row blocks; 512 (4,096 pairs): the
+# large tiles and the one-launch alignment on 64-row blocks; 2,048 (16,384 pairs): the large tiles
+# and the torch alignment (its stable sort) inside the graph.
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 2048])
 def test_fused_experts_replays_in_a_cuda_graph(tokens):
     from tokenmill.kernels.reference import fused_moe_ref
     from tokenmill.kernels.triton.fused_moe import fused_experts

@@ -51,8 +51,18 @@ def open_gguf(path: Path) -> Any:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises assorted errors on bad files
         raise ValueError(f"cannot read GGUF file {path}: {type(exc).__name__}: {exc}") from exc
+    refuse_split_file(reader, path)
     refuse_unloadable_experts(reader, path)
     return reader
+
+
+def refuse_split_file(reader: Any, path: Path) -> None:
+    """Refuse one part of a GGUF that llama.cpp's gguf-split cut into several files: the tensors of
+    the other parts would be reported missing one by one (and a MoE file's layers misread as dense)."""
+    parts = field(reader, "split.count")
+    if parts and int(parts) > 1:
+        raise ValueError(f"GGUF file {path} has split.count={int(parts)}: it is one part of a split model, and split "
+                         "GGUF files do not load; merge the parts first (llama.cpp: llama-gguf-split --merge)")
 
 
 def refuse_unloadable_experts(reader: Any, path: Path) -> None:

@@ -97,10 +97,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """``intermediate_size``: the config's unless given (Qwen2-MoE's shared expert has its own)."""
+    """``intermediate_size``: the config's unless given (Qwen2-MoE's shared expert has its own);
+    ``reduce_results=False``: the ranks' partial sums are left for the caller to all-reduce."""
 
     def __init__(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None" = None,
-                 prefix: str = "", intermediate_size: int | None = None):
+                 prefix: str = "", intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
@@ -109,7 +110,7 @@ class LlamaMLP(nn.Module):
         gate_up_method = linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, **tp.kwargs(),
                                                        quant_method=gate_up_method)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, **tp.kwargs(),
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, **tp.kwargs(), reduce_results=reduce_results,
                                            quant_method=linear_method(quant, [f"{prefix}.down_proj"]))
         self.act_fn = SiluAndMul()
 
@@ -212,8 +213,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         tp = TensorParallel(tp_rank, tp_size, tp_group)
-        qkv_bias = bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, tp, qkv_bias, self.qk_norm, quant_config, make_mlp=self.make_mlp)
+        self.model = LlamaModel(config, tp, self.has_qkv_bias(config), self.qk_norm, quant_config, make_mlp=self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **tp.kwargs())
         if self.tie_word_embeddings:
@@ -224,6 +224,9 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads: int = first.num_heads
         self.num_kv_heads: int = first.num_kv_heads
         self.head_dim: int = first.head_dim
+
+    def has_qkv_bias(self, config: "PretrainedConfig") -> bool:
+        return bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
 
     def make_mlp(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel,
                  quant: "QuantizationConfig | None", prefix: str) -> nn.Module:

@@ -89,12 +89,13 @@ class Qwen2MoeForCausalLM(_MoeForCausalLM):
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases), routed experts plus a
     shared expert weighted by its own sigmoid gate."""
 
-    qkv_bias = True
+    def has_qkv_bias(self, config: "PretrainedConfig") -> bool:
+        return bool(getattr(config, "qkv_bias", True))  # transformers' Qwen2MoeConfig field (older ones: always)
 
     def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None",
                       prefix: str) -> nn.Module | None:
         size = getattr(config, "shared_expert_intermediate_size", 0)
-        return LlamaMLP(config, tp, quant, prefix, intermediate_size=size) if size else None
+        return LlamaMLP(config, tp, quant, prefix, intermediate_size=size, reduce_results=False) if size else None
 
 
 class MixtralForCausalLM(_MoeForCausalLM):

@@ -109,10 +109,11 @@ class ModelRunner:
         # the busiest batch (hundreds of MB with a large vocabulary), start over at one row.
         self._new_sampling_state()
 
-    def precompile_kernels(self, max_model_len: int) -> None:
+    def precompile_kernels(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Compile every Triton kernel variant the steps can launch, on several threads, before the
-        first step (GPU only): attention's variants and the draw kernel. The layers' other kernels
-        have one variant per model and compile in the profiling forward."""
+        first step (GPU only): attention's variants, the draw kernel, and those of any layer with a
+        ``precompile(max_tokens)`` hook (the MoE layers, whose variants follow the token count). The
+        layers' other kernels have one variant per model and compile in the profiling forward."""
         precompile = getattr(self.backend, "precompile", None)
         if self.device.type != "cuda" or precompile is None:
             return
@@ -125,6 +126,9 @@ class ModelRunner:
             with parallel_compile():
                 precompile(m.num_heads, scratch, self.dtype, max_model_len)
                 self.sampler.precompile(self.vocab_size, self.dtype, self.device)
+                for layer in m.modules():
+                    if layer is not m and callable(getattr(layer, "precompile", None)):
+                        layer.precompile(max_num_batched_tokens)
         except Exception as exc:  # noqa: BLE001  (an optimisation: the kernels still compile on first use)
             logger.warning("compiling kernels ahead failed (%r); they will compile when first launched", exc)
             return

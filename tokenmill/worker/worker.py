@@ -80,7 +80,7 @@ class Worker:
             self.runner.logits_processors = BatchLogitsProcessors(
                 config.logits_processors, self.config, self.device, self.device.type == "cuda")
         # Before the profiling forward, so no kernel variant is first compiled in the middle of a run.
-        self.runner.precompile_kernels(config.max_model_len)
+        self.runner.precompile_kernels(config.max_model_len, config.max_num_batched_tokens)
         self.num_blocks = 0
         self.profiler = Profiler(config.profiler, rank, self.device.type == "cuda") if config.profiler else None
         self.asleep: set[str] = set()  # of "weights", "kv_cache" (LLM.sleep)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.activation import silu_and_mul
 from tokenmill.kernels.triton.moe_align import moe_align
+from tokenmill.kernels.triton.precompile import launcher
 # The tiles of both GEMMs of one call (they share BLOCK_M because they share the alignment).
 from tokenmill.kernels.triton.matmul import MatmulConfig as MoeConfig
 
@@ -126,6 +127,31 @@ LARGE_TILES = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_st
 SMALL_MAX_PAIRS_PER_EXPERT = 16
 
 
+def precompile_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, dtype: torch.dtype,
+                       batch_invariant: bool = False, w13_scale: torch.Tensor | None = None,
+                       w2_scale: torch.Tensor | None = None) -> None:
+    """Compile (launch nothing) every variant ``fused_experts`` can launch over these experts for calls
+    of up to ``max_tokens`` tokens, as the layer calls it (its dtype, its fp8 scales, deterministic
+    mode or not): the calls of ``variant_token_counts`` cover them."""
+    for tokens in variant_token_counts(w13.shape[0], top_k, max_tokens):
+        x = torch.zeros((tokens, w13.shape[2]), dtype=dtype, device=w13.device)
+        ids = torch.zeros((tokens, top_k), dtype=torch.int64, device=w13.device)
+        fused_experts(x, w13, w2, torch.ones((tokens, top_k), device=w13.device), ids, batch_invariant=batch_invariant,
+                      w13_scale=w13_scale, w2_scale=w2_scale, compile_only=True)
+
+
+def variant_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """Token counts of up to ``max_tokens`` whose calls, between them, launch every Triton variant
+    ``fused_experts`` can for these experts: one token (the small tiles, the one-launch alignment on
+    16-row blocks) and the fewest that take the large tiles (with the one-launch alignment on
+    64-row blocks while that many pairs fit it). Larger calls add no variant (the torch alignment)."""
+    counts = [1]
+    large = SMALL_MAX_PAIRS_PER_EXPERT * num_experts // top_k + 1
+    if large <= max_tokens:
+        counts.append(large)
+    return counts
+
+
 def choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
     """The tiles for ``num_pairs`` token-expert pairs over ``num_experts`` experts: two classes by
     the mean pairs an expert (two compiled variants a GEMM and dtype). fp32 (tests only: FMA dots)
@@ -148,6 +174,7 @@ def moe_gemm(
     top_k: int,  # A's row of pair p is p // top_k (x: the router's K; a per-pair act: 1)
     topk_weights: torch.Tensor | None = None,  # [T * K] fp32: multiplies pair p's row when given
     w_scale: torch.Tensor | None = None,  # [E, N] fp32: w holds fp8 codes, each output column scaled by its own
+    compile_only: bool = False,  # compile this launch's variant, launch nothing (precompile.launcher)
 ) -> torch.Tensor:
     """``out[p] = (a[p // top_k] @ (w[e_p] * w_scale[e_p, :, None]).T) * topk_weights[p]`` for every pair p
     of ``moe_align``'s lists (made with ``config.block_m``); rows of pairs that are not listed are left untouched."""
@@ -161,7 +188,7 @@ def moe_gemm(
     if num_pairs == 0 or num_blocks == 0:
         return out
     grid = (num_blocks * triton.cdiv(n, config.block_n),)
-    _moe_gemm_kernel[grid](
+    launcher(_moe_gemm_kernel, grid, compile_only)(
         a, w, out, sorted_pairs, block_experts, num_padded,
         topk_weights if topk_weights is not None else sorted_pairs,  # unread without ROUTE
         w_scale if w_scale is not None else sorted_pairs,  # unread without W_SCALED
@@ -187,6 +214,7 @@ def fused_experts(
     batch_invariant: bool = False,
     w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32 when w13 holds fp8 codes
     w2_scale: torch.Tensor | None = None,  # [E, H] fp32 when w2 holds fp8 codes
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, e = topk_ids[t,k],
     in x's dtype: align, gate_up GEMM, SiLU-mul, down GEMM (routing weight applied), sum over K.
@@ -195,7 +223,9 @@ def fused_experts(
     mode): one tile class at every size, since a row's bits follow its tile (a pair's row is computed
     alone within it, whatever rows share its block), and a token's k pairs summed in a fixed order,
     so a token's output does not depend on the batch. ``w13_scale`` / ``w2_scale``: the weights are
-    float8 e4m3 codes with a scale per output channel, widened to x's dtype in registers."""
+    float8 e4m3 codes with a scale per output channel, widened to x's dtype in registers.
+    ``compile_only``: compile the Triton variants this call would launch (``ModelRunner.precompile_kernels``);
+    the result is then meaningless."""
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -218,16 +248,18 @@ def fused_experts(
     if x.stride(1) != 1:
         x = x.contiguous()
     config = config or choose_config(0 if batch_invariant else num_pairs, num_experts, x.dtype)
-    sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, config.block_m)
+    sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, config.block_m, compile_only)
     lists = (sorted_pairs, block_experts, num_padded, config)
     gate_up = moe_gemm(x, w13, torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device), *lists, top_k=top_k,
-                       w_scale=w13_scale)
+                       w_scale=w13_scale, compile_only=compile_only)
     act = silu_and_mul(gate_up)
+    del gate_up  # back to the allocator before down's output is taken
     route = topk_weights.reshape(-1).to(torch.float32)
     if top_k == 1:  # one pair a token: its weighted row is the result, rounded once either way
-        return moe_gemm(act, w2, out, *lists, top_k=1, topk_weights=route, w_scale=w2_scale)
+        return moe_gemm(act, w2, out, *lists, top_k=1, topk_weights=route, w_scale=w2_scale, compile_only=compile_only)
     down = moe_gemm(act, w2, torch.empty((num_pairs, h), dtype=x.dtype, device=x.device), *lists, top_k=1,
-                    topk_weights=route, w_scale=w2_scale)
+                    topk_weights=route, w_scale=w2_scale, compile_only=compile_only)
+    del act
     per_pair = down.view(t, top_k, h)
     if batch_invariant:  # k - 1 elementwise adds: their order is fixed, whatever a reduction kernel picks for T
         total = per_pair[:, 0].float()

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton.precompile import launcher
+
 # The one-launch alignment's limit: its program walks the pairs in chunks of _CHUNK, twice, each
 # chunk one round of global atomics (about a microsecond of latency): 16 rounds at the limit.
 ONE_LAUNCH_MAX_PAIRS = 8192
@@ -87,7 +89,8 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              compile_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the pairs ``p = t * K + k`` of ``topk_ids`` [T, K] (int32/int64, each in [0, E)) by expert.
 
     Returns ``(sorted_pairs, block_experts, num_padded)``, all int32 on topk_ids's device:
@@ -95,7 +98,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     way; in any order from the one launch), its run padded to a multiple of block_m with the
     sentinel T * K (rows past ``num_padded`` hold it too); ``block_experts`` [rows / block_m]: the
     expert of each block (unused blocks: E, no expert); ``num_padded`` [1]: the rows in use. Static
-    shapes and device-side work only (CUDA-graph safe).
+    shapes and device-side work only (CUDA-graph safe). ``compile_only``: compile the launch this call
+    would make (``precompile.launcher``); the lists are then left unfilled.
     """
     num_pairs = topk_ids.numel()
     if num_pairs == 0 or num_pairs > ONE_LAUNCH_MAX_PAIRS:
@@ -107,8 +111,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=device)
-    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_pairs, block_experts, num_padded, scratch, num_pairs, rows,
-                        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=_CHUNK, num_warps=8)
+    launcher(_align_kernel, (1,), compile_only)(
+        topk_ids.reshape(-1), sorted_pairs, block_experts, num_padded, scratch, num_pairs, rows,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=_CHUNK, num_warps=8)
     return sorted_pairs, block_experts, num_padded
 
 

@@ -152,6 +152,17 @@ class Experts(nn.Module):
             return fused_experts(x, self.w13, self.w2, weights, ids, batch_invariant=self.matmul is not F.linear, **scales)
         return experts_by_loop(x, self.w13, self.w2, weights, ids, self.matmul)
 
+    def compile_variants(self, top_k: int, max_tokens: int) -> None:
+        """Compile every grouped-GEMM and alignment variant a step of up to ``max_tokens`` tokens can
+        launch (GPU only; ``ModelRunner.precompile_kernels``): the variant follows the token count
+        (the tile class, the alignment's way), so a size first met mid-run would stall it ~1 s."""
+        if not self.w13.is_cuda:
+            return
+        from tokenmill.kernels.triton.fused_moe import precompile_experts
+
+        scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale) if self.fp8 else {}
+        precompile_experts(self.w13, self.w2, top_k, max_tokens, self.dtype, self.matmul is not F.linear, **scales)
+
 
 class _Fp8Experts:
     """After loading: on a GPU the fp8 codes and scales stay for the kernels; elsewhere each expert is
@@ -176,7 +187,9 @@ def experts_by_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
                     ids: torch.Tensor, matmul: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """The experts one after another, each over the tokens routed to it (the CPU's path: its token
     counts are read on the host, which a captured CUDA graph could not do). A token's k expert
-    outputs are added to its row in expert order, each rounded to x's dtype first, as transformers does."""
+    outputs are added to its row in expert order, each rounded to x's dtype first, as transformers
+    adds them; the routing weights stay fp32 (transformers rounds the Qwen models' to the model's
+    dtype before the product, Mixtral's not: in bf16 a rounding apart)."""
     top_k = ids.shape[1]
     pairs = torch.argsort(ids.flatten(), stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
@@ -204,16 +217,23 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(num_experts, hidden_size, top_k, renormalize)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, fp8_experts)
         self.tp_size, self.tp_group = tp_size, tp_group
-        self.shared_expert = shared_expert  # reduces its own output across ranks (a RowParallelLinear)
+        # Built without its own all-reduce (its down_proj's reduce_results=False): the gate is the same on
+        # every rank, so the ranks' gated partial sums add up with the experts' in one all-reduce.
+        self.shared_expert = shared_expert
         self.shared_expert_gate = SharedExpertGate(hidden_size) if shared_expert is not None else None
+
+    def precompile(self, max_tokens: int) -> None:
+        """The runner's hook before the first step (``ModelRunner.precompile_kernels``): see
+        ``Experts.compile_variants``."""
+        self.experts.compile_variants(self.gate.top_k, max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(out, group=self.tp_group)
         if self.shared_expert is not None:
             out = out + self.shared_expert_gate(x) * self.shared_expert(x)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out, group=self.tp_group)
         return out
 
 
