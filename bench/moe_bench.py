@@ -78,8 +78,7 @@ def bench(model: str) -> None:
     # quantization="fp8"'s experts: the same weights as codes and per-output-channel scales.
     from tokenmill.quantization.fp8 import quantize_rows
 
-    (q13, s13), (q2, s2) = quantize_rows(w13.flatten(0, 1)), quantize_rows(w2.flatten(0, 1))
-    q13, s13, q2, s2 = q13.view(w13.shape), s13.view(w13.shape[:2]), q2.view(w2.shape), s2.view(w2.shape[:2])
+    (q13, s13), (q2, s2) = quantize_rows(w13), quantize_rows(w2)
     for tokens in TOKENS:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         routings = _routings(tokens, experts, top_k)

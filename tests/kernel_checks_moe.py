@@ -222,10 +222,8 @@ def _check_moe_fp8_weights(p: dict[str, Any]) -> None:
     tokens, experts, top_k, hidden, inter = p["tokens"], 8, 2, p["hidden"], p["inter"]
     gen = torch.Generator().manual_seed(tokens + hidden)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13, w13_scale = quantize_rows(torch.randn(experts * 2 * inter, hidden, generator=gen) / hidden**0.5)
-    w2, w2_scale = quantize_rows(torch.randn(experts * hidden, inter, generator=gen) / inter**0.5)
-    w13, w13_scale = w13.view(experts, 2 * inter, hidden), w13_scale.view(experts, 2 * inter)
-    w2, w2_scale = w2.view(experts, hidden, inter), w2_scale.view(experts, hidden)
+    w13, w13_scale = quantize_rows(torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5)
+    w2, w2_scale = quantize_rows(torch.randn(experts, hidden, inter, generator=gen) / inter**0.5)
     assert w13_scale.max() < 0.05  # far from 1
     ids = routing(tokens, experts, top_k, "topk", gen)
     weights = torch.rand(tokens, top_k, generator=gen) + 0.5

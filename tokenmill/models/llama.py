@@ -96,6 +96,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn.forward_qkv(positions, qkv, ctx, self.rotary_emb, self.q_norm, self.k_norm))
 
 
+def require_silu(config: "PretrainedConfig") -> None:
+    """The SwiGLU MLPs (dense and experts) run SiLU only."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
+
+
 class LlamaMLP(nn.Module):
     """``intermediate_size``: the config's unless given (Qwen2-MoE's shared expert has its own);
     ``reduce_results=False``: the ranks' partial sums are left for the caller to all-reduce."""
@@ -103,8 +109,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None" = None,
                  prefix: str = "", intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
+        require_silu(config)
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         gate_up_method = linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])

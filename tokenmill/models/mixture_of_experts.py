@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from tokenmill.models.layers.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock, expert_stacking
-from tokenmill.models.llama import STACKED, LlamaForCausalLM, LlamaMLP, TensorParallel, dense_mlp
+from tokenmill.models.llama import STACKED, LlamaForCausalLM, LlamaMLP, TensorParallel, dense_mlp, require_silu
 from tokenmill.models.weights import each_weight
 from tokenmill.quantization.config import Fp8Scheme
 
@@ -42,8 +42,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"quantization={quant_config.describe()} is not supported for {type(self).__name__}: "
                              "pre-quantized mixture-of-experts checkpoints do not load; load the full-precision "
                              "checkpoint, optionally with quantization='fp8'")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; supported: ['silu']")
+        require_silu(config)  # the experts' SwiGLU (a model without dense layers builds no LlamaMLP to check it)
         super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
         # Expert stacking first: its fragments (experts.{e}.gate_proj) must win over the dense ones (.gate_proj.).
         self.stacked = (*expert_stacking(self.num_experts(config), self.expert_names), *STACKED)

@@ -42,11 +42,12 @@ FAST_ACCUM = True
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (float8 e4m3 [N, K], fp32 scales [N]): each row scaled so its largest magnitude is 448
-    (compressed-tensors' symmetric per-channel float8 quantization)."""
+    """[..., N, K] -> (float8 e4m3 [..., N, K], fp32 scales [..., N]): each row scaled so its largest
+    magnitude is 448 (compressed-tensors' symmetric per-channel float8 quantization); stacked
+    experts' weights [E, N, K] get a scale per expert and output channel."""
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+    scales = (w.abs().amax(dim=-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Fp8LinearMethod:
             # Not a checkpoint tensor: a buffer, filled as the weight's rows are quantized.
             layer.register_buffer("weight_scale", torch.empty(output_size, dtype=torch.float32), persistent=False)
             layer.weight.place = lambda param, loaded, where: _quantize_into(layer, loaded, where)  # type: ignore[attr-defined]
-            layer.weight.dummy_init = lambda data, generator: _dummy_quantized(layer, generator)  # type: ignore[attr-defined]
+            layer.weight.dummy_init = lambda data, generator: fill_random_fp8(data, layer.weight_scale, generator)  # type: ignore[attr-defined]
             return
         layer.weight_scale = new_param((output_size,), loader, None, dtype=torch.float32)
         layer.weight_scale.place = _place_weight_scale  # type: ignore[attr-defined]
@@ -144,11 +145,13 @@ def _quantize_into(layer: nn.Module, loaded: LoadedWeight, where: Placement) -> 
     layer.weight_scale[where.row_dst : where.row_dst + where.rows] = scales
 
 
-def _dummy_quantized(layer: nn.Module, generator: torch.Generator) -> None:
-    values = torch.randn(layer.weight.shape, generator=generator, device=layer.weight.device) * 0.02
-    codes, scales = quantize_rows(values)
-    layer.weight.data.copy_(codes)
-    layer.weight_scale.copy_(scales)
+def fill_random_fp8(codes: torch.Tensor, scales: torch.Tensor, generator: torch.Generator) -> None:
+    """load_format="dummy" for weights quantized while loading: N(0, 0.02) values (the unquantized
+    layers' dummy draw) quantized per row into ``codes`` [..., N, K] and ``scales`` [..., N]."""
+    values = torch.randn(codes.shape, generator=generator, device=codes.device) * 0.02
+    new_codes, new_scales = quantize_rows(values)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
 
 
 def _place_weight_scale(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:

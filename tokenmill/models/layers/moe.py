@@ -100,8 +100,10 @@ class Experts(nn.Module):
             # Buffers, not checkpoint tensors: filled as the rows are quantized.
             self.register_buffer("w13_scale", torch.empty(self.w13.shape[:2], dtype=torch.float32), persistent=False)
             self.register_buffer("w2_scale", torch.empty(self.w2.shape[:2], dtype=torch.float32), persistent=False)
-            self.w13.dummy_init = lambda data, gen: self._dummy(data, self.w13_scale, gen)  # type: ignore[attr-defined]
-            self.w2.dummy_init = lambda data, gen: self._dummy(data, self.w2_scale, gen)  # type: ignore[attr-defined]
+            from tokenmill.quantization.fp8 import fill_random_fp8
+
+            self.w13.dummy_init = lambda data, gen: fill_random_fp8(data, self.w13_scale, gen)  # type: ignore[attr-defined]
+            self.w2.dummy_init = lambda data, gen: fill_random_fp8(data, self.w2_scale, gen)  # type: ignore[attr-defined]
             self.quant_method = _Fp8Experts()  # the loader calls its process_weights_after_loading
 
     def _load_w13(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any) -> None:
@@ -128,15 +130,6 @@ class Experts(nn.Module):
         param.data[expert, rows] = codes
         scale[expert, rows] = scales
 
-    @staticmethod
-    def _dummy(data: torch.Tensor, scale: torch.Tensor, generator: torch.Generator) -> None:
-        from tokenmill.quantization.fp8 import quantize_rows
-
-        values = torch.randn(data.shape, generator=generator, device=data.device) * 0.02
-        codes, scales = quantize_rows(values.flatten(0, 1))
-        data.copy_(codes.view(data.shape))
-        scale.copy_(scales.view(scale.shape))
-
     def _shard(self, shard_id: Any, parts: tuple) -> tuple[int, Any]:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.num_experts
                 and shard_id[1] in parts):
@@ -148,9 +141,15 @@ class Experts(nn.Module):
         if x.is_cuda:
             from tokenmill.kernels.triton.fused_moe import fused_experts
 
-            scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale) if self.fp8 else {}
-            return fused_experts(x, self.w13, self.w2, weights, ids, batch_invariant=self.matmul is not F.linear, **scales)
+            return fused_experts(x, self.w13, self.w2, weights, ids, **self._kernel_options())
         return experts_by_loop(x, self.w13, self.w2, weights, ids, self.matmul)
+
+    def _kernel_options(self) -> dict[str, Any]:
+        """How the GPU kernels take these experts: deterministic mode or not, fp8 scales if any."""
+        options: dict[str, Any] = {"batch_invariant": self.matmul is not F.linear}
+        if self.fp8:
+            options.update(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        return options
 
     def compile_variants(self, top_k: int, max_tokens: int) -> None:
         """Compile every grouped-GEMM and alignment variant a step of up to ``max_tokens`` tokens can
@@ -160,8 +159,7 @@ class Experts(nn.Module):
             return
         from tokenmill.kernels.triton.fused_moe import precompile_experts
 
-        scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale) if self.fp8 else {}
-        precompile_experts(self.w13, self.w2, top_k, max_tokens, self.dtype, self.matmul is not F.linear, **scales)
+        precompile_experts(self.w13, self.w2, top_k, max_tokens, self.dtype, **self._kernel_options())
 
 
 class _Fp8Experts:
