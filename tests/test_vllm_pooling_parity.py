@@ -229,7 +229,7 @@ def test_score_refuses_what_tokenmill_lacks(cross_encoder_llm):
         cross_encoder_llm.score("a", "b", chat_template="{{ query }}", use_tqdm=False)
     with pytest.raises(ValueError, match="late_interaction_params.*ColBERT"):
         PoolingParams(late_interaction_params={"mode": "cache_query"})
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="lora_request=.* is not supported for pooling models"):
         cross_encoder_llm.score("a", "b", lora_request=object(), use_tqdm=False)
 
 
@@ -403,5 +403,5 @@ def test_engine_add_request_keywords(bert_embedder_llm):
     assert [o.request_id for o in outputs] == ["parity-0"] and outputs[0].prompt_token_ids == [5, 6]
     with pytest.raises(TypeError, match="request_id must be a string"):
         engine.add_request(0, "a cat")
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="lora_request=.* is not supported for pooling models"):
         engine.add_request("parity-1", "a cat", lora_request=object())

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from tokenmill.lora.config import LoRAConfig
     from tokenmill.models.source import ModelSource
     from tokenmill.pooling.config import PoolingModelConfig
     from tokenmill.profiler import ProfilerConfig
@@ -139,6 +140,13 @@ class EngineArgs(_VllmOnlyArguments):
     # vLLM V1's batch-level logits processors: classes (or "module:Class" names) implementing
     # tokenmill.logits_processor.LogitsProcessor, built once and applied to every step's logits.
     logits_processors: list[Any] | None = None
+    # LoRA adapters per request (tokenmill/lora/): max_loras adapters may share a step, each of rank
+    # <= max_lora_rank; each rank keeps max_cpu_loras (None: max_loras) of them read in CPU memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: Any = "auto"  # "auto" or the model's dtype
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -280,6 +288,7 @@ class EngineConfig:
     deterministic: bool = False  # batch-invariant kernels (tokenmill/kernels/batch_invariant.py)
     # LLM(logits_processors=...): the classes rank 0's runner builds (tokenmill/logits_processor.py).
     logits_processors: tuple[type, ...] = ()
+    lora: "LoRAConfig | None" = None  # LLM(enable_lora=True): adapters per request (tokenmill/lora/)
 
 
 def resolve_device(device: str) -> "torch.device":
@@ -341,6 +350,8 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         raise ValueError("LLM(deterministic=True) is for generation: pooling models have no batch-invariant path")
     if config.logits_processors:
         raise ValueError(f"LLM(logits_processors=...) is for generative models; {source.name!r} is a pooling model")
+    if config.lora is not None:
+        raise ValueError(f"LLM(enable_lora=True) is for generative models; {source.name!r} is a pooling model")
     max_model_len, batched, seqs = pooling.step_limits(
         config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
         max_model_len_given=args.max_model_len is not None, batched_given=args.max_num_batched_tokens is not None,
@@ -380,6 +391,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
                 "with enable_chunked_prefill=False, so a long prompt could never be scheduled; raise it or allow chunks"
             )
         batched = max(batched, max_model_len)
+    from tokenmill.lora.config import resolve_lora
     from tokenmill.profiler import resolve_profiler_config
 
     served = args.served_model_name
@@ -412,6 +424,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         quantization=quantization,
         deterministic=args.deterministic,
         logits_processors=tuple(load_logits_processor_classes(args.logits_processors or ())),
+        lora=resolve_lora(args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.lora_dtype, dtype),
     )
 
 

@@ -86,7 +86,7 @@ _MOE = "a setting of vLLM's mixture-of-experts kernels; tokenmill's MoE layers r
 _EP = ("expert parallelism; tokenmill splits every expert's intermediate features over the tensor-parallel ranks "
        "instead (the same model, another distribution of its work)")
 _MAMBA = "tokenmill has no Mamba / state-space models"
-_LORA = "a LoRA setting; tokenmill has no LoRA adapters (enable_lora=True is refused)"
+_LORA = "a LoRA setting of vLLM's own kernels or adapter formats; tokenmill's adapters are PEFT folders (tokenmill/lora/)"
 _SERVING = "a setting of vLLM's server or multi-process front end; tokenmill is an offline engine"
 _ONE_HOST = "tokenmill's ranks are processes on one host, joined over a private store"
 _DP = "data parallelism is tokenmill.ray / `tokenmill run --replicas` (one engine per replica)"
@@ -275,15 +275,17 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "shutdown_timeout": inert(0, _SERVING),
     "renderer_num_workers": inert(1, _SERVING),
     "fail_on_environ_validation": inert(False, "tokenmill reads no VLLM_* settings from the environment but VLLM_TORCH_PROFILER_DIR"),
-    # ---- features tokenmill does not have ---------------------------------------------------
-    "enable_lora": only(False, "tokenmill has no LoRA adapters"),
-    "max_loras": inert(1, _LORA),
-    "max_lora_rank": inert(16, _LORA),
-    "default_mm_loras": inert(None, _LORA),
-    "fully_sharded_loras": inert(False, _LORA),
-    "max_cpu_loras": inert(None, _LORA),
-    "lora_dtype": inert("auto", _LORA),
-    "lora_target_modules": inert(None, _LORA),
+    # ---- LoRA adapters (tokenmill/lora/) ---------------------------------------------------
+    "enable_lora": ours(False),
+    "max_loras": ours(1),
+    "max_lora_rank": ours(16),
+    "max_cpu_loras": ours(),
+    "lora_dtype": ours("auto"),
+    "default_mm_loras": inert(None, _MM),
+    "fully_sharded_loras": inert(False, "how vLLM splits its LoRA kernels' work over the ranks; tokenmill's split "
+                                        "follows each layer's (tokenmill/lora/layers.py), with the same results"),
+    "lora_target_modules": only(None, "an adapter's own modules are adapted (an adapter naming a module tokenmill "
+                                      "cannot adapt is refused)"),
     "enable_tower_connector_lora": inert(False, _LORA),
     "specialize_active_lora": inert(False, _LORA),
     "enable_mixed_moe_lora_format": inert(False, _LORA),
@@ -291,6 +293,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "enable_lora_bias": inert(False, _OLD + _LORA),
     "lora_extra_vocab_size": inert(256, _OLD + _LORA),
     "long_lora_scaling_factors": inert(None, _OLD + _LORA),
+    # ---- features tokenmill does not have ---------------------------------------------------
     "speculative_config": only(None, "tokenmill decodes one token per step per sequence (no speculative decoding)"),
     "spec_method": only(None, "tokenmill decodes one token per step per sequence (no speculative decoding)"),
     "spec_model": only(None, "tokenmill decodes one token per step per sequence (no speculative decoding)"),

@@ -96,13 +96,15 @@ class LLM(PoolingMethods, EngineControlMethods):
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
-        vLLM's keywords: ``tokenization_kwargs`` go to the tokenizer for text prompts; ``priority``
-        (one int per prompt) is checked and, as in vLLM under first-come-first-served scheduling,
-        has no effect; ``lora_request`` and ``mm_processor_kwargs`` must be None (no LoRA, text only).
+        vLLM's keywords: ``lora_request``: a `LoRARequest` for every prompt, or one (or None) per
+        prompt (needs ``LLM(enable_lora=True)``); ``tokenization_kwargs`` go to the tokenizer for
+        text prompts; ``priority`` (one int per prompt) is checked and, as in vLLM under
+        first-come-first-served scheduling, has no effect; ``mm_processor_kwargs`` must be None (text only).
         """
         self._refuse_pooling_model("generate")
-        prompts = self._prepared(prompt_list(prompts), lora_request, priority, tokenization_kwargs, mm_processor_kwargs)
-        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+        prompts = self._prepared(prompt_list(prompts), priority, tokenization_kwargs, mm_processor_kwargs)
+        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm,
+                         _adapters(lora_request, len(prompts)))
 
     def chat(
         self,
@@ -128,8 +130,9 @@ class LLM(PoolingMethods, EngineControlMethods):
         """
         prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
                                      chat_template_kwargs, chat_template_content_format)
-        prompts = self._prepared(prompts, lora_request, None, tokenization_kwargs, mm_processor_kwargs)
-        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm)
+        prompts = self._prepared(prompts, None, tokenization_kwargs, mm_processor_kwargs)
+        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm,
+                         _adapters(lora_request, len(prompts)))
 
     def beam_search(
         self,
@@ -148,18 +151,17 @@ class LLM(PoolingMethods, EngineControlMethods):
         self._refuse_pooling_model("beam_search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
         if concurrency_limit is not None and (
             not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool) or concurrency_limit < 1
         ):
             raise ValueError(f"concurrency_limit={concurrency_limit!r} is invalid: must be None or an integer >= 1")
         prompts = prompt_list(prompts)
+        adapters = _adapters(lora_request, len(prompts))
         chunk = concurrency_limit or max(1, len(prompts))
         outputs: list[RequestOutput] = []
         for start in range(0, len(prompts), chunk):
             part = prompts[start : start + chunk]
-            outputs += self._run(part, [params] * len(part), use_tqdm)
+            outputs += self._run(part, [params] * len(part), use_tqdm, adapters[start : start + chunk])
         return [beam_search_output(output, params, self.get_tokenizer()) for output in outputs]
 
     # ---- the queue: submit now, collect later --------------------------------------------
@@ -174,8 +176,9 @@ class LLM(PoolingMethods, EngineControlMethods):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Queue prompts without running them; returns their request ids (all or none are queued)."""
-        prompts = self._prepared(prompt_list(prompts), lora_request, priority, tokenization_kwargs, mm_processor_kwargs)
-        ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)))
+        prompts = self._prepared(prompt_list(prompts), priority, tokenization_kwargs, mm_processor_kwargs)
+        ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)),
+                           adapters=_adapters(lora_request, len(prompts)))
         self._queued.update(dict.fromkeys(ids))
         return ids
 
@@ -312,12 +315,10 @@ class LLM(PoolingMethods, EngineControlMethods):
         return prompts
 
     def _prepared(
-        self, prompts: list[PromptType], lora_request: Any, priority: list[int] | None,
+        self, prompts: list[PromptType], priority: list[int] | None,
         tokenization_kwargs: dict[str, Any] | None, mm_processor_kwargs: dict[str, Any] | None,
     ) -> list[PromptType]:
         """Check vLLM's per-call keywords and apply ``tokenization_kwargs`` to text prompts."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: tokenmill serves text-only models")
         if priority is not None and (
@@ -338,9 +339,10 @@ class LLM(PoolingMethods, EngineControlMethods):
 
     def _submit(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
-        kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, adapters: Sequence[Any] | None = None,
     ) -> list[str]:
         """Add every request to the engine, or none: one invalid prompt rejects the whole call.
+        ``adapters``: each prompt's LoRARequest or None.
 
         Like vLLM's LLM, the batch methods collect final outputs only, whatever output_kind says.
         """
@@ -355,7 +357,8 @@ class LLM(PoolingMethods, EngineControlMethods):
                     if id(sp) not in copies:
                         copies[id(sp)] = sp.clone(output_kind=kind)
                     sp = copies[id(sp)]
-                engine.add_request(request_id, prompt, sp, index=index)
+                lora = adapters[index] if adapters is not None else None
+                engine.add_request(request_id, prompt, sp, lora_request=lora, index=index)
         except Exception:
             engine.abort_request(ids)
             raise
@@ -363,9 +366,9 @@ class LLM(PoolingMethods, EngineControlMethods):
 
     def _run(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
-        use_tqdm: ProgressOption,
+        use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None,
     ) -> list[Any]:
-        return self._collect(self._submit(prompts, params), use_tqdm)
+        return self._collect(self._submit(prompts, params, adapters=adapters), use_tqdm)
 
     def _step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step. Outputs of enqueued requests that finish here, during some other call,
@@ -455,3 +458,12 @@ def _read_generation_config(folder: str) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"generation_config={folder!r}: cannot read {path}: {exc}") from exc
+
+
+def _adapters(lora_request: Any, count: int) -> list[Any]:
+    """vLLM's ``lora_request``: one LoRARequest (or None) for every prompt, or a list with one per prompt."""
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError(f"got {len(lora_request)} lora_request entries for {count} prompts; give one, or one per prompt")
+    return list(lora_request)

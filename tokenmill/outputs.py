@@ -23,8 +23,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | None while running
     # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
     stop_reason: int | str | None = None
-    # vLLM's fields for what tokenmill does not do (LoRA adapters, returning the experts it routed to):
-    # always None here, present so that code reading them runs unchanged.
+    # vLLM's fields: None here (the request's adapter is on its RequestOutput), and the experts it
+    # routed to, which tokenmill does not return; present so that code reading them runs unchanged.
     lora_request: None = None
     routed_experts: None = None
 
@@ -51,9 +51,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
     num_cache_creation_tokens: int = 0  # prompt tokens this request computed into full blocks of the prefix cache
-    # vLLM's fields for what tokenmill does not do (LoRA, encoder-decoder models, KV / encoder-cache
+    lora_request: Any = None  # the request's LoRARequest (tokenmill/lora/); None: the base model
+    # vLLM's fields for what tokenmill does not do (encoder-decoder models, KV / encoder-cache
     # transfer between engines): always None here, present so that code reading them runs unchanged.
-    lora_request: None = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -90,7 +90,7 @@ class BeamSearchSequence:
 
     tokens: list[int]
     logprobs: list[LogprobsOnePosition]
-    lora_request: None = None  # vLLM's field; tokenmill has no LoRA
+    lora_request: Any = None  # the search's LoRARequest (vLLM's field)
     cum_logprob: float = 0.0
     text: str | None = None  # the decoded tokens, prompt included (the eos only with include_stop_str_in_output)
     finish_reason: str | None = None  # "stop" (eos) or "length"

@@ -118,3 +118,6 @@ class ForwardContext:
     attn: AttentionMetadata | None  # None for encoder-only models without a KV cache
     kv_caches: list["torch.Tensor"]  # one per attention layer, indexed by layer_idx
     backend: AttentionBackend
+    # With LoRA adapters: each token's adapter slot ([T] int32, -1 for the base model); None when
+    # no token of the step has one (tokenmill/lora/).
+    lora_slots: "torch.Tensor | None" = None

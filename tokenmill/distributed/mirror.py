@@ -8,8 +8,9 @@ every rank runs the same call on its own shard, so the all-reduces and all-gathe
 layers pair up. Workers discard what their calls return: rank 0 alone samples.
 
 Three calls are mirrored:
-- ``model(input_ids, positions, ctx)``: the inputs and every tensor of the attention metadata
-  go as one packed byte payload (one broadcast); the metadata's host values go in the header.
+- ``model(input_ids, positions, ctx)``: the inputs, every tensor of the attention metadata and
+  the tokens' LoRA slots go as one packed byte payload (one broadcast); the metadata's host values
+  go in the header.
   Each rank uses its own KV cache (its KV heads) and attention backend.
 - ``model.compute_logits(hidden)``: the hidden rows go by broadcast. The vocabulary-parallel
   head all-gathers the logits, so every rank must compute them for the same rows, and only
@@ -86,9 +87,12 @@ def unpack(payload: torch.Tensor, specs: tuple[TensorSpec, ...]) -> dict[str, to
 
 
 def encode_forward(
-    input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
+    input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None,
+    lora_slots: torch.Tensor | None = None,
 ) -> tuple[ForwardCall, torch.Tensor]:
     tensors = {"input_ids": input_ids, "positions": positions}
+    if lora_slots is not None:
+        tensors["lora_slots"] = lora_slots
     host: dict[str, Any] | None = None
     if attn is not None:
         host = {}
@@ -129,7 +133,7 @@ class MirroredModel:
         if not self.mirroring:
             return self.model(input_ids, positions, ctx)
         with self.followers.step_guard():
-            call, payload = encode_forward(input_ids, positions, ctx.attn)
+            call, payload = encode_forward(input_ids, positions, ctx.attn, ctx.lora_slots)
             self.followers.announce(call)
             dist.broadcast(payload, group=self.followers.group, group_src=0)
             return self.model(input_ids, positions, ctx)
@@ -166,9 +170,12 @@ class MirroredGraphs:
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                       seq_lens=seq_lens, block_tables=block_tables)
+        if lora_slots is not None:
+            inputs["lora_slots"] = lora_slots
         if not self.mirroring:
             return self.graphs.run(**inputs)
         with self.followers.step_guard():
@@ -212,6 +219,6 @@ def replay(call: ForwardCall | LogitsCall | DecodeGraphCall, worker: "Worker", g
             raise RuntimeError(f"rank 0 replayed a decode graph, but rank {worker.rank} captured none")
         runner.graphs.run(**tensors)
         return
-    input_ids, positions = tensors.pop("input_ids"), tensors.pop("positions")
+    input_ids, positions, lora_slots = tensors.pop("input_ids"), tensors.pop("positions"), tensors.pop("lora_slots", None)
     attn = AttentionMetadata(**tensors, **call.attn_values) if call.attn_values is not None else None
-    worker.model(input_ids, positions, ForwardContext(attn, runner.kv_caches, runner.backend))
+    worker.model(input_ids, positions, ForwardContext(attn, runner.kv_caches, runner.backend, lora_slots))

@@ -238,8 +238,8 @@ def beam_search_output(output: RequestOutput, params: BeamSearchParams, tokenize
         if tokenizer is not None:
             text = tokenizer.decode(_text_ids(tokens, completion.finish_reason, params))
         sequences.append(BeamSearchSequence(
-            tokens=tokens, logprobs=completion.logprobs, cum_logprob=completion.cumulative_logprob, text=text,
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            tokens=tokens, logprobs=completion.logprobs, lora_request=output.lora_request,
+            cum_logprob=completion.cumulative_logprob, text=text, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
         ))
     return BeamSearchOutput(sequences)
 

@@ -1,5 +1,5 @@
 """The generation engine's controls between steps (vLLM's names): sleep and wake-up, the prefix
-cache, profiling, weight transfer for RL loops, metrics, and LoRA's controls (no adapters here).
+cache, profiling, weight transfer for RL loops, metrics, and LoRA adapters' controls.
 
 Each one that touches device state goes through `Executor.collective_rpc`, so every
 tensor-parallel rank does its part (the `Worker` methods of the same names); the engine keeps
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
     from tokenmill.engine.request import Request
     from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.lora.slots import AdapterBook
     from tokenmill.metrics.reader import Metric
     from tokenmill.metrics.stats import EngineMetrics
 
@@ -37,6 +38,7 @@ class EngineControls:
     metrics: "EngineMetrics | None"
     asleep: set[str]  # of SLEEP_TAGS
     weight_version: int
+    adapters: "AdapterBook | None"  # with enable_lora
 
     if TYPE_CHECKING:
         def step(self, finished_only: bool = False) -> list[Any]: ...
@@ -101,19 +103,32 @@ class EngineControls:
     def reset_encoder_cache(self) -> None:
         """No vision encoders, so no encoder cache: nothing to do."""
 
-    # ---- LoRA (vLLM's adapter controls; tokenmill has no adapters) ----------------------------------
+    # ---- LoRA adapters (vLLM's controls; tokenmill/lora/) -----------------------------------------
     def add_lora(self, lora_request: Any) -> bool:
-        raise ValueError("add_lora: tokenmill has no LoRA adapters; merge the adapter into the weights "
-                         "(peft's merge_and_unload) and load the merged model")
+        """Check the adapter and read it into every rank's CPU memory ahead of its requests."""
+        if self.adapters is None:
+            raise ValueError("add_lora needs an engine started with enable_lora=True")
+        spec = self.adapters.register(lora_request)
+        self.executor.collective_rpc("cache_lora", args=(spec,))
+        return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        return False  # nothing is loaded, so nothing was removed
+        """Forget the adapter (True if it was known); requests already running with it finish with it."""
+        if self.adapters is None or not self.adapters.remove(lora_id):
+            return False
+        self.executor.collective_rpc("drop_lora", args=(lora_id,))
+        return True
 
     def pin_lora(self, lora_id: int) -> bool:
-        return False
+        """Keep the adapter in CPU memory and, while other slots can serve the rest, in its device slot."""
+        if self.adapters is None or not self.adapters.pin(lora_id):
+            return False
+        self.executor.collective_rpc("pin_lora", args=(lora_id,))
+        return True
 
     def list_loras(self) -> set[int]:
-        return set()
+        """The ids of the adapters known (added, or named by a request)."""
+        return set(self.adapters.specs) if self.adapters is not None else set()
 
     # ---- profiling --------------------------------------------------------------------------------
     def start_profile(self, profile_prefix: str | None = None) -> None:

@@ -38,6 +38,7 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
+    from tokenmill.lora.slots import AdapterBook
     from tokenmill.metrics.stats import EngineMetrics
     from tokenmill.models.source import ModelSource
 
@@ -79,7 +80,9 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,
             eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
+        self.adapters = _adapter_book(config, self.executor)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._in_flight: StepResult[Sequence] | None = None  # launched, not yet read back
@@ -114,15 +117,21 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         vLLM's keywords: ``arrival_time`` (wall-clock ``time.time()`` seconds, as vLLM's) dates the
         request for its metrics (kept on the engine's monotonic clock); ``tokenization_kwargs`` go to
         the tokenizer for a text prompt; ``prompt_text`` is a token prompt's text for its output; ``priority`` is checked and, under first-come-first-served
-        scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request`` must be None.
+        scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request``: the
+        request's LoRA adapter (a `tokenmill.lora.request.LoRARequest`; needs ``LLM(enable_lora=True)``).
         """
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.asleep))} freed by sleep()); "
                                "call wake_up() before adding requests")
-        check_add_request_keywords(request_id, lora_request, priority)
+        check_add_request_keywords(request_id, priority)
         if tokenization_kwargs:
             (prompt,) = tokenize_prompts([prompt], self.tokenizer, tokenization_kwargs)
         request = self.intake.make_request(request_id, prompt, params, index, self.requests)
+        if lora_request is not None:
+            if self.adapters is None:
+                raise ValueError(f"lora_request={lora_request!r} needs an engine started with enable_lora=True "
+                                 "(LLM(model, enable_lora=True, max_lora_rank=...))")
+            request.adapter, request.lora_request = self.adapters.register(lora_request), lora_request
         if arrival_time is not None:
             request.arrival_time = time.monotonic() - (time.time() - float(arrival_time))
         if prompt_text is not None and request.prompt is None:
@@ -198,6 +207,9 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         return result
 
     def _launch(self, plan: SchedulerOutput[Sequence]) -> StepResult[Sequence]:
+        if self.adapters is not None:
+            adapters = {item.seq.request.adapter for item in plan.scheduled}
+            plan.lora_slots = self.adapters.place(a for a in adapters if a is not None)
         result = self.executor.execute_model(plan)
         self.stats.record(plan.num_batched_tokens)
         if self.metrics is not None:
@@ -267,6 +279,16 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
         """``func(model)`` on every tensor-parallel rank's model; one result per rank."""
         return self.collective_rpc("apply_model", args=(func,))
+
+
+def _adapter_book(config: EngineConfig, executor: Executor) -> "AdapterBook | None":
+    """With enable_lora: the adapters' books, knowing what the model can adapt (rank 0's answer)."""
+    if config.lora is None:
+        return None
+    from tokenmill.lora.slots import AdapterBook
+
+    targets = executor.collective_rpc("lora_targets")[0]
+    return AdapterBook(config.lora, targets, lambda slot, spec: executor.collective_rpc("load_lora", args=(slot, spec)))
 
 
 def _start_metrics(config: EngineConfig) -> "EngineMetrics | None":

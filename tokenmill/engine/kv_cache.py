@@ -29,12 +29,18 @@ from tokenmill.engine.step import NULL_BLOCK  # noqa: F401  (block 0; BlockPool 
 _ROOT_HASH = bytes(16)  # parent key of an unsalted sequence's first block
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def root_hash(cache_salt: str | None, adapter_key: str | None = None) -> bytes:
     """The parent key of a sequence's first block: a salted prompt's chain starts from its salt's
-    digest, so its blocks match only prompts with the same salt (vLLM's cache_salt)."""
-    if cache_salt is None:
+    digest, so its blocks match only prompts with the same salt (vLLM's cache_salt); a prompt run
+    with a LoRA adapter, whose keys and values are the adapter's, from the adapter's too."""
+    if cache_salt is None and adapter_key is None:
         return _ROOT_HASH
-    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
+    digest = hashlib.blake2b(digest_size=16)
+    if cache_salt is not None:
+        digest.update(b"cache_salt\0" + cache_salt.encode())
+    if adapter_key is not None:
+        digest.update(b"\0adapter\0" + adapter_key.encode())
+    return digest.digest()
 
 
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -215,5 +221,7 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         while len(seq.block_hashes) < num_blocks:
-            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.request.cache_salt)
+            adapter = seq.request.adapter
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(
+                seq.request.cache_salt, adapter.cache_key if adapter is not None else None)
             seq.block_hashes.append(chain_hash(parent, self._block_tokens(seq, len(seq.block_hashes))))

@@ -83,6 +83,7 @@ class OutputProcessor:
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
             num_cached_tokens=request.num_cached_tokens,
             num_cache_creation_tokens=request.num_cache_creation_tokens,
+            lora_request=request.lora_request,
         )
 
     @staticmethod

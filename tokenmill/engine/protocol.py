@@ -46,11 +46,9 @@ class Engine(Protocol):
     ) -> list[Any]: ...
 
 
-def check_add_request_keywords(request_id: Any, lora_request: Any, priority: Any) -> None:
-    """vLLM's add_request keywords that both engines check the same way."""
+def check_add_request_keywords(request_id: Any, priority: Any) -> None:
+    """vLLM's add_request keywords that both engines check the same way (``lora_request``: each its own)."""
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"priority={priority!r} is invalid: must be an integer")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.beam_search import BeamSearch
     from tokenmill.engine.detokenizer import IncrementalDetokenizer
     from tokenmill.logprobs import PromptLogprobs, SampleLogprobs
+    from tokenmill.lora.adapter import AdapterSpec
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -144,6 +145,13 @@ class Request(Generic[ParamsT]):
     max_output_tokens: int = sys.maxsize
     # The prompt's cache_salt: its blocks are shared only with prompts of the same salt.
     cache_salt: str | None = None
+    # Its LoRA adapter: the user's LoRARequest (for its outputs) and the checked adapter (tokenmill/lora/).
+    lora_request: Any = None
+    adapter: "AdapterSpec | None" = None
+
+    @property
+    def lora_id(self) -> int:
+        return self.adapter.lora_int_id if self.adapter is not None else 0
 
     @cached_property
     def sampler_needs(self) -> int:

@@ -90,6 +90,7 @@ class Scheduler:
         self, kv: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
         eos_token_ids: frozenset[int] = frozenset(),
         new_sequence: Callable[[Request, int], Sequence] | None = None,
+        max_loras: int | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -100,6 +101,8 @@ class Scheduler:
         # Off: a waiting sequence is admitted only when all of it fits this step's remaining budget.
         # (Pooling models, which compute each prompt in one step, have a queue of their own.)
         self.chunked_prefill = chunked_prefill
+        # With LoRA: the most adapters the running sequences may use (every step runs them all).
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -228,10 +231,15 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence[Sequence]], budget: int) -> int:
         held_back: list[Sequence] = []
+        adapters = {s.request.lora_id for s in self.running} - {0} if self.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            # On hold, preempted with a token in flight, or a sample waiting for sample 0's prompt.
-            if seq.on_hold or seq.num_inflight or self._waits_for_lead(seq):
+            # On hold, preempted with a token in flight, a sample waiting for sample 0's prompt, or
+            # an adapter that would be one more than the max_loras the running sequences may use.
+            lora_id = seq.request.lora_id
+            if seq.on_hold or seq.num_inflight or self._waits_for_lead(seq) or (
+                lora_id and lora_id not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras
+            ):
                 held_back.append(seq)
                 continue
             prefix = self._shareable_prefix(seq)
@@ -248,6 +256,8 @@ class Scheduler:
                     full = len(request.prompt_token_ids) // self.kv.block_size * self.kv.block_size
                     request.num_cache_creation_tokens = max(0, full - request.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
+            if lora_id:
+                adapters.add(lora_id)
             self.running.append(seq)
             scheduled.append(self._schedule(seq, num))
             budget -= num

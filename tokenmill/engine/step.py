@@ -37,6 +37,9 @@ class StepRequest(Protocol):
     @property
     def ranks_within_grammar(self) -> bool: ...  # its top logprobs are the best tokens its grammar allows
 
+    @property
+    def lora_id(self) -> int: ...  # its LoRA adapter's id (SchedulerOutput.lora_slots), 0 for the base model
+
 
 class StepSequence(Protocol):
     """The sequence fields the runner reads: its tokens, its blocks and its sampling settings."""
@@ -106,6 +109,8 @@ class SchedulerOutput(Generic[S]):
     # this plan's preemptions): the runner may drop any per-sequence state it keeps for them. Ids
     # are never reused; a preempted sequence that comes back is computed from its first token.
     finished_seq_ids: set[int] = field(default_factory=set)
+    # LoRA adapter id -> its device slot, for this step's adapters (set by the engine at launch).
+    lora_slots: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

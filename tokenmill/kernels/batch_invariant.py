@@ -52,8 +52,8 @@ def _chunked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def use_batch_invariant_matmuls(model: nn.Module) -> None:
     """Make every full-precision product of ``model`` use ``batch_invariant_linear``: the linear layers'
-    ``UnquantizedLinearMethod`` and the lm_head multiply through a ``matmul`` attribute."""
+    ``UnquantizedLinearMethod``, their LoRA updates and the lm_head multiply through a ``matmul`` attribute."""
     for module in model.modules():
-        for owner in (module, getattr(module, "quant_method", None)):
+        for owner in (module, getattr(module, "quant_method", None), getattr(module, "lora", None)):
             if getattr(owner, "matmul", None) is F.linear:
                 owner.matmul = batch_invariant_linear

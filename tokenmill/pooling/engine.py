@@ -74,10 +74,11 @@ class PoolingEngine:
         vLLM 0.26's keywords, as LLMEngine takes them: ``tokenization_kwargs`` as in `tokenized`;
         ``prompt_text`` is a token prompt's text; ``arrival_time``, ``trace_headers`` and ``priority``
         are accepted (a pooling request has no metrics, tracing or priority queue); ``lora_request``
-        must be None.
+        must be None (adapters apply to generation only).
         """
         where = f"prompts[{index}]" if index is not None else "prompt"
-        check_add_request_keywords(request_id, lora_request, priority)
+        check_add_request_keywords(request_id, priority)
+        refuse_lora(lora_request)
         if params is None:
             params = PoolingParams()
         if not isinstance(params, PoolingParams):
@@ -324,3 +325,9 @@ class PoolingEngine:
 
     def _describe(self) -> str:
         return f"model {self.config.model!r} ({self.pooling.architecture}, {self.pooling.head})"
+
+
+def refuse_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError(f"lora_request={lora_request!r} is not supported for pooling models: tokenmill applies "
+                         "LoRA adapters to generation only; leave it None")

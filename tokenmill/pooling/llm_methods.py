@@ -22,7 +22,7 @@ from tokenmill.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tokenmill.pooling.engine import PoolingEngine
+from tokenmill.pooling.engine import PoolingEngine, refuse_lora
 from tokenmill.pooling_params import POOLING_TASKS, PoolingParams
 from tokenmill.request_progress import ProgressOption
 
@@ -87,7 +87,7 @@ class PoolingMethods:
         """
         engine = self._pooling_engine("encode")
         _check_pooling_task(pooling_task, prompts)
-        _refuse_lora(lora_request)
+        refuse_lora(lora_request)
         prompts, truncate_prompt_tokens = engine.tokenized(prompt_list(prompts), tokenization_kwargs,
                                                            truncate_prompt_tokens)
         params = _params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
@@ -153,7 +153,7 @@ class PoolingMethods:
         tokens, special tokens not counted). ``chat_template`` (vLLM's score templates) must be None.
         """
         engine = self._pooling_engine("score")
-        _refuse_lora(lora_request)
+        refuse_lora(lora_request)
         if chat_template is not None:
             raise ValueError("score(chat_template=...) is not supported: tokenmill joins a cross-encoder's texts as "
                              "the tokenizer's text pair, with no score template; leave chat_template None")
@@ -237,11 +237,6 @@ def _check_pooling_task(pooling_task: str | None, prompts: Any) -> None:
         raise ValueError(f"pooling_task={pooling_task!r} is invalid: must be None or one of {POOLING_TASKS}"
                          + ("; reward models: 'classify' or 'token_classify' (STEP pooling is not implemented)"
                             if pooling_task in ("reward", "encode") else ""))
-
-
-def _refuse_lora(lora_request: Any) -> None:
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: tokenmill has no LoRA adapters; leave it None")
 
 
 def _cut_texts(engine: "PoolingEngine", texts: list, limit: int, name: str) -> list:

@@ -66,6 +66,8 @@ def takes_quantized_input(linear: nn.Module | None) -> bool:
     once weights are loaded, so a CUDA graph's capture and replays take the same path."""
     if not isinstance(getattr(linear, "quant_method", None), Fp8LinearMethod):
         return False  # (off the GPU, loading swapped the fp8 method for the unquantized one)
+    if getattr(linear, "lora", None) is not None:
+        return False  # its LoRA update reads the input in the model dtype
     # A static input_scale is applied by the layer's own quantize_fp8: fused into add+RMSNorm, it gave
     # other codes than that on the H200 (hidden 4096, M 1024), though not in the CPU interpreter.
     return not hasattr(linear, "input_scale")

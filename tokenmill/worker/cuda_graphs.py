@@ -9,7 +9,8 @@ block tables. Under tensor parallelism each graph also holds the NCCL all-reduce
 forward (the communicator exists by then: the profiling forward used it); every rank captures
 and replays the same buckets (distributed/mirror.py). The attention backend is told the
 largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
-every replay. With ``overlap`` (an experiment, see micro_batches.py) a graph of at least
+every replay. With LoRA adapters (``lora``) each token's adapter slot is one more static buffer
+(-1, the base model, for padding rows and steps without adapters). With ``overlap`` (an experiment, see micro_batches.py) a graph of at least
 ``Overlap.MIN_DECODE_BATCH`` rows holds two half-batch forwards on two streams instead of one.
 """
 
@@ -48,6 +49,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         overlap: bool = False,
+        lora: bool = False,
     ):
         self.model = model
         self.backend = backend
@@ -65,6 +67,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self._arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.query_start_loc = self._arange.clone()
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device) if lora else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.side_stream = torch.cuda.Stream(device) if overlap else None
 
@@ -88,7 +91,9 @@ class DecodeGraphs:
                 self.model, self.input_ids[:batch], self.positions[:batch], meta, self.kv_caches, self.backend,
                 batch // 2, self.side_stream,
             )
-        return self.model(self.input_ids[:batch], self.positions[:batch], ForwardContext(meta, self.kv_caches, self.backend))
+        lora_slots = self.lora_slots[:batch] if self.lora_slots is not None else None
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, lora_slots)
+        return self.model(self.input_ids[:batch], self.positions[:batch], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,8 +135,10 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Replay the graph of the smallest bucket holding this batch; returns hidden [num_seqs, H]."""
+        """Replay the graph of the smallest bucket holding this batch; returns hidden [num_seqs, H].
+        ``lora_slots``: each row's adapter slot (None: no row has an adapter)."""
         n = input_ids.shape[0]
         batch = self.bucket_for(n)
         assert batch is not None, f"decode batch {n} is larger than the captured {self.max_batch}"
@@ -146,6 +153,12 @@ class DecodeGraphs:
         self.query_start_loc[n + 1 : batch + 1].fill_(n)
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if self.lora_slots is not None:
+            if lora_slots is None:
+                self.lora_slots[:batch].fill_(-1)
+            else:
+                self.lora_slots[:n].copy_(lora_slots, non_blocking=True)
+                self.lora_slots[n:batch].fill_(-1)
         graph, hidden = self.graphs[batch]
         graph.replay()
         return hidden[:n]

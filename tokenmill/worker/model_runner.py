@@ -50,8 +50,10 @@ class ModelRunner:
         seed: int,
         kv_cache_dtype: torch.dtype,
         overlap: Overlap = Overlap(),
+        lora: bool = False,
     ):
         self.model = model
+        self.lora = lora  # the model has LoRA updates: each step tells them each token's adapter slot
         self.backend = backend
         self.device = device
         self.dtype = dtype
@@ -137,7 +139,7 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device,
-            overlap=self.overlap.decode,
+            overlap=self.overlap.decode, lora=self.lora,
         )
         self.graphs.capture()
 
@@ -170,7 +172,9 @@ class ModelRunner:
         scratch = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(m.num_layers)]
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend))
+        # Every token with an adapter, so the LoRA updates' activations count too.
+        lora_slots = torch.zeros(num_tokens, dtype=torch.int32, device=dev) if self.lora else None
+        hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend, lora_slots))
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
         logits.softmax(dim=-1)
 
@@ -182,11 +186,12 @@ class ModelRunner:
         scheduled = plan.scheduled
         self.release_sequences(plan.finished_seq_ids)
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        lora_slots = self._lora_slots(plan, meta.query_lens_host)
         sampled = [scheduled[i] for i in sample_rows]
         # Built before the forward is launched, so its host work and copies overlap with the GPU.
         batch = self._sampling_batch([s.seq for s in sampled]) if sampled else None
         if self.graphs is not None and meta.is_pure_decode and meta.num_seqs <= self.graphs.max_batch:
-            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables, lora_slots)
         elif self.overlap.mixed and not meta.is_pure_decode and 0 < meta.num_leading_decodes < meta.num_seqs:
             # The decodes (memory-bound attention) beside the prompt chunks (compute-bound GEMMs).
             hidden = forward_micro_batches(
@@ -194,7 +199,7 @@ class ModelRunner:
                 self._side_stream,
             )
         else:
-            ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend)
+            ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)
         prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
         if batch is None:
@@ -296,6 +301,14 @@ class ModelRunner:
             dst, src = zip(*in_flight)
             input_ids[self._tensor(dst, torch.int64)] = self._last_sampled[self._tensor(src, torch.int64)]
         return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
+
+    def _lora_slots(self, plan: SchedulerOutput, query_lens: list[int]) -> torch.Tensor | None:
+        """Each token's LoRA adapter slot (-1: the base model); None when no sequence of the step has an adapter."""
+        if not plan.lora_slots:
+            return None
+        slot_of = plan.lora_slots
+        per_seq = np.array([slot_of.get(item.seq.request.lora_id, -1) for item in plan.scheduled], dtype=np.int32)
+        return self._to_device(torch.from_numpy(np.repeat(per_seq, query_lens)))
 
     def _block_table(self, seqs: list[StepSequence], seq_lens: list[int]) -> torch.Tensor:
         """[B, max_blocks] int32 block ids, padded with the null block (built in numpy: this runs every step)."""

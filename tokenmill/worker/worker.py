@@ -24,6 +24,8 @@ from tokenmill.worker.sleep import WeightStash
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.step import SchedulerOutput, StepResult
+    from tokenmill.lora.adapter import AdapterSpec
+    from tokenmill.lora.model import ModelLoRA
     from tokenmill.models.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class Worker:
             tp_rank=rank, tp_size=self.tp_size, tp_group=tp_group, seed=config.seed, quantization=config.quantization,
             place=self.offloader.place if self.offloader is not None else None,
         )
+        self.lora = _attach_lora(self.model, self.config)  # before the matmuls are swapped and memory profiled
         if config.deterministic:
             from tokenmill.kernels.batch_invariant import use_batch_invariant_matmuls
 
@@ -70,9 +73,11 @@ class Worker:
             block_size=config.block_size,
             vocab_size=config.vocab_size,
             seed=config.seed,
-            # Two model calls per step would not be mirrored in step on the other ranks, and two
-            # forwards on two streams would race for cpu_offload_gb's staging buffers.
-            overlap=Overlap.from_env() if self.tp_size == 1 and self.offloader is None else Overlap(),
+            # Two model calls per step would not be mirrored in step on the other ranks, two forwards
+            # on two streams would race for cpu_offload_gb's staging buffers and LoRA's step mask.
+            overlap=Overlap.from_env() if self.tp_size == 1 and self.offloader is None and self.lora is None
+            else Overlap(),
+            lora=self.lora is not None,
         )
         if config.logits_processors and rank == 0:  # rank 0 samples
             from tokenmill.logits_processor import BatchLogitsProcessors
@@ -164,6 +169,29 @@ class Worker:
         with torch.no_grad():
             fill_weights(self.model, self.source, weights_format(self.source, self.load_format), self.config.seed)
 
+    # ---- LoRA adapters (the engine's AdapterBook decides; tokenmill/lora/) --------------------------
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """What adapters may adapt: module name -> (in, out) features of the full model."""
+        assert self.lora is not None, "the engine asks only with enable_lora"
+        return self.lora.target_shapes()
+
+    def load_lora(self, slot: int, spec: "AdapterSpec") -> None:
+        assert self.lora is not None, "the engine asks only with enable_lora"
+        self.lora.load(slot, spec)
+
+    def cache_lora(self, spec: "AdapterSpec") -> None:
+        assert self.lora is not None, "the engine asks only with enable_lora"
+        self.lora.cache(spec)
+
+    def drop_lora(self, lora_id: int) -> None:
+        assert self.lora is not None, "the engine asks only with enable_lora"
+        self.lora.pinned.discard(lora_id)
+        self.lora.drop(lora_id)
+
+    def pin_lora(self, lora_id: int) -> None:
+        assert self.lora is not None, "the engine asks only with enable_lora"
+        self.lora.pinned.add(lora_id)
+
     # ---- LLM.start_profile / stop_profile -------------------------------------------------------
     def start_profile(self, prefix: str | None = None) -> None:
         assert self.profiler is not None, "the engine checks that profiling is configured"
@@ -221,6 +249,15 @@ def worker_class(extension: str | type = "") -> type[Worker]:
     if clash:
         raise ValueError(f"worker_extension_cls {extension.__name__} redefines Worker's {clash}")
     return type(f"{extension.__name__}Worker", (Worker, extension), {})
+
+
+def _attach_lora(model: torch.nn.Module, config: "EngineConfig") -> "ModelLoRA | None":
+    if config.lora is None:
+        return None
+    from tokenmill.lora.model import ModelLoRA
+
+    lora = config.lora
+    return ModelLoRA(model, lora.max_loras, lora.max_rank, lora.max_cpu_loras, config.dtype, config.device)
 
 
 def attention_backend(device: torch.device, deterministic: bool = False) -> Any:

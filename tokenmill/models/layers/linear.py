@@ -150,6 +150,8 @@ class UnquantizedLinearMethod:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along its output dim; each rank returns its slice of y."""
 
+    lora: Any = None  # with LoRA adapters, the update added to y (tokenmill/lora/layers.py)
+
     def __init__(
         self,
         input_size: int,
@@ -179,7 +181,8 @@ class ColumnParallelLinear(nn.Module):
         return Placement(row_dst, row_src, rows, 0, self.input_size, full_rows, self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -268,6 +271,8 @@ class RowParallelLinear(nn.Module):
     added once, after the reduction, so it is not counted ``tp_size`` times.
     """
 
+    lora: Any = None  # with LoRA adapters, the update added to the partial sums (tokenmill/lora/layers.py)
+
     def __init__(
         self,
         input_size: int,
@@ -298,6 +303,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, None)
+        if self.lora is not None:
+            y = self.lora(x, y)
         if self.tp_size > 1 and self.reduce_results:
             torch.distributed.all_reduce(y, group=self.tp_group)
         # Without the reduction the caller sums the ranks' outputs, so only rank 0 adds the bias.

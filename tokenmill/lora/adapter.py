@@ -1,0 +1,180 @@
+"""A PEFT LoRA folder read and checked against the model before any request uses it.
+
+The folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``.bin``), whose
+tensors are named ``base_model.model.<module>.lora_A.weight`` ([r, in]) and ``...lora_B.weight``
+([out, r]) for each adapted linear module. Intake checks everything a step could trip on (rank,
+modules the engine can adapt, shapes, features we do not run) from the config and the tensors'
+headers, so a bad adapter fails its own request with a message, never a step of others. The ranks
+read the tensors themselves when they load the adapter (`read_adapter`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.lora.request import LoRARequest
+
+_PREFIX = "base_model.model."
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+# vLLM's choices for max_lora_rank.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A checked adapter: where its tensors are and, per adapted module (the model's Hugging Face
+    module name), its rank and scaling (lora_alpha / r, or / sqrt(r) with rsLoRA). ``version`` counts
+    reloads of the id (``load_inplace``), so cached prefixes of older weights are never reused."""
+
+    lora_int_id: int
+    name: str
+    path: str
+    weights_file: str
+    modules: dict[str, tuple[int, float]] = field(hash=False)
+    version: int = 0
+
+    @property
+    def cache_key(self) -> str:
+        """What the prefix cache salts this adapter's blocks with."""
+        return f"lora\0{self.lora_int_id}\0{self.name}\0{self.path}\0{self.version}"
+
+
+def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]], max_rank: int,
+                    version: int = 0) -> AdapterSpec:
+    """Check the adapter folder against ``targets`` (module name -> (in, out) features of the full
+    model) and ``max_rank``; a ValueError names the adapter, the field or tensor, and what is allowed."""
+    where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+    folder = Path(request.lora_path).expanduser()
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{where}: no adapter_config.json in lora_path={request.lora_path!r} (a PEFT LoRA folder "
+                         "holds adapter_config.json and adapter_model.safetensors; adapters are read from local folders)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: adapter_config.json is not valid JSON ({exc})") from exc
+    _check_config(config, where)
+    weights_file = _weights_file(folder, where)
+    shapes = _tensor_shapes(weights_file, where)
+    modules: dict[str, tuple[int, float]] = {}
+    for key, shape in shapes.items():
+        module, part = _split_key(key, where)
+        if part == _B:
+            continue
+        if module not in targets:
+            raise ValueError(f"{where}: tensor {key!r} adapts {module!r}, which tokenmill cannot adapt; adaptable: "
+                             f"{_kinds(targets)} of every decoder layer (not embeddings, the LM head, routers or experts)")
+        b_key = key[: -len(_A)] + _B
+        if b_key not in shapes:
+            raise ValueError(f"{where}: tensor {key!r} has no {b_key!r} beside it")
+        in_features, out_features = targets[module]
+        rank = shape[0] if len(shape) == 2 else -1
+        if tuple(shape) != (rank, in_features) or tuple(shapes[b_key]) != (out_features, rank):
+            raise ValueError(f"{where}: {key!r} has shape {list(shape)} and {b_key!r} {list(shapes[b_key])}; "
+                             f"{module!r} of this model needs [r, {in_features}] and [{out_features}, r] "
+                             "(was the adapter made for another base model?)")
+        if rank > max_rank:
+            raise ValueError(f"{where}: {module!r} has rank {rank}, above max_lora_rank={max_rank}; "
+                             f"start the LLM with max_lora_rank >= {rank} (one of {list(MAX_LORA_RANKS)})")
+        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8)))
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        modules[module] = (rank, scaling)
+    orphans = [key for key in shapes if key.endswith(_B) and _split_key(key, where)[0] not in modules]
+    if orphans:
+        raise ValueError(f"{where}: tensor {orphans[0]!r} has no lora_A beside it")
+    if not modules:
+        raise ValueError(f"{where}: {weights_file.name} holds no lora_A / lora_B tensors")
+    return AdapterSpec(request.lora_int_id, request.lora_name, str(folder), str(weights_file), modules, version)
+
+
+def read_adapter(spec: AdapterSpec, dtype: "torch.dtype") -> dict[str, tuple["torch.Tensor", "torch.Tensor"]]:
+    """Per module: (A [r, in], B [out, r] times the scaling), in ``dtype`` on the CPU."""
+    import torch
+
+    tensors = _load_tensors(Path(spec.weights_file))
+    out = {}
+    for module, (_rank, scaling) in spec.modules.items():
+        a = tensors[_PREFIX + module + _A]
+        b = tensors[_PREFIX + module + _B]
+        out[module] = (a.to(dtype), (b.to(torch.float32) * scaling).to(dtype))
+    return out
+
+
+def _check_config(config: dict[str, Any], where: str) -> None:
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise ValueError(f"{where}: peft_type={peft_type!r} is not supported; supported: ['LORA']")
+    refused = {
+        "use_dora": (config.get("use_dora"), "DoRA adapters are not supported; merge the adapter into the weights"),
+        "bias": (config.get("bias", "none") not in (None, "none") and config.get("bias"),
+                 "adapters that train biases are not supported; supported: bias='none'"),
+        "lora_bias": (config.get("lora_bias"), "lora_B biases are not supported"),
+        "modules_to_save": (config.get("modules_to_save"),
+                            "fully trained modules (modules_to_save) are not supported; supported: none"),
+        "fan_in_fan_out": (config.get("fan_in_fan_out"), "transposed (Conv1D) weights are not supported"),
+    }
+    for key, (value, why) in refused.items():
+        if value:
+            raise ValueError(f"{where}: {key}={config.get(key)!r}: {why}")
+
+
+def _weights_file(folder: Path, where: str) -> Path:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"{where}: no adapter_model.safetensors (or adapter_model.bin) in {str(folder)!r}")
+
+
+def _tensor_shapes(weights_file: Path, where: str) -> dict[str, list[int]]:
+    try:
+        if weights_file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(weights_file), framework="pt") as f:
+                return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
+        return {key: list(t.shape) for key, t in _load_tensors(weights_file).items()}
+    except Exception as exc:  # noqa: BLE001  (any unreadable file: one message naming it)
+        raise ValueError(f"{where}: cannot read {weights_file.name} ({exc})") from exc
+
+
+def _load_tensors(weights_file: Path) -> dict[str, "torch.Tensor"]:
+    import torch
+
+    if weights_file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(weights_file))
+    return torch.load(str(weights_file), map_location="cpu", weights_only=True)
+
+
+def _split_key(key: str, where: str) -> tuple[str, str]:
+    """``base_model.model.<module>.lora_A.weight`` -> (module, ".lora_A.weight")."""
+    for part in (_A, _B):
+        if key.startswith(_PREFIX) and key.endswith(part):
+            return key[len(_PREFIX) : -len(part)], part
+    if "lora_embedding" in key:
+        raise ValueError(f"{where}: tensor {key!r} adapts an embedding, which tokenmill cannot adapt")
+    if "lora_magnitude_vector" in key:
+        raise ValueError(f"{where}: tensor {key!r} belongs to a DoRA adapter, which is not supported")
+    raise ValueError(f"{where}: tensor {key!r} is not a LoRA weight (expected base_model.model.<module>.lora_A.weight "
+                     "or .lora_B.weight)")
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's per-module override (``alpha_pattern``): the first key matching the end of the name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _kinds(targets: dict[str, tuple[int, int]]) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name in targets})

@@ -1,0 +1,43 @@
+"""``LLM(enable_lora=True, max_loras=..., max_lora_rank=..., max_cpu_loras=..., lora_dtype=...)``
+checked and resolved once (vLLM's names, defaults and rules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.lora.adapter import MAX_LORA_RANKS
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int  # adapters one step may mix: the device slots of every adapted layer
+    max_rank: int
+    max_cpu_loras: int  # adapters each rank keeps read in CPU memory
+
+
+def resolve_lora(enable_lora: Any, max_loras: Any, max_lora_rank: Any, max_cpu_loras: Any, lora_dtype: Any,
+                 dtype: "torch.dtype") -> LoRAConfig | None:
+    def check(ok: bool, name: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"LLM({name}={value!r}) is invalid: must be {allowed}")
+
+    check(isinstance(enable_lora, bool), "enable_lora", enable_lora, "True or False")
+    if not enable_lora:
+        return None
+    check(_is_int(max_loras) and max_loras >= 1, "max_loras", max_loras, "an integer >= 1")
+    check(max_lora_rank in MAX_LORA_RANKS and _is_int(max_lora_rank), "max_lora_rank", max_lora_rank,
+          f"one of {list(MAX_LORA_RANKS)}")
+    cpu = max_loras if max_cpu_loras is None else max_cpu_loras
+    check(_is_int(cpu) and cpu >= max_loras, "max_cpu_loras", max_cpu_loras, f"None or an integer >= max_loras={max_loras}")
+    model_dtype = str(dtype).removeprefix("torch.")
+    check(lora_dtype in ("auto", model_dtype, dtype), "lora_dtype", lora_dtype,
+          f"'auto' or the model's dtype ({model_dtype!r}): adapters run in the model's dtype")
+    return LoRAConfig(max_loras, max_lora_rank, cpu)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

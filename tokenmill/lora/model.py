@@ -1,0 +1,142 @@
+"""A model's adaptable linear layers by Hugging Face module name, and adapters loaded into device
+slots (on every tensor-parallel rank: each keeps its part, as for the base weights).
+
+``ModelLoRA`` gives every column- and row-parallel linear layer of the model a ``LoRAUpdate``
+(layers.py): the attention and MLP projections of each decoder layer (and a Qwen2-MoE shared
+expert's). Stacked layers (q/k/v, gate/up) are adapted per part, under the checkpoint's names
+(``q_proj``...), which are the names PEFT writes. The one-hot mask of each step is made from the
+forward context (``ForwardContext.lora_slots``) by a forward pre-hook on the model, so every
+forward (rank 0's, a mirrored rank's, a CUDA graph's capture) sets it the same way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tokenmill.lora.adapter import read_adapter
+from tokenmill.lora.layers import LoRABatch, LoRAUpdate
+from tokenmill.models.layers.linear import (
+    ColumnParallelLinear, MergedColumnParallelLinear, ParamLayout, QKVParallelLinear, RowParallelLinear,
+)
+
+if TYPE_CHECKING:
+    from tokenmill.lora.adapter import AdapterSpec
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One adaptable module: the layer holding it, its part there (q, k, v: 0, 1, 2) and the shard
+    id its weight loader takes, and its full (unsplit) features."""
+
+    linear: nn.Module
+    sublayer: int
+    shard_id: Any
+    in_features: int
+    out_features: int
+
+
+class ModelLoRA:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int, dtype: torch.dtype,
+                 device: torch.device):
+        _refuse_reordered_heads(model)
+        self.dtype = dtype
+        self.batch = LoRABatch(max_loras, device)
+        self.targets: dict[str, _Target] = {}
+        stacked = getattr(model, "stacked", ())
+        for name, module in model.named_modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            parts = [(name[: -len(whole) + 1] + part[:-1], shard) for whole, part, shard in stacked
+                     if (name + ".").endswith(whole)] or [(name, None)]
+            row = isinstance(module, RowParallelLinear)
+            in_rank = module.input_size_per_partition if row else module.input_size
+            out_rank = module.output_size if row else module.output_size_per_partition
+            module.lora = LoRAUpdate(self.batch, in_rank, out_rank, len(parts), max_rank, dtype, device)
+            for sublayer, (hf_name, shard) in enumerate(parts):
+                self.targets[hf_name] = _Target(module, sublayer, shard, module.input_size, _full_out(module, shard))
+        model.register_forward_pre_hook(self._begin)
+        # Adapters read from disk, kept in CPU memory: loading one into a slot again needs no read.
+        self._cached: OrderedDict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._max_cached = max_cpu_loras
+        self.pinned: set[int] = set()
+
+    def target_shapes(self) -> dict[str, tuple[int, int]]:
+        """Module name -> (in, out) features of the full model: what an adapter may adapt."""
+        return {name: (t.in_features, t.out_features) for name, t in self.targets.items()}
+
+    def _begin(self, model: nn.Module, args: tuple) -> None:
+        ctx = args[2]
+        self.batch.begin(getattr(ctx, "lora_slots", None), self.dtype)
+
+    # ---- adapters in slots ------------------------------------------------------------------------
+    def cache(self, spec: "AdapterSpec") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter's tensors, read from disk unless kept; the least recently used unpinned adapter
+        beyond max_cpu_loras is dropped."""
+        key = (spec.lora_int_id, spec.version)
+        tensors = self._cached.pop(key, None)
+        if tensors is None:
+            self.drop(spec.lora_int_id)  # an older version of the id
+            tensors = read_adapter(spec, self.dtype)
+        self._cached[key] = tensors
+        while len(self._cached) > self._max_cached:
+            victim = next((k for k in self._cached if k[0] not in self.pinned), None)
+            if victim is None:
+                break
+            del self._cached[victim]
+        return tensors
+
+    def drop(self, lora_id: int) -> None:
+        for key in [k for k in self._cached if k[0] == lora_id]:
+            del self._cached[key]
+
+    def load(self, slot: int, spec: "AdapterSpec") -> None:
+        """Put the adapter into ``slot`` of every layer (layers it does not adapt get zeros there)."""
+        tensors = self.cache(spec)
+        for update in {id(t.linear): t.linear.lora for t in self.targets.values()}.values():
+            update.clear_slot(slot)
+        for module, (a, b) in tensors.items():
+            target = self.targets[module]
+            linear = target.linear
+            if isinstance(linear, RowParallelLinear):  # this rank's input features of A, all of B
+                a = _placed(linear, a, (a.shape[0], linear.input_size_per_partition), ParamLayout(input_dim=1), None)
+            else:  # all of A, this rank's output features of B (in its part's rows)
+                b = _placed(linear, b, (linear.output_size_per_partition, b.shape[1]), ParamLayout(output_dim=0),
+                            target.shard_id)
+            linear.lora.set_slot(slot, target.sublayer, a.to(linear.lora.a.device), b.to(linear.lora.b.device))
+
+
+def _full_out(linear: nn.Module, shard_id: Any) -> int:
+    if isinstance(linear, QKVParallelLinear):
+        heads = linear.total_num_heads if shard_id == "q" else linear.total_num_kv_heads
+        return heads * linear.head_dim
+    if isinstance(linear, MergedColumnParallelLinear):
+        return linear.output_sizes[shard_id]
+    return linear.output_size
+
+
+def _placed(linear: nn.Module, full: torch.Tensor, shape: tuple[int, ...], layout: ParamLayout,
+            shard_id: Any) -> torch.Tensor:
+    """This rank's part of ``full``, placed by the layer's own weight loader (its tensor-parallel split,
+    KV heads replicated over ranks, a stacked part's rows) into zeros of ``shape``."""
+    holder = nn.Parameter(torch.zeros(shape, dtype=full.dtype), requires_grad=False)
+    holder.feature_layout = layout  # type: ignore[attr-defined]
+    linear.weight_loader(holder, full, shard_id)
+    return holder.data
+
+
+def _refuse_reordered_heads(model: nn.Module) -> None:
+    """Partial rotary reorders each q/k head's rows at load (models/layers/rotary.py); an adapter's
+    B rows would need the same order, which nothing gives them yet."""
+    from tokenmill.models.layers.rotary import partial_rotary_permutation
+
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers else None
+    if attn is not None and partial_rotary_permutation(attn.head_dim, attn.rotary_emb.rope) is not None:
+        raise ValueError("enable_lora=True is not supported for models with partial rotary embeddings "
+                         "(partial_rotary_factor < 1)")

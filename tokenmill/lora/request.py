@@ -1,0 +1,53 @@
+"""vLLM's ``LoRARequest``: which adapter a request runs with (``vllm.lora.request`` becomes
+``tokenmill.lora.request``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class LoRARequest:
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) by name and id.
+
+    ``lora_int_id`` identifies the adapter inside the engine (its device slot, ``list_loras``); as in
+    vLLM it must be unique per adapter. Two requests are equal when their names are (vLLM's rule).
+    ``base_model_name``, ``tensorizer_config_dict`` and ``load_inplace`` are vLLM's fields:
+    ``load_inplace=True`` reloads the folder even when the id is already known.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    tensorizer_config_dict: dict[str, Any] | None = field(default=None, repr=False)
+    load_inplace: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id={self.lora_int_id!r} is invalid: must be an integer > 0")
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name={self.lora_name!r} is invalid: must be a non-empty string")
+        if not self.lora_path:
+            raise ValueError(f"lora_path is empty for LoRA adapter {self.lora_name!r}: give the adapter's folder")
+        if self.tensorizer_config_dict is not None:
+            raise ValueError("tensorizer_config_dict is not supported: give the adapter as a PEFT folder (lora_path)")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)

@@ -1,0 +1,99 @@
+"""The engine's books on adapters: the checked ones by id, which sits in which device slot, pins.
+
+Adapters are checked when a request (or ``add_lora``) first names them (`inspect_adapter`); a
+step's adapters get device slots just before it launches (`place`), loading those not already in
+one into a free slot or the one used longest ago by no adapter of this step. The scheduler never
+puts more than ``max_loras`` adapters in one step, so every step's adapters fit. A pinned adapter
+keeps its slot while any other slot can take the newcomer. Loading goes through ``load``
+(``collective_rpc("load_lora", ...)``: every rank loads its part), queued on the device after the
+step in flight, so that step still reads the slot's old weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from tokenmill.lora.adapter import AdapterSpec, inspect_adapter
+
+if TYPE_CHECKING:
+    from tokenmill.lora.config import LoRAConfig
+    from tokenmill.lora.request import LoRARequest
+
+
+class AdapterBook:
+    def __init__(self, config: "LoRAConfig", targets: dict[str, tuple[int, int]],
+                 load: Callable[[int, AdapterSpec], None]):
+        self.config = config
+        self.targets = targets  # module name -> (in, out) features: what adapters may adapt
+        self._load = load
+        self.specs: dict[int, AdapterSpec] = {}
+        self.pinned: set[int] = set()
+        self._slot_of: dict[int, int] = {}  # adapter id -> device slot
+        self._last_used = [-1] * config.max_loras  # per slot: the step that last used it (-1: free)
+        self._steps = itertools.count()
+
+    def register(self, request: "LoRARequest") -> AdapterSpec:
+        """The checked adapter of ``request`` (read again with ``load_inplace``); a ValueError names
+        what is wrong with it. An id already known under another name or folder is refused."""
+        from tokenmill.lora.request import LoRARequest
+
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a tokenmill.lora.request.LoRARequest, got {type(request).__name__}")
+        known = self.specs.get(request.lora_int_id)
+        if known is not None and (known.name != request.lora_name or known.path != str(Path(request.lora_path).expanduser())):
+            raise ValueError(f"lora_int_id={request.lora_int_id} is already the adapter {known.name!r} ({known.path}); "
+                             f"give {request.lora_name!r} ({request.lora_path}) an id of its own")
+        if known is not None and not request.load_inplace:
+            return known
+        spec = inspect_adapter(request, self.targets, self.config.max_rank, known.version + 1 if known else 0)
+        self.specs[spec.lora_int_id] = spec
+        self._free_slot_of(spec.lora_int_id)  # a reloaded adapter's slot holds the old weights
+        return spec
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget the adapter (requests already holding it still finish with it)."""
+        self.pinned.discard(lora_id)
+        self._free_slot_of(lora_id)
+        return self.specs.pop(lora_id, None) is not None
+
+    def pin(self, lora_id: int) -> bool:
+        if lora_id not in self.specs:
+            return False
+        self.pinned.add(lora_id)
+        return True
+
+    def place(self, adapters: Iterable[AdapterSpec]) -> dict[int, int]:
+        """Device slots for one step's adapters (at most max_loras of them), loading those not in one."""
+        step = next(self._steps)
+        wanted = {spec.lora_int_id: spec for spec in adapters}
+        if len(wanted) > self.config.max_loras:
+            raise RuntimeError(f"a step holds {len(wanted)} adapters, above max_loras={self.config.max_loras}")
+        slots = {}
+        for lora_id, spec in wanted.items():
+            slot = self._slot_of.get(lora_id)
+            if slot is None:
+                slot = self._free_slot(set(wanted))
+                self._load(slot, spec)
+                self._slot_of[lora_id] = slot
+            self._last_used[slot] = step
+            slots[lora_id] = slot
+        return slots
+
+    def _free_slot(self, needed: set[int]) -> int:
+        """A free slot, else the one used longest ago by no adapter of this step, sparing pinned ones."""
+        holder = {slot: lora_id for lora_id, slot in self._slot_of.items()}
+        candidates = [s for s in range(self.config.max_loras) if holder.get(s) not in needed]
+        free = [s for s in candidates if s not in holder]
+        if free:
+            return free[0]
+        unpinned = [s for s in candidates if holder[s] not in self.pinned]
+        slot = min(unpinned or candidates, key=lambda s: self._last_used[s])
+        del self._slot_of[holder[slot]]
+        return slot
+
+    def _free_slot_of(self, lora_id: int) -> None:
+        slot = self._slot_of.pop(lora_id, None)
+        if slot is not None:
+            self._last_used[slot] = -1
