@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LLM": "tokenmill.llm",
     "LLMEngine": "tokenmill.engine.engine",
+    "LoRARequest": "tokenmill.lora.request",
     "EngineArgs": "tokenmill.config",
     "PromptType": "tokenmill.inputs",
     "TextPrompt": "tokenmill.inputs",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from tokenmill.inputs import PromptType, TextPrompt, TokensPrompt
     from tokenmill.llm import LLM
     from tokenmill.logprobs import Logprob
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.outputs import (
         BeamSearchOutput,
         BeamSearchSequence,

@@ -151,7 +151,8 @@ class Request(Generic[ParamsT]):
 
     @property
     def lora_id(self) -> int:
-        return self.adapter.lora_int_id if self.adapter is not None else 0
+        """Its adapter's ``uid`` (a reloaded adapter is another one), 0 for the base model."""
+        return self.adapter.uid if self.adapter is not None else 0
 
     @cached_property
     def sampler_needs(self) -> int:

@@ -38,7 +38,7 @@ class StepRequest(Protocol):
     def ranks_within_grammar(self) -> bool: ...  # its top logprobs are the best tokens its grammar allows
 
     @property
-    def lora_id(self) -> int: ...  # its LoRA adapter's id (SchedulerOutput.lora_slots), 0 for the base model
+    def lora_id(self) -> int: ...  # its LoRA adapter (AdapterSpec.uid, as in SchedulerOutput.lora_slots), 0: none
 
 
 class StepSequence(Protocol):
@@ -109,7 +109,7 @@ class SchedulerOutput(Generic[S]):
     # this plan's preemptions): the runner may drop any per-sequence state it keeps for them. Ids
     # are never reused; a preempted sequence that comes back is computed from its first token.
     finished_seq_ids: set[int] = field(default_factory=set)
-    # LoRA adapter id -> its device slot, for this step's adapters (set by the engine at launch).
+    # LoRA adapter (AdapterSpec.uid) -> its device slot, for this step's adapters (set by the engine at launch).
     lora_slots: dict[int, int] = field(default_factory=dict)
 
     @property

@@ -31,24 +31,26 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 @dataclass(frozen=True)
 class AdapterSpec:
     """A checked adapter: where its tensors are and, per adapted module (the model's Hugging Face
-    module name), its rank and scaling (lora_alpha / r, or / sqrt(r) with rsLoRA). ``version`` counts
-    reloads of the id (``load_inplace``), so cached prefixes of older weights are never reused."""
+    module name), its rank and scaling (lora_alpha / r, or / sqrt(r) with rsLoRA). ``uid`` tells
+    apart every adapter the engine has read, a reloaded id (``load_inplace``) included: the device
+    slots, the scheduler's count of adapters and the prefix cache's keys go by it, so requests still
+    running with the old weights keep them and cached prefixes of old weights are never reused."""
 
     lora_int_id: int
     name: str
     path: str
     weights_file: str
     modules: dict[str, tuple[int, float]] = field(hash=False)
-    version: int = 0
+    uid: int = 1
 
     @property
     def cache_key(self) -> str:
         """What the prefix cache salts this adapter's blocks with."""
-        return f"lora\0{self.lora_int_id}\0{self.name}\0{self.path}\0{self.version}"
+        return f"lora\0{self.lora_int_id}\0{self.name}\0{self.path}\0{self.uid}"
 
 
 def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]], max_rank: int,
-                    version: int = 0) -> AdapterSpec:
+                    uid: int = 1) -> AdapterSpec:
     """Check the adapter folder against ``targets`` (module name -> (in, out) features of the full
     model) and ``max_rank``; a ValueError names the adapter, the field or tensor, and what is allowed."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
@@ -92,7 +94,7 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
         raise ValueError(f"{where}: tensor {orphans[0]!r} has no lora_A beside it")
     if not modules:
         raise ValueError(f"{where}: {weights_file.name} holds no lora_A / lora_B tensors")
-    return AdapterSpec(request.lora_int_id, request.lora_name, str(folder), str(weights_file), modules, version)
+    return AdapterSpec(request.lora_int_id, request.lora_name, str(folder), str(weights_file), modules, uid)
 
 
 def read_adapter(spec: AdapterSpec, dtype: "torch.dtype") -> dict[str, tuple["torch.Tensor", "torch.Tensor"]]:

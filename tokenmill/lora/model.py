@@ -61,6 +61,7 @@ class ModelLoRA:
                 self.targets[hf_name] = _Target(module, sublayer, shard, module.input_size, _full_out(module, shard))
         model.register_forward_pre_hook(self._begin)
         # Adapters read from disk, kept in CPU memory: loading one into a slot again needs no read.
+        # Keys: (lora_int_id, uid).
         self._cached: OrderedDict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self._max_cached = max_cpu_loras
         self.pinned: set[int] = set()
@@ -77,10 +78,9 @@ class ModelLoRA:
     def cache(self, spec: "AdapterSpec") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The adapter's tensors, read from disk unless kept; the least recently used unpinned adapter
         beyond max_cpu_loras is dropped."""
-        key = (spec.lora_int_id, spec.version)
+        key = (spec.lora_int_id, spec.uid)
         tensors = self._cached.pop(key, None)
         if tensors is None:
-            self.drop(spec.lora_int_id)  # an older version of the id
             tensors = read_adapter(spec, self.dtype)
         self._cached[key] = tensors
         while len(self._cached) > self._max_cached:

@@ -28,11 +28,12 @@ class AdapterBook:
         self.config = config
         self.targets = targets  # module name -> (in, out) features: what adapters may adapt
         self._load = load
-        self.specs: dict[int, AdapterSpec] = {}
-        self.pinned: set[int] = set()
-        self._slot_of: dict[int, int] = {}  # adapter id -> device slot
+        self.specs: dict[int, AdapterSpec] = {}  # by lora_int_id: the adapters known now
+        self.pinned: set[int] = set()  # lora_int_ids
+        self._slot_of: dict[int, int] = {}  # AdapterSpec.uid -> device slot
         self._last_used = [-1] * config.max_loras  # per slot: the step that last used it (-1: free)
         self._steps = itertools.count()
+        self._uids = itertools.count(1)
 
     def register(self, request: "LoRARequest") -> AdapterSpec:
         """The checked adapter of ``request`` (read again with ``load_inplace``); a ValueError names
@@ -47,16 +48,20 @@ class AdapterBook:
                              f"give {request.lora_name!r} ({request.lora_path}) an id of its own")
         if known is not None and not request.load_inplace:
             return known
-        spec = inspect_adapter(request, self.targets, self.config.max_rank, known.version + 1 if known else 0)
+        spec = inspect_adapter(request, self.targets, self.config.max_rank, next(self._uids))
         self.specs[spec.lora_int_id] = spec
-        self._free_slot_of(spec.lora_int_id)  # a reloaded adapter's slot holds the old weights
         return spec
 
     def remove(self, lora_id: int) -> bool:
         """Forget the adapter (requests already holding it still finish with it)."""
         self.pinned.discard(lora_id)
-        self._free_slot_of(lora_id)
-        return self.specs.pop(lora_id, None) is not None
+        spec = self.specs.pop(lora_id, None)
+        if spec is None:
+            return False
+        slot = self._slot_of.pop(spec.uid, None)
+        if slot is not None:
+            self._last_used[slot] = -1
+        return True
 
     def pin(self, lora_id: int) -> bool:
         if lora_id not in self.specs:
@@ -67,33 +72,29 @@ class AdapterBook:
     def place(self, adapters: Iterable[AdapterSpec]) -> dict[int, int]:
         """Device slots for one step's adapters (at most max_loras of them), loading those not in one."""
         step = next(self._steps)
-        wanted = {spec.lora_int_id: spec for spec in adapters}
+        wanted = {spec.uid: spec for spec in adapters}
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(f"a step holds {len(wanted)} adapters, above max_loras={self.config.max_loras}")
         slots = {}
-        for lora_id, spec in wanted.items():
-            slot = self._slot_of.get(lora_id)
+        for uid, spec in wanted.items():
+            slot = self._slot_of.get(uid)
             if slot is None:
                 slot = self._free_slot(set(wanted))
                 self._load(slot, spec)
-                self._slot_of[lora_id] = slot
+                self._slot_of[uid] = slot
             self._last_used[slot] = step
-            slots[lora_id] = slot
+            slots[uid] = slot
         return slots
 
     def _free_slot(self, needed: set[int]) -> int:
         """A free slot, else the one used longest ago by no adapter of this step, sparing pinned ones."""
-        holder = {slot: lora_id for lora_id, slot in self._slot_of.items()}
+        holder = {slot: uid for uid, slot in self._slot_of.items()}
         candidates = [s for s in range(self.config.max_loras) if holder.get(s) not in needed]
         free = [s for s in candidates if s not in holder]
         if free:
             return free[0]
-        unpinned = [s for s in candidates if holder[s] not in self.pinned]
+        pinned = {spec.uid for lora_id, spec in self.specs.items() if lora_id in self.pinned}
+        unpinned = [s for s in candidates if holder[s] not in pinned]
         slot = min(unpinned or candidates, key=lambda s: self._last_used[s])
         del self._slot_of[holder[slot]]
         return slot
-
-    def _free_slot_of(self, lora_id: int) -> None:
-        slot = self._slot_of.pop(lora_id, None)
-        if slot is not None:
-            self._last_used[slot] = -1
