@@ -3,9 +3,9 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine]
+#   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
 #   [sampler] [sampler-rounds] [chat] [chat-8b] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
-#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [ray]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
@@ -50,8 +50,8 @@ for part in $parts; do
     tests|engine-tests|tests-1|tests-2)
       # The whole of tests/gpu (~545 tests) took over 450 s on the H200 (cut there on AC): tests-1 and
       # tests-2 run it in two calls (~420 and ~220 s there), the files before test_quant_kernels_gpu.py
-      # and the rest (a new file falls on one side by its name; the MoE files go to tests-2, the
-      # shorter half). TESTS_IGNORE drops files (the quant
+      # and the rest (a new file falls on one side by its name; the MoE and LoRA files go to tests-2,
+      # the shorter half; test_lora_gpu.py needs peft from .whl). TESTS_IGNORE drops files (the quant
       # tests need compressed-tensors from .whl); the Ray tests skip without the Ray bundle and have
       # their own part.
       case $part in
@@ -60,7 +60,7 @@ for part in $parts; do
         *) sel=""; for f in tests/gpu/test_*.py; do
              [ "$(basename "$f")" = test_ray_gpu.py ] && continue
              name=$(basename "$f")
-             if [[ $name < test_quant_kernels_gpu.py && $name != test_moe* ]]; then half=tests-1; else half=tests-2; fi
+             if [[ $name < test_quant_kernels_gpu.py && $name != test_moe* && $name != test_lora* ]]; then half=tests-1; else half=tests-2; fi
              [ "$half" = "$part" ] && sel="$sel $f"
            done ;;
       esac
@@ -129,6 +129,13 @@ for part in $parts; do
       RESULTS="$OUT/moe_engine.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 \
         python3 bench/moe_peer_bench.py tokenmill_fp8 qwen3-30b-a3b nano 2>&1 | grep -v "^\s*$" | tail -2
       tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
+    lora)  # LoRA adapters: P1's and P2's requests on Qwen3-0.6B's shape with enable_lora off (base), on without
+           # adapters (lora-none, max_loras=4), one adapter (lora-1) and four (lora-4), rank 16 on every projection
+           # (bench/lora_bench.py; beside vllm-lora)
+      for mode in base lora-none lora-1 lora-4; do
+        RESULTS="$OUT/lora.raw" timeout 150 python3 bench/lora_bench.py tokenmill qwen3-0.6b $mode nano uniform 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/lora.raw" "$OUT/throughput.jsonl"; : > "$OUT/lora.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
       timeout 150 python3 bench/gemm_bench.py > "$OUT/gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/gemm.raw" "$OUT/gemm.jsonl"; cat "$OUT/gemm.jsonl" ;;
     gemm-sweep)  # M 1-256: cuBLAS, cuBLASLt, W^T stored, the swapped split-K kernel on bf16 (rows: gpu_gemm.jsonl)
@@ -280,7 +287,7 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
@@ -301,6 +308,9 @@ for part in $parts; do
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
         vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep '^{' ;;
+        vllm-lora) for mode in base lora-none lora-1 lora-4; do
+                RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
+              done ;;
         vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b nano uniform 2>&1 | tail -3
               RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 250 \
                 python3 bench/moe_peer_bench.py vllm_fp8 qwen3-30b-a3b nano 2>&1 | tail -3 ;;

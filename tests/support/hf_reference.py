@@ -15,27 +15,35 @@ import torch
 
 
 @functools.lru_cache(maxsize=4)
-def hf_model(path: str, dtype: torch.dtype):
+def hf_model(path: str, dtype: torch.dtype, adapter: str | None = None):
+    """HF's model of ``path`` on the GPU, with the PEFT LoRA adapter folder ``adapter`` around it if given."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter, torch_dtype=dtype).cuda().eval()
 
 
 @torch.no_grad()
-def hf_logprobs(path: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
-    """[V] float32 log-softmax of HF's logits after ``ids``."""
-    return torch.log_softmax(hf_model(path, dtype)(torch.tensor([ids], device="cuda")).logits[0, -1].float(), dim=-1)
+def hf_logprobs(path: str, dtype: torch.dtype, ids: list[int], adapter: str | None = None) -> torch.Tensor:
+    """[V] float32 log-softmax of HF's logits after ``ids`` (with a PEFT adapter: see hf_model)."""
+    logits = hf_model(path, dtype, adapter)(torch.tensor([ids], device="cuda")).logits
+    return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
 
 def teacher_forced_positions(llm, reference, prompts, tokens: int,
-                             yardstick=None) -> list[tuple[float, bool, float, float]]:
+                             yardstick=None, lora_request=None) -> list[tuple[float, bool, float, float]]:
     """Along our greedy tokens, each position scored on the same prefix (so errors do not compound):
     (the reference's top-two gap, whether we picked its argmax, |our logprob - its logprob| of our
-    token, |yardstick's logprob - its logprob| of our token, 0 without a yardstick)."""
+    token, |yardstick's logprob - its logprob| of our token, 0 without a yardstick). ``lora_request``:
+    the prompts' LoRA adapter (one, or one per prompt)."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora_request)
     rows = []
     for prompt, output in zip(prompts, outputs):
         ids = list(prompt)
