@@ -112,3 +112,24 @@ def test_lora_update_matches_per_token_torch(tokens):
                 a, b = weights[slot, part]
                 want[t] += b @ (a @ x[t].float())
     assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
+def test_lora_on_fp8_weights_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
+    """quantization="fp8" under an adapter: the fp8 layers quantize their own input (the norms hand an
+    adapted layer the bf16 activation its update reads), teacher-forced against HF + PEFT bf16 on the
+    original weights: top-1 agreement >= 97% where HF's top two are more than 1.0 apart (the dense fp8
+    test's rule and margin, tests/gpu/test_quant_engine_gpu.py)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    base = save_redrawn_bf16_model(tmp_path / "base", config, seed=0, matrix_std=0.04, vector_std=0.1)
+    adapter = save_adapter(Path(base), tmp_path / "adapter", seed=3, r=16, lora_alpha=16, std=0.03)
+    llm = LLM(base, skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, quantization="fp8",
+              enable_lora=True)
+    request = LoRARequest("adapter", 1, str(adapter))
+    prompts = [[random.Random(i).randrange(1, 1024) for _ in range(20 + 30 * (i % 12))] for i in range(64)]
+    rows = teacher_forced_positions(llm, functools.partial(hf_logprobs, base, torch.bfloat16, adapter=str(adapter)),
+                                    prompts, 16, lora_request=request)
+    clear = [agree for gap, agree, _, _ in rows if gap > 1.0]
+    assert len(clear) >= 30 and sum(clear) >= 0.97 * len(clear), (len(clear), sum(clear))

@@ -55,6 +55,9 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
     model) and ``max_rank``; a ValueError names the adapter, the field or tensor, and what is allowed."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     folder = Path(request.lora_path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"{where}: lora_path={request.lora_path!r} is not a folder (adapters are read from local "
+                         "PEFT folders: adapter_config.json and adapter_model.safetensors)")
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"{where}: no adapter_config.json in lora_path={request.lora_path!r} (a PEFT LoRA folder "
@@ -164,6 +167,9 @@ def _split_key(key: str, where: str) -> tuple[str, str]:
             return key[len(_PREFIX) : -len(part)], part
     if "lora_embedding" in key:
         raise ValueError(f"{where}: tensor {key!r} adapts an embedding, which tokenmill cannot adapt")
+    if any(part in key for part in (".embed_tokens", ".lm_head")):
+        raise ValueError(f"{where}: tensor {key!r} replaces or adapts the embeddings or the LM head, which tokenmill "
+                         "cannot adapt (adapt q/k/v/o and gate/up/down only)")
     if "lora_magnitude_vector" in key:
         raise ValueError(f"{where}: tensor {key!r} belongs to a DoRA adapter, which is not supported")
     raise ValueError(f"{where}: tensor {key!r} is not a LoRA weight (expected base_model.model.<module>.lora_A.weight "
