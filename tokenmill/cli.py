@@ -93,6 +93,7 @@ class _StopRequests:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tokenmill.batch.job import EngineFailure, JobConfig, run_job
+    from tokenmill.batch.lora_modules import parse_lora_modules
     from tokenmill.batch.replica_messages import ReplicaError
     from tokenmill.batch.requests import PromptSettings
 
@@ -112,6 +113,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.progress_interval >= 0:  # nan would never print a progress line, silently
         raise UsageError(f"--progress-interval={args.progress_interval} is invalid: must be >= 0 seconds")
     check_task_flags(args)
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules or [])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     generate = args.task == "generate"
     config = JobConfig(
         input=args.input, output=args.output, model=args.model or (DEFAULT_MODEL if generate else DEFAULT_EMBEDDING_MODEL),
@@ -120,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         chat_template=read_chat_template(args.chat_template), overwrite=args.overwrite,
         max_inflight=args.max_inflight, fsync_interval=args.fsync_interval, progress=not args.no_progress,
         log_interval=args.progress_interval, replicas=args.replicas, ray_address=args.ray_address,
-        stall_timeout=args.stall_timeout,
+        stall_timeout=args.stall_timeout, lora_modules=lora_modules,
     )
     stop = _StopRequests()
     previous = stop.install()

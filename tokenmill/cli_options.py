@@ -29,7 +29,10 @@ _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
     "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
     "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
 )
+# flag dests of LoRA adapters (generation only)
+_LORA_FLAGS = ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 class UsageError(Exception):
@@ -61,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(run)
     _add_pooling_options(run)
     _add_engine_options(run, default_model=None)
+    _add_lora_options(run)
     job = run.add_argument_group("job")
     job.add_argument("--overwrite", action="store_true", help="start over: delete OUTPUT and its resume state first")
     job.add_argument("--max-inflight", type=int, metavar="N",
@@ -178,6 +182,19 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
                         "model and software version; slower (docs/batch.md). A resumed run keeps the mode it started with")
 
 
+def _add_lora_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA adapters (vLLM's flags; rows pick one: docs/batch.md)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                   help="PEFT adapter folders served under their names (or JSON '{\"name\": ..., \"path\": ...}'): "
+                   "an OpenAI batch line selects one with body.model, another row with its 'lora' field; implies "
+                   "--enable-lora")
+    g.add_argument("--enable-lora", action="store_true", default=None, help="start the engine with LoRA support")
+    g.add_argument("--max-loras", type=int, metavar="N", help="adapters that may share an engine step (default: 1)")
+    g.add_argument("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank (default: 16)")
+    g.add_argument("--max-cpu-loras", type=int, metavar="N",
+                   help="adapters kept read in CPU memory (default: --max-loras)")
+
+
 # --- flags -> values ----------------------------------------------------------------------------
 
 
@@ -217,7 +234,7 @@ def pooling_values(args: argparse.Namespace) -> dict[str, Any]:
 def check_task_flags(args: argparse.Namespace) -> None:
     """Flags of the other kind of task are mistakes, not something to ignore silently."""
     pooling = args.task != "generate"
-    other = set(_SAMPLING_FLAGS) if pooling else {*_POOLING_FLAGS, "pooling_type"}
+    other = {*_SAMPLING_FLAGS, *_LORA_FLAGS} if pooling else {*_POOLING_FLAGS, "pooling_type"}
     wrong = [f"--{dest.replace('_', '-')}" for dest in sorted(other - (set(_SAMPLING_FLAGS) & set(_POOLING_FLAGS)))
              if getattr(args, dest, None) is not None]
     if pooling:

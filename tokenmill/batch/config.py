@@ -33,3 +33,6 @@ class JobConfig:
     # End the process when no engine step returns for this long (batch/stall_watchdog.py); 0: never.
     # Off for the Python API (the process is the caller's); `tokenmill run` sets 600 s.
     stall_timeout: float = 0.0
+    # LoRA adapters by name -> PEFT folder (--lora-modules; ids 1..N in this order), served under their
+    # names: rows pick one (batch/lora_modules.py). Implies engine enable_lora.
+    lora_modules: dict[str, str] = field(default_factory=dict)

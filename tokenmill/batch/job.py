@@ -14,6 +14,7 @@ from typing import Any, Callable, TextIO
 from tokenmill.batch.config import DEFAULT_MODEL, JobConfig
 from tokenmill.batch.journal import Journal, RecordReader, ResumeError, fingerprint, recorded_settings, sidecar_dir
 from tokenmill.batch.loop import EngineFailure, JobLoop, load_llm
+from tokenmill.batch.lora_modules import check_lora_modules
 from tokenmill.batch.openai_batch import OpenAIRecordReader
 from tokenmill.batch.pooling import pooling_parquet_schema
 from tokenmill.batch.progress import Progress
@@ -22,12 +23,15 @@ from tokenmill.batch.stall_watchdog import StallWatchdog
 from tokenmill.batch.requests import check_columns
 from tokenmill.batch.results import read_result_record
 from tokenmill.batch.summary import JobSummary
-from tokenmill.batch.writers import check_output_path, describe_file_error, jsonl_to_parquet, output_format
+from tokenmill.batch.writers import (
+    check_output_path, describe_file_error, generic_parquet_schema, jsonl_to_parquet, output_format,
+)
 
 # Engine options that change speed or memory but not what is generated: a resumed run may change them.
 _THROUGHPUT_ONLY = {
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
     "device", "tensor_parallel_size", "enable_prefix_caching", "block_size", "disable_log_stats", "swap_space",
+    "max_loras", "max_cpu_loras",  # how many adapters share a step or stay read, not what a row generates
 }
 
 
@@ -51,6 +55,8 @@ def job_settings(config: JobConfig, input_format: str, input_info: Any, output_s
     }
     if config.task != "generate":  # only then, so generation jobs started earlier still resume
         settings.update(task=config.task, pooling=dict(sorted(config.pooling.items())))
+    if config.lora_modules:  # likewise; names and folders decide which weights each row runs with
+        settings["lora_modules"] = dict(config.lora_modules)
     return settings
 
 
@@ -84,6 +90,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
     config = keep_deterministic(config, stderr)
+    config = check_lora_modules(config)  # the adapter folders exist: before the model loads
     columns = input_columns(input_path, fmt)
     if columns is not None and info.rows:  # fail fast, before the model loads
         _check_columns(columns, config, input_path)
@@ -133,7 +140,8 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
         progress.close()
         if not interrupted:
             if out_fmt == "parquet":
-                schema = pooling_parquet_schema(config.task) if config.task != "generate" else None
+                schema = pooling_parquet_schema(config.task) if config.task != "generate" else \
+                    generic_parquet_schema(with_lora=bool(config.lora_modules))
                 jsonl_to_parquet(data_path, output, schema)
             journal.mark_complete()
         else:

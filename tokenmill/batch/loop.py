@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from tokenmill.batch.config import JobConfig
+from tokenmill.batch.lora_modules import JobAdapters, no_adapters
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
 from tokenmill.batch.pooling import PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
@@ -100,9 +101,14 @@ class JobLoop:
         self.keep_logprobs = _asks_logprobs(self.base)
         self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * _max_num_seqs(self.engine, config)
         self.max_model_len = self.engine.config.max_model_len
+        # The job's LoRA adapters, each checked against the model now: a bad one is a usage error
+        # before any row runs (vLLM's server loads its --lora-modules at start-up too).
+        self.adapters = JobAdapters(config.lora_modules, config.model) if config.lora_modules else None
         if self.pooling is None:
             self._check_job_limits()
             self._check_chat_template()
+            if self.adapters is not None:
+                self._check_adapters()
         self.inflight: dict[str, _InFlight] = {}
         self.pending: list[tuple[RowResult, _InFlight | None]] = []  # finished rows (and their flight)
         self.retry: deque[list[RawRow]] = deque()  # rows to run again apart, a group at a time (_isolate)
@@ -157,6 +163,12 @@ class JobLoop:
                 raise ValueError(f"--{name.replace('_', '-')} {value} is more than this engine's {what} ({limit}); "
                                  f"lower it, or raise --{what.replace('_', '-')}")
 
+    def _check_adapters(self) -> None:
+        assert self.adapters is not None
+        if getattr(self.engine, "adapters", None) is None:  # an LLM passed in, started without LoRA
+            raise ValueError("--lora-modules needs an engine started with enable_lora=True")
+        self.adapters.register(self.engine)
+
     def _check_chat_template(self) -> None:
         """A chat template the job asks for but cannot use is a usage error before any row runs:
         otherwise every row of the job would be written as failed with the same message, and the
@@ -183,7 +195,7 @@ class JobLoop:
 
     def _submit(self, raw: RawRow) -> None:
         request: RowRequest | None = None
-        row_id = None
+        row_id, lora = None, None
         bound, samples = 0, 1  # what the row may generate at most (progress and ETA)
         try:
             if raw.error is not None:
@@ -203,10 +215,12 @@ class JobLoop:
                 samples = params.n
                 bound = (params.max_tokens or self.max_model_len) * samples
                 parts = [(f"row-{raw.index}", self._prompt(request, raw.index), params)]
+                # Chosen from the row each time it is read (a retry, a resumed run): nothing to remember.
+                lora = self.adapters.for_row(request, where) if self.adapters is not None else no_adapters(request, where)
             flight = _InFlight(raw, request, part_ids=[request_id for request_id, _, _ in parts])
             try:
                 for request_id, prompt, params in parts:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, lora_request=lora)
                     self.inflight[request_id] = flight
             except self._row_errors:
                 added = [request_id for request_id in flight.part_ids if request_id in self.inflight]
@@ -370,7 +384,7 @@ class JobLoop:
             elif self.pooling is not None:
                 records.extend(pooling_records(result, self.config.task))
             else:
-                records.extend(generic_records(result))
+                records.extend(generic_records(result, with_lora=self.adapters is not None))
             rows.append(result.index)
             if result.failed:
                 failed.append(result.index)

@@ -7,6 +7,9 @@ Output line: {"id": "batch_req_...", "custom_id": "r1",
                            "body": {"id": "chatcmpl-...", "object": "chat.completion", "created": ...,
                                     "model": "...", "choices": [...], "usage": {...}}},
               "error": null}
+With ``--lora-modules`` a line's ``body.model`` selects the adapter of that name (the base model's
+name, or no ``model``, runs without one) and the output's ``body.model`` names the adapter that ran,
+as vLLM's server answers; without adapters ``model`` is ignored (see lora_modules.py).
 A request the engine refuses (prompt too long, bad values) gets ``status_code`` 400 and an
 OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) gets
 ``response: null`` and a top-level ``error``, as OpenAI's error file does.
@@ -39,7 +42,7 @@ _COMMON = {
     # vLLM's server takes it for reasoning models; SamplingParams refuses a set value with the reason.
     "thinking_token_budget": "thinking_token_budget",
 }
-# Accepted and without effect offline.
+# Accepted and without effect offline ("model" selects a LoRA adapter when the job has some).
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
 
 
@@ -67,7 +70,11 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     if unknown:
         raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill yet (supported: {sorted(allowed)})", custom_id)
     overrides = {_COMMON[k]: v for k, v in body.items() if k in _COMMON and v is not None}
-    request = RowRequest(index=raw.index, row_id=custom_id, overrides=overrides)
+    model = body.get("model")
+    # The adapter, if the job has one of that name (lora_modules.JobAdapters.for_row); a name that is
+    # not a string matches nothing.
+    adapter = model if model is None or isinstance(model, str) else str(model)
+    request = RowRequest(index=raw.index, row_id=custom_id, overrides=overrides, adapter=adapter)
     top_logprobs = None
     if url == CHAT_URL:
         if "messages" not in body:
@@ -133,7 +140,7 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
         "id": _stable_id("chatcmpl-" if chat else "cmpl-", job_key, result.index),
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
-        "model": model,
+        "model": result.lora or model,  # the adapter the row ran with, under its name (vLLM's server)
         "choices": [_chat_choice(s, meta) if chat else _completion_choice(s) for s in result.samples],
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": result.prompt_tokens + completion_tokens},

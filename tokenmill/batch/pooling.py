@@ -76,6 +76,9 @@ class PoolingRows:
                            "not chat 'messages'", request.row_id)
         if request.overrides:
             raise RowError(f"{where}: 'sampling_params' do not apply to --task {self.task}; use 'pooling_params'", request.row_id)
+        if request.adapter is not None:  # running the base model instead would be a silent wrong answer
+            raise RowError(f"{where}: 'lora'={request.adapter!r} names a LoRA adapter; --task {self.task} runs a pooling "
+                           "model, which takes none", request.row_id)
         prompt: Any = {"prompt_token_ids": request.prompt_token_ids} if request.prompt_token_ids is not None else request.prompt
         return request, [(f"row-{raw.index}", prompt, self._params(record, where, request.row_id, self.task))]
 

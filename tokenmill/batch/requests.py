@@ -7,7 +7,8 @@ A generic row (JSONL, CSV, Parquet) finds its prompt, in this order of precedenc
      not null (Parquet gives every row every column).
 Text becomes a chat turn with ``--chat`` (or ``--system``, which needs a chat). A row may override
 sampling values in a ``sampling_params`` object (a JSON string in CSV); a null value there means
-"not set" (Parquet structs fill the keys a row did not set with nulls).
+"not set" (Parquet structs fill the keys a row did not set with nulls). A row's ``lora`` field names
+the LoRA adapter it runs with (``--lora-modules``; null or empty: the base model; see lora_modules.py).
 
 Everything here is checked before the engine sees it; a problem raises `RowError`, which the job
 turns into an error row. The OpenAI batch format has its own translation in `openai_batch.py`.
@@ -25,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
     from tokenmill.sampling_params import SamplingParams
+
+
+ADAPTER_FIELD = "lora"  # a generic row's LoRA adapter name (--lora-modules)
 
 
 class RowError(ValueError):
@@ -72,6 +76,9 @@ class RowRequest:
     messages: list[dict[str, Any]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling values set by the row
     openai: OpenAIMeta | None = None
+    # The LoRA adapter the row names (a generic row's 'lora', an OpenAI line's body.model), None for
+    # none; the job's adapters decide what it means (lora_modules.JobAdapters.for_row).
+    adapter: str | None = None
 
 
 def template_fields(template: str) -> list[str]:
@@ -94,7 +101,8 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     assert record is not None
     row_id = row_id_of(record, raw.index, settings.id_field)
     where = raw.where or f"row {raw.index}"
-    request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id))
+    request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id),
+                         adapter=row_adapter_name(record, where, row_id))
     if settings.prompt_template is not None:
         text = _fill_template(settings.prompt_template, record, where, row_id)
     elif settings.text_field is not None:
@@ -159,6 +167,18 @@ def _row_overrides(record: dict[str, Any], where: str, row_id: Any) -> dict[str,
     if not isinstance(overrides, dict):
         raise RowError(f"{where}: 'sampling_params' must be an object, got {type(overrides).__name__}", row_id)
     return {k: v for k, v in overrides.items() if v is not None}
+
+
+def row_adapter_name(record: dict[str, Any], where: str, row_id: Any) -> str | None:
+    """A generic row's ``lora`` field: an adapter's name, or None for the base model (missing, null or
+    empty: CSV and Parquet give every row every column)."""
+    value = record.get(ADAPTER_FIELD)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise RowError(f"{where}: {ADAPTER_FIELD!r} must be a LoRA adapter's name (a string), got "
+                       f"{type(value).__name__}", row_id)
+    return value
 
 
 def _fill_template(template: str, record: dict[str, Any], where: str, row_id: Any) -> str:

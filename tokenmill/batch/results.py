@@ -12,6 +12,8 @@ per sample (``n`` records for ``n > 1``), or one record with ``error`` set for a
     completion_tokens   int
     cumulative_logprob  float   when logprobs were asked for, else null
     error               str     why the row failed, else null
+    lora                str     only in jobs with LoRA adapters (--lora-modules): the adapter the row
+                                ran with, null for the base model and for an error row
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RowResult:
     error: str | None = None
     openai: "OpenAIMeta | None" = None
     pooled: dict[str, Any] | None = None  # a pooling task's output fields (see batch/pooling.py)
+    lora: str | None = None  # the name of the LoRA adapter the row ran with (None: the base model)
 
     @property
     def failed(self) -> bool:
@@ -69,20 +72,29 @@ def result_from_output(index: int, row_id: Any, output: "RequestOutput", openai:
         )
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]
-    return RowResult(index=index, row_id=row_id, prompt_tokens=len(output.prompt_token_ids or []), samples=samples, openai=openai)
+    lora = getattr(output, "lora_request", None)  # what the engine ran, not what was asked
+    return RowResult(index=index, row_id=row_id, prompt_tokens=len(output.prompt_token_ids or []), samples=samples,
+                     openai=openai, lora=lora.lora_name if lora is not None else None)
 
 
-def generic_records(result: RowResult) -> list[dict[str, Any]]:
+def generic_records(result: RowResult, with_lora: bool = False) -> list[dict[str, Any]]:
+    """The row's records; ``with_lora`` (a job with adapters) adds the ``lora`` field, so the records of
+    jobs without adapters keep their schema."""
     if result.error is not None:
-        return [{"row": result.index, "id": result.row_id, "sample_index": None, "text": None, "finish_reason": None,
-                 "prompt_tokens": result.prompt_tokens, "completion_tokens": 0, "cumulative_logprob": None,
-                 "error": result.error}]
-    return [
-        {"row": result.index, "id": result.row_id, "sample_index": s.index, "text": s.text,
-         "finish_reason": s.finish_reason, "prompt_tokens": result.prompt_tokens,
-         "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob, "error": None}
-        for s in result.samples
-    ]
+        records = [{"row": result.index, "id": result.row_id, "sample_index": None, "text": None, "finish_reason": None,
+                    "prompt_tokens": result.prompt_tokens, "completion_tokens": 0, "cumulative_logprob": None,
+                    "error": result.error}]
+    else:
+        records = [
+            {"row": result.index, "id": result.row_id, "sample_index": s.index, "text": s.text,
+             "finish_reason": s.finish_reason, "prompt_tokens": result.prompt_tokens,
+             "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob, "error": None}
+            for s in result.samples
+        ]
+    if with_lora:
+        for record in records:
+            record["lora"] = result.lora
+    return records
 
 
 def read_result_record(record: dict[str, Any]) -> tuple[int, bool, int, int] | None:

@@ -104,13 +104,14 @@ def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def generic_parquet_schema() -> Any:
+def generic_parquet_schema(with_lora: bool = False) -> Any:
+    """The generation records' schema; ``with_lora`` (a job with LoRA adapters) adds ``lora``."""
     import pyarrow as pa
 
     return pa.schema([
         ("row", pa.int64()), ("id", pa.string()), ("sample_index", pa.int32()), ("text", pa.string()),
         ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
-        ("cumulative_logprob", pa.float64()), ("error", pa.string()),
+        ("cumulative_logprob", pa.float64()), ("error", pa.string()), *([("lora", pa.string())] if with_lora else []),
     ])
 
 

@@ -1,0 +1,205 @@
+"""LoRA adapters: the engine's adapter controls (add / list / pin / remove, a pinned adapter's slot)
+and every refusal (bad adapters, bad settings, LoRA without enable_lora, pooling models), each checked
+to leave the engine serving the next good request. The adapters, fixtures and HF + PEFT comparison
+are tests/test_lora.py's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.lora_adapters import adapter_tensors, copy_adapter, make_adapter, save_adapter
+from test_generate import as_inputs, random_prompts
+# adapter, llama, lora_root and requests are test_lora's fixtures, shared (their names are parameters below).
+from test_lora import (  # noqa: F401
+    GREEDY, OPTIONS, VOCAB, adapter, assert_matches_peft, llama, lora_request, lora_root, make_llm, requests,
+)
+from tokenmill import LLM, BeamSearchParams
+
+
+def test_add_list_pin_and_remove_lora(tiny_llama_dir, requests, lora_root):
+    """add_lora validates and loads ahead (True); list_loras holds the ids added or used; pin_lora and
+    remove_lora are True for a known id only. With A pinned in one of two slots, B and C take turns in
+    the other and every output stays right; a removed adapter is loaded again from its folder when a
+    request names it."""
+    llm = make_llm(tiny_llama_dir, max_loras=2, max_cpu_loras=4)
+    engine = llm.llm_engine
+    a, b, c = requests["A"], requests["B"], requests["C"]
+    assert engine.list_loras() == set()
+    assert engine.add_lora(a) is True
+    assert engine.list_loras() == {a.lora_int_id}
+    assert engine.pin_lora(a.lora_int_id) is True
+    assert engine.pin_lora(99) is False
+    assert engine.remove_lora(99) is False
+    missing = lora_root / "never_made"
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        engine.add_lora(lora_request("missing", 98, missing))
+    assert engine.list_loras() == {a.lora_int_id}
+
+    prompts = random_prompts(VOCAB, [7, 20, 11, 26], seed=18)
+    per_prompt = [b, c, None, a]
+    assert_matches_peft(tiny_llama_dir, llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=per_prompt),
+                        prompts, per_prompt)
+    assert engine.list_loras() == {a.lora_int_id, b.lora_int_id, c.lora_int_id}
+
+    assert engine.remove_lora(b.lora_int_id) is True
+    assert engine.remove_lora(b.lora_int_id) is False
+    assert engine.list_loras() == {a.lora_int_id, c.lora_int_id}
+    per_prompt = [a, b, c, b]
+    assert_matches_peft(tiny_llama_dir, llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=per_prompt),
+                        prompts, per_prompt)
+    assert engine.list_loras() == {a.lora_int_id, b.lora_int_id, c.lora_int_id}
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_adapter_keeps_its_slot(tiny_llama_dir, requests, monkeypatch, pinned):
+    """Two slots; A, then B, then C, then A again, one request each. Pinned, A keeps its slot: C is
+    loaded over B (though A was used longer ago) and A's second request loads nothing. Unpinned (the
+    control), the slot used longest ago goes, so A is loaded again. White-box: the loads are the
+    executor's "load_lora" calls (every rank loads a slot through them)."""
+    llm = make_llm(tiny_llama_dir, max_loras=2)
+    executor = llm.llm_engine.executor
+    loads: list[tuple[int, int]] = []  # (slot, lora_int_id)
+    original = executor.collective_rpc
+
+    def recording(method, timeout=None, args=(), kwargs=None):
+        if method == "load_lora":
+            slot, spec = args
+            loads.append((slot, spec.lora_int_id))
+        return original(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    monkeypatch.setattr(executor, "collective_rpc", recording)
+    a, b, c = requests["A"], requests["B"], requests["C"]
+    if pinned:
+        assert llm.llm_engine.add_lora(a) is True and llm.llm_engine.pin_lora(a.lora_int_id) is True
+    prompt = random_prompts(VOCAB, [9], seed=22)
+    for req in (a, b, c, a):
+        assert_matches_peft(tiny_llama_dir, llm.generate(as_inputs(prompt), GREEDY, use_tqdm=False, lora_request=req),
+                            prompt, [req])
+    ids = [lora_id for _, lora_id in loads]
+    slot = dict((lora_id, s) for s, lora_id in loads)
+    if pinned:
+        assert ids == [a.lora_int_id, b.lora_int_id, c.lora_int_id], loads
+        assert slot[c.lora_int_id] == slot[b.lora_int_id] != slot[a.lora_int_id], loads
+    else:
+        assert ids == [a.lora_int_id, b.lora_int_id, c.lora_int_id, a.lora_int_id], loads
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def _bad_adapter(case: str, root: Path, base: Path, good: Path) -> tuple[Path, list[str]]:
+    """The adapter folder of a refusal case and the patterns its error message must contain."""
+    out = root / f"bad_{case}"
+    if case == "missing_folder":
+        return out, [re.escape(str(out))]
+    if case == "no_adapter_config":
+        out.mkdir(exist_ok=True)
+        (out / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+        return out, [re.escape(str(out))]
+    if case == "rank_over_max_lora_rank":
+        return save_adapter(base, out, seed=21, r=32, lora_alpha=32), [r"\b32\b", "max_lora_rank"]
+    if case == "dora":
+        return save_adapter(base, out, seed=22, use_dora=True), ["use_dora"]
+    if case == "bias":
+        return save_adapter(base, out, seed=23, bias="all"), ["bias", "all"]
+    if case == "modules_to_save":
+        return save_adapter(base, out, seed=24, modules_to_save=["lm_head"]), ["modules_to_save", "lm_head"]
+    if case in ("embed_tokens", "lm_head"):  # as PEFT saves them: with the base layer's weight
+        other = {"embed_tokens": "q_proj", "lm_head": "v_proj"}[case]
+        return save_adapter(base, out, seed=25, target_modules=[other, case]), [case]
+    if case in ("embed_tokens_lora_only", "lm_head_lora_only"):  # save_embedding_layers=False: LoRA tensors only
+        module = case.removesuffix("_lora_only")
+        full = _bad_adapter(module, root, base, good)[0]
+        return copy_adapter(full, out, drop="base_layer"), [module]
+    if case == "one_tensor_misshapen":
+        name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+        wrong = torch.zeros(adapter_tensors(good)[name].shape[0] + 8, 16)
+        return copy_adapter(good, out, tensor_changes={name: wrong}), [r"layers\.1\.self_attn\.v_proj", "lora_B"]
+    if case == "other_hidden_size":
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from support.tiny_models import tiny_config_kwargs
+
+        if not out.exists():
+            other = AutoModelForCausalLM.from_config(LlamaConfig(**tiny_config_kwargs(hidden_size=48, tie_word_embeddings=False)))
+            make_adapter(other, out, seed=27)
+        return out, [r"layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj"]
+    raise AssertionError(case)
+
+
+BAD_CASES = ["missing_folder", "no_adapter_config", "rank_over_max_lora_rank", "dora", "bias", "modules_to_save",
+             "embed_tokens", "lm_head", "embed_tokens_lora_only", "lm_head_lora_only", "one_tensor_misshapen",
+             "other_hidden_size"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_a_bad_adapter_is_refused_by_name_and_breaks_nothing(case, llama, tiny_llama_dir, adapter, lora_root, requests):
+    """generate([good, bad]) raises a ValueError naming the field, value or tensor, before anything is
+    queued; the bad id is not listed; then a good adapter (the q/v subset, whose slot must hold nothing
+    of what was tried) still gives HF + PEFT's outputs."""
+    folder, patterns = _bad_adapter(case, lora_root, tiny_llama_dir, adapter(tiny_llama_dir, "all"))
+    bad = lora_request(f"bad-{case}", 100 + BAD_CASES.index(case), folder)
+    prompts = random_prompts(VOCAB, [8, 5], seed=19)
+    with pytest.raises(ValueError) as error:
+        llama.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=[requests["A"], bad])
+    message = str(error.value)
+    if case not in ("missing_folder", "no_adapter_config"):  # the folder's name is not what these must name
+        message = message.replace(str(folder), "<folder>")
+    for pattern in patterns:
+        assert re.search(pattern, message), (pattern, str(error.value))
+    assert not llama.llm_engine.has_unfinished_requests()
+    assert bad.lora_int_id not in llama.llm_engine.list_loras()
+    outputs = llama.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=requests["B"])
+    assert_matches_peft(tiny_llama_dir, outputs, prompts, [requests["B"]] * 2)
+
+
+def test_a_list_of_lora_requests_needs_one_per_prompt(llama, requests):
+    prompts = random_prompts(VOCAB, [4, 6, 5], seed=20)
+    for wrong in ([requests["A"]], [requests["A"], None, None, requests["B"]]):
+        with pytest.raises(ValueError, match="lora_request"):
+            llama.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=wrong)
+    assert not llama.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("settings, field", [(dict(max_loras=2, max_cpu_loras=1), "max_cpu_loras"),
+                                             (dict(max_lora_rank=12), "max_lora_rank"),
+                                             (dict(max_lora_rank=1024), "max_lora_rank")])
+def test_bad_lora_settings_are_refused(tiny_llama_dir, settings, field):
+    """max_cpu_loras below max_loras, and a max_lora_rank outside vLLM's list (1, 8, 16, ..., 512)."""
+    with pytest.raises(ValueError, match=field):
+        make_llm(tiny_llama_dir, **settings)
+
+
+@pytest.fixture(scope="module")
+def llama_without_lora(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), **OPTIONS)
+
+
+@pytest.mark.parametrize("method", ["generate", "chat", "enqueue", "beam_search", "add_request"])
+def test_lora_request_without_enable_lora_is_refused(llama_without_lora, requests, method):
+    """enable_lora=False (the default): a lora_request is refused naming enable_lora, nothing queued."""
+    llm = llama_without_lora
+    req, prompt = requests["A"], {"prompt_token_ids": [5, 6, 7]}
+    calls = {
+        "generate": lambda: llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=req),
+        "chat": lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, lora_request=req),
+        "enqueue": lambda: llm.enqueue([prompt], GREEDY, lora_request=req),
+        "beam_search": lambda: llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3), lora_request=req),
+        "add_request": lambda: llm.llm_engine.add_request("r0", prompt, GREEDY, lora_request=req),
+    }
+    with pytest.raises(ValueError, match="enable_lora"):
+        calls[method]()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("fixture, method, args", [("bert_embedder_llm", "embed", (["the cat sat"],)),
+                                                   ("bert_classifier_llm", "classify", (["the cat sat"],)),
+                                                   ("cross_encoder_llm", "score", ("the cat", "a dog"))])
+def test_pooling_models_refuse_lora_request(fixture, method, args, request, requests):
+    llm = request.getfixturevalue(fixture)
+    with pytest.raises(ValueError, match="lora_request"):
+        getattr(llm, method)(*args, use_tqdm=False, lora_request=requests["A"])
