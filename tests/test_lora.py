@@ -7,7 +7,7 @@ Llama and Qwen3 with an adapter on every projection, on a subset with per-module
 rsLoRA scaling; in batches mixing adapters and the base model with two device slots and with one (the
 adapters then run in turns); across prefix-cache hits; under asynchronous scheduling; at tensor
 parallel size 2; on mixture-of-experts models; through beam search, chat and enqueue. The engine's
-adapter controls and every refusal (bad adapters, bad settings, pooling models) are checked too.
+adapter controls and every refusal: tests/test_lora_controls.py (with this module's fixtures).
 """
 
 from __future__ import annotations
