@@ -99,7 +99,7 @@ def test_unknown_keyword_is_a_type_error_with_a_suggestion():
     (dict(lora_target_modules=["o_proj"]), "lora_target_modules=['o_proj']"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config="),
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-    (dict(scheduling_policy="priority"), "scheduling_policy='priority'"),
+    (dict(scheduling_policy="lifo"), "scheduling_policy='lifo'"),
     (dict(tokenizer_mode="mistral"), "tokenizer_mode='mistral'"),
     (dict(structured_outputs_config={"backend": "guidance"}), "'backend': 'guidance'"),
     (dict(weight_transfer_config={"backend": "ipc"}), "'backend': 'ipc'"),

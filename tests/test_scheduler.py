@@ -25,21 +25,25 @@ MAX_MODEL_LEN = 64
 TOKEN = 7  # what the made-up runner samples unless told otherwise
 
 
-def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32, prefix_caching: bool = True) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32, prefix_caching: bool = True,
+                   priority: bool = False) -> Scheduler:
     seq_ids = itertools.count()
 
     def new_sequence(request: Request, index: int) -> Sequence:
         return Sequence(next(seq_ids), index, request, request.prompt_token_ids)
 
     kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
-    return Scheduler(kv, max_num_seqs, budget, eos_token_ids=frozenset({EOS}), new_sequence=new_sequence)
+    return Scheduler(kv, max_num_seqs, budget, eos_token_ids=frozenset({EOS}), new_sequence=new_sequence,
+                     priority=priority)
 
 
-def add(scheduler: Scheduler, prompt: list[int], max_tokens: int | None = 8, n: int = 1, **params) -> Request:
+def add(scheduler: Scheduler, prompt: list[int], max_tokens: int | None = 8, n: int = 1, priority: int = 0,
+        **params) -> Request:
     """A request as the engine's intake makes it: stop ids with eos, the length limit, n sequences."""
     sp = SamplingParams(n=n, max_tokens=max_tokens, **params)
     sp.all_stop_token_ids = set(sp.stop_token_ids) | {EOS}
     request = Request(f"r{len(scheduler.waiting) + len(scheduler.running)}", None, list(prompt), sp)
+    request.priority = priority
     request.max_output_tokens = max_output_tokens(max_tokens, len(prompt), MAX_MODEL_LEN)
     request.sequences = [scheduler.new_sequence(request, i) for i in range(n)]
     scheduler.add(request)

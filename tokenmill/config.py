@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as
 # vLLM without calibrated scales): half the bytes of bf16, so twice the cache, at the cost of 3
 # mantissa bits on every cached key and value. (Decode attention over it is not faster yet: the
@@ -91,6 +92,9 @@ class EngineArgs(_VllmOnlyArguments):
     # False: a prompt is admitted only when all of it fits one step (max_num_batched_tokens is
     # then raised to max_model_len); None / True: long prompts are computed in chunks.
     enable_chunked_prefill: bool | None = None
+    # "priority": waiting requests go by their priority (lower first), then arrival, and running out of
+    # KV blocks preempts the lowest-priority running request (vLLM's rules); "fcfs": arrival order.
+    scheduling_policy: str = "fcfs"
     # GiB of each rank's weights kept in pinned CPU memory and streamed to the GPU layer by layer
     # ahead of use (tokenmill/worker/offload.py); ignored on the CPU, where weights live anyway.
     cpu_offload_gb: float = 0
@@ -166,6 +170,8 @@ class EngineArgs(_VllmOnlyArguments):
     def validate(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
         _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
+        _check(self.scheduling_policy in _SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+               f"one of {_SCHEDULING_POLICIES}")
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
@@ -276,6 +282,7 @@ class EngineConfig:
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs per position a request may ask for; -1: vocab_size
     # False: a prompt is admitted only when all of it fits one step.
     chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority" (engine/waiting_queue.py)
     cpu_offload_bytes: int = 0  # of each rank's weights, streamed from pinned CPU memory (worker/offload.py)
     num_gpu_blocks_override: int | None = None
     log_stats: bool = False  # collect the metrics of LLM.get_metrics() (tokenmill/metrics/)
@@ -415,6 +422,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs,
         chunked_prefill=chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
         cpu_offload_bytes=int(args.cpu_offload_gb * 2**30),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         log_stats=not args.disable_log_stats,

@@ -185,7 +185,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "max_long_partial_prefills": inert(1, _TUNING),
     "long_prefill_token_threshold": inert(0, _TUNING),
     "disable_chunked_mm_input": inert(False, _MM),
-    "scheduling_policy": only("fcfs", "requests are scheduled first come, first served"),
+    "scheduling_policy": ours("fcfs"),
     "scheduler_cls": only(None, "tokenmill's scheduler is fixed"),
     "scheduler_reserve_full_isl": inert(True, "a request is admitted only if its whole sequence fits the KV cache"),
     "prefill_schedule_interval": inert(1, _TUNING),

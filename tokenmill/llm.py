@@ -98,13 +98,14 @@ class LLM(PoolingMethods, EngineControlMethods):
 
         vLLM's keywords: ``lora_request``: a `LoRARequest` for every prompt, or one (or None) per
         prompt (needs ``LLM(enable_lora=True)``); ``tokenization_kwargs`` go to the tokenizer for
-        text prompts; ``priority`` (one int per prompt) is checked and, as in vLLM under
-        first-come-first-served scheduling, has no effect; ``mm_processor_kwargs`` must be None (text only).
+        text prompts; ``priority`` (one int per prompt, lower first) orders the requests under
+        ``LLM(scheduling_policy="priority")`` and, as in vLLM under first-come-first-served
+        scheduling, has no effect otherwise; ``mm_processor_kwargs`` must be None (text only).
         """
         self._refuse_pooling_model("generate")
         prompts = self._prepared(prompt_list(prompts), priority, tokenization_kwargs, mm_processor_kwargs)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm,
-                         _adapters(lora_request, len(prompts)))
+                         _adapters(lora_request, len(prompts)), priority)
 
     def chat(
         self,
@@ -178,7 +179,7 @@ class LLM(PoolingMethods, EngineControlMethods):
         """Queue prompts without running them; returns their request ids (all or none are queued)."""
         prompts = self._prepared(prompt_list(prompts), priority, tokenization_kwargs, mm_processor_kwargs)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)),
-                           adapters=_adapters(lora_request, len(prompts)))
+                           adapters=_adapters(lora_request, len(prompts)), priorities=priority)
         self._queued.update(dict.fromkeys(ids))
         return ids
 
@@ -198,8 +199,8 @@ class LLM(PoolingMethods, EngineControlMethods):
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
-        """Queue conversations without running them (vLLM's argument order, ``priority`` included:
-        checked, no effect under first-come-first-served); returns their request ids."""
+        """Queue conversations without running them (vLLM's argument order; ``priority`` as in
+        generate); returns their request ids."""
         prompts = self._chat_prompts(messages, chat_template, add_generation_prompt, continue_final_message, tools,
                                      chat_template_kwargs, chat_template_content_format)
         return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm, tokenization_kwargs,
@@ -340,9 +341,10 @@ class LLM(PoolingMethods, EngineControlMethods):
     def _submit(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, adapters: Sequence[Any] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[str]:
         """Add every request to the engine, or none: one invalid prompt rejects the whole call.
-        ``adapters``: each prompt's LoRARequest or None.
+        ``adapters``: each prompt's LoRARequest or None; ``priorities``: each prompt's priority.
 
         Like vLLM's LLM, the batch methods collect final outputs only, whatever output_kind says.
         """
@@ -358,7 +360,8 @@ class LLM(PoolingMethods, EngineControlMethods):
                         copies[id(sp)] = sp.clone(output_kind=kind)
                     sp = copies[id(sp)]
                 lora = adapters[index] if adapters is not None else None
-                engine.add_request(request_id, prompt, sp, lora_request=lora, index=index)
+                priority = priorities[index] if priorities is not None else 0
+                engine.add_request(request_id, prompt, sp, lora_request=lora, priority=priority, index=index)
         except Exception:
             engine.abort_request(ids)
             raise
@@ -366,9 +369,9 @@ class LLM(PoolingMethods, EngineControlMethods):
 
     def _run(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
-        use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None,
+        use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None, priorities: Sequence[int] | None = None,
     ) -> list[Any]:
-        return self._collect(self._submit(prompts, params, adapters=adapters), use_tqdm)
+        return self._collect(self._submit(prompts, params, adapters=adapters, priorities=priorities), use_tqdm)
 
     def _step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step. Outputs of enqueued requests that finish here, during some other call,

@@ -81,6 +81,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,
             eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
             max_loras=config.lora.max_loras if config.lora is not None else None,
+            priority=config.scheduling_policy == "priority",
         )
         self.adapters = _adapter_book(config, self.executor)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -116,7 +117,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         With `BeamSearchParams` the request is a beam search (see `tokenmill.engine.beam_search`).
         vLLM's keywords: ``arrival_time`` (wall-clock ``time.time()`` seconds, as vLLM's) dates the
         request for its metrics (kept on the engine's monotonic clock); ``tokenization_kwargs`` go to
-        the tokenizer for a text prompt; ``prompt_text`` is a token prompt's text for its output; ``priority`` is checked and, under first-come-first-served
+        the tokenizer for a text prompt; ``prompt_text`` is a token prompt's text for its output; ``priority`` (lower
+        first) orders the waiting requests under ``scheduling_policy="priority"`` and, under first-come-first-served
         scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request``: the
         request's LoRA adapter (a `tokenmill.lora.request.LoRARequest`; needs ``LLM(enable_lora=True)``).
         """
@@ -132,6 +134,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
                 raise ValueError(f"lora_request={lora_request!r} needs an engine started with enable_lora=True "
                                  "(LLM(model, enable_lora=True, max_lora_rank=...))")
             request.adapter, request.lora_request = self.adapters.register(lora_request), lora_request
+        request.priority = priority
         if arrival_time is not None:
             request.arrival_time = time.monotonic() - (time.time() - float(arrival_time))
         if prompt_text is not None and request.prompt is None:

@@ -145,6 +145,8 @@ class Request(Generic[ParamsT]):
     max_output_tokens: int = sys.maxsize
     # The prompt's cache_salt: its blocks are shared only with prompts of the same salt.
     cache_salt: str | None = None
+    # vLLM's priority (lower first): orders the waiting queue under scheduling_policy="priority".
+    priority: int = 0
     # Its LoRA adapter: the user's LoRARequest (for its outputs) and the checked adapter (tokenmill/lora/).
     lora_request: Any = None
     adapter: "AdapterSpec | None" = None

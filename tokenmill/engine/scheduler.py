@@ -31,6 +31,7 @@ from typing import Callable, Protocol
 
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.step import ScheduledSequence, SchedulerOutput, StepResult
+from tokenmill.engine.waiting_queue import PriorityWaitingQueue, priority_key
 from tokenmill.repetition_detection import FINISH_REASON as REPETITION, STOP_REASON as REPETITION_DETECTED
 from tokenmill.repetition_detection import ends_in_repetition
 
@@ -91,6 +92,7 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         new_sequence: Callable[[Request, int], Sequence] | None = None,
         max_loras: int | None = None,
+        priority: bool = False,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -103,7 +105,11 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         # With LoRA: the most adapters the running sequences may use (every step runs them all).
         self.max_loras = max_loras
-        self.waiting: deque[Sequence] = deque()
+        # scheduling_policy="priority": waiting sequences leave by their request's priority (lower
+        # first), then arrival, and a step that runs out of blocks preempts the lowest-priority
+        # running sequence; otherwise first come, first served, preempting the newest.
+        self.priority = priority
+        self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
@@ -128,15 +134,21 @@ class Scheduler:
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.allocate(seq, num):
-                victim = self.running.pop()
+                at = self._victim_index()
+                victim = self.running.pop(at)
+                if at < i:  # already passed this step (priority policy): give back what it was given
+                    i -= 1
+                    taken = next((k for k, item in enumerate(scheduled) if item.seq is victim), None)
+                    if taken is not None:
+                        budget += scheduled.pop(taken).num_tokens
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
-                    break
+                    break  # the next running sequence now sits at index i
             else:
                 scheduled.append(self._schedule(seq, num))
                 budget -= num
-            i += 1
+                i += 1
 
         if not preempted:  # admitting new work right after running out of blocks would thrash
             budget = self._admit_waiting(scheduled, budget)
@@ -292,6 +304,13 @@ class Scheduler:
         if seq.params.skip_reading_prefix_cache:
             return []  # asked for (it still commits its own blocks for later requests)
         return self.kv.find_cached_prefix(seq)
+
+    def _victim_index(self) -> int:
+        """The running sequence to preempt: the newest, or under the priority policy the one of the
+        lowest priority (the latest arrival among equals), as vLLM."""
+        if not self.priority:
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda k: priority_key(self.running[k]))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
