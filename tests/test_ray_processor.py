@@ -243,6 +243,28 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
     assert "'messages' is not a JSON list of messages" in out[2]["__inference_error__"]
 
 
+def test_replica_udf_rows_pick_their_lora_adapter_by_model(tiny_llama_dir, tmp_path):
+    """Ray's rule: a row's 'model' other than the base model names an adapter folder under
+    dynamic_lora_loading_path; each row matches LLM.generate with that adapter (or none)."""
+    from support.lora_adapters import save_adapter
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.ray.replica import TokenmillReplica
+
+    folder = save_adapter(tiny_llama_dir, tmp_path / "sql", seed=5, r=8, lora_alpha=16, std=0.3)
+    engine = {"dtype": "float32", "device": "cpu", **ENGINE, "enable_lora": True}
+    replica = TokenmillReplica(str(tiny_llama_dir), engine, "generate", None, True, None, None, True, lora_root=str(tmp_path))
+    row = {"prompt": "the cat sat", "sampling_params": GREEDY}
+    out = _call(replica, [{**row, "model": "sql"}, {**row, "model": None}, {**row, "model": str(tiny_llama_dir)},
+                          {**row, "model": "nope"}])
+    reference = LLM(str(tiny_llama_dir), **engine)
+    with_adapter, base = (reference.generate("the cat sat", SamplingParams(**GREEDY), use_tqdm=False, lora_request=lora)[0]
+                          for lora in (LoRARequest("sql", 1, str(folder)), None))
+    assert with_adapter.outputs[0].token_ids != base.outputs[0].token_ids
+    assert out[0]["generated_tokens"] == with_adapter.outputs[0].token_ids and out[0]["__inference_error__"] == ""
+    assert out[1]["generated_tokens"] == out[2]["generated_tokens"] == base.outputs[0].token_ids
+    assert "nope" in out[3]["__inference_error__"] and out[3]["generated_tokens"] == []
+
+
 def test_replica_udf_classify_and_score(tiny_bert_classifier_dir, bert_classifier_llm, tiny_cross_encoder_dir,
                                         cross_encoder_llm):
     out = _call(_replica(tiny_bert_classifier_dir, "classify"), [{"prompt": "the cat sat"}, {"prompt": ""}, {"prompt": None}])

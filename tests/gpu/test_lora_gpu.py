@@ -133,3 +133,25 @@ def test_lora_on_fp8_weights_agrees_with_bf16_where_the_margin_is_clear(tmp_path
                                     prompts, 16, lora_request=request)
     clear = [agree for gap, agree, _, _ in rows if gap > 1.0]
     assert len(clear) >= 30 and sum(clear) >= 0.97 * len(clear), (len(clear), sum(clear))
+
+
+def test_sleep_puts_the_adapter_slots_away_and_waking_keeps_them(lora_model):
+    """The slots (every adapted layer's A and B) are the layers' buffers: sleep(level=1) frees their
+    GPU memory with the weights', and after wake_up the adapters loaded before give the same tokens."""
+    base, every, some = lora_model
+    llm = LLM(base, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, enable_lora=True,
+              max_loras=2, max_lora_rank=64)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(8, seed=7)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    adapters = [(every, some, None)[i % 3] for i in range(len(prompts))]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)]
+    slots = [m.lora for m in llm.llm_engine.executor.runner.model.modules() if getattr(m, "lora", None) is not None]
+    slot_bytes = sum(u.a.nbytes + u.b.nbytes for u in slots)
+    assert slots and slot_bytes > 8 * 2**20
+    before = torch.cuda.memory_allocated()
+    llm.sleep(level=1)
+    assert all(u.a.device.type == "cpu" and u.b.device.type == "cpu" for u in slots)
+    assert before - torch.cuda.memory_allocated() > slot_bytes
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False,
+                                                         lora_request=adapters)] == expected

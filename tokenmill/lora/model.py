@@ -57,6 +57,9 @@ class ModelLoRA:
             in_rank = module.input_size_per_partition if row else module.input_size
             out_rank = module.output_size if row else module.output_size_per_partition
             module.lora = LoRAUpdate(self.batch, in_rank, out_rank, len(parts), max_rank, dtype, device)
+            # Buffers of the layer (not saved with it): LLM.sleep puts them away with the weights.
+            module.register_buffer("lora_a", module.lora.a, persistent=False)
+            module.register_buffer("lora_b", module.lora.b, persistent=False)
             for sublayer, (hf_name, shard) in enumerate(parts):
                 self.targets[hf_name] = _Target(module, sublayer, shard, module.input_size, _full_out(module, shard))
         model.register_forward_pre_hook(self._begin)

@@ -47,6 +47,9 @@ class TokenmillProcessorConfig:
     apply_chat_template: bool = True  # render 'messages' with the model's chat template
     chat_template: str | None = None  # a template instead of the model's
     should_continue_on_error: bool = True  # a bad row becomes an error row (False: it fails the dataset)
+    # LoRA (engine_kwargs enable_lora=True): a row's 'model' other than model_source names its adapter, the
+    # folder dynamic_lora_loading_path/<model> (or the folder <model> itself when this is None), as in Ray's.
+    dynamic_lora_loading_path: str | None = None
     # Accepted for vLLM configs; tokenmill's engine tokenizes and detokenizes itself.
     tokenize: bool = True
     detokenize: bool = True

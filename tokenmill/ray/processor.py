@@ -100,6 +100,7 @@ def replica_map_kwargs(config: TokenmillProcessorConfig) -> dict[str, Any]:
             # A CPU replica's torch threads match its cores, so replicas do not oversubscribe the node.
             num_threads=max(1, int(num_cpus)) if num_gpus == 0 else None,
             continue_on_error=config.should_continue_on_error,
+            lora_root=config.dynamic_lora_loading_path,
         ),
         batch_size=config.batch_size, batch_format="pyarrow", zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.ray.rows import RowJob, RowProblem, column_types, generation_parts, pooling_job, result_columns
+from tokenmill.ray.rows import AdapterNames, RowJob, RowProblem, column_types, generation_parts, pooling_job, result_columns
 
 
 @dataclass
@@ -93,7 +93,7 @@ class EngineThread:
         added: list[str] = []
         try:
             for request_id, prompt, params in job.parts:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, lora_request=job.lora)
                 added.append(request_id)
                 running[request_id] = (ticket, job)
         except Exception as e:  # a request the engine refuses (too long, invalid): this row only
@@ -116,7 +116,7 @@ class TokenmillReplica:
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task: str, chat_template: str | None,
                  apply_chat_template: bool, max_pending_requests: int | None, num_threads: int | None,
-                 continue_on_error: bool):
+                 continue_on_error: bool, lora_root: str | None = None):
         if num_threads is not None:
             import torch
 
@@ -127,6 +127,7 @@ class TokenmillReplica:
         self.task = task
         self.chat_template, self.apply_chat_template = chat_template, apply_chat_template
         self.continue_on_error = continue_on_error
+        self.adapters = AdapterNames(model_source, lora_root)
         self.pooling_rows = None
         if task != "generate":
             from tokenmill.batch.pooling import PoolingRows
@@ -158,7 +159,7 @@ class TokenmillReplica:
             parts, text = generation_parts(row, f"{prefix}{position}", self.llm, self.chat_template, self.apply_chat_template)
             # One output per request, when it finishes (as LLM.generate asks for).
             parts = [(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY)) for rid, prompt, params in parts]
-            return RowJob(position, parts=parts, prompt_text=text)
+            return RowJob(position, parts=parts, prompt_text=text, lora=self.adapters.adapter(row))
         except RowProblem as e:
             return RowJob(position, error=str(e), prompt_text=row.get("prompt") if isinstance(row.get("prompt"), str) else None)
 

@@ -3,7 +3,8 @@
 A generation row holds ``messages`` (chat, rendered with the model's template), ``prompt`` (text)
 or ``prompt_token_ids`` (``tokenized_prompt``, Ray's name, too), and optionally
 ``sampling_params`` (a dict, a JSON object or a `SamplingParams`; without it the model's
-generation_config defaults, as `LLM.generate`). Pooling rows hold ``prompt`` or
+generation_config defaults, as `LLM.generate`) and ``model``: a LoRA adapter's name (Ray's rule:
+any value but the base model's names one; `AdapterNames`). Pooling rows hold ``prompt`` or
 ``prompt_token_ids`` (embed, classify) or ``text_1`` and ``text_2`` (score), and optionally
 ``pooling_params``; they are translated by the batch job's `PoolingRows`, so both paths agree.
 
@@ -47,6 +48,7 @@ class RowJob:
     error: str | None = None
     prompt_text: str | None = None
     pooling_request: Any = None  # the batch job's RowRequest of a pooling row
+    lora: Any = None  # the LoRARequest its 'model' names (generation rows)
 
     @property
     def done(self) -> bool:
@@ -92,6 +94,29 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise RowProblem("'prompt_token_ids' must be a list of integers")
     return [(request_id, {"prompt_token_ids": ids}, params)], None
+
+
+class AdapterNames:
+    """A row's ``model`` → its LoRARequest: the folder ``<lora_root>/<model>`` (``<model>`` itself without
+    a root), ids 1, 2, ... by first appearance. None, "" and the base model's name mean no adapter."""
+
+    def __init__(self, model_source: str, lora_root: str | None):
+        self.model_source = model_source
+        self.lora_root = lora_root
+        self._ids: dict[str, int] = {}
+
+    def adapter(self, row: dict[str, Any]) -> Any:
+        name = row.get("model")
+        if name is None or name == "" or name == self.model_source:
+            return None
+        if not isinstance(name, str):
+            raise RowProblem(f"'model' must be a LoRA adapter's name (a string), got {type(name).__name__}")
+        import os
+
+        from tokenmill.lora.request import LoRARequest
+
+        lora_id = self._ids.setdefault(name, len(self._ids) + 1)
+        return LoRARequest(name, lora_id, os.path.join(self.lora_root, name) if self.lora_root else name)
 
 
 def _sampling_params(value: Any, llm: Any) -> Any:
