@@ -9,6 +9,7 @@ plan is launched, then `update_from_output` with the sampled ids the test makes 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import pytest
 import torch
@@ -276,3 +277,36 @@ def test_a_mixed_step_lists_its_decodes_before_its_prompt_chunks(num_blocks):
         scheduler.update_from_output(launch(scheduler, plan))
     assert mixed >= 5
     assert (scheduler.num_preemptions > 0) == (num_blocks == 14)
+
+
+class _CountingDeque(deque):
+    pops = 0
+
+    def popleft(self):
+        self.pops += 1
+        return super().popleft()
+
+
+def test_at_most_max_loras_adapters_run_and_a_long_queue_of_others_is_not_rescanned():
+    """max_loras=1: sequences of a second adapter wait while the first one's run (a step never mixes
+    them), every request finishes, and a step steps over at most max_num_seqs of the waiting ones
+    (not all 60 of them, every step)."""
+    from types import SimpleNamespace
+
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=2, budget=64)
+    scheduler.max_loras = 1
+    scheduler.waiting = _CountingDeque()
+    first = add(scheduler, prompt(4), max_tokens=3)
+    others = [add(scheduler, prompt(4, 20 + i), max_tokens=3) for i in range(60)]
+    last = add(scheduler, prompt(4, 90), max_tokens=3)
+    for request, uid in [(first, 1), *((r, 2) for r in others), (last, 1)]:
+        request.adapter = SimpleNamespace(uid=uid, cache_key=f"adapter {uid}")
+    plan = step(scheduler)
+    assert {item.seq.request.lora_id for item in plan.scheduled} == {1}
+    assert scheduler.waiting.pops <= 1 + scheduler.max_num_seqs  # first, then two of the other adapter's
+    while scheduler.has_unfinished():
+        before = scheduler.waiting.pops
+        plan = step(scheduler)
+        assert len({item.seq.request.lora_id for item in plan.scheduled}) <= 1
+        assert scheduler.waiting.pops - before <= 2 * scheduler.max_num_seqs + 1
+    assert all(r.is_finished for r in [first, last, *others])

@@ -244,15 +244,22 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[ScheduledSequence[Sequence]], budget: int) -> int:
         held_back: list[Sequence] = []
         adapters = {s.request.lora_id for s in self.running} - {0} if self.max_loras is not None else set()
+        other_adapters = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            # On hold, preempted with a token in flight, a sample waiting for sample 0's prompt, or
-            # an adapter that would be one more than the max_loras the running sequences may use.
-            lora_id = seq.request.lora_id
-            if seq.on_hold or seq.num_inflight or self._waits_for_lead(seq) or (
-                lora_id and lora_id not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras
-            ):
+            # On hold, preempted with a token in flight, or a sample waiting for sample 0's prompt.
+            if seq.on_hold or seq.num_inflight or self._waits_for_lead(seq):
                 held_back.append(seq)
+                continue
+            lora_id = seq.request.lora_id
+            if lora_id and self.max_loras is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
+                # Its adapter would be one more than the running sequences may use: it waits. Only so
+                # many of these are stepped over a step, so a long queue of other adapters' requests
+                # costs no scan of the whole queue every step.
+                held_back.append(seq)
+                other_adapters += 1
+                if other_adapters >= self.max_num_seqs:
+                    break
                 continue
             prefix = self._shareable_prefix(seq)
             needed = seq.num_tokens - len(prefix) * self.kv.block_size
