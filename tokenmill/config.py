@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
+_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as
 # vLLM without calibrated scales): half the bytes of bf16, so twice the cache, at the cost of 3
 # mantissa bits on every cached key and value. (Decode attention over it is not faster yet: the
@@ -119,6 +120,8 @@ class EngineArgs(_VllmOnlyArguments):
     disable_log_stats: bool = True
     tokenizer_mode: str = "auto"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary
+    # What sample logprobs report: the raw model's (default) or the distribution drawn from (worker/sampler.py).
+    logprobs_mode: str = "raw_logprobs"
     # Pooling models (vLLM's names; see tokenmill/pooling/config.py).
     runner: str = "auto"  # "auto" | "generate" | "pooling"
     convert: str = "auto"  # "auto" | "none" | "embed" | "classify"
@@ -172,6 +175,7 @@ class EngineArgs(_VllmOnlyArguments):
         _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
         _check(self.scheduling_policy in _SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
                f"one of {_SCHEDULING_POLICIES}")
+        _check(self.logprobs_mode in _LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, f"one of {_LOGPROBS_MODES}")
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
@@ -283,6 +287,7 @@ class EngineConfig:
     # False: a prompt is admitted only when all of it fits one step.
     chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "priority" (engine/waiting_queue.py)
+    logprobs_mode: str = "raw_logprobs"  # what sample logprobs report (worker/sampler.py)
     cpu_offload_bytes: int = 0  # of each rank's weights, streamed from pinned CPU memory (worker/offload.py)
     num_gpu_blocks_override: int | None = None
     log_stats: bool = False  # collect the metrics of LLM.get_metrics() (tokenmill/metrics/)
@@ -423,6 +428,7 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         max_logprobs=args.max_logprobs,
         chunked_prefill=chunked_prefill,
         scheduling_policy=args.scheduling_policy,
+        logprobs_mode=args.logprobs_mode,
         cpu_offload_bytes=int(args.cpu_offload_gb * 2**30),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         log_stats=not args.disable_log_stats,

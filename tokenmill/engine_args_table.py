@@ -133,7 +133,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "max_parallel_loading_workers": inert(None, _TUNING),
     "enable_prompt_embeds": only(False, "prompts are text or token ids; prompt_embeds are refused"),
     "max_logprobs": ours(20),
-    "logprobs_mode": only("raw_logprobs", "logprobs are the model's raw log-probabilities (vLLM's default)"),
+    "logprobs_mode": ours("raw_logprobs"),
     "use_fp64_gumbel": inert(False, "draws are exponential races on Philox noise (docs/architecture.md), not Gumbel noise"),
     "logits_processors": ours(),
     "io_processor_plugin": only(None, "prompts and outputs are text or token ids; there are no IO processor plugins"),

@@ -55,6 +55,8 @@ class Intake:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if beam_params is None:
             params = self._check_logprobs(params, where)
+            if params.best_of is not None and params.best_of > params.n:
+                self._refuse_logits_mode(f"best_of={params.best_of}", where)
         for processor in self.config.logits_processors:  # vLLM's validate_params, where a class has it
             try:
                 getattr(processor, "validate_params", lambda params: None)(params)
@@ -185,7 +187,15 @@ class Intake:
                 "more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
             )
 
+    def _refuse_logits_mode(self, what: str, where: str) -> None:
+        """Beams and best_of rank candidates by summed logprobs, which logits modes do not report."""
+        mode = self.config.logprobs_mode
+        if mode.endswith("_logits"):
+            raise ValueError(f"{where}: {what} ranks by log-probabilities, but the engine reports logits "
+                             f"(logprobs_mode={mode!r}); use 'raw_logprobs' or 'processed_logprobs'")
+
     def _beam_sampling_params(self, params: BeamSearchParams, where: str) -> SamplingParams:
+        self._refuse_logits_mode("a beam search", where)
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(
                 f"{where}: BeamSearchParams.beam_width={params.beam_width} is invalid: must be <= max_num_seqs "

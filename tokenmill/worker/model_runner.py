@@ -51,9 +51,11 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype,
         overlap: Overlap = Overlap(),
         lora: bool = False,
+        logprobs_mode: str = "raw_logprobs",
     ):
         self.model = model
         self.lora = lora  # the model has LoRA updates: each step tells them each token's adapter slot
+        self.logprobs_mode = logprobs_mode  # LLM(logprobs_mode=...): what sample logprobs report
         self.backend = backend
         self.device = device
         self.dtype = dtype
@@ -373,6 +375,7 @@ class ModelRunner:
             # a row with logprob_token_ids needs them too, but no top ones (its ids replace them).
             max_num_logprobs=max((0 if p.logprobs is None or p.logprob_token_ids else p.logprobs for p in params
                                   if p.logprobs is not None or p.best_of is not None or p.logprob_token_ids), default=-1),
+            logprobs_mode=self.logprobs_mode,
         )
         if not all_greedy:
             batch.draw_keys, batch.draw_counters = self._draw_keys(seqs)

@@ -5,6 +5,13 @@ each row's logprob_token_ids, gathered by ids kept on the device); then the logi
 (allowed_token_ids, logit_bias, bad_words, logits_processors), penalties, the min_tokens mask,
 greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a draw.
 
+``LLM(logprobs_mode=...)`` (vLLM's; RL loops compare the sampled distribution with the trainer's):
+``raw_logprobs`` as above, ``raw_logits`` the raw logits themselves; ``processed_logprobs`` /
+``processed_logits`` those of the distribution the tokens are drawn from: after the controls and
+penalties and, unless every row is greedy, temperature (1 for greedy rows) and the filters, the
+cut tokens at -inf. Those steps then run in torch on the logits (`_processed`) and the draw reads
+the result, so every token drawn is one the reported distribution allows.
+
 Nothing here reads the device back or rebuilds per-sequence state from Python lists: a logit bias
 (logit_bias, allowed_token_ids), the penalties' counts and prompt tokens and the recent ids that
 bad words need live on the device, per sequence (``sampling_state.py``); bans (bad words, eos
@@ -71,6 +78,8 @@ class SamplingBatch:
     rank_within_grammar: torch.Tensor | None = None
     # LLM(logits_processors=...): their apply, on the float32 logits of every row.
     batch_processors: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # What logprobs report (LLM(logprobs_mode=...), vLLM's four modes; see the module docstring).
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def filters(self) -> Filters | None:
@@ -80,7 +89,12 @@ class SamplingBatch:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] in the model's dtype (the step's own: bans are applied to them in place)."""
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if batch.max_num_logprobs >= 0 else None
+        mode = batch.logprobs_mode if batch.max_num_logprobs >= 0 else None
+        raw_logprobs = None
+        if mode == "raw_logprobs":
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        elif mode == "raw_logits":
+            raw_logprobs = logits.float().clone()  # a copy: the bans below write into the logits
         state = batch.state
         if batch.grammar_bitmask is not None or batch.processors or batch.batch_processors:
             # Structured outputs and Python processors see float32 logits with the controls before
@@ -103,7 +117,10 @@ class Sampler:
             logits = batch.batch_processors(logits)
         if batch.banned is not None:
             logits[batch.banned[0], batch.banned[1]] = float("-inf")
-        if logits.is_cuda:
+        if mode in ("processed_logprobs", "processed_logits"):
+            token_ids, processed = self._processed(logits, batch, state)
+            raw_logprobs = processed if mode == "processed_logits" else torch.log_softmax(processed, dim=-1)
+        elif logits.is_cuda:
             token_ids = self._sample_on_gpu(logits, batch, state)
         else:
             token_ids = self._sample_on_cpu(logits, batch, state)
@@ -153,35 +170,38 @@ class Sampler:
     @staticmethod
     def _sample_on_cpu(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
         """The same steps in plain torch, from the same per-sequence state."""
-        if state is not None:
-            logits = logits.float()
-            if batch.bias_rows is not None and bool((state.bias_slots >= 0).any()):
-                logits = logits.clone()
-                apply_bias(logits, state.bias, batch.bias_rows)
-            if batch.penalty_rows is not None:
-                logits = apply_penalties(logits, state, batch.penalty_rows)
-        return logits.argmax(dim=-1) if batch.all_greedy else Sampler._draw(logits, batch)
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """A sample per row (greedy rows: the argmax), after temperature and the top-k/top-p/min-p filters."""
+        logits = _with_state(logits, batch, state)
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
         temperature = batch.temperature
         if batch.top_k is not None:
             # The filters act on the tempered distribution: scale first, then draw at temperature 1.
             # A greedy row stays greedy (temperature 0), and every filter keeps its top token.
-            # (On the CPU, asking the tensors which filters are on costs nothing.)
-            logits = logits.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
-            if batch.max_top_k > 0:
-                logits = _top_k(logits, batch.top_k, batch.max_top_k)
-            if bool((batch.top_p < 1.0).any()):
-                logits = _top_p(logits, batch.top_p)
-            if bool((batch.min_p > 0.0).any()):
-                # min-p keeps exp(s - max) >= min_p, i.e. s >= max + log(min_p) (the kernels' form).
-                cut = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
-                logits = logits.masked_fill(logits < cut, float("-inf"))
+            logits = _filtered(logits.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None], batch)
             temperature = (temperature > 0.0).to(torch.float32)
         assert batch.draw_keys is not None and batch.draw_counters is not None, "a sampled row needs its draw key"
         return _exponential_race(logits, temperature, batch.draw_keys, batch.draw_counters)
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens and the float32 logits they are drawn from (``processed_*`` logprobs modes): the
+        per-sequence state applied; unless every row is greedy, divided by the temperature (1 for
+        greedy rows, which take the argmax) and filtered. The draw then needs no state or filters."""
+        processed = _with_state(logits, batch, state).float()
+        if batch.all_greedy:
+            return processed.argmax(dim=-1), processed
+        temperature = batch.temperature
+        processed = processed / torch.where(temperature == 0.0, 1.0, temperature)[:, None]
+        if batch.top_k is not None:
+            processed = _filtered(processed, batch)
+        keys, counters = batch.draw_keys, batch.draw_counters
+        assert keys is not None and counters is not None, "a sampled row needs its draw key"
+        unit = (temperature > 0.0).to(torch.float32)
+        if processed.is_cuda:
+            from tokenmill.kernels.triton.sampling import sample_tokens
+
+            return sample_tokens(processed, unit, keys, counters), processed
+        return _exponential_race(processed, unit, keys, counters), processed
 
     @staticmethod
     def _with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int,
@@ -194,6 +214,33 @@ class Sampler:
         ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
         top_logprobs, top_ids = (logprobs if ranked is None else ranked).topk(k, dim=-1) if k > 0 else (None, None)
         return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
+
+
+def _with_state(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
+    """The logits with the rows' logit bias and penalties from the per-sequence state (torch)."""
+    if state is None:
+        return logits
+    logits = logits.float()
+    if batch.bias_rows is not None and bool((state.bias_slots >= 0).any()):
+        logits = logits.clone()
+        apply_bias(logits, state.bias, batch.bias_rows)
+    if batch.penalty_rows is not None:
+        logits = apply_penalties(logits, state, batch.penalty_rows)
+    return logits
+
+
+def _filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """top-k, then top-p, then min-p on tempered float32 logits (cut tokens at -inf)."""
+    assert batch.top_k is not None and batch.top_p is not None and batch.min_p is not None
+    if batch.max_top_k > 0:
+        logits = _top_k(logits, batch.top_k, batch.max_top_k)
+    if bool((batch.top_p < 1.0).any()):
+        logits = _top_p(logits, batch.top_p)
+    if bool((batch.min_p > 0.0).any()):
+        # min-p keeps exp(s - max) >= min_p, i.e. s >= max + log(min_p) (the kernels' form).
+        cut = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
+        logits = logits.masked_fill(logits < cut, float("-inf"))
+    return logits
 
 
 def _exponential_race(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,

@@ -78,6 +78,7 @@ class Worker:
             overlap=Overlap.from_env() if self.tp_size == 1 and self.offloader is None and self.lora is None
             else Overlap(),
             lora=self.lora is not None,
+            logprobs_mode=config.logprobs_mode,
         )
         if config.logits_processors and rank == 0:  # rank 0 samples
             from tokenmill.logits_processor import BatchLogitsProcessors
