@@ -96,7 +96,7 @@ def test_unknown_keyword_is_a_type_error_with_a_suggestion():
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    (dict(lora_target_modules=["o_proj"]), "lora_target_modules=['o_proj']"),
+    (dict(enable_prompt_embeds=True), "enable_prompt_embeds=True"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config="),
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
     (dict(scheduling_policy="lifo"), "scheduling_policy='lifo'"),

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.lora_adapters import adapter_tensors, copy_adapter, make_adapter, save_adapter
+from support.lora_adapters import (
+    adapter_config, adapter_tensors, copy_adapter, make_adapter, peft_greedy, save_adapter, write_adapter,
+)
 from test_generate import as_inputs, random_prompts
 # adapter, llama, lora_root and requests are test_lora's fixtures, shared (their names are parameters below).
 from test_lora import (  # noqa: F401
@@ -167,9 +169,12 @@ def test_a_list_of_lora_requests_needs_one_per_prompt(llama, requests):
 
 @pytest.mark.parametrize("settings, field", [(dict(max_loras=2, max_cpu_loras=1), "max_cpu_loras"),
                                              (dict(max_lora_rank=12), "max_lora_rank"),
-                                             (dict(max_lora_rank=1024), "max_lora_rank")])
+                                             (dict(max_lora_rank=1024), "max_lora_rank"),
+                                             (dict(lora_target_modules=["q_proj", "lm_head"]), "lora_target_modules"),
+                                             (dict(lora_target_modules=[]), "lora_target_modules")])
 def test_bad_lora_settings_are_refused(tiny_llama_dir, settings, field):
-    """max_cpu_loras below max_loras, and a max_lora_rank outside vLLM's list (1, 8, 16, ..., 512)."""
+    """max_cpu_loras below max_loras, a max_lora_rank outside vLLM's list (1, 8, 16, ..., 512), and
+    lora_target_modules naming something other than the seven projections (or their stacked names)."""
     with pytest.raises(ValueError, match=field):
         make_llm(tiny_llama_dir, **settings)
 
@@ -203,3 +208,34 @@ def test_pooling_models_refuse_lora_request(fixture, method, args, request, requ
     llm = request.getfixturevalue(fixture)
     with pytest.raises(ValueError, match="lora_request"):
         getattr(llm, method)(*args, use_tqdm=False, lora_request=requests["A"])
+
+
+def test_lora_target_modules_adapts_only_the_projections_named(tiny_llama_dir, requests, lora_root):
+    """lora_target_modules=["qkv_proj", "down_proj"] (a stacked name stands for its parts): only those
+    layers get an update, and adapter A (all seven projections) gives HF + PEFT's tokens and logprobs
+    for A with its o/gate/up tensors zeroed (those modules are left out, with a warning); an adapter
+    of left-out modules only is refused."""
+    a = requests["A"]
+    llm = make_llm(tiny_llama_dir, lora_target_modules=["qkv_proj", "down_proj"])
+    layer = llm.llm_engine.executor.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.lora is not None and layer.mlp.down_proj.lora is not None
+    assert layer.self_attn.o_proj.lora is None and layer.mlp.gate_up_proj.lora is None
+    tensors = adapter_tensors(Path(a.lora_path))
+    left_out = ("o_proj", "gate_proj", "up_proj")
+    zeroed = {name: torch.zeros_like(t) for name, t in tensors.items()
+              if ".lora_B." in name and any(m in name for m in left_out)}
+    reference = copy_adapter(Path(a.lora_path), lora_root / "A_without_o_gate_up", tensor_changes=zeroed)
+    prompts = random_prompts(VOCAB, [7, 21], seed=23)
+    # The left-out modules matter: all of A gives other tokens.
+    assert any(peft_greedy(tiny_llama_dir, reference, p, GREEDY.max_tokens)[0]
+               != peft_greedy(tiny_llama_dir, a.lora_path, p, GREEDY.max_tokens)[0] for p in prompts)
+    for prompt, output in zip(prompts, llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=a)):
+        tokens, logprobs = peft_greedy(tiny_llama_dir, reference, prompt, GREEDY.max_tokens)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        ours = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+        assert max(abs(x - y) for x, y in zip(ours, logprobs)) < 1e-4
+    only_left_out = write_adapter(lora_root / "A_o_only", adapter_config(Path(a.lora_path)),
+                                  {name: t for name, t in tensors.items() if ".o_proj." in name})
+    with pytest.raises(ValueError, match="lora_target_modules allows"):
+        llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=lora_request("o only", 9, only_left_out))

@@ -154,6 +154,7 @@ class EngineArgs(_VllmOnlyArguments):
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: Any = "auto"  # "auto" or the model's dtype
+    lora_target_modules: list[str] | None = None  # only these projections take adapters (None: all)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -438,7 +439,8 @@ def _base_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
         quantization=quantization,
         deterministic=args.deterministic,
         logits_processors=tuple(load_logits_processor_classes(args.logits_processors or ())),
-        lora=resolve_lora(args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.lora_dtype, dtype),
+        lora=resolve_lora(args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.lora_dtype, dtype,
+                          args.lora_target_modules),
     )
 
 

@@ -284,8 +284,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "default_mm_loras": inert(None, _MM),
     "fully_sharded_loras": inert(False, "how vLLM splits its LoRA kernels' work over the ranks; tokenmill's split "
                                         "follows each layer's (tokenmill/lora/layers.py), with the same results"),
-    "lora_target_modules": only(None, "an adapter's own modules are adapted (an adapter naming a module tokenmill "
-                                      "cannot adapt is refused)"),
+    "lora_target_modules": ours(),
     "enable_tower_connector_lora": inert(False, _LORA),
     "specialize_active_lora": inert(False, _LORA),
     "enable_mixed_moe_lora_format": inert(False, _LORA),

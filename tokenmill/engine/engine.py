@@ -290,8 +290,9 @@ def _adapter_book(config: EngineConfig, executor: Executor) -> "AdapterBook | No
         return None
     from tokenmill.lora.slots import AdapterBook
 
-    targets = executor.collective_rpc("lora_targets")[0]
-    return AdapterBook(config.lora, targets, lambda slot, spec: executor.collective_rpc("load_lora", args=(slot, spec)))
+    targets, excluded = executor.collective_rpc("lora_targets")[0]
+    return AdapterBook(config.lora, targets, lambda slot, spec: executor.collective_rpc("load_lora", args=(slot, spec)),
+                       excluded)
 
 
 def _start_metrics(config: EngineConfig) -> "EngineMetrics | None":

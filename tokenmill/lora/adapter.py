@@ -11,6 +11,7 @@ read the tensors themselves when they load the adapter (`read_adapter`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from tokenmill.lora.request import LoRARequest
 
+logger = logging.getLogger(__name__)
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # vLLM's choices for max_lora_rank.
@@ -50,9 +52,10 @@ class AdapterSpec:
 
 
 def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]], max_rank: int,
-                    uid: int = 1) -> AdapterSpec:
+                    uid: int = 1, excluded: frozenset[str] = frozenset()) -> AdapterSpec:
     """Check the adapter folder against ``targets`` (module name -> (in, out) features of the full
-    model) and ``max_rank``; a ValueError names the adapter, the field or tensor, and what is allowed."""
+    model) and ``max_rank``; a ValueError names the adapter, the field or tensor, and what is allowed.
+    Modules in ``excluded`` (left out by lora_target_modules) are skipped, with a warning."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     folder = Path(request.lora_path).expanduser()
     if not folder.is_dir():
@@ -70,9 +73,13 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
     weights_file = _weights_file(folder, where)
     shapes = _tensor_shapes(weights_file, where)
     modules: dict[str, tuple[int, float]] = {}
+    skipped: list[str] = []
     for key, shape in shapes.items():
         module, part = _split_key(key, where)
         if part == _B:
+            continue
+        if module in excluded:
+            skipped.append(module)
             continue
         if module not in targets:
             raise ValueError(f"{where}: tensor {key!r} adapts {module!r}, which tokenmill cannot adapt; adaptable: "
@@ -92,11 +99,14 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
         alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8)))
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         modules[module] = (rank, scaling)
-    orphans = [key for key in shapes if key.endswith(_B) and _split_key(key, where)[0] not in modules]
+    orphans = [key for key in shapes if key.endswith(_B) and _split_key(key, where)[0] not in {*modules, *skipped}]
     if orphans:
         raise ValueError(f"{where}: tensor {orphans[0]!r} has no lora_A beside it")
+    if skipped:
+        logger.warning("%s: %d module(s) left out by lora_target_modules, e.g. %s", where, len(skipped), skipped[0])
     if not modules:
-        raise ValueError(f"{where}: {weights_file.name} holds no lora_A / lora_B tensors")
+        raise ValueError(f"{where}: {weights_file.name} holds no lora_A / lora_B tensors"
+                         + (" of the modules lora_target_modules allows" if skipped else ""))
     return AdapterSpec(request.lora_int_id, request.lora_name, str(folder), str(weights_file), modules, uid)
 
 

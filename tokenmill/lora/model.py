@@ -42,17 +42,25 @@ class _Target:
 
 class ModelLoRA:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, target_modules: frozenset[str] | None = None):
+        """``target_modules``: the projection names (``q_proj``...) that take adapters, None: all; the
+        others get no update (``excluded``: adapters' tensors for them are left out)."""
         _refuse_reordered_heads(model)
         self.dtype = dtype
         self.batch = LoRABatch(max_loras, device)
         self.targets: dict[str, _Target] = {}
+        self.excluded: set[str] = set()
         stacked = getattr(model, "stacked", ())
         for name, module in model.named_modules():
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue
             parts = [(name[: -len(whole) + 1] + part[:-1], shard) for whole, part, shard in stacked
                      if (name + ".").endswith(whole)] or [(name, None)]
+            if target_modules is not None:
+                self.excluded.update(p for p, _ in parts if p.rsplit(".", 1)[-1] not in target_modules)
+                parts = [(p, shard) for p, shard in parts if p not in self.excluded]
+                if not parts:
+                    continue
             row = isinstance(module, RowParallelLinear)
             in_rank = module.input_size_per_partition if row else module.input_size
             out_rank = module.output_size if row else module.output_size_per_partition

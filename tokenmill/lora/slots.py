@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 class AdapterBook:
     def __init__(self, config: "LoRAConfig", targets: dict[str, tuple[int, int]],
-                 load: Callable[[int, AdapterSpec], None]):
+                 load: Callable[[int, AdapterSpec], None], excluded: set[str] | None = None):
         self.config = config
         self.targets = targets  # module name -> (in, out) features: what adapters may adapt
+        self.excluded = frozenset(excluded or ())  # adaptable modules lora_target_modules leaves out
         self._load = load
         self.specs: dict[int, AdapterSpec] = {}  # by lora_int_id: the adapters known now
         self.pinned: set[int] = set()  # lora_int_ids
@@ -48,7 +49,7 @@ class AdapterBook:
                              f"give {request.lora_name!r} ({request.lora_path}) an id of its own")
         if known is not None and not request.load_inplace:
             return known
-        spec = inspect_adapter(request, self.targets, self.config.max_rank, next(self._uids))
+        spec = inspect_adapter(request, self.targets, self.config.max_rank, next(self._uids), self.excluded)
         self.specs[spec.lora_int_id] = spec
         return spec
 

@@ -171,10 +171,11 @@ class Worker:
             fill_weights(self.model, self.source, weights_format(self.source, self.load_format), self.config.seed)
 
     # ---- LoRA adapters (the engine's AdapterBook decides; tokenmill/lora/) --------------------------
-    def lora_targets(self) -> dict[str, tuple[int, int]]:
-        """What adapters may adapt: module name -> (in, out) features of the full model."""
+    def lora_targets(self) -> tuple[dict[str, tuple[int, int]], set[str]]:
+        """What adapters may adapt (module name -> (in, out) features of the full model), and the
+        modules left out by lora_target_modules."""
         assert self.lora is not None, "the engine asks only with enable_lora"
-        return self.lora.target_shapes()
+        return self.lora.target_shapes(), self.lora.excluded
 
     def load_lora(self, slot: int, spec: "AdapterSpec") -> None:
         assert self.lora is not None, "the engine asks only with enable_lora"
@@ -258,7 +259,8 @@ def _attach_lora(model: torch.nn.Module, config: "EngineConfig") -> "ModelLoRA |
     from tokenmill.lora.model import ModelLoRA
 
     lora = config.lora
-    return ModelLoRA(model, lora.max_loras, lora.max_rank, lora.max_cpu_loras, config.dtype, config.device)
+    return ModelLoRA(model, lora.max_loras, lora.max_rank, lora.max_cpu_loras, config.dtype, config.device,
+                     lora.target_modules)
 
 
 def attention_backend(device: torch.device, deterministic: bool = False) -> Any:
