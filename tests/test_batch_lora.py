@@ -327,3 +327,15 @@ def test_command_line_job_and_an_adapter_the_model_cannot_take(tmp_path, capsys,
     records = sorted(read_jsonl(out), key=lambda r: r["row"])
     expected = reference(llm, adapters, [r["prompt"] for r in rows], ["beta", None])
     assert [(r["text"], r["lora"]) for r in records] == [(expected[0][0], "beta"), (expected[1][0], None)]
+
+
+def test_lora_target_modules_flag_reaches_the_engine_and_the_resume_settings():
+    """--lora-target-modules becomes LLM(lora_target_modules=...), which decides what rows generate, so
+    it is part of the settings a resumed job must match (unlike --max-loras)."""
+    from tokenmill.batch.job import _THROUGHPUT_ONLY
+    from tokenmill.cli_options import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["run", "in.jsonl", "-o", "o.jsonl", "--lora-target-modules", "qkv_proj",
+                                      "down_proj", "--max-loras", "2"])
+    assert engine_kwargs(args)["lora_target_modules"] == ["qkv_proj", "down_proj"]
+    assert "lora_target_modules" not in _THROUGHPUT_ONLY and "max_loras" in _THROUGHPUT_ONLY

@@ -29,10 +29,10 @@ _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
     "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
     "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_target_modules",
 )
 # flag dests of LoRA adapters (generation only)
-_LORA_FLAGS = ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+_LORA_FLAGS = ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_target_modules")
 
 
 class UsageError(Exception):
@@ -193,6 +193,9 @@ def _add_lora_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank (default: 16)")
     g.add_argument("--max-cpu-loras", type=int, metavar="N",
                    help="adapters kept read in CPU memory (default: --max-loras)")
+    g.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
+                   help="only these projections take adapters (q_proj ... down_proj, qkv_proj, gate_up_proj; "
+                   "default: all); adapters' other modules are left out")
 
 
 # --- flags -> values ----------------------------------------------------------------------------
