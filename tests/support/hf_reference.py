@@ -24,7 +24,7 @@ def hf_model(path: str, dtype: torch.dtype, adapter: str | None = None):
         return model
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, adapter, torch_dtype=dtype).cuda().eval()
+    return PeftModel.from_pretrained(model, adapter).cuda().eval()  # PEFT keeps the adapter in fp32
 
 
 @torch.no_grad()
