@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tokenmill.quantization.config import QuantizationConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
-_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as

@@ -128,7 +128,7 @@ VLLM_ARGUMENTS: dict[str, VllmArgument] = {
     "safetensors_load_strategy": inert(None, "safetensors files are memory-mapped and read tensor by tensor"),
     "safetensors_prefetch_num_threads": inert(4, _TUNING),
     "safetensors_prefetch_block_size": inert(16 * 2**20, _TUNING),
-    "pt_load_map_location": inert("cpu", "PyTorch .bin checkpoints are not loaded (safetensors and GGUF are)"),
+    "pt_load_map_location": inert("cpu", "PyTorch .bin checkpoints are read (memory-mapped) to the CPU, then each rank's slices placed"),
     "use_tqdm_on_load": inert(True, "loading shows no progress bar"),
     "max_parallel_loading_workers": inert(None, _TUNING),
     "enable_prompt_embeds": only(False, "prompts are text or token ids; prompt_embeds are refused"),

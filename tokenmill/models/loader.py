@@ -1,4 +1,4 @@
-"""Build a model for a resolved source and fill its weights (safetensors, GGUF or dummy).
+"""Build a model for a resolved source and fill its weights (safetensors, PyTorch .bin, GGUF or dummy).
 
 The model is constructed directly on the target device in the target dtype (no fp32 copy on
 the host first), then each weight is streamed from the checkpoint into its parameter, where
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from tokenmill.models.source import ModelSource
     from tokenmill.quantization.config import QuantizationConfig
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
@@ -104,14 +104,17 @@ def load_model(
 
 
 def fill_weights(model: nn.Module, source: "ModelSource", fmt: str, seed: int) -> None:
-    """Read the checkpoint's tensors into the model's parameters (``fmt``: "safetensors", "gguf" or
-    "dummy"); also `Worker.reload_weights` after a level-2 sleep."""
+    """Read the checkpoint's tensors into the model's parameters (``fmt``: "safetensors", "pt", "gguf"
+    or "dummy"); also `Worker.reload_weights` after a level-2 sleep."""
     if fmt == "dummy":
         init_dummy_weights(model, seed)
     elif fmt == "safetensors":
         assert source.weights_path is not None
         lazy = bool(getattr(model, "supports_lazy_weights", False))
         model.load_weights(iter_safetensors(source.weights_path, _wanted_names(model), lazy=lazy))
+    elif fmt == "pt":
+        assert source.weights_path is not None
+        model.load_weights(iter_pytorch_checkpoint(source.weights_path))
     else:
         from tokenmill.models.gguf_weights import iter_gguf_weights
 
@@ -136,13 +139,14 @@ def _describe_missing(source: "ModelSource") -> str:
     found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".safetensors"))
     hint = f"found {found}" if found else "found no weight files"
     return (
-        f"{folder} has neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX} ({hint}); "
-        "PyTorch .bin checkpoints are not supported: convert them to safetensors, or use load_format='dummy'"
+        f"{folder} has none of {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, pytorch_model.bin or "
+        f"pytorch_model.bin.index.json ({hint}); give the folder of a Hugging Face checkpoint, or use load_format='dummy'"
     )
 
 
-def safetensors_files(weights_path: Path) -> list[Path]:
-    """The shard files of a checkpoint given its single file or its ``.index.json``."""
+def checkpoint_files(weights_path: Path) -> list[Path]:
+    """The shard files of a checkpoint given its single file or its ``.index.json`` (safetensors or
+    PyTorch: both indexes map tensor names to shard files)."""
     weights_path = Path(weights_path)
     if not weights_path.is_file():
         raise ValueError(f"weight file {weights_path} does not exist")
@@ -150,11 +154,11 @@ def safetensors_files(weights_path: Path) -> list[Path]:
         try:
             weight_map = json.loads(weights_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"safetensors index {weights_path} is not valid: {exc}") from exc
+            raise ValueError(f"checkpoint index {weights_path} is not valid: {exc}") from exc
         files = [weights_path.parent / f for f in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise ValueError(f"safetensors index {weights_path} names shard files that do not exist: {missing}")
+            raise ValueError(f"checkpoint index {weights_path} names shard files that do not exist: {missing}")
         return files
     return [weights_path]
 
@@ -170,7 +174,7 @@ def iter_safetensors(
     """
     from safetensors import safe_open
 
-    for path in safetensors_files(weights_path):
+    for path in checkpoint_files(weights_path):
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as exc:  # SafetensorError, OSError: truncated or not a safetensors file
@@ -185,6 +189,25 @@ def iter_safetensors(
                 except Exception as exc:
                     raise ValueError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
                 yield name, tensor
+
+
+def iter_pytorch_checkpoint(weights_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from PyTorch checkpoint shards (``pytorch_model*.bin``), one shard at a
+    time. Read with ``weights_only`` (tensors only: a file holding code is refused, never run) and
+    memory-mapped where the file's format allows, so a rank reads only the slices it keeps."""
+    for path in checkpoint_files(weights_path):
+        try:
+            try:
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (pre-zipfile) format cannot be memory-mapped
+                state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as exc:  # UnpicklingError (not only tensors), EOFError (truncated), ...
+            raise ValueError(f"cannot read PyTorch checkpoint {path} as tensors only ({exc}); convert it to "
+                             "safetensors") from exc
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise ValueError(f"PyTorch checkpoint {path} is not a dict of tensors (a state_dict)")
+        yield from state.items()
+        del state
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -30,7 +30,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class ModelSource:
     name: str  # what the user asked for
     config_dir: Path | None  # folder holding config.json; None when the config comes from a GGUF
-    weights_format: Literal["safetensors", "gguf"]
+    weights_format: Literal["safetensors", "pt", "gguf"]
     weights_path: Path | None  # model.safetensors, model.safetensors.index.json or the .gguf; None if absent
     hf_config: "PretrainedConfig"
     tokenizer_path: str  # for AutoTokenizer.from_pretrained(tokenizer_path, **tokenizer_kwargs)
@@ -122,20 +122,23 @@ def _from_local(
     raise ValueError(f"model folder {path} has no config.json and no .gguf file")
 
 
+# A folder's weight files, in the order they are looked for, and their format.
+_FOLDER_WEIGHTS = (("model.safetensors.index.json", "safetensors"), ("model.safetensors", "safetensors"),
+                   ("pytorch_model.bin.index.json", "pt"), ("pytorch_model.bin", "pt"))
+
+
 def _hf_folder_source(name: str, folder: Path, tokenizer: str | None, trust_remote_code: bool) -> ModelSource:
     try:
         config = _read_folder_config(folder, trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
-    weights: Path | None = None
-    for candidate in ("model.safetensors.index.json", "model.safetensors"):
-        if (folder / candidate).is_file():
-            weights = folder / candidate
-            break
+    # safetensors first; PyTorch's pickled checkpoints (older models ship only those) otherwise.
+    weights, fmt = next(((folder / candidate, fmt) for candidate, fmt in _FOLDER_WEIGHTS if (folder / candidate).is_file()),
+                        (None, "safetensors"))
     return ModelSource(
         name=name,
         config_dir=folder,
-        weights_format="safetensors",
+        weights_format=fmt,
         weights_path=weights,
         hf_config=config,
         tokenizer_path=_tokenizer_path(tokenizer, folder),
