@@ -175,7 +175,7 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--tokenizer", metavar="NAME_OR_PATH")
     g.add_argument("--revision", metavar="REV")
-    g.add_argument("--load-format", metavar="FORMAT", help="auto, safetensors, gguf or dummy (random weights)")
+    g.add_argument("--load-format", metavar="FORMAT", help="auto, safetensors, pt (PyTorch .bin), gguf or dummy (random weights)")
     g.add_argument("--trust-remote-code", action="store_true", default=None)
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="every row's output independent of the batch, cache and resumes, bit for bit on one GPU "
