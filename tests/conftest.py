@@ -92,6 +92,18 @@ def tiny_mistral_dir(tiny_models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_dir(tiny_models_root: Path) -> Path:
+    """Granite with Granite-3's four scalars far from 1 (embeddings x12, residual branches x0.22,
+    attention scale 1/64 instead of 1/4, logits / 8) and tied embeddings."""
+    from transformers import GraniteConfig
+
+    config = GraniteConfig(**tiny_config_kwargs(tie_word_embeddings=True), embedding_multiplier=12.0,
+                           residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0,
+                           architectures=["GraniteForCausalLM"])
+    return save_tiny_model(tiny_models_root, "granite", config, seed=11)
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tiny_models_root: Path) -> Path:
     """Phi-3: q/k/v and gate/up fused in the checkpoint, tied embeddings, rotary on half of each
     head (as Phi-4-mini on three quarters); no sliding window (the architecture tests run sequences

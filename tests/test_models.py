@@ -17,7 +17,7 @@ import torch
 from tokenmill.models.loader import load_model
 from tokenmill.models.source import resolve_model
 
-ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_phi3_dir",
+ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_phi3_dir", "tiny_granite_dir",
                   "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir"]
 ATOL = 1e-4
 
@@ -317,14 +317,15 @@ def _tp_worker(rank: int, world: int, init_address: str, model_dirs: list[str], 
 
 
 def test_tensor_parallel_two_ranks_matches_single(
-    tiny_llama_dir: Path, tiny_qwen2_dir: Path, tiny_phi3_dir: Path, tmp_path: Path, paged_cache
+    tiny_llama_dir: Path, tiny_qwen2_dir: Path, tiny_phi3_dir: Path, tiny_granite_dir: Path, tmp_path: Path, paged_cache
 ) -> None:
     """tp=2 over gloo: heads, KV heads, MLP and an odd vocabulary (289, padded) split over two ranks;
-    Llama (untied head), Qwen2 (biases, tied head) and Phi-3 (fused q/k/v and gate/up in the
-    checkpoint, each rank reading its slices of each part) in the same two worker processes."""
+    Llama (untied head), Qwen2 (biases, tied head), Phi-3 (fused q/k/v and gate/up in the
+    checkpoint, each rank reading its slices of each part) and Granite (its scalars after the
+    all-reduces) in the same two worker processes."""
     import torch.multiprocessing as mp
 
-    dirs = [tiny_llama_dir, tiny_qwen2_dir, tiny_phi3_dir]
+    dirs = [tiny_llama_dir, tiny_qwen2_dir, tiny_phi3_dir, tiny_granite_dir]
     vocab = resolve_model(str(tiny_llama_dir)).hf_config.vocab_size
     tokens = [_tokens(9, vocab, seed=6), _tokens(4, vocab, seed=7)]
     expected = [paged_cache(_ours(d)).step([(i, t) for i, t in enumerate(tokens)]) for d in dirs]

@@ -24,7 +24,7 @@ def _save(tmp_path_factory, name: str, config) -> str:
 
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
-    from transformers import LlamaConfig, Phi3Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, Phi3Config, Qwen3Config
 
     common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5)
@@ -42,6 +42,10 @@ def gpu_models(tmp_path_factory):
             rope_scaling={"type": "longrope", "partial_rotary_factor": 0.75,
                           "short_factor": [1.0 + 0.25 * i for i in range(12)], "long_factor": [4.0 + i for i in range(12)]},
             **{**common, "max_position_embeddings": 8192})),
+        # Granite-3's scalars: the attention scale the kernels get is attention_multiplier.
+        "granite": _save(tmp_path_factory, "granite", GraniteConfig(
+            tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.015625, logits_scaling=8.0, **common)),
     }
 
 
@@ -50,7 +54,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 1024) for _ in range(rng.choice([1, 7, 16, 33, 150, 600]))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "phi3", "granite"])
 def test_greedy_matches_hf_on_gpu(gpu_models, name):
     """bf16 through the kernels and CUDA graphs, teacher-forced against HF fp32 on the same GPU
     along our own greedy tokens: each token's logprob within the bf16 slack of HF fp32's (HF's own

@@ -133,6 +133,9 @@ def dense_mlp(config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qu
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Granite scales each block's attention and MLP output before the residual add (models/granite.py).
+    residual_multiplier: float = 1.0
+
     def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
                  quant: "QuantizationConfig | None" = None, prefix: str = "", make_mlp: MakeMLP = dense_mlp):
         super().__init__()
@@ -154,14 +157,20 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual, feeds=qkv_proj)
         hidden = self.self_attn(positions, normed, ctx)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         normed, residual = self.post_attention_layernorm(hidden, residual, feeds=gate_up_proj)
-        return self.mlp(normed), residual
+        out = self.mlp(normed)
+        return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
 
 class LlamaModel(nn.Module):
     """``quant``: the checkpoint's quantization (linear layers only: embeddings, norms and the LM head stay
     in the model's dtype); ``prefix``: this module's name in the checkpoint, which the quantization
     config's ignore lists and targets refer to."""
+
+    # Granite scales the token embeddings (models/granite.py).
+    embedding_multiplier: float = 1.0
 
     def __init__(self, config: "PretrainedConfig", tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
                  quant: "QuantizationConfig | None" = None, prefix: str = "model", make_mlp: MakeMLP = dense_mlp):
@@ -179,6 +188,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
