@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
 #   [sampler] [sampler-rounds] [chat] [chat-8b] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
@@ -47,11 +47,11 @@ PY
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    tests|engine-tests|tests-1|tests-2)
+    tests|engine-tests|tests-1|tests-2|tests-3)
       # The whole of tests/gpu (~545 tests) took over 450 s on the H200 (cut there on AC): tests-1 and
       # tests-2 run it in two calls (~420 and ~220 s there), the files before test_quant_kernels_gpu.py
-      # and the rest (a new file falls on one side by its name; the MoE and LoRA files go to tests-2,
-      # the shorter half; test_lora_gpu.py needs peft from .whl). TESTS_IGNORE drops files (the quant
+      # and the rest (a new file falls on one side by its name), and tests-3 the files added since,
+      # not yet timed: MoE, LoRA (test_lora_gpu.py needs peft from .whl) and logprobs_mode. TESTS_IGNORE drops files (the quant
       # tests need compressed-tensors from .whl); the Ray tests skip without the Ray bundle and have
       # their own part.
       case $part in
@@ -60,7 +60,8 @@ for part in $parts; do
         *) sel=""; for f in tests/gpu/test_*.py; do
              [ "$(basename "$f")" = test_ray_gpu.py ] && continue
              name=$(basename "$f")
-             if [[ $name < test_quant_kernels_gpu.py && $name != test_moe* && $name != test_lora* ]]; then half=tests-1; else half=tests-2; fi
+             if [[ $name == test_moe* || $name == test_lora* || $name == test_logprobs_mode* ]]; then half=tests-3
+             elif [[ $name < test_quant_kernels_gpu.py ]]; then half=tests-1; else half=tests-2; fi
              [ "$half" = "$part" ] && sel="$sel $f"
            done ;;
       esac
