@@ -24,7 +24,8 @@ def hf_model(path: str, dtype: torch.dtype, adapter: str | None = None):
         return model
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, adapter).cuda().eval()  # PEFT keeps the adapter in fp32
+    # PEFT would keep the adapter in fp32; cast with the model, so a bf16 yardstick rounds it as we do.
+    return PeftModel.from_pretrained(model, adapter).to(dtype).cuda().eval()
 
 
 @torch.no_grad()
