@@ -249,6 +249,32 @@ def test_tensor_parallel_2_matches_peft(tiny_llama_dir, requests):
         llm.llm_engine.executor.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_phi3_adapter_on_its_fused_projections_matches_peft(tmp_path_factory, tp):
+    """Phi-3 checkpoints fuse q/k/v and gate/up (qkv_proj, gate_up_proj), and so do PEFT's adapters for
+    them: each is cut into the model's parts (A shared, B by rows), also per rank at TP=2."""
+    from transformers import Phi3Config
+
+    from support.tiny_models import save_tiny_model, tiny_config_kwargs
+
+    root = tmp_path_factory.getbasetemp() / "phi3_lora"
+    base = root / "phi3"
+    if not base.exists():
+        save_tiny_model(root, "phi3", Phi3Config(**tiny_config_kwargs(tie_word_embeddings=True), sliding_window=None,
+                                                 architectures=["Phi3ForCausalLM"]), seed=12)
+    folder = save_adapter(base, root / "fused", seed=13, r=8, lora_alpha=16, std=0.2,
+                          target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    assert any(".qkv_proj.lora_B" in name for name in adapter_tensors(folder))
+    llm = make_llm(base, tensor_parallel_size=tp)
+    try:
+        prompts = random_prompts(VOCAB, [5, 23], seed=16)
+        req = lora_request("fused", 1, folder)
+        outputs = llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=[req, req])
+        assert_matches_peft(base, outputs, prompts, [req, req])
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
 # --- mixture of experts --------------------------------------------------------------------------
 
 

@@ -70,6 +70,7 @@ class ModelLoRA:
             module.register_buffer("lora_b", module.lora.b, persistent=False)
             for sublayer, (hf_name, shard) in enumerate(parts):
                 self.targets[hf_name] = _Target(module, sublayer, shard, module.input_size, _full_out(module, shard))
+        self.fused = self._fused_modules(model)
         model.register_forward_pre_hook(self._begin)
         # Adapters read from disk, kept in CPU memory: loading one into a slot again needs no read.
         # Keys: (lora_int_id, uid).
@@ -77,9 +78,29 @@ class ModelLoRA:
         self._max_cached = max_cpu_loras
         self.pinned: set[int] = set()
 
+    def _fused_modules(self, model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
+        """Checkpoint modules fused from several parts (Phi-3's qkv_proj): name -> (part, first row, rows);
+        one some of whose parts lora_target_modules leaves out is left out whole."""
+        fused: dict[str, list[tuple[str, int, int]]] = {}
+        lookup = getattr(model, "fused_lora_modules", None)
+        for leaf, parts in (lookup() if lookup is not None else {}).items():
+            first = "." + parts[0][0]
+            for prefix in [name[: -len(first)] for name in {*self.targets, *self.excluded} if name.endswith(first)]:
+                names = [f"{prefix}.{part}" for part, _ in parts]
+                if any(name in self.excluded for name in names):
+                    self.excluded.add(f"{prefix}.{leaf}")
+                    continue
+                starts = [sum(rows for _, rows in parts[:i]) for i in range(len(parts))]
+                fused[f"{prefix}.{leaf}"] = [(name, start, rows) for name, start, (_, rows) in zip(names, starts, parts)]
+        return fused
+
     def target_shapes(self) -> dict[str, tuple[int, int]]:
-        """Module name -> (in, out) features of the full model: what an adapter may adapt."""
-        return {name: (t.in_features, t.out_features) for name, t in self.targets.items()}
+        """Module name -> (in, out) features of the full model: what an adapter may adapt (a fused
+        checkpoint module's out: its parts' together)."""
+        shapes = {name: (t.in_features, t.out_features) for name, t in self.targets.items()}
+        for name, parts in self.fused.items():
+            shapes[name] = (self.targets[parts[0][0]].in_features, sum(rows for _, _, rows in parts))
+        return shapes
 
     def _begin(self, model: nn.Module, args: tuple) -> None:
         ctx = args[2]
@@ -110,7 +131,7 @@ class ModelLoRA:
         tensors = self.cache(spec)
         for update in {id(t.linear): t.linear.lora for t in self.targets.values()}.values():
             update.clear_slot(slot)
-        for module, (a, b) in tensors.items():
+        for module, (a, b) in _unfused(tensors, self.fused):
             target = self.targets[module]
             linear = target.linear
             if isinstance(linear, RowParallelLinear):  # this rank's input features of A, all of B
@@ -119,6 +140,16 @@ class ModelLoRA:
                 b = _placed(linear, b, (linear.output_size_per_partition, b.shape[1]), ParamLayout(output_dim=0),
                             target.shard_id)
             linear.lora.set_slot(slot, target.sublayer, a.to(linear.lora.a.device), b.to(linear.lora.b.device))
+
+
+def _unfused(tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             fused: dict[str, list[tuple[str, int, int]]]) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Each module's (A, B); a fused module's split into its parts (A shared, B cut by rows)."""
+    out = []
+    for module, (a, b) in tensors.items():
+        parts = fused.get(module)
+        out += [(module, (a, b))] if parts is None else [(part, (a, b[start : start + rows])) for part, start, rows in parts]
+    return out
 
 
 def _full_out(linear: nn.Module, shard_id: Any) -> int:

@@ -241,6 +241,12 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads: int = first.num_kv_heads
         self.head_dim: int = first.head_dim
 
+    def fused_lora_modules(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Checkpoint modules holding several of this model's parts in one tensor (Phi-3's ``qkv_proj``,
+        ``gate_up_proj``): name -> (part, full rows) in order; an adapter's tensors for them are cut the
+        same way (tokenmill/lora/model.py). None here."""
+        return {}
+
     def has_qkv_bias(self, config: "PretrainedConfig") -> bool:
         return bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
 
@@ -312,6 +318,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         inter = config.intermediate_size
         self._part_rows = {".qkv_proj.weight": (attn * head_dim, kv * head_dim, kv * head_dim),
                            ".gate_up_proj.weight": (inter, inter)}
+
+    def fused_lora_modules(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        return {fused.split(".")[1]: tuple((part.split(".")[1], rows) for part, rows in zip(parts, self._part_rows[fused]))
+                for fused, parts in self._FUSED.items()}
 
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False) -> None:
         from tokenmill.models.checkpoint_tensor import rows_of
