@@ -104,6 +104,16 @@ def tiny_granite_dir(tiny_models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm3_dir(tiny_models_root: Path) -> Path:
+    """SmolLM3: layer 1 of 2 attends without rotary (no_rope_layers [1, 0]), tied embeddings."""
+    from transformers import SmolLM3Config
+
+    config = SmolLM3Config(**tiny_config_kwargs(tie_word_embeddings=True), no_rope_layers=[1, 0],
+                           architectures=["SmolLM3ForCausalLM"])
+    return save_tiny_model(tiny_models_root, "smollm3", config, seed=12)
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tiny_models_root: Path) -> Path:
     """Phi-3: q/k/v and gate/up fused in the checkpoint, tied embeddings, rotary on half of each
     head (as Phi-4-mini on three quarters); no sliding window (the architecture tests run sequences

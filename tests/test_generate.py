@@ -11,7 +11,7 @@ import torch
 from reference import hf_greedy, hf_model
 from tokenmill import LLM, SamplingParams
 
-ARCHITECTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_phi3_dir", "tiny_granite_dir",
+ARCHITECTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_phi3_dir", "tiny_granite_dir", "tiny_smollm3_dir",
                  "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -17,7 +17,7 @@ import torch
 from tokenmill.models.loader import load_model
 from tokenmill.models.source import resolve_model
 
-ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_phi3_dir", "tiny_granite_dir",
+ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_phi3_dir", "tiny_granite_dir", "tiny_smollm3_dir",
                   "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir"]
 ATOL = 1e-4
 

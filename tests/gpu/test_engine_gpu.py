@@ -24,7 +24,7 @@ def _save(tmp_path_factory, name: str, config) -> str:
 
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
-    from transformers import GraniteConfig, LlamaConfig, Phi3Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, Phi3Config, Qwen3Config, SmolLM3Config
 
     common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5)
@@ -46,6 +46,9 @@ def gpu_models(tmp_path_factory):
         "granite": _save(tmp_path_factory, "granite", GraniteConfig(
             tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
             attention_multiplier=0.015625, logits_scaling=8.0, **common)),
+        # SmolLM3: the middle layer without rotary (the qkv prologue rotates it by angle 0).
+        "smollm3": _save(tmp_path_factory, "smollm3", SmolLM3Config(tie_word_embeddings=True, no_rope_layers=[1, 0, 1],
+                                                                   **common)),
     }
 
 
@@ -54,7 +57,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 1024) for _ in range(rng.choice([1, 7, 16, 33, 150, 600]))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "phi3", "granite"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "phi3", "granite", "smollm3"])
 def test_greedy_matches_hf_on_gpu(gpu_models, name):
     """bf16 through the kernels and CUDA graphs, teacher-forced against HF fp32 on the same GPU
     along our own greedy tokens: each token's logprob within the bf16 slack of HF fp32's (HF's own

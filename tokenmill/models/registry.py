@@ -21,6 +21,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("tokenmill.models.llama", "Phi3ForCausalLM"),
     "GraniteForCausalLM": ("tokenmill.models.granite", "GraniteForCausalLM"),
+    "SmolLM3ForCausalLM": ("tokenmill.models.smollm3", "SmolLM3ForCausalLM"),
     "MixtralForCausalLM": ("tokenmill.models.mixture_of_experts", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("tokenmill.models.mixture_of_experts", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("tokenmill.models.mixture_of_experts", "Qwen3MoeForCausalLM"),
