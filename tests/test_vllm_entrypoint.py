@@ -275,6 +275,9 @@ def test_import_paths_of_vllm_scripts():
     from tokenmill import LLMEngine
 
     assert callable(LLMEngine.from_engine_args) and TopEngineArgs is EngineArgs
+    from tokenmill.lora.request import LoRARequest  # vllm.lora.request's path
+
+    assert LoRARequest is tokenmill.LoRARequest
     assert callable(EngineArgs.add_cli_args) and callable(EngineArgs.from_cli_args)  # used in test_engine_args_table
 
 
