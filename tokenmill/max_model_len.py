@@ -30,10 +30,16 @@ def resolve_max_model_len(asked: int | None, disable_sliding_window: bool, hf_co
     return _longrope_limited(max_model_len, asked, hf_config)
 
 
+# RoBERTa's positions start after its padding id (models/roberta.py): its table's first rows are never a token's.
+_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert")
+
+
 def model_max_len(hf_config: Any) -> int:
     for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
+            if getattr(hf_config, "model_type", None) in _POSITIONS_AFTER_PADDING:
+                value -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1
             return value
     return 2048
 

@@ -57,6 +57,21 @@ def test_bert_embedder_on_gpu_matches_sentence_transformers(tiny_bert_embedder_d
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
+def test_xlmr_embedder_on_gpu_matches_sentence_transformers(tmp_path_factory, random_sentences):
+    """XLM-RoBERTa (positions after the padding id, mean pooling, normalised) on the packed GPU path,
+    against sentence-transformers on the same GPU (the CPU twin: tests/test_roberta.py)."""
+    from sentence_transformers import SentenceTransformer
+
+    from test_roberta import save_xlmr_embedder
+
+    folder = save_xlmr_embedder(tmp_path_factory.mktemp("xlmr"))
+    llm = LLM(str(folder), dtype="float32", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=256)
+    texts = random_sentences(60, seed=24, high=60)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    expected = SentenceTransformer(str(folder), device="cuda").encode(texts, convert_to_tensor=True).float().cpu()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
 def test_qwen3_embedder_on_gpu_bf16(tiny_qwen3_dir, random_sentences):
     """Last-token embeddings of a decoder (causal varlen kernel after the fused qkv prologue) in
     bf16 against transformers' fp32 hidden states."""

@@ -29,7 +29,7 @@ from tokenmill.models.weights import load_hf_weights
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_STACKED = (
+STACKED = (
     (".qkv_proj.", ".query.", "q"),
     (".qkv_proj.", ".key.", "k"),
     (".qkv_proj.", ".value.", "v"),
@@ -155,7 +155,7 @@ def _check_config(config: "PretrainedConfig") -> None:
         raise ValueError(f"hidden_size={config.hidden_size} is not divisible by num_attention_heads={config.num_attention_heads}")
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     # Checkpoints converted from TensorFlow name LayerNorm parameters gamma and beta.
     return name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
 
@@ -165,6 +165,7 @@ class BertModel(nn.Module):
 
     default_pooling_type = "CLS"
     takes_token_type_ids = True
+    checkpoint_prefix = "bert."  # the encoder's name inside a checkpoint of a model with a head
 
     def __init__(
         self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
@@ -186,14 +187,14 @@ class BertModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:
-            name = _hf_name(name.removeprefix("bert."))
+            name = hf_name(name.removeprefix(self.checkpoint_prefix))
             if name.endswith("position_ids"):
                 return None
             if name.startswith(("embeddings.", "encoder.")) or (self.pooler is not None and name.startswith("pooler.")):
                 return name
             return None  # BERT's pooler, the pre-training heads and buffers are not part of the embedder
 
-        load_hf_weights(self, weights, _STACKED, rename)
+        load_hf_weights(self, weights, STACKED, rename)
 
 
 class BertForSequenceClassification(nn.Module):
@@ -229,6 +230,6 @@ class BertForSequenceClassification(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:
-            return None if name.endswith("position_ids") else _hf_name(name)
+            return None if name.endswith("position_ids") else hf_name(name)
 
-        load_hf_weights(self, weights, _STACKED, rename)
+        load_hf_weights(self, weights, STACKED, rename)

@@ -31,6 +31,10 @@ _MODELS: dict[str, tuple[str, str]] = {
 _POOLING_MODELS: dict[str, tuple[str, str, str]] = {
     "BertModel": ("tokenmill.models.bert", "BertModel", "embed"),
     "BertForSequenceClassification": ("tokenmill.models.bert", "BertForSequenceClassification", "classify"),
+    "RobertaModel": ("tokenmill.models.roberta", "RobertaModel", "embed"),
+    "XLMRobertaModel": ("tokenmill.models.roberta", "RobertaModel", "embed"),
+    "RobertaForSequenceClassification": ("tokenmill.models.roberta", "RobertaForSequenceClassification", "classify"),
+    "XLMRobertaForSequenceClassification": ("tokenmill.models.roberta", "RobertaForSequenceClassification", "classify"),
     "LlamaModel": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),
     "MistralModel": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),
     "Qwen2Model": ("tokenmill.models.decoder_pooling", "DecoderEmbeddingModel", "embed"),

@@ -259,7 +259,7 @@ def resolve_pooling(
     if convert == "embed" and head != "embed" or convert == "auto" and head is None:
         base = embedding_architecture_of(arch)
         if base is None:
-            raise ValueError(f"{arch} cannot run as an embedding model; embedders: BertModel, base models and causal LMs "
+            raise ValueError(f"{arch} cannot run as an embedding model; embedders: BertModel, (XLM-)RobertaModel, base models and causal LMs "
                              "of the Llama family")
         architecture, head = base, "embed"
     elif convert == "classify" and head != "classify":
