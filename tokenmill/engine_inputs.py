@@ -20,6 +20,7 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
 
     from tokenmill.config import resolve_config
     from tokenmill.models.source import apply_hf_overrides, resolve_model
+    from tokenmill.models.token_classifier import classifier_token_ids, classifier_tokens
 
     source = resolve_model(
         args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
@@ -27,8 +28,11 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
     )
     if args.hf_overrides:
         source = apply_hf_overrides(source, args.hf_overrides)
+    from_tokens = classifier_tokens(source.hf_config)  # sets num_labels before the pooling settings read it
     config = resolve_config(args, source)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args)
+    if from_tokens is not None:
+        source.hf_config.classifier_token_ids = classifier_token_ids(from_tokens[0], tokenizer)
     torch.manual_seed(args.seed)
     return config, source, tokenizer
 

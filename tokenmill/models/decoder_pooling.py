@@ -97,5 +97,14 @@ class DecoderForSequenceClassification(DecoderEmbeddingModel):
         """[T, hidden] -> [T, num_labels]: the score head on every token (token_classify)."""
         return self.score(hidden)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        ids = getattr(self.config, "classifier_token_ids", None)
+        if ids is not None:  # vLLM's classifier_from_token: the score head from the LM head's rows
+            from tokenmill.models.token_classifier import classifier_tokens, with_score_weight
+
+            _, method = classifier_tokens(self.config)  # type: ignore[misc]
+            weights = with_score_weight(weights, ids, method, ("lm_head.weight", "model.embed_tokens.weight"))
+        super().load_weights(weights)
+
     def _checkpoint_name(self, name: str) -> str | None:
         return name if name.startswith("score.") else super()._checkpoint_name(name)
