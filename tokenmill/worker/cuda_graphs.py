@@ -10,8 +10,9 @@ forward (the communicator exists by then: the profiling forward used it); every 
 and replays the same buckets (distributed/mirror.py). The attention backend is told the
 largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
 every replay. With LoRA adapters (``lora``) each token's adapter slot is one more static buffer
-(-1, the base model, for padding rows and steps without adapters). With ``overlap`` (an experiment, see micro_batches.py) a graph of at least
-``Overlap.MIN_DECODE_BATCH`` rows holds two half-batch forwards on two streams instead of one.
+(-1, the base model, for padding rows and steps without adapters). With ``overlap`` (an
+experiment, see micro_batches.py) a graph of at least ``Overlap.MIN_DECODE_BATCH`` rows holds two
+half-batch forwards on two streams instead of one.
 """
 
 from __future__ import annotations
