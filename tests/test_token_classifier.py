@@ -51,3 +51,24 @@ def test_scores_are_the_causal_lms_token_logits(tiny_qwen3_dir, random_sentences
 def test_bad_settings_are_refused_by_name(tiny_qwen3_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_qwen3_dir), hf_overrides=overrides, **ENGINE)
+
+
+def test_a_score_job_with_hf_overrides_on_the_command_line(tiny_qwen3_dir, random_sentences, tmp_path):
+    """`tokenmill run --task score --hf-overrides JSON` (vLLM's flag) scores each row as LLM.score does
+    with the same overrides; a value that is not a JSON object is a usage error."""
+    import json
+
+    from tokenmill.cli import main
+
+    overrides = _overrides(TOKENS[:2], "from_2_way_softmax")
+    first, second = random_sentences(3, seed=11), random_sentences(3, seed=12)
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text_1": a, "text_2": b}) + "\n" for a, b in zip(first, second)))
+    out = tmp_path / "out.jsonl"
+    flags = ["--task", "score", "--model", str(tiny_qwen3_dir), "--dtype", "float32", "--device", "cpu", "--no-progress"]
+    assert main(["run", str(source), "-o", str(out), *flags, "--hf-overrides", json.dumps(overrides)]) == 0
+    records = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["row"])
+    expected = LLM(str(tiny_qwen3_dir), hf_overrides=overrides, **ENGINE).score(first, second, use_tqdm=False)
+    assert [r["score"] for r in records] == pytest.approx([o.outputs.score for o in expected], abs=1e-6)
+    with pytest.raises(SystemExit):
+        main(["run", str(source), "-o", str(tmp_path / "o2.jsonl"), *flags, "--hf-overrides", "[1, 2]"])

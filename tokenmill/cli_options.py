@@ -28,7 +28,7 @@ _POOLING_FLAGS = ("dimensions", "normalize", "use_activation", "truncate_prompt_
 _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
     "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
-    "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic",
+    "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic", "hf_overrides",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_target_modules",
 )
 # flag dests of LoRA adapters (generation only)
@@ -177,9 +177,25 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--revision", metavar="REV")
     g.add_argument("--load-format", metavar="FORMAT", help="auto, safetensors, pt (PyTorch .bin), gguf or dummy (random weights)")
     g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+                   help="config.json fields to replace, as a JSON object (vLLM's flag), e.g. to score with a causal "
+                   "LM's token logits: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                   "\"classifier_from_token\": [\"no\", \"yes\"], \"method\": \"from_2_way_softmax\"}'")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="every row's output independent of the batch, cache and resumes, bit for bit on one GPU "
                         "model and software version; slower (docs/batch.md). A resumed run keeps the mode it started with")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _add_lora_options(parser: argparse.ArgumentParser) -> None:
