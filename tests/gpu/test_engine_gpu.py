@@ -28,6 +28,7 @@ def gpu_models(tmp_path_factory):
 
     common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5)
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # these configs default to Llama 3's ids
     return {
         "qwen3": _save(tmp_path_factory, "qwen3", Qwen3Config(head_dim=128, tie_word_embeddings=True, **common)),
         "llama": _save(tmp_path_factory, "llama", LlamaConfig(head_dim=64, tie_word_embeddings=False,
@@ -45,10 +46,10 @@ def gpu_models(tmp_path_factory):
         # Granite-3's scalars: the attention scale the kernels get is attention_multiplier.
         "granite": _save(tmp_path_factory, "granite", GraniteConfig(
             tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
-            attention_multiplier=0.015625, logits_scaling=8.0, **common)),
+            attention_multiplier=0.015625, logits_scaling=8.0, **common, **special)),
         # SmolLM3: the middle layer without rotary (the qkv prologue rotates it by angle 0).
         "smollm3": _save(tmp_path_factory, "smollm3", SmolLM3Config(tie_word_embeddings=True, no_rope_layers=[1, 0, 1],
-                                                                   **common)),
+                                                                   **common, **special)),
     }
 
 

@@ -30,10 +30,25 @@ def moe_models(tmp_path_factory):
         "qwen3_moe": save_redrawn_bf16_model(tmp_path_factory.mktemp("qwen3_moe"), Qwen3MoeConfig(
             head_dim=64, intermediate_size=512, moe_intermediate_size=96, num_experts=128, num_experts_per_tok=8,
             norm_topk_prob=True, mlp_only_layers=[2], tie_word_embeddings=True, **common)),
-        "mixtral": save_redrawn_bf16_model(tmp_path_factory.mktemp("mixtral"), MixtralConfig(
+        "mixtral": _decisive_router(save_redrawn_bf16_model(tmp_path_factory.mktemp("mixtral"), MixtralConfig(
             intermediate_size=384, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
-            tie_word_embeddings=False, **common)),
+            tie_word_embeddings=False, **common))),
     }
+
+
+def _decisive_router(folder: str) -> str:
+    """The router weights x8: with 8 experts and redrawn weights, bf16 rounding otherwise flips a top-2
+    choice often enough that HF's own bf16 forward strays ~0.35 from fp32 (measured on the H100) and
+    no position is clear enough to judge; a decisive router keeps the check about the kernels."""
+    from safetensors.torch import load_file, save_file
+
+    path = f"{folder}/model.safetensors"
+    tensors = load_file(path)
+    for name in tensors:
+        if name.endswith("block_sparse_moe.gate.weight"):
+            tensors[name] = tensors[name] * 8
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
