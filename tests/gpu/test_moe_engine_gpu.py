@@ -30,25 +30,10 @@ def moe_models(tmp_path_factory):
         "qwen3_moe": save_redrawn_bf16_model(tmp_path_factory.mktemp("qwen3_moe"), Qwen3MoeConfig(
             head_dim=64, intermediate_size=512, moe_intermediate_size=96, num_experts=128, num_experts_per_tok=8,
             norm_topk_prob=True, mlp_only_layers=[2], tie_word_embeddings=True, **common)),
-        "mixtral": _decisive_router(save_redrawn_bf16_model(tmp_path_factory.mktemp("mixtral"), MixtralConfig(
+        "mixtral": save_redrawn_bf16_model(tmp_path_factory.mktemp("mixtral"), MixtralConfig(
             intermediate_size=384, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
-            tie_word_embeddings=False, **common))),
+            tie_word_embeddings=False, **common)),
     }
-
-
-def _decisive_router(folder: str) -> str:
-    """The router weights x8: with 8 experts and redrawn weights, bf16 rounding otherwise flips a top-2
-    choice often enough that HF's own bf16 forward strays ~0.35 from fp32 (measured on the H100) and
-    no position is clear enough to judge; a decisive router keeps the check about the kernels."""
-    from safetensors.torch import load_file, save_file
-
-    path = f"{folder}/model.safetensors"
-    tensors = load_file(path)
-    for name in tensors:
-        if name.endswith("block_sparse_moe.gate.weight"):
-            tensors[name] = tensors[name] * 8
-    save_file(tensors, path, metadata={"format": "pt"})
-    return folder
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -56,14 +41,21 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 1024) for _ in range(rng.choice([1, 7, 16, 33, 150, 600]))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_moe_greedy_matches_hf_on_gpu(moe_models, name):
-    """bf16 with CUDA graphs, teacher-forced against HF fp32 along our greedy tokens, within the
-    bf16 slack HF's own bf16 forward measures on the same positions (as tests/gpu/test_engine_gpu.py)."""
+@pytest.mark.parametrize("name, dtype", [("qwen3_moe", "bfloat16"), ("mixtral", "float32")])
+def test_moe_greedy_matches_hf_on_gpu(moe_models, name, dtype):
+    """With CUDA graphs, teacher-forced against HF fp32 along our greedy tokens. bf16 (Qwen3-MoE): within
+    the slack HF's own bf16 forward measures on the same positions (as tests/gpu/test_engine_gpu.py).
+    Mixtral runs in fp32: with 8 experts and redrawn weights, bf16 flips top-2 choices so often that
+    HF's bf16 forward strays 0.35-1.2 from fp32 (measured on the H100) and no position is clear
+    enough to judge in bf16; in fp32 the kernels' tf32 dots leave a few hundredths."""
     path = moe_models[name]
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3)
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, dtype=dtype)
     assert llm.llm_engine.executor.runner.graphs is not None
     prompts = _prompts(6)
+    if dtype == "float32":
+        rows = teacher_forced_positions(llm, functools.partial(hf_logprobs, path, torch.float32), prompts, FIRST_TOKENS)
+        assert_within(rows, 0.1, clear_needed=len(prompts))
+        return
     rows = teacher_forced_positions(llm, functools.partial(hf_logprobs, path, torch.float32), prompts, FIRST_TOKENS,
                                     yardstick=functools.partial(hf_logprobs, path, torch.bfloat16))
     assert_within(rows, bf16_slack(noise for *_, noise in rows), clear_needed=len(prompts))
