@@ -101,7 +101,9 @@ def _expected_thresholds(logits, temperature, filters, state):
     x[rows] += bias[bias_slots[rows].long()]
     rows = torch.nonzero(penalty_slots >= 0).flatten()
     slots = penalty_slots[rows].long()
-    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows], freq[rows], pres[rows])
+    # The penalty factors are per slot, as the counts (reference.sample_ref reads them so).
+    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[slots], freq[slots],
+                           pres[slots])
     scores, thresholds = [], []
     for row, t in enumerate(temperature.tolist()):
         k, p, m = (float(f[row]) for f in filters)
