@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.lora.adapter import MAX_LORA_RANKS
+from tokenmill.param_checks import is_int
 
 if TYPE_CHECKING:
     import torch
@@ -37,11 +38,11 @@ def resolve_lora(enable_lora: Any, max_loras: Any, max_lora_rank: Any, max_cpu_l
     check(isinstance(enable_lora, bool), "enable_lora", enable_lora, "True or False")
     if not enable_lora:
         return None
-    check(_is_int(max_loras) and max_loras >= 1, "max_loras", max_loras, "an integer >= 1")
-    check(max_lora_rank in MAX_LORA_RANKS and _is_int(max_lora_rank), "max_lora_rank", max_lora_rank,
+    check(is_int(max_loras) and max_loras >= 1, "max_loras", max_loras, "an integer >= 1")
+    check(max_lora_rank in MAX_LORA_RANKS and is_int(max_lora_rank), "max_lora_rank", max_lora_rank,
           f"one of {list(MAX_LORA_RANKS)}")
     cpu = max_loras if max_cpu_loras is None else max_cpu_loras
-    check(_is_int(cpu) and cpu >= max_loras, "max_cpu_loras", max_cpu_loras, f"None or an integer >= max_loras={max_loras}")
+    check(is_int(cpu) and cpu >= max_loras, "max_cpu_loras", max_cpu_loras, f"None or an integer >= max_loras={max_loras}")
     model_dtype = str(dtype).removeprefix("torch.")
     check(lora_dtype in ("auto", model_dtype, dtype), "lora_dtype", lora_dtype,
           f"'auto' or the model's dtype ({model_dtype!r}): adapters run in the model's dtype")
@@ -53,7 +54,3 @@ def resolve_lora(enable_lora: Any, max_loras: Any, max_lora_rank: Any, max_cpu_l
               target_modules, f"None or a list of {list(PROJECTIONS) + list(_STACKED)}")
         targets = frozenset(part for name in names for part in _STACKED.get(name, (name,)))
     return LoRAConfig(max_loras, max_lora_rank, cpu, targets)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

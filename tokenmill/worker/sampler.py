@@ -117,13 +117,15 @@ class Sampler:
             logits = batch.batch_processors(logits)
         if batch.banned is not None:
             logits[batch.banned[0], batch.banned[1]] = float("-inf")
-        if mode in ("processed_logprobs", "processed_logits"):
+        if mode in ("processed_logprobs", "processed_logits") or not logits.is_cuda:
+            # The CPU always samples this way: the same steps in plain torch, from the same state.
             token_ids, processed = self._processed(logits, batch, state)
-            raw_logprobs = processed if mode == "processed_logits" else torch.log_softmax(processed, dim=-1)
-        elif logits.is_cuda:
-            token_ids = self._sample_on_gpu(logits, batch, state)
+            if mode == "processed_logits":
+                raw_logprobs = processed
+            elif mode == "processed_logprobs":
+                raw_logprobs = torch.log_softmax(processed, dim=-1)
         else:
-            token_ids = self._sample_on_cpu(logits, batch, state)
+            token_ids = self._sample_on_gpu(logits, batch, state)
         ranked = raw_logprobs
         if batch.rank_within_grammar is not None and raw_logprobs is not None:
             # logits hold -inf where the grammar forbids (a beam row has no other bans).
@@ -168,25 +170,11 @@ class Sampler:
                              top_p_alone=batch.top_p_alone)
 
     @staticmethod
-    def _sample_on_cpu(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
-        """The same steps in plain torch, from the same per-sequence state."""
-        logits = _with_state(logits, batch, state)
-        if batch.all_greedy:
-            return logits.argmax(dim=-1)
-        temperature = batch.temperature
-        if batch.top_k is not None:
-            # The filters act on the tempered distribution: scale first, then draw at temperature 1.
-            # A greedy row stays greedy (temperature 0), and every filter keeps its top token.
-            logits = _filtered(logits.float() / torch.where(temperature == 0.0, 1.0, temperature)[:, None], batch)
-            temperature = (temperature > 0.0).to(torch.float32)
-        assert batch.draw_keys is not None and batch.draw_counters is not None, "a sampled row needs its draw key"
-        return _exponential_race(logits, temperature, batch.draw_keys, batch.draw_counters)
-
-    @staticmethod
     def _processed(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens and the float32 logits they are drawn from (``processed_*`` logprobs modes): the
-        per-sequence state applied; unless every row is greedy, divided by the temperature (1 for
-        greedy rows, which take the argmax) and filtered. The draw then needs no state or filters."""
+        """The tokens and the float32 logits they are drawn from (the CPU's sampling, and the
+        ``processed_*`` logprobs modes'): the per-sequence state applied; unless every row is greedy,
+        divided by the temperature (1 for greedy rows, which take the argmax) and filtered (the filters
+        act on the tempered distribution). The draw then needs no state, filters or temperature."""
         processed = _with_state(logits, batch, state).float()
         if batch.all_greedy:
             return processed.argmax(dim=-1), processed
