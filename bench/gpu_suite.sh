@@ -132,8 +132,8 @@ for part in $parts; do
       tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
     lora)  # LoRA adapters: P1's and P2's requests on Qwen3-0.6B's shape with enable_lora off (base), on without
            # adapters (lora-none, max_loras=4), one adapter (lora-1) and four (lora-4), rank 16 on every projection
-           # (bench/lora_bench.py; beside vllm-lora)
-      for mode in base lora-none lora-1 lora-4; do
+           # (bench/lora_bench.py; beside vllm-lora; LORA_MODES picks modes)
+      for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
         RESULTS="$OUT/lora.raw" timeout 150 python3 bench/lora_bench.py tokenmill qwen3-0.6b $mode nano uniform 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/lora.raw" "$OUT/throughput.jsonl"; : > "$OUT/lora.raw" ;;
@@ -309,7 +309,7 @@ for part in $parts; do
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
         vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep '^{' ;;
-        vllm-lora) for mode in base lora-none lora-1 lora-4; do
+        vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
               done ;;
         vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b nano uniform 2>&1 | tail -3
