@@ -9,8 +9,11 @@ block tables. Under tensor parallelism each graph also holds the NCCL all-reduce
 forward (the communicator exists by then: the profiling forward used it); every rank captures
 and replays the same buckets (distributed/mirror.py). The attention backend is told the
 largest context a replay may see (max_model_len), so the launch shape baked into a graph suits
-every replay. With LoRA adapters (``lora``) each token's adapter slot is one more static buffer
-(-1, the base model, for padding rows and steps without adapters). With ``overlap`` (an
+every replay. With LoRA adapters (``lora``) each bucket has two graphs: one with the adapters'
+updates, whose tokens' adapter slots are one more static buffer (-1, the base model, for padding
+rows and rows without an adapter), and one without them for steps where no row has an adapter
+(as vLLM's ``cudagraph_specialize_lora``: the updates cost ~20% of a small model's decode step
+even when every row is on the base model). With ``overlap`` (an
 experiment, see micro_batches.py) a graph of at least ``Overlap.MIN_DECODE_BATCH`` rows holds two
 half-batch forwards on two streams instead of one.
 """
@@ -69,7 +72,8 @@ class DecodeGraphs:
         self._arange = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.query_start_loc = self._arange.clone()
         self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device) if lora else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, with the LoRA updates) -> the graph and its output
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.side_stream = torch.cuda.Stream(device) if overlap else None
 
     def _metadata(self, batch: int) -> AttentionMetadata:
@@ -85,14 +89,14 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, batch: int, adapters: bool) -> torch.Tensor:
         meta = self._metadata(batch)
         if self.side_stream is not None and batch >= Overlap.MIN_DECODE_BATCH:
             return forward_micro_batches(
                 self.model, self.input_ids[:batch], self.positions[:batch], meta, self.kv_caches, self.backend,
                 batch // 2, self.side_stream,
             )
-        lora_slots = self.lora_slots[:batch] if self.lora_slots is not None else None
+        lora_slots = self.lora_slots[:batch] if adapters else None
         ctx = ForwardContext(meta, self.kv_caches, self.backend, lora_slots)
         return self.model(self.input_ids[:batch], self.positions[:batch], ctx)
 
@@ -107,18 +111,20 @@ class DecodeGraphs:
         # inside our pool (shared by every bucket) and leaves nothing of it behind in the cache;
         # the eager steps simply make theirs again. torch's Inductor does the same around its captures.
         torch._C._cuda_clearCublasWorkspaces()
+        variants = (True, False) if self.lora_slots is not None else (False,)
         # Largest first, so smaller graphs fit inside the memory pool the largest one reserved.
         for batch in reversed(self.buckets):
-            self._forward(batch)  # warm-up: compiles the Triton kernels for this shape outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: only this thread's calls are checked during capture. Under tensor
-            # parallelism NCCL's watchdog thread polls the events of collectives finished before
-            # the capture; in the default (global) mode that poll would invalidate it.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                hidden = self._forward(batch)
-            pool = graph.pool()
-            self.graphs[batch] = (graph, hidden)
+            for adapters in variants:
+                self._forward(batch, adapters)  # warm-up: compiles the Triton kernels for this shape outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: only this thread's calls are checked during capture. Under tensor
+                # parallelism NCCL's watchdog thread polls the events of collectives finished before
+                # the capture; in the default (global) mode that poll would invalidate it.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    hidden = self._forward(batch, adapters)
+                pool = graph.pool()
+                self.graphs[batch, adapters] = (graph, hidden)
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
@@ -154,12 +160,10 @@ class DecodeGraphs:
         self.query_start_loc[n + 1 : batch + 1].fill_(n)
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
-        if self.lora_slots is not None:
-            if lora_slots is None:
-                self.lora_slots[:batch].fill_(-1)
-            else:
-                self.lora_slots[:n].copy_(lora_slots, non_blocking=True)
-                self.lora_slots[n:batch].fill_(-1)
-        graph, hidden = self.graphs[batch]
+        adapters = self.lora_slots is not None and lora_slots is not None
+        if adapters:
+            self.lora_slots[:n].copy_(lora_slots, non_blocking=True)
+            self.lora_slots[n:batch].fill_(-1)
+        graph, hidden = self.graphs[batch, adapters]
         graph.replay()
         return hidden[:n]
