@@ -6,9 +6,7 @@ every layer (PEFT folders written here), eos ignored.
 
 MODE: ``base`` (enable_lora off: the yardstick), ``lora-none`` (enable_lora=True, max_loras=4, no
 request names an adapter: what enabling LoRA costs), ``lora-1`` (every request with one adapter) and
-``lora-4`` (requests spread over four adapters, max_loras=4); for tokenmill, ``lora-1-unfused``
-is ``lora-1`` with every update in torch's three launches (no fused Triton kernel: its A/B).
-Rows go to stdout and to $RESULTS.
+``lora-4`` (requests spread over four adapters, max_loras=4). Rows go to stdout and to $RESULTS.
 """
 
 from __future__ import annotations
@@ -62,11 +60,9 @@ def main() -> None:
     engine, shape, mode, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     mod = importlib.import_module(engine)
     LoRARequest = importlib.import_module(f"{engine}.lora.request").LoRARequest
-    if mode.endswith("-unfused"):
-        importlib.import_module(f"{engine}.lora.layers").FUSED_MAX_TOKENS = 0
-    count = {"base": 0, "lora-none": 0, "lora-1": 1, "lora-4": 4}[mode.removesuffix("-unfused")]
+    count = {"base": 0, "lora-none": 0, "lora-1": 1, "lora-4": 4}[mode]
     adapters = [LoRARequest(f"adapter{i}", i + 1, adapter_dir(shape, i)) for i in range(count)]
-    max_loras = {"base": 0, "lora-none": 4, "lora-1": 1, "lora-4": 4}[mode.removesuffix("-unfused")]
+    max_loras = {"base": 0, "lora-none": 4, "lora-1": 1, "lora-4": 4}[mode]
     lora = dict(enable_lora=True, max_loras=max_loras, max_lora_rank=RANK) if max_loras else {}
     start = time.time()
     llm = mod.LLM(model=peer_bench.model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True,

@@ -141,17 +141,6 @@ _COMPILE_MOE = {
 for _name in _COMPILE_MOE:
     _case("compile_sm90", f"sm90-moe-{_name}", kernel="fused_moe", shape=_name)
 
-# The fused LoRA update (kernels/triton/lora.py): (tokens, sublayers, slots, rank, in, out) on Qwen3-0.6B's
-# q/k/v, gate/up and down with four rank-16 slots, one-token and 64-token tiles, and Llama-3-8B's q/k/v at
-# vLLM's largest max_lora_rank (64: a 256-wide shrink).
-_COMPILE_LORA = {
-    "qkv-t1-r16": (1, 3, 4, 16, 1024, 4096), "qkv-t64-r16": (64, 3, 4, 16, 1024, 4096),
-    "gate_up-t64-r16": (64, 2, 4, 16, 1024, 6144), "down-t64-r16": (64, 1, 4, 16, 3072, 1024),
-    "8b-qkv-t64-r64": (64, 3, 1, 64, 4096, 6144), "8b-down-t16-r64": (16, 1, 1, 64, 14336, 4096),
-}
-for _name in _COMPILE_LORA:
-    _case("compile_sm90", f"sm90-lora-{_name}", kernel="lora", shape=_name)
-
 _SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
 _TRITON_DTYPES = {"torch.float8_e4m3fn": "fp8e4nv", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64", "torch.uint8": "u8"}
 
@@ -267,13 +256,6 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
             out=torch.empty_like(q), tile_n=p["tile_n"],
             num_warps=p["num_warps"], num_stages=p["num_stages"], programs_per_sm=8 // p["num_warps"],
         )
-    elif kernel == "lora":
-        from tokenmill.kernels.triton.lora import lora_update_
-
-        tokens, sublayers, slots, rank, k, n = _COMPILE_LORA[p["shape"]]
-        width = sublayers * slots * rank
-        lora_update_(torch.empty(tokens, n, dtype=bf16), torch.empty(tokens, k, dtype=bf16), torch.empty(width, k, dtype=bf16),
-                     torch.empty(n, width, dtype=bf16), torch.zeros(tokens, dtype=torch.int32), slots, sublayers, rank)
     elif kernel == "matmul":
         from tokenmill.kernels.triton.matmul import matmul
 
@@ -407,9 +389,6 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] == "_moe_gemm_kernel":
             assert entry["wgmma"] or entry["mma_sync"], "the MoE GEMM's dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"the MoE GEMM spills {entry['spill_bytes']} B of registers"
-        if entry["kernel"] == "_lora_update_kernel":
-            assert entry["wgmma"] or entry["mma_sync"], "the LoRA update's dots are not on tensor cores"
-            assert entry["spill_bytes"] == 0, f"the LoRA update spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_align_kernel":  # int inputs only, like _rank_kernel below
             assert entry["spill_bytes"] == 0, f"the MoE alignment spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_rank_kernel":  # int inputs only: the float check above does not see it

@@ -14,8 +14,7 @@ This file holds the harness and the per-token kernels' cases and checks (KV stor
 LayerNorm, rotary, the qkv prologue, SiLU-mul); each other kernel family brings its ``CASES`` and
 ``CHECKS`` from a module of its own, merged here: ``kernel_checks_paged_attention.py``,
 ``kernel_checks_attention_queue.py``, ``kernel_checks_varlen_attention.py``,
-``kernel_checks_sampling.py``, ``quant_kernel_checks.py``, ``kernel_checks_deterministic.py``,
-``kernel_checks_moe.py``, ``kernel_checks_lora.py``.
+``kernel_checks_sampling.py``, ``quant_kernel_checks.py``, ``kernel_checks_deterministic.py``.
 
 The same harness also reports the sm_90 compile checks (``kernel_compile_sm90.py``), whose
 worker compiles real-hardware shapes with Triton's compiler and ptxas instead of interpreting.
@@ -36,7 +35,6 @@ import pytest
 
 import kernel_checks_deterministic as deterministic
 import kernel_checks_attention_queue
-import kernel_checks_lora
 import kernel_checks_moe
 import kernel_checks_paged_attention
 import kernel_checks_sampling
@@ -93,7 +91,6 @@ CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kern
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 CASES.update(kernel_checks_moe.CASES)  # the fused mixture-of-experts kernels: tests/kernel_checks_moe.py
-CASES.update(kernel_checks_lora.CASES)  # the fused LoRA update: tests/kernel_checks_lora.py
 
 # The slowest cases under the interpreter (seconds each, measured one worker on a busy 2-core
 # machine; together ~2/3 of the interpreter's time): marked slow, so `-m "not slow"` leaves them
@@ -348,7 +345,6 @@ _CHECKS = {
     **deterministic.CHECKS,
     **quant_kernel_checks.CHECKS,
     **kernel_checks_moe.CHECKS,
-    **kernel_checks_lora.CHECKS,
 }
 
 

@@ -83,7 +83,7 @@ def test_lora_cuda_graphs_equal_eager_with_mixed_adapters(lora_model):
 
 def test_lora_engine_without_adapters_gives_the_base_engine_tokens(lora_model):
     """An engine with enable_lora serving only base-model requests replays the decode graphs captured
-    without the updates (and skips them in eager steps): its tokens are the plain engine's (fp32)."""
+    without the updates (eager steps skip them too): its tokens are the plain engine's (fp32)."""
     base, *_ = lora_model
     prompts = [{"prompt_token_ids": p} for p in _prompts(37, seed=4)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
@@ -98,11 +98,10 @@ def test_lora_engine_without_adapters_gives_the_base_engine_tokens(lora_model):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-@pytest.mark.parametrize("tokens", [1, 37, 300, 700])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
 def test_lora_update_matches_per_token_torch(tokens):
     """One layer's update (three parts, four slots, ranks 16 and 5) in bf16 on the GPU against each
-    token's own adapter applied part by part in fp32; tokens without an adapter get nothing. Up to
-    FUSED_MAX_TOKENS (512) the one-launch Triton kernel makes it, beyond that torch's three launches."""
+    token's own adapter applied part by part in fp32; tokens without an adapter get nothing."""
     from tokenmill.lora.layers import LoRABatch, LoRAUpdate
 
     gen = torch.Generator().manual_seed(tokens)

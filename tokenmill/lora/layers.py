@@ -7,8 +7,6 @@ elsewhere; ranks below R padded with zeros). A step then costs two small GEMMs w
 adapters: ``t = x a^T`` ([T, J S R]), each token's columns of slots other than its own zeroed by a
 one-hot mask, and ``y += t b^T``. With S R a few dozen against thousands of features that is a few
 percent of the layer's own work; there are no per-adapter shapes, so CUDA graphs capture it as is.
-On a GPU, steps of up to ``FUSED_MAX_TOKENS`` tokens (decode) make the same sums in one Triton
-launch instead of three (kernels/triton/lora.py): there the launches, not the sums, are the cost.
 
 Under tensor parallelism the layer's own split applies: a column-parallel layer keeps all of A and
 its rows of B, a row-parallel one its columns of A and all of B, and its update joins the partial
@@ -21,39 +19,19 @@ import torch
 import torch.nn.functional as F
 
 
-# Larger steps take the three torch launches: the fused kernel makes each token's shrink again for
-# every run of output columns, which outweighs the launches it saves once a step has many tokens.
-FUSED_MAX_TOKENS = 512
-
-
 class LoRABatch:
-    """This step's adapter slot per token (``token_slots``: [T] int32, -1 for the base model; None
-    when no token of the step has an adapter), set at the start of each forward from the forward
-    context (``begin``), and the one-hot mask the torch path reads. One per model."""
+    """This step's adapter slot per token, as the one-hot mask every layer reads ([T, S] in the
+    model dtype; None when no token of the step has an adapter). One per model, set at the start of
+    each forward from the forward context (``begin``)."""
 
     def __init__(self, num_slots: int, device: torch.device):
         self.num_slots = num_slots
         self._slot_ids = torch.arange(num_slots, dtype=torch.int32, device=device)
-        self.token_slots: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
-        self._dtype = torch.float32
-        self._on_gpu = device.type == "cuda"
+        self.mask: torch.Tensor | None = None
 
     def begin(self, token_slots: torch.Tensor | None, dtype: torch.dtype) -> None:
         """``token_slots``: [T] int32, each token's slot (-1: the base model), or None."""
-        self.token_slots = token_slots
-        self._mask, self._dtype = None, dtype
-
-    def fused(self) -> bool:
-        """Whether this step's updates take the one-launch kernel (a GPU step of few tokens)."""
-        return self._on_gpu and self.token_slots is not None and self.token_slots.shape[0] <= FUSED_MAX_TOKENS
-
-    def mask(self) -> torch.Tensor:
-        """[T, S] one-hot in the model dtype, made once a step (inside a CUDA graph: once a replay)."""
-        if self._mask is None:
-            assert self.token_slots is not None
-            self._mask = (self.token_slots[:, None] == self._slot_ids[None, :]).to(self._dtype)
-        return self._mask
+        self.mask = None if token_slots is None else (token_slots[:, None] == self._slot_ids[None, :]).to(dtype)
 
 
 class LoRAUpdate:
@@ -72,33 +50,15 @@ class LoRAUpdate:
         self.b = torch.zeros(out_features, width, dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        batch = self.batch
-        if batch.token_slots is None:
+        mask = self.batch.mask
+        if mask is None:
             return y
-        if batch.fused() and self.matmul is F.linear and x.stride(1) == 1 and y.is_contiguous():
-            from tokenmill.kernels.triton.lora import lora_update_
-
-            return lora_update_(y, x, self.a, self.b, batch.token_slots, batch.num_slots, self.num_sublayers, self.max_rank)
-        mask = batch.mask()
         tokens = x.shape[0]
         t = self.matmul(x, self.a).view(tokens, self.num_sublayers, self.batch.num_slots, self.max_rank)
         t = (t * mask[:, None, :, None]).view(tokens, -1)
         if self.matmul is F.linear:
             return torch.addmm(y, t, self.b.t())
         return y + self.matmul(t, self.b)
-
-    def precompile(self) -> None:
-        """Compile the fused kernel's variants (small and large token tiles) before the first step."""
-        if not self.a.is_cuda or self.matmul is not F.linear:
-            return
-        from tokenmill.kernels.triton.lora import lora_update_
-
-        slots = torch.full((64,), -1, dtype=torch.int32, device=self.a.device)
-        x = torch.empty(64, self.a.shape[1], dtype=self.a.dtype, device=self.a.device)
-        y = torch.empty(64, self.b.shape[0], dtype=self.a.dtype, device=self.a.device)
-        for tokens in (1, 64):
-            lora_update_(y[:tokens], x[:tokens], self.a, self.b, slots[:tokens], self.batch.num_slots, self.num_sublayers,
-                         self.max_rank, compile_only=True)
 
     def columns(self, slot: int, sublayer: int) -> slice:
         start = (sublayer * self.batch.num_slots + slot) * self.max_rank

@@ -115,9 +115,8 @@ class ModelRunner:
 
     def precompile_kernels(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Compile every Triton kernel variant the steps can launch, on several threads, before the
-        first step (GPU only): attention's variants, the draw kernel, those of any layer with a
-        ``precompile(max_tokens)`` hook (the MoE layers, whose variants follow the token count) and
-        the LoRA updates' (lora/layers.py). The
+        first step (GPU only): attention's variants, the draw kernel, and those of any layer with a
+        ``precompile(max_tokens)`` hook (the MoE layers, whose variants follow the token count). The
         layers' other kernels have one variant per model and compile in the profiling forward."""
         precompile = getattr(self.backend, "precompile", None)
         if self.device.type != "cuda" or precompile is None:
@@ -134,8 +133,6 @@ class ModelRunner:
                 for layer in m.modules():
                     if layer is not m and callable(getattr(layer, "precompile", None)):
                         layer.precompile(max_num_batched_tokens)
-                    if getattr(layer, "lora", None) is not None:  # a LoRA update's fused kernel
-                        layer.lora.precompile()
         except Exception as exc:  # noqa: BLE001  (an optimisation: the kernels still compile on first use)
             logger.warning("compiling kernels ahead failed (%r); they will compile when first launched", exc)
             return
