@@ -179,6 +179,10 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         if self._in_flight is not None and not overlap:
             outputs += self._read_back(self._take_in_flight(), finished_only)
         plan = self.scheduler.schedule()
+        if plan.is_empty:
+            # Never launched: its finished and preempted ids go to the next plan, so the runner
+            # frees their sampling-state slots and only running sequences keep slots (the memory plan).
+            self.scheduler.report_later(plan.finished_seq_ids)
         if plan.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished() and not outputs:
                 raise RuntimeError("the scheduler could not place any request; the KV cache is too small")

@@ -166,6 +166,10 @@ class Scheduler:
         finished, self._finished_seq_ids = self._finished_seq_ids, set()
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished)
 
+    def report_later(self, seq_ids: set[int]) -> None:
+        """The finished and preempted ids of a plan that was not launched (nothing scheduled): the next plan reports them."""
+        self._finished_seq_ids |= seq_ids
+
     # ---- a step's books ---------------------------------------------------------------------
     def update_after_launch(self, plan: SchedulerOutput[Sequence]) -> None:
         """The plan is on the device (the runner has read where each sequence starts): its tokens

@@ -30,6 +30,7 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.sampler import Sampler, SamplingBatch
+from tokenmill.worker.sampling_profile import SamplingReserve, largest_state, profile_sampling
 from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, step_rows
 
 if TYPE_CHECKING:
@@ -83,8 +84,9 @@ class ModelRunner:
     def _new_sampling_state(self) -> None:
         """Per-sequence sampling state on the device (penalties, logit bias, bad words, logprob ids), released
         for the sequences each plan reports finished or preempted. A plan with nothing scheduled
-        is never launched, so its report is lost: a full table also takes back the slots of
-        finished sequences itself before it grows. Each table starts with one row."""
+        is never launched; the engine hands its report to the next plan, and a full table also
+        takes back the slots of finished sequences itself before it grows (for callers that do not
+        release). Each table starts with one row."""
         def is_done(seq) -> bool:
             return getattr(seq, "is_finished", False)
 
@@ -146,13 +148,17 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
-        """One forward at the largest step the scheduler can make, to measure peak activation memory.
+    def profile_run(self, num_tokens: int, num_seqs: int, max_logprobs: int = 20) -> SamplingReserve:
+        """One forward at the largest step the scheduler can make, then a sampler pass over its
+        logits, to measure peak memory; the largest sampling-state tables ``num_seqs`` (max_num_seqs)
+        running sequences can make are held throughout, as they would be (``sampling_profile.py``).
 
         Every sequence reads and writes only the null block of a one-block scratch cache, so the
         run needs no real KV cache yet.
         """
         m = self.model
+        # Made first, as a step fills them before its forward; fresh tables, freed on return.
+        penalties, bias = largest_state(self.vocab_size, self.device, max(1, num_seqs), self._to_device)
         num_seqs = max(1, min(num_seqs, num_tokens))
         lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         start_loc = [0]
@@ -178,7 +184,7 @@ class ModelRunner:
         lora_slots = torch.zeros(num_tokens, dtype=torch.int32, device=dev) if self.lora else None
         hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend, lora_slots))
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
-        logits.softmax(dim=-1)
+        return profile_sampling(self.sampler, logits, penalties, bias, max_logprobs, self.logprobs_mode)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()

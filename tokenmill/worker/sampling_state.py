@@ -7,8 +7,10 @@ sequence is never admitted with a token in flight), and updated in place from th
 the device after every step (``record``), whether or not the host has read them back yet. A token
 sampled for a sequence that then stops is counted too, but that sequence never samples again and
 its slot is released. Slots go only to the sequences that use a feature, in a capacity that
-doubles as needed (1, 2, 4, ...), and are freed by ``release`` (finished, aborted or preempted
-sequences; a preempted one is filled again when it samples next).
+doubles as needed (1, 2, 4, ...: ``slot_capacity``), and are freed by ``release`` (finished,
+aborted or preempted sequences; a preempted one is filled again when it samples next). Only running
+sequences hold slots when a table grows, so it never passes ``slot_capacity(max_num_seqs)`` rows:
+the size the GPU memory plan reserves for it (``sampling_profile.py``).
 
 Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
 - ``PenaltyState`` (repetition / frequency / presence penalties): output counts, V int32, the
@@ -42,6 +44,13 @@ _WILDCARD = -2  # a word position before the word's first token: matches any rec
 _seq_id = operator.attrgetter("seq_id")
 
 
+def slot_capacity(num_slots: int) -> int:
+    """The rows a SlotTable has once it has held ``num_slots`` slots at once: it starts with one and
+    doubles when full, so the smallest power of two >= ``num_slots``. ``SlotTable.assign`` grows by
+    this rule, and the memory plan (``sampling_profile.py``) reserves the tables at it."""
+    return 1 << max(num_slots - 1, 0).bit_length()
+
+
 class SlotTable:
     """Slots (rows of device tensors) for sequences, by seq_id; the capacity doubles when full.
 
@@ -62,9 +71,10 @@ class SlotTable:
         """A free slot for ``seq``, doubling the capacity first if none is free (the owner grows its tensors)."""
         if not self._free and self._is_done is not None:
             self.release([seq_id for seq_id, owner in self._owners.items() if self._is_done(owner)])
-        if not self._free:
-            self._free = list(range(2 * self.capacity - 1, self.capacity - 1, -1))
-            self.capacity *= 2
+        if not self._free:  # every slot held: one more than now (a power of two, so this doubles)
+            grown = slot_capacity(self.capacity + 1)
+            self._free = list(range(grown - 1, self.capacity - 1, -1))
+            self.capacity = grown
         slot = self._free.pop()
         self._slots[seq.seq_id] = slot
         self._owners[seq.seq_id] = seq

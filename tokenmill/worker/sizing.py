@@ -2,7 +2,13 @@
 
 ``num_gpu_blocks_override`` is taken as it is. Otherwise ``kv_cache_memory_bytes`` wins when
 given. On a GPU the pool takes what is left of ``gpu_memory_utilization`` of the card after the
-weights and a measured activation peak. On the CPU the pool defaults to 4 GiB (vLLM's CPU
+weights and a measured peak (``ModelRunner.profile_run``): one forward at the largest step, then a
+sampler pass at the most rows a step samples, while the largest per-sequence sampling state the
+engine can reach is held (the penalty and logit-bias tables at ``slot_capacity(max_num_seqs)``
+rows, 8.125 V bytes a row: ~1.26 GB at V = 151,936 and 1,024 sequences; with the sampler's pass,
+21 V bytes a row more, the plan sets aside ~4 GB more than a forward and a softmax did there; see
+``worker/sampling_profile.py``), so turning those features on late in a long run finds its memory
+already set aside. On the CPU the pool defaults to 4 GiB (vLLM's CPU
 default); since the tensors are allocated untouched, pages only become resident as tokens are
 written, and that pool reuses blocks it has written before touching new ones (engine/kv_cache.py),
 so memory follows the work. Either way the pool is never larger than ``max_num_seqs`` full-length
@@ -63,16 +69,18 @@ def _gpu_budget(config: "EngineConfig", runner: "ModelRunner") -> int:
     free, total = torch.cuda.mem_get_info(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs)
+    sampling = runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, config.max_logprobs)
     torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - baseline
+    activation_peak = torch.cuda.max_memory_allocated(device) - baseline  # sampling state included
     torch.cuda.empty_cache()
     # Memory other processes hold counts against our share, like vLLM's utilisation setting.
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     ours = config.gpu_memory_utilization * total - used_by_others - torch.cuda.memory_allocated(device)
     budget = int(ours - activation_peak * 1.1) - 256 * 1024**2  # headroom for graphs and the allocator
     logger.info(
-        "GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB",
-        total / 2**30, baseline / 2**30, activation_peak / 2**30, budget / 2**30,
+        "GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB (with %.2f GiB of sampling "
+        "state in %d slots and a sampler pass over %d rows), KV cache %.2f GiB",
+        total / 2**30, baseline / 2**30, activation_peak / 2**30, sampling.state_bytes / 2**30, sampling.state_rows,
+        sampling.sampler_rows, budget / 2**30,
     )
     return max(budget, 0)
