@@ -122,7 +122,12 @@ def test_chunked_prefill_then_decode_with_a_token_in_flight(runner, tiny_llama_d
         assert token == int(hf_next_logprobs(hf, seq.tokens(0, seq.num_known_tokens)).argmax())
 
 
-def test_prompt_logprobs_of_each_chunk(runner, tiny_llama_dir):
+@pytest.mark.parametrize("slice_rows", [None, 3])
+def test_prompt_logprobs_of_each_chunk(runner, tiny_llama_dir, monkeypatch, slice_rows):
+    """Each chunk's prompt logprobs against HF; with slice_rows, scored 3 rows at a time (the first
+    chunk's 4 rows as 3 + 1), as a long chunk is to bound its [rows, V] tensors."""
+    if slice_rows is not None:
+        monkeypatch.setattr(runner, "prompt_logprob_rows", slice_rows)
     hf = hf_model(str(tiny_llama_dir))
     prompt = [7, 120, 33, 260, 15, 88, 2]
     request = MadeUpRequest(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), True)

@@ -62,3 +62,27 @@ def test_sampling_state_and_sampler_fit_the_memory_plan(qwen_vocab_model):
     print(f"peak reserved {peak / 2**30:.3f} GiB, share {share / 2**30:.3f} GiB, "
           f"margin {(share - peak) / 2**20:.0f} MiB, {blocks} KV blocks")
     assert peak <= share + SLACK, f"peak reserved {peak / 2**30:.3f} GiB passed the share {share / 2**30:.3f} GiB"
+
+
+def test_prompt_logprobs_of_a_long_chunk_fit_the_memory_plan(qwen_vocab_model):
+    """Prompt logprobs over 8,192-token chunks (the default max_num_batched_tokens) with the full
+    vocabulary: scored whole, a chunk's [8191, V] float32 log-probabilities alone would be ~5 GB,
+    beyond the share; scored in slices of the sampler pass's rows (ModelRunner._score_prompt), the
+    run stays within it. Few sequences, so the plan's sampler reserve is small too."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(qwen_vocab_model, skip_tokenizer_init=True, max_model_len=32768, max_num_seqs=8,
+              max_num_batched_tokens=8192, gpu_memory_utilization=UTILIZATION, seed=0)
+    total = torch.cuda.mem_get_info()[1]
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(12_000)]} for _ in range(2)]
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, prompt_logprobs=5)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_reserved()
+    assert all(len(o.prompt_logprobs) == 12_000 and o.prompt_logprobs[0] is None for o in outputs)
+    share = UTILIZATION * total
+    print(f"peak reserved {peak / 2**30:.3f} GiB, share {share / 2**30:.3f} GiB, margin {(share - peak) / 2**20:.0f} MiB")
+    assert peak <= share + SLACK, f"peak reserved {peak / 2**30:.3f} GiB passed the share {share / 2**30:.3f} GiB"

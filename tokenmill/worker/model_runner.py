@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+PROMPT_LOGPROB_ROWS = 1024  # the slice before a memory plan sets it (the CPU's, where none is made)
+MIN_PROMPT_LOGPROB_ROWS = 64
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -65,6 +69,9 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        # Prompt tokens scored a slice at a time (_score_prompt); on a GPU the memory plan makes it the
+        # rows its sampler pass held (profile_run), so a slice never needs more than was set aside.
+        self.prompt_logprob_rows = PROMPT_LOGPROB_ROWS
         # Draw keys for rows without a seed of their own: a fresh one per step, from the engine seed.
         self._step_keys = random.Random(seed)
         self.kv_caches: list[torch.Tensor] = []
@@ -184,7 +191,12 @@ class ModelRunner:
         lora_slots = torch.zeros(num_tokens, dtype=torch.int32, device=dev) if self.lora else None
         hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend, lora_slots))
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
-        return profile_sampling(self.sampler, logits, penalties, bias, max_logprobs, self.logprobs_mode)
+        reserve = profile_sampling(self.sampler, logits, penalties, bias, max_logprobs, self.logprobs_mode)
+        # A prompt-logprobs slice ([rows, V] float32 log-probabilities, their rank comparison) needs
+        # less than the sampler pass over as many rows; at least MIN_PROMPT_LOGPROB_ROWS, so long
+        # prompts are not scored a few rows at a time (those rows' excess is within the plan's headroom).
+        self.prompt_logprob_rows = max(MIN_PROMPT_LOGPROB_ROWS, reserve.sampler_rows)
+        return reserve
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -247,18 +259,34 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = min(start + query_len, seq.num_prompt_tokens - 1)  # the last prompt token predicts output
             if seq.index == 0 and request.needs_prompt_logprobs and start < end:
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[offset : offset + end - start]).float(), dim=-1)
-                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=logprobs.device)
-                chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
-                ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-                k = request.params.prompt_logprobs
-                top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-                found.append(PromptLogprobs(
-                    seq, start + 1, chosen.tolist(), ranks.tolist(),
-                    top_ids.tolist() if top_ids is not None else None, top_lp.tolist() if top_lp is not None else None,
-                ))
+                found.append(self._score_prompt(seq, hidden[offset : offset + end - start], start))
             offset += query_len
         return found or None
+
+    def _score_prompt(self, seq: StepSequence, hidden: torch.Tensor, start: int) -> PromptLogprobs:
+        """The logprob and rank of prompt tokens start + 1 ... (and the top ones), ``prompt_logprob_rows``
+        rows at a time: a whole chunk at once would hold [tokens, V] float32 log-probabilities and their
+        rank comparison (a 16k-token chunk of a 152k vocabulary: ~10 GB each), where a slice stays within
+        what the memory plan set aside for the sampler."""
+        request = seq.request
+        k = request.params.prompt_logprobs
+        targets = request.prompt_token_ids[start + 1 : start + 1 + hidden.shape[0]]
+        chosen: list[float] = []
+        ranks: list[int] = []
+        top_ids: list[list[int]] = []
+        top_logprobs: list[list[float]] = []
+        for first in range(0, hidden.shape[0], self.prompt_logprob_rows):
+            rows = hidden[first : first + self.prompt_logprob_rows]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            wanted = torch.tensor(targets[first : first + rows.shape[0]], device=logprobs.device)
+            picked = logprobs.gather(1, wanted[:, None]).squeeze(1)
+            chosen += picked.tolist()
+            ranks += ((logprobs > picked[:, None]).sum(dim=-1) + 1).tolist()
+            if k:
+                values, ids = logprobs.topk(k, dim=-1)
+                top_ids += ids.tolist()
+                top_logprobs += values.tolist()
+        return PromptLogprobs(seq, start + 1, chosen, ranks, top_ids if k else None, top_logprobs if k else None)
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
         bs = self.block_size
