@@ -243,8 +243,8 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
 
 def _special_token_ids(reader: Any) -> dict[str, int]:
     ids = {}
-    for key, field in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        value = reader.fields.get(f"tokenizer.ggml.{field}_token_id")
+    for key, role in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = reader.fields.get(f"tokenizer.ggml.{role}_token_id")
         if value is not None:
             ids[key] = int(value.contents())
     return ids
@@ -262,8 +262,8 @@ def _fix_tokenizer(tokenizer: Any, reader: Any) -> None:
     if tokens_field is None:
         return
     tokens = tokens_field.contents()
-    for attr, field in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
-        value = reader.fields.get(f"tokenizer.ggml.{field}_token_id")
+    for attr, role in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
+        value = reader.fields.get(f"tokenizer.ggml.{role}_token_id")
         if value is not None and 0 <= int(value.contents()) < len(tokens):
             setattr(tokenizer, attr, tokens[int(value.contents())])
 
