@@ -68,10 +68,11 @@ def test_prompt_logprobs_of_a_long_chunk_fit_the_memory_plan(qwen_vocab_model):
     """Prompt logprobs over 8,192-token chunks (the default max_num_batched_tokens) with the full
     vocabulary: scored whole, a chunk's [8191, V] float32 log-probabilities alone would be ~5 GB,
     beyond the share; scored in slices of the sampler pass's rows (ModelRunner._score_prompt), the
-    run stays within it. Few sequences, so the plan's sampler reserve is small too."""
+    run stays within it. 64 sequences: the smallest slice (MIN_PROMPT_LOGPROB_ROWS) and a sampler
+    reserve of as many rows, so the test does not lean on the plan's headroom."""
     gc.collect()
     torch.cuda.empty_cache()
-    llm = LLM(qwen_vocab_model, skip_tokenizer_init=True, max_model_len=32768, max_num_seqs=8,
+    llm = LLM(qwen_vocab_model, skip_tokenizer_init=True, max_model_len=32768, max_num_seqs=64,
               max_num_batched_tokens=8192, gpu_memory_utilization=UTILIZATION, seed=0)
     total = torch.cuda.mem_get_info()[1]
     rng = random.Random(1)
