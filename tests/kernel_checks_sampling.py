@@ -2,7 +2,7 @@
 ``test_kernels_interpret.py`` (which merges ``CASES`` and ``CHECKS`` into its own): the Gumbel-max
 draw, and penalties, logit bias and top-k / top-p / min-p with the draw (narrow rows, wide top-p
 rows through the argmax rounds and the histogram passes), against ``reference.sample_ref`` token for
-token.
+token; the sampled tokens' logprobs in two passes against ``reference.token_logprobs_ref``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ _case("sample_tokens_wide", "sample-tokens-wide-v9000-float32", dtype="float32",
 # mixed with rows of every other kind (seeds chosen so that every path is taken; the check asserts it).
 _case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float32", dtype="float32", vocab=9000, seed=2)
 _case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float16", dtype="float16", vocab=9000, seed=6)
+# The sampled tokens' logprobs, ranks and top-1 in two passes (logprobs 0 / 1): a vocabulary under one
+# block, one over several with a partial last block, ties at the row's maximum and at the sampled token.
+for _dt in ("float32", "float16"):
+    for _vocab in (37, 9000):
+        for _top in (False, True):
+            _case("token_logprobs", f"token-logprobs-v{_vocab}-{'top1' if _top else 'top0'}-{_dt}", dtype=_dt,
+                  vocab=_vocab, top=_top)
 
 
 def _check_gumbel_argmax(p: dict[str, Any]) -> None:
@@ -216,8 +223,37 @@ def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:
     return [x[row] / torch.tensor(t) if t > 0 else x[row] for row, t in enumerate(temperature.tolist())]
 
 
+def _check_token_logprobs(p: dict[str, Any]) -> None:
+    import torch
+
+    from tokenmill.kernels.reference import token_logprobs_ref
+    from tokenmill.kernels.triton.token_logprobs import token_logprobs
+
+    dtype, vocab, top = getattr(torch, p["dtype"]), p["vocab"], p["top"]
+    gen = torch.Generator().manual_seed(vocab + top)
+    rows = 6
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    logits[1, 5] = logits[1, vocab - 2] = logits[1].max() + 1  # two equal largest: the first is the top-1
+    logits[2, :] = 0.5  # every entry equal: rank 1, top-1 id 0
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
+    tokens[3] = int(logits[3].float().argmax())  # the row's best: rank 1
+    tokens[4] = int(logits[4].float().argmin())  # its worst: rank near V
+    logits[5, tokens[5]] = logits[5, 3] = logits[5].max() + 0.5  # the sampled token tied with another at the top
+    got = token_logprobs(logits, tokens, top)
+    want = token_logprobs_ref(logits, tokens, top)
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(got[1], want[1]), (got[1], want[1])
+    assert want[1][4] > vocab // 2 and want[1][2] == 1 and want[1][5] == 1  # the cases above are what they say
+    if top:
+        assert torch.equal(got[2], want[2]), (got[2], want[2])
+        assert got[2][1, 0] == 5 and got[2][2, 0] == 0
+        torch.testing.assert_close(got[3], want[3], atol=2e-5, rtol=1e-5)
+    else:
+        assert got[2] is None and got[3] is None
+
 
 CHECKS = {
+    "token_logprobs": _check_token_logprobs,
     "gumbel_argmax": _check_gumbel_argmax,
     "sample_tokens": _check_sample_tokens,
     "sample_tokens_wide": _check_sample_tokens_wide,

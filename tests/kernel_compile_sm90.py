@@ -113,6 +113,8 @@ _case("compile_sm90", "sm90-w4a16-m4-down-g64", kernel="w4a16", m=4, n=4096, k=1
 _case("compile_sm90", "sm90-w4a16_dequant-bf16", kernel="w4a16_dequant")
 _case("compile_sm90", "sm90-w4a16_dequant-asym-fp16", kernel="w4a16_dequant", zeros=True, dtype="float16")
 _case("compile_sm90", "sm90-quantize_fp8-bf16", kernel="quantize_fp8")
+for _top in (False, True):  # the sampled tokens' logprobs over Qwen's vocabulary, logprobs 0 and 1
+    _case("compile_sm90", f"sm90-token_logprobs-top{int(_top)}-bf16", kernel="token_logprobs", top=_top)
 _case("compile_sm90", "sm90-silu_and_mul_fp8-bf16", kernel="silu_and_mul_fp8")
 # The norms that quantize their output for the next fp8 linear (Llama-3-8B's hidden 4096; per-token scales).
 for _kernel in ("rms_norm_fp8", "fused_add_rms_norm_fp8"):
@@ -339,6 +341,10 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
                           group, k, dtype, out=torch.empty((k, n), dtype=dtype), dequant_asm=True)
     elif kernel == "silu_and_mul_fp8":
         activation.silu_and_mul_fp8(torch.empty((64, 2 * 14336), dtype=bf16))
+    elif kernel == "token_logprobs":
+        from tokenmill.kernels.triton.token_logprobs import token_logprobs
+
+        token_logprobs(torch.empty((1024, 151936), dtype=bf16), torch.zeros(1024, dtype=torch.int64), p["top"])
     elif kernel == "quantize_fp8":
         from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
 
@@ -389,6 +395,8 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] == "_moe_gemm_kernel":
             assert entry["wgmma"] or entry["mma_sync"], "the MoE GEMM's dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"the MoE GEMM spills {entry['spill_bytes']} B of registers"
+        if entry["kernel"] == "_token_logprobs_kernel":
+            assert entry["spill_bytes"] == 0, f"the token logprobs kernel spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_align_kernel":  # int inputs only, like _rank_kernel below
             assert entry["spill_bytes"] == 0, f"the MoE alignment spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_rank_kernel":  # int inputs only: the float check above does not see it

@@ -405,3 +405,17 @@ def fused_moe_ref(
         y = (act @ w2[e].float().t()) * topk_weights[tokens, slots].float()[:, None]
         pairs[tokens, slots] = y.to(x.dtype).float()
     return pairs.sum(dim=1).to(x.dtype)
+
+
+def token_logprobs_ref(
+    logits: torch.Tensor, token_ids: torch.Tensor, top: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each row's raw logprob of its token, its rank (1 + the entries with a larger logprob) and
+    with ``top`` the row's top-1 (id, logprob) as [N, 1]: ``log_softmax`` over the whole row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.long()[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    if not top:
+        return chosen, ranks, None, None
+    values, ids = logprobs.max(dim=-1, keepdim=True)  # max: the first of equal largest ones
+    return chosen, ranks, ids, values

@@ -91,7 +91,13 @@ class Sampler:
         """logits: [N, V] in the model's dtype (the step's own: bans are applied to them in place)."""
         mode = batch.logprobs_mode if batch.max_num_logprobs >= 0 else None
         raw_logprobs = None
-        if mode == "raw_logprobs":
+        # Raw logprobs of the sampled tokens and at most the top-1, from logits nothing below writes
+        # into (bans go into them in place): one Triton kernel reads them after the draw, no table.
+        two_passes = (mode == "raw_logprobs" and batch.max_num_logprobs <= 1 and logits.is_cuda
+                      and batch.bad_words is None and batch.banned is None and batch.logprob_ids is None
+                      and batch.rank_within_grammar is None)
+        raw_logits = logits
+        if mode == "raw_logprobs" and not two_passes:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         elif mode == "raw_logits":
             raw_logprobs = logits.float().clone()  # a copy: the bans below write into the logits
@@ -126,11 +132,17 @@ class Sampler:
                 raw_logprobs = torch.log_softmax(processed, dim=-1)
         else:
             token_ids = self._sample_on_gpu(logits, batch, state)
-        ranked = raw_logprobs
-        if batch.rank_within_grammar is not None and raw_logprobs is not None:
-            # logits hold -inf where the grammar forbids (a beam row has no other bans).
-            ranked = raw_logprobs.masked_fill(batch.rank_within_grammar[:, None] & (logits == float("-inf")), float("-inf"))
-        output = self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, ranked)
+        if two_passes:
+            from tokenmill.kernels.triton.token_logprobs import token_logprobs
+
+            output = SamplerOutput(token_ids, *token_logprobs(raw_logits, token_ids, batch.max_num_logprobs == 1))
+        else:
+            ranked = raw_logprobs
+            if batch.rank_within_grammar is not None and raw_logprobs is not None:
+                # logits hold -inf where the grammar forbids (a beam row has no other bans).
+                ranked = raw_logprobs.masked_fill(batch.rank_within_grammar[:, None] & (logits == float("-inf")),
+                                                  float("-inf"))
+            output = self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, ranked)
         if batch.logprob_ids is not None:
             assert raw_logprobs is not None, "rows with logprob_token_ids count as rows wanting logprobs"
             output.requested_logprobs = batch.logprob_ids[0].gather(raw_logprobs, batch.logprob_ids[1])
@@ -139,10 +151,12 @@ class Sampler:
     @staticmethod
     def precompile(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile every variant of the GPU sampling kernels for the model's logits: with and
-        without filters, with and without per-sequence state (``precompile.py`` runs this in
+        without filters, with and without per-sequence state, and the sampled tokens' logprobs
+        with a top-1 or none (``precompile.py`` runs this in
         ``parallel_compile``). float32 logits, which only Python logits processors and structured
         outputs lead to, compile when first met."""
         from tokenmill.kernels.triton.sampling import sample_tokens
+        from tokenmill.kernels.triton.token_logprobs import token_logprobs
 
         logits = torch.empty(1, vocab_size, dtype=dtype, device=device)
         temperature = torch.ones(1, dtype=torch.float32, device=device)
@@ -156,6 +170,8 @@ class Sampler:
         for f, alone in ((None, True), (filters, True), (filters, False)):
             for s in (None, state):
                 sample_tokens(logits, temperature, ids, ids, f, s, top_p_alone=alone, compile_only=True)
+        for top in (False, True):  # logprobs 0 and 1
+            token_logprobs(logits, ids, top, compile_only=True)
 
     @staticmethod
     def _sample_on_gpu(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
