@@ -113,12 +113,14 @@ def _missing(precompiled: list[tuple[str, str]], runs: dict[Any, list[tuple[str,
 
 
 def _check_sampler(recorder: _KeyRecorder) -> str | None:
-    """Every sampling path at batch sizes from 1 to 3,000 rows, with the step tensors built by the
-    runner's own helpers (16-byte aligned columns), against ``Sampler.precompile``."""
+    """Every sampling path (and the sampled tokens' logprobs) at batch sizes from 1 to 3,000 rows, with
+    the step tensors built by the runner's own helpers (16-byte aligned columns), against
+    ``Sampler.precompile``."""
     import torch
 
     from tokenmill.kernels.sampling_args import Filters, RowState
     from tokenmill.kernels.triton.sampling import sample_tokens
+    from tokenmill.kernels.triton.token_logprobs import token_logprobs
     from tokenmill.worker.model_runner import ModelRunner
     from tokenmill.worker.sampler import Sampler
 
@@ -142,8 +144,10 @@ def _check_sampler(recorder: _KeyRecorder) -> str | None:
                              torch.empty(slots, vocab, dtype=torch.int32),
                              torch.empty(slots, -(-vocab // 32), dtype=torch.int32),
                              *(torch.ones(slots) for _ in range(3)))  # the penalty factors, per slot (PenaltyState)
-        sample_tokens(torch.empty(rows, vocab, dtype=torch.bfloat16), floats[0], keys, counters, filters, state,
-                      top_p_alone=top_p_alone)
+        logits = torch.empty(rows, vocab, dtype=torch.bfloat16)
+        sample_tokens(logits, floats[0], keys, counters, filters, state, top_p_alone=top_p_alone)
+        for top in (False, True):  # a step with logprobs 0 or 1: the sampled tokens' logprobs
+            token_logprobs(logits, torch.zeros(rows, dtype=torch.int64), top)
 
     problems = []
     for vocab in (151936, 128256):
