@@ -4,12 +4,13 @@ time and all together, on any engine with vLLM's offline API (like peer_bench.py
 Usage: python bench/workload_bench.py ENGINE SHAPE [VARIANT ...]
   ENGINE   tokenmill | vllm | any importable module exposing LLM and SamplingParams
   SHAPE    qwen3-0.6b | llama3-8b (random weights with the real shapes, from peer_bench.py)
-  VARIANT  temperature | top_p | top_k | top_k_top_p | repetition | all | logit_bias (default: every one, in that order)
+  VARIANT  temperature | top_p | top_k | top_k_top_p | repetition | all | logit_bias | logprobs1 | logprobs2
+           (default: every one, in that order)
 
 Workload ("chat"): 1,024 requests sharing a 256-token system prefix, each with its own U[16, 256]
 tokens, output U[32, 512] tokens, eos ignored, temperature 0.7 (random.seed(0)). The variants add
 top_p 0.9, top_k 50, top_k 100 with top_p 0.95 (issue 15's filter target), repetition_penalty 1.1,
-top_p 0.9, top_k 50 and repetition_penalty 1.1 together, or a logit bias on ten ids. One LLM serves every variant (after a
+top_p 0.9, top_k 50 and repetition_penalty 1.1 together, a logit bias on ten ids, or logprobs 1 / 2. One LLM serves every variant (after a
 warm-up call), its prefix cache emptied before each: every variant's prompts are prefilled, as the
 first's are (without the reset a later variant found every prompt of an earlier one cached and
 looked faster by that prefill, docs/perf.md 53); the last variant's results are dropped and the
@@ -41,6 +42,10 @@ VARIANTS = {
     "all": dict(top_p=0.9, top_k=50, repetition_penalty=1.1),
     # A logit bias on a few ids (every request its own): the per-sequence bias rows' fill (perf.md 50).
     "logit_bias": dict(logit_bias={token: -2.0 for token in range(3, 13)}),
+    # The sampled token's logprob and the top-1 (RL rollouts, evaluations), and the top-2: tokenmill
+    # makes the first from two passes over the logits, the second from the whole table (perf.md 60).
+    "logprobs1": dict(logprobs=1),
+    "logprobs2": dict(logprobs=2),
 }
 
 
