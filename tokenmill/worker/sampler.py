@@ -94,8 +94,8 @@ class Sampler:
         # Raw logprobs of the sampled tokens and at most the top-1, from logits nothing below writes
         # into (bans go into them in place): one Triton kernel reads them after the draw, no table.
         two_passes = (mode == "raw_logprobs" and batch.max_num_logprobs <= 1 and logits.is_cuda
-                      and batch.bad_words is None and batch.banned is None and batch.logprob_ids is None
-                      and batch.rank_within_grammar is None)
+                      and logits.stride(1) == 1 and batch.bad_words is None and batch.banned is None
+                      and batch.logprob_ids is None and batch.rank_within_grammar is None)
         raw_logits = logits
         if mode == "raw_logprobs" and not two_passes:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
