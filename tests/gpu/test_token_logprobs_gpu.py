@@ -1,7 +1,8 @@
 """The sampled tokens' logprobs in two passes (kernels/triton/token_logprobs.py) on the GPU: against
 ``reference.token_logprobs_ref`` (log_softmax over the whole row) on 16-bit and fp32 logits, and in
-the engine, where a step with logprobs 0 or 1 takes it, against the same engine's torch path (a
-step with logprobs 2 makes the whole table: its sampled logprob, rank and top-1 must agree)."""
+the engine, where a step with logprobs 0 or 1 takes it (and prompt logprobs 0 or 1: perplexity),
+against the same engine's torch path (logprobs 2 makes the whole table: the sampled or prompt token's
+logprob, its rank and the top-1 must agree)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_token_logprobs_match_log_softmax(rows, vocab, dtype):
             torch.testing.assert_close(got[3], want[3], atol=1e-4, rtol=1e-5)
 
 
-def test_engine_logprobs_0_and_1_agree_with_the_full_table(tmp_path):
+@pytest.fixture(scope="module")
+def small_llm(tmp_path_factory):
     from transformers import Qwen3Config
 
     from support.tiny_models import save_redrawn_bf16_model
@@ -48,8 +50,12 @@ def test_engine_logprobs_0_and_1_agree_with_the_full_table(tmp_path):
     config = Qwen3Config(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = save_redrawn_bf16_model(tmp_path, config)
-    llm = LLM(model, skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.2, seed=0)
+    model = save_redrawn_bf16_model(tmp_path_factory.mktemp("token_logprobs"), config)
+    return LLM(model, skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.2, seed=0)
+
+
+def test_engine_logprobs_0_and_1_agree_with_the_full_table(small_llm):
+    llm = small_llm
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 31000 for j in range(5 + i % 9)]} for i in range(48)]
     runs = {}
     for k in (0, 1, 2):  # 2: the torch path (the whole [rows, V] table)
@@ -59,6 +65,22 @@ def test_engine_logprobs_0_and_1_agree_with_the_full_table(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == full.outputs[0].token_ids
         for token, lp0, lp1, lp2 in zip(full.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs,
                                         full.outputs[0].logprobs):
+            assert abs(lp0[token].logprob - lp2[token].logprob) < 1e-4 and lp0[token].rank == lp2[token].rank
+            top = max(lp2.values(), key=lambda entry: entry.logprob)
+            top_id = next(t for t, entry in lp1.items() if entry.rank == 1)
+            assert abs(lp1[top_id].logprob - top.logprob) < 1e-4 and lp2[top_id].rank == 1
+
+
+def test_engine_prompt_logprobs_0_and_1_agree_with_the_full_table(small_llm):
+    prompts = [{"prompt_token_ids": [3 + (11 * i + 5 * j) % 31000 for j in range(40 + i)]} for i in range(6)]
+    runs = {k: small_llm.generate(prompts, SamplingParams(max_tokens=1, detokenize=False, prompt_logprobs=k),
+                                  use_tqdm=False) for k in (0, 1, 2)}
+    for a, b, full in zip(runs[0], runs[1], runs[2]):
+        ids = full.prompt_token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(ids)
+        for position in range(1, len(ids)):
+            token = ids[position]
+            lp0, lp1, lp2 = (run.prompt_logprobs[position] for run in (a, b, full))
             assert abs(lp0[token].logprob - lp2[token].logprob) < 1e-4 and lp0[token].rank == lp2[token].rank
             top = max(lp2.values(), key=lambda entry: entry.logprob)
             top_id = next(t for t, entry in lp1.items() if entry.rank == 1)

@@ -267,7 +267,8 @@ class ModelRunner:
         """The logprob and rank of prompt tokens start + 1 ... (and the top ones), ``prompt_logprob_rows``
         rows at a time: a whole chunk at once would hold [tokens, V] float32 log-probabilities and their
         rank comparison (a 16k-token chunk of a 152k vocabulary: ~10 GB each), where a slice stays within
-        what the memory plan set aside for the sampler."""
+        what the memory plan set aside for the sampler. On a GPU, with at most the top-1, the sampled
+        tokens' kernel reads the slice's logits twice instead (kernels/triton/token_logprobs.py)."""
         request = seq.request
         k = request.params.prompt_logprobs
         targets = request.prompt_token_ids[start + 1 : start + 1 + hidden.shape[0]]
@@ -277,13 +278,20 @@ class ModelRunner:
         top_logprobs: list[list[float]] = []
         for first in range(0, hidden.shape[0], self.prompt_logprob_rows):
             rows = hidden[first : first + self.prompt_logprob_rows]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            wanted = torch.tensor(targets[first : first + rows.shape[0]], device=logprobs.device)
-            picked = logprobs.gather(1, wanted[:, None]).squeeze(1)
+            logits = self.model.compute_logits(rows)
+            wanted = torch.tensor(targets[first : first + rows.shape[0]], device=logits.device)
+            if logits.is_cuda and k <= 1 and logits.stride(1) == 1:  # perplexity's 0, or a top-1: no table
+                from tokenmill.kernels.triton.token_logprobs import token_logprobs
+
+                picked, rank, ids, values = token_logprobs(logits, wanted, k == 1)
+            else:
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                picked = logprobs.gather(1, wanted[:, None]).squeeze(1)
+                rank = (logprobs > picked[:, None]).sum(dim=-1) + 1
+                values, ids = logprobs.topk(k, dim=-1) if k else (None, None)
             chosen += picked.tolist()
-            ranks += ((logprobs > picked[:, None]).sum(dim=-1) + 1).tolist()
+            ranks += rank.tolist()
             if k:
-                values, ids = logprobs.topk(k, dim=-1)
                 top_ids += ids.tolist()
                 top_logprobs += values.tolist()
         return PromptLogprobs(seq, start + 1, chosen, ranks, top_ids if k else None, top_logprobs if k else None)
