@@ -92,9 +92,12 @@ class Sampler:
         mode = batch.logprobs_mode if batch.max_num_logprobs >= 0 else None
         raw_logprobs = None
         # Raw logprobs of the sampled tokens and at most the top-1, from logits nothing below writes
-        # into (bans go into them in place): one Triton kernel reads them after the draw, no table.
+        # into: one Triton kernel reads them after the draw, no table. Bans go into the logits in
+        # place, and so do grammars and processors when the logits are float32 already (.float()
+        # makes no copy then), so steps with any of them keep the table.
         two_passes = (mode == "raw_logprobs" and batch.max_num_logprobs <= 1 and logits.is_cuda
                       and logits.stride(1) == 1 and batch.bad_words is None and batch.banned is None
+                      and batch.grammar_bitmask is None and not batch.processors and batch.batch_processors is None
                       and batch.logprob_ids is None and batch.rank_within_grammar is None)
         raw_logits = logits
         if mode == "raw_logprobs" and not two_passes:
