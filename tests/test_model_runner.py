@@ -127,7 +127,7 @@ def test_prompt_logprobs_of_each_chunk(runner, tiny_llama_dir, monkeypatch, slic
     """Each chunk's prompt logprobs against HF; with slice_rows, scored 3 rows at a time (the first
     chunk's 4 rows as 3 + 1), as a long chunk is to bound its [rows, V] tensors."""
     if slice_rows is not None:
-        monkeypatch.setattr(runner, "prompt_logprob_rows", slice_rows)
+        monkeypatch.setattr(runner, "prompt_logprob_rows", slice_rows)  # read by prompt_logprobs.score_prompts
     hf = hf_model(str(tiny_llama_dir))
     prompt = [7, 120, 33, 260, 15, 88, 2]
     request = MadeUpRequest(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), True)

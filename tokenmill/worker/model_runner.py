@@ -23,12 +23,13 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
 from tokenmill.engine.step import (
-    NULL_BLOCK, PromptLogprobs, SamplerOutput, ScheduledSequence, SchedulerOutput, StepResult, StepSequence,
+    NULL_BLOCK, SamplerOutput, ScheduledSequence, SchedulerOutput, StepResult, StepSequence,
 )
 from tokenmill.sampling_params import SamplerNeeds, SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
+from tokenmill.worker.prompt_logprobs import MIN_PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_ROWS, score_prompts
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 from tokenmill.worker.sampling_profile import SamplingReserve, largest_state, profile_sampling
 from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, step_rows
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
     from tokenmill.logits_processor import BatchLogitsProcessors
 
 logger = logging.getLogger(__name__)
-
-
-PROMPT_LOGPROB_ROWS = 1024  # the slice before a memory plan sets it (the CPU's, where none is made)
-MIN_PROMPT_LOGPROB_ROWS = 64
 
 
 class ModelRunner:
@@ -69,8 +66,8 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        # Prompt tokens scored a slice at a time (_score_prompt); on a GPU the memory plan makes it the
-        # rows its sampler pass held (profile_run), so a slice never needs more than was set aside.
+        # Prompt tokens scored a slice at a time (prompt_logprobs.py); on a GPU the memory plan makes it
+        # the rows its sampler pass held (profile_run), so a slice never needs more than was set aside.
         self.prompt_logprob_rows = PROMPT_LOGPROB_ROWS
         # Draw keys for rows without a seed of their own: a fresh one per step, from the engine seed.
         self._step_keys = random.Random(seed)
@@ -221,7 +218,7 @@ class ModelRunner:
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)
-        prompt_logprobs = self._prompt_logprobs(scheduled, meta, hidden)
+        prompt_logprobs = score_prompts(self.model, scheduled, meta.query_lens_host, hidden, self.prompt_logprob_rows)
         if batch is None:
             self._last_sampled, self._last_rows = None, {}
             return StepResult([], None, prompt_logprobs)
@@ -245,56 +242,6 @@ class ModelRunner:
         result.ready = torch.cuda.Event()
         result.ready.record()
         return result
-
-    def _prompt_logprobs(self, scheduled: list[ScheduledSequence], meta: AttentionMetadata, hidden: torch.Tensor):
-        """Score the prompt tokens that this step's prefill chunks predict (position p predicts p + 1)."""
-        found = []
-        offset = 0
-        for item, query_len in zip(scheduled, meta.query_lens_host):
-            seq = item.seq
-            request = seq.request
-            if request.params.prompt_logprobs is None:  # nearly every row, every step: the cheapest test first
-                offset += query_len
-                continue
-            start = seq.num_computed_tokens
-            end = min(start + query_len, seq.num_prompt_tokens - 1)  # the last prompt token predicts output
-            if seq.index == 0 and request.needs_prompt_logprobs and start < end:
-                found.append(self._score_prompt(seq, hidden[offset : offset + end - start], start))
-            offset += query_len
-        return found or None
-
-    def _score_prompt(self, seq: StepSequence, hidden: torch.Tensor, start: int) -> PromptLogprobs:
-        """The logprob and rank of prompt tokens start + 1 ... (and the top ones), ``prompt_logprob_rows``
-        rows at a time: a whole chunk at once would hold [tokens, V] float32 log-probabilities and their
-        rank comparison (a 16k-token chunk of a 152k vocabulary: ~10 GB each), where a slice stays within
-        what the memory plan set aside for the sampler. On a GPU, with at most the top-1, the sampled
-        tokens' kernel reads the slice's logits twice instead (kernels/triton/token_logprobs.py)."""
-        request = seq.request
-        k = request.params.prompt_logprobs
-        targets = request.prompt_token_ids[start + 1 : start + 1 + hidden.shape[0]]
-        chosen: list[float] = []
-        ranks: list[int] = []
-        top_ids: list[list[int]] = []
-        top_logprobs: list[list[float]] = []
-        for first in range(0, hidden.shape[0], self.prompt_logprob_rows):
-            rows = hidden[first : first + self.prompt_logprob_rows]
-            logits = self.model.compute_logits(rows)
-            wanted = torch.tensor(targets[first : first + rows.shape[0]], device=logits.device)
-            if logits.is_cuda and k <= 1 and logits.stride(1) == 1:  # perplexity's 0, or a top-1: no table
-                from tokenmill.kernels.triton.token_logprobs import token_logprobs
-
-                picked, rank, ids, values = token_logprobs(logits, wanted, k == 1)
-            else:
-                logprobs = torch.log_softmax(logits.float(), dim=-1)
-                picked = logprobs.gather(1, wanted[:, None]).squeeze(1)
-                rank = (logprobs > picked[:, None]).sum(dim=-1) + 1
-                values, ids = logprobs.topk(k, dim=-1) if k else (None, None)
-            chosen += picked.tolist()
-            ranks += rank.tolist()
-            if k:
-                top_ids += ids.tolist()
-                top_logprobs += values.tolist()
-        return PromptLogprobs(seq, start + 1, chosen, ranks, top_ids if k else None, top_logprobs if k else None)
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
         bs = self.block_size
