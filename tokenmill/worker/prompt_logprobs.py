@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engine.step import PromptLogprobs
+from tokenmill.engine.step import PromptLogprobs, SamplerOutput
+from tokenmill.worker.sampler import with_logprobs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -61,15 +62,12 @@ def _score_prompt(model: "nn.Module", seq: "StepSequence", hidden: torch.Tensor,
         if logits.is_cuda and k <= 1 and logits.stride(1) == 1:  # perplexity's 0, or a top-1: no table
             from tokenmill.kernels.triton.token_logprobs import token_logprobs
 
-            picked, rank, ids, values = token_logprobs(logits, wanted, k == 1)
-        else:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            picked = logprobs.gather(1, wanted[:, None]).squeeze(1)
-            rank = (logprobs > picked[:, None]).sum(dim=-1) + 1
-            values, ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        chosen += picked.tolist()
-        ranks += rank.tolist()
+            scored = SamplerOutput(wanted, *token_logprobs(logits, wanted, k == 1))
+        else:  # the sampler's own table path
+            scored = with_logprobs(wanted, torch.log_softmax(logits.float(), dim=-1), k)
+        chosen += scored.sampled_logprobs.tolist()
+        ranks += scored.sampled_ranks.tolist()
         if k:
-            top_ids += ids.tolist()
-            top_logprobs += values.tolist()
+            top_ids += scored.top_ids.tolist()
+            top_logprobs += scored.top_logprobs.tolist()
     return PromptLogprobs(seq, start + 1, chosen, ranks, top_ids if k else None, top_logprobs if k else None)

@@ -145,7 +145,7 @@ class Sampler:
                 # logits hold -inf where the grammar forbids (a beam row has no other bans).
                 ranked = raw_logprobs.masked_fill(batch.rank_within_grammar[:, None] & (logits == float("-inf")),
                                                   float("-inf"))
-            output = self._with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, ranked)
+            output = with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, ranked)
         if batch.logprob_ids is not None:
             assert raw_logprobs is not None, "rows with logprob_token_ids count as rows wanting logprobs"
             output.requested_logprobs = batch.logprob_ids[0].gather(raw_logprobs, batch.logprob_ids[1])
@@ -210,17 +210,18 @@ class Sampler:
             return sample_tokens(processed, unit, keys, counters), processed
         return _exponential_race(processed, unit, keys, counters), processed
 
-    @staticmethod
-    def _with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int,
-                       ranked: torch.Tensor | None = None) -> SamplerOutput:
-        """The sampled tokens' logprobs and ranks, and the top ``k`` of ``ranked`` (the logprobs, or
-        them with some rows' forbidden tokens at -inf)."""
-        if logprobs is None:
-            return SamplerOutput(token_ids)
-        sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
-        top_logprobs, top_ids = (logprobs if ranked is None else ranked).topk(k, dim=-1) if k > 0 else (None, None)
-        return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
+
+
+def with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int,
+                  ranked: torch.Tensor | None = None) -> SamplerOutput:
+    """The tokens' logprobs and ranks from a [N, V] table of logprobs, and the top ``k`` of ``ranked``
+    (the logprobs, or them with some rows' forbidden tokens at -inf); prompt logprobs use it too."""
+    if logprobs is None:
+        return SamplerOutput(token_ids)
+    sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
+    top_logprobs, top_ids = (logprobs if ranked is None else ranked).topk(k, dim=-1) if k > 0 else (None, None)
+    return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
 
 
 def _with_state(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
