@@ -15,13 +15,16 @@ Sampler: one pass of the real ``Sampler`` over the profile's logits (one row per
 ``min(max_num_seqs, max_num_batched_tokens)``: the most a step samples) with every row using the
 bias and penalty tables, the three filters (top-k just below the vocabulary, what a processed-
 logprobs mode's torch top-k pays most for), a random draw and ``max_logprobs`` logprobs, in the
-engine's ``logprobs_mode``. Structured outputs and Python logits processors send the logits
-through a float32 copy first, whose kernels are compiled only when first met (``Sampler.precompile``),
-so that path is not run here: ``FLOAT32_COPIES`` float32 [rows, V] tensors stand for what it holds
-beyond this pass. Measured on an H200 (1,024 rows, V = 151,936, above the logits): this pass peaks
-at 13 V bytes a row in raw_logprobs mode, the float32 path at 17, and with the ranks of beams under
-a grammar at 21, which the pass with its two copies matches (21.0); in processed_logprobs mode
-48, 52 and 52 against the profile's 56. tests/gpu/test_memory_plan_gpu.py checks a whole engine.
+engine's ``logprobs_mode``, and a banned token a row (eos below min_tokens): a ban is written into
+the logits, so the raw logprobs take the [rows, V] table, not the two-pass kernel that steps
+without bans take (the table is what such a step holds at most). Structured outputs and Python
+logits processors send the logits through a float32 copy first, whose kernels are compiled only
+when first met (``Sampler.precompile``), so that path is not run here: ``FLOAT32_COPIES`` float32
+[rows, V] tensors stand for what it holds beyond this pass. Measured on an H200 (1,024 rows,
+V = 151,936, above the logits): this pass peaks at 13 V bytes a row in raw_logprobs mode, the
+float32 path at 17, and with the ranks of beams under a grammar at 21, which the pass with its two
+copies matches (21.0); in processed_logprobs mode 48, 52 and 52 against the profile's 56.
+tests/gpu/test_memory_plan_gpu.py checks a whole engine.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def worst_case_batch(logits: torch.Tensor, penalties: PenaltyState, bias: LogitB
                        penalties.frequency, penalties.presence),
         bias_rows=step,
         penalty_rows=step,
+        # Token 0 banned on every row: the table path for the logprobs (see the module docstring).
+        banned=torch.stack((every, torch.zeros_like(every))),
         max_num_logprobs=vocab if max_logprobs < 0 else min(max_logprobs, vocab),
         logprobs_mode=logprobs_mode,
     )
