@@ -2,11 +2,15 @@
 ``test_kernels_interpret.py`` (which merges ``CASES`` and ``CHECKS`` into its own): the Gumbel-max
 draw, and penalties, logit bias and top-k / top-p / min-p with the draw (narrow rows, wide top-p
 rows through the argmax rounds and the histogram passes), against ``reference.sample_ref`` token for
-token; the sampled tokens' logprobs in two passes against ``reference.token_logprobs_ref``.
+token; the sampled tokens' logprobs in two passes against ``reference.token_logprobs_ref``, and the
+sampler's path without a table (``sampler.kernel_logprobs``: the kernel, then for k >= 2 topk of the
+logits) against its table path.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -44,6 +48,32 @@ for _dt in ("float32", "float16"):
         for _top in (False, True):
             _case("token_logprobs", f"token-logprobs-v{_vocab}-{'top1' if _top else 'top0'}-{_dt}", dtype=_dt,
                   vocab=_vocab, top=_top)
+# The sampler's logprobs without a table against ``with_logprobs`` over ``log_softmax``, for every k
+# kind (0, the kernel's top-1, topk for 2 and more), over one block and several; the rows of
+# support/logprob_cases.py: random, ties inside the top k, flat.
+for _dt in ("float32", "float16"):
+    for _vocab, _ks in ((9000, (0, 1, 2, 5, 20)), (37, (2, 20))):
+        for _k in _ks:
+            _case("kernel_logprobs", f"kernel-logprobs-k{_k}-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab, k=_k)
+
+
+@contextlib.contextmanager
+def _poisoned_empty() -> Iterator[None]:
+    """``torch.empty`` filled with NaN (integers with -7) meanwhile, so an output a kernel leaves
+    unwritten cannot pass for a result."""
+    import torch
+
+    empty = torch.empty
+
+    def poisoned(*args: Any, **kwargs: Any) -> Any:
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = empty
 
 
 def _check_gumbel_argmax(p: dict[str, Any]) -> None:
@@ -239,10 +269,14 @@ def _check_token_logprobs(p: dict[str, Any]) -> None:
     tokens[3] = int(logits[3].float().argmax())  # the row's best: rank 1
     tokens[4] = int(logits[4].float().argmin())  # its worst: rank near V
     logits[5, tokens[5]] = logits[5, 3] = logits[5].max() + 0.5  # the sampled token tied with another at the top
-    got = token_logprobs(logits, tokens, top)
+    with _poisoned_empty():
+        got = token_logprobs(logits, tokens, top)
     want = token_logprobs_ref(logits, tokens, top)
     torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-5)
     assert torch.equal(got[1], want[1]), (got[1], want[1])
+    # The row's max exactly (a logit), its log-normaliser to float32 rounding.
+    assert torch.equal(got.row_max, want[4]), (got.row_max, want[4])
+    torch.testing.assert_close(got.log_sum, want[5], atol=2e-6, rtol=1e-6)
     assert want[1][4] > vocab // 2 and want[1][2] == 1 and want[1][5] == 1  # the cases above are what they say
     if top:
         assert torch.equal(got[2], want[2]), (got[2], want[2])
@@ -252,8 +286,24 @@ def _check_token_logprobs(p: dict[str, Any]) -> None:
         assert got[2] is None and got[3] is None
 
 
+def _check_kernel_logprobs(p: dict[str, Any]) -> None:
+    import torch
+
+    from support.logprob_cases import assert_matches_table, tied_logprob_rows
+    from tokenmill.worker.sampler import kernel_logprobs
+
+    dtype, vocab, k = getattr(torch, p["dtype"]), p["vocab"], p["k"]
+    logits, tokens = tied_logprob_rows(vocab, k, dtype, seed=vocab + 97 * k)
+    top = logits[1].float().topk(k + 1).values
+    assert k < 2 or (top[0] == top[1] and top[k - 1] > top[k]), "row 1: ties inside the top k, none across it"
+    with _poisoned_empty():
+        got = kernel_logprobs(logits, tokens, k)
+    assert_matches_table(got, logits, k)
+
+
 CHECKS = {
     "token_logprobs": _check_token_logprobs,
+    "kernel_logprobs": _check_kernel_logprobs,
     "gumbel_argmax": _check_gumbel_argmax,
     "sample_tokens": _check_sample_tokens,
     "sample_tokens_wide": _check_sample_tokens_wide,

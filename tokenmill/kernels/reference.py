@@ -409,13 +409,17 @@ def fused_moe_ref(
 
 def token_logprobs_ref(
     logits: torch.Tensor, token_ids: torch.Tensor, top: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Each row's raw logprob of its token, its rank (1 + the entries with a larger logprob) and
-    with ``top`` the row's top-1 (id, logprob) as [N, 1]: ``log_softmax`` over the whole row."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Each row's raw logprob of its token, its rank (1 + the entries with a larger logprob), with
+    ``top`` the row's top-1 (id, logprob) as [N, 1], and the row's max and log(sum exp(x - max)):
+    ``log_softmax`` over the whole row (the kernel's ``TokenLogprobs``, in its order)."""
+    x = logits.float()
+    logprobs = torch.log_softmax(x, dim=-1)
     chosen = logprobs.gather(1, token_ids.long()[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    row_max = x.max(dim=-1).values
+    log_sum = torch.log(torch.exp(x - row_max[:, None]).sum(dim=-1))
     if not top:
-        return chosen, ranks, None, None
+        return chosen, ranks, None, None, row_max, log_sum
     values, ids = logprobs.max(dim=-1, keepdim=True)  # max: the first of equal largest ones
-    return chosen, ranks, ids, values
+    return chosen, ranks, ids, values, row_max, log_sum

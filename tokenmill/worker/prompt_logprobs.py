@@ -4,8 +4,8 @@ scored from the chunk's hidden states a slice of rows at a time.
 A whole chunk at once would hold [tokens, V] float32 log-probabilities and their rank comparison
 (a 16k-token chunk of a 152k vocabulary: ~10 GB each); a slice of ``slice_rows`` rows stays within
 what the GPU memory plan set aside for the sampler (``ModelRunner.profile_run`` sets the rows). On
-a GPU, with at most the top-1 (perplexity jobs ask for 0), the sampled tokens' two-pass kernel
-reads each slice's logits instead of making the table (kernels/triton/token_logprobs.py).
+a GPU the sampled tokens' path without the table scores each slice (``sampler.kernel_logprobs``:
+the two-pass kernel, and for k >= 2 ``topk`` of the slice's logits in their own dtype).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engine.step import PromptLogprobs, SamplerOutput
-from tokenmill.worker.sampler import with_logprobs
+from tokenmill.engine.step import PromptLogprobs
+from tokenmill.worker.sampler import kernel_logprobs, with_logprobs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,10 +59,8 @@ def _score_prompt(model: "nn.Module", seq: "StepSequence", hidden: torch.Tensor,
         rows = hidden[first : first + slice_rows]
         logits = model.compute_logits(rows)
         wanted = torch.tensor(targets[first : first + rows.shape[0]], device=logits.device)
-        if logits.is_cuda and k <= 1 and logits.stride(1) == 1:  # perplexity's 0, or a top-1: no table
-            from tokenmill.kernels.triton.token_logprobs import token_logprobs
-
-            scored = SamplerOutput(wanted, *token_logprobs(logits, wanted, k == 1))
+        if logits.is_cuda and logits.stride(1) == 1:  # no table (perplexity jobs ask for 0)
+            scored = kernel_logprobs(logits, wanted, k)
         else:  # the sampler's own table path
             scored = with_logprobs(wanted, torch.log_softmax(logits.float(), dim=-1), k)
         chosen += scored.sampled_logprobs.tolist()

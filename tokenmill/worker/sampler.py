@@ -12,6 +12,10 @@ penalties and, unless every row is greedy, temperature (1 for greedy rows) and t
 cut tokens at -inf. Those steps then run in torch on the logits (`_processed`) and the draw reads
 the result, so every token drawn is one the reported distribution allows.
 
+On a GPU, raw logprobs of a step that writes nothing into its logits (no bans, grammars, logits
+processors) come without a [rows, V] float32 table: the sampled tokens' logprobs and ranks from a
+two-pass kernel, the top ones from ``topk`` of the logits in their own dtype (``kernel_logprobs``).
+
 Nothing here reads the device back or rebuilds per-sequence state from Python lists: a logit bias
 (logit_bias, allowed_token_ids), the penalties' counts and prompt tokens and the recent ids that
 bad words need live on the device, per sequence (``sampling_state.py``); bans (bad words, eos
@@ -91,11 +95,11 @@ class Sampler:
         """logits: [N, V] in the model's dtype (the step's own: bans are applied to them in place)."""
         mode = batch.logprobs_mode if batch.max_num_logprobs >= 0 else None
         raw_logprobs = None
-        # Raw logprobs of the sampled tokens and at most the top-1, from logits nothing below writes
-        # into: one Triton kernel reads them after the draw, no table. Bans go into the logits in
-        # place, and so do grammars and processors when the logits are float32 already (.float()
-        # makes no copy then), so steps with any of them keep the table.
-        two_passes = (mode == "raw_logprobs" and batch.max_num_logprobs <= 1 and logits.is_cuda
+        # Raw logprobs from logits nothing below writes into: one Triton kernel reads them after the
+        # draw (and topk the raw logits for k >= 2), no table (kernel_logprobs). Bans go into the
+        # logits in place, and so do grammars and processors when the logits are float32 already
+        # (.float() makes no copy then), so steps with any of them keep the table.
+        two_passes = (mode == "raw_logprobs" and logits.is_cuda
                       and logits.stride(1) == 1 and batch.bad_words is None and batch.banned is None
                       and batch.grammar_bitmask is None and not batch.processors and batch.batch_processors is None
                       and batch.logprob_ids is None and batch.rank_within_grammar is None)
@@ -136,9 +140,7 @@ class Sampler:
         else:
             token_ids = self._sample_on_gpu(logits, batch, state)
         if two_passes:
-            from tokenmill.kernels.triton.token_logprobs import token_logprobs
-
-            output = SamplerOutput(token_ids, *token_logprobs(raw_logits, token_ids, batch.max_num_logprobs == 1))
+            output = kernel_logprobs(raw_logits, token_ids, batch.max_num_logprobs)
         else:
             ranked = raw_logprobs
             if batch.rank_within_grammar is not None and raw_logprobs is not None:
@@ -155,7 +157,7 @@ class Sampler:
     def precompile(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile every variant of the GPU sampling kernels for the model's logits: with and
         without filters, with and without per-sequence state, and the sampled tokens' logprobs
-        with a top-1 or none (``precompile.py`` runs this in
+        with a top-1 or none (k >= 2 launch the top-1-less one; ``precompile.py`` runs this in
         ``parallel_compile``). float32 logits, which only Python logits processors and structured
         outputs lead to, compile when first met."""
         from tokenmill.kernels.triton.sampling import sample_tokens
@@ -173,7 +175,7 @@ class Sampler:
         for f, alone in ((None, True), (filters, True), (filters, False)):
             for s in (None, state):
                 sample_tokens(logits, temperature, ids, ids, f, s, top_p_alone=alone, compile_only=True)
-        for top in (False, True):  # logprobs 0 and 1
+        for top in (False, True):  # logprobs 1, and every other k
             token_logprobs(logits, ids, top, compile_only=True)
 
     @staticmethod
@@ -222,6 +224,31 @@ def with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int
     ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
     top_logprobs, top_ids = (logprobs if ranked is None else ranked).topk(k, dim=-1) if k > 0 else (None, None)
     return SamplerOutput(token_ids, sampled, ranks, top_ids, top_logprobs)
+
+
+def kernel_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    """``with_logprobs(token_ids, log_softmax(logits.float()), k)`` without the [N, V] float32 table,
+    for raw logits with contiguous rows on a GPU (or under Triton's interpreter; prompt logprobs use
+    it too). The two-pass kernel gives each token's logprob and rank, for k == 1 the top-1 (the
+    first of equal largest logits), and each row's max and log(sum exp(x - max)).
+
+    For k >= 2 ``topk`` picks the ids from the logits in their own dtype (no float32 copy) and their
+    logprobs are (x - max) - log_sum, formed as the kernel forms the token's: a top token that is
+    the sampled one gets its logprob's very bits, so list and rank never contradict. That form
+    never orders two logits the other way round, so these are a top k of the logprobs too, with the
+    values of the table path to float32 rounding (its log(sum) is summed in another order). Among
+    exactly equal logits (equal logprobs on both paths) which come first, and which are kept at the
+    k-th place, is ``torch.topk``'s choice on either path and guaranteed by neither; where distinct
+    float32 logits round to one logprob, this path keeps the larger logit first.
+    """
+    from tokenmill.kernels.triton.token_logprobs import token_logprobs
+
+    scored = token_logprobs(logits, token_ids, k == 1)
+    top_ids, top_logprobs = scored.top_id, scored.top_logprob
+    if k >= 2:
+        values, top_ids = logits.topk(k, dim=-1)
+        top_logprobs = (values.float() - scored.row_max[:, None]) - scored.log_sum[:, None]
+    return SamplerOutput(token_ids, scored.logprob, scored.rank, top_ids, top_logprobs)
 
 
 def _with_state(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
