@@ -43,7 +43,8 @@ VARIANTS = {
     # A logit bias on a few ids (every request its own): the per-sequence bias rows' fill (perf.md 50).
     "logit_bias": dict(logit_bias={token: -2.0 for token in range(3, 13)}),
     # The sampled token's logprob and the top-1 (RL rollouts, evaluations), and the top-2: tokenmill
-    # makes the first from two passes over the logits, the second from the whole table (perf.md 60).
+    # makes the first from two passes over the logits (perf.md 60), the second too, with a topk of the
+    # logits, since perf.md 61 (before it, from the whole table: run it at 6f08266 for that).
     "logprobs1": dict(logprobs=1),
     "logprobs2": dict(logprobs=2),
 }
