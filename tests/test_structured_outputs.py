@@ -163,3 +163,41 @@ def test_vllms_other_structured_output_options(tiny):
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"structures": [{"begin": "<f>"}]}'))
     with pytest.raises(ValueError, match=r"prompts\[0\]: structured_outputs\.structural_tag does not compile"):
         tiny.generate(["a"], bad, use_tqdm=False)
+
+
+def test_a_steps_matchers_advance_together_as_one_by_one(tiny):
+    """The batch matcher (masks and token steps of a step's rows on xgrammar's threads) against
+    xgrammar's single-matcher calls on twin matchers: rows without a matcher or with a completed
+    one allow everything, the others get their own masks, step after step."""
+    import random
+
+    import torch
+    import xgrammar
+
+    from tokenmill.structured_outputs import GrammarCache
+
+    vocab = tiny.llm_engine.config.vocab_size
+    cache = GrammarCache(tiny.get_tokenizer(), vocab)
+    constraints = [StructuredOutputsParams(json=SCHEMAS[0]), StructuredOutputsParams(regex=r"[a-z]{2,40}"),
+                   StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json=SCHEMAS[1])]
+    batch = [None, *(cache.matcher(c) for c in constraints), None]
+    twins = [None, *(cache.matcher(c) for c in constraints), None]
+    eos = tiny.get_tokenizer().eos_token_id
+    for matcher in (batch[3], twins[3]):  # the choice completed and its stop token taken
+        assert matcher.accept_string("yes") and matcher.accept_token(eos) and matcher.is_terminated()
+    rng = random.Random(0)
+    for _ in range(12):
+        mask = cache.bitmask(batch)
+        expected = xgrammar.allocate_token_bitmask(len(twins), vocab)
+        for row, twin in enumerate(twins):
+            if twin is not None and not twin.is_terminated():
+                twin.fill_next_token_bitmask(expected, row)
+        assert torch.equal(mask, expected)
+        assert (mask[0] == -1).all() and (mask[3] == -1).all() and (mask[1] != -1).any()
+        allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab]
+        live = [row for row, m in enumerate(batch) if m is not None and not m.is_terminated()]
+        tokens = [rng.choice(allowed[row].nonzero().flatten().tolist()) for row in live]
+        cache.accept([batch[row] for row in live], tokens)
+        for row, token in zip(live, tokens):
+            assert twins[row].accept_token(token)
+        assert [m is None or m.is_terminated() for m in batch] == [t is None or t.is_terminated() for t in twins]

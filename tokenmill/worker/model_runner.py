@@ -218,6 +218,8 @@ class ModelRunner:
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)
+        if batch is not None:
+            self._mask_grammars(batch, [s.seq for s in sampled])
         prompt_logprobs = score_prompts(self.model, scheduled, meta.query_lens_host, hidden, self.prompt_logprob_rows)
         if batch is None:
             self._last_sampled, self._last_rows = None, {}
@@ -387,16 +389,21 @@ class ModelRunner:
         if needs & SamplerNeeds.PROCESSORS:
             batch.processors = [(row, s.params.logits_processors, s.prompt_token_ids, s.output_token_ids)
                                 for row, s in enumerate(seqs) if s.params.logits_processors]
-        if self.grammars is not None and any(s.grammar is not None for s in seqs):
-            batch.grammar_bitmask = self.grammars.bitmask([s.grammar for s in seqs])
-            batch.apply_grammar = self.grammars.apply
-            within = [s.request.ranks_within_grammar for s in seqs]
-            if any(within):
-                batch.rank_within_grammar = self._tensor(within, torch.bool)
         if self.logits_processors is not None:
             self.logits_processors.update(seqs)
             batch.batch_processors = self.logits_processors.apply
         return batch
+
+    def _mask_grammars(self, batch: SamplingBatch, seqs: list[StepSequence]) -> None:
+        """Structured outputs' allowed-token masks, made once the forward is launched: the host
+        fills them (xgrammar, on its threads) while the GPU runs the model, which needs no mask."""
+        if self.grammars is None or all(s.grammar is None for s in seqs):
+            return
+        batch.grammar_bitmask = self._to_device(self.grammars.bitmask([s.grammar for s in seqs]))
+        batch.apply_grammar = self.grammars.apply
+        within = [s.request.ranks_within_grammar for s in seqs]
+        if any(within):
+            batch.rank_within_grammar = self._tensor(within, torch.bool)
 
     def _draw_keys(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the (key, counter) of its random draw: a seeded sequence's own seed and the output
