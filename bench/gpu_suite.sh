@@ -12,7 +12,7 @@
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
-#   workload with tutorial sampling settings (bench/workload_bench.py; CHAT_VARIANTS picks variants, default all). ray: P1 through tokenmill.ray against
+#   workload with tutorial sampling settings (bench/workload_bench.py; CHAT_VARIANTS picks variants, default all but json). ray: P1 through tokenmill.ray against
 #   plain generate; needs .raybundle/ (bench/build_ray_bundle.sh) carried. Tests that load GGUF or quantized
 #   checkpoints need .whl/ (bench/build_wheels.sh) carried and installed (that script says how).
 set -uo pipefail
@@ -149,8 +149,20 @@ for part in $parts; do
         > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
     chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all, logit bias, logprobs 1 / 2
+                   # (the default); json, only when named (CHAT_VARIANTS="temperature json"): a JSON schema through structured
+                   # outputs; needs .bench_tokenizer/ carried (bench/prepare_bench_tokenizer.sh) and xgrammar, which the image
+                   # lacks: linked from the vLLM bundle (unpacked by vllm-unpack), so both engines run its xgrammar 0.2.7
       [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
-      RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape ${CHAT_VARIANTS:-} 2>&1 | grep '^{'
+      xgr=""
+      if [[ " ${CHAT_VARIANTS:-} " == *" json "* ]] && ! python3 -c "import xgrammar" 2>/dev/null; then
+        [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
+        mkdir -p /tmp/xgr-site
+        for p in /tmp/vllm-site/{xgrammar,tvm_ffi,apache_tvm_ffi,pydantic,annotated_types,typing_inspection,typing_extensions}*; do
+          ln -sfn "$p" /tmp/xgr-site/
+        done
+        xgr=/tmp/xgr-site:
+      fi
+      PYTHONPATH="$xgr$PYTHONPATH" RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape ${CHAT_VARIANTS:-} 2>&1 | grep -E '^(\{|WARNING)'
       tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
@@ -308,7 +320,7 @@ for part in $parts; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
-        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep '^{' ;;
+        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep -E '^(\{|WARNING)' ;;
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
               done ;;
