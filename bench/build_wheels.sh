@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels the GPU tests need that the GPU machine's image lacks (gguf for GGUF loading,
 # compressed-tensors and its own needs for the quantized-checkpoint tests, peft and accelerate for the
-# LoRA tests' references), into .whl/ (git-ignored),
+# LoRA tests' references, xgrammar and its apache-tvm-ffi for structured outputs), into .whl/ (git-ignored),
 # at the versions installed here, so the device runs what CI runs (a compressed-tensors 0.17.0 there
 # once failed the checkpoint tests: pyproject asks for >= 0.20). On the device, each call that needs
 # them carries .whl and starts with:
@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 pins=""
-for name in gguf compressed-tensors peft accelerate loguru pydantic pydantic-core annotated-types typing-inspection typing-extensions; do
+for name in gguf compressed-tensors peft accelerate loguru pydantic pydantic-core annotated-types typing-inspection typing-extensions \
+    xgrammar apache-tvm-ffi; do
   version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
   [ -n "$version" ] || { echo "$name is not installed here: pip install -e '.[test]' first" >&2; exit 1; }
   pins="$pins $name==$version"

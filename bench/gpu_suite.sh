@@ -151,7 +151,8 @@ for part in $parts; do
     chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all, logit bias, logprobs 1 / 2
                    # (the default); json, only when named (CHAT_VARIANTS="temperature json"): a JSON schema through structured
                    # outputs; needs .bench_tokenizer/ carried (bench/prepare_bench_tokenizer.sh) and xgrammar, which the image
-                   # lacks: linked from the vLLM bundle (unpacked by vllm-unpack), so both engines run its xgrammar 0.2.7
+                   # lacks: from .whl (bench/build_wheels.sh) when carried and installed, else linked from the vLLM bundle
+                   # (unpacked by vllm-unpack; its xgrammar 0.2.7, the one vLLM runs)
       [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
       xgr=""
       if [[ " ${CHAT_VARIANTS:-} " == *" json "* ]] && ! python3 -c "import xgrammar" 2>/dev/null; then
