@@ -1,0 +1,69 @@
+"""Structured outputs on a CUDA GPU: the masks filled on xgrammar's threads while the forward runs,
+copied to the device and applied to float32 logits, then the Triton draw (tokenmill/worker/
+model_runner.py `_mask_grammars`, sampler.py). Every constrained output must satisfy its constraint
+(jsonschema, re), beside unconstrained requests of the same batch, which must keep their length."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")  # before fixtures build models
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, seed=0)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async-default", "sync"])
+def test_constrained_rows_beside_free_rows_on_gpu(tiny_llama_dir, async_scheduling):
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, seed=0,
+              async_scheduling=async_scheduling)
+    prompts = [f"p{i}" for i in range(24)]
+    json_params = SamplingParams(temperature=1.0, max_tokens=150, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    regex = r"[A-Z][a-z]{2,5}-\d{3}"
+    regex_params = SamplingParams(temperature=1.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
+    free = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    params = [(json_params, regex_params, free)[i % 3] for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, out in enumerate(outputs):
+        completion = out.outputs[0]
+        if i % 3 == 0:
+            assert completion.finish_reason == "stop", completion.text  # the grammar completed
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+        elif i % 3 == 1:
+            assert re.fullmatch(regex, completion.text), completion.text
+        else:
+            assert len(completion.token_ids) == 30  # no mask reached an unconstrained row
+
+
+def test_choice_and_greedy_constrained_rows_on_gpu(llm):
+    choices = ["red", "green apple", "blue"]
+    outs = llm.generate(["x", "yy", "zzz"], SamplingParams(temperature=0.0, n=1, max_tokens=20,
+                                                          structured_outputs=StructuredOutputsParams(choice=choices)),
+                        use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outs)
+    sampled = llm.generate(["x"] * 12, SamplingParams(temperature=1.5, max_tokens=20, seed=3,
+                                                      structured_outputs=StructuredOutputsParams(choice=choices)),
+                           use_tqdm=False)
+    assert {o.outputs[0].text for o in sampled} <= set(choices)
