@@ -8,9 +8,10 @@ the busier of the two from ~500 (P2's 1,024 and P4's 768 sequences): every micro
 sequence-step here is about ``sequences`` microseconds of step time there. Runs on the CPU with a tiny
 Qwen3-shaped config (vocabulary 10,240: the protocols' token ids stay below 10,001) on the chosen
 protocol's requests (bench/peer_bench.py's workloads). Stubbed: the forward (zeros), the logits (one
-cached random tensor), the sampler (token ids taken from a cached random tensor: on the GPU its
-kernels' host cost is the launches, timed by bench/sampler_bench.py); everything else is the real
-engine, asynchronous scheduling's bookkeeping included.
+cached random tensor), the sampler (token ids taken from a cached random tensor and, for requests
+asking for logprobs, logprob tensors of the real SamplerOutput's shapes: on the GPU its kernels'
+host cost is the launches, timed by bench/sampler_bench.py); everything else is the real engine,
+asynchronous scheduling's bookkeeping and the logprobs' read-back and output objects included.
 
     python bench/generate_host_bench.py [nano|uniform|sampling|prefill|chat] [--variant NAME] [--profile]
 
@@ -29,8 +30,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.engine.step import SamplerOutput
+    from tokenmill.worker.sampler import SamplingBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +57,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from tokenmill import LLM, SamplingParams
-    from tokenmill.engine.step import SamplerOutput
 
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(CONFIG))
@@ -64,7 +69,7 @@ def main() -> None:
     draws = torch.randint(0, VOCAB, (1024,))
     runner.model.forward = lambda ids, positions, ctx, **kw: torch.zeros(ids.shape[0], hidden)
     runner.model.compute_logits = lambda h: logits[: h.shape[0]]
-    runner.sampler = lambda step_logits, batch: SamplerOutput(draws[: step_logits.shape[0]].clone())
+    runner.sampler = _StubSampler(draws)
 
     if args.workload == "chat":
         (prompts, outs), settings = chat_workload(), chat_settings("temperature")
@@ -97,6 +102,34 @@ def main() -> None:
                       # long as it takes to walk every tracked object (the GPU idles meanwhile).
                       "gc_full_collections": pauses.full, "gc_longest_pause_ms": round(pauses.longest * 1e3, 2),
                       "gc_pause_ms": round(pauses.total * 1e3, 2)}))
+
+
+class _StubSampler:
+    """The sampler's stand-in: cached random token ids and, when a row asks for logprobs
+    (``batch.max_num_logprobs >= 0``), tensors shaped as the real `SamplerOutput`'s (the sampled
+    tokens' float32 logprobs and int64 ranks [N]; for k >= 1 the top ids int64 and logprobs float32
+    [N, k]), so the host's read-back and logprob bookkeeping are the engine's own. As at
+    temperature 0.7, about half the rows drew their top-1 (rank 1, listed first among the top ones)."""
+
+    def __init__(self, draws: torch.Tensor) -> None:
+        rows = draws.shape[0]
+        generator = torch.Generator().manual_seed(1)
+        self.draws = draws
+        self.logprobs = -torch.rand(rows, generator=generator) * 3
+        self.ranks = torch.where(torch.rand(rows, generator=generator) < 0.5, 1,
+                                 torch.randint(2, 20, (rows,), generator=generator))
+        self.top_ids = torch.randint(0, VOCAB, (rows, 20), generator=generator)
+        self.top_ids[:, 0] = torch.where(self.ranks == 1, draws, self.top_ids[:, 0])
+        self.top_logprobs = -torch.rand(rows, 20, generator=generator).cumsum(dim=1)
+
+    def __call__(self, step_logits: torch.Tensor, batch: "SamplingBatch") -> "SamplerOutput":
+        from tokenmill.engine.step import SamplerOutput
+
+        n, k = step_logits.shape[0], batch.max_num_logprobs
+        if k < 0:
+            return SamplerOutput(self.draws[:n].clone())
+        top = (self.top_ids[:n, :k].clone(), self.top_logprobs[:n, :k].clone()) if k > 0 else (None, None)
+        return SamplerOutput(self.draws[:n].clone(), self.logprobs[:n].clone(), self.ranks[:n].clone(), *top)
 
 
 class _GcPauses:

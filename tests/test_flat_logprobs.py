@@ -80,6 +80,10 @@ CASES = [
     SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2),
     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprob_token_ids=[3, 9, 3], prompt_logprobs=0),
     SamplingParams(temperature=0.7, seed=8, best_of=3, n=2, max_tokens=4, ignore_eos=True, logprobs=0),
+    # Without decoded tokens the list form's positions are built by output_processor._position,
+    # the flat form's by _append: the two must still agree.
+    SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=5, ignore_eos=True, logprobs=1, detokenize=False),
+    SamplingParams(temperature=1.0, seed=6, max_tokens=5, ignore_eos=True, logprobs=4, detokenize=False),
 ]
 
 
@@ -123,3 +127,25 @@ def test_flat_outputs_carry_the_same_contents(llm, prompts, case, kind):
                     assert len(c.logprobs) == len(c.token_ids) <= 1
                     joined[c.index] += len(c.logprobs)
             assert joined == {i: params.max_tokens for i in range(params.n)}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_a_position_built_directly_matches_the_general_path(k):
+    """output_processor._position (the list form without decoded tokens, once per sampled token)
+    gives the dict `OutputProcessor._append` gives, entries and order: the token first with its
+    rank, then the top ones ranked 1.. without the token itself, a repeated id in its first place
+    with its last values; rows wider than k (the step's largest k) are cut to k."""
+    from tokenmill.engine.output_processor import OutputProcessor, _position
+
+    rng = random.Random(k)
+    general = OutputProcessor(tokenizer=None)
+    for _ in range(300):
+        width = k + rng.randrange(3)
+        top_ids = [rng.randrange(6) for _ in range(width)]  # a small range: the token and repeats come up
+        top_logprobs = [-rng.random() for _ in range(width)]
+        token, logprob, rank = rng.randrange(6), -rng.random(), rng.randrange(1, 9)
+        expected: list = []
+        general._append(expected, token, logprob, rank, (top_ids[:k], top_logprobs[:k]) if k else None, detokenize=False)
+        got = _position(token, logprob, rank, top_ids if k else None, top_logprobs if k else None, k)
+        assert list(got.items()) == list(expected[0].items())
+        assert all(type(v) is Logprob and v.decoded_token is None for v in got.values())

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from tokenmill.config import GENERATION_CONFIG_FIELDS, EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
+from tokenmill.gc_policy import young_collections_only
 from tokenmill.inputs import (
     PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts,
 )
@@ -211,7 +212,8 @@ class LLM(PoolingMethods, EngineControlMethods):
         aborted meanwhile, e.g. by sleep() (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
         ids, self._queued = list(self._queued), {}
         done, self._queued_done = self._queued_done, {}
-        return self._collect(ids, use_tqdm, done)
+        with young_collections_only() as collect_young:
+            return self._collect(ids, use_tqdm, done, collect_young)
 
     def imap(
         self,
@@ -371,7 +373,12 @@ class LLM(PoolingMethods, EngineControlMethods):
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None, priorities: Sequence[int] | None = None,
     ) -> list[Any]:
-        return self._collect(self._submit(prompts, params, adapters=adapters, priorities=priorities), use_tqdm)
+        # Young collections only, at step boundaries, for the whole call (intake included): its
+        # outputs pile up until it returns and full collections would walk them again and again
+        # (tokenmill/gc_policy.py says why that is safe; docs/perf.md 62).
+        with young_collections_only() as collect_young:
+            return self._collect(self._submit(prompts, params, adapters=adapters, priorities=priorities), use_tqdm,
+                                 collect_young=collect_young)
 
     def _step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step. Outputs of enqueued requests that finish here, during some other call,
@@ -421,10 +428,12 @@ class LLM(PoolingMethods, EngineControlMethods):
             yield output
 
     def _collect(
-        self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None
+        self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None,
+        collect_young: Callable[[], None] | None = None,
     ) -> list[RequestOutput]:
         """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
-        (``done``: outputs of some of them that already finished; aborted ones are left out)."""
+        (``done``: outputs of some of them that already finished; aborted ones are left out).
+        ``collect_young``: called after each step (`gc_policy.young_collections_only`)."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
@@ -440,6 +449,8 @@ class LLM(PoolingMethods, EngineControlMethods):
                         results[order[output.request_id]] = output
                         progress.finished(output)
                         remaining -= 1
+                if collect_young is not None:
+                    collect_young()
         except BaseException:
             engine.abort_request(ids)  # leave the engine clean for the next call (e.g. after Ctrl-C)
             raise

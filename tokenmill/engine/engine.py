@@ -165,6 +165,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             if request is not None:
                 self._history_readers.discard(request_id)
                 self.scheduler.abort(request)
+                request.release()  # no output is made for it: break Request <-> Sequence now
                 if self.metrics is not None:
                     self.metrics.request_aborted()
 
@@ -253,6 +254,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
                 outputs.append(self.output_processor.request_output(request))
                 if finished and self.metrics is not None:
                     self.metrics.request_finished(request, outputs[-1], now)
+            if finished:
+                request.release()  # its last output is built: break Request <-> Sequence (Request.release)
         return outputs
 
     def collective_rpc(

@@ -151,6 +151,17 @@ class Request(Generic[ParamsT]):
     lora_request: Any = None
     adapter: "AdapterSpec | None" = None
 
+    def release(self) -> None:
+        """The request has left the engine (finished with its last output built, or aborted): let go
+        of its sequences. Each sequence points back at its request, so the two would otherwise form
+        a reference cycle that only a full garbage collection frees, and `LLM`'s blocking calls run
+        without full collections (`tokenmill/gc_policy.py`); with the cycle broken, reference
+        counting frees both (and the sequences' blocks lists, detokenizer, grammar matcher) as
+        soon as the last step holding a sequence is read back. A sequence still in a step in
+        flight keeps ``seq.request``; nothing reads a released request's sequences (it is
+        finished, so no output or schedule is made from them again)."""
+        self.sequences = []
+
     @property
     def lora_id(self) -> int:
         """Its adapter's ``uid`` (a reloaded adapter is another one), 0 for the base model."""

@@ -1,0 +1,143 @@
+"""LLM's blocking generation calls and Python's cyclic garbage collector (tokenmill/gc_policy.py,
+docs/perf.md 62): inside a call only young collections run, the collector is on again afterwards
+(or stays off when the user turned it off), and a finished or aborted request's `Request` and
+`Sequence`s are freed by reference counting alone, so a call that never runs a full collection
+keeps no finished request's state."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from test_generate import make_llm, random_prompts
+from tokenmill import BeamSearchParams, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    # A small cache (preemptions) and few sequences a step (many steps, requests finishing throughout).
+    return make_llm(tiny_llama_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=2**18)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [{"prompt_token_ids": p} for p in random_prompts(llm.llm_engine.config.vocab_size, [5, 17, 9, 30, 12, 3], seed=2)]
+
+
+class _Collections:
+    """A gc.callbacks hook: the generation of every collection that ran while installed."""
+
+    def __init__(self) -> None:
+        self.generations: list[int] = []
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.generations.append(info["generation"])
+
+    def __enter__(self) -> "_Collections":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+@pytest.fixture
+def frequent_collections():
+    """Thresholds low enough that a call's allocations would run older collections many times over."""
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(20, 2, 2)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+
+
+LOGPROBS = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, logprobs=2)
+
+
+def test_a_generation_call_runs_young_collections_only(llm, prompts, frequent_collections):
+    threshold = gc.get_threshold()
+    with _Collections() as seen:
+        outputs = llm.generate(prompts * 4, LOGPROBS, use_tqdm=False)
+    assert len(outputs) == 4 * len(prompts)
+    assert seen.generations and set(seen.generations) == {0}, sorted(set(seen.generations))
+    assert gc.isenabled() and gc.get_threshold() == threshold
+    # The queue's blocking call too.
+    llm.enqueue(prompts, LOGPROBS)
+    with _Collections() as seen:
+        assert len(llm.wait_for_completion(use_tqdm=False)) == len(prompts)
+    assert seen.generations and set(seen.generations) == {0}, sorted(set(seen.generations))
+    assert gc.isenabled()
+    # Outside such a call the collector is left as it was: older generations come as usual.
+    with _Collections() as seen:
+        kept = [[{}] for _ in range(5_000)]
+    assert max(seen.generations) >= 1 and kept
+
+
+def test_the_collector_is_on_again_after_a_failed_call(llm, prompts):
+    too_long = {"prompt_token_ids": [5] * 500}  # over max_model_len: refused at intake
+    with pytest.raises(ValueError):
+        llm.generate(prompts + [too_long], LOGPROBS, use_tqdm=False)
+    assert gc.isenabled()
+
+
+def test_a_collector_the_user_turned_off_stays_off(llm, prompts):
+    gc.disable()
+    try:
+        with _Collections() as seen:
+            llm.generate(prompts, LOGPROBS, use_tqdm=False)
+        assert not gc.isenabled() and seen.generations == []
+    finally:
+        gc.enable()
+
+
+def _watch_requests(llm) -> tuple[list[weakref.ref], callable]:
+    """Weak references to every request the engine takes, its sequences and beams forked later."""
+    refs: list[weakref.ref] = []
+    scheduler = llm.llm_engine.scheduler
+    add, add_forks = scheduler.add, scheduler.add_forks
+
+    def watched_add(request):
+        refs.append(weakref.ref(request))
+        refs.extend(weakref.ref(seq) for seq in request.sequences)
+        return add(request)
+
+    def watched_forks(seqs):
+        refs.extend(weakref.ref(seq) for seq in seqs)
+        return add_forks(seqs)
+
+    scheduler.add, scheduler.add_forks = watched_add, watched_forks
+
+    def unwatch():
+        del scheduler.add, scheduler.add_forks
+
+    return refs, unwatch
+
+
+def test_finished_and_aborted_requests_are_freed_without_the_collector(llm, prompts):
+    """With the cyclic collector off, reference counting alone frees every request once the call
+    is over: no Request <-> Sequence cycle is left behind (Request.release)."""
+    refs, unwatch = _watch_requests(llm)
+    gc.collect()
+    gc.disable()
+    try:
+        llm.generate(prompts * 3, [LOGPROBS, SamplingParams(n=2, best_of=3, max_tokens=12, logprobs=1, stop=["a"]),
+                                   SamplingParams(temperature=0.0, max_tokens=40, prompt_logprobs=1, flat_logprobs=True,
+                                                  logprobs=3)] * len(prompts), use_tqdm=False)
+        llm.beam_search(prompts[:3], BeamSearchParams(beam_width=3, max_tokens=6))
+        stream = llm.stream(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+        next(stream), next(stream)
+        stream.close()  # aborts what is still running
+        llm.enqueue(prompts[:2], LOGPROBS)
+        llm.wait_for_completion(use_tqdm=False)
+        list(llm.imap(prompts, SamplingParams(max_tokens=5), max_in_flight=2))
+        assert llm.llm_engine.scheduler.num_preemptions > 0  # the small cache made some
+        alive = [ref() for ref in refs if ref() is not None]
+        assert len(refs) > 6 * len(prompts) and not alive, [type(o).__name__ for o in alive[:10]]
+    finally:
+        gc.enable()
+        unwatch()
