@@ -29,8 +29,9 @@ class StructuredOutputsParams:
     opens a tagged, schema-constrained section; xgrammar's format as a JSON string, or vLLM's
     older ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
 
-    vLLM's options, as its xgrammar backend treats them: JSON is always compact (no free
-    whitespace between tokens, so a model cannot pad forever) and objects never take properties
+    vLLM's options: JSON is always compact here (no free whitespace between tokens, so a model
+    cannot pad forever; vLLM's xgrammar backend allows it unless the engine's
+    ``structured_outputs_config`` sets ``disable_any_whitespace``) and objects never take properties
     the schema does not name, so ``disable_any_whitespace`` and ``disable_additional_properties``
     are accepted and change nothing; ``whitespace_pattern`` needs another backend and is refused.
     """
