@@ -201,3 +201,23 @@ def test_a_steps_matchers_advance_together_as_one_by_one(tiny):
         for row, token in zip(live, tokens):
             assert twins[row].accept_token(token)
         assert [m is None or m.is_terminated() for m in batch] == [t is None or t.is_terminated() for t in twins]
+
+
+def test_an_engine_with_grammars_is_freed_by_reference_counting(tiny_llama_dir):
+    """A dropped LLM goes at once, grammars wired in or not (on a GPU its weights and KV cache, with
+    tensor parallelism its worker processes): no part of the engine may point back at the engine
+    or at a part that points at it (a cycle waits for a full collection)."""
+    import gc
+    import weakref
+
+    llm = make_llm(tiny_llama_dir, max_num_seqs=4)
+    constrained(llm, ["a", "b"], StructuredOutputsParams(regex="[ab]{3}"), max_tokens=8)
+    engine = weakref.ref(llm.llm_engine)
+    parts = [weakref.ref(part) for part in (llm.llm_engine.scheduler, llm.llm_engine.intake, llm.llm_engine.executor)]
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and all(part() is None for part in parts)
+    finally:
+        gc.enable()

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from tokenmill.lora.slots import AdapterBook
     from tokenmill.metrics.stats import EngineMetrics
     from tokenmill.models.source import ModelSource
-    from tokenmill.structured_outputs import GrammarCache
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0
@@ -77,10 +76,11 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         # The CPU's default pool becomes resident page by page: let it grow with the work (see kv_cache.py).
         grow = config.device.type == "cpu" and config.kv_cache_memory_bytes is None
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, grow_on_demand=grow)
-        self.intake = Intake(self.config, self.tokenizer, self.kv.num_usable_blocks, self._use_grammars)
+        self.intake = Intake(self.config, self.tokenizer, self.kv.num_usable_blocks, self.executor.use_grammars)
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,
             eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
+            grammars=self.intake.grammar_cache,
             max_loras=config.lora.max_loras if config.lora is not None else None,
             priority=config.scheduling_policy == "priority",
         )
@@ -97,12 +97,6 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
-
-    def _use_grammars(self, grammars: "GrammarCache") -> None:
-        """The grammars built for the first structured request: the runner masks logits with them,
-        the scheduler advances the step's matchers through them."""
-        self.executor.use_grammars(grammars)
-        self.scheduler.grammars = grammars
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

@@ -96,6 +96,7 @@ class Scheduler:
         new_sequence: Callable[[Request, int], Sequence] | None = None,
         max_loras: int | None = None,
         priority: bool = False,
+        grammars: "Callable[[], GrammarCache | None] | None" = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -117,9 +118,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
         self._finished_seq_ids: set[int] = set()
-        # The engine's grammars (set with the first structured request): a step's matchers take
-        # their tokens together, on xgrammar's threads.
-        self.grammars: GrammarCache | None = None
+        # The engine's grammars (the intake makes them with the first structured request): a step's
+        # matchers take their tokens together, on xgrammar's threads.
+        self._grammars = grammars
 
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
@@ -235,10 +236,11 @@ class Scheduler:
     def _advance_grammars(self, constrained: list[tuple[Sequence, int]]) -> None:
         """Each constrained sequence's matcher takes its token (all at once), then its stop checks;
         a matcher that completes stops its sequence."""
-        assert self.grammars is not None, "matchers come from the engine's grammars, which the scheduler is given"
+        grammars = self._grammars() if self._grammars is not None else None
+        assert grammars is not None, "matchers come from the engine's grammars, which the scheduler is given"
         live = [(seq.grammar, token) for seq, token in constrained if not seq.grammar.is_terminated()]
         if live:
-            self.grammars.accept([matcher for matcher, _ in live], [token for _, token in live])
+            grammars.accept([matcher for matcher, _ in live], [token for _, token in live])
         for seq, token in constrained:
             check_stop(seq, token, self.eos_token_ids)
             if seq.finish_reason is None and seq.grammar.is_terminated():
