@@ -221,3 +221,18 @@ def test_an_engine_with_grammars_is_freed_by_reference_counting(tiny_llama_dir):
         assert engine() is None and all(part() is None for part in parts)
     finally:
         gc.enable()
+
+
+def test_the_batch_matcher_takes_half_the_cpus_this_process_may_use(tiny, monkeypatch):
+    """Not xgrammar's "auto" (half the host's hardware threads, whatever the process may use)."""
+    import os
+
+    import xgrammar
+
+    from tokenmill.structured_outputs import GrammarCache
+
+    asked = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(xgrammar, "BatchGrammarMatcher", lambda max_threads: asked.append(max_threads))
+    GrammarCache(tiny.get_tokenizer(), tiny.llm_engine.config.vocab_size)
+    assert asked == [8]

@@ -13,6 +13,7 @@ another would take longer than the GPU's whole decode step.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -101,9 +102,7 @@ class GrammarCache:
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_limit_bytes=cache_limit_bytes)
-        # Half the host's hardware threads ("auto"): the other half keeps the engine's own thread
-        # and the tokenizer's free.
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=matcher_threads())
         self.vocab_size = vocab_size
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
@@ -154,6 +153,15 @@ class GrammarCache:
 
     def apply(self, logits: Any, bitmask: Any) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
+
+
+def matcher_threads() -> int:
+    """Threads for a step's masks and token steps: half the CPUs this process may run on (the
+    other half keeps the engine's own thread and the tokenizer's free). Not xgrammar's "auto",
+    which halves the host's hardware threads: in a container or a job allocation limited to 16 of
+    a host's 192 CPUs that is 96 threads contending for 16."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, usable // 2)
 
 
 def _reason(exc: Exception) -> str:
