@@ -213,7 +213,6 @@ class Sampler:
         return _exponential_race(processed, unit, keys, counters), processed
 
 
-
 def with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int,
                   ranked: torch.Tensor | None = None) -> SamplerOutput:
     """The tokens' logprobs and ranks from a [N, V] table of logprobs, and the top ``k`` of ``ranked``
