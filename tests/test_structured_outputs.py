@@ -193,6 +193,8 @@ def test_a_steps_matchers_advance_together_as_one_by_one(tiny):
             if twin is not None and not twin.is_terminated():
                 twin.fill_next_token_bitmask(expected, row)
         assert torch.equal(mask, expected)
+        staging = torch.randint(-2**31, 2**31 - 1, (len(batch) + 2, mask.shape[1]), dtype=torch.int32)
+        assert torch.equal(cache.bitmask(batch, out=staging), mask)  # into a reused, poisoned buffer
         assert (mask[0] == -1).all() and (mask[3] == -1).all() and (mask[1] != -1).any()
         allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab]
         live = [row for row, m in enumerate(batch) if m is not None and not m.is_terminated()]
@@ -236,3 +238,50 @@ def test_the_batch_matcher_takes_half_the_cpus_this_process_may_use(tiny, monkey
     monkeypatch.setattr(xgrammar, "BatchGrammarMatcher", lambda max_threads: asked.append(max_threads))
     GrammarCache(tiny.get_tokenizer(), tiny.llm_engine.config.vocab_size)
     assert asked == [8]
+
+
+def test_padding_ids_past_the_tokenizer_are_masked_as_xgrammar_masks_them(tiny):
+    """A model vocabulary wider than its tokenizer's (a padded lm_head): xgrammar sees only the
+    tokenizer's ids (told the model's size it takes every padding id for a special token and slows
+    down with their number), and the masks equal xgrammar's own over the model's vocabulary, step
+    after step: padding never allowed on a constrained row, everything on an unconstrained one."""
+    import random
+
+    import torch
+    import xgrammar
+
+    from tokenmill.structured_outputs import GrammarCache
+
+    tokenizer = tiny.get_tokenizer()
+    vocab = len(tokenizer.get_vocab()) + 300  # 589: the tokenizer's last word partly padding
+    cache = GrammarCache(tokenizer, vocab)
+    assert cache.grammar_vocab_size == len(tokenizer.get_vocab())
+    reference = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
+    # Free text allows every id of the tokenizer: xgrammar sets its whole last word, padding bits too.
+    constraints = [StructuredOutputsParams(json=SCHEMAS[0]), StructuredOutputsParams(json=SCHEMAS[2]),
+                   StructuredOutputsParams(regex=r"[\s\S]{0,40}")]
+    batch = [cache.matcher(c) for c in constraints] + [None]
+    twins = [xgrammar.GrammarMatcher(reference.compile_regex(c.regex) if c.regex else
+                                     reference.compile_json_schema(c.key[1], any_whitespace=False)) for c in constraints]
+    rng = random.Random(1)
+    for _ in range(15):
+        mask = cache.bitmask(batch)
+        expected = xgrammar.allocate_token_bitmask(len(batch), vocab)
+        for row, twin in enumerate(twins):
+            if not twin.is_terminated():
+                twin.fill_next_token_bitmask(expected, row)
+        # Into a reused buffer (the GPU's pinned staging), left poisoned by an earlier step.
+        staging = torch.randint(-2**31, 2**31 - 1, (6, mask.shape[1]), dtype=torch.int32)
+        assert torch.equal(cache.bitmask(batch, out=staging), mask)
+        live_rows = [row for row, m in enumerate(batch) if m is not None and not m.is_terminated()]
+        staging.random_(-2**31, 2**31 - 1)
+        assert torch.equal(cache.bitmask([batch[row] for row in live_rows], out=staging), mask[live_rows])  # all constrained
+        allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab]
+        # Bits past the model's vocabulary are no ids (xgrammar sets them in free text).
+        assert torch.equal(allowed, ((expected[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab])
+        assert not allowed[:3, cache.grammar_vocab_size:].any() and allowed[3].all()
+        live = [row for row, m in enumerate(batch[:3]) if not m.is_terminated()]
+        tokens = [rng.choice(allowed[row].nonzero().flatten().tolist()) for row in live]
+        cache.accept([batch[row] for row in live], tokens)
+        for row, token in zip(live, tokens):
+            assert twins[row].accept_token(token)

@@ -94,16 +94,26 @@ class GrammarCache:
     The cache is bounded (least recently used out first): a job whose rows each bring their own
     JSON schema would otherwise keep every compiled grammar for its whole run (~45 KB each at a
     49K vocabulary, more at larger ones). A repeated constraint is a cache hit (microseconds).
+
+    xgrammar sees the tokenizer's vocabulary only; the model's padding ids past it (an lm_head
+    rounded up, or a model paired with a smaller tokenizer) are cleared here. Told the model's
+    size, xgrammar would take each padding id for a special token, and every mask and token step
+    grows with them: 102,784 of them made masks ~9x and token steps ~4.6x slower (docs/perf.md 66).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_limit_bytes: int = GRAMMAR_CACHE_BYTES):
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_limit_bytes: int = GRAMMAR_CACHE_BYTES,
+                 threads: int | None = None):
         import xgrammar
 
         self._xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_limit_bytes=cache_limit_bytes)
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=matcher_threads())
         self.vocab_size = vocab_size
+        ids = tokenizer.get_vocab().values()
+        # The ids the tokenizer has (xgrammar's own count), never more than the model has.
+        self.grammar_vocab_size = min(vocab_size, max(len(ids), max(ids) + 1))
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.grammar_vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_limit_bytes=cache_limit_bytes)
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads or matcher_threads())
+        self._filled: Any = None  # the tokenizer-wide masks xgrammar fills, reused (bitmask)
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A fresh matcher for one sequence; ValueError with the compiler's message if it fails."""
@@ -139,12 +149,38 @@ class GrammarCache:
             return self._compiler.compile_structural_tag(items, tag["triggers"])
         return self._compiler.compile_structural_tag(spec)
 
-    def bitmask(self, matchers: list[Any]) -> Any:
-        """[N, ceil(V/32)] int32 allowed-token bitmask; rows without a live matcher allow everything."""
-        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+    def bitmask(self, matchers: list[Any], out: Any = None) -> Any:
+        """[N, ceil(V/32)] int32 allowed-token bitmask of the model's vocabulary V; rows without a
+        live matcher allow everything, the others no padding id. Written into ``out[:N]`` when
+        given (a buffer reused step after step: no allocation, no page faults, pinned if it is)."""
+        import torch
+
+        n = len(matchers)
+        mask = self._xgr.allocate_token_bitmask(n, self.vocab_size) if out is None else out[:n]
         rows = [row for row, matcher in enumerate(matchers) if matcher is not None and not matcher.is_terminated()]
-        if rows:
-            self._batch.batch_fill_next_token_bitmask([matchers[row] for row in rows], mask, rows)
+        if out is not None and len(rows) < n:
+            mask[torch.tensor(sorted(set(range(n)) - set(rows)), dtype=torch.long)] = -1
+        if not rows:
+            return mask
+        live = [matchers[row] for row in rows]
+        if self.grammar_vocab_size == self.vocab_size:
+            self._batch.batch_fill_next_token_bitmask(live, mask, rows)
+            return mask
+        words, tail_bits = divmod(self.grammar_vocab_size, 32)
+        if self._filled is None or self._filled.shape[0] < len(rows):
+            self._filled = self._xgr.allocate_token_bitmask(max(len(rows), n), self.grammar_vocab_size)
+        filled = self._filled[:len(rows)]
+        self._batch.batch_fill_next_token_bitmask(live, filled)
+        if tail_bits:  # the last word's ids past the tokenizer's are padding
+            filled[:, words] &= (1 << tail_bits) - 1
+        width = filled.shape[1]
+        if len(rows) == n:  # every row constrained (the usual case): slices, not index lists
+            mask[:, :width] = filled
+            mask[:, width:] = 0
+        else:
+            index = torch.tensor(rows, dtype=torch.long)
+            mask[index] = 0
+            mask[index, :width] = filled
         return mask
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> None:

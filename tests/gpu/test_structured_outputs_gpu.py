@@ -76,3 +76,27 @@ def test_choice_and_greedy_constrained_rows_on_gpu(llm):
                                                       structured_outputs=StructuredOutputsParams(choice=choices)),
                            use_tqdm=False)
     assert {o.outputs[0].text for o in sampled} <= set(choices)
+
+
+def test_a_padded_vocabulary_under_grammars_on_gpu(tiny_models_root):
+    """An lm_head wider than the tokenizer (300 padding ids a random model samples freely): the
+    constrained rows never get one (xgrammar sees the tokenizer's ids; the masks, filled in the
+    pinned buffer reused across steps and grown with the batch, clear the rest), the free rows do."""
+    from transformers import LlamaConfig
+
+    from support.tiny_models import TINY_VOCAB, save_tiny_model, tiny_config_kwargs
+
+    config = LlamaConfig(**tiny_config_kwargs(vocab_size=TINY_VOCAB + 300), architectures=["LlamaForCausalLM"])
+    llm = LLM(str(save_tiny_model(tiny_models_root, "llama_padded_vocab", config, seed=5)), dtype="bfloat16",
+              max_model_len=256, gpu_memory_utilization=0.3, seed=0)
+    json_params = SamplingParams(temperature=1.0, max_tokens=150, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    free = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    for rows in (3, 24):  # the staging buffer grows between the calls
+        outputs = llm.generate([f"p{i}" for i in range(rows)], [(json_params, free)[i % 2] for i in range(rows)],
+                               use_tqdm=False)
+        constrained = [o.outputs[0] for i, o in enumerate(outputs) if i % 2 == 0]
+        for completion in constrained:
+            assert max(completion.token_ids) < TINY_VOCAB, completion.token_ids
+            assert completion.finish_reason == "stop" and _satisfies_schema(completion.text), completion.text
+        free_ids = [t for i, o in enumerate(outputs) if i % 2 == 1 for t in o.outputs[0].token_ids]
+        assert max(free_ids) >= TINY_VOCAB  # padding ids are drawn where nothing masks them
