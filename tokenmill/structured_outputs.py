@@ -184,8 +184,11 @@ class GrammarCache:
         return mask
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> None:
-        """Advance each live matcher by its sampled token (a token the mask allowed)."""
-        self._batch.batch_accept_token(matchers, tokens)
+        """Advance each live matcher by its sampled token (a token the mask allowed). One call a
+        matcher: xgrammar's batch_accept_token runs them one after the other too (no threads) and
+        then builds a list of results, which cost as much again as the calls here."""
+        for matcher, token in zip(matchers, tokens):
+            matcher.accept_token(token)
 
     def apply(self, logits: Any, bitmask: Any) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
