@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
-#   [sampler] [sampler-rounds] [chat] [chat-8b] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -148,6 +148,10 @@ for part in $parts; do
       timeout 500 python3 bench/sampler_bench.py --json --cases "top_p 0.5" "top_p 0.9" "top_p 0.95" --rounds 0 1 2 3 \
         > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
+    grammar-host)  # structured outputs' host work a step (xgrammar's masks and token steps) by thread count; needs
+                   # .bench_tokenizer/ and xgrammar (.whl) carried
+      RESULTS="$OUT/grammar_host.raw" timeout 150 python3 bench/grammar_host_bench.py --rows 128 512 --threads 1 2 4 8 \
+        2>>"$OUT/suite.log"; tag "$OUT/grammar_host.raw" "$OUT/grammar_host.jsonl"; : > "$OUT/grammar_host.raw" ;;
     chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all, logit bias, logprobs 1 / 2
                    # (the default); json, only when named (CHAT_VARIANTS="temperature json"): a JSON schema through structured
                    # outputs; needs .bench_tokenizer/ carried (bench/prepare_bench_tokenizer.sh) and xgrammar, which the image

@@ -6,11 +6,15 @@ GPU's pinned staging is) and GrammarCache.accept (the token steps). No model, no
 
     python bench/grammar_host_bench.py [--rows 128 512] [--threads 1 2 4 8] [--steps 30]
 
+Runs over older trees too (PYTHONPATH=<an older tokenmill>) for before/after rows: without
+--threads the engine's default thread count, and a fresh mask a step where bitmask takes no buffer.
+
 Prints one JSON row per (rows, threads) and appends it to $RESULTS when set."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -27,7 +31,7 @@ VOCAB = 151_936  # the Qwen3 shapes' vocabulary, as the json variant's model fol
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--threads", type=int, nargs="+", default=[None])
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     import torch
@@ -39,14 +43,15 @@ def main() -> None:
     params = StructuredOutputsParams(json=JSON_SCHEMA)
     rng = np.random.default_rng(0)
     for threads in args.threads:
-        cache = GrammarCache(tokenizer, VOCAB, threads=threads)
+        cache = GrammarCache(tokenizer, VOCAB, **({} if threads is None else {"threads": threads}))
+        reuses = "out" in inspect.signature(cache.bitmask).parameters
         for rows in args.rows:
             matchers = [cache.matcher(params) for _ in range(rows)]
             reused = torch.empty((rows, -(-VOCAB // 32)), dtype=torch.int32)  # as the GPU's pinned staging
             fill = accept = 0.0
             for step in range(args.steps + 5):  # 5 warm-up steps leave the opening "{" behind
                 start = time.perf_counter()
-                mask = cache.bitmask(matchers, out=reused)
+                mask = cache.bitmask(matchers, out=reused) if reuses else cache.bitmask(matchers)
                 filled = time.perf_counter()
                 tokens = [_random_allowed(row, rng) for row in mask.numpy()]
                 accepting = time.perf_counter()
@@ -54,7 +59,7 @@ def main() -> None:
                 if step >= 5:
                     fill += filled - start
                     accept += time.perf_counter() - accepting
-            emit(dict(bench="grammar_host", rows=rows, threads=threads, default_threads=matcher_threads(),
+            emit(dict(bench="grammar_host", rows=rows, threads=threads or matcher_threads(), reused_buffer=reuses,
                       cpus=len(os.sched_getaffinity(0)), steps=args.steps,
                       fill_ms=round(fill / args.steps * 1e3, 2), accept_ms=round(accept / args.steps * 1e3, 2),
                       fill_us_row=round(fill / args.steps / rows * 1e6, 1),
