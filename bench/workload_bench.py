@@ -28,7 +28,9 @@ what grammar-constrained decoding costs; compare it with temperature from the sa
 bench/prepare_bench_tokenizer.sh, carried to the GPU machine). When a variant named needs it, the one
 LLM is built with that tokenizer (skip_tokenizer_init=False) for every variant named, on the same
 random-weight model folder (vocabulary 151,936: ids past the tokenizer's are never allowed by the
-grammar). vLLM is started with structured_outputs_config={"backend": "xgrammar",
+grammar). Those 102,784 padding ids are this bench's, not a real checkpoint's (Qwen3 pads 267):
+tokenmill hands xgrammar the tokenizer's ids only, vLLM 0.26 the model's vocabulary size, which
+makes each of its masks and token steps several times dearer here (docs/perf.md 66). vLLM is started with structured_outputs_config={"backend": "xgrammar",
 "disable_any_whitespace": True}: vLLM 0.26's xgrammar backend compiles JSON schemas with
 any_whitespace=True unless that engine-wide option is set (the request's own disable_any_whitespace
 is not read by that backend), and tokenmill compiles them compact (any_whitespace=False, which it
