@@ -353,9 +353,10 @@ class SamplingParams:
     @property
     def reads_output_history(self) -> bool:
         """Whether sampling the next token needs the ids of every earlier one on the host (Python
-        logits processors, a grammar's matcher): such requests step synchronously. Penalties and
-        bad words keep their history on the device (worker/sampling_state.py)."""
-        return bool(self.logits_processors or self.structured_outputs is not None)
+        logits processors): such requests step synchronously. Penalties and bad words keep their
+        history on the device (worker/sampling_state.py); a grammar's matcher takes one token a
+        step, read back before the next step's draw is launched (engine.py)."""
+        return bool(self.logits_processors)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         """vLLM's ``clone()``: a deep copy, so that changing the copy's lists or dicts in place

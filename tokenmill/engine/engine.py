@@ -10,10 +10,12 @@ With ``async_scheduling`` (the default on GPUs) a step is launched before the pr
 sampled ids are read back: ``step`` schedules and launches step N+1, then reads step N's ids and
 does its bookkeeping while the device runs N+1. A sequence that step N finished is then computed
 once more in N+1 and that token is dropped; a sequence that reaches max_tokens is not scheduled
-again. Requests whose sampling reads all earlier output ids on the host (Python logits
-processors, grammars) and beam searches (the next beams depend on this step's logprobs) make the
-engine read each step back before scheduling the next (`Request.needs_sync`); penalties and bad
-words keep their history on the device.
+again. Grammars (structured outputs) keep the overlap: a step with grammar rows launches its
+forward only, and its draw once step N's tokens are in the matchers (`StepResult.pending_draw`).
+Requests whose sampling reads all earlier output ids on the host (Python logits processors) and
+beam searches (the next beams depend on this step's logprobs) make the engine read each step back
+before scheduling the next (`Request.needs_sync`); penalties and bad words keep their history on
+the device.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             self.stats.num_overlapped_steps += 1
         if previous is not None:
             outputs += self._read_back(previous, finished_only)
+        if self._in_flight is not None and self._in_flight.pending_draw is not None:
+            self._in_flight.pending_draw()  # its grammar masks need the tokens just read back
         if not overlap and self._in_flight is not None:
             outputs += self._read_back(self._take_in_flight(), finished_only)
         if self.metrics is not None:
@@ -228,6 +232,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
 
     def _read_back(self, result: StepResult[Sequence], finished_only: bool) -> list[RequestOutput]:
         """Wait for a launched step's ids, append them, apply stop conditions, build outputs."""
+        if result.pending_draw is not None:  # step() draws it after reading the step before; if that raised
+            result.pending_draw()
         result.wait()
         self.output_processor.record_prompt_logprobs(result)
         rows = self.scheduler.update_from_output(result)

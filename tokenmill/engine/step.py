@@ -9,7 +9,7 @@ Nothing here imports torch at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -163,12 +163,17 @@ class SampledTokens:
 @dataclass
 class StepResult(Generic[S]):
     """One launched step. ``output`` holds host tensors that are filled asynchronously on a GPU:
-    read them only after `wait`, which blocks until this step (not any later one) is done."""
+    read them only after `wait`, which blocks until this step (not any later one) is done.
+
+    A step with grammar rows comes back with its forward launched and its draw not yet:
+    ``pending_draw`` launches it, once the previous step's tokens are in the matchers (the engine
+    calls it right after reading that step back; ``output`` is None until then)."""
 
     sampled: list[ScheduledSequence[S]]  # the sequences that got a new token, in row order
     output: SamplerOutput | None
     prompt_logprobs: list[PromptLogprobs[S]] | None = None
     ready: "torch.cuda.Event | None" = None
+    pending_draw: "Callable[[], None] | None" = field(default=None, repr=False)
     _host: SampledTokens | None = field(default=None, repr=False)
 
     def wait(self) -> None:

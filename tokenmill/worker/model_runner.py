@@ -221,8 +221,6 @@ class ModelRunner:
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)
-        if batch is not None:
-            self._mask_grammars(batch, [s.seq for s in sampled])
         prompt_logprobs = score_prompts(self.model, scheduled, meta.query_lens_host, hidden, self.prompt_logprob_rows)
         if batch is None:
             self._last_sampled, self._last_rows = None, {}
@@ -232,21 +230,36 @@ class ModelRunner:
         else:
             last_hidden = hidden[meta.query_start_loc[1:][self._tensor(sample_rows, torch.int64)] - 1]
         logits = self.model.compute_logits(last_hidden)
+        result = StepResult(sampled, None, prompt_logprobs)
+        if self.grammars is not None and any(s.seq.grammar is not None for s in sampled):
+            # A grammar's mask needs the previous step's token in its matcher, which the engine
+            # reads back after this launch (asynchronous scheduling): the draw waits for its call,
+            # and the host fills the masks while the GPU runs this step's forward.
+            result.pending_draw = functools.partial(self._draw, result, batch, logits)
+        else:
+            self._draw(result, batch, logits)
+        return result
+
+    def _draw(self, result: StepResult, batch: SamplingBatch, logits: torch.Tensor) -> None:
+        """Sample the step's rows (grammar masks first), keep the ids on the device for the next
+        step's inputs and start copying them to the host."""
+        result.pending_draw = None
+        self._mask_grammars(batch, [s.seq for s in result.sampled])
         output = self.sampler(logits, batch)
         self._record(batch, output.token_ids)
         self._last_sampled = output.token_ids
-        self._last_rows = {item.seq.seq_id: row for row, item in enumerate(sampled)}
-        return self._to_host(StepResult(sampled, output, prompt_logprobs))
+        self._last_rows = {item.seq.seq_id: row for row, item in enumerate(result.sampled)}
+        result.output = output
+        self._to_host(result)
 
-    def _to_host(self, result: StepResult) -> StepResult:
+    def _to_host(self, result: StepResult) -> None:
         """Start copying the sampler's output to (pinned) host memory; an event marks the end."""
         if not self._pin or result.output is None:
-            return result
+            return
         result.output = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None
                                         for t in result.output.tensors()))
         result.ready = torch.cuda.Event()
         result.ready.record()
-        return result
 
     def _prepare(self, scheduled: list[ScheduledSequence]):
         bs = self.block_size
@@ -398,8 +411,9 @@ class ModelRunner:
         return batch
 
     def _mask_grammars(self, batch: SamplingBatch, seqs: list[StepSequence]) -> None:
-        """Structured outputs' allowed-token masks, made once the forward is launched: the host
-        fills them (xgrammar, on its threads) while the GPU runs the model, which needs no mask."""
+        """Structured outputs' allowed-token masks, made once the forward is launched and the
+        previous step's tokens are in the matchers: the host fills them while the GPU runs the
+        model, which needs no mask."""
         if self.grammars is None or all(s.grammar is None for s in seqs):
             return
         batch.grammar_bitmask = self._grammar_mask([s.grammar for s in seqs])
