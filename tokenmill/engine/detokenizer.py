@@ -1,6 +1,6 @@
 """Incremental detokenization and stop-string matching for one sequence.
 
-Text is produced with the `tokenizers` library's DecodeStream, seeded with the prompt's last
+Text is produced with the `tokenizers` library's DecodeStream, primed with the prompt's last
 tokens so the first generated token decodes with the right leading space, and buffering
 partial UTF-8 characters until they are complete. Stop strings are searched only in the
 newly produced text plus a tail long enough to catch a stop string spanning two tokens.
@@ -25,7 +25,12 @@ class IncrementalDetokenizer:
         from tokenizers.decoders import DecodeStream
 
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens)
+        # Primed a token at a time, not seeded with DecodeStream(ids=...): a seed whose text ends
+        # inside a character (a token-id prompt may end mid UTF-8) made the first generated token
+        # bring the whole seed's text along. Primed, a dangling byte is held back as in any stream.
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]:
+            self._stream.step(self._backend, token_id)
         self.text = ""
         self._stop = stop
         self._include_stop = include_stop_str_in_output
