@@ -156,7 +156,8 @@ for part in $parts; do
                    # (the default); json, only when named (CHAT_VARIANTS="temperature json"): a JSON schema through structured
                    # outputs; needs .bench_tokenizer/ carried (bench/prepare_bench_tokenizer.sh) and xgrammar, which the image
                    # lacks: from .whl (bench/build_wheels.sh) when carried and installed, else linked from the vLLM bundle
-                   # (unpacked by vllm-unpack; its xgrammar 0.2.7, the one vLLM runs)
+                   # (unpacked by vllm-unpack; its xgrammar 0.2.7, the one vLLM runs). CHAT_FLAGS=--matched-vocab: the
+                   # model's vocabulary cut to the tokenizer's (json beside vLLM without this bench's padding ids)
       [ "$part" = chat ] && shape=qwen3-0.6b || shape=llama3-8b
       xgr=""
       if [[ " ${CHAT_VARIANTS:-} " == *" json "* ]] && ! python3 -c "import xgrammar" 2>/dev/null; then
@@ -167,7 +168,7 @@ for part in $parts; do
         done
         xgr=/tmp/xgr-site:
       fi
-      PYTHONPATH="$xgr$PYTHONPATH" RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape ${CHAT_VARIANTS:-} 2>&1 | grep -E '^(\{|WARNING)'
+      PYTHONPATH="$xgr$PYTHONPATH" RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 | grep -E '^(\{|WARNING)'
       tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
@@ -325,7 +326,7 @@ for part in $parts; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
-        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} 2>&1 | grep -E '^(\{|WARNING)' ;;
+        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 | grep -E '^(\{|WARNING)' ;;
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
               done ;;

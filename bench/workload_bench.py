@@ -1,7 +1,7 @@
 """The chat-style workload with the sampling settings users copy from tutorials, one setting at a
 time and all together, on any engine with vLLM's offline API (like peer_bench.py).
 
-Usage: python bench/workload_bench.py ENGINE SHAPE [VARIANT ...]
+Usage: python bench/workload_bench.py ENGINE SHAPE [VARIANT ...] [--matched-vocab]
   ENGINE   tokenmill | vllm | any importable module exposing LLM and SamplingParams
   SHAPE    qwen3-0.6b | llama3-8b (random weights with the real shapes, from peer_bench.py)
   VARIANT  temperature | top_p | top_k | top_k_top_p | repetition | all | logit_bias | logprobs1 | logprobs2 | json
@@ -30,7 +30,10 @@ LLM is built with that tokenizer (skip_tokenizer_init=False) for every variant n
 random-weight model folder (vocabulary 151,936: ids past the tokenizer's are never allowed by the
 grammar). Those 102,784 padding ids are this bench's, not a real checkpoint's (Qwen3 pads 267):
 tokenmill hands xgrammar the tokenizer's ids only, vLLM 0.26 the model's vocabulary size, which
-makes each of its masks and token steps several times dearer here (docs/perf.md 66). vLLM is started with structured_outputs_config={"backend": "xgrammar",
+makes each of its masks and token steps several times dearer here (docs/perf.md 66).
+--matched-vocab runs every variant named on the shape with its vocabulary cut to the bench
+tokenizer's (49,152 ids, lm_head and embeddings shrunk to match; rows say "vocab_size"): no padding
+ids, as with a real checkpoint, for comparing engines on json. vLLM is started with structured_outputs_config={"backend": "xgrammar",
 "disable_any_whitespace": True}: vLLM 0.26's xgrammar backend compiles JSON schemas with
 any_whitespace=True unless that engine-wide option is set (the request's own disable_any_whitespace
 is not read by that backend), and tokenmill compiles them compact (any_whitespace=False, which it
@@ -43,6 +46,7 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 from random import randint, seed
@@ -118,6 +122,20 @@ def bench_tokenizer() -> str:
     return folder
 
 
+def matched_vocab_dir(shape: str, tokenizer) -> str:
+    """The shape's model folder with its vocabulary (and bos / eos ids) the tokenizer's; random
+    weights either way."""
+    folder = f"{model_dir(shape, False)}-vocab{len(tokenizer)}"
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        shutil.copytree(model_dir(shape, False), folder, dirs_exist_ok=True)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**config, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                       "eos_token_id": tokenizer.eos_token_id}, f)
+    return folder
+
+
 def _is_vllm(mod) -> bool:
     """Whether the engine module serves vLLM's classes (vllm itself or a wrapper such as vllm_fp8)."""
     return mod.SamplingParams.__module__.split(".")[0] == "vllm"
@@ -154,8 +172,10 @@ def _alloc_retries() -> int | None:
 
 
 def main() -> None:
-    engine, shape = sys.argv[1], sys.argv[2]
-    names = sys.argv[3:] or [name for name in VARIANTS if name not in TOKENIZER_VARIANTS]
+    args = [arg for arg in sys.argv[1:] if arg != "--matched-vocab"]
+    matched = len(args) < len(sys.argv) - 1
+    engine, shape = args[0], args[1]
+    names = args[2:] or [name for name in VARIANTS if name not in TOKENIZER_VARIANTS]
     unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         raise SystemExit(f"workload_bench: unknown variant(s) {unknown}; known: {list(VARIANTS)}")
@@ -167,9 +187,14 @@ def main() -> None:
         kwargs = dict(tokenizer=bench_tokenizer(), skip_tokenizer_init=False)
         if _is_vllm(mod):  # compact JSON, as tokenmill compiles it (module docstring)
             kwargs["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
+    folder, vocab_size = model_dir(shape, False), None
+    if matched:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(bench_tokenizer())
+        folder, vocab_size = matched_vocab_dir(shape, tokenizer), len(tokenizer)
     start = time.time()
-    llm = LLM(model=model_dir(shape, False), load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.9,
-              seed=0, **kwargs)
+    llm = LLM(model=folder, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.9, seed=0, **kwargs)
     init_s = time.time() - start
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}] * 4, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
@@ -198,6 +223,8 @@ def main() -> None:
                    full_collections=full_collections, alloc_retries=retries)
         if not kwargs["skip_tokenizer_init"]:
             row["tokenizer"] = True  # this run's engine had the bench tokenizer (every variant of it, json or not)
+        if vocab_size is not None:
+            row["vocab_size"] = vocab_size  # --matched-vocab
         emit(row)
         if got < row["out_tokens"]:
             print(f"WARNING: chat-{name}: {got} of {row['out_tokens']} output tokens: some requests stopped before "
