@@ -210,11 +210,12 @@ def test_abandoned_stream_leaves_the_engine_clean(engines, prompts):
     assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_usable_blocks
 
 
-def test_grammars_keep_the_overlap(engines, prompts):
+def test_grammars_keep_the_overlap(tiny_llama_dir, engines, prompts):
     """Structured outputs no longer force synchronous steps: a step with grammar rows launches its
     forward, the previous step's tokens reach the matchers, then its draw (StepResult.pending_draw).
     Rows under a JSON schema and a regex beside free rows, seeded so each row's draws are its own:
-    the same completions as the synchronous engine, every constrained one complete and valid."""
+    the same completions as the synchronous engine, every constrained one complete and valid; also
+    with n=2 under preemption."""
     import json
 
     from tokenmill import StructuredOutputsParams
@@ -227,6 +228,13 @@ def test_grammars_keep_the_overlap(engines, prompts):
     expected, got, overlapped = run_both(engines, prompts, params)
     assert completions(got) == completions(expected)
     assert overlapped > 0
+    # Forked matchers (n=2) in a pool too small for every sequence: preempted ones recompute.
+    forked = [p.clone(n=2) for p in params]
+    per_block = engines[0].llm_engine.executor.runner.kv_bytes_per_block()
+    small = make_llm(tiny_llama_dir, async_scheduling=True, kv_cache_memory_bytes=9 * per_block, enable_prefix_caching=False)
+    got_small = small.generate(as_inputs(prompts), forked, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0 and small.llm_engine.stats.num_overlapped_steps > 0
+    assert completions(got_small) == completions(engines[0].generate(as_inputs(prompts), forked, use_tqdm=False))
     tokenizer = engines[1].get_tokenizer()
     for i, out in enumerate(got):
         text = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)  # .text may carry a broken prompt byte
