@@ -2,7 +2,8 @@
 and SmolLM2's tokenizer (.bench_tokenizer/, as the json variant), stepped by random allowed tokens
 (what a random-weight model draws under the mask), timing the engine's two calls a step:
 GrammarCache.bitmask (xgrammar's batch mask fill, on its threads, into a buffer reused as the
-GPU's pinned staging is) and GrammarCache.accept (the token steps). No model, no GPU: what the host spends per constrained row and step, by thread count.
+GPU's pinned staging is) and GrammarCache.accept (the token steps). No model, no GPU: what the
+host spends per constrained row and step, by thread count.
 
     python bench/grammar_host_bench.py [--rows 128 512] [--threads 1 2 4 8] [--steps 30]
 
