@@ -285,3 +285,27 @@ def test_padding_ids_past_the_tokenizer_are_masked_as_xgrammar_masks_them(tiny):
         cache.accept([batch[row] for row in live], tokens)
         for row, token in zip(live, tokens):
             assert twins[row].accept_token(token)
+
+
+def test_grammar_masks_in_the_logits_own_dtype_draw_as_a_float32_copy_would(tiny_llama_dir):
+    """The mask goes into bfloat16 logits in place (no float32 copy of [rows, V] a step): the same
+    draws as the same engine handed float32 logits, and every output valid."""
+    import torch
+
+    llm = make_llm(tiny_llama_dir, dtype="bfloat16", max_num_seqs=8)
+    prompts = ["a", "b c", "d e f", "g"]
+    params = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMAS[0]))
+    own = llm.generate(prompts, params, use_tqdm=False)
+    model = llm.llm_engine.executor.runner.model
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: compute_logits(hidden).float()
+    try:
+        as_float32 = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model.compute_logits = compute_logits
+    assert compute_logits(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert [c.token_ids for o in own for c in o.outputs] == [c.token_ids for o in as_float32 for c in o.outputs]
+    for completion in (c for o in own for c in o.outputs):
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[0])

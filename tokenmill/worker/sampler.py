@@ -97,7 +97,7 @@ class Sampler:
         raw_logprobs = None
         # Raw logprobs from logits nothing below writes into: one Triton kernel reads them after the
         # draw (and topk the raw logits for k >= 2), no table (kernel_logprobs). Bans go into the
-        # logits in place, and so do grammars and processors when the logits are float32 already
+        # logits in place, and so do grammars, and processors when the logits are float32 already
         # (.float() makes no copy then), so steps with any of them keep the table.
         two_passes = (mode == "raw_logprobs" and logits.is_cuda
                       and logits.stride(1) == 1 and batch.bad_words is None and batch.banned is None
@@ -109,15 +109,20 @@ class Sampler:
         elif mode == "raw_logits":
             raw_logprobs = logits.float().clone()  # a copy: the bans below write into the logits
         state = batch.state
-        if batch.grammar_bitmask is not None or batch.processors or batch.batch_processors:
-            # Structured outputs and Python processors see float32 logits with the controls before
-            # them applied, in vLLM's order; the kernels then add only the penalties.
+        if batch.processors or batch.batch_processors:
+            # Python processors see float32 logits with the controls before them applied, in vLLM's
+            # order; the kernels then add only the penalties.
             logits = logits.float()
             if batch.grammar_bitmask is not None:
                 batch.apply_grammar(logits, batch.grammar_bitmask)  # in place: disallowed tokens -> -inf
             if batch.bias_rows is not None:
                 apply_bias(logits, state.bias, batch.bias_rows)
                 state = state._replace(bias_slots=torch.full_like(state.bias_slots, -1))
+        elif batch.grammar_bitmask is not None:
+            # In place in the logits' own dtype (-inf is exact in any; the kernels read them into
+            # float32 as they would a float32 copy): no [rows, V] float32 copy a step, and the
+            # kernels LLM() compiled for the model's dtype (the bias, added to -inf or not, commutes).
+            batch.apply_grammar(logits, batch.grammar_bitmask)
         if batch.bad_words is not None:
             batch.bad_words[0].apply(logits, batch.bad_words[1])
         for row, functions, prompt_ids, output_ids in batch.processors or ():
@@ -158,8 +163,8 @@ class Sampler:
         """Compile every variant of the GPU sampling kernels for the model's logits: with and
         without filters, with and without per-sequence state, and the sampled tokens' logprobs
         with a top-1 or none (k >= 2 launch the top-1-less one; ``precompile.py`` runs this in
-        ``parallel_compile``). float32 logits, which only Python logits processors and structured
-        outputs lead to, compile when first met."""
+        ``parallel_compile``). float32 logits, which only Python logits processors lead to, compile
+        when first met."""
         from tokenmill.kernels.triton.sampling import sample_tokens
         from tokenmill.kernels.triton.token_logprobs import token_logprobs
 
