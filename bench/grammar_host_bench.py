@@ -1,8 +1,8 @@
 """Host cost of structured outputs per step: a batch of matchers on workload_bench.py's JSON schema
 and SmolLM2's tokenizer (.bench_tokenizer/, as the json variant), stepped by random allowed tokens
-(what a random-weight model draws under the mask), timing the engine's two calls a step:
+(what a random-weight model draws under the mask), timing the engine's two parts of a step:
 GrammarCache.bitmask (xgrammar's batch mask fill, on its threads, into a buffer reused as the
-GPU's pinned staging is) and GrammarCache.accept (the token steps). No model, no GPU: what the
+GPU's pinned staging is) and the token steps (each matcher's accept_token, as the scheduler's). No model, no GPU: what the
 host spends per constrained row and step, by thread count.
 
     python bench/grammar_host_bench.py [--rows 128 512] [--threads 1 2 4 8] [--steps 30]
@@ -56,7 +56,8 @@ def main() -> None:
                 filled = time.perf_counter()
                 tokens = [_random_allowed(row, rng) for row in mask.numpy()]
                 accepting = time.perf_counter()
-                cache.accept(matchers, tokens)
+                for matcher, token in zip(matchers, tokens):  # as the scheduler steps them
+                    matcher.accept_token(token)
                 if step >= 5:
                     fill += filled - start
                     accept += time.perf_counter() - accepting

@@ -166,7 +166,7 @@ def test_vllms_other_structured_output_options(tiny):
 
 
 def test_a_steps_matchers_advance_together_as_one_by_one(tiny):
-    """The batch matcher (masks and token steps of a step's rows on xgrammar's threads) against
+    """The batch matcher (a step's masks filled together on xgrammar's threads) against
     xgrammar's single-matcher calls on twin matchers: rows without a matcher or with a completed
     one allow everything, the others get their own masks, step after step."""
     import random
@@ -199,9 +199,8 @@ def test_a_steps_matchers_advance_together_as_one_by_one(tiny):
         allowed = ((mask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab]
         live = [row for row, m in enumerate(batch) if m is not None and not m.is_terminated()]
         tokens = [rng.choice(allowed[row].nonzero().flatten().tolist()) for row in live]
-        cache.accept([batch[row] for row in live], tokens)
         for row, token in zip(live, tokens):
-            assert twins[row].accept_token(token)
+            assert batch[row].accept_token(token) and twins[row].accept_token(token)
         assert [m is None or m.is_terminated() for m in batch] == [t is None or t.is_terminated() for t in twins]
 
 
@@ -282,9 +281,8 @@ def test_padding_ids_past_the_tokenizer_are_masked_as_xgrammar_masks_them(tiny):
         assert not allowed[:3, cache.grammar_vocab_size:].any() and allowed[3].all()
         live = [row for row, m in enumerate(batch[:3]) if not m.is_terminated()]
         tokens = [rng.choice(allowed[row].nonzero().flatten().tolist()) for row in live]
-        cache.accept([batch[row] for row in live], tokens)
         for row, token in zip(live, tokens):
-            assert twins[row].accept_token(token)
+            assert batch[row].accept_token(token) and twins[row].accept_token(token)
 
 
 def test_grammar_masks_in_the_logits_own_dtype_draw_as_a_float32_copy_would(tiny_llama_dir):

@@ -89,7 +89,9 @@ GRAMMAR_CACHE_BYTES = 512 * 2**20
 
 class GrammarCache:
     """One xgrammar compiler per engine; its cache keeps the compiled grammars of recent constraints.
-    Also the engine's batch matcher: the masks and the token steps of a step's matchers.
+    Also the engine's batch matcher: the masks of a step's matchers, filled together on xgrammar's
+    threads (the scheduler steps each matcher by its token: xgrammar's batch call for that runs them
+    one after the other too, and then converts its results).
 
     The cache is bounded (least recently used out first): a job whose rows each bring their own
     JSON schema would otherwise keep every compiled grammar for its whole run (~45 KB each at a
@@ -182,13 +184,6 @@ class GrammarCache:
             mask[index] = 0
             mask[index, :width] = filled
         return mask
-
-    def accept(self, matchers: list[Any], tokens: list[int]) -> None:
-        """Advance each live matcher by its sampled token (a token the mask allowed). One call a
-        matcher: xgrammar's batch_accept_token runs them one after the other too (no threads) and
-        then builds a list of results, which cost as much again as the calls here."""
-        for matcher, token in zip(matchers, tokens):
-            matcher.accept_token(token)
 
     def apply(self, logits: Any, bitmask: Any) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)

@@ -82,7 +82,6 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,
             eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
-            grammars=self.intake.grammar_cache,
             max_loras=config.lora.max_loras if config.lora is not None else None,
             priority=config.scheduling_policy == "priority",
         )

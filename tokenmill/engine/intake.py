@@ -39,11 +39,6 @@ class Intake:
         self.grammars: GrammarCache | None = None
         self._next_seq_id = 0
 
-    def grammar_cache(self) -> "GrammarCache | None":
-        """The engine's grammars once a structured request has arrived (the scheduler advances a
-        step's matchers through them)."""
-        return self.grammars
-
     def make_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
         index: int | None, ids_in_use: Container[str],

@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.step import ScheduledSequence, SchedulerOutput, StepResult
 from tokenmill.engine.waiting_queue import PriorityWaitingQueue, priority_key
 from tokenmill.repetition_detection import FINISH_REASON as REPETITION, STOP_REASON as REPETITION_DETECTED
 from tokenmill.repetition_detection import ends_in_repetition
-
-if TYPE_CHECKING:
-    from tokenmill.structured_outputs import GrammarCache
 
 
 class BlockAllocator(Protocol):
@@ -96,7 +93,6 @@ class Scheduler:
         new_sequence: Callable[[Request, int], Sequence] | None = None,
         max_loras: int | None = None,
         priority: bool = False,
-        grammars: "Callable[[], GrammarCache | None] | None" = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -118,9 +114,6 @@ class Scheduler:
         self.num_preemptions = 0
         # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
         self._finished_seq_ids: set[int] = set()
-        # The engine's grammars (the intake makes them with the first structured request): a step's
-        # matchers take their tokens together, on xgrammar's threads.
-        self._grammars = grammars
 
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
@@ -201,7 +194,6 @@ class Scheduler:
             return []
         kept = []
         beam_requests: dict[Request, None] = {}
-        constrained: list[tuple[Sequence, int]] = []  # stop checks wait for the step's matchers
         now = time.monotonic()
         for row, item in enumerate(result.sampled):
             seq = item.seq
@@ -219,34 +211,18 @@ class Scheduler:
                 continue
             token = samples.token_ids[row]
             seq.output_token_ids.append(token)
-            if seq.grammar is not None:
-                constrained.append((seq, token))
-                continue
+            if seq.grammar is not None and not seq.grammar.is_terminated():
+                seq.grammar.accept_token(token)
             check_stop(seq, token, self.eos_token_ids)
+            if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+                seq.finish_reason = "stop"  # the constraint is complete: nothing more may follow
             if seq.finish_reason is not None:
                 self.finish(seq)
-        if constrained:
-            self._advance_grammars(constrained)
         for request in beam_requests:
             assert request.beam is not None
             if request.beam.ready(request.sequences):
                 request.sequences = request.beam.advance(request.sequences, self)
         return kept
-
-    def _advance_grammars(self, constrained: list[tuple[Sequence, int]]) -> None:
-        """Each constrained sequence's matcher takes its token (all at once), then its stop checks;
-        a matcher that completes stops its sequence."""
-        grammars = self._grammars() if self._grammars is not None else None
-        assert grammars is not None, "matchers come from the engine's grammars, which the scheduler is given"
-        live = [(seq.grammar, token) for seq, token in constrained if not seq.grammar.is_terminated()]
-        if live:
-            grammars.accept([matcher for matcher, _ in live], [token for _, token in live])
-        for seq, token in constrained:
-            check_stop(seq, token, self.eos_token_ids)
-            if seq.finish_reason is None and seq.grammar.is_terminated():
-                seq.finish_reason = "stop"  # the constraint is complete: nothing more may follow
-            if seq.finish_reason is not None:
-                self.finish(seq)
 
     def preempt_all(self) -> None:
         """Preempt every running sequence (they free their blocks and are recomputed later, in order)."""
