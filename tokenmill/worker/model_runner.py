@@ -235,16 +235,17 @@ class ModelRunner:
             # A grammar's mask needs the previous step's token in its matcher, which the engine
             # reads back after this launch (asynchronous scheduling): the draw waits for its call,
             # and the host fills the masks while the GPU runs this step's forward.
-            result.pending_draw = functools.partial(self._draw, result, batch, logits)
+            result.pending_draw = functools.partial(self._draw, result, batch, logits, True)
         else:
-            self._draw(result, batch, logits)
+            self._draw(result, batch, logits, False)
         return result
 
-    def _draw(self, result: StepResult, batch: SamplingBatch, logits: torch.Tensor) -> None:
-        """Sample the step's rows (grammar masks first), keep the ids on the device for the next
-        step's inputs and start copying them to the host."""
+    def _draw(self, result: StepResult, batch: SamplingBatch, logits: torch.Tensor, grammars: bool) -> None:
+        """Sample the step's rows (grammar masks first if ``grammars``: some row has one), keep the
+        ids on the device for the next step's inputs and start copying them to the host."""
         result.pending_draw = None
-        self._mask_grammars(batch, [s.seq for s in result.sampled])
+        if grammars:
+            self._mask_grammars(batch, [s.seq for s in result.sampled])
         output = self.sampler(logits, batch)
         self._record(batch, output.token_ids)
         self._last_sampled = output.token_ids
@@ -414,8 +415,7 @@ class ModelRunner:
         """Structured outputs' allowed-token masks, made once the forward is launched and the
         previous step's tokens are in the matchers: the host fills them while the GPU runs the
         model, which needs no mask."""
-        if self.grammars is None or all(s.grammar is None for s in seqs):
-            return
+        assert self.grammars is not None, "a row with a grammar means the engine handed its GrammarCache over"
         batch.grammar_bitmask = self._grammar_mask([s.grammar for s in seqs])
         batch.apply_grammar = self.grammars.apply
         within = [s.request.ranks_within_grammar for s in seqs]
