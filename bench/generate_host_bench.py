@@ -13,7 +13,11 @@ asking for logprobs, logprob tensors of the real SamplerOutput's shapes: on the 
 host cost is the launches, timed by bench/sampler_bench.py); everything else is the real engine,
 asynchronous scheduling's bookkeeping and the logprobs' read-back and output objects included.
 
-    python bench/generate_host_bench.py [nano|uniform|sampling|prefill|chat] [--variant NAME] [--profile]
+    python bench/generate_host_bench.py [nano|uniform|sampling|prefill|chat] [--variant NAME] [--job] [--profile]
+
+--job runs the same requests as the rows of a JSONL file through `tokenmill run`'s loop
+(`batch.job.run_job` over the loaded engine; progress off, output written as the job writes it),
+so its figure is the batch job's host cost per sequence-step beside generate's.
 
 chat is bench/workload_bench.py's workload; --variant takes its sampling settings (temperature,
 top_p, repetition, ...: workload_bench.VARIANTS, at temperature 0.7) instead of the workload's own.
@@ -53,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", nargs="?", default="sampling", choices=["nano", "uniform", "sampling", "prefill", "chat"])
     parser.add_argument("--variant", choices=list(VARIANTS), help="the chat workload's settings of that name")
+    parser.add_argument("--job", action="store_true", help="through the batch job's loop instead of LLM.generate")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions by own time")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -86,14 +91,17 @@ def main() -> None:
     pauses = _GcPauses()
     gc.callbacks.append(pauses)
     start, cpu_start = time.perf_counter(), time.process_time()
-    llm.generate(inputs, params, use_tqdm=False)
+    if args.job:
+        _run_as_job(llm, dict(settings, ignore_eos=True, detokenize=False), prompts, outs)
+    else:
+        llm.generate(inputs, params, use_tqdm=False)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     gc.callbacks.remove(pauses)
     if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     sequence_steps = sum(outs)  # one sampled token per sequence-step (prefill chunks add a few more steps)
-    print(json.dumps({"bench": "generate_host", "workload": args.workload, "variant": args.variant, "seqs": len(prompts),
+    print(json.dumps({"bench": "generate_host", "via": "job" if args.job else "generate", "workload": args.workload, "variant": args.variant, "seqs": len(prompts),
                       "out_tokens": sequence_steps, "seconds": round(seconds, 3),
                       "us_per_sequence_step": round(seconds / sequence_steps * 1e6, 2),
                       # CPU time: steadier than wall time on a shared machine (torch runs one thread)
@@ -102,6 +110,22 @@ def main() -> None:
                       # long as it takes to walk every tracked object (the GPU idles meanwhile).
                       "gc_full_collections": pauses.full, "gc_longest_pause_ms": round(pauses.longest * 1e3, 2),
                       "gc_pause_ms": round(pauses.total * 1e3, 2)}))
+
+
+def _run_as_job(llm: object, sampling: dict, prompts: list[list[int]], outs: list[int]) -> None:
+    """The requests as JSONL rows (token ids, each row's max_tokens) through the batch job's loop."""
+    from tokenmill.batch.config import JobConfig
+    from tokenmill.batch.job import run_job
+
+    with tempfile.TemporaryDirectory() as folder:
+        rows = Path(folder) / "rows.jsonl"
+        rows.write_text("".join(json.dumps({"prompt_token_ids": p, "sampling_params": {"max_tokens": o}}) + "\n"
+                                for p, o in zip(prompts, outs)))
+        config = JobConfig(input=str(rows), output=str(Path(folder) / "out.jsonl"), model="stub", sampling=sampling,
+                           progress=False)
+        summary = run_job(config, llm=llm)
+        if summary.failed or summary.rows_done != len(prompts):
+            raise SystemExit(f"generate_host_bench: {summary.failed} of {summary.rows_done} rows failed in the job")
 
 
 class _StubSampler:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import random
@@ -227,7 +228,7 @@ class SpyEngine:
 
     def __init__(self, engine, output, interrupt_after=None):
         self._engine, self._output, self._interrupt_after = engine, output, interrupt_after
-        self.unfinished, self.lines_at_step = [], []
+        self.unfinished, self.lines_at_step, self.finished_only = [], [], set()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -236,6 +237,7 @@ class SpyEngine:
         if self._interrupt_after is not None and len(self.unfinished) >= self._interrupt_after:
             raise KeyboardInterrupt
         self.unfinished.append(self._engine.get_num_unfinished_requests())
+        self.finished_only.add(kwargs.get("finished_only", args[0] if args else False))
         with open(self._output, "rb") as f:
             self.lines_at_step.append(f.read().count(b"\n"))
         return self._engine.step(*args, **kwargs)
@@ -259,6 +261,22 @@ def test_bounded_inflight_and_results_written_as_they_finish(tmp_path, llm):
     # Rows reach the file while later rows are still running, not at the end.
     assert lines[len(lines) // 2] >= 5 and lines == sorted(lines)
     assert len(read_jsonl(tmp_path / "out.jsonl")) == 20
+
+
+def test_progress_counts_running_rows_without_their_outputs(tmp_path, llm):
+    """The job asks the engine for finished outputs only (an output for every running row every
+    step doubled the host's work per token); the progress line still counts the running rows'
+    tokens, read from the engine when a line is drawn, so it shows generation before any row ends."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in prompts(6, seed=8)])
+    spy, stream = SpyLLM(llm, tmp_path / "out.jsonl"), io.StringIO()
+    config = JobConfig(input=str(path), output=str(tmp_path / "out.jsonl"), model="tiny",
+                       sampling=dict(GREEDY, max_tokens=24), log_interval=0.0)  # a line after every step
+    run_job(config, llm=spy, stderr=stream)
+    assert spy.llm_engine.finished_only == {True}
+    before_any_row = [line for line in stream.getvalue().splitlines() if line.startswith("rows 0/6")]
+    generating = [float(line.split("| gen ")[1].split()[0].replace(",", "")) for line in before_any_row]
+    assert len(generating) >= 10 and max(generating) > 0
+    assert sum(r["completion_tokens"] for r in read_jsonl(tmp_path / "out.jsonl")) == 6 * 24
 
 
 # --- malformed input ---------------------------------------------------------------------------

@@ -152,6 +152,8 @@ class JobLoop:
                 self._commit()
                 return True
             self._commit()
+            if self.inflight and self.pooling is None and self.progress.counts_due():
+                self._count_running()
             self.progress.maybe_draw()
 
     def _check_job_limits(self) -> None:
@@ -252,8 +254,11 @@ class JobLoop:
             self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
 
     def _step(self) -> None:
+        # Finished outputs only: an output for every running row every step (its token ids and text
+        # copied, ~2.5 us a row on the dev CPU) nearly doubled the host's work per sequence-step
+        # (docs/perf.md 69); the progress line reads the running rows' counts when it is drawn.
         with self.watchdog.step() if self.watchdog is not None else contextlib.nullcontext():
-            outputs = self.engine.step()
+            outputs = self.engine.step(finished_only=True)
         self.progress.on_step()
         for out in outputs:
             flight = self.inflight.get(out.request_id)
@@ -262,19 +267,29 @@ class JobLoop:
             if self.pooling is not None:
                 self._pooled(flight, out)
                 continue
-            prompt = 0
-            if not flight.prompt_tokens:
-                prompt = flight.prompt_tokens = len(out.prompt_token_ids or [])
-            generated = sum(len(c.token_ids) for c in out.outputs)
-            delta = generated - flight.generated_seen
-            flight.generated_seen = generated
+            self._count(flight, len(out.prompt_token_ids or []), sum(len(c.token_ids) for c in out.outputs))
+            self._row_finished()
+            del self.inflight[out.request_id]
+            req = flight.request
+            result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
+            self.pending.append((result, flight))
+
+    def _count_running(self) -> None:
+        """The running rows' tokens so far, for the progress line (read from the engine, not its outputs)."""
+        for request_id, flight in self.inflight.items():
+            counts = self.engine.generated_token_counts(request_id)
+            if counts is not None:
+                self._count(flight, *counts)
+
+    def _count(self, flight: _InFlight, prompt_tokens: int, generated: int) -> None:
+        """Tell the progress what a row did since it was last counted; its prompt counts once it has output."""
+        prompt = 0
+        if not flight.prompt_tokens and generated:
+            prompt = flight.prompt_tokens = prompt_tokens
+        delta = generated - flight.generated_seen
+        flight.generated_seen = generated
+        if prompt or delta:
             self.progress.on_tokens(flight.raw.index, prompt, delta)
-            if out.finished:
-                self._row_finished()
-                del self.inflight[out.request_id]
-                req = flight.request
-                result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
-                self.pending.append((result, flight))
 
     def _pooled(self, flight: _InFlight, out: Any) -> None:
         """A pooling request is done (each finishes in one step); the row is, once all its parts are."""

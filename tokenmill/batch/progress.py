@@ -207,6 +207,10 @@ class Progress:
 
     # --- drawing -------------------------------------------------------------------------------
 
+    def counts_due(self) -> bool:
+        """Whether the next ``maybe_draw`` draws: the job then tells the running rows' tokens first."""
+        return self.enabled and self.clock() - self._last_draw >= self.interval
+
     def maybe_draw(self) -> None:
         now = self.clock()
         if self.enabled and now - self._last_draw >= self.interval:

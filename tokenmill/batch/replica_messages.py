@@ -120,6 +120,10 @@ class ProgressRecorder:
     def maybe_draw(self) -> None:
         pass  # the parent draws
 
+    def counts_due(self) -> bool:
+        """Whether the running rows' tokens should be told now (`Progress.counts_due`): before a flush."""
+        return self.flush_due()
+
     def flush_due(self) -> bool:
         return time.monotonic() - self.last_flush >= self.flush_interval_s
 

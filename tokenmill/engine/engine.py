@@ -171,6 +171,15 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def generated_token_counts(self, request_id: str) -> tuple[int, int] | None:
+        """(its prompt's tokens, the tokens its samples generated so far) for an unfinished request,
+        without building its output; None if it is not in the engine. For callers that step with
+        ``finished_only`` and still show progress (the batch job)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return len(request.prompt_token_ids), sum(len(seq.output_token_ids) for seq in request.sequences)
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests it advanced (or only finished ones).
 

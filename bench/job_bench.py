@@ -1,0 +1,88 @@
+"""The batch job's throughput: peer_bench's workloads through `tokenmill run`'s loop beside
+LLM.generate on the same engine, in one process (gpu_suite part `job`).
+
+    python bench/job_bench.py SHAPE WORKLOAD [WORKLOAD ...] [--rounds N]
+
+Each workload runs as generate, then as a job, ``--rounds`` times (default 2), alternating. The job
+reads the requests as JSONL rows (token ids, each row's ``max_tokens`` in its ``sampling_params``,
+the workload's settings job-wide) and writes its output JSONL and journal under /tmp, with the
+CLI's defaults off a terminal: an fsync a second, a progress line every 10 s (to stderr). Both
+ways run peer_bench's engine (random weights, no tokenizer, eos ignored), so the difference is
+what the job adds: its loop, its per-row seeds, its outputs written as rows finish. Prints a JSON
+row per run (``via``: generate or job) and appends it to $RESULTS when that is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_bench import model_dir, workload  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=["qwen3-0.6b", "llama3-8b"])
+    parser.add_argument("workloads", nargs="+", choices=["nano", "uniform", "big", "sampling", "prefill"])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    from tokenmill import LLM, SamplingParams, __version__
+
+    start = time.time()
+    llm = LLM(model=model_dir(args.shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              gpu_memory_utilization=0.9, seed=0)
+    init_s = time.time() - start
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}] * 4, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    for name in args.workloads:
+        prompts, outs, settings = workload(name)
+        for _ in range(args.rounds):
+            for via in ("generate", "job"):
+                seconds = _run(via, llm, SamplingParams, prompts, outs, settings)
+                row = dict(engine="tokenmill", version=__version__, shape=args.shape, workload=name, via=via,
+                           seqs=len(prompts), in_tokens=sum(map(len, prompts)), out_tokens=sum(outs),
+                           seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1), init_s=round(init_s, 1))
+                print(json.dumps(row), flush=True)
+                if os.environ.get("RESULTS"):
+                    with open(os.environ["RESULTS"], "a") as f:
+                        f.write(json.dumps(row) + "\n")
+
+
+def _run(via: str, llm: object, sampling_params: type, prompts: list[list[int]], outs: list[int], settings: dict) -> float:
+    """Wall seconds of one run; raises if a token or a row is missing."""
+    if via == "generate":
+        params = [sampling_params(ignore_eos=True, max_tokens=o, detokenize=False, **settings) for o in outs]
+        start = time.time()
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.time() - start
+        got = sum(len(r.outputs[0].token_ids) for r in results)
+    else:
+        from tokenmill.batch.config import JobConfig
+        from tokenmill.batch.job import run_job
+
+        with tempfile.TemporaryDirectory() as folder:
+            rows = Path(folder) / "rows.jsonl"
+            rows.write_text("".join(json.dumps({"prompt_token_ids": p, "sampling_params": {"max_tokens": o}}) + "\n"
+                                    for p, o in zip(prompts, outs)))
+            output = Path(folder) / "out.jsonl"
+            config = JobConfig(input=str(rows), output=str(output), model="peer_bench",
+                               sampling=dict(settings, ignore_eos=True, detokenize=False))
+            start = time.time()
+            summary = run_job(config, llm=llm)
+            seconds = time.time() - start
+            got = sum(json.loads(line)["completion_tokens"] for line in output.open())
+            if summary.failed:
+                raise SystemExit(f"job_bench: {summary.failed} rows failed")
+    if got != sum(outs):
+        raise SystemExit(f"job_bench: {via} gave {got} tokens, {sum(outs)} asked")
+    return seconds
+
+
+if __name__ == "__main__":
+    main()
