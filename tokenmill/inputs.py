@@ -73,14 +73,14 @@ def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> Proce
     if isinstance(prompt, str):
         return ProcessedPrompt(prompt, _tokenize(prompt, tokenizer, where))
     if isinstance(prompt, list):
-        if not _is_token_list(prompt):
+        if not is_token_list(prompt):
             raise ValueError(f"{where} is a list, so it must be token ids (integers), got {_short(prompt)}")
         return ProcessedPrompt(None, list(prompt))
     if isinstance(prompt, dict):
         salt = _cache_salt(prompt, where)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not _is_token_list(ids):
+            if not is_token_list(ids):
                 raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {_short(ids)}")
             return ProcessedPrompt(prompt.get("prompt"), list(ids), salt)
         if "prompt" in prompt:
@@ -208,7 +208,7 @@ def render_chat_prompt(
     return list(ids)
 
 
-def _is_token_list(ids: Any) -> bool:
+def is_token_list(ids: Any) -> bool:
     """A list or tuple of ints (bools are not token ids). Checked by the set of element types
     first, a C loop; only a list holding other types (int subclasses, say) is looked at one by one."""
     if not isinstance(ids, (list, tuple)):

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from string import Formatter
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.inputs import is_token_list
+
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
     from tokenmill.sampling_params import SamplingParams
@@ -114,7 +116,7 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
         return request
     elif record.get("prompt") is not None:
         prompt = record["prompt"]
-        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if isinstance(prompt, list) and prompt and is_token_list(prompt):
             request.prompt_token_ids = list(prompt)
             return request
         if not isinstance(prompt, str):
@@ -122,7 +124,7 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
         text = prompt
     elif record.get("prompt_token_ids") is not None:
         ids = record["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        if not isinstance(ids, list) or not is_token_list(ids):
             raise RowError(f"{where}: 'prompt_token_ids' must be a list of integers", row_id)
         request.prompt_token_ids = list(ids)
         return request
@@ -237,10 +239,6 @@ def _with_system(messages: list[dict[str, Any]], system: str | None) -> list[dic
     if system is None or (messages and messages[0].get("role") == "system"):
         return messages
     return [{"role": "system", "content": system}, *messages]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- sampling ----------------------------------------------------------------------------------
