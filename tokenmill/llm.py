@@ -17,7 +17,7 @@ from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
 from tokenmill.gc_policy import young_collections_only
 from tokenmill.inputs import (
-    PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompt, tokenize_prompts,
+    PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompts, tokenize_prompts,
 )
 from tokenmill.llm_controls import EngineControlMethods
 from tokenmill.pooling.llm_methods import PoolingMethods
@@ -308,14 +308,11 @@ class LLM(PoolingMethods, EngineControlMethods):
         if tokenizer is None:
             raise ValueError("chat needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
         template = load_chat_template(chat_template or self.args.chat_template)
-        prompts: list[PromptType] = []
-        for i, conversation in enumerate(conversations):
-            ids = render_chat_prompt(
-                tokenizer, conversation, template, add_generation_prompt, continue_final_message, tools,
-                where=f"messages[{i}]", chat_template_kwargs=chat_template_kwargs, content_format=content_format,
-            )
-            prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
-        return prompts
+        rendered = render_chat_prompts(
+            tokenizer, conversations, template, add_generation_prompt, continue_final_message, tools,
+            [f"messages[{i}]" for i in range(len(conversations))], chat_template_kwargs, content_format,
+        )
+        return [{"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)} for ids in rendered]
 
     def _prepared(
         self, prompts: list[PromptType], priority: list[int] | None,
@@ -329,8 +326,9 @@ class LLM(PoolingMethods, EngineControlMethods):
             or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)
         ):
             raise ValueError(f"priority must be a list of {len(prompts)} integers, one per prompt; got {priority!r:.100}")
-        if tokenization_kwargs:
-            prompts = tokenize_prompts(prompts, self.get_tokenizer(), tokenization_kwargs)
+        tokenizer = self.get_tokenizer()
+        if tokenization_kwargs or tokenizer is not None:  # all text prompts in one tokenizer call
+            prompts = tokenize_prompts(prompts, tokenizer, tokenization_kwargs or {})
         return prompts
 
     def _generation_engine(self, method: str) -> Any:
