@@ -95,6 +95,40 @@ def test_jsonl_prompts_match_generate(tmp_path, llm):
     assert summary.prompt_tokens == sum(r["prompt_tokens"] for r in records.values())
 
 
+def test_rows_submitted_together_get_the_prompts_each_gets_alone(tmp_path, llm, monkeypatch):
+    """A refill's text rows are tokenized in one tokenizer call and its chat rows rendered in one
+    (batch/row_prompts.py); each row gets the ids transformers gives it alone, and a row that
+    breaks the chat batch (its template raises) fails alone while the others run."""
+    tokenizer = llm.get_tokenizer()
+    calls = []
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__",
+                        lambda self, text=None, *a, **k: calls.append(len(text) if isinstance(text, list) else 1)
+                        or original(self, text, *a, **k))
+    template = ("{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"
+                "<|user|>{{ m.content }}\n{% endfor %}<|assistant|>")
+    texts = prompts(7, seed=9)
+    rows = [{"prompt": t} if i % 2 else {"messages": [{"role": "user", "content": t}]} for i, t in enumerate(texts)]
+    alone = [tokenizer.encode(t) if i % 2 else tokenizer.apply_chat_template(
+        r["messages"], chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for i, (t, r) in enumerate(zip(texts, rows))]
+    expected = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": ids} for ids in alone],
+                                                        SamplingParams(**GREEDY), use_tqdm=False)]
+    for broken in (None, 4):
+        if broken is not None:
+            rows[broken] = {"messages": [{"role": "user", "content": "boom"}]}
+        calls.clear()
+        job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", rows), max_inflight=16, overwrite=True,
+            chat_template=template)
+        records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+        assert 3 in calls and (broken is not None or 4 in calls)  # the 3 texts together; the 4 chats too
+        for i in range(7):
+            if i == broken:
+                assert "no boom" in records[(i, None)]["error"]
+            else:
+                assert (records[(i, 0)]["text"], records[(i, 0)]["prompt_tokens"]) == (expected[i], len(alone[i]))
+
+
 def test_jsonl_messages_and_chat_flag(tmp_path, llm):
     texts = prompts(4, seed=1)
     rows = [{"messages": [{"role": "user", "content": t}]} for t in texts[:2]] + [{"prompt": t} for t in texts[2:]]

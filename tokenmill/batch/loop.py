@@ -26,8 +26,10 @@ from tokenmill.batch.pooling import PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
 from tokenmill.batch.requests import RowError, RowRequest, build_row_request, check_engine_limits, row_sampling_params
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
+from tokenmill.batch.row_prompts import batch_prompts, check_chat_template, row_prompt
 from tokenmill.batch.writers import encode_lines
 from tokenmill.distributed import cleanup_dist_env_and_memory
+from tokenmill.gc_policy import young_collections_only
 
 if TYPE_CHECKING:
     from tokenmill.batch.journal import Journal
@@ -39,6 +41,7 @@ _MAX_PENDING_ERRORS = 256  # commit early when a stretch of bad rows piles up
 _SHOWN_ERRORS = 5
 _WHERE_PREFIXES = ("row ", "line ", "record ")  # how a row error names its row
 _ENGINE_BROKEN_AFTER = 8  # rows failing alone in the engine one after another, none finishing in between
+_FULL_COLLECTION_S = 300.0  # a full garbage collection this often: cyclic garbage is freed within minutes
 
 
 class EngineFailure(RuntimeError):
@@ -106,7 +109,7 @@ class JobLoop:
         self.adapters = JobAdapters(config.lora_modules, config.model) if config.lora_modules else None
         if self.pooling is None:
             self._check_job_limits()
-            self._check_chat_template()
+            check_chat_template(self.tokenizer, config.chat_template, config.prompt, self.fmt, config.model)
             if self.adapters is not None:
                 self._check_adapters()
         self.inflight: dict[str, _InFlight] = {}
@@ -124,29 +127,39 @@ class JobLoop:
         self._row_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, TemplateError)
 
     def run(self, rows: Any) -> bool:
-        """Feed the engine until every row is written; False when stopped early by ``should_stop``."""
+        """Feed the engine until every row is written; False when stopped early by ``should_stop``.
+        Python's collector walks only young objects between steps, and the whole heap every few
+        minutes (`gc_policy`): left automatic, a full collection paused the host, and the GPU with
+        it, for ~0.1 s at a time (docs/perf.md 70)."""
+        with young_collections_only(full_every_s=_FULL_COLLECTION_S) as collect:
+            return self._feed(rows, collect)
+
+    def _feed(self, rows: Any, collect: Callable[[], None]) -> bool:
         exhausted = False
         while True:
             if self.should_stop():
                 return False
             if self.retry:
                 if not self.inflight:  # one group at a time, alone in the engine
-                    for raw in self.retry.popleft():
-                        self._submit(raw)
+                    self._submit_all(self.retry.popleft())
             else:
                 while not exhausted and len(self.inflight) < self.max_inflight:
-                    raw = next(rows, None)
-                    if raw is None:
-                        exhausted = True
-                    elif not self.journal.is_done(raw.index):
-                        self._submit(raw)
-                        if len(self.pending) >= _MAX_PENDING_ERRORS:
-                            self._commit()
+                    batch: list[RawRow] = []
+                    while not exhausted and len(self.inflight) + len(batch) < self.max_inflight:
+                        raw = next(rows, None)
+                        if raw is None:
+                            exhausted = True
+                        elif not self.journal.is_done(raw.index):
+                            batch.append(raw)
+                    self._submit_all(batch)
+                    if len(self.pending) >= _MAX_PENDING_ERRORS:
+                        self._commit()
             if self.inflight:
                 try:
                     self._step()
                 except Exception as error:  # noqa: BLE001  (a row broke the step: find it, see _isolate)
                     self._isolate(error)
+                collect()
             elif exhausted and not self.retry:
                 self._settle_suspects_at_end()
                 self._commit()
@@ -171,31 +184,25 @@ class JobLoop:
             raise ValueError("--lora-modules needs an engine started with enable_lora=True")
         self.adapters.register(self.engine)
 
-    def _check_chat_template(self) -> None:
-        """A chat template the job asks for but cannot use is a usage error before any row runs:
-        otherwise every row of the job would be written as failed with the same message, and the
-        output would need --overwrite once the flag was fixed."""
-        if self.tokenizer is None:
-            return
-        from jinja2 import TemplateSyntaxError
+    def _submit_all(self, raws: list[RawRow]) -> None:
+        """Submit rows in order; their prompts made together (`row_prompts.batch_prompts`)."""
+        built: dict[int, tuple[RowRequest, Any]] = {}
+        if self.pooling is None and self.tokenizer is not None and len(raws) > 1:
+            requests = {}
+            for raw in raws:
+                if raw.error is None:
+                    with contextlib.suppress(*self._row_errors):  # _submit fails it with its own error
+                        requests[raw.index] = self._row_request(raw)
+            prompts = batch_prompts(self.tokenizer, requests, self.config.chat_template)
+            built = {index: (requests[index], prompt) for index, prompt in prompts.items()}
+        for raw in raws:
+            self._submit(raw, built.get(raw.index))
 
-        from tokenmill.inputs import render_chat_prompt
+    def _row_request(self, raw: RawRow) -> RowRequest:
+        return build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)
 
-        template = self.config.chat_template
-        wants_chat = self.config.prompt.chat or self.config.prompt.system is not None
-        if template is None and wants_chat and self.fmt != "openai" and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"--chat and --system need a chat template, and the model {self.config.model} has none; "
-                             "pass --chat-template FILE, or leave out --chat and --system to send the text as it is")
-        if template is None:
-            return
-        try:  # a one-turn conversation: the smallest test that the template compiles
-            render_chat_prompt(self.tokenizer, [{"role": "user", "content": "hi"}], chat_template=template)
-        except TemplateSyntaxError as e:
-            raise ValueError(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
-        except Exception:  # noqa: BLE001  (it compiles; a row's own conversation decides whether it renders)
-            pass
-
-    def _submit(self, raw: RawRow) -> None:
+    def _submit(self, raw: RawRow, built: tuple[RowRequest, Any] | None = None) -> None:
+        """One row into the engine, or an error row; ``built``: its request and prompt, made already."""
         request: RowRequest | None = None
         row_id, lora = None, None
         bound, samples = 0, 1  # what the row may generate at most (progress and ETA)
@@ -206,7 +213,7 @@ class JobLoop:
                 request, parts = self.pooling.build(raw)
                 row_id = request.row_id
             else:
-                request = build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)
+                request, prompt = built if built is not None else (self._row_request(raw), None)
                 row_id = request.row_id
                 where = raw.where or f"row {raw.index}"
                 params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id, where)
@@ -216,7 +223,9 @@ class JobLoop:
                     raise RowError(f"{where}: {e}", row_id) from None
                 samples = params.n
                 bound = (params.max_tokens or self.max_model_len) * samples
-                parts = [(f"row-{raw.index}", self._prompt(request, raw.index), params)]
+                if prompt is None:
+                    prompt = row_prompt(self.tokenizer, request, raw.index, self.config.chat_template)
+                parts = [(f"row-{raw.index}", prompt, params)]
                 # Chosen from the row each time it is read (a retry, a resumed run): nothing to remember.
                 lora = self.adapters.for_row(request, where) if self.adapters is not None else no_adapters(request, where)
             flight = _InFlight(raw, request, part_ids=[request_id for request_id, _, _ in parts])
@@ -235,17 +244,6 @@ class JobLoop:
             if isinstance(e, RowError) and e.row_id is not None:
                 row_id = e.row_id
             self._fail(raw.index, row_id, _row_message(raw, e), request)
-
-    def _prompt(self, request: RowRequest, index: int) -> Any:
-        if request.messages is not None:
-            from tokenmill.inputs import render_chat_prompt
-
-            ids = render_chat_prompt(self.tokenizer, request.messages, chat_template=self.config.chat_template,
-                                     where=f"row {index} messages")
-            return {"prompt_token_ids": ids}
-        if request.prompt_token_ids is not None:
-            return {"prompt_token_ids": request.prompt_token_ids}
-        return request.prompt
 
     def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None) -> None:
         meta = request.openai if request is not None else None
