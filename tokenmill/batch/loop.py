@@ -260,7 +260,7 @@ class JobLoop:
         self.progress.on_step()
         for out in outputs:
             flight = self.inflight.get(out.request_id)
-            if flight is None:
+            if flight is None or not out.finished:  # (finished only was asked; never a partial row written)
                 continue
             if self.pooling is not None:
                 self._pooled(flight, out)
