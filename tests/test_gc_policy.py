@@ -78,6 +78,24 @@ def test_a_generation_call_runs_young_collections_only(llm, prompts, frequent_co
     assert max(seen.generations) >= 1 and kept
 
 
+def test_prompts_made_in_bulk_with_the_collector_paused(llm, monkeypatch):
+    """A call's text prompts are tokenized together, and its conversations rendered together,
+    before the call's steps (and their young collections): with the collector paused, so that its
+    full passes do not walk the growing lists of prompts again and again."""
+    from tokenmill import llm as llm_module
+
+    enabled = []
+    for name in ("tokenize_prompts", "render_chat_prompts"):
+        original = getattr(llm_module, name)
+        monkeypatch.setattr(llm_module, name,
+                            lambda *a, _original=original, **k: enabled.append(gc.isenabled()) or _original(*a, **k))
+    texts = [f"prompt number {i} about the river" for i in range(30)]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert len(llm.generate(texts, params, use_tqdm=False)) == len(texts)
+    assert len(llm.chat([[{"role": "user", "content": t}] for t in texts], params, use_tqdm=False)) == len(texts)
+    assert enabled == [False, False, False] and gc.isenabled()  # generate's texts; chat's render, then its ids
+
+
 def test_a_batch_job_runs_young_collections_and_a_timed_full_one(llm, prompts, frequent_collections, tmp_path,
                                                                  monkeypatch):
     """`tokenmill run`'s loop: young collections between steps, and a full one only once its

@@ -90,3 +90,19 @@ def _young_and_timed_full(every_s: float) -> Callable[[], None]:
             _collect_young()
 
     return collect
+
+
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """Automatic collection off for a block that builds many objects no collection could free (a
+    call's prompts tokenized or rendered in bulk, a pooling call): outside `young_collections_only`,
+    the collector's full passes would walk them again and again. Nested blocks and a collector the
+    user turned off leave it as it is."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from tokenmill.config import GENERATION_CONFIG_FIELDS, EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
-from tokenmill.gc_policy import young_collections_only
+from tokenmill.gc_policy import collections_paused, young_collections_only
 from tokenmill.inputs import (
     PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompts, tokenize_prompts,
 )
@@ -308,11 +308,12 @@ class LLM(PoolingMethods, EngineControlMethods):
         if tokenizer is None:
             raise ValueError("chat needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
         template = load_chat_template(chat_template or self.args.chat_template)
-        rendered = render_chat_prompts(
-            tokenizer, conversations, template, add_generation_prompt, continue_final_message, tools,
-            [f"messages[{i}]" for i in range(len(conversations))], chat_template_kwargs, content_format,
-        )
-        return [{"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)} for ids in rendered]
+        with collections_paused():  # before _run's young collections: a call's conversations in bulk
+            rendered = render_chat_prompts(
+                tokenizer, conversations, template, add_generation_prompt, continue_final_message, tools,
+                [f"messages[{i}]" for i in range(len(conversations))], chat_template_kwargs, content_format,
+            )
+            return [{"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)} for ids in rendered]
 
     def _prepared(
         self, prompts: list[PromptType], priority: list[int] | None,
@@ -328,7 +329,8 @@ class LLM(PoolingMethods, EngineControlMethods):
             raise ValueError(f"priority must be a list of {len(prompts)} integers, one per prompt; got {priority!r:.100}")
         tokenizer = self.get_tokenizer()
         if tokenization_kwargs or tokenizer is not None:  # all text prompts in one tokenizer call
-            prompts = tokenize_prompts(prompts, tokenizer, tokenization_kwargs or {})
+            with collections_paused():  # before _run's young collections: a call's prompts in bulk
+                prompts = tokenize_prompts(prompts, tokenizer, tokenization_kwargs or {})
         return prompts
 
     def _generation_engine(self, method: str) -> Any:

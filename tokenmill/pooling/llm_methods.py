@@ -11,9 +11,9 @@ these methods refuse a generative model, and LLM's generation methods refuse a p
 from __future__ import annotations
 
 import functools
-import gc
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
+from tokenmill.gc_policy import collections_paused
 from tokenmill.inputs import one_per_prompt, prompt_list
 from tokenmill.outputs import (
     ClassificationRequestOutput,
@@ -46,13 +46,8 @@ def _gc_paused(method: _F) -> _F:
 
     @functools.wraps(method)
     def paused(*args: Any, **kwargs: Any) -> Any:
-        if not gc.isenabled():
+        with collections_paused():
             return method(*args, **kwargs)
-        gc.disable()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            gc.enable()
 
     return paused  # type: ignore[return-value]
 
