@@ -83,6 +83,27 @@ def test_csv_sampling_params_as_json_text():
     assert req.overrides == {"max_tokens": 3}
 
 
+def test_row_sampling_params_made_once_per_distinct_values():
+    """Rows with the same values share one checked build (``made``), each with its own seed: every
+    field as a fresh build gives it; bad values fail every row that has them."""
+    from tokenmill.sampling_params import SamplingParams
+
+    base, made = {"temperature": 0.7, "max_tokens": 8, "stop": ["\n"]}, {}
+    rows = [({"max_tokens": 3}, 4), ({"max_tokens": 3}, 5), ({}, 6), ({"max_tokens": 3, "seed": 9}, 7), ({}, 8)]
+    for overrides, index in rows:
+        got = row_sampling_params(base, overrides, index, 11, made=made)
+        fresh = row_sampling_params(base, overrides, index, 11)
+        assert got is not fresh and got == fresh, overrides
+        assert got.seed == overrides.get("seed", derive_seed(11, index))
+    assert len(made) == 3
+    one, two = (row_sampling_params(base, {"max_tokens": 3}, i, 11, made=made) for i in (1, 2))
+    assert one is not two and one.seed != two.seed and one.max_tokens == two.max_tokens == 3
+    assert isinstance(one, SamplingParams) and one.output_kind.name == "CUMULATIVE"
+    for _ in range(2):
+        with pytest.raises(RowError, match="temperature"):
+            row_sampling_params(base, {"temperature": -1}, 0, 0, made=made)
+
+
 def test_row_sampling_params():
     base = {"temperature": 0.7, "max_tokens": 8}
     p = row_sampling_params(base, {"max_tokens": 3}, index=4, base_seed=11)

@@ -122,6 +122,7 @@ class JobLoop:
         self.restarts_without_progress = 0  # engine restarts since a row last finished
         self.alone_on_new_engine: set[int] = set()  # rows that stopped an engine alone and ran alone again
         self.errors: list[str] = []
+        self._params_made: dict[str, Any] = {}  # rows' SamplingParams by their values (row_sampling_params)
         from jinja2 import TemplateError  # chat templates can raise their own errors for odd conversations
 
         self._row_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, TemplateError)
@@ -216,7 +217,8 @@ class JobLoop:
                 request, prompt = built if built is not None else (self._row_request(raw), None)
                 row_id = request.row_id
                 where = raw.where or f"row {raw.index}"
-                params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id, where)
+                params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id, where,
+                                             self._params_made)
                 try:
                     check_engine_limits(params, self.max_model_len, self.engine.config.max_num_seqs)
                 except ValueError as e:

@@ -16,7 +16,9 @@ turns into an error row. The OpenAI batch format has its own translation in `ope
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -244,15 +246,17 @@ def _with_system(messages: list[dict[str, Any]], system: str | None) -> list[dic
 # --- sampling ----------------------------------------------------------------------------------
 
 
-def sampling_field_names() -> set[str]:
+@functools.cache
+def sampling_field_names() -> frozenset[str]:
     from tokenmill.sampling_params import ENGINE_FILLED_FIELDS, SamplingParams
 
     # Python callables cannot come from a data file.
-    return {f.name for f in dataclasses.fields(SamplingParams) if f.init} - ENGINE_FILLED_FIELDS - {"logits_processors"}
+    return frozenset({f.name for f in dataclasses.fields(SamplingParams) if f.init} - ENGINE_FILLED_FIELDS - {"logits_processors"})
 
 
 def row_sampling_params(
-    base: dict[str, Any], overrides: dict[str, Any], index: int, base_seed: int, row_id: Any = None, where: str | None = None
+    base: dict[str, Any], overrides: dict[str, Any], index: int, base_seed: int, row_id: Any = None, where: str | None = None,
+    made: dict[str, "SamplingParams"] | None = None,
 ) -> "SamplingParams":
     """SamplingParams for one row: the job's values, then the row's own, then a per-row seed.
 
@@ -260,23 +264,43 @@ def row_sampling_params(
     and the row index, so its samples do not depend on which rows share its batch: a resumed
     run samples exactly what an uninterrupted one would have. Whatever ``output_kind`` the row
     names, the job reads whole outputs (CUMULATIVE): it writes each row once, complete.
+
+    ``made``: the caller's SamplingParams already built and checked for ``base`` (the same every
+    call), by the row's own values: a job's rows mostly repeat a few, and each row then costs a
+    shallow copy with its seed, not a build and every check again (~25 µs on the dev CPU).
     """
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
     where = where or f"row {index}"
-    allowed = sampling_field_names()
-    unknown = sorted(set(overrides) - allowed)
+    unknown = sorted(set(overrides) - sampling_field_names())
     if unknown:
         raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params", row_id)
-    values = {**base, **overrides}
-    try:
-        params = SamplingParams(**values)
-    except (ValueError, TypeError) as e:
-        raise RowError(f"{where}: {e}", row_id) from None
-    params.output_kind = RequestOutputKind.CUMULATIVE
+    key = _values_key(overrides) if made is not None else None
+    checked = made.get(key) if made is not None and key is not None else None
+    if checked is None:
+        try:
+            checked = SamplingParams(**{**base, **overrides})
+        except (ValueError, TypeError) as e:
+            raise RowError(f"{where}: {e}", row_id) from None
+        checked.output_kind = RequestOutputKind.CUMULATIVE
+        if made is not None and key is not None:
+            if len(made) >= _PARAMS_KEPT:
+                made.clear()
+            made[key] = checked
+    params = copy.copy(checked)  # the engine never changes a request's params in place: rows may share their lists
     if params.seed is None and params.temperature > 0:
         params.seed = derive_seed(base_seed, index)
     return params
+
+
+_PARAMS_KEPT = 1024  # distinct rows' values kept by row_sampling_params's ``made``
+
+
+def _values_key(values: dict[str, Any]) -> str | None:
+    try:
+        return json.dumps(values, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON (a Parquet cell's own types): built every time
+        return None
 
 
 def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_seqs: int) -> None:
