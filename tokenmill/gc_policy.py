@@ -65,8 +65,8 @@ def young_collections_only(full_every_s: float | None = None) -> Iterator[Callab
     ``full_every_s``: that function also runs a full collection when that long has passed since
     the last one, for a block that runs for hours (the batch job), so that cyclic garbage older
     than a young collection is freed within that time rather than at the end; one full
-    collection every few minutes costs ~0.1% of them, where the automatic ones came every few
-    seconds of a job's steps."""
+    collection (~0.1 s) every few minutes costs ~0.1% of them, where the automatic ones came
+    about every 2,000 short rows (docs/perf.md 70)."""
     if not gc.isenabled():
         yield _nothing
         return

@@ -207,7 +207,8 @@ def render_chat_prompts(
 ) -> list[list[int]]:
     """`render_chat_prompt` for many conversations at once: each rendered, then all of them
     tokenized in one call (the tokenizer's batch path: on the dev CPU 132 -> 69 us a short
-    conversation). A conversation that cannot be rendered raises, named by its ``wheres`` entry."""
+    conversation). A conversation that fails the checks raises naming its ``wheres`` entry; one
+    that breaks the template raises the template's own error, found by rendering one at a time."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
     template = chat_template or getattr(tokenizer, "chat_template", None)
