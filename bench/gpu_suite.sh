@@ -334,7 +334,9 @@ for part in $parts; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/embed_bench.py vllm $shape 2>&1 | tail -3; done ;;
-        vllm-chat) RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 | grep -E '^(\{|WARNING)' ;;
+        vllm-chat) # the whole log kept: vLLM's engine core died in the json variant twice (AE, AL), its reason filtered out
+          RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 \
+            | tee "$OUT/vllm_chat.log" | grep -E '^(\{|WARNING)' ;;
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
               done ;;
