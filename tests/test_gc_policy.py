@@ -102,27 +102,24 @@ def test_a_batch_job_runs_young_collections_and_a_timed_full_one(llm, prompts, f
     interval has passed (a job runs for hours; cyclic garbage is freed within minutes)."""
     import json
 
+    from tokenmill.batch import loop
     from tokenmill.batch.job import JobConfig, run_job
-
-    from tokenmill.batch.loop import JobLoop
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt_token_ids": p["prompt_token_ids"]}) + "\n" for p in prompts * 3))
     config = dict(input=str(rows), sampling=dict(temperature=1.0, max_tokens=20, ignore_eos=True), progress=False,
                   model="tiny")
     seen = _Collections()
-    loop_run = JobLoop.run
+    loop_run = loop.JobLoop.run
 
     def run_watched(self, rows):  # the loop's collections, not the job's set-up (reading the input, the journal)
         with seen:
             return loop_run(self, rows)
 
-    monkeypatch.setattr(JobLoop, "run", run_watched)
+    monkeypatch.setattr(loop.JobLoop, "run", run_watched)
     run_job(JobConfig(output=str(tmp_path / "a.jsonl"), **config), llm=llm)
     assert seen.generations and set(seen.generations) == {0}, sorted(set(seen.generations))
     assert gc.isenabled()
-    from tokenmill.batch import loop
-
     monkeypatch.setattr(loop, "_FULL_COLLECTION_S", 0.0)  # the interval always passed: a full one each step
     seen.generations.clear()
     short = dict(config, sampling=dict(temperature=1.0, max_tokens=4, ignore_eos=True))  # each full one walks the heap
