@@ -74,3 +74,22 @@ def test_a_bad_conversation_among_many_is_named(llm):
     with pytest.raises(Exception, match="no boom"):
         llm.chat(conversations, PARAMS, use_tqdm=False, chat_template=template)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_prompts_tokenized_in_chunks_across_their_edges(llm, tokenizer_calls, monkeypatch):
+    """A call of millions of prompts must not hold every prompt's encoding at once: at most
+    TOKENIZE_CHUNK texts (or conversations) a tokenizer call, the same ids across the chunks' edges."""
+    from tokenmill import inputs
+
+    monkeypatch.setattr(inputs, "TOKENIZE_CHUNK", 2)
+    tokenizer = llm.get_tokenizer()
+    expected = [tokenizer.encode(text) for text in TEXTS]
+    conversations = [[{"role": "user", "content": text}] for text in TEXTS]
+    alone = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+             for c in conversations]
+    tokenizer_calls.clear()
+    assert [o.prompt_token_ids for o in llm.generate(TEXTS, PARAMS, use_tqdm=False)] == expected
+    assert tokenizer_calls == [2, 2, 1]
+    tokenizer_calls.clear()
+    assert [o.prompt_token_ids for o in llm.chat(conversations, PARAMS, use_tqdm=False)] == alone
+    assert tokenizer_calls == [2, 2, 1]

@@ -107,12 +107,17 @@ def _cache_salt(prompt: dict, where: str) -> str | None:
     return salt
 
 
+# Texts a tokenizer call takes at most: the batch path's speed without holding a whole call's
+# encodings (ids, tokens, offsets, masks of every prompt) at once for a call of millions of prompts.
+TOKENIZE_CHUNK = 1024
+
+
 def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs: dict[str, Any]) -> list[Any]:
     """Text prompts tokenized with ``tokenizer(texts, **tokenization_kwargs)`` (vLLM's
-    ``tokenization_kwargs``, e.g. ``{"add_special_tokens": False}`` or truncation), all in one call:
-    the tokenizer's batch path crosses into Rust once, on its threads (2,048 short prompts on the dev
-    CPU: 89 -> 51-64 us a prompt). A prompt that already has token ids, or whose text is not a
-    string (`parse_prompt` says what is wrong with it), is left as it is."""
+    ``tokenization_kwargs``, e.g. ``{"add_special_tokens": False}`` or truncation), ``TOKENIZE_CHUNK``
+    of them a call: the tokenizer's batch path crosses into Rust once, on its threads (2,048 short
+    prompts on the dev CPU: 89 -> 51-64 us a prompt). A prompt that already has token ids, or whose
+    text is not a string (`parse_prompt` says what is wrong with it), is left as it is."""
     if not isinstance(tokenization_kwargs, dict):
         raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got {type(tokenization_kwargs).__name__}")
     for key in ("truncate_prompt_tokens", "truncation_side"):
@@ -132,16 +137,17 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs
         places.append(i)
     if not texts:
         return found
-    try:
-        if "padding" in tokenization_kwargs:  # padded together, texts would pad to the longest of them
-            ids = [tokenizer(text, **tokenization_kwargs)["input_ids"] for text in texts]
-        else:
-            ids = tokenizer(texts, **tokenization_kwargs)["input_ids"]
-    except TypeError as exc:
-        raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not tokenizer arguments: {exc}") from exc
-    for i, text, row in zip(places, texts, ids):
-        prompt = prompts[i]
-        found[i] = {**(prompt if isinstance(prompt, dict) else {}), "prompt": text, "prompt_token_ids": list(row)}
+    # Padded together, texts would pad to the longest of them: then one at a time.
+    chunk = 1 if "padding" in tokenization_kwargs else TOKENIZE_CHUNK
+    for start in range(0, len(texts), chunk):
+        try:
+            ids = tokenizer(texts[start : start + chunk], **tokenization_kwargs)["input_ids"]
+        except TypeError as exc:
+            raise ValueError(f"tokenization_kwargs={tokenization_kwargs!r} are not tokenizer arguments: {exc}") from exc
+        for i, text, row in zip(places[start : start + chunk], texts[start : start + chunk], ids):
+            prompt = prompts[i]
+            found[i] = {**(prompt if isinstance(prompt, dict) else {}), "prompt": text,
+                        "prompt_token_ids": row if isinstance(row, list) else list(row)}
     return found
 
 
@@ -205,8 +211,8 @@ def render_chat_prompts(
     chat_template_kwargs: dict[str, Any] | None = None,
     content_format: str = "auto",
 ) -> list[list[int]]:
-    """`render_chat_prompt` for many conversations at once: each rendered, then all of them
-    tokenized in one call (the tokenizer's batch path: on the dev CPU 132 -> 69 us a short
+    """`render_chat_prompt` for many conversations at once: each rendered, then tokenized
+    ``TOKENIZE_CHUNK`` a call (the tokenizer's batch path: on the dev CPU 132 -> 69 us a short
     conversation). A conversation that fails the checks raises naming its ``wheres`` entry; one
     that breaks the template raises the template's own error, found by rendering one at a time."""
     if add_generation_prompt and continue_final_message:
@@ -223,7 +229,8 @@ def render_chat_prompts(
                    **(chat_template_kwargs or {}))
     if len(checked) > 1:
         try:
-            return [list(ids) for ids in tokenizer.apply_chat_template(checked, **options)]
+            return [list(ids) for start in range(0, len(checked), TOKENIZE_CHUNK)
+                    for ids in tokenizer.apply_chat_template(checked[start : start + TOKENIZE_CHUNK], **options)]
         except Exception:  # noqa: BLE001  (one conversation broke the template: find it, one at a time)
             pass
     return [list(tokenizer.apply_chat_template(messages, **options)) for messages in checked]
