@@ -1,5 +1,7 @@
-"""What LLM's blocking generation calls (generate, chat, beam_search, wait_for_completion) ask of
-Python's cyclic garbage collector: young collections only, at step boundaries (docs/perf.md 62).
+"""What LLM's blocking generation calls (generate, chat, beam_search, wait_for_completion) and the
+batch job's loop ask of Python's cyclic garbage collector: young collections only, at step
+boundaries (docs/perf.md 62; the job also a full one every few minutes, 70); and the collector
+paused while a call makes its prompts in bulk, and through the pooling calls (`collections_paused`).
 
 Why. A call keeps every finished request's output until it returns, and with logprobs that is a
 dict and one or two `Logprob` objects per generated token: 273,681 tokens of a 1,024-request chat
@@ -70,12 +72,8 @@ def young_collections_only(full_every_s: float | None = None) -> Iterator[Callab
     if not gc.isenabled():
         yield _nothing
         return
-    collect = _collect_young if full_every_s is None else _young_and_timed_full(full_every_s)
-    gc.disable()
-    try:
-        yield collect
-    finally:
-        gc.enable()
+    with collections_paused():
+        yield _collect_young if full_every_s is None else _young_and_timed_full(full_every_s)
 
 
 def _young_and_timed_full(every_s: float) -> Callable[[], None]:

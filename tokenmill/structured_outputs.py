@@ -190,7 +190,7 @@ class GrammarCache:
 
 
 def matcher_threads() -> int:
-    """Threads for a step's masks and token steps: half the CPUs this process may run on (the
+    """Threads for a step's masks (xgrammar's batch fill): half the CPUs this process may run on (the
     other half keeps the engine's own thread and the tokenizer's free). Not xgrammar's "auto",
     which halves the host's hardware threads: in a container or a job allocation limited to 16 of
     a host's 192 CPUs that is 96 threads contending for 16."""
