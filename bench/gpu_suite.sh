@@ -4,8 +4,8 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
-#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [refill] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
@@ -170,6 +170,15 @@ for part in $parts; do
       fi
       PYTHONPATH="$xgr$PYTHONPATH" RESULTS="$OUT/chat.raw" timeout 450 python3 bench/workload_bench.py tokenmill $shape ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 | grep -E '^(\{|WARNING)'
       tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
+    refill)  # many more requests than run at once (bench/refill_bench.py: short 8,192 x 16 tokens, long 4,096 of
+             # P1's lengths): prompts admitted beside running decodes every step, which P1-P5 never reach; then
+             # where each one's time goes, eager prompt steps apart from decode-only ones (profile_step.py --timeline)
+      RESULTS="$OUT/refill.raw" timeout 300 python3 bench/refill_bench.py tokenmill qwen3-0.6b ${REFILL_WORKLOADS:-short long} 2>&1 | grep -E '^\{'
+      tag "$OUT/refill.raw" "$OUT/throughput.jsonl"; : > "$OUT/refill.raw"
+      for workload in ${REFILL_WORKLOADS:-short long}; do
+        timeout 200 python3 bench/profile_step.py qwen3-0.6b refill:$workload --timeline > "$OUT/timeline_refill_$workload.txt" 2>&1
+        tail -12 "$OUT/timeline_refill_$workload.txt"
+      done ;;
     job)  # the batch job (tokenmill run's loop) beside LLM.generate on P1's and P2's requests, one process, alternating (perf.md 69)
       RESULTS="$OUT/job.raw" timeout 400 python3 bench/job_bench.py qwen3-0.6b nano uniform 2>&1 | grep -E '^\{'
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
@@ -212,6 +221,9 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
       done ;;
+    profile-refill)  # refill_bench.py's long workload: the host under cProfile, then torch.profiler's windows (device and host time by op)
+      timeout 200 python3 bench/profile_step.py qwen3-0.6b refill:long > "$OUT/profile_refill_host.txt" 2>&1; head -60 "$OUT/profile_refill_host.txt"
+      timeout 200 python3 bench/profile_step.py qwen3-0.6b refill:long --gpu > "$OUT/profile_refill_gpu.txt" 2>&1; grep "^==" "$OUT/profile_refill_gpu.txt" ;;
     profile-chat)  # the chat workload on the 0.6B, temperature only against repetition_penalty 1.1: wall time by batch size
                    # with the host's wait for the GPU, then GPU time by kernel (issue 15 part 1; perf.md 53)
       for variant in temperature repetition; do
@@ -314,7 +326,7 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-refill|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
@@ -337,6 +349,7 @@ for part in $parts; do
         vllm-chat) # the whole log kept: vLLM's engine core died in the json variant twice (AE, AL), its reason filtered out
           RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 \
             | tee "$OUT/vllm_chat.log" | grep -E '^(\{|WARNING)' ;;
+        vllm-refill) RESULTS="$OUT/vllm.raw" timeout 400 python3 bench/refill_bench.py vllm qwen3-0.6b ${REFILL_WORKLOADS:-short long} 2>&1 | tail -3 ;;
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
               done ;;

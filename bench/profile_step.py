@@ -7,6 +7,7 @@
     python bench/profile_step.py llama3-8b nano --timeline --fp8-cache     # ... with kv_cache_dtype="fp8"
     python bench/profile_step.py llama3-8b nano --gpu --fp8-weights        # ... with quantization="fp8"
     python bench/profile_step.py qwen3-0.6b chat:repetition --timeline     # workload_bench.py's chat workload, one variant
+    python bench/profile_step.py qwen3-0.6b refill:short --timeline        # refill_bench.py's workloads (prompts admitted every step)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from peer_bench import model_dir, workload  # noqa: E402
+from refill_bench import refill_workload  # noqa: E402
 from workload_bench import chat_settings, chat_workload  # noqa: E402
 
 
@@ -33,6 +35,8 @@ def main() -> None:
               kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
         (prompts, outs), settings = chat_workload(), chat_settings(name.split(":", 1)[1])
+    elif name.startswith("refill:"):
+        prompts, outs, settings = refill_workload(name.split(":", 1)[1])
     else:
         prompts, outs, settings = workload(name)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
@@ -85,8 +89,11 @@ def profile_device(llm, inputs, params) -> None:
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - state["t0"]
                 state["prof"].__exit__(None, None, None)
-                table = state["prof"].key_averages().table(sort_by="device_time_total", row_limit=25)
-                reports.append(f"== {title}: {wall * 1e3:.1f} ms wall for {len(window)} steps ==\n{table}")
+                averages = state["prof"].key_averages()
+                table = averages.table(sort_by="device_time_total", row_limit=25)
+                host = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+                reports.append(f"== {title}: {wall * 1e3:.1f} ms wall for {len(window)} steps ==\n{table}\n"
+                               f"-- the same steps by host time (self) --\n{host}")
                 state["prof"] = None
         state["n"] = n + 1
         return out
@@ -99,59 +106,73 @@ def profile_device(llm, inputs, params) -> None:
 
 
 def timeline(llm, inputs, params) -> None:
-    """Wall time of the run split by how many sequences each step carried: how much of it is the
-    thin tail of the batch, where per-step costs that do not shrink with the batch dominate. Each
-    line also gives the time the host spent blocked on the GPU (``StepResult.wait``): near zero
-    means the host is the bottleneck there, near the step time means the GPU is."""
+    """Wall time of the run split by the step each engine.step call launched: steps with prompt
+    tokens (eager forwards) apart, decode-only steps by how many sequences they carried (the thin
+    tail of a batch is where per-step costs that do not shrink with it dominate). Each line also
+    gives the time the host spent blocked on the GPU (``StepResult.wait``: near zero means the host
+    is the bottleneck there, near the step time means the GPU is) and inside the runner's launch
+    (``ModelRunner.execute``: batch building, and for an eager forward every kernel's launch)."""
     from tokenmill.engine.step import StepResult
 
     engine = llm.llm_engine
-    step = engine.step
+    runner = engine.executor.runner
+    step, execute, wait = engine.step, runner.execute, StepResult.wait
     bins = [(0, 0), (1, 16), (17, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 512), (513, 10**9)]
-    seconds = {b: 0.0 for b in bins}
-    waited = {b: 0.0 for b in bins}
-    steps = {b: 0 for b in bins}
-    prefill = {"seconds": 0.0, "steps": 0, "waited": 0.0}
-    blocked = {"seconds": 0.0}
-    wait = StepResult.wait
+    rows = {b: dict(steps=0, seconds=0.0, waited=0.0, launching=0.0) for b in bins}
+    mixed = dict(steps=0, seconds=0.0, waited=0.0, launching=0.0, tokens=0, seqs=0)
+    current = dict(waited=0.0, launching=0.0, plan=None)
 
     def timed_wait(self):
         start = time.perf_counter()
         wait(self)
-        blocked["seconds"] += time.perf_counter() - start
+        current["waited"] += time.perf_counter() - start
+
+    def timed_execute(plan):
+        start = time.perf_counter()
+        out = execute(plan)
+        current["launching"] += time.perf_counter() - start
+        current["plan"] = plan
+        return out
 
     def timed_step(*args, **kwargs):
-        running = engine.scheduler.running
-        batch = len(running)
-        has_prefill = any(s.num_computed_tokens < s.num_prompt_tokens for s in running) or bool(engine.scheduler.waiting)
-        blocked["seconds"] = 0.0
+        current.update(waited=0.0, launching=0.0, plan=None)
         start = time.perf_counter()
         out = step(*args, **kwargs)
         took = time.perf_counter() - start
-        if has_prefill:
-            prefill["seconds"] += took
-            prefill["steps"] += 1
-            prefill["waited"] += blocked["seconds"]
-        else:
-            b = next(b for b in bins if b[0] <= batch <= b[1])
-            seconds[b] += took
-            waited[b] += blocked["seconds"]
-            steps[b] += 1
+        plan = current["plan"]
+        if plan is None:
+            return out
+        prompt_tokens = any(s.num_tokens > 1 or not s.samples for s in plan.scheduled)
+        row = mixed if prompt_tokens else rows[next(b for b in bins if b[0] <= len(plan.scheduled) <= b[1])]
+        row["steps"] += 1
+        row["seconds"] += took
+        row["waited"] += current["waited"]
+        row["launching"] += current["launching"]
+        if prompt_tokens:
+            mixed["tokens"] += plan.num_batched_tokens
+            mixed["seqs"] += len(plan.scheduled)
         return out
 
-    engine.step = timed_step
-    StepResult.wait = timed_wait
-    start = time.perf_counter()
-    llm.generate(inputs, params, use_tqdm=False)
-    total = time.perf_counter() - start
+    engine.step, runner.execute, StepResult.wait = timed_step, timed_execute, timed_wait
+    try:
+        start = time.perf_counter()
+        llm.generate(inputs, params, use_tqdm=False)
+        total = time.perf_counter() - start
+    finally:
+        engine.step, runner.execute, StepResult.wait = step, execute, wait
     print(f"generate: {total:.2f} s")
-    print(f"steps with prompt tokens still to compute: {prefill['steps']} steps, {prefill['seconds']:.2f} s, "
-          f"{prefill['waited']:.2f} s of it waiting for the GPU")
-    for (lo, hi), t in seconds.items():
-        if steps[(lo, hi)]:
-            n = steps[(lo, hi)]
-            print(f"decode steps with {lo}-{hi} running sequences: {n} steps, {t:.2f} s, "
-                  f"{t / n * 1e3:.2f} ms a step, {waited[(lo, hi)] / n * 1e3:.2f} ms of it waiting for the GPU")
+
+    def line(title: str, row: dict) -> str:
+        n = row["steps"]
+        return (f"{title}: {n} steps, {row['seconds']:.2f} s, {row['seconds'] / n * 1e3:.2f} ms a step, "
+                f"{row['waited'] / n * 1e3:.2f} ms of it waiting for the GPU, {row['launching'] / n * 1e3:.2f} ms launching")
+
+    if mixed["steps"]:
+        print(line("steps with prompt tokens (eager)", mixed) +
+              f"; {mixed['tokens'] / mixed['steps']:.0f} tokens and {mixed['seqs'] / mixed['steps']:.0f} sequences a step")
+    for (lo, hi), row in rows.items():
+        if row["steps"]:
+            print(line(f"decode steps with {lo}-{hi} running sequences", row))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class TritonAttentionBackend:
     ) -> "torch.Tensor":  # [T, num_heads, head_dim]
         _check_block_size(kv_cache, meta)
         self._store_kv(k, v, kv_cache, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta, scale)
+        return self.attend(q, kv_cache, meta, scale)
 
     def forward_qkv(
         self,
@@ -85,8 +85,22 @@ class TritonAttentionBackend:
         scale: float,
     ) -> "torch.Tensor":  # [T, num_heads, head_dim]
         """Norm, rotary and store from the fused qkv output in one kernel, then attend."""
+        return self.attend(self.write_qkv(qkv, positions, prologue, kv_cache, meta), kv_cache, meta, scale)
+
+    def write_qkv(
+        self,
+        qkv: "torch.Tensor",
+        positions: "torch.Tensor",
+        prologue: QKVPrologue,
+        kv_cache: "torch.Tensor",
+        meta: AttentionMetadata,
+        out: "torch.Tensor | None" = None,  # [T, num_heads, head_dim]: where q goes (a new tensor if None)
+    ) -> "torch.Tensor":
+        """``forward_qkv``'s first half: the norms, rotary and the cache store in one kernel; returns q.
+        It reads only ``meta.slot_mapping``, so a prompt step's CUDA graph piece can hold it
+        (worker/piecewise_graphs.py)."""
         _check_block_size(kv_cache, meta)
-        q = self._qkv_prologue(
+        return self._qkv_prologue(
             qkv,
             positions,
             prologue.cos_sin_cache,
@@ -96,14 +110,28 @@ class TritonAttentionBackend:
             prologue.q_norm_weight,
             prologue.k_norm_weight,
             prologue.norm_eps,
+            out=out,
         )
-        return self._attend(q, kv_cache, meta, scale)
 
-    def _attend(self, q: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata, scale: float) -> "torch.Tensor":
+    def store(self, k: "torch.Tensor", v: "torch.Tensor", kv_cache: "torch.Tensor", meta: AttentionMetadata) -> None:
+        """``forward``'s first half: the step's keys and values into their cache slots."""
+        _check_block_size(kv_cache, meta)
+        self._store_kv(k, v, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        q: "torch.Tensor",  # [T, num_heads, head_dim]
+        kv_cache: "torch.Tensor",
+        meta: AttentionMetadata,
+        scale: float,
+        out: "torch.Tensor | None" = None,  # [T, num_heads, head_dim]: where the result goes (new if None)
+    ) -> "torch.Tensor":
+        """Attention of the step's queries over their cached contexts (the new keys already stored)."""
         import torch
 
+        out = torch.empty_like(q) if out is None else out
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0] and self._queued(q.shape[0], kv_cache):
-            return self._attend_queued(q, kv_cache, meta.seq_lens, meta.block_tables, meta, scale, torch.empty_like(q))
+            return self._attend_queued(q, kv_cache, meta.seq_lens, meta.block_tables, meta, scale, out)
         # The launch shapes are the same for every layer of a step: choose them once per step.
         key = ("triton_attn_configs", q.shape[0], q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype)
         plan = meta.backend_cache.get(key)
@@ -127,7 +155,6 @@ class TritonAttentionBackend:
             queue_decodes = num_decode_seqs > 0 and self._queued(num_decode_seqs, kv_cache)
             plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config, queue_decodes)
         num_decode_seqs, decode_config, config, queue_decodes = plan
-        out = torch.empty_like(q)
         if queue_decodes:
             d = num_decode_seqs
             self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d])

@@ -29,6 +29,7 @@ from tokenmill.sampling_params import SamplerNeeds, SamplingType
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
+from tokenmill.worker.piecewise_graphs import PiecewiseGraphs, capture_prompt_graphs
 from tokenmill.worker.prompt_logprobs import MIN_PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_ROWS, score_prompts
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 from tokenmill.worker.sampling_profile import SamplingReserve, largest_state, profile_sampling
@@ -73,6 +74,8 @@ class ModelRunner:
         self._step_keys = random.Random(seed)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PiecewiseGraphs | None = None  # steps with prompt tokens, up to a token count
+        self.forward_activation_bytes = 0  # the profiling forward's own peak (profile_run), on a GPU
         self.grammars = None  # the engine's GrammarCache once a structured request arrives
         # The grammar masks' pinned staging buffer, reused step after step, and its last copy's end.
         self._mask_staging: torch.Tensor | None = None
@@ -114,8 +117,8 @@ class ModelRunner:
         self.kv_caches = [_lazy_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
 
     def free_kv_cache(self) -> None:
-        """Drop the KV cache and what reads it (decode graphs, the last step's sampled ids): sleep."""
-        self.graphs = None
+        """Drop the KV cache and what reads it (the graphs, the last step's sampled ids): sleep."""
+        self.graphs = self.prompt_graphs = None
         self.kv_caches = []
         self._last_sampled, self._last_rows = None, {}
         # No sequence is left (sleep aborts them): the state tables, grown to [slots, vocab] by
@@ -154,6 +157,11 @@ class ModelRunner:
         )
         self.graphs.capture()
 
+    def capture_prompt_graphs(self, max_tokens: int) -> None:
+        """Graphs for steps with prompt tokens of up to ``max_tokens`` tokens (piecewise_graphs.py)."""
+        self.prompt_graphs = capture_prompt_graphs(self.model, self.backend, self.kv_caches, max_tokens, self.block_size,
+                                                   self.device, self.dtype)
+
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_logprobs: int = 20) -> SamplingReserve:
         """One forward at the largest step the scheduler can make, then a sampler pass over its
@@ -189,7 +197,10 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         # Every token with an adapter, so the LoRA updates' activations count too.
         lora_slots = torch.zeros(num_tokens, dtype=torch.int32, device=dev) if self.lora else None
+        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend, lora_slots))
+        if dev.type == "cuda":  # what a graph pool holding this forward's activations needs (sizing.py)
+            self.forward_activation_bytes = torch.cuda.max_memory_allocated(dev) - before
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
         reserve = profile_sampling(self.sampler, logits, penalties, bias, max_logprobs, self.logprobs_mode)
         # A prompt-logprobs slice ([rows, V] float32 log-probabilities, their rank comparison) needs
@@ -218,6 +229,8 @@ class ModelRunner:
                 self.model, input_ids, positions, meta, self.kv_caches, self.backend, meta.num_leading_decodes,
                 self._side_stream,
             )
+        elif self.prompt_graphs is not None and lora_slots is None and input_ids.shape[0] <= self.prompt_graphs.max_tokens:
+            hidden = self.prompt_graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)
@@ -273,6 +286,7 @@ class ModelRunner:
         start_loc = [0, *itertools.accumulate(query_lens)]
         # (flat index, previous row) of input tokens still in flight: filled in on the device.
         in_flight: list[tuple[int, int]] = []
+        table = self._block_table(seqs, seq_lens)
         if max_query_len == 1:
             # Decode: one token per sequence, the last one it has (host time per step is precious).
             tokens = []
@@ -282,24 +296,26 @@ class ModelRunner:
                 else:
                     tokens.append(0)
                     in_flight.append((row, self._last_rows[seq.seq_id]))
-            positions = starts
-            slots = [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]
+            positions = np.array(starts, dtype=np.int64)
+            rows = np.arange(len(seqs))
         else:
-            tokens, positions, slots = [], [], []
+            tokens = []
             for seq, start, end, offset in zip(seqs, starts, seq_lens, start_loc):
                 known = seq.num_known_tokens
                 tokens.extend(seq.tokens(start, min(end, known)))
                 if end > known:  # only the newest token can be in flight
                     tokens.append(0)
                     in_flight.append((offset + known - start, self._last_rows[seq.seq_id]))
-                positions.extend(range(start, end))
-                blocks = seq.block_ids
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            # Each token's position and row, in numpy: a prompt step has thousands of tokens.
+            counts = np.array(query_lens, dtype=np.int64)
+            rows = np.repeat(np.arange(len(seqs)), counts)
+            positions = np.arange(start_loc[-1], dtype=np.int64) + np.repeat(np.array(starts) - start_loc[:-1], counts)
+        slots = table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
+            slot_mapping=self._to_device(torch.from_numpy(slots)),
             query_start_loc=self._tensor(start_loc, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._block_table(seqs, seq_lens),
+            block_tables=self._to_device(torch.from_numpy(table)),
             block_size=bs,
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
@@ -310,7 +326,7 @@ class ModelRunner:
         if in_flight:
             dst, src = zip(*in_flight)
             input_ids[self._tensor(dst, torch.int64)] = self._last_sampled[self._tensor(src, torch.int64)]
-        return input_ids, self._tensor(positions, torch.int64), meta, sample_rows
+        return input_ids, self._to_device(torch.from_numpy(positions)), meta, sample_rows
 
     def _lora_slots(self, plan: SchedulerOutput, query_lens: list[int]) -> torch.Tensor | None:
         """Each token's LoRA adapter slot (-1: the base model); None when no sequence of the step has an adapter."""
@@ -320,8 +336,8 @@ class ModelRunner:
         per_seq = np.array([slot_of.get(item.seq.request.lora_id, -1) for item in plan.scheduled], dtype=np.int32)
         return self._to_device(torch.from_numpy(np.repeat(per_seq, query_lens)))
 
-    def _block_table(self, seqs: list[StepSequence], seq_lens: list[int]) -> torch.Tensor:
-        """[B, max_blocks] int32 block ids, padded with the null block (built in numpy: this runs every step)."""
+    def _block_table(self, seqs: list[StepSequence], seq_lens: list[int]) -> np.ndarray:
+        """[B, max_blocks] int32 block ids on the host, padded with the null block (numpy: this runs every step)."""
         bs = self.block_size
         counts = -(-np.array(seq_lens, dtype=np.int64) // bs)
         width = int(counts.max())
@@ -332,7 +348,7 @@ class ModelRunner:
         )
         table = np.full((len(seqs), width), NULL_BLOCK, dtype=np.int32)
         table[np.arange(width)[None, :] < counts[:, None]] = flat
-        return self._to_device(torch.from_numpy(table))
+        return table
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Through numpy: 3-4x faster than torch.tensor on a list of Python numbers, several times a step.
@@ -478,7 +494,5 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
     return torch.from_numpy(raw).view(dtype)

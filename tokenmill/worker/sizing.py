@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 4 * 1024**3
 
 
-def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner") -> int:
+def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner", prompt_graph_tokens: int = 0) -> int:
+    """``prompt_graph_tokens``: the largest prompt step the runner will capture graphs for (0: none);
+    their memory pool holds that step's activations for good, so the KV pool leaves room for it."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override  # vLLM's num_gpu_blocks_override: the pool as given, unsized
     per_block = runner.kv_bytes_per_block()
@@ -41,7 +43,7 @@ def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner") -> int:
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     elif config.device.type == "cuda":
-        budget = _gpu_budget(config, runner)
+        budget = _gpu_budget(config, runner, prompt_graph_tokens)
     else:
         budget = CPU_DEFAULT_KV_BYTES
     num_blocks = min(budget // per_block, enough)
@@ -58,7 +60,7 @@ def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner") -> int:
     return int(num_blocks)
 
 
-def _gpu_budget(config: "EngineConfig", runner: "ModelRunner") -> int:
+def _gpu_budget(config: "EngineConfig", runner: "ModelRunner", prompt_graph_tokens: int) -> int:
     device = config.device
     # An LLM the caller dropped keeps its GPU weights until the garbage collector breaks their
     # reference cycles (each parameter's weight_loader is a bound method of its module); collect
@@ -72,15 +74,18 @@ def _gpu_budget(config: "EngineConfig", runner: "ModelRunner") -> int:
     sampling = runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs, config.max_logprobs)
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - baseline  # sampling state included
+    # The prompt graphs' pool: the profiled forward's activations, scaled to the largest graph's
+    # tokens (activations grow with the token count), held beside every later step's own peak.
+    graph_pool = runner.forward_activation_bytes * min(1.0, prompt_graph_tokens / config.max_num_batched_tokens)
     torch.cuda.empty_cache()
     # Memory other processes hold counts against our share, like vLLM's utilisation setting.
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     ours = config.gpu_memory_utilization * total - used_by_others - torch.cuda.memory_allocated(device)
-    budget = int(ours - activation_peak * 1.1) - 256 * 1024**2  # headroom for graphs and the allocator
+    budget = int(ours - (activation_peak + graph_pool) * 1.1) - 256 * 1024**2  # headroom for graphs and the allocator
     logger.info(
         "GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB (with %.2f GiB of sampling "
-        "state in %d slots and a sampler pass over %d rows), KV cache %.2f GiB",
+        "state in %d slots and a sampler pass over %d rows), prompt-step graphs %.2f GiB, KV cache %.2f GiB",
         total / 2**30, baseline / 2**30, activation_peak / 2**30, sampling.state_bytes / 2**30, sampling.state_rows,
-        sampling.sampler_rows, budget / 2**30,
+        sampling.sampler_rows, graph_pool / 2**30, budget / 2**30,
     )
     return max(budget, 0)

@@ -98,7 +98,7 @@ class Worker:
 
         On a GPU this runs a profiling forward, so every rank must call it at once.
         """
-        return choose_num_blocks(self.config, self.runner)
+        return choose_num_blocks(self.config, self.runner, self._prompt_graph_tokens())
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -116,6 +116,22 @@ class Worker:
         # the warm-up forwards' all-reduces pair up and each graph holds the NCCL collectives of
         # its bucket; rank 0's replays are then mirrored (Executor.mirror_decode_graphs).
         self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+        if self._prompt_graph_tokens():
+            self.runner.capture_prompt_graphs(self._prompt_graph_tokens())
+
+    def _prompt_graph_tokens(self) -> int:
+        """The largest step with prompt tokens that replays CUDA graphs (piecewise_graphs.py), 0 for
+        none: not on the CPU, with enforce_eager or cpu_offload_gb (no graphs at all), nor under
+        tensor parallelism (the other ranks mirror rank 0's model calls, not these replays), with
+        LoRA (a step's adapters are read eagerly) or in deterministic mode (its invariance was
+        measured on the eager prompt steps)."""
+        config = self.config
+        if (self.device.type != "cuda" or config.enforce_eager or self.offloader is not None or self.tp_size > 1
+                or self.lora is not None or config.deterministic):
+            return 0
+        from tokenmill.worker.piecewise_graphs import linear_weight_count, max_graph_tokens
+
+        return max_graph_tokens(self.model.num_layers, linear_weight_count(self.model), config.max_num_batched_tokens)
 
     def execute_model(self, plan: "SchedulerOutput") -> "StepResult":
         """Launch one step on this rank (rank 0's; the other ranks follow its model calls)."""

@@ -1,0 +1,26 @@
+"""The prompt-step graphs' buckets and limit (worker/piecewise_graphs.py; the graphs themselves need
+a GPU: tests/gpu/test_engine_gpu.py::test_prompt_step_graphs_equal_eager)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.worker.piecewise_graphs import max_graph_tokens, token_buckets
+
+
+@pytest.mark.parametrize("max_tokens", [16, 100, 256, 400, 5000, 8192, 16384])
+def test_buckets_cover_every_step_with_at_most_an_eighth_of_padding(max_tokens):
+    buckets = token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+    for tokens in range(1, max_tokens + 1):
+        size = next(b for b in buckets if b >= tokens)
+        assert size - tokens < max(16, tokens / 8 + 1), (tokens, size)
+
+
+def test_graphs_stop_where_the_gemms_outlast_the_launches():
+    # Qwen3-0.6B's decoder layers (28 of ~15.7M weights) against Llama-3-8B's (32 of ~218M).
+    small, large = max_graph_tokens(28, 440_000_000, 16384), max_graph_tokens(32, 6_980_000_000, 16384)
+    assert 8192 <= small <= 16384 and 512 <= large <= 2048
+    assert large in token_buckets(16384) and small in token_buckets(16384)
+    assert max_graph_tokens(2, 10_000, 400) == 400  # a tiny model: every step the budget allows
+    assert max_graph_tokens(80, 400_000_000_000, 16384) == 256  # never below 256 tokens
