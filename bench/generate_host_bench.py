@@ -13,13 +13,13 @@ asking for logprobs, logprob tensors of the real SamplerOutput's shapes: on the 
 host cost is the launches, timed by bench/sampler_bench.py); everything else is the real engine,
 asynchronous scheduling's bookkeeping and the logprobs' read-back and output objects included.
 
-    python bench/generate_host_bench.py [nano|uniform|sampling|prefill|chat] [--variant NAME] [--job] [--profile]
+    python bench/generate_host_bench.py [nano|uniform|sampling|prefill|chat|refill-short|refill-long] [--variant NAME] [--job] [--profile]
 
 --job runs the same requests as the rows of a JSONL file through `tokenmill run`'s loop
 (`batch.job.run_job` over the loaded engine; progress off, output written as the job writes it),
 so its figure is the batch job's host cost per sequence-step beside generate's.
 
-chat is bench/workload_bench.py's workload; --variant takes its sampling settings (temperature,
+refill-short / refill-long are bench/refill_bench.py's (more requests than max_num_seqs). chat is bench/workload_bench.py's workload; --variant takes its sampling settings (temperature,
 top_p, repetition, ...: workload_bench.VARIANTS, at temperature 0.7) instead of the workload's own.
 """
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peer_bench import workload  # noqa: E402
+from refill_bench import refill_workload  # noqa: E402
 from workload_bench import VARIANTS, chat_settings, chat_workload  # noqa: E402
 
 VOCAB = 10240
@@ -55,7 +56,7 @@ CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_siz
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", nargs="?", default="sampling", choices=["nano", "uniform", "sampling", "prefill", "chat"])
+    parser.add_argument("workload", nargs="?", default="sampling", choices=["nano", "uniform", "sampling", "prefill", "chat", "refill-short", "refill-long"])
     parser.add_argument("--variant", choices=list(VARIANTS), help="the chat workload's settings of that name")
     parser.add_argument("--job", action="store_true", help="through the batch job's loop instead of LLM.generate")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions by own time")
@@ -78,6 +79,8 @@ def main() -> None:
 
     if args.workload == "chat":
         (prompts, outs), settings = chat_workload(), chat_settings("temperature")
+    elif args.workload.startswith("refill-"):
+        prompts, outs, settings = refill_workload(args.workload.split("-", 1)[1])
     else:
         prompts, outs, settings = workload(args.workload)
     if args.variant is not None:

@@ -363,6 +363,12 @@ class SamplingParams:
         leaves this one alone (a shallow copy with ``skip_clone=True``). With ``changes`` (a
         tokenmill extension): a shallow copy with those fields replaced and checked again (which
         refills the engine's own fields from the user's)."""
+        if changes.keys() == {"output_kind"} and isinstance(changes["output_kind"], RequestOutputKind):
+            # No other field depends on output_kind or it on them: nothing to check again (27 µs
+            # against 5 a copy, paid per prompt by calls passing one params object a prompt).
+            copied = copy.copy(self)
+            copied.output_kind = changes["output_kind"]
+            return copied
         if changes:
             return replace(self, **changes)
         return copy.copy(self) if self.skip_clone else copy.deepcopy(self)

@@ -126,13 +126,22 @@ class Scheduler:
         scheduled: list[ScheduledSequence[Sequence]] = []
         preempted = 0
 
+        block_size = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.on_hold or (seq.num_inflight and self._has_no_room(seq)):
                 i += 1
                 continue
-            num = min(seq.num_uncomputed_tokens, budget)
+            tokens, computed = seq.num_tokens, seq.num_computed_tokens
+            num = min(tokens - computed, budget)
+            # Most steps a sequence's blocks have room for its tokens (allocate's own first test,
+            # here without the call: this loop runs for every running sequence every step).
+            if computed + num <= len(seq.block_ids) * block_size:
+                scheduled.append(ScheduledSequence(seq, num, samples=computed + num == tokens))
+                budget -= num
+                i += 1
+                continue
             while not self.kv.allocate(seq, num):
                 at = self._victim_index()
                 victim = self.running.pop(at)
@@ -175,11 +184,16 @@ class Scheduler:
         """The plan is on the device (the runner has read where each sequence starts): its tokens
         count as computed, newly full blocks join the prefix cache, and each sampled token is in
         flight until `update_from_output` reads it."""
+        block_size = self.kv.block_size
         for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.kv.commit_computed(item.seq)
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            # Only a step that completes a block has one to commit (a decode: one step in block_size);
+            # the call is skipped for the rest, a few µs a sequence-step at a thousand sequences.
+            if seq.num_computed_tokens // block_size > seq.num_committed_blocks:
+                self.kv.commit_computed(seq)
             if item.samples:
-                item.seq.num_inflight += 1
+                seq.num_inflight += 1
 
     def update_from_output(self, result: StepResult[Sequence]) -> list[int]:
         """Take in a launched step's sampled tokens (waiting for them if need be): append each to

@@ -25,7 +25,7 @@ from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, Fo
 from tokenmill.engine.step import (
     NULL_BLOCK, SamplerOutput, ScheduledSequence, SchedulerOutput, StepResult, StepSequence,
 )
-from tokenmill.sampling_params import SamplerNeeds, SamplingType
+from tokenmill.sampling_params import SamplerNeeds
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
@@ -375,10 +375,11 @@ class ModelRunner:
         params = [s.params for s in seqs]
         # What the rows need beyond temperature: each per-row pass below runs only if some row does.
         needs = functools.reduce(operator.or_, (s.request.sampler_needs for s in seqs), 0)
-        all_greedy = all(p.sampling_type is SamplingType.GREEDY for p in params)
+        temperatures = [p.temperature for p in params]
+        all_greedy = not any(temperatures)  # SamplingParams.sampling_type: greedy is temperature 0
         # The filters come all three or none; a top_k past the vocabulary keeps everything.
         filtered = bool(needs & SamplerNeeds.FILTERS)
-        floats = [[p.temperature for p in params]]
+        floats = [temperatures]
         if filtered:
             floats += [[p.top_p for p in params], [p.min_p for p in params]]
         none = [-1] * len(seqs)
