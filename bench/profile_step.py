@@ -168,7 +168,7 @@ def timeline(llm, inputs, params) -> None:
                 f"{row['waited'] / n * 1e3:.2f} ms of it waiting for the GPU, {row['launching'] / n * 1e3:.2f} ms launching")
 
     if mixed["steps"]:
-        print(line("steps with prompt tokens (eager)", mixed) +
+        print(line("steps with prompt tokens", mixed) +
               f"; {mixed['tokens'] / mixed['steps']:.0f} tokens and {mixed['seqs'] / mixed['steps']:.0f} sequences a step")
     for (lo, hi), row in rows.items():
         if row["steps"]:
