@@ -216,7 +216,7 @@ def _check_attention_queue(recorder: _KeyRecorder) -> str | None:
                 block_tables=torch.zeros((len(lens), max_blocks), dtype=torch.int32), block_size=block,
                 query_lens_host=lens, seq_lens_host=[4096] * len(lens), max_query_len=max(lens), max_seq_len=4096,
             )
-            backend._attend(torch.empty((sum(lens), heads, dim), dtype=torch.bfloat16), cache, meta, dim**-0.5)
+            backend.attend(torch.empty((sum(lens), heads, dim), dtype=torch.bfloat16), cache, meta, dim**-0.5)
 
         for case in itertools.product((1, 2, 17, 256, 1024), (1, 256, 300), (0, 7)):
             runs[(str(cache_dtype), *case)] = recorder.of(lambda: step(*case))
