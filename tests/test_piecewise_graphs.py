@@ -24,3 +24,21 @@ def test_graphs_stop_where_the_gemms_outlast_the_launches():
     assert large in token_buckets(16384) and small in token_buckets(16384)
     assert max_graph_tokens(2, 10_000, 400) == 400  # a tiny model: every step the budget allows
     assert max_graph_tokens(80, 400_000_000_000, 16384) == 256  # never below 256 tokens
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_phi3_dir"])
+def test_weight_count_is_the_decoder_layers_linear_weights(fixture, request):
+    """What the graphs' limit is estimated from equals the weights of transformers' own linear
+    layers in the decoder layers (Phi-3 stores fused qkv and gate_up projections)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.worker.piecewise_graphs import linear_weight_count
+
+    path = str(request.getfixturevalue(fixture))
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    expected = sum(m.weight.numel() for m in hf.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    ours = load_model(resolve_model(path), torch.float32, torch.device("cpu"), "dummy")
+    assert linear_weight_count(ours) == expected > 0

@@ -72,10 +72,13 @@ def max_graph_tokens(num_layers: int, linear_params: int, max_num_batched_tokens
 
 
 def linear_weight_count(model: nn.Module) -> int:
-    """Elements of the decoder layers' 2-D weights: what a token's GEMMs multiply (packed 4-bit
-    weights count their words, which only makes the estimate larger than it is)."""
+    """The weights a token's GEMMs multiply in the decoder layers: each linear layer's logical
+    input x output features, however it stores them (bf16, fp8, 4-bit words), and of stacked
+    experts one expert's (a token meets top_k of them: one keeps the estimate low, the limit high)."""
     layers = getattr(getattr(model, "model", model), "layers", model)
-    return sum(p.numel() for p in layers.parameters() if p.dim() == 2)
+    linear = sum(m.input_size * m.output_size for m in layers.modules() if hasattr(m, "input_size") and hasattr(m, "output_size"))
+    experts = sum(p[0].numel() for p in layers.parameters() if p.dim() == 3)
+    return linear + experts
 
 
 class _PieceCutter:
