@@ -172,7 +172,7 @@ for part in $parts; do
       tag "$OUT/chat.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat.raw" ;;
     refill)  # many more requests than run at once (bench/refill_bench.py: short 8,192 x 16 tokens, long 4,096 of
              # P1's lengths): prompts admitted beside running decodes every step, which P1-P5 never reach; then
-             # where each one's time goes, eager prompt steps apart from decode-only ones (profile_step.py --timeline)
+             # where each one's time goes, steps with prompt tokens apart from decode-only ones (profile_step.py --timeline)
       RESULTS="$OUT/refill.raw" timeout 300 python3 bench/refill_bench.py tokenmill qwen3-0.6b ${REFILL_WORKLOADS:-short long} 2>&1 | grep -E '^\{'
       tag "$OUT/refill.raw" "$OUT/throughput.jsonl"; : > "$OUT/refill.raw"
       for workload in ${REFILL_WORKLOADS:-short long}; do

@@ -107,11 +107,11 @@ def profile_device(llm, inputs, params) -> None:
 
 def timeline(llm, inputs, params) -> None:
     """Wall time of the run split by the step each engine.step call launched: steps with prompt
-    tokens (eager forwards) apart, decode-only steps by how many sequences they carried (the thin
+    tokens (eager forwards, or the prompt graphs' pieces) apart, decode-only steps by how many sequences they carried (the thin
     tail of a batch is where per-step costs that do not shrink with it dominate). Each line also
     gives the time the host spent blocked on the GPU (``StepResult.wait``: near zero means the host
     is the bottleneck there, near the step time means the GPU is) and inside the runner's launch
-    (``ModelRunner.execute``: batch building, and for an eager forward every kernel's launch)."""
+    (``ModelRunner.execute``: batch building, and the forward's launches)."""
     from tokenmill.engine.step import StepResult
 
     engine = llm.llm_engine
