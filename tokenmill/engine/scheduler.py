@@ -126,22 +126,13 @@ class Scheduler:
         scheduled: list[ScheduledSequence[Sequence]] = []
         preempted = 0
 
-        block_size = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.on_hold or (seq.num_inflight and self._has_no_room(seq)):
                 i += 1
                 continue
-            tokens, computed = seq.num_tokens, seq.num_computed_tokens
-            num = min(tokens - computed, budget)
-            # Most steps a sequence's blocks have room for its tokens (allocate's own first test,
-            # here without the call: this loop runs for every running sequence every step).
-            if computed + num <= len(seq.block_ids) * block_size:
-                scheduled.append(ScheduledSequence(seq, num, samples=computed + num == tokens))
-                budget -= num
-                i += 1
-                continue
+            num = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.allocate(seq, num):
                 at = self._victim_index()
                 victim = self.running.pop(at)
@@ -188,8 +179,9 @@ class Scheduler:
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            # Only a step that completes a block has one to commit (a decode: one step in block_size);
-            # the call is skipped for the rest, a few µs a sequence-step at a thousand sequences.
+            # Only a step that completes a block has one to commit (a decode: one step in block_size).
+            # Tested here, before commit_computed's own finer test, to skip the call itself: ~0.5 µs
+            # a sequence-step at a thousand sequences (the same test inside it saved half of that).
             if seq.num_computed_tokens // block_size > seq.num_committed_blocks:
                 self.kv.commit_computed(seq)
             if item.samples:

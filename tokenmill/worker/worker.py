@@ -116,8 +116,9 @@ class Worker:
         # the warm-up forwards' all-reduces pair up and each graph holds the NCCL collectives of
         # its bucket; rank 0's replays are then mirrored (Executor.mirror_decode_graphs).
         self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
-        if self._prompt_graph_tokens():
-            self.runner.capture_prompt_graphs(self._prompt_graph_tokens())
+        prompt_graph_tokens = self._prompt_graph_tokens()
+        if prompt_graph_tokens:
+            self.runner.capture_prompt_graphs(prompt_graph_tokens)
 
     def _prompt_graph_tokens(self) -> int:
         """The largest step with prompt tokens that replays CUDA graphs (piecewise_graphs.py), 0 for
