@@ -7,6 +7,7 @@ Ray keep each row's adapter; bad flags and bad adapters are usage errors before 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,55 @@ def test_a_resumed_job_keeps_each_rows_adapter(tmp_path, llm, adapters):
     for row, name, (text, tokens, _) in zip(rows, names, expected):
         record = records[row["id"]]
         assert (record["text"], record["completion_tokens"], record["lora"]) == (text, tokens, name)
+
+
+class DeletingLLM(InterruptingLLM):
+    """The LLM, whose engine deletes ``folder`` before its ``after``-th step."""
+
+    def __init__(self, llm, after: int, folder: Path):
+        self._llm, self.llm_engine = llm, _DeletingEngine(llm.llm_engine, after, folder)
+
+
+class _DeletingEngine(_InterruptingEngine):
+    """The engine, which deletes ``folder`` before its ``after``-th step."""
+
+    def __init__(self, engine, after: int, folder: Path):
+        super().__init__(engine, after)
+        self._folder = folder
+
+    def step(self, *args, **kwargs):
+        self._left -= 1
+        if self._left == 0:
+            shutil.rmtree(self._folder)
+        return self._engine.step(*args, **kwargs)
+
+
+def test_rows_of_an_adapter_deleted_mid_job_fail_alone(tmp_path, adapters, tiny_llama_dir):
+    """beta's folder deleted while the job runs, with one device slot and one adapter in CPU memory
+    (so beta is read from disk each time its turn comes): beta's rows after that fail, each with an
+    error saying why (could not be loaded, or its folder missing once the engine has forgotten it);
+    every other row finishes with LLM.generate's result; the job ends with exit code 3."""
+    beta = tmp_path / "beta"
+    shutil.copytree(adapters["beta"], beta)
+    job_adapters = {"alpha": adapters["alpha"], "beta": str(beta)}
+    one_slot = LLM(str(tiny_llama_dir), seed=0, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, **ENGINE)
+    rows, names = mixed_rows()
+    expected = reference(one_slot, job_adapters, [r["prompt"] for r in rows], names)
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = run_job(config(tmp_path, path, job_adapters, max_inflight=4), llm=DeletingLLM(one_slot, 6, beta))
+    assert not beta.exists() and summary.exit_code == 3 and summary.rows_done == len(rows)
+
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    failed = [row["id"] for row in rows if records[row["id"]]["error"] is not None]
+    assert failed and all(records[i]["lora"] is None and records[i]["text"] is None for i in failed)
+    assert summary.failed == len(failed) and any("could not be loaded" in records[i]["error"] for i in failed)
+    assert all(records[i]["error"].startswith("line ") for i in failed)
+    for row, name, (text, tokens, _) in zip(rows, names, expected):
+        record = records[row["id"]]
+        if record["error"] is None:
+            assert (record["text"], record["completion_tokens"], record["lora"]) == (text, tokens, name)
+        else:
+            assert name == "beta" and ("'beta'" in record["error"] or str(beta) in record["error"]), record["error"]
 
 
 # --- replicas and Ray ----------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def test_metrics_count_tokens_requests_latencies_and_cache_hits(tiny_llama_dir):
     assert value("vllm:generation_tokens") == sum(len(c.token_ids) for c in completions)
     by_reason = {m.labels["finished_reason"]: m.value for m in metrics["vllm:request_success"]}
     assert by_reason == {"stop": sum(c.finish_reason == "stop" for c in completions),
-                         "length": sum(c.finish_reason == "length" for c in completions), "abort": 0, "repetition": 0}
+                         "length": sum(c.finish_reason == "length" for c in completions), "abort": 0, "repetition": 0, "error": 0}
     ttft = metrics["vllm:time_to_first_token_seconds"][0]
     assert isinstance(ttft, Histogram) and ttft.count == len(prompts) and ttft.buckets["+Inf"] == ttft.count
     itl = metrics["vllm:inter_token_latency_seconds"][0]

@@ -159,6 +159,92 @@ def test_a_bad_adapter_is_refused_by_name_and_breaks_nothing(case, llama, tiny_l
     assert_matches_peft(tiny_llama_dir, outputs, prompts, [requests["B"]] * 2)
 
 
+@pytest.mark.parametrize("async_scheduling, tp", [(False, 1), (True, 1), (False, 2)])
+def test_an_adapter_that_cannot_be_read_again_fails_only_its_own_requests(tiny_llama_dir, adapter, requests, tmp_path,
+                                                                         async_scheduling, tp):
+    """An adapter checked and used, then its folder deleted, then needed again from disk (one device
+    slot, one adapter kept in CPU memory, another adapter in between): its requests end with
+    finish_reason "error" and an error naming the adapter and the missing file, while the requests
+    admitted beside them give HF + PEFT's outputs; a beam search with it ends with one "error"
+    sequence. Forgotten by the engine, the adapter is checked anew by the next request that names it:
+    refused while the folder is missing, served again once it is back. At TP=2 every rank fails the
+    load, and the ranks stay in step."""
+    folder = copy_adapter(adapter(tiny_llama_dir, "all"), tmp_path / "doomed")
+    llm = make_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=1, async_scheduling=async_scheduling, tensor_parallel_size=tp)
+    try:
+        _fail_and_recover(llm, tiny_llama_dir, folder, requests["B"], tmp_path)
+    finally:
+        llm.llm_engine.executor.shutdown()
+
+
+def _fail_and_recover(llm, tiny_llama_dir: Path, folder: Path, b, tmp_path: Path) -> None:
+    import shutil
+
+    doomed = lora_request("doomed", 7, folder)
+    prompts = random_prompts(VOCAB, [9, 14, 6, 11], seed=28)
+    assert_matches_peft(tiny_llama_dir, llm.generate(as_inputs(prompts[:1]), GREEDY, use_tqdm=False, lora_request=doomed),
+                        prompts[:1], [doomed])
+    llm.generate(as_inputs(prompts[:1]), GREEDY, use_tqdm=False, lora_request=b)  # takes the slot and the CPU cache
+    kept = tmp_path / "kept"
+    shutil.move(folder, kept)
+
+    per_prompt = [doomed, None, b, doomed]
+    outputs = llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=per_prompt)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error", "length", "length", "error"]
+    for failed in (outputs[0], outputs[3]):
+        assert failed.finished and failed.outputs[0].token_ids == [] and failed.lora_request is doomed
+        assert "'doomed'" in failed.error and "could not be loaded" in failed.error
+        assert "adapter_model.safetensors" in failed.error, failed.error
+    assert_matches_peft(tiny_llama_dir, outputs[1:3], prompts[1:3], per_prompt[1:3])
+    assert all(o.error is None for o in outputs[1:3])
+    assert not llm.llm_engine.has_unfinished_requests() and doomed.lora_int_id not in llm.llm_engine.list_loras()
+
+    with pytest.raises(ValueError, match=re.escape(str(folder))):
+        llm.generate(as_inputs(prompts[:1]), GREEDY, use_tqdm=False, lora_request=doomed)
+    shutil.move(kept, folder)
+    assert_matches_peft(tiny_llama_dir, llm.generate(as_inputs(prompts[:1]), GREEDY, use_tqdm=False, lora_request=doomed),
+                        prompts[:1], [doomed])
+
+    llm.generate(as_inputs(prompts[:1]), GREEDY, use_tqdm=False, lora_request=b)
+    shutil.rmtree(folder)
+    beams = llm.beam_search(as_inputs(prompts[:2]), BeamSearchParams(beam_width=2, max_tokens=4), lora_request=[doomed, b])
+    assert [s.finish_reason for s in beams[0].sequences] == ["error"]
+    assert beams[0].sequences[0].tokens == prompts[0]
+    assert len(beams[1].sequences) == 2 and all(s.finish_reason in ("stop", "length") for s in beams[1].sequences)
+
+
+def test_only_the_adapters_own_load_errors_fail_its_requests():
+    """AdapterBook.place names the adapter whose load raised (AdapterLoadError, which fails only its
+    requests); the device running out of memory and dead tensor-parallel workers are no adapter's
+    fault and pass through unchanged (the job stops or restarts its engine on them). The failed
+    load leaves its slot free for the next adapter."""
+    from tokenmill.distributed.worker_processes import WorkerDiedError
+    from tokenmill.lora.adapter import AdapterSpec
+    from tokenmill.lora.config import LoRAConfig
+    from tokenmill.lora.slots import AdapterBook, AdapterLoadError
+
+    raised: list[BaseException] = []
+    loaded: list[tuple[int, str]] = []
+
+    def load(slot: int, spec: AdapterSpec) -> None:
+        if raised:
+            raise raised.pop()
+        loaded.append((slot, spec.name))
+
+    book = AdapterBook(LoRAConfig(max_loras=1, max_rank=8, max_cpu_loras=1), {}, load)
+    spec = AdapterSpec(3, "gone", "/nowhere", "/nowhere/adapter_model.safetensors", {}, uid=1)
+    for fatal in (torch.cuda.OutOfMemoryError("CUDA out of memory"), WorkerDiedError("rank 1 exited")):
+        raised.append(fatal)
+        with pytest.raises(type(fatal)):
+            book.place([spec])
+    raised.append(FileNotFoundError("No such file or directory: /nowhere/adapter_model.safetensors"))
+    with pytest.raises(AdapterLoadError, match=r"'gone' \(lora_int_id=3, /nowhere\) could not be loaded: FileNotFoundError") as error:
+        book.place([spec])
+    assert error.value.spec is spec
+    other = AdapterSpec(4, "next", "/elsewhere", "/elsewhere/adapter_model.safetensors", {}, uid=2)
+    assert book.place([other]) == {2: 0} and loaded == [(0, "next")]
+
+
 def test_a_list_of_lora_requests_needs_one_per_prompt(llama, requests):
     prompts = random_prompts(VOCAB, [4, 6, 5], seed=20)
     for wrong in ([requests["A"]], [requests["A"], None, None, requests["B"]]):

@@ -265,6 +265,31 @@ def test_replica_udf_rows_pick_their_lora_adapter_by_model(tiny_llama_dir, tmp_p
     assert "nope" in out[3]["__inference_error__"] and out[3]["generated_tokens"] == []
 
 
+def test_replica_udf_a_row_whose_adapter_cannot_be_read_again_fails_alone(tiny_llama_dir, tmp_path):
+    """An adapter folder deleted after its first rows, needed again from disk (one slot, one adapter in
+    CPU memory, another adapter in between): the row naming it fails with an error saying so, the
+    base-model row beside it runs; a later row naming it is refused as a missing folder."""
+    import shutil
+
+    from support.lora_adapters import save_adapter
+    from tokenmill.ray.replica import TokenmillReplica
+
+    for name, seed in (("sql", 5), ("doc", 6)):
+        save_adapter(tiny_llama_dir, tmp_path / name, seed=seed, r=8, lora_alpha=16, std=0.3)
+    engine = {"dtype": "float32", "device": "cpu", **ENGINE, "enable_lora": True, "max_loras": 1, "max_cpu_loras": 1}
+    replica = TokenmillReplica(str(tiny_llama_dir), engine, "generate", None, True, None, None, True, lora_root=str(tmp_path))
+    row = {"prompt": "the cat sat", "sampling_params": GREEDY}
+    first = _call(replica, [{**row, "model": "sql"}, {**row, "model": "doc"}, {**row, "model": None}])
+    assert all(r["__inference_error__"] == "" for r in first)
+    shutil.rmtree(tmp_path / "sql")
+    out = _call(replica, [{**row, "model": "sql"}, {**row, "model": None}])
+    assert "could not be loaded" in out[0]["__inference_error__"] and "'sql'" in out[0]["__inference_error__"]
+    assert out[0]["generated_tokens"] == [] and out[1]["__inference_error__"] == ""
+    assert out[1]["generated_tokens"] == first[2]["generated_tokens"]
+    again = _call(replica, [{**row, "model": "sql"}])
+    assert str(tmp_path / "sql") in again[0]["__inference_error__"], again[0]["__inference_error__"]
+
+
 def test_replica_udf_classify_and_score(tiny_bert_classifier_dir, bert_classifier_llm, tiny_cross_encoder_dir,
                                         cross_encoder_llm):
     out = _call(_replica(tiny_bert_classifier_dir, "classify"), [{"prompt": "the cat sat"}, {"prompt": ""}, {"prompt": None}])

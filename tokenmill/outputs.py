@@ -20,7 +20,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None  # a list of dicts, or a FlatLogprobs with flat_logprobs=True
-    finish_reason: str | None = None  # "stop" | "length" | "repetition" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "repetition" | "error" | None while running
     # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
     stop_reason: int | str | None = None
     # vLLM's fields: None here (the request's adapter is on its RequestOutput), and the experts it
@@ -52,6 +52,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
     num_cache_creation_tokens: int = 0  # prompt tokens this request computed into full blocks of the prefix cache
     lora_request: Any = None  # the request's LoRARequest (tokenmill/lora/); None: the base model
+    # Why the engine could not finish the request (its completions end with finish_reason "error",
+    # as vLLM's for a request-level failure; vLLM gives no message): e.g. its LoRA adapter's folder
+    # was deleted after the adapter was checked. None otherwise.
+    error: str | None = None
     # vLLM's fields for what tokenmill does not do (encoder-decoder models, KV / encoder-cache
     # transfer between engines): always None here, present so that code reading them runs unchanged.
     encoder_prompt: str | None = None

@@ -28,6 +28,7 @@ from tokenmill.batch.requests import RowError, RowRequest, build_row_request, ch
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
 from tokenmill.batch.row_prompts import batch_prompts, check_chat_template, row_prompt
 from tokenmill.batch.writers import encode_lines
+from tokenmill.fatal_errors import is_device_failure, is_engine_stopped
 from tokenmill.distributed import cleanup_dist_env_and_memory
 from tokenmill.gc_policy import young_collections_only
 
@@ -247,9 +248,9 @@ class JobLoop:
                 row_id = e.row_id
             self._fail(raw.index, row_id, _row_message(raw, e), request)
 
-    def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None) -> None:
+    def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None, flight: _InFlight | None = None) -> None:
         meta = request.openai if request is not None else None
-        self.pending.append((RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=meta), None))
+        self.pending.append((RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=meta), flight))
         if len(self.errors) < _SHOWN_ERRORS:
             self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
 
@@ -271,6 +272,10 @@ class JobLoop:
             self._row_finished()
             del self.inflight[out.request_id]
             req = flight.request
+            if out.error is not None:  # the engine ended it unfinished (its LoRA adapter could not be loaded)
+                message = _row_message(flight.raw, RuntimeError(f"the engine could not finish this row: {out.error}"))
+                self._fail(req.index, req.row_id, message, req, flight)
+                continue
             result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
             self.pending.append((result, flight))
 
@@ -315,12 +320,12 @@ class JobLoop:
         that can run no more steps (a tensor-parallel worker died) is replaced first
         (``_restart_engine``). A row failing alone is held as a suspect until another row finishes.
         """
-        if _is_device_failure(error):
+        if is_device_failure(error):
             raise error
         flights = list({id(f): f for f in self.inflight.values()}.values())
         self.drop_inflight()
         rows = sorted((f.raw for f in flights), key=lambda raw: raw.index)
-        if _is_engine_stopped(error):
+        if is_engine_stopped(error):
             self._restart_engine(error)
             if len(rows) == 1 and rows[0].index not in self.alone_on_new_engine:
                 # A worker killed from outside while this row ran alone would blame it: it runs
@@ -455,13 +460,6 @@ def _row_message(raw: RawRow, error: BaseException) -> str:
     return f"{raw.where or f'row {raw.index}'}: {message}"
 
 
-def _is_engine_stopped(error: BaseException) -> bool:
-    """The engine can run nothing more: its tensor-parallel workers are gone or were stopped."""
-    from tokenmill.distributed.worker_processes import WorkerDiedError
-
-    return isinstance(error, WorkerDiedError)
-
-
 def _drop_tracebacks(error: BaseException | None) -> None:
     """Forget the tracebacks of ``error`` and the exceptions it chains: a step's frames reference
     the engine that raised it, which must be freed before another is loaded (the message is kept)."""
@@ -474,10 +472,3 @@ def _drop_tracebacks(error: BaseException | None) -> None:
 
 def _print_notice(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _is_device_failure(error: BaseException) -> bool:
-    import torch
-
-    fatal = (MemoryError, torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", MemoryError))
-    return isinstance(error, fatal) or "CUDA error" in str(error)

@@ -40,7 +40,7 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
-    from tokenmill.lora.slots import AdapterBook
+    from tokenmill.lora.slots import AdapterBook, AdapterLoadError
     from tokenmill.metrics.stats import EngineMetrics
     from tokenmill.models.source import ModelSource
 
@@ -191,6 +191,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         if self._in_flight is not None and not overlap:
             outputs += self._read_back(self._take_in_flight(), finished_only)
         plan = self.scheduler.schedule()
+        if self.adapters is not None:
+            plan = self._place_adapters(plan, outputs)
         if plan.is_empty:
             # Never launched: its finished and preempted ids go to the next plan, so the runner
             # frees their sampling-state slots and only running sequences keep slots (the memory plan).
@@ -227,10 +229,42 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         result, self._in_flight = self._in_flight, None
         return result
 
+    def _place_adapters(self, plan: SchedulerOutput[Sequence], outputs: list[RequestOutput]) -> SchedulerOutput[Sequence]:
+        """Device slots for the plan's adapters. One that cannot be loaded (its folder deleted or
+        rewritten since it was checked) fails its own requests, whose outputs join ``outputs``, and
+        the step is planned again without them; nothing of the dropped plan ran."""
+        from tokenmill.lora.slots import AdapterLoadError
+
+        assert self.adapters is not None
+        while not plan.is_empty:
+            try:
+                plan.lora_slots = self.adapters.place({s.seq.request.adapter for s in plan.scheduled} - {None})
+                return plan
+            except AdapterLoadError as error:
+                self.scheduler.report_later(plan.finished_seq_ids)
+                outputs += self._fail_adapter(error)
+                plan = self.scheduler.schedule()
+        return plan
+
+    def _fail_adapter(self, error: "AdapterLoadError") -> list[RequestOutput]:
+        """End every request of an adapter that could not be loaded with finish_reason "error" (their
+        outputs say why); forget the adapter, so that a request naming it later is checked again."""
+        spec = error.spec
+        assert self.adapters is not None
+        self.adapters.forget(spec)
+        failed = [r for r in self.requests.values() if r.adapter is not None and r.adapter.uid == spec.uid]
+        logger.error("%s; its %d request(s) end with finish_reason 'error'", error, len(failed))
+        now = time.monotonic()
+        outputs = []
+        for request in failed:
+            request.error = str(error)
+            self.scheduler.abort(request, reason="error")
+            if request.beam is not None:
+                request.beam.done = True
+            outputs.append(self._finish(request, now))
+        return outputs
+
     def _launch(self, plan: SchedulerOutput[Sequence]) -> StepResult[Sequence]:
-        if self.adapters is not None:
-            adapters = {item.seq.request.adapter for item in plan.scheduled}
-            plan.lora_slots = self.adapters.place(a for a in adapters if a is not None)
         result = self.executor.execute_model(plan)
         self.stats.record(plan.num_batched_tokens)
         if self.metrics is not None:
@@ -252,19 +286,22 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             self.metrics.tokens_read([result.sampled[row].seq for row in rows], now)
         outputs = []
         for request in dict.fromkeys(result.sampled[row].seq.request for row in rows):
-            finished = request.is_finished
-            if finished:
-                request.finished_time = now
-                del self.requests[request.request_id]
-                self._history_readers.discard(request.request_id)
-            final_only = finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY
-            if finished or not final_only:
+            if request.is_finished:
+                outputs.append(self._finish(request, now))
+            elif not (finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY):
                 outputs.append(self.output_processor.request_output(request))
-                if finished and self.metrics is not None:
-                    self.metrics.request_finished(request, outputs[-1], now)
-            if finished:
-                request.release()  # its last output is built: break Request <-> Sequence (Request.release)
         return outputs
+
+    def _finish(self, request: Request, now: float) -> RequestOutput:
+        """A finished request leaves the engine: its last output."""
+        request.finished_time = now
+        del self.requests[request.request_id]
+        self._history_readers.discard(request.request_id)
+        output = self.output_processor.request_output(request)
+        if self.metrics is not None:
+            self.metrics.request_finished(request, output, now)
+        request.release()  # its last output is built: break Request <-> Sequence (Request.release)
+        return output
 
     def collective_rpc(
         self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None

@@ -87,7 +87,10 @@ class OutputProcessor:
             seq.cumulative_logprob += logprob
 
     def request_output(self, request: Request) -> RequestOutput:
-        if request.beam is not None:  # its sequences are live beams; the output is the finished ones
+        if request.beam is not None and request.error is not None:  # the search did not end: no best beams
+            completions = [CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                            finish_reason="error")]
+        elif request.beam is not None:  # its sequences are live beams; the output is the finished ones
             completions = request.beam.completions(self.tokenizer) if request.beam.done else []
         else:
             completions = self._sample_completions(request)
@@ -102,6 +105,7 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             num_cache_creation_tokens=request.num_cache_creation_tokens,
             lora_request=request.lora_request,
+            error=request.error,
         )
 
     @staticmethod

@@ -150,6 +150,8 @@ class Request(Generic[ParamsT]):
     # Its LoRA adapter: the user's LoRARequest (for its outputs) and the checked adapter (tokenmill/lora/).
     lora_request: Any = None
     adapter: "AdapterSpec | None" = None
+    # Why the engine could not finish it (its sequences then end with finish_reason "error").
+    error: str | None = None
 
     def release(self) -> None:
         """The request has left the engine (finished with its last output built, or aborted): let go

@@ -235,10 +235,12 @@ class Scheduler:
         while self.running:
             self._preempt(self.running.pop())
 
-    def abort(self, request: Request) -> None:
+    def abort(self, request: Request, reason: str = "abort") -> None:
+        """Finish every unfinished sequence of the request with ``reason`` ("abort", or "error": the
+        engine could not run it)."""
         for seq in request.sequences:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 self.finish(seq)
 
     # ---- beam searches (BeamHost) ------------------------------------------------------------

@@ -6,7 +6,10 @@ one into a free slot or the one used longest ago by no adapter of this step. The
 puts more than ``max_loras`` adapters in one step, so every step's adapters fit. A pinned adapter
 keeps its slot while any other slot can take the newcomer. Loading goes through ``load``
 (``collective_rpc("load_lora", ...)``: every rank loads its part), queued on the device after the
-step in flight, so that step still reads the slot's old weights.
+step in flight, so that step still reads the slot's old weights. An adapter read again from its
+folder (not cached in CPU memory, ``max_cpu_loras``) may fail to load long after it was checked, its
+folder deleted or rewritten meanwhile: `place` raises `AdapterLoadError` naming it, and the engine
+fails only that adapter's requests (`forget` drops it, so a later request naming it is checked anew).
 """
 
 from __future__ import annotations
@@ -15,11 +18,21 @@ import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from tokenmill.fatal_errors import is_device_failure, is_engine_stopped
 from tokenmill.lora.adapter import AdapterSpec, inspect_adapter
 
 if TYPE_CHECKING:
     from tokenmill.lora.config import LoRAConfig
     from tokenmill.lora.request import LoRARequest
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter checked earlier could not be loaded into a device slot (``spec``: which one)."""
+
+    def __init__(self, spec: AdapterSpec, error: BaseException):
+        super().__init__(f"LoRA adapter {spec.name!r} (lora_int_id={spec.lora_int_id}, {spec.path}) could not be loaded: "
+                         f"{type(error).__name__}: {error}")
+        self.spec = spec
 
 
 class AdapterBook:
@@ -64,6 +77,11 @@ class AdapterBook:
             self._last_used[slot] = -1
         return True
 
+    def forget(self, spec: AdapterSpec) -> None:
+        """Drop an adapter that failed to load, unless its id names a newer one (``load_inplace``)."""
+        if self.specs.get(spec.lora_int_id) is spec:
+            self.remove(spec.lora_int_id)
+
     def pin(self, lora_id: int) -> bool:
         if lora_id not in self.specs:
             return False
@@ -81,7 +99,12 @@ class AdapterBook:
             slot = self._slot_of.get(uid)
             if slot is None:
                 slot = self._free_slot(set(wanted))
-                self._load(slot, spec)
+                try:
+                    self._load(slot, spec)
+                except Exception as error:
+                    if is_device_failure(error) or is_engine_stopped(error):
+                        raise
+                    raise AdapterLoadError(spec, error) from error
                 self._slot_of[uid] = slot
             self._last_used[slot] = step
             slots[uid] = slot

@@ -79,9 +79,14 @@ class EngineThread:
                 if running:
                     for output in self.engine.step(finished_only=True):
                         owner = running.pop(output.request_id, None) if output.finished else None
-                        if owner is not None:
+                        if owner is None:
+                            continue
+                        error = getattr(output, "error", None)  # (a pooling output has none)
+                        if error is not None:  # the engine ended it unfinished: the row fails
+                            self._fail_running(owner[1], f"the engine could not finish this row: {error}", running)
+                        else:
                             owner[1].outputs[output.request_id] = output
-                            self._job_progress(*owner)
+                        self._job_progress(*owner)
                 tickets = [t for t in tickets if not t.finished.is_set()]
         except BaseException as e:  # the engine is broken: fail every caller, now and later
             self._failure = e
@@ -90,18 +95,21 @@ class EngineThread:
                 ticket.finished.set()
 
     def _add(self, ticket: _Ticket, job: RowJob, running: dict[str, tuple[_Ticket, RowJob]]) -> None:
-        added: list[str] = []
         try:
             for request_id, prompt, params in job.parts:
                 self.engine.add_request(request_id, prompt, params, lora_request=job.lora)
-                added.append(request_id)
                 running[request_id] = (ticket, job)
         except Exception as e:  # a request the engine refuses (too long, invalid): this row only
-            self.engine.abort_request(added)
-            for request_id in added:
-                running.pop(request_id, None)
-            job.error = str(e) or type(e).__name__
+            self._fail_running(job, str(e) or type(e).__name__, running)
         self._job_progress(ticket, job)
+
+    def _fail_running(self, job: RowJob, message: str, running: dict[str, tuple[_Ticket, RowJob]]) -> None:
+        """The row fails: its requests still in the engine are aborted (the row counts as done once)."""
+        rest = [request_id for request_id, _, _ in job.parts if running.get(request_id, (None, None))[1] is job]
+        self.engine.abort_request(rest)
+        for request_id in rest:
+            del running[request_id]
+        job.error = message
 
     @staticmethod
     def _job_progress(ticket: _Ticket, job: RowJob) -> None:
