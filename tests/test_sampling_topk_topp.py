@@ -108,6 +108,22 @@ def test_top_k_then_top_p_on_a_batch_mixing_settings():
     assert torch.equal(kept(_top_p(_top_k(logits, top_k, max(1, int(top_k.max()))), top_p)), expected)
 
 
+def test_a_row_without_a_finite_mass_leaves_the_others_alone():
+    """A row holding a NaN logit (a model overflowing in fp16) or none but -inf (every token banned)
+    has no nucleus: top-p leaves it as it is, instead of failing the whole step (it raised an index
+    error), and the other rows are filtered exactly as without it."""
+    logits = random_logits(6, 300, seed=7)
+    top_p = torch.full((6,), 0.8)
+    alone = _top_p(logits, top_p)
+    logits[2, 17] = float("nan")
+    logits[4] = float("-inf")
+    out = _top_p(logits, top_p)
+    others = [0, 1, 3, 5]
+    assert torch.equal(out[others], alone[others])
+    assert torch.equal(out[2].isnan(), logits[2].isnan()) and torch.equal(out[2][~out[2].isnan()], logits[2][~logits[2].isnan()])
+    assert torch.equal(out[4], logits[4])
+
+
 def test_ties_are_equal_logits_not_equal_float32_probabilities():
     # 1e-8 and 0.0 are distinct logits whose float32 probabilities are equal: the larger one alone
     # holds a third of the mass, so top_p 0.3 keeps only it.

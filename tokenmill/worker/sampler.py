@@ -319,6 +319,8 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ordered = logits.sort(dim=-1, descending=True).values
     probs = ordered.softmax(dim=-1).double()
     mass_before = probs.cumsum(dim=-1) - probs
-    last = (mass_before < top_p[:, None].double()).sum(dim=-1, keepdim=True) - 1  # >= 0: nothing precedes the top
+    # >= 0 (nothing precedes the top) but for a row without a finite mass (a NaN logit, or every token
+    # banned), where no comparison holds: clamped, that row is left as it is rather than failing the step.
+    last = ((mass_before < top_p[:, None].double()).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     cutoff = torch.where(top_p[:, None] >= 1.0, float("-inf"), ordered.gather(1, last))
     return logits.masked_fill(logits < cutoff, float("-inf"))
