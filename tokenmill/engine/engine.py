@@ -242,7 +242,10 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
                 return plan
             except AdapterLoadError as error:
                 self.scheduler.report_later(plan.finished_seq_ids)
-                outputs += self._fail_adapter(error)
+                failed = self._fail_adapter(error)
+                if not failed:  # no request of ours holds it: planning again would meet it again
+                    raise
+                outputs += failed
                 plan = self.scheduler.schedule()
         return plan
 
