@@ -6,13 +6,15 @@ every step some requests finish and new prompts are admitted beside the running 
     python bench/refill_bench.py ENGINE SHAPE [WORKLOAD ...]
       ENGINE    tokenmill | vllm | any importable module exposing LLM and SamplingParams
       SHAPE     qwen3-0.6b | llama3-8b (random weights with the real shapes, peer_bench.py's folders)
-      WORKLOAD  short | long (default: both)
+      WORKLOAD  short | long | score (default: short and long)
 
 short: 8,192 prompts of U[32, 128] token ids, 16 tokens out (classification, extraction).
 long:  4,096 prompts of U[100, 1024] token ids, U[32, 512] out (a generation job four times P1's size).
-Temperature 0.7, eos ignored, prompts as token ids (no tokenizer: the engine, not tokenization).
-Each prints one JSON row (output tokens / wall seconds of the generate call, rows per second) and
-appends it to $RESULTS when set.
+score: 8,192 prompts of U[64, 512] token ids, prompt_logprobs=1 and 1 greedy token out: the request
+       lm-eval's loglikelihood tasks make of vLLM (a prompt's tokens scored, nothing generated).
+Temperature 0.7 (score: 0), eos ignored, prompts as token ids (no tokenizer: the engine, not
+tokenization). Each prints one JSON row (output tokens / wall seconds of the generate call, rows and
+prompt tokens per second) and appends it to $RESULTS when set.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_bench import model_dir  # noqa: E402
 from result_row import emit  # noqa: E402
 
-WORKLOADS = ("short", "long")
+WORKLOADS = ("short", "long")  # the default; "score" when named
 
 
 def refill_workload(name: str) -> tuple[list[list[int]], list[int], dict]:
@@ -39,7 +41,10 @@ def refill_workload(name: str) -> tuple[list[list[int]], list[int], dict]:
     if name == "long":
         prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(4096)]
         return prompts, [randint(32, 512) for _ in prompts], dict(temperature=0.7)
-    raise SystemExit(f"refill_bench: unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+    if name == "score":
+        prompts = [[randint(0, 10000) for _ in range(randint(64, 512))] for _ in range(8192)]
+        return prompts, [1] * len(prompts), dict(temperature=0.0, prompt_logprobs=1)
+    raise SystemExit(f"refill_bench: unknown workload {name!r} (known: short, long, score)")
 
 
 def main() -> None:
@@ -59,10 +64,12 @@ def main() -> None:
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         seconds = time.time() - start
         got = sum(len(r.outputs[0].token_ids) for r in results)
+        scored = sum(len(r.prompt_logprobs or ()) for r in results)  # positions (the first is None)
         emit(dict(engine=engine, version=getattr(module, "__version__", "?"), shape=shape, workload=f"refill-{name}",
                   seqs=len(prompts), in_tokens=sum(map(len, prompts)), out_tokens=sum(outs), got_tokens=got,
-                  seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1),
-                  rows_s=round(len(prompts) / seconds, 1), init_s=round(init_s, 1)))
+                  scored_positions=scored, seconds=round(seconds, 2), out_tok_s=round(sum(outs) / seconds, 1),
+                  in_tok_s=round(sum(map(len, prompts)) / seconds, 1), rows_s=round(len(prompts) / seconds, 1),
+                  init_s=round(init_s, 1)))
 
 
 if __name__ == "__main__":

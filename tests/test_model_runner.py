@@ -132,7 +132,7 @@ def test_prompt_logprobs_of_each_chunk(runner, tiny_llama_dir, monkeypatch, slic
     prompt = [7, 120, 33, 260, 15, 88, 2]
     request = MadeUpRequest(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), True)
     seq = MadeUpSequence(3, request, block_ids=[4, 13])
-    chunks = _run(runner, [(seq, 4)]).prompt_logprobs + _run(runner, [(seq, 3)]).prompt_logprobs
+    chunks = _run(runner, [(seq, 4)]).prompt_logprobs.read() + _run(runner, [(seq, 3)]).prompt_logprobs.read()
     assert [(c.first, len(c.token_logprobs)) for c in chunks] == [(1, 4), (5, 2)]
     for chunk in chunks:
         assert chunk.seq is seq
@@ -141,6 +141,42 @@ def test_prompt_logprobs_of_each_chunk(runner, tiny_llama_dir, monkeypatch, slic
             expected = hf_next_logprobs(hf, prompt[:position])
             assert logprob == pytest.approx(float(expected[prompt[position]]), abs=1e-4)
             assert chunk.top_ids[i] == expected.topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("slice_rows", [None, 3])
+def test_prompt_logprobs_of_a_step_scored_together(runner, tiny_llama_dir, monkeypatch, slice_rows):
+    """One step holding chunks that ask for 2, 0 and 2 top logprobs, with a sequence asking none
+    between them (so the scored rows are not side by side) and one whose samples 1.. share sample 0's
+    prompt (only sample 0 scores it): each chunk gets its own positions' logprobs, ranks and top ids,
+    against HF, whether scored whole or 3 rows at a time (slices crossing the chunks' bounds)."""
+    if slice_rows is not None:
+        monkeypatch.setattr(runner, "prompt_logprob_rows", slice_rows)
+    hf = hf_model(str(tiny_llama_dir))
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    asks = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k) for k in (2, 0, 2)]
+    prompts = [[7, 120, 33, 260, 15, 88, 2], [9, 4, 200, 31, 77], [50, 51, 52, 53, 54, 55], [18, 44, 101, 3, 5, 6]]
+    a = MadeUpSequence(10, MadeUpRequest(prompts[0], asks[0], True), block_ids=[1, 2])
+    plain = MadeUpSequence(11, MadeUpRequest(prompts[1], greedy), block_ids=[3, 5])
+    b = MadeUpSequence(12, MadeUpRequest(prompts[2], asks[1], True), block_ids=[6, 7])
+    c = MadeUpSequence(13, MadeUpRequest(prompts[3], asks[2], True), block_ids=[8, 9])
+    c_sample_1 = MadeUpSequence(14, c.request, block_ids=[8, 15], index=1)
+    scores = _run(runner, [(a, 7), (plain, 5), (b, 4), (c, 6), (c_sample_1, 6)]).prompt_logprobs
+    chunks = {chunk.seq.seq_id: chunk for chunk in scores.read()}
+    assert sorted(chunks) == [10, 12, 13]
+    for seq, scored_to in ((a, 7), (b, 4), (c, 6)):  # a whole prompt scores up to its last token
+        chunk = chunks[seq.seq_id]
+        k = seq.params.prompt_logprobs
+        assert chunk.first == 1 and len(chunk.token_logprobs) == len(chunk.ranks) == min(scored_to, len(seq.prompt_token_ids) - 1)
+        assert (chunk.top_ids is None) == (k == 0)
+        for i, logprob in enumerate(chunk.token_logprobs):
+            position = chunk.first + i
+            expected = hf_next_logprobs(hf, seq.prompt_token_ids[:position])
+            token = seq.prompt_token_ids[position]
+            assert logprob == pytest.approx(float(expected[token]), abs=1e-4)
+            assert chunk.ranks[i] == int((expected > expected[token]).sum()) + 1
+            if k:
+                assert chunk.top_ids[i] == expected.topk(k).indices.tolist()
+                assert chunk.top_logprobs[i] == pytest.approx(expected.topk(k).values.tolist(), abs=1e-4)
 
 
 @pytest.fixture(scope="module")

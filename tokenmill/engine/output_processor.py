@@ -28,7 +28,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
 
     def record_prompt_logprobs(self, result: StepResult[Sequence]) -> None:
-        for chunk in result.prompt_logprobs or ():
+        for chunk in result.prompt_logprobs.read() if result.prompt_logprobs is not None else ():
             request = chunk.seq.request
             assert request.prompt_logprobs is not None, "the runner scores prompts only when asked"
             for i, (lp, rank) in enumerate(zip(chunk.token_logprobs, chunk.ranks)):

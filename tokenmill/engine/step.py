@@ -148,6 +148,14 @@ class PromptLogprobs(Generic[S]):
     top_logprobs: list[list[float]] | None
 
 
+class PromptScores(Protocol):
+    """A step's prompt logprobs, scored on the device (worker/prompt_logprobs.py's ScoredPrompts)."""
+
+    def read(self) -> list[PromptLogprobs[Any]]:
+        """Per prefill chunk, its scores as lists: only once the step is done (`StepResult.wait`)."""
+        ...
+
+
 @dataclass
 class SampledTokens:
     """A step's sampled rows on the host, as Python lists (the logprob fields only when asked for)."""
@@ -171,7 +179,7 @@ class StepResult(Generic[S]):
 
     sampled: list[ScheduledSequence[S]]  # the sequences that got a new token, in row order
     output: SamplerOutput | None
-    prompt_logprobs: list[PromptLogprobs[S]] | None = None
+    prompt_logprobs: PromptScores | None = None  # read after `wait`
     ready: "torch.cuda.Event | None" = None
     pending_draw: "Callable[[], None] | None" = field(default=None, repr=False)
     _host: SampledTokens | None = field(default=None, repr=False)

@@ -30,10 +30,11 @@ from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs, capture_prompt_graphs
-from tokenmill.worker.prompt_logprobs import MIN_PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_ROWS, score_prompts
+from tokenmill.worker.prompt_logprobs import MIN_PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_ROWS, ScoredPrompts, score_prompts
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 from tokenmill.worker.sampling_profile import SamplingReserve, largest_state, profile_sampling
 from tokenmill.worker.sampling_state import BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, step_rows
+from tokenmill.worker.sizing import lazy_zeros
 
 if TYPE_CHECKING:
     from tokenmill.logits_processor import BatchLogitsProcessors
@@ -114,7 +115,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [_lazy_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
+        self.kv_caches = [lazy_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
 
     def free_kv_cache(self) -> None:
         """Drop the KV cache and what reads it (the graphs, the last step's sampled ids): sleep."""
@@ -234,10 +235,13 @@ class ModelRunner:
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)
-        prompt_logprobs = score_prompts(self.model, scheduled, meta.query_lens_host, hidden, self.prompt_logprob_rows)
+        prompt_logprobs = score_prompts(self.model, scheduled, meta.query_lens_host, hidden, self.prompt_logprob_rows,
+                                        self._to_device)
         if batch is None:
             self._last_sampled, self._last_rows = None, {}
-            return StepResult([], None, prompt_logprobs)
+            result = StepResult([], None, prompt_logprobs)
+            self._to_host(result)
+            return result
         if len(sample_rows) == len(scheduled) and meta.is_pure_decode:
             last_hidden = hidden  # one token per sequence, every one samples
         else:
@@ -267,11 +271,15 @@ class ModelRunner:
         self._to_host(result)
 
     def _to_host(self, result: StepResult) -> None:
-        """Start copying the sampler's output to (pinned) host memory; an event marks the end."""
-        if not self._pin or result.output is None:
+        """Start copying the sampler's output and the prompt logprobs to (pinned) host memory; an
+        event marks the end."""
+        if not self._pin or (result.output is None and result.prompt_logprobs is None):
             return
-        result.output = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None
-                                        for t in result.output.tensors()))
+        if result.output is not None:
+            result.output = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None
+                                            for t in result.output.tensors()))
+        if isinstance(result.prompt_logprobs, ScoredPrompts):
+            result.prompt_logprobs.replace([t.to("cpu", non_blocking=True) for t in result.prompt_logprobs.tensors()])
         result.ready = torch.cuda.Event()
         result.ready.record()
 
@@ -484,16 +492,3 @@ class ModelRunner:
 # The dtypes of the step tensors built from Python lists (``ModelRunner._tensor``, ``_columns``).
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV cache tensor, so a slot read before it is written (the masked tail of a
-    block) holds a finite number: a NaN would survive an attention mask.
-
-    On the CPU, numpy's zeros come from calloc: the OS maps zero pages lazily, so a 4 GiB pool is
-    instant, where torch.zeros would write every byte (seconds here). A GPU zero-fills 100 GiB in
-    tens of milliseconds, so torch.zeros is fine there.
-    """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
-    return torch.from_numpy(raw).view(dtype)

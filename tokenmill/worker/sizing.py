@@ -1,4 +1,4 @@
-"""How many KV-cache blocks to allocate.
+"""How many KV-cache blocks to allocate, and the zero-filled tensors that hold them (`lazy_zeros`).
 
 ``num_gpu_blocks_override`` is taken as it is. Otherwise ``kv_cache_memory_bytes`` wins when
 given. On a GPU the pool takes what is left of ``gpu_memory_utilization`` of the card after the
@@ -21,6 +21,7 @@ import gc
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -89,3 +90,17 @@ def _gpu_budget(config: "EngineConfig", runner: "ModelRunner", prompt_graph_toke
         sampling.sampler_rows, graph_pool / 2**30, budget / 2**30,
     )
     return max(budget, 0)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor, so a slot read before it is written (the masked tail of a
+    block) holds a finite number: a NaN would survive an attention mask.
+
+    On the CPU, numpy's zeros come from calloc: the OS maps zero pages lazily, so a 4 GiB pool is
+    instant, where torch.zeros would write every byte (seconds here). A GPU zero-fills 100 GiB in
+    tens of milliseconds, so torch.zeros is fine there.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
+    return torch.from_numpy(raw).view(dtype)
