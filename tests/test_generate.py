@@ -151,6 +151,39 @@ def test_preemption_under_a_tiny_kv_pool_gives_same_output(tiny_llama_dir, llama
     assert token_ids(outputs) == expected
 
 
+def test_preemption_keeps_every_prompt_position_scored_once(tiny_llama_dir, llama_llm, monkeypatch):
+    """Prompt logprobs (k = 1, without decoded tokens) of sequences preempted in the middle of their
+    prefill and computed again (a 7-block pool, 32 tokens a step): each position appears once, with
+    the values an ample pool gives; the positions scored a second time are left out."""
+    from tokenmill.engine.output_processor import OutputProcessor
+
+    prompts = random_prompts(llama_llm.llm_engine.config.vocab_size, [60, 55, 50, 45], seed=3)
+    params = GREEDY.clone(max_tokens=12, prompt_logprobs=1, detokenize=False)
+    expected = llama_llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    rescored = []
+    record = OutputProcessor.record_prompt_logprobs
+
+    def spy(self, result):
+        for chunk in result.prompt_logprobs.read() if result.prompt_logprobs is not None else ():
+            rescored.append(max(0, len(chunk.seq.request.prompt_logprobs) - chunk.first))
+        record(self, result)
+
+    monkeypatch.setattr(OutputProcessor, "record_prompt_logprobs", spy)
+    per_block = llama_llm.llm_engine.executor.runner.kv_bytes_per_block()
+    small = make_llm(tiny_llama_dir, kv_cache_memory_bytes=7 * per_block, enable_prefix_caching=False,
+                     max_num_batched_tokens=32)
+    outputs = small.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0 and any(rescored), rescored
+    for prompt, want, got in zip(prompts, expected, outputs, strict=True):
+        assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+        for position in range(1, len(prompt)):
+            mine, theirs = got.prompt_logprobs[position], want.prompt_logprobs[position]
+            assert list(mine) == list(theirs) and list(mine)[0] == prompt[position]
+            for token, entry in mine.items():
+                assert entry.rank == theirs[token].rank and entry.decoded_token is None
+                assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-5)
+
+
 def test_chunked_prefill_gives_same_output(tiny_llama_dir, llama_llm, llama_prompts):
     expected = token_ids(llama_llm.generate(as_inputs(llama_prompts), GREEDY, use_tqdm=False))
     chunked = make_llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=4)

@@ -297,13 +297,14 @@ def test_malformed_logit_controls_name_the_field(controls, field):
 
 # ---- prompt logprobs against HF's log_softmax over the whole prompt ----
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_prompt_logprobs_match_hf(tiny_llama_dir, hf, prompts, chunked):
+@pytest.mark.parametrize("chunked, k, detokenize", [(False, 3, True), (True, 3, True), (False, 1, False), (True, 3, False)])
+def test_prompt_logprobs_match_hf(tiny_llama_dir, hf, prompts, chunked, k, detokenize):
     # Chunked: an 8-token budget splits the 31-token prompt over four steps; prefix caching stays
-    # on, and the second run of the same prompt must still score every position.
+    # on, and the second run of the same prompt must still score every position. Without
+    # detokenize the positions are built on the output processor's direct path (no decoded tokens).
     llm = make_llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=2) if chunked else make_llm(tiny_llama_dir)
     prompt = prompts[2]
-    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=k, detokenize=detokenize)
     for _ in range(2):
         out = llm.generate(as_inputs([prompt]), params, use_tqdm=False)[0]
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
@@ -314,10 +315,12 @@ def test_prompt_logprobs_match_hf(tiny_llama_dir, hf, prompts, chunked):
             token = prompt[pos]
             assert abs(entry[token].logprob - row[token].item()) < 1e-4
             assert entry[token].rank == int((row > row[token]).sum()) + 1
-            top = row.topk(3).indices.tolist()
-            assert set(top) <= set(entry) and len(entry) <= 4
-            for tid in top:
+            top = row.topk(k).indices.tolist()
+            assert set(top) <= set(entry) and len(entry) <= k + 1 and list(entry)[0] == token
+            for rank, tid in enumerate(top, start=1):
                 assert abs(entry[tid].logprob - row[tid].item()) < 1e-4
+                assert entry[tid].rank == rank
+            assert all((lp.decoded_token is not None) == detokenize for lp in entry.values())
     assert llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
-    """Log probability of one token at one position, its rank in the distribution, and its text."""
+    """Log probability of one token at one position, its rank in the distribution, and its text.
+    Slotted: a scoring job holds one or two a prompt position (56 bytes each, not 152)."""
 
     logprob: float
     rank: int | None = None
