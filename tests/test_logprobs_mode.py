@@ -99,6 +99,26 @@ def test_processed_modes_report_the_distribution_drawn_from(tiny_llama_dir, prom
     assert greedy or cut_seen or params.top_p < 1.0  # top-k 4 < TOP: the fifth reported token is cut
 
 
+@pytest.mark.parametrize("with_processor", [False, True])
+def test_processed_logits_add_the_logit_bias_once(tiny_llama_dir, prompts, hf, with_processor):
+    """A logit bias shows in processed_logits exactly once, also when a Python logits processor
+    (which takes the bias before it runs) is on the row; the row without a bias is untouched."""
+    bias = {7: 6.0, 11: -2.0}
+    noop = [lambda ids, logits: logits] if with_processor else None
+    biased = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=TOP, logit_bias=bias,
+                            logits_processors=noop)
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=TOP, logits_processors=noop)
+    llm = make_llm(tiny_llama_dir, logprobs_mode="processed_logits")
+    outputs = llm.generate(as_inputs(prompts), [biased, plain], use_tqdm=False)
+    assert any(7 in position for position in outputs[0].outputs[0].logprobs)  # the biased token is reported
+    for prompt, output, shift in zip(prompts, outputs, (bias, {})):
+        completion = output.outputs[0]
+        for i, (_, logits) in enumerate(_positions(hf, prompt, completion.token_ids)):
+            for token, value in _reported(completion, i).items():
+                assert value == pytest.approx(float(logits[0, token]) + shift.get(token, 0.0), abs=ATOL)
+            assert completion.token_ids[i] == int((logits[0] + torch.tensor([shift.get(t, 0.0) for t in range(logits.shape[1])])).argmax())
+
+
 def test_beam_search_and_best_of_need_logprobs_not_logits(tiny_llama_dir, prompts):
     llm = make_llm(tiny_llama_dir, logprobs_mode="processed_logits")
     with pytest.raises(ValueError, match="logprobs_mode='processed_logits'"):

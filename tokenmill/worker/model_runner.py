@@ -402,6 +402,8 @@ class ModelRunner:
             top_k=self._tensor([min(p.top_k, self.vocab_size) for p in params], torch.int64) if filtered else None,
             max_top_k=max_top_k,
             top_p_alone=filtered and any(p.top_p < 1.0 and not 0 < p.top_k < self.vocab_size for p in params),
+            any_top_p=filtered and any(p.top_p < 1.0 for p in params),
+            any_min_p=filtered and any(p.min_p > 0.0 for p in params),
             top_p=floats[1] if filtered else None,
             min_p=floats[2] if filtered else None,
             # best_of ranks samples by their logprobs, so it needs them even when logprobs is None;

@@ -57,6 +57,9 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [N] float, 1 = off
     min_p: torch.Tensor | None  # [N] float, 0 = off
     top_p_alone: bool = True  # some row has top-p without top-k (a host fact: else the GPU skips two passes)
+    # Some row has top-p < 1 / min-p > 0 (host facts, so the torch filters test no device tensor).
+    any_top_p: bool = True
+    any_min_p: bool = True
     # The random draw of each row: a 64-bit key and a counter (see the module docstring); None when
     # every row is greedy.
     draw_keys: torch.Tensor | None = None  # [N] int64
@@ -109,6 +112,7 @@ class Sampler:
         elif mode == "raw_logits":
             raw_logprobs = logits.float().clone()  # a copy: the bans below write into the logits
         state = batch.state
+        bias_pending = batch.bias_rows is not None  # the logit bias is still to be added (a host fact)
         if batch.processors or batch.batch_processors:
             # Python processors see float32 logits with the controls before them applied, in vLLM's
             # order; the kernels then add only the penalties.
@@ -118,6 +122,7 @@ class Sampler:
             if batch.bias_rows is not None:
                 apply_bias(logits, state.bias, batch.bias_rows)
                 state = state._replace(bias_slots=torch.full_like(state.bias_slots, -1))
+                bias_pending = False
         elif batch.grammar_bitmask is not None:
             # In place in the logits' own dtype (-inf is exact in any; the kernels read them into
             # float32 as they would a float32 copy): no [rows, V] float32 copy a step, and the
@@ -137,7 +142,7 @@ class Sampler:
             logits[batch.banned[0], batch.banned[1]] = float("-inf")
         if mode in ("processed_logprobs", "processed_logits") or not logits.is_cuda:
             # The CPU always samples this way: the same steps in plain torch, from the same state.
-            token_ids, processed = self._processed(logits, batch, state)
+            token_ids, processed = self._processed(logits, batch, state, bias_pending)
             if mode == "processed_logits":
                 raw_logprobs = processed
             elif mode == "processed_logprobs":
@@ -196,12 +201,13 @@ class Sampler:
                              top_p_alone=batch.top_p_alone)
 
     @staticmethod
-    def _processed(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _processed(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None,
+                   bias_pending: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens and the float32 logits they are drawn from (the CPU's sampling, and the
         ``processed_*`` logprobs modes'): the per-sequence state applied; unless every row is greedy,
         divided by the temperature (1 for greedy rows, which take the argmax) and filtered (the filters
         act on the tempered distribution). The draw then needs no state, filters or temperature."""
-        processed = _with_state(logits, batch, state).float()
+        processed = _with_state(logits, batch, state, bias_pending).float()
         if batch.all_greedy:
             return processed.argmax(dim=-1), processed
         temperature = batch.temperature
@@ -255,12 +261,13 @@ def kernel_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Sa
     return SamplerOutput(token_ids, scored.logprob, scored.rank, top_ids, top_logprobs)
 
 
-def _with_state(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None) -> torch.Tensor:
-    """The logits with the rows' logit bias and penalties from the per-sequence state (torch)."""
+def _with_state(logits: torch.Tensor, batch: SamplingBatch, state: RowState | None, bias_pending: bool) -> torch.Tensor:
+    """The logits with the rows' logit bias (unless ``bias_pending`` is False: Python processors
+    took it already) and penalties from the per-sequence state (torch)."""
     if state is None:
         return logits
     logits = logits.float()
-    if batch.bias_rows is not None and bool((state.bias_slots >= 0).any()):
+    if bias_pending and batch.bias_rows is not None:
         logits = logits.clone()
         apply_bias(logits, state.bias, batch.bias_rows)
     if batch.penalty_rows is not None:
@@ -273,9 +280,9 @@ def _filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     assert batch.top_k is not None and batch.top_p is not None and batch.min_p is not None
     if batch.max_top_k > 0:
         logits = _top_k(logits, batch.top_k, batch.max_top_k)
-    if bool((batch.top_p < 1.0).any()):
+    if batch.any_top_p:
         logits = _top_p(logits, batch.top_p)
-    if bool((batch.min_p > 0.0).any()):
+    if batch.any_min_p:
         # min-p keeps exp(s - max) >= min_p, i.e. s >= max + log(min_p) (the kernels' form).
         cut = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
         logits = logits.masked_fill(logits < cut, float("-inf"))
