@@ -28,8 +28,8 @@ from tokenmill.batch.requests import RowError, RowRequest, build_row_request, ch
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
 from tokenmill.batch.row_prompts import batch_prompts, check_chat_template, row_prompt
 from tokenmill.batch.writers import encode_lines
-from tokenmill.fatal_errors import is_device_failure, is_engine_stopped
 from tokenmill.distributed import cleanup_dist_env_and_memory
+from tokenmill.fatal_errors import is_device_failure, is_engine_stopped
 from tokenmill.gc_policy import young_collections_only
 
 if TYPE_CHECKING:
