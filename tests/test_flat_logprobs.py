@@ -84,6 +84,10 @@ CASES = [
     # the flat form's by _append: the two must still agree.
     SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=5, ignore_eos=True, logprobs=1, detokenize=False),
     SamplingParams(temperature=1.0, seed=6, max_tokens=5, ignore_eos=True, logprobs=4, detokenize=False),
+    # Prompt positions without decoded tokens: the list form's built by _position, the flat form's
+    # columns by FlatLogprobs.extend_ranked (k = 1, a scoring job's, and k = 3).
+    SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1, logprobs=0, detokenize=False),
+    SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3, logprobs=2, detokenize=False),
 ]
 
 

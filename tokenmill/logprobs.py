@@ -68,6 +68,27 @@ class FlatLogprobs(MutableSequence):
                 self.logprobs[at], self.ranks[at], self.decoded_tokens[at] = logprob, rank, text
         self.end_indices.append(len(self.token_ids))
 
+    def extend_ranked(self, tokens: list[int], logprobs: list[float], ranks: list[int],
+                      top_ids: list[list[int]] | None, top_logprobs: list[list[float]] | None) -> None:
+        """Append positions whose entries are the token (its logprob and rank), then its top ones
+        ranked 1, 2, ... (a top one that is the token itself left out, so the token keeps its rank),
+        without decoded tokens: what `append_position` gives for each, in one pass (a scoring job
+        appends every prompt position; the top ids of a position are distinct)."""
+        ids, values, ranked, starts, ends = self.token_ids, self.logprobs, self.ranks, self.start_indices, self.end_indices
+        for i, token in enumerate(tokens):
+            starts.append(len(ids))
+            ids.append(token)
+            values.append(logprobs[i])
+            ranked.append(ranks[i])
+            if top_ids is not None and top_logprobs is not None:
+                for rank, (top, value) in enumerate(zip(top_ids[i], top_logprobs[i]), start=1):
+                    if top != token:
+                        ids.append(top)
+                        values.append(value)
+                        ranked.append(rank)
+            ends.append(len(ids))
+        self.decoded_tokens.extend([None] * (len(ids) - len(self.decoded_tokens)))
+
     def append(self, position: LogprobsOnePosition | None) -> None:
         """Append one position given as a dict (None: a position without logprobs)."""
         entries = (position or {}).items()

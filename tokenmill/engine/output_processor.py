@@ -30,9 +30,10 @@ class OutputProcessor:
     def record_prompt_logprobs(self, result: StepResult[Sequence]) -> None:
         """The prompt positions a step scored, appended to their requests' prompt logprobs.
 
-        A scoring job reads back every prompt position (16k a step), so the common form, a list
-        container without decoded tokens, gets its dicts built directly (`_position`, as the
-        sampled tokens' do: a third of `_append`'s time); the others go through `_append`."""
+        A scoring job reads back every prompt position (16k a step), so positions without decoded
+        tokens are built directly: a list container's dicts as the sampled tokens' are (`_position`:
+        a third of `_append`'s time), a flat one's columns in one pass (`FlatLogprobs.extend_ranked`);
+        positions with decoded tokens go through `_append`."""
         for chunk in result.prompt_logprobs.read() if result.prompt_logprobs is not None else ():
             request = chunk.seq.request
             container = request.prompt_logprobs
@@ -44,11 +45,13 @@ class OutputProcessor:
             logprobs, ranks = chunk.token_logprobs[skip:], chunk.ranks[skip:]
             top_ids = chunk.top_ids[skip:] if chunk.top_ids is not None else None
             top_logprobs = chunk.top_logprobs[skip:] if chunk.top_logprobs is not None else None
-            if type(container) is list and (self.tokenizer is None or not params.detokenize):
-                k = params.prompt_logprobs
-                if top_ids is None or top_logprobs is None:
+            if self.tokenizer is None or not params.detokenize:
+                if isinstance(container, FlatLogprobs):
+                    container.extend_ranked(tokens, logprobs, ranks, top_ids, top_logprobs)
+                elif top_ids is None or top_logprobs is None:
                     container.extend({t: Logprob(lp, r)} for t, lp, r in zip(tokens, logprobs, ranks))
                 else:
+                    k = params.prompt_logprobs
                     container.extend(_position(t, lp, r, ti, tl, k)
                                      for t, lp, r, ti, tl in zip(tokens, logprobs, ranks, top_ids, top_logprobs))
                 continue
