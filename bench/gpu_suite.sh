@@ -4,8 +4,8 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [refill] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
-#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
@@ -179,6 +179,9 @@ for part in $parts; do
         timeout 200 python3 bench/profile_step.py qwen3-0.6b refill:$workload --timeline > "$OUT/timeline_refill_$workload.txt" 2>&1
         tail -12 "$OUT/timeline_refill_$workload.txt"
       done ;;
+    beam)  # LLM.beam_search (bench/beam_bench.py: 256 prompts, 64 tokens a beam; BEAM_WIDTHS, default 4)
+      RESULTS="$OUT/beam.raw" timeout 300 python3 bench/beam_bench.py tokenmill qwen3-0.6b ${BEAM_WIDTHS:-4} 2>&1 | grep -E '^\{'
+      tag "$OUT/beam.raw" "$OUT/throughput.jsonl"; : > "$OUT/beam.raw" ;;
     job)  # the batch job (tokenmill run's loop) beside LLM.generate on P1's and P2's requests, one process, alternating (perf.md 69)
       RESULTS="$OUT/job.raw" timeout 400 python3 bench/job_bench.py qwen3-0.6b nano uniform 2>&1 | grep -E '^\{'
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
@@ -326,7 +329,7 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-refill|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
+    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-refill|vllm-beam|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
@@ -350,6 +353,7 @@ for part in $parts; do
           RESULTS="$OUT/vllm.raw" timeout 500 python3 bench/workload_bench.py vllm qwen3-0.6b ${CHAT_VARIANTS:-} ${CHAT_FLAGS:-} 2>&1 \
             | tee "$OUT/vllm_chat.log" | grep -E '^(\{|WARNING)' ;;
         vllm-refill) RESULTS="$OUT/vllm.raw" timeout 400 python3 bench/refill_bench.py vllm qwen3-0.6b ${REFILL_WORKLOADS:-short long} 2>&1 | tail -3 ;;
+        vllm-beam) RESULTS="$OUT/vllm.raw" timeout 400 python3 bench/beam_bench.py vllm qwen3-0.6b ${BEAM_WIDTHS:-4} 2>&1 | tail -3 ;;
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
               done ;;
