@@ -67,6 +67,37 @@ def test_a_key_collision_is_a_miss_unless_the_block_holds_the_same_tokens(monkey
     assert kv.find_cached_prefix(make_seq(list(range(12)), seq_id=2)) == first_blocks[:1]
 
 
+def test_a_sequence_sharing_committed_blocks_adopts_their_keys_instead_of_hashing_again(monkeypatch):
+    """A fork or a later sample admitted on its source's blocks: those already in the prefix cache
+    count as committed, with the keys its own tokens give (no hash is computed for them again),
+    and its next full block chains on from them; the source's uncommitted tail is not adopted."""
+    from tokenmill.engine import kv_cache
+
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    source = make_seq(list(range(14)))
+    compute(kv, source, 14)  # blocks 0-2 full and committed, block 3 half full
+    fork = make_seq(list(range(13)) + [99], seq_id=1)  # same tokens up to position 13
+    expected = make_seq(list(range(13)) + [99] + [5, 6], seq_id=2)
+    kv._extend_hashes(expected, 4)  # the keys its tokens give, computed the ordinary way
+    hashed = []
+    real = kv_cache.chain_hash
+    monkeypatch.setattr(kv_cache, "chain_hash", lambda parent, tokens: hashed.append(tokens) or real(parent, tokens))
+    assert kv.allocate(fork, 2, source.block_ids[:3])  # 12 tokens shared, 2 to compute
+    assert fork.num_committed_blocks == 3 and fork.block_hashes == expected.block_hashes[:3] and hashed == []
+    fork.output_token_ids += [5, 6]
+    assert kv.allocate(fork, 2)
+    fork.num_computed_tokens += 4
+    kv.commit_computed(fork)  # its own fourth block: one hash, chained on the adopted keys
+    assert hashed == [[12, 99, 5, 6]] and fork.block_hashes == expected.block_hashes and fork.num_committed_blocks == 4
+
+    uncommitted = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    lone = make_seq(list(range(9)), seq_id=3)
+    assert uncommitted.allocate(lone, 9)  # computed but never committed: nothing to adopt
+    sample = make_seq(list(range(9)), seq_id=4)
+    assert uncommitted.allocate(sample, 1, lone.block_ids[:2])
+    assert sample.num_committed_blocks == 0 and sample.block_hashes == []
+
+
 def test_shared_blocks_are_reference_counted():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     a = make_seq(list(range(9)))

@@ -196,7 +196,22 @@ class KVCacheManager:
         seq.block_ids.extend(prefix_blocks)
         seq.num_computed_tokens += prefix_tokens
         seq.block_ids.extend(self.pool.allocate(needed))
+        if prefix_blocks and self.enable_prefix_caching:
+            self._adopt_committed(seq, prefix_blocks)
         return True
+
+    def _adopt_committed(self, seq: Sequence, prefix_blocks: list[int]) -> None:
+        """The leading prefix blocks already in the prefix cache count as committed, with their keys:
+        a beam forked from its parent, or sample k of a request, would otherwise hash and offer
+        again every block it shares (a beam search re-hashed its whole history at every fork). Their
+        keys are the sequence's own, its tokens and cache salt being its source's up to there."""
+        keys = self.pool.block_hash
+        adopted = 0
+        while adopted < len(prefix_blocks) and keys[prefix_blocks[adopted]] is not None:
+            adopted += 1
+        if adopted > len(seq.block_hashes):
+            seq.block_hashes.extend(keys[b] for b in prefix_blocks[len(seq.block_hashes) : adopted])  # type: ignore[misc]
+        seq.num_committed_blocks = max(seq.num_committed_blocks, adopted)
 
     def commit_computed(self, seq: Sequence) -> None:
         """Index the sequence's newly completed full blocks so later prompts can hit them."""
