@@ -324,6 +324,30 @@ def test_prompt_logprobs_match_hf(tiny_llama_dir, hf, prompts, chunked, k, detok
     assert llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_samples_on_a_copied_partial_block_equal_one_sample_alone(tiny_llama_dir, prompts, kv_cache_dtype):
+    """Samples 1..n-1 start from sample 0's blocks, its partial last block copied (prompts of 6-31
+    tokens: a partial block each, 16-token blocks); at a temperature of 1e-4 (greedy in effect: vLLM
+    refuses n > 1 at 0) every sample's tokens and logprobs equal those of the request run alone,
+    over a float32 cache and an fp8 one (the copy moves bytes)."""
+    from tokenmill import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=16 * 2**20,
+              seed=0, kv_cache_dtype=kv_cache_dtype)
+    copies = []
+    runner = llm.llm_engine.executor.runner
+    copy = runner._copy_blocks
+    runner._copy_blocks = lambda pairs: copies.extend(pairs) or copy(pairs)
+    greedy = SamplingParams(temperature=1e-4, seed=5, max_tokens=6, ignore_eos=True, logprobs=0)
+    alone = llm.generate(as_inputs(prompts), greedy, use_tqdm=False)
+    shared = llm.generate(as_inputs(prompts), greedy.clone(n=3), use_tqdm=False)
+    assert len(copies) == 2 * len(prompts)  # samples 1 and 2 of every prompt
+    for one, three in zip(alone, shared, strict=True):
+        for sample in three.outputs:
+            assert sample.token_ids == one.outputs[0].token_ids
+            assert sample.cumulative_logprob == pytest.approx(one.outputs[0].cumulative_logprob, abs=1e-5)
+
+
 def test_best_of_returns_the_n_most_likely_of_best_of_samples(llm, prompts):
     base = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, logprobs=0)
     # best_of=4 runs exactly the four seeded samples that n=4 runs; it must return the top two of them.

@@ -27,7 +27,7 @@ TOKEN = 7  # what the made-up runner samples unless told otherwise
 
 
 def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32, prefix_caching: bool = True,
-                   priority: bool = False) -> Scheduler:
+                   priority: bool = False, copy_partial_blocks: bool = False) -> Scheduler:
     seq_ids = itertools.count()
 
     def new_sequence(request: Request, index: int) -> Sequence:
@@ -35,7 +35,7 @@ def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32
 
     kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
     return Scheduler(kv, max_num_seqs, budget, eos_token_ids=frozenset({EOS}), new_sequence=new_sequence,
-                     priority=priority)
+                     priority=priority, copy_partial_blocks=copy_partial_blocks)
 
 
 def add(scheduler: Scheduler, prompt: list[int], max_tokens: int | None = 8, n: int = 1, priority: int = 0,
@@ -218,6 +218,36 @@ def test_samples_of_one_prompt_share_its_blocks_without_the_prefix_cache():
     assert second.block_ids[:2] == third.block_ids[:2] == lead.block_ids[:2]
     assert all(scheduler.kv.pool.ref_counts[b] == 3 for b in lead.block_ids[:2])
     assert len({second.block_ids[2], third.block_ids[2], lead.block_ids[2]}) == 3
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_samples_take_a_copy_of_the_partial_block_and_compute_only_their_last_token(prefix_caching):
+    """With copy_partial_blocks, samples 1 and 2 share sample 0's full blocks, copy its partial one
+    into a block of their own (in the plan that admits them, carried out once it is launched) and
+    compute only the last prompt token; a plan the engine drops gives its copies up, and the
+    samples then compute the partial block's tokens themselves."""
+    scheduler = make_scheduler(prefix_caching=prefix_caching, copy_partial_blocks=True)
+    request = add(scheduler, prompt(10), n=3)
+    lead, second, third = request.sequences
+    assert planned(step(scheduler)) == [(0, 10, True)]
+    plan = step(scheduler)
+    assert planned(plan) == [(0, 1, True), (1, 1, True), (2, 1, True)]
+    assert plan.block_copies == [(lead.block_ids[2], second.block_ids[2]), (lead.block_ids[2], third.block_ids[2])]
+    assert len({second.block_ids[2], third.block_ids[2], lead.block_ids[2]}) == 3
+    assert second.copy_pending is None and third.copy_pending is None and scheduler._copies == 0
+    assert second.num_computed_tokens == third.num_computed_tokens == 10
+    assert not step(scheduler).block_copies  # once only
+
+    dropped = make_scheduler(prefix_caching=prefix_caching, copy_partial_blocks=True)
+    request = add(dropped, prompt(10), n=2)
+    lead, second = request.sequences
+    step(dropped)
+    plan = dropped.schedule()
+    assert planned(plan) == [(0, 1, True), (1, 1, True)] and plan.block_copies
+    dropped.undo_copies(plan)  # the engine could not launch it (an adapter failed to load)
+    assert second.copy_pending is None and second.num_computed_tokens == 8 and dropped._copies == 0
+    again = dropped.schedule()
+    assert planned(again) == [(0, 1, True), (1, 2, True)] and not again.block_copies
 
 
 def test_finished_and_preempted_ids_reach_the_next_plan_once():

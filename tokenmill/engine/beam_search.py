@@ -21,9 +21,9 @@ matcher allows, with their raw log-probabilities (transformers with a ``prefix_a
 a fork takes a fork of its parent's matcher, and each beam's matcher accepts the token it continues with.
 
 A parent that continues with one token keeps its sequence and blocks. Each extra token forks a new
-sequence that, when admitted, takes references on the parent's full KV blocks and recomputes only
-the parent's partial last block plus its new token (see `Scheduler._shareable_prefix`). A parent
-with no continuation is freed.
+sequence that, when admitted, takes references on the parent's full KV blocks and a copy of its
+partial last block, and computes only its new token (see `Scheduler._shareable_prefix`; at TP > 1
+it recomputes the partial block instead). A parent with no continuation is freed.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
             eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
             max_loras=config.lora.max_loras if config.lora is not None else None,
             priority=config.scheduling_policy == "priority",
+            copy_partial_blocks=config.tensor_parallel_size == 1,  # the runner copies on rank 0 alone
         )
         self.adapters = _adapter_book(config, self.executor)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -241,6 +242,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
                 plan.lora_slots = self.adapters.place({s.seq.request.adapter for s in plan.scheduled} - {None})
                 return plan
             except AdapterLoadError as error:
+                self.scheduler.undo_copies(plan)
                 self.scheduler.report_later(plan.finished_seq_ids)
                 failed = self._fail_adapter(error)
                 if not failed:  # no request of ours holds it: planning again would meet it again

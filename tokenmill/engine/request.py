@@ -74,6 +74,9 @@ class Sequence:
     # Its next token waits on other sequences (a beam waiting for the rest of its group), so the
     # scheduler leaves it alone until then.
     on_hold: bool = False
+    # (source block, own block): admitted on another sequence's blocks, it counts the tokens of the
+    # source's partial block as computed; the first launched plan holding it copies that block.
+    copy_pending: tuple[int, int] | None = None
 
     @property
     def params(self) -> "SamplingParams":

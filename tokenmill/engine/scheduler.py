@@ -93,6 +93,7 @@ class Scheduler:
         new_sequence: Callable[[Request, int], Sequence] | None = None,
         max_loras: int | None = None,
         priority: bool = False,
+        copy_partial_blocks: bool = False,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -109,6 +110,11 @@ class Scheduler:
         # first), then arrival, and a step that runs out of blocks preempts the lowest-priority
         # running sequence; otherwise first come, first served, preempting the newest.
         self.priority = priority
+        # A sequence admitted on its source's blocks (a beam fork, sample k of a request) takes a copy
+        # of the source's partial last block (SchedulerOutput.block_copies) instead of computing its
+        # tokens again, when the runner can copy on every rank (one rank: the engine says).
+        self.copy_partial_blocks = copy_partial_blocks
+        self._copies = 0  # sequences with a copy pending (Sequence.copy_pending): most steps have none
         self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -164,7 +170,19 @@ class Scheduler:
             preempted += 1
             budget = self._admit_waiting(scheduled, budget)
         finished, self._finished_seq_ids = self._finished_seq_ids, set()
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished)
+        # A copy stays with its sequence until the plan is launched (update_after_launch); a plan the
+        # engine drops gives its copies up (undo_copies).
+        copies = [item.seq.copy_pending for item in scheduled if item.seq.copy_pending is not None] if self._copies else []
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished, block_copies=copies)
+
+    def undo_copies(self, plan: SchedulerOutput[Sequence]) -> None:
+        """A plan the engine drops: its sequences compute the tokens their copies would have brought
+        (a copy run later could read a source block freed and handed to another sequence meanwhile)."""
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.copy_pending is not None:
+                seq.num_computed_tokens -= seq.num_computed_tokens % self.kv.block_size  # the copied tokens
+                self._drop_copy(seq)
 
     def report_later(self, seq_ids: set[int]) -> None:
         """The finished and preempted ids of a plan that was not launched (nothing scheduled): the next plan reports them."""
@@ -176,6 +194,11 @@ class Scheduler:
         count as computed, newly full blocks join the prefix cache, and each sampled token is in
         flight until `update_from_output` reads it."""
         block_size = self.kv.block_size
+        if plan.block_copies:  # carried out before this plan's forward
+            for item in plan.scheduled:
+                if item.seq.copy_pending is not None:
+                    item.seq.copy_pending = None
+                    self._copies -= 1
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
@@ -273,12 +296,18 @@ class Scheduler:
                 if other_adapters >= self.max_num_seqs:
                     break
                 continue
-            prefix = self._shareable_prefix(seq)
-            needed = seq.num_tokens - len(prefix) * self.kv.block_size
+            prefix, partial = self._shareable_prefix(seq)
+            # Tokens a copy of the source's partial block brings: all but the last, which samples.
+            copied = seq.num_tokens - 1 - len(prefix) * self.kv.block_size if partial is not None else 0
+            needed = seq.num_tokens - len(prefix) * self.kv.block_size - copied
             num = min(needed, budget)
-            if (num < needed and not self.chunked_prefill) or not self.kv.allocate(seq, num, prefix):
+            if (num < needed and not self.chunked_prefill) or not self.kv.allocate(seq, num + copied, prefix):
                 self.waiting.appendleft(seq)
                 break
+            if copied:
+                seq.num_computed_tokens += copied
+                seq.copy_pending = (partial, seq.block_ids[len(prefix)])
+                self._copies += 1
             request = seq.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -309,20 +338,33 @@ class Scheduler:
         lead = seq.request.sequences[0]
         return lead.status is SequenceStatus.RUNNING and lead.num_computed_tokens < lead.num_prompt_tokens
 
-    def _shareable_prefix(self, seq: Sequence) -> list[int]:
-        # A forked beam shares its parent's blocks (all its tokens but the last are the parent's);
-        # samples 1..n-1 share sample 0's prompt blocks. These are the request's own blocks, not
-        # prefix-cache reads, so skip_reading_prefix_cache leaves them shared.
+    def _shareable_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """The blocks a waiting sequence can start from, and the source block whose partial contents
+        it can copy (None: it computes them).
+
+        A forked beam shares its parent's blocks (all its tokens but the last are the parent's);
+        samples 1..n-1 share sample 0's prompt blocks. These are the request's own blocks, not
+        prefix-cache reads, so skip_reading_prefix_cache leaves them shared. With
+        ``copy_partial_blocks`` the source's block holding the rest of the shared tokens is copied
+        too, when the source has computed them all: only the last token is computed (a beam fork
+        computed up to a block's worth of its parent's tokens again, every fork of every step). The
+        copy may hold the source's later tokens past them; the sequence writes its own over those
+        before it reads them."""
         source = seq.fork_parent if seq.fork_parent is not None else seq.request.sequences[0]
         if seq is not source and source.status is SequenceStatus.RUNNING and not seq.num_preemptions:
-            full = min(source.num_computed_tokens, seq.num_tokens - 1) // self.kv.block_size
-            if full:
-                return source.block_ids[:full]
+            shared = min(source.num_computed_tokens, seq.num_tokens - 1)
+            full = shared // self.kv.block_size
+            partial = None
+            if (self.copy_partial_blocks and shared == seq.num_tokens - 1 and shared % self.kv.block_size
+                    and full < len(source.block_ids)):
+                partial = source.block_ids[full]
+            if full or partial is not None:
+                return source.block_ids[:full], partial
         if seq.request.needs_prompt_logprobs:
-            return []  # every prompt position must be computed to have logits (vLLM does the same)
+            return [], None  # every prompt position must be computed to have logits (vLLM does the same)
         if seq.params.skip_reading_prefix_cache:
-            return []  # asked for (it still commits its own blocks for later requests)
-        return self.kv.find_cached_prefix(seq)
+            return [], None  # asked for (it still commits its own blocks for later requests)
+        return self.kv.find_cached_prefix(seq), None
 
     def _victim_index(self) -> int:
         """The running sequence to preempt: the newest, or under the priority policy the one of the
@@ -332,6 +374,7 @@ class Scheduler:
         return max(range(len(self.running)), key=lambda k: priority_key(self.running[k]))
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_copy(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -340,8 +383,15 @@ class Scheduler:
         self._finished_seq_ids.add(seq.seq_id)
         self.waiting.appendleft(seq)
 
+    def _drop_copy(self, seq: Sequence) -> None:
+        """A sequence leaving its blocks before its copy ran: the copy is moot."""
+        if seq.copy_pending is not None:
+            seq.copy_pending = None
+            self._copies -= 1
+
     def finish(self, seq: Sequence) -> None:
         """Called once the sequence has its finish_reason: frees its blocks and forgets it."""
+        self._drop_copy(seq)
         seq.status = SequenceStatus.FINISHED
         self._finished_seq_ids.add(seq.seq_id)
         self.kv.free(seq)

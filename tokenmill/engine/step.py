@@ -111,6 +111,9 @@ class SchedulerOutput(Generic[S]):
     finished_seq_ids: set[int] = field(default_factory=set)
     # LoRA adapter (AdapterSpec.uid) -> its device slot, for this step's adapters (set by the engine at launch).
     lora_slots: dict[int, int] = field(default_factory=dict)
+    # (source, destination) KV blocks to copy before the step's forward, every layer: a sequence
+    # admitted on another's blocks counts the copied tokens as computed (Scheduler._shareable_prefix).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

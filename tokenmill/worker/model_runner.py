@@ -27,6 +27,7 @@ from tokenmill.engine.step import (
 )
 from tokenmill.sampling_params import SamplerNeeds
 from tokenmill.worker.cuda_graphs import DecodeGraphs
+from tokenmill.worker.grammar_masks import GrammarMaskStaging
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.worker.micro_batches import Overlap, forward_micro_batches
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs, capture_prompt_graphs
@@ -78,9 +79,7 @@ class ModelRunner:
         self.prompt_graphs: PiecewiseGraphs | None = None  # steps with prompt tokens, up to a token count
         self.forward_activation_bytes = 0  # the profiling forward's own peak (profile_run), on a GPU
         self.grammars = None  # the engine's GrammarCache once a structured request arrives
-        # The grammar masks' pinned staging buffer, reused step after step, and its last copy's end.
-        self._mask_staging: torch.Tensor | None = None
-        self._mask_copied: torch.cuda.Event | None = None
+        self._grammar_masks = GrammarMaskStaging(device)  # the masks' pinned buffer, reused step after step
         self.logits_processors: BatchLogitsProcessors | None = None  # LLM(logits_processors=...), on rank 0
         self._pin = device.type == "cuda"
         # The previous step's sampled ids, left on the device: a sequence whose newest token is
@@ -217,6 +216,8 @@ class ModelRunner:
         back through `StepResult.wait`, so the host can schedule the next step meanwhile."""
         scheduled = plan.scheduled
         self.release_sequences(plan.finished_seq_ids)
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
         lora_slots = self._lora_slots(plan, meta.query_lens_host)
         sampled = [scheduled[i] for i in sample_rows]
@@ -269,6 +270,14 @@ class ModelRunner:
         self._last_rows = {item.seq.seq_id: row for row, item in enumerate(result.sampled)}
         result.output = output
         self._to_host(result)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Each (source, destination) block's keys and values copied in every layer, ahead of the
+        step that reads them (queued before its forward, after the steps that wrote the sources)."""
+        index = self._tensor(list(zip(*copies)), torch.int64)
+        for cache in self.kv_caches:
+            raw = cache.view(torch.uint8)  # as bytes: indexing kernels exist for every cache dtype (fp8 too)
+            raw[:, index[1]] = raw[:, index[0]]
 
     def _to_host(self, result: StepResult) -> None:
         """Start copying the sampler's output and the prompt logprobs to (pinned) host memory; an
@@ -443,29 +452,11 @@ class ModelRunner:
         previous step's tokens are in the matchers: the host fills them while the GPU runs the
         model, which needs no mask."""
         assert self.grammars is not None, "a row with a grammar means the engine handed its GrammarCache over"
-        batch.grammar_bitmask = self._grammar_mask([s.grammar for s in seqs])
+        batch.grammar_bitmask = self._grammar_masks.mask(self.grammars, [s.grammar for s in seqs])
         batch.apply_grammar = self.grammars.apply
         within = [s.request.ranks_within_grammar for s in seqs]
         if any(within):
             batch.rank_within_grammar = self._tensor(within, torch.bool)
-
-    def _grammar_mask(self, matchers: list) -> torch.Tensor:
-        """The step's grammar bitmask on the device. On a GPU the host fills a pinned buffer kept
-        across steps, once the previous step's copy out of it is done: a fresh mask a step (10 MB at
-        512 rows of a 152K vocabulary) cost an allocation, its page faults and a second copy to pin it."""
-        if not self._pin:
-            return self.grammars.bitmask(matchers)
-        staging = self._mask_staging
-        if staging is None or staging.shape[0] < len(matchers):
-            # A dropped buffer stays reserved until its copy is done (the pinned allocator's events).
-            rows = max(len(matchers), 2 * staging.shape[0] if staging is not None else 0)
-            self._mask_staging = torch.empty((rows, -(-self.grammars.vocab_size // 32)), dtype=torch.int32, pin_memory=True)
-        elif self._mask_copied is not None:
-            self._mask_copied.synchronize()
-        mask = self.grammars.bitmask(matchers, out=self._mask_staging).to(self.device, non_blocking=True)
-        self._mask_copied = torch.cuda.Event()
-        self._mask_copied.record()
-        return mask
 
     def _draw_keys(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the (key, counter) of its random draw: a seeded sequence's own seed and the output
