@@ -50,14 +50,14 @@ def pool_only(rows: int, old_policy: bool) -> dict:
     from tokenmill.engine.kv_cache import KVCacheManager
     from tokenmill.engine.request import Request, Sequence
     from tokenmill.sampling_params import SamplingParams
-    from tokenmill.worker.model_runner import _lazy_zeros
+    from tokenmill.worker.sizing import lazy_zeros
     from tokenmill.worker.sizing import CPU_DEFAULT_KV_BYTES
 
     layers, heads, dim, dtype, max_num_seqs, max_model_len = 30, 3, 64, torch.bfloat16, 256, 8192
     per_block = layers * 2 * BLOCK * heads * dim * dtype.itemsize
     num_blocks = min(CPU_DEFAULT_KV_BYTES // per_block, max_num_seqs * (max_model_len // BLOCK) + 1)
     before = rss_mib()
-    caches = [_lazy_zeros((2, num_blocks, BLOCK, heads, dim), dtype, torch.device("cpu")) for _ in range(layers)]
+    caches = [lazy_zeros((2, num_blocks, BLOCK, heads, dim), dtype, torch.device("cpu")) for _ in range(layers)]
     allocated = rss_mib()
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=True, grow_on_demand=not old_policy)
     peak = allocated
