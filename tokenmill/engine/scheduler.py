@@ -114,7 +114,6 @@ class Scheduler:
         # of the source's partial last block (SchedulerOutput.block_copies) instead of computing its
         # tokens again, when the runner can copy on every rank (one rank: the engine says).
         self.copy_partial_blocks = copy_partial_blocks
-        self._copies = 0  # sequences with a copy pending (Sequence.copy_pending): most steps have none
         self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,6 +129,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput[Sequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence[Sequence]] = []
+        copies: list[tuple[int, int]] = []  # the admitted sequences' partial blocks to copy (_admit_waiting)
         preempted = 0
 
         i = 0
@@ -157,7 +157,7 @@ class Scheduler:
                 i += 1
 
         if not preempted:  # admitting new work right after running out of blocks would thrash
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, copies)
         while not scheduled and self.waiting:
             # Every running sequence is on hold and the next waiting one does not fit: beams holding
             # blocks while they wait for a sibling that cannot be admitted. Free the newest of them
@@ -168,11 +168,10 @@ class Scheduler:
             self.running.remove(held)
             self._preempt(held)
             preempted += 1
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, copies)
         finished, self._finished_seq_ids = self._finished_seq_ids, set()
-        # A copy stays with its sequence until the plan is launched (update_after_launch); a plan the
-        # engine drops gives its copies up (undo_copies).
-        copies = [item.seq.copy_pending for item in scheduled if item.seq.copy_pending is not None] if self._copies else []
+        # A copy stays marked on its sequence until the plan is launched (update_after_launch); a plan
+        # the engine drops gives its copies up (undo_copies).
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished, block_copies=copies)
 
     def undo_copies(self, plan: SchedulerOutput[Sequence]) -> None:
@@ -182,7 +181,7 @@ class Scheduler:
             seq = item.seq
             if seq.copy_pending is not None:
                 seq.num_computed_tokens -= seq.num_computed_tokens % self.kv.block_size  # the copied tokens
-                self._drop_copy(seq)
+                seq.copy_pending = None
 
     def report_later(self, seq_ids: set[int]) -> None:
         """The finished and preempted ids of a plan that was not launched (nothing scheduled): the next plan reports them."""
@@ -196,9 +195,7 @@ class Scheduler:
         block_size = self.kv.block_size
         if plan.block_copies:  # carried out before this plan's forward
             for item in plan.scheduled:
-                if item.seq.copy_pending is not None:
-                    item.seq.copy_pending = None
-                    self._copies -= 1
+                item.seq.copy_pending = None
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
@@ -276,7 +273,7 @@ class Scheduler:
         """New beams go to the front of the queue, like preempted sequences: their group waits for them."""
         self.waiting.extendleft(reversed(seqs))
 
-    def _admit_waiting(self, scheduled: list[ScheduledSequence[Sequence]], budget: int) -> int:
+    def _admit_waiting(self, scheduled: list[ScheduledSequence[Sequence]], budget: int, copies: list[tuple[int, int]]) -> int:
         held_back: list[Sequence] = []
         adapters = {s.request.lora_id for s in self.running} - {0} if self.max_loras is not None else set()
         other_adapters = 0
@@ -307,7 +304,7 @@ class Scheduler:
             if copied:
                 seq.num_computed_tokens += copied
                 seq.copy_pending = (partial, seq.block_ids[len(prefix)])
-                self._copies += 1
+                copies.append(seq.copy_pending)
             request = seq.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -374,7 +371,6 @@ class Scheduler:
         return max(range(len(self.running)), key=lambda k: priority_key(self.running[k]))
 
     def _preempt(self, seq: Sequence) -> None:
-        self._drop_copy(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -383,15 +379,8 @@ class Scheduler:
         self._finished_seq_ids.add(seq.seq_id)
         self.waiting.appendleft(seq)
 
-    def _drop_copy(self, seq: Sequence) -> None:
-        """A sequence leaving its blocks before its copy ran: the copy is moot."""
-        if seq.copy_pending is not None:
-            seq.copy_pending = None
-            self._copies -= 1
-
     def finish(self, seq: Sequence) -> None:
         """Called once the sequence has its finish_reason: frees its blocks and forgets it."""
-        self._drop_copy(seq)
         seq.status = SequenceStatus.FINISHED
         self._finished_seq_ids.add(seq.seq_id)
         self.kv.free(seq)
