@@ -51,7 +51,6 @@ class _Scored:
     entry a position, in chunk order)."""
 
     chunks: list[_Chunk]
-    k: int
     logprobs: torch.Tensor  # [positions] float32
     ranks: torch.Tensor  # [positions] int64
     top_ids: torch.Tensor | None  # [positions, k] int64 (k >= 1)
@@ -134,7 +133,7 @@ def _score(model: "nn.Module", chunks: list[_Chunk], k: int, hidden: torch.Tenso
         if top_ids is not None and top_logprobs is not None:
             top_ids[first:last] = scored.top_ids
             top_logprobs[first:last] = scored.top_logprobs
-    return _Scored(chunks, k, logprobs, ranks, top_ids, top_logprobs)
+    return _Scored(chunks, logprobs, ranks, top_ids, top_logprobs)
 
 
 def _split(scored: _Scored) -> list[PromptLogprobs]:
