@@ -120,6 +120,19 @@ def test_run_failed_rows_exit_3_then_resume_refuses_changed_settings(tmp_path, c
     assert {r["completion_tokens"] for r in map(json.loads, open(tmp_path / "o.jsonl")) if r["error"] is None} == {4}
 
 
+def test_run_prompt_logprobs_flags(tmp_path, capsys, tiny_llama_dir):
+    """--prompt-logprobs fills the scoring columns; past --max-logprobs it is a usage error."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "the cat sat on the mat"}\n')
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "2", "--no-progress",
+            "--overwrite", *tiny_flags(tiny_llama_dir), "--max-logprobs", "5"]
+    assert main([*argv, "--prompt-logprobs", "6"]) == 2
+    assert "--prompt-logprobs 6 is more than this engine allows (5" in capsys.readouterr().err
+    assert main([*argv, "--prompt-logprobs", "5"]) == 0
+    record = json.loads(open(tmp_path / "o.jsonl").read())
+    assert len(record["prompt_token_logprobs"]) == record["prompt_tokens"] - 1
+    assert record["prompt_logprob"] == pytest.approx(sum(record["prompt_token_logprobs"]))
+
+
 def test_generate_prints_the_completion(tmp_path, capsys, tiny_llm, tiny_llama_dir):
     expected = tiny_llm.generate(["the cat sat"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].outputs[0].text
     argv = ["generate", "the cat sat", "--no-chat", "--max-tokens", "5", "--temperature", "0"]

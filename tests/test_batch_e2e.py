@@ -214,6 +214,56 @@ def test_n_samples_one_record_each(tmp_path, llm):
     assert sorted(records) == [(r, s) for r in range(3) for s in range(3)]
 
 
+def test_prompt_logprobs_are_written_and_match_transformers(tmp_path, llm, tiny_llama_dir, hf_reference):
+    """A scoring job: rows asking for prompt logprobs (a row's own, one in the flat form; or the
+    whole job) get each prompt token's logprob and their sum, as HF transformers scores the same
+    token ids (teacher-forced log-softmax in fp32); a row asking for none, and an error row, get
+    nulls; the Parquet output of a job-wide ask holds every row's values."""
+    import torch
+
+    texts = prompts(4, seed=9)
+    rows = [{"prompt": texts[0], "sampling_params": {"prompt_logprobs": 0}},
+            {"prompt": texts[1], "sampling_params": {"prompt_logprobs": 3, "flat_logprobs": True}},
+            {"prompt": texts[2]}, {"prompt": texts[3], "sampling_params": {"prompt_logprobs": 1}}, {"prompt": ""}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = job(tmp_path, llm, path)
+    assert summary.failed == 1
+    records = {r["row"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    model = hf_reference(tiny_llama_dir)
+    tokenizer = llm.get_tokenizer()
+    wanted = {}
+    for row, text in enumerate(texts):
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            table = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        wanted[row] = [table[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert records[row]["prompt_tokens"] == len(ids)
+
+    def check(record, want):
+        got = record["prompt_token_logprobs"]
+        assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4, record["row"]
+        assert record["prompt_logprob"] == pytest.approx(sum(want), abs=1e-3)
+
+    for row in (0, 1, 3):
+        check(records[row], wanted[row])
+    assert records[2]["prompt_logprob"] is None and records[2]["prompt_token_logprobs"] is None  # it asked for none
+    assert records[4]["error"] and records[4]["prompt_logprob"] is None and records[4]["prompt_token_logprobs"] is None
+
+    job(tmp_path, llm, path, output="out.parquet", sampling={**GREEDY, "prompt_logprobs": 0})
+    table = {r["row"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    for row, want in wanted.items():
+        check(table[row], want)
+    assert table[4]["error"] and table[4]["prompt_token_logprobs"] is None
+
+
+def test_job_wide_logprobs_above_the_engine_limit_are_a_usage_error(tmp_path, llm):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in prompts(2)])
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} 21 is more than this engine allows \\(20"):
+            job(tmp_path, llm, path, sampling={**GREEDY, name: 21})
+        assert not (tmp_path / "out.jsonl").exists() or not read_jsonl(tmp_path / "out.jsonl")  # no row ran
+
+
 def test_openai_batch_round_trip(tmp_path, llm):
     texts = prompts(4, seed=5)
     lines = [

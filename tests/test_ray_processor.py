@@ -209,7 +209,7 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
     chat = [{"role": "user", "content": "the warm mat"}]
     replica = _replica(tiny_llama_dir, "generate", **ENGINE)
     out = _call(replica, [
-        {"prompt": "the cat sat", "sampling_params": {**GREEDY, "logprobs": 2}, "keep": 1},
+        {"prompt": "the cat sat", "sampling_params": {**GREEDY, "logprobs": 2, "prompt_logprobs": 1}, "keep": 1},
         {"messages": chat, "sampling_params": {**GREEDY, "stop": None}, "keep": 2},  # None: Arrow's absent key
         {"prompt": "the cat", "sampling_params": {"n": 2}, "keep": 3},
         {"prompt": "the cat", "sampling_params": {"top_p": 7.0}, "keep": 4},
@@ -218,11 +218,18 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
         {"prompt": "the cat", "sampling_params": {"max_tokens": 129}, "keep": 7},  # the batch job's up-front limit
     ])
     assert [r["keep"] for r in out] == [1, 2, 3, 4, 5, 6, 7]
-    ref = llama.generate("the cat sat", SamplingParams(**GREEDY, logprobs=2), use_tqdm=False)[0]
+    ref = llama.generate("the cat sat", SamplingParams(**GREEDY, logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
     assert out[0]["generated_text"] == ref.outputs[0].text and out[0]["generated_tokens"] == ref.outputs[0].token_ids
     assert out[0]["num_input_tokens"] == len(ref.prompt_token_ids) and out[0]["finish_reason"] == "length"
     assert out[0]["cumulative_logprob"] == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-5)
     assert len(out[0]["logprobs"]) == 4 and ref.outputs[0].token_ids[0] in {lp["token_id"] for lp in out[0]["logprobs"][0]}
+    prompt_positions = out[0]["prompt_logprobs"]  # the first position, which nothing predicts, is null
+    assert len(prompt_positions) == len(ref.prompt_token_ids) and prompt_positions[0] is None
+    assert [[(lp["token_id"], lp["rank"]) for lp in position] for position in prompt_positions[1:]] == \
+        [[(token_id, lp.rank) for token_id, lp in position.items()] for position in ref.prompt_logprobs[1:]]
+    assert [position[0]["logprob"] for position in prompt_positions[1:]] == pytest.approx(
+        [ref.prompt_logprobs[i][token_id].logprob for i, token_id in enumerate(ref.prompt_token_ids) if i], abs=1e-5)
+    assert out[1]["prompt_logprobs"] is None  # not asked for
     ref_chat = llama.chat(chat, SamplingParams(**GREEDY), use_tqdm=False)[0]
     assert out[1]["generated_text"] == ref_chat.outputs[0].text and out[1]["prompt"] == ref_chat.prompt
     assert all(r["__inference_error__"] == "" for r in out[:2])

@@ -19,7 +19,7 @@ _SAMPLING_FLAGS = {
     "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
     "min_p": "min_p", "stop": "stop", "n": "n", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens", "logprobs": "logprobs", "ignore_eos": "ignore_eos",
+    "min_tokens": "min_tokens", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs", "ignore_eos": "ignore_eos",
     "truncate_prompt_tokens": "truncate_prompt_tokens",
 }
 # flag dests that are PoolingParams fields
@@ -28,7 +28,7 @@ _POOLING_FLAGS = ("dimensions", "normalize", "use_activation", "truncate_prompt_
 _ENGINE_FLAGS = (
     "max_model_len", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
     "tensor_parallel_size", "enforce_eager", "kv_cache_memory_bytes", "device", "tokenizer", "revision",
-    "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic", "hf_overrides",
+    "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic", "hf_overrides", "max_logprobs",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_target_modules",
 )
 # flag dests of LoRA adapters (generation only)
@@ -139,6 +139,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", type=float, metavar="X")
     g.add_argument("--repetition-penalty", type=float, metavar="X")
     g.add_argument("--logprobs", type=int, metavar="K", help="return log probabilities (and K alternatives per token)")
+    g.add_argument("--prompt-logprobs", type=int, metavar="K",
+                   help="score the prompt: write each prompt token's logprob and their sum (K > 0 also computes "
+                        "K alternatives a position, which the output files do not hold: use 0)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-sequence")
     g.add_argument("--seed", type=int, default=0,
                    help="engine seed; sampled rows get per-row seeds derived from it, so reruns match (default: 0)")
@@ -181,6 +184,8 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
                    help="config.json fields to replace, as a JSON object (vLLM's flag), e.g. to score with a causal "
                    "LM's token logits: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                    "\"classifier_from_token\": [\"no\", \"yes\"], \"method\": \"from_2_way_softmax\"}'")
+    g.add_argument("--max-logprobs", type=int, metavar="K",
+                   help="the most --logprobs / --prompt-logprobs alternatives a row may ask for (default: 20; -1: the vocabulary)")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="every row's output independent of the batch, cache and resumes, bit for bit on one GPU "
                         "model and software version; slower (docs/batch.md). A resumed run keeps the mode it started with")

@@ -179,6 +179,12 @@ class JobLoop:
             if value is not None and value > limit:
                 raise ValueError(f"--{name.replace('_', '-')} {value} is more than this engine's {what} ({limit}); "
                                  f"lower it, or raise --{what.replace('_', '-')}")
+        most, _ = self.engine.intake.logprobs_limit()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = self.config.sampling.get(name)
+            if value is not None and value > most:
+                raise ValueError(f"--{name.replace('_', '-')} {value} is more than this engine allows ({most}: "
+                                 f"--max-logprobs, -1 for the whole vocabulary); lower it, or raise --max-logprobs")
 
     def _check_adapters(self) -> None:
         assert self.adapters is not None

@@ -11,6 +11,12 @@ per sample (``n`` records for ``n > 1``), or one record with ``error`` set for a
     prompt_tokens       int
     completion_tokens   int
     cumulative_logprob  float   when logprobs were asked for, else null
+    prompt_logprob      float   when prompt_logprobs were asked for: the prompt's log-likelihood, the
+                                sum of prompt_token_logprobs (perplexity: exp(-it / (prompt_tokens - 1))),
+                                else null
+    prompt_token_logprobs list[float]  when prompt_logprobs were asked for: each prompt token's
+                                logprob given the tokens before it, from the second token on
+                                (prompt_tokens - 1 values; a span's sum scores a continuation), else null
     error               str     why the row failed, else null
     lora                str     only in jobs with LoRA adapters (--lora-modules): the adapter the row
                                 ran with, null for the base model and for an error row
@@ -18,8 +24,11 @@ per sample (``n`` records for ``n > 1``), or one record with ``error`` set for a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from tokenmill.logprobs import FlatLogprobs
 
 if TYPE_CHECKING:
     from tokenmill.batch.requests import OpenAIMeta
@@ -50,6 +59,7 @@ class RowResult:
     openai: "OpenAIMeta | None" = None
     pooled: dict[str, Any] | None = None  # a pooling task's output fields (see batch/pooling.py)
     lora: str | None = None  # the name of the LoRA adapter the row ran with (None: the base model)
+    prompt_token_logprobs: list[float] | None = None  # when the row asked for prompt logprobs
 
     @property
     def failed(self) -> bool:
@@ -74,7 +84,22 @@ def result_from_output(index: int, row_id: Any, output: "RequestOutput", openai:
     ]
     lora = getattr(output, "lora_request", None)  # what the engine ran, not what was asked
     return RowResult(index=index, row_id=row_id, prompt_tokens=len(output.prompt_token_ids or []), samples=samples,
-                     openai=openai, lora=lora.lora_name if lora is not None else None)
+                     openai=openai, lora=lora.lora_name if lora is not None else None,
+                     prompt_token_logprobs=prompt_token_logprobs(output))
+
+
+def prompt_token_logprobs(output: "RequestOutput") -> list[float] | None:
+    """Each prompt token's own logprob from the second token on (None if the request asked for no
+    prompt logprobs). Both containers list a position's own token first (`tokenmill.logprobs`); the
+    flat one is read column-wise, without building a dict a position."""
+    positions = output.prompt_logprobs
+    if positions is None:
+        return None
+    if isinstance(positions, FlatLogprobs):
+        return [positions.logprobs[start] for start, end in zip(positions.start_indices[1:], positions.end_indices[1:])
+                if end > start]
+    token_ids = output.prompt_token_ids or []
+    return [position[token_id].logprob for token_id, position in zip(token_ids[1:], positions[1:]) if position]
 
 
 def generic_records(result: RowResult, with_lora: bool = False) -> list[dict[str, Any]]:
@@ -83,12 +108,15 @@ def generic_records(result: RowResult, with_lora: bool = False) -> list[dict[str
     if result.error is not None:
         records = [{"row": result.index, "id": result.row_id, "sample_index": None, "text": None, "finish_reason": None,
                     "prompt_tokens": result.prompt_tokens, "completion_tokens": 0, "cumulative_logprob": None,
-                    "error": result.error}]
+                    "prompt_logprob": None, "prompt_token_logprobs": None, "error": result.error}]
     else:
+        scored = result.prompt_token_logprobs
+        prompt_logprob = math.fsum(scored) if scored is not None else None
         records = [
             {"row": result.index, "id": result.row_id, "sample_index": s.index, "text": s.text,
              "finish_reason": s.finish_reason, "prompt_tokens": result.prompt_tokens,
-             "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob, "error": None}
+             "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob,
+             "prompt_logprob": prompt_logprob, "prompt_token_logprobs": scored, "error": None}
             for s in result.samples
         ]
     if with_lora:

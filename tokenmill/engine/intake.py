@@ -151,17 +151,20 @@ class Intake:
         params.bad_words_token_ids = sequences
         return params
 
+    def logprobs_limit(self) -> tuple[int, str]:
+        """The most logprobs (or prompt logprobs) a position may ask for, and the rule in words."""
+        vocab, most = self.config.vocab_size, self.config.max_logprobs
+        if most == -1 or most >= vocab:
+            return vocab, f"<= the size of the vocabulary ({vocab})"
+        return most, f"<= max_logprobs ({most}); LLM(max_logprobs=N) raises the limit, -1 allows the whole vocabulary"
+
     def _check_logprobs(self, params: SamplingParams, where: str) -> SamplingParams:
         """vLLM's rule: at most ``max_logprobs`` alternatives per position (-1: the vocabulary), and
         never more than the vocabulary holds (asking for more would fail inside the step). A
         request's -1 (vLLM: every token of the vocabulary) counts as the vocabulary's size and is
         replaced by it, on a shallow copy, for the runner."""
-        vocab, most = self.config.vocab_size, self.config.max_logprobs
-        if most == -1 or most >= vocab:
-            limit, allowed = vocab, f"<= the size of the vocabulary ({vocab})"
-        else:
-            limit = most
-            allowed = f"<= max_logprobs ({most}); LLM(max_logprobs=N) raises the limit, -1 allows the whole vocabulary"
+        vocab = self.config.vocab_size
+        limit, allowed = self.logprobs_limit()
         whole = {}
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

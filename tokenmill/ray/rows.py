@@ -12,7 +12,8 @@ Result columns (Ray Data vLLM stage's names where it has them):
 
     every task   num_input_tokens, __inference_error__ ("" on success, else why the row failed)
     generate     prompt, prompt_token_ids, generated_text, generated_tokens, num_generated_tokens,
-                 finish_reason, cumulative_logprob, logprobs (when asked for), metrics
+                 finish_reason, cumulative_logprob, logprobs and prompt_logprobs (when asked for; a
+                 prompt's first position, which nothing predicts, is null), metrics
     embed        embeddings (Ray's name) and embedding (the same vector)
     classify     probs, label
     score        score
@@ -183,6 +184,7 @@ def column_types(task: str) -> dict[str, Any]:
                 "generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
                 "num_generated_tokens": pa.int64(), "finish_reason": pa.string(),
                 "cumulative_logprob": pa.float64(), "logprobs": pa.list_(pa.list_(logprob)),
+                "prompt_logprobs": pa.list_(pa.list_(logprob)),
                 "metrics": pa.struct([(name, pa.float64()) for name in _METRIC_FIELDS])}
     if task == "embed":
         return {**common, "embeddings": pa.list_(pa.float32()), "embedding": pa.list_(pa.float32())}
@@ -210,7 +212,7 @@ def result_columns(task: str, job: RowJob, rows: "PoolingRows | None") -> dict[s
             prompt_token_ids=list(out.prompt_token_ids or []), generated_text=sample.text,
             generated_tokens=list(sample.token_ids), num_generated_tokens=len(sample.token_ids),
             finish_reason=sample.finish_reason, cumulative_logprob=sample.cumulative_logprob,
-            logprobs=_logprobs(sample.logprobs),
+            logprobs=_logprobs(sample.logprobs), prompt_logprobs=_logprobs(out.prompt_logprobs),
             metrics={name: getattr(out.metrics, name) for name in _METRIC_FIELDS} if out.metrics is not None else None,
         )
         return values
@@ -227,4 +229,4 @@ def _logprobs(logprobs: Any) -> list[list[dict[str, Any]]] | None:
     if logprobs is None:
         return None
     return [[{"token_id": token_id, "logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for token_id, lp in position.items()] for position in logprobs]
+             for token_id, lp in position.items()] if position else None for position in logprobs]
