@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -188,6 +188,11 @@ for part in $parts; do
     job-short)  # short requests (8,192 text / chat prompts, 16 tokens out) through the batch job beside generate / chat (perf.md 70);
                 # needs .bench_tokenizer/; the tokenizer's threads on, as a user's process has them
       env -u TOKENIZERS_PARALLELISM RESULTS="$OUT/job.raw" timeout 400 python3 bench/job_bench.py qwen3-0.6b short-text short-chat \
+        ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 | grep -E '^\{'
+      tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
+    job-score)  # a scoring job (8,192 texts of 64-512 words, prompt_logprobs=0, one token out, text decoded) through
+                # the batch job beside generate; needs .bench_tokenizer/
+      env -u TOKENIZERS_PARALLELISM RESULTS="$OUT/job.raw" timeout 400 python3 bench/job_bench.py qwen3-0.6b score-text \
         ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 | grep -E '^\{'
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
     profile)

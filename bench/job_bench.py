@@ -4,10 +4,12 @@ LLM.generate on the same engine, in one process (gpu_suite part `job`).
     python bench/job_bench.py SHAPE WORKLOAD [WORKLOAD ...] [--rounds N]
 
 WORKLOAD: peer_bench's (nano, uniform, big, sampling, prefill: token ids, no tokenizer), or
-short-text / short-chat (their own invocation): rows_host_bench.py's 8,192 prompts of 20-80 words
-as text or as one-turn conversations, 16 tokens out, on the shape with the bench tokenizer's
-vocabulary (.bench_tokenizer/), through generate / chat beside the job: a row's own host work
-(tokenizing, rendering, building, writing) against the GPU's short share of it.
+short-text / short-chat / score-text (their own invocation): rows_host_bench.py's 8,192 prompts of
+20-80 words as text or as one-turn conversations, 16 tokens out, on the shape with the bench
+tokenizer's vocabulary (.bench_tokenizer/), through generate / chat beside the job: a row's own host
+work (tokenizing, rendering, building, writing) against the GPU's short share of it; score-text:
+8,192 texts of 64-512 words scored (prompt_logprobs=0, one greedy token out, the text decoded), a
+perplexity-filtering job, whose rows carry every prompt token's logprob.
 
 Each workload runs as generate, then as a job, ``--rounds`` times (default 2), alternating. The job
 reads the requests as JSONL rows (token ids, each row's ``max_tokens`` in its ``sampling_params``,
@@ -42,7 +44,7 @@ def main() -> None:
 
     short = [name for name in args.workloads if name in SHORT]
     if short and len(short) < len(args.workloads):
-        raise SystemExit("job_bench: short-text / short-chat run in an invocation of their own (the bench tokenizer's vocabulary)")
+        raise SystemExit("job_bench: short-text / short-chat / score-text run in an invocation of their own (the bench tokenizer's vocabulary)")
     start = time.time()
     if short:
         from transformers import AutoTokenizer
@@ -74,7 +76,7 @@ def main() -> None:
                         f.write(json.dumps(row) + "\n")
 
 
-SHORT = ("short-text", "short-chat")
+SHORT = ("short-text", "short-chat", "score-text")
 
 
 def _short_workload(name: str) -> tuple[list, list[int], dict]:
@@ -84,6 +86,9 @@ def _short_workload(name: str) -> tuple[list, list[int], dict]:
     from rows_host_bench import SAMPLING, WORDS
 
     rng = random.Random(0)
+    if name == "score-text":
+        texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(64, 512))) for _ in range(8192)]
+        return texts, [1] * len(texts), {"temperature": 0.0, "prompt_logprobs": 0}
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(8192)]
     prompts = [[{"role": "user", "content": t}] for t in texts] if name == "short-chat" else texts
     settings = {k: v for k, v in SAMPLING.items() if k not in ("max_tokens", "ignore_eos")}

@@ -172,10 +172,26 @@ def test_decoded_tokens_complete_split_characters(llm):
     ids = tokenizer(text)["input_ids"]
     assert len(tokenizer.encode("é", add_special_tokens=False)) == 2  # the case under test
     for flat in (False, True):
-        out = generate_one(llm, text, SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=flat))
-        decoded = [out.prompt_logprobs[i][ids[i]].decoded_token for i in range(1, len(ids))]
-        assert "".join(decoded) == tokenizer.decode(ids[1:])
-        assert "\ufffd" not in "".join(decoded) and decoded[-2:] == ["", "é"]
+        for k in (0, 2):
+            out = generate_one(llm, text, SamplingParams(max_tokens=1, prompt_logprobs=k, flat_logprobs=flat))
+            decoded = [out.prompt_logprobs[i][ids[i]].decoded_token for i in range(1, len(ids))]
+            assert "".join(decoded) == tokenizer.decode(ids[1:])
+            assert "\ufffd" not in "".join(decoded) and decoded[-2:] == ["", "é"]
+
+
+def test_decoded_tokens_read_from_known_texts_equal_decoding_them(llm, tiny_llama_dir):
+    """Positions whose tokens' texts the engine has met before are built from those texts (a
+    scoring job's fast path); they equal what a fresh engine decodes, alternatives included."""
+    text = "the café é and the café again, the end"
+    params = SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=2, temperature=0.0)
+    warm = [generate_one(llm, text, params) for _ in range(2)][-1]  # every whole token's text known
+    fresh = generate_one(LLM(str(tiny_llama_dir), **OPTIONS), text, params)
+
+    def texts(positions):
+        return [[(t, lp.decoded_token) for t, lp in p.items()] if p else None for p in positions]
+
+    assert texts(warm.prompt_logprobs) == texts(fresh.prompt_logprobs)
+    assert texts(warm.outputs[0].logprobs) == texts(fresh.outputs[0].logprobs)
 
 
 # --- tests/test_sampling_params.py, tests/v1/sample/test_sampling_params_e2e.py; vLLM 0.26's SamplingParams ---

@@ -26,6 +26,10 @@ from tokenmill.sampling_params import RequestOutputKind
 class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        # Token id -> its text, for the tokens that decode alone to whole characters (nearly all):
+        # looked up, not decoded again (~5 µs a call), where positions carry decoded tokens (a
+        # scoring job through `tokenmill run` decodes every prompt position). At most the vocabulary.
+        self._whole_texts: dict[int, str] = {}
 
     def record_prompt_logprobs(self, result: StepResult[Sequence]) -> None:
         """The prompt positions a step scored, appended to their requests' prompt logprobs.
@@ -33,7 +37,8 @@ class OutputProcessor:
         A scoring job reads back every prompt position (16k a step), so positions without decoded
         tokens are built directly: a list container's dicts as the sampled tokens' are (`_position`:
         a third of `_append`'s time), a flat one's columns in one pass (`FlatLogprobs.extend_ranked`);
-        positions with decoded tokens go through `_append`."""
+        so are list positions with decoded tokens, where every token's text is known (`_whole_texts`);
+        the others go through `_append`."""
         for chunk in result.prompt_logprobs.read() if result.prompt_logprobs is not None else ():
             request = chunk.seq.request
             container = request.prompt_logprobs
@@ -54,6 +59,20 @@ class OutputProcessor:
                     k = params.prompt_logprobs
                     container.extend(_position(t, lp, r, ti, tl, k)
                                      for t, lp, r, ti, tl in zip(tokens, logprobs, ranks, top_ids, top_logprobs))
+                continue
+            if type(container) is list:  # with decoded tokens (`tokenmill run`'s scoring rows)
+                whole, k = self._whole_texts, params.prompt_logprobs
+                for i, (token, lp, rank) in enumerate(zip(tokens, logprobs, ranks)):
+                    ids_i = top_ids[i] if top_ids is not None else None
+                    lps_i = top_logprobs[i] if top_logprobs is not None else None
+                    position = _position(token, lp, rank, ids_i, lps_i, k)
+                    try:
+                        for token_id, entry in position.items():
+                            entry.decoded_token = whole[token_id]
+                    except KeyError:  # a text not known yet: decoded (and kept, if whole) by the generic path
+                        self._append(container, token, lp, rank, (ids_i, lps_i) if ids_i is not None and lps_i is not None else None)
+                        continue
+                    container.append(position)
                 continue
             for i, (token, lp, rank) in enumerate(zip(tokens, logprobs, ranks)):
                 top = (top_ids[i], top_logprobs[i]) if top_ids is not None and top_logprobs is not None else None
@@ -191,8 +210,12 @@ class OutputProcessor:
         a token that is part of a character split over several tokens (byte-level or byte-fallback
         vocabularies) decodes alone to U+FFFD; it gets the text it completes together with the
         tokens before it at this position's left, or "" when the character is still incomplete."""
+        text = self._whole_texts.get(token_id)
+        if text is not None:
+            return text
         text = self.tokenizer.decode([token_id])
         if not text.endswith("\ufffd"):
+            self._whole_texts[token_id] = text
             return text
         for size in range(1, min(len(context), 4) + 1):
             before = context[-size:]
