@@ -6,7 +6,10 @@ checked, its result written) is most of the host's time and can outlast the GPU'
 row; this measures it. Needs the bench tokenizer (.bench_tokenizer/, or $BENCH_TOKENIZER); chat
 prompts use a ChatML template.
 
-    python bench/rows_host_bench.py [text|chat] [--job] [--rows 2048]
+    python bench/rows_host_bench.py [text|chat] [--job] [--rows 2048] [--logprobs K]
+
+``--logprobs K``: every sampled token's logprob and K alternatives, with their decoded tokens
+(``detokenize`` stays on, as a user's request has it).
 
 Prints one JSON row (µs per row, and the garbage collector's work inside the timed call) and
 appends it to $RESULTS when set.
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("prompts", nargs="?", default="text", choices=["text", "chat"])
     parser.add_argument("--job", action="store_true", help="through the batch job's loop instead of LLM.generate / chat")
     parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--logprobs", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     from tokenmill import LLM, SamplingParams
@@ -65,7 +69,8 @@ def main() -> None:
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(args.rows)]
     conversations = [[{"role": "user", "content": text}] for text in texts]
-    llm.generate(texts[:4], SamplingParams(**SAMPLING), use_tqdm=False)
+    sampling = dict(SAMPLING, logprobs=args.logprobs) if args.logprobs is not None else SAMPLING
+    llm.generate(texts[:4], SamplingParams(**sampling), use_tqdm=False)
     with tempfile.TemporaryDirectory() as folder:
         rows = Path(folder) / "rows.jsonl"
         rows.write_text("".join(json.dumps({"messages": c} if args.prompts == "chat" else {"prompt": t}) + "\n"
@@ -78,16 +83,16 @@ def main() -> None:
             from tokenmill.batch.job import run_job
 
             summary = run_job(JobConfig(input=str(rows), output=str(Path(folder) / "out.jsonl"), model="stub",
-                                        sampling=SAMPLING, progress=False, chat_template=TEMPLATE), llm=llm)
+                                        sampling=sampling, progress=False, chat_template=TEMPLATE), llm=llm)
             if summary.failed:
                 raise SystemExit(f"rows_host_bench: {summary.failed} rows failed")
         elif args.prompts == "chat":
-            llm.chat(conversations, SamplingParams(**SAMPLING), use_tqdm=False, chat_template=TEMPLATE)
+            llm.chat(conversations, SamplingParams(**sampling), use_tqdm=False, chat_template=TEMPLATE)
         else:
-            llm.generate(texts, SamplingParams(**SAMPLING), use_tqdm=False)
+            llm.generate(texts, SamplingParams(**sampling), use_tqdm=False)
         seconds = time.perf_counter() - start
         gc.callbacks.remove(pauses)
-    emit(dict(bench="rows_host", prompts=args.prompts, via="job" if args.job else "llm", rows=args.rows,
+    emit(dict(bench="rows_host", prompts=args.prompts, via="job" if args.job else "llm", rows=args.rows, logprobs=args.logprobs,
               out_tokens=args.rows * SAMPLING["max_tokens"], seconds=round(seconds, 3),
               us_per_row=round(seconds / args.rows * 1e6, 1), gc_by_generation=pauses.count,
               gc_ms_by_generation=[round(t * 1e3, 1) for t in pauses.seconds]))

@@ -192,6 +192,11 @@ def test_decoded_tokens_read_from_known_texts_equal_decoding_them(llm, tiny_llam
 
     assert texts(warm.prompt_logprobs) == texts(fresh.prompt_logprobs)
     assert texts(warm.outputs[0].logprobs) == texts(fresh.outputs[0].logprobs)
+    tokenizer = llm.get_tokenizer()
+    for positions in (warm.prompt_logprobs[1:], warm.outputs[0].logprobs):  # a whole token's text is its own decoding
+        for token_id, lp in (entry for p in positions for entry in p.items()):
+            alone = tokenizer.decode([token_id])
+            assert lp.decoded_token == alone or alone.endswith("\ufffd")
 
 
 # --- tests/test_sampling_params.py, tests/v1/sample/test_sampling_params_e2e.py; vLLM 0.26's SamplingParams ---

@@ -61,18 +61,15 @@ class OutputProcessor:
                                      for t, lp, r, ti, tl in zip(tokens, logprobs, ranks, top_ids, top_logprobs))
                 continue
             if type(container) is list:  # with decoded tokens (`tokenmill run`'s scoring rows)
-                whole, k = self._whole_texts, params.prompt_logprobs
+                k = params.prompt_logprobs
                 for i, (token, lp, rank) in enumerate(zip(tokens, logprobs, ranks)):
                     ids_i = top_ids[i] if top_ids is not None else None
                     lps_i = top_logprobs[i] if top_logprobs is not None else None
                     position = _position(token, lp, rank, ids_i, lps_i, k)
-                    try:
-                        for token_id, entry in position.items():
-                            entry.decoded_token = whole[token_id]
-                    except KeyError:  # a text not known yet: decoded (and kept, if whole) by the generic path
+                    if self._known_texts(position):
+                        container.append(position)
+                    else:
                         self._append(container, token, lp, rank, (ids_i, lps_i) if ids_i is not None and lps_i is not None else None)
-                        continue
-                    container.append(position)
                 continue
             for i, (token, lp, rank) in enumerate(zip(tokens, logprobs, ranks)):
                 top = (top_ids[i], top_logprobs[i]) if top_ids is not None and top_logprobs is not None else None
@@ -83,9 +80,10 @@ class OutputProcessor:
         sequences that asked for them, and the sums best_of ranks by.
 
         This runs for every sampled token of a logprobs request (273,681 positions in the chat
-        workload's call of 1,024 replies), so the common position, a list-form container without decoded tokens
-        and the top ones as alternatives, is built here as its dict directly (`_position`); the
-        others go through `_append`. Both give the same entries in the same order."""
+        workload's call of 1,024 replies), so the common position, a list-form container with the
+        top ones as alternatives, is built here as its dict directly (`_position`), its decoded
+        tokens (if any) looked up when their texts are known; the others go through `_append`.
+        Both give the same entries in the same order."""
         samples = result.read()
         if samples is None or samples.logprobs is None:
             return
@@ -112,10 +110,15 @@ class OutputProcessor:
                 assert requested is not None, "rows with logprob_token_ids get their ids' logprobs"
                 self._append(container, token, logprob, ranks[row], (listed, requested[row]), listed=True,
                              detokenize=params.detokenize)
-            elif type(container) is list and (no_text or not params.detokenize):
+            elif type(container) is list:
                 top = k and top_ids is not None and top_logprobs is not None
-                container.append(_position(token, logprob, ranks[row], top_ids[row] if top else None,
-                                           top_logprobs[row] if top else None, k))
+                position = _position(token, logprob, ranks[row], top_ids[row] if top else None,
+                                     top_logprobs[row] if top else None, k)
+                if no_text or not params.detokenize or self._known_texts(position):
+                    container.append(position)
+                else:  # a text not known yet: decoded (and kept, if whole) by the generic path
+                    self._append(container, token, logprob, ranks[row],
+                                 (top_ids[row][:k], top_logprobs[row][:k]) if top else None)
             else:
                 alternatives = None
                 if k and top_ids is not None and top_logprobs is not None:
@@ -181,6 +184,17 @@ class OutputProcessor:
                 )
             )
         return completions
+
+    def _known_texts(self, position: dict[int, Logprob]) -> bool:
+        """Fill in the position's decoded tokens from the texts already known (`_whole_texts`); False
+        if one is not known yet (the position is then built again by `_append`, which decodes it)."""
+        whole = self._whole_texts
+        try:
+            for token_id, entry in position.items():
+                entry.decoded_token = whole[token_id]
+        except KeyError:
+            return False
+        return True
 
     def _append(self, container: SampleLogprobs | PromptLogprobs, token: int, logprob: float, rank: int,
                 alternatives: tuple[list[int], list[float]] | None, listed: bool = False,
