@@ -268,9 +268,12 @@ def test_openai_batch_round_trip(tmp_path, llm):
     texts = prompts(4, seed=5)
     lines = [
         {"custom_id": "chat-0", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "gpt-x", "messages": [{"role": "user", "content": texts[0]}], "max_tokens": 3, "temperature": 0}},
+         "body": {"model": "gpt-x", "messages": [{"role": "user", "content": texts[0]}], "max_tokens": 3, "temperature": 0,
+                  "prompt_logprobs": 1}},
         {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "gpt-x", "prompt": texts[1], "max_tokens": 4, "temperature": 0.8, "seed": 3, "n": 2}},
+         "body": {"model": "gpt-x", "prompt": texts[1], "max_tokens": 4, "temperature": 0.8, "seed": 3, "n": 2,
+                  "prompt_logprobs": 0}},
+        {"custom_id": "cmpl-2", "method": "POST", "url": "/v1/completions", "body": {"prompt": texts[2], "max_tokens": 2}},
         {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
          "body": {"model": "gpt-x", "prompt": "cat " * 400, "max_tokens": 4}},
         {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
@@ -283,7 +286,7 @@ def test_openai_batch_round_trip(tmp_path, llm):
     summary = job(tmp_path, llm, path, sampling={"ignore_eos": True})
     assert summary.exit_code == 3 and summary.failed == 3
     out = {r["custom_id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
-    assert set(out) == {"chat-0", "cmpl-1", "too-long", "embed", None}
+    assert set(out) == {"chat-0", "cmpl-1", "cmpl-2", "too-long", "embed", None}
 
     chat = out["chat-0"]["response"]
     assert chat["status_code"] == 200 and out["chat-0"]["error"] is None
@@ -292,11 +295,23 @@ def test_openai_batch_round_trip(tmp_path, llm):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": reference(llm, [texts[0]], chat=True, max_tokens=3)[0]}
     assert body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
+    # vLLM's extension: the prompt's logprobs, on the chat response's body (null first, then per position
+    # {token id: logprob, rank, decoded_token}), as LLM.chat scores the same conversation
+    want = llm.chat([{"role": "user", "content": texts[0]}], SamplingParams(**{**GREEDY, "max_tokens": 3}, prompt_logprobs=1),
+                    use_tqdm=False)[0].prompt_logprobs
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == len(want) == body["usage"]["prompt_tokens"]
+    assert body["prompt_logprobs"][1:] == [{str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                           for t, lp in position.items()} for position in want[1:]]
 
     cmpl = out["cmpl-1"]["response"]["body"]
     assert cmpl["object"] == "text_completion" and [c["index"] for c in cmpl["choices"]] == [0, 1]
     # (n=2 samples: vLLM refuses n > 1 with greedy sampling, so no greedy reference for this row)
     assert cmpl["usage"]["completion_tokens"] == 8
+    positions = cmpl["choices"][0]["prompt_logprobs"]  # each choice carries them, as vLLM's completions do
+    assert cmpl["choices"][1]["prompt_logprobs"] == positions and positions[0] is None
+    assert len(positions) == cmpl["usage"]["prompt_tokens"] and all(len(p) == 1 for p in positions[1:])  # k = 0: the token
+    plain = out["cmpl-2"]["response"]["body"]
+    assert "prompt_logprobs" not in plain and "prompt_logprobs" not in plain["choices"][0]  # not asked for
 
     too_long = out["too-long"]["response"]
     assert too_long["status_code"] == 400 and "max_model_len=128" in too_long["body"]["error"]["message"]

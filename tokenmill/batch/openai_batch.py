@@ -41,6 +41,9 @@ _COMMON = {
     "repetition_detection": "repetition_detection",
     # vLLM's server takes it for reasoning models; SamplingParams refuses a set value with the reason.
     "thinking_token_budget": "thinking_token_budget",
+    # vLLM's extension: the prompt's logprobs, answered as vLLM's server does (a completion choice's,
+    # a chat response's "prompt_logprobs": per prompt position, null first, {token id: logprob, rank, text}).
+    "prompt_logprobs": "prompt_logprobs",
 }
 # Accepted and without effect offline ("model" selects a LoRA adapter when the job has some).
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
@@ -146,6 +149,13 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
                   "total_tokens": result.prompt_tokens + completion_tokens},
         "system_fingerprint": None,
     }
+    if result.prompt_logprobs is not None:
+        positions = _prompt_positions(result.prompt_logprobs)
+        if chat:
+            body["prompt_logprobs"] = positions
+        else:
+            for choice in body["choices"]:
+                choice["prompt_logprobs"] = positions
     return {"id": line_id, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
@@ -193,6 +203,13 @@ def _chat_token_logprob(token_id: int, position: dict[int, Any], top: int) -> di
 def _token_entry(token_id: int, lp: Any) -> dict[str, Any]:
     text = (lp.decoded_token if lp is not None else None) or ""
     return {"token": text, "logprob": lp.logprob if lp is not None else None, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def _prompt_positions(positions: Any) -> list[dict[str, dict[str, Any]] | None]:
+    """The prompt's positions as vLLM's server writes them: null where nothing was scored (the
+    first token), else {token id: {"logprob", "rank", "decoded_token"}} (JSON keys are strings)."""
+    return [{str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in position.items()} if position else None for position in positions]
 
 
 def _completion_choice(sample: Any) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class RowResult:
     pooled: dict[str, Any] | None = None  # a pooling task's output fields (see batch/pooling.py)
     lora: str | None = None  # the name of the LoRA adapter the row ran with (None: the base model)
     prompt_token_logprobs: list[float] | None = None  # when the row asked for prompt logprobs
+    prompt_logprobs: Any = None  # OpenAI rows asking for them: the engine's positions, written whole
 
     @property
     def failed(self) -> bool:
@@ -83,9 +84,11 @@ def result_from_output(index: int, row_id: Any, output: "RequestOutput", openai:
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]
     lora = getattr(output, "lora_request", None)  # what the engine ran, not what was asked
+    openai_row = openai is not None
     return RowResult(index=index, row_id=row_id, prompt_tokens=len(output.prompt_token_ids or []), samples=samples,
                      openai=openai, lora=lora.lora_name if lora is not None else None,
-                     prompt_token_logprobs=prompt_token_logprobs(output))
+                     prompt_token_logprobs=None if openai_row else prompt_token_logprobs(output),
+                     prompt_logprobs=output.prompt_logprobs if openai_row else None)
 
 
 def prompt_token_logprobs(output: "RequestOutput") -> list[float] | None:
