@@ -6,7 +6,9 @@ every layer (PEFT folders written here), eos ignored.
 
 MODE: ``base`` (enable_lora off: the yardstick), ``lora-none`` (enable_lora=True, max_loras=4, no
 request names an adapter: what enabling LoRA costs), ``lora-1`` (every request with one adapter) and
-``lora-4`` (requests spread over four adapters, max_loras=4). Rows go to stdout and to $RESULTS.
+``lora-4`` (requests spread over four adapters, max_loras=4). WORKLOAD: peer_bench's, or
+refill_bench's as ``refill-short`` / ``refill-long`` (more requests than run at once: prompts
+admitted beside running decodes every step). Rows go to stdout and to $RESULTS.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def main() -> None:
     llm.generate(warm, mod.SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False,
                  lora_request=[adapters[i % count] for i in range(4)] if count else None)
     for name in names:
-        prompts, outs, settings = peer_bench.workload(name)
+        prompts, outs, settings = _workload(name)
         params = [mod.SamplingParams(ignore_eos=True, max_tokens=o, detokenize=False, **settings) for o in outs]
         requests = [adapters[i % count] for i in range(len(prompts))] if count else None
         t = time.time()
@@ -86,6 +88,14 @@ def main() -> None:
         if os.environ.get("RESULTS"):
             with open(os.environ["RESULTS"], "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+def _workload(name: str) -> tuple[list[list[int]], list[int], dict]:
+    if name.startswith("refill-"):
+        from refill_bench import refill_workload
+
+        return refill_workload(name.removeprefix("refill-"))
+    return peer_bench.workload(name)
 
 
 if __name__ == "__main__":

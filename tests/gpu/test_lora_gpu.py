@@ -81,6 +81,33 @@ def test_lora_cuda_graphs_equal_eager_with_mixed_adapters(lora_model):
         del graphed, eager
 
 
+def test_lora_prompt_step_graphs_equal_eager(lora_model):
+    """Steps with prompt tokens replay the piecewise graphs with the adapters' updates (each token's
+    slot a static buffer, padding tokens on the base model) and without them (steps no adapter
+    touches): with more requests than max_num_seqs (prompts admitted beside running decodes every
+    step), chunked prompts and both adapters and the base model mixed, the tokens equal the eager
+    engine's, greedy and seeded (fp32, so the padded GEMMs cannot flip near ties)."""
+    base, every, some = lora_model
+    rng = random.Random(8)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(60, seed=8)]
+    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=12, max_num_batched_tokens=400,
+                   gpu_memory_utilization=0.3, dtype="float32", enable_lora=True, max_loras=2)
+    graphed = LLM(base, **options)
+    graphs = graphed.llm_engine.executor.runner.prompt_graphs
+    assert graphs is not None and {adapters for _, adapters in graphs.graphs} == {True, False}
+    replays = []
+    run = graphs.run
+    graphs.run = lambda ids, positions, meta, slots=None: replays.append(slots is not None) or run(ids, positions, meta, slots)
+    eager = LLM(base, enforce_eager=True, **options)
+    for adapters in ([(every, some, None)[i % 3] for i in range(len(prompts))], None):
+        for params in (SamplingParams(temperature=0.0, max_tokens=rng.choice([1, 5, 30]), ignore_eos=True, detokenize=False),
+                       SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True, detokenize=False)):
+            a = graphed.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+            b = eager.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+            assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert True in replays and False in replays  # steps with adapters and steps without went through the graphs
+
+
 def test_lora_engine_without_adapters_gives_the_base_engine_tokens(lora_model):
     """An engine with enable_lora serving only base-model requests replays the decode graphs captured
     without the updates (eager steps skip them too): its tokens are the plain engine's (fp32)."""

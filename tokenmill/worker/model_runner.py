@@ -160,7 +160,7 @@ class ModelRunner:
     def capture_prompt_graphs(self, max_tokens: int) -> None:
         """Graphs for steps with prompt tokens of up to ``max_tokens`` tokens (piecewise_graphs.py)."""
         self.prompt_graphs = capture_prompt_graphs(self.model, self.backend, self.kv_caches, max_tokens, self.block_size,
-                                                   self.device, self.dtype)
+                                                   self.device, self.dtype, lora=self.lora)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_logprobs: int = 20) -> SamplingReserve:
@@ -231,8 +231,8 @@ class ModelRunner:
                 self.model, input_ids, positions, meta, self.kv_caches, self.backend, meta.num_leading_decodes,
                 self._side_stream,
             )
-        elif self.prompt_graphs is not None and lora_slots is None and input_ids.shape[0] <= self.prompt_graphs.max_tokens:
-            hidden = self.prompt_graphs.run(input_ids, positions, meta)
+        elif self.prompt_graphs is not None and input_ids.shape[0] <= self.prompt_graphs.max_tokens:
+            hidden = self.prompt_graphs.run(input_ids, positions, meta, lora_slots)
         else:
             ctx = ForwardContext(attn=meta, kv_caches=self.kv_caches, backend=self.backend, lora_slots=lora_slots)
             hidden = self.model(input_ids, positions, ctx)

@@ -27,8 +27,12 @@ which only feed padding rows again. Token buckets are coarse enough (at most 1/8
 padding) to keep the graphs few, and stop where a step's GEMMs outlast the host's eager step anyway
 (``max_graph_tokens``), so large compute-bound steps pay no padding.
 
-Not used with LoRA adapters, tensor parallelism, cpu_offload_gb, deterministic mode or
-enforce_eager (worker.py decides): those steps run eagerly as before.
+With LoRA adapters (``lora``) each bucket is captured twice, as the decode graphs are: with the
+adapters' updates, each token's slot read from a static buffer (padding tokens on the base model),
+and without them, for steps where no token has an adapter.
+
+Not used with tensor parallelism, cpu_offload_gb, deterministic mode or enforce_eager (worker.py
+decides): those steps run eagerly as before.
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ class _PieceCutter:
 
 
 class _Bucket:
-    """One token bucket's pieces, each cut's layer (kv cache, scale) and the final hidden states."""
+    """One token bucket's pieces (of one LoRA variant), each cut's layer (kv cache, scale) and the final hidden states."""
 
     def __init__(self, pieces: list[torch.cuda.CUDAGraph], layers: list[tuple[torch.Tensor, float]], hidden: torch.Tensor):
         self.pieces, self.layers, self.hidden = pieces, layers, hidden
@@ -145,7 +149,7 @@ class _Bucket:
 
 class PiecewiseGraphs:
     def __init__(self, model: nn.Module, backend, kv_caches: list[torch.Tensor], max_tokens: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, lora: bool = False):
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -159,7 +163,8 @@ class PiecewiseGraphs:
         shape = (n, model.num_heads, model.head_dim)
         self.queries = torch.zeros(shape, dtype=dtype, device=device)
         self.outputs = torch.zeros(shape, dtype=dtype, device=device)
-        self.graphs: dict[int, _Bucket] = {}
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device) if lora else None
+        self.graphs: dict[tuple[int, bool], _Bucket] = {}  # (bucket, with the LoRA updates) -> its pieces
 
     def _metadata(self, tokens: int) -> AttentionMetadata:
         # What the pieces read is slot_mapping alone; the rest only has to be well formed.
@@ -176,8 +181,10 @@ class PiecewiseGraphs:
             max_seq_len=tokens,
         )
 
-    def _forward(self, tokens: int, meta: AttentionMetadata, cutter: _PieceCutter) -> torch.Tensor:
-        return self.model(self.input_ids[:tokens], self.positions[:tokens], ForwardContext(meta, self.kv_caches, cutter))
+    def _forward(self, tokens: int, meta: AttentionMetadata, cutter: _PieceCutter, adapters: bool) -> torch.Tensor:
+        lora_slots = self.lora_slots[:tokens] if adapters and self.lora_slots is not None else None
+        ctx = ForwardContext(meta, self.kv_caches, cutter, lora_slots)
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -187,24 +194,27 @@ class PiecewiseGraphs:
         torch._C._cuda_clearCublasWorkspaces()  # as DecodeGraphs.capture: the captures make their own, in our pool
         pool = None
         stream = torch.cuda.Stream(self.input_ids.device)  # a capture cannot run on the default stream
+        variants = (True, False) if self.lora_slots is not None else (False,)
         for tokens in reversed(self.buckets):
             meta = self._metadata(tokens)  # made outside the capture: its tensors are copies from the host
-            # Warm-up: compiles the kernels for this shape and lets cuBLAS choose, outside capture.
-            self._forward(tokens, meta, _PieceCutter(self.backend, self.queries, self.outputs, None, capturing=False))
-            torch.cuda.synchronize()
-            cutter = _PieceCutter(self.backend, self.queries, self.outputs, pool, capturing=True)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                try:
-                    cutter.begin()
-                    hidden = self._forward(tokens, meta, cutter)
-                    cutter.end()
-                except BaseException:
-                    cutter.abandon()
-                    raise
-            torch.cuda.current_stream().wait_stream(stream)
-            pool = cutter.pool
-            self.graphs[tokens] = _Bucket(cutter.pieces, cutter.layers, hidden)
+            for adapters in variants:
+                # Warm-up: compiles the kernels for this shape and lets cuBLAS choose, outside capture.
+                self._forward(tokens, meta, _PieceCutter(self.backend, self.queries, self.outputs, None, capturing=False),
+                              adapters)
+                torch.cuda.synchronize()
+                cutter = _PieceCutter(self.backend, self.queries, self.outputs, pool, capturing=True)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    try:
+                        cutter.begin()
+                        hidden = self._forward(tokens, meta, cutter, adapters)
+                        cutter.end()
+                    except BaseException:
+                        cutter.abandon()
+                        raise
+                torch.cuda.current_stream().wait_stream(stream)
+                pool = cutter.pool
+                self.graphs[tokens, adapters] = _Bucket(cutter.pieces, cutter.layers, hidden)
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         logger.info("captured prompt-step CUDA graphs for %d token buckets up to %d tokens in %.1f s",
@@ -216,9 +226,11 @@ class PiecewiseGraphs:
                 return size
         return None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The step's forward: each piece replayed, each layer's attention run eagerly with the
-        step's metadata in between. Returns hidden [T, H]."""
+        step's metadata in between. ``lora_slots``: each token's adapter slot (None: no token has
+        an adapter). Returns hidden [T, H]."""
         tokens = input_ids.shape[0]
         size = self.bucket_for(tokens)
         assert size is not None, f"a step of {tokens} tokens is larger than the captured {self.max_tokens}"
@@ -226,7 +238,12 @@ class PiecewiseGraphs:
         self.positions[:tokens].copy_(positions, non_blocking=True)
         self.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
         self.slot_mapping[tokens:size].fill_(-1)
-        bucket = self.graphs[size]
+        adapters = lora_slots is not None
+        if adapters:
+            assert self.lora_slots is not None, "a step with adapters on graphs captured without LoRA"
+            self.lora_slots[:tokens].copy_(lora_slots, non_blocking=True)
+            self.lora_slots[tokens:size].fill_(-1)
+        bucket = self.graphs[size, adapters]
         queries, outputs = self.queries[:tokens], self.outputs[:tokens]
         for piece, (kv_cache, scale) in zip(bucket.pieces, bucket.layers):
             piece.replay()
@@ -236,10 +253,10 @@ class PiecewiseGraphs:
 
 
 def capture_prompt_graphs(model: nn.Module, backend, kv_caches: list[torch.Tensor], max_tokens: int, block_size: int,
-                          device: torch.device, dtype: torch.dtype) -> PiecewiseGraphs | None:
+                          device: torch.device, dtype: torch.dtype, lora: bool = False) -> PiecewiseGraphs | None:
     """The captured graphs, or None (with a warning) if a piece cannot be captured: those steps
     then run eagerly, as they always could."""
-    graphs = PiecewiseGraphs(model, backend, kv_caches, max_tokens, block_size, device, dtype)
+    graphs = PiecewiseGraphs(model, backend, kv_caches, max_tokens, block_size, device, dtype, lora)
     try:
         graphs.capture()
     except Exception as exc:  # noqa: BLE001  (an optimisation: the eager path serves every step)

@@ -123,12 +123,11 @@ class Worker:
     def _prompt_graph_tokens(self) -> int:
         """The largest step with prompt tokens that replays CUDA graphs (piecewise_graphs.py), 0 for
         none: not on the CPU, with enforce_eager or cpu_offload_gb (no graphs at all), nor under
-        tensor parallelism (the other ranks mirror rank 0's model calls, not these replays), with
-        LoRA (a step's adapters are read eagerly) or in deterministic mode (its invariance was
-        measured on the eager prompt steps)."""
+        tensor parallelism (the other ranks mirror rank 0's model calls, not these replays) or in
+        deterministic mode (its invariance was measured on the eager prompt steps)."""
         config = self.config
         if (self.device.type != "cuda" or config.enforce_eager or self.offloader is not None or self.tp_size > 1
-                or self.lora is not None or config.deterministic):
+                or config.deterministic):
             return 0
         from tokenmill.worker.piecewise_graphs import linear_weight_count, max_graph_tokens
 
