@@ -78,6 +78,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PiecewiseGraphs | None = None  # steps with prompt tokens, up to a token count
         self.forward_activation_bytes = 0  # the profiling forward's own peak (profile_run), on a GPU
+        self.hidden_bytes_per_token = 0  # a token's final hidden states (profile_run), on a GPU
         self.grammars = None  # the engine's GrammarCache once a structured request arrives
         self._grammar_masks = GrammarMaskStaging(device)  # the masks' pinned buffer, reused step after step
         self.logits_processors: BatchLogitsProcessors | None = None  # LLM(logits_processors=...), on rank 0
@@ -201,6 +202,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, ForwardContext(meta, scratch, self.backend, lora_slots))
         if dev.type == "cuda":  # what a graph pool holding this forward's activations needs (sizing.py)
             self.forward_activation_bytes = torch.cuda.max_memory_allocated(dev) - before
+            self.hidden_bytes_per_token = hidden.shape[-1] * hidden.element_size()
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
         reserve = profile_sampling(self.sampler, logits, penalties, bias, max_logprobs, self.logprobs_mode)
         # A prompt-logprobs slice ([rows, V] float32 log-probabilities, their rank comparison) needs
