@@ -132,9 +132,9 @@ for part in $parts; do
       tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
     lora)  # LoRA adapters: P1's and P2's requests on Qwen3-0.6B's shape with enable_lora off (base), on without
            # adapters (lora-none, max_loras=4), one adapter (lora-1) and four (lora-4), rank 16 on every projection
-           # (bench/lora_bench.py; beside vllm-lora; LORA_MODES picks modes)
+           # (bench/lora_bench.py; beside vllm-lora; LORA_MODES picks modes, LORA_WORKLOADS the workloads: refill-short ...)
       for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
-        RESULTS="$OUT/lora.raw" timeout 150 python3 bench/lora_bench.py tokenmill qwen3-0.6b $mode nano uniform 2>&1 | grep -v "^\s*$" | tail -2
+        RESULTS="$OUT/lora.raw" timeout 150 python3 bench/lora_bench.py tokenmill qwen3-0.6b $mode ${LORA_WORKLOADS:-nano uniform} 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/lora.raw" "$OUT/throughput.jsonl"; : > "$OUT/lora.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
@@ -360,7 +360,7 @@ for part in $parts; do
         vllm-refill) RESULTS="$OUT/vllm.raw" timeout 400 python3 bench/refill_bench.py vllm qwen3-0.6b ${REFILL_WORKLOADS:-short long} 2>&1 | tail -3 ;;
         vllm-beam) RESULTS="$OUT/vllm.raw" timeout 400 python3 bench/beam_bench.py vllm qwen3-0.6b ${BEAM_WIDTHS:-4} 2>&1 | tail -3 ;;
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
-                RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode nano uniform 2>&1 | tail -2
+                RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode ${LORA_WORKLOADS:-nano uniform} 2>&1 | tail -2
               done ;;
         vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b nano uniform 2>&1 | tail -3
               RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 250 \
