@@ -218,7 +218,7 @@ class PiecewiseGraphs:
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         logger.info("captured prompt-step CUDA graphs for %d token buckets up to %d tokens in %.1f s",
-                    len(self.graphs), self.max_tokens, time.perf_counter() - start)
+                    len(self.buckets), self.max_tokens, time.perf_counter() - start)
 
     def bucket_for(self, tokens: int) -> int | None:
         for size in self.buckets:
