@@ -112,7 +112,7 @@ def generic_parquet_schema(with_lora: bool = False) -> Any:
         ("row", pa.int64()), ("id", pa.string()), ("sample_index", pa.int32()), ("text", pa.string()),
         ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
         ("cumulative_logprob", pa.float64()), ("prompt_logprob", pa.float64()),
-        ("prompt_token_logprobs", pa.list_(pa.float64())), ("error", pa.string()),
+        ("prompt_token_logprobs", pa.list_(pa.float32())), ("error", pa.string()),  # float32 at the source: exact
         *([("lora", pa.string())] if with_lora else []),
     ])
 
