@@ -140,8 +140,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, metavar="X")
     g.add_argument("--logprobs", type=int, metavar="K", help="return log probabilities (and K alternatives per token)")
     g.add_argument("--prompt-logprobs", type=int, metavar="K",
-                   help="score the prompt: write each prompt token's logprob and their sum (K > 0 also computes "
-                        "K alternatives a position, which the output files do not hold: use 0)")
+                   help="score the prompt: write each prompt token's logprob and their sum (K > 0 also computes K "
+                        "alternatives a position, which only OpenAI batch output holds: otherwise use 0)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-sequence")
     g.add_argument("--seed", type=int, default=0,
                    help="engine seed; sampled rows get per-row seeds derived from it, so reruns match (default: 0)")
