@@ -2,12 +2,14 @@
 model stubbed as there (forward zeros, cached logits, a stand-in sampler): no GPU, no model
 arithmetic, the engine's own Python.
 
-    python bench/host_paths_bench.py beam [--width 4] [--tokens 128]
+    python bench/host_paths_bench.py beam [--width 4] [--tokens 128] [--detokenize]
     python bench/host_paths_bench.py score [--flat] [--detokenize]
 
 beam:  LLM.beam_search over 256 prompts of U[32, 256] token ids, ``--tokens`` new tokens a beam;
        the stand-in sampler's top-K (ids and falling logprobs) are reshuffled every step, so forks
        and finished beams come and go as in a real search. Figure: µs of host a beam-token.
+       ``--detokenize``: with the bench tokenizer, so texts and the logprob entries' tokens are
+       decoded, as a user's search has them.
 score: LLM.generate over 1,024 prompts of U[64, 512] token ids with prompt_logprobs=1 and one token
        out, detokenize=False (lm-eval's loglikelihood request); a vocabulary of 1,024 keeps the
        CPU's own log-softmax table small. Figure: µs a prompt position spent reading the scored
@@ -69,10 +71,10 @@ class _ShuffledTopK(_StubSampler):
         return super().__call__(step_logits, batch)
 
 
-def beam(width: int, tokens: int) -> dict:
+def beam(width: int, tokens: int, tokenizer: bool) -> dict:
     from tokenmill.sampling_params import BeamSearchParams
 
-    llm = stub_llm(CONFIG["vocab_size"], 4096)
+    llm = stub_llm(CONFIG["vocab_size"], 4096, tokenizer=tokenizer)
     llm.llm_engine.executor.runner.sampler = _ShuffledTopK(torch.randint(0, CONFIG["vocab_size"], (4096,)))
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randint(2, 1000) for _ in range(random.randint(32, 256))]} for _ in range(256)]
@@ -80,7 +82,7 @@ def beam(width: int, tokens: int) -> dict:
     start = time.perf_counter()
     llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=tokens, ignore_eos=True))
     seconds = time.perf_counter() - start
-    return dict(workload="beam", width=width, tokens=tokens, seqs=len(prompts), seconds=round(seconds, 3),
+    return dict(workload="beam", width=width, tokens=tokens, tokenizer=tokenizer, seqs=len(prompts), seconds=round(seconds, 3),
                 us_per_beam_token=round(seconds / (len(prompts) * width * tokens) * 1e6, 2))
 
 
@@ -128,7 +130,7 @@ def main() -> None:
     parser.add_argument("--detokenize", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    row = beam(args.width, args.tokens) if args.kind == "beam" else score(args.flat, args.detokenize)
+    row = beam(args.width, args.tokens, args.detokenize) if args.kind == "beam" else score(args.flat, args.detokenize)
     emit(dict(bench="host_paths", **row))
 
 

@@ -28,6 +28,7 @@ it recomputes the partial block instead). A parent with no continuation is freed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -160,8 +161,10 @@ class BeamSearch:
         host.add_forks(forks)
         return [child for child, _ in continuing]
 
-    def completions(self, tokenizer: Any) -> list[CompletionOutput]:
-        """The finished hypotheses, best first, as completions (what vLLM's server returns)."""
+    def completions(self, tokenizer: Any, decoded_alone: Callable[[int], str]) -> list[CompletionOutput]:
+        """The finished hypotheses, best first, as completions (what vLLM's server returns);
+        ``decoded_alone`` gives a logprob entry's token text (the output processor's, which keeps
+        the texts it met: a search's entries are 2 x width tokens a position)."""
         outputs = []
         for index, hyp in enumerate(self.finished):
             text = ""
@@ -171,7 +174,7 @@ class BeamSearch:
                 for entry in hyp.logprobs:
                     for token, logprob in entry.items():
                         if logprob.decoded_token is None:
-                            logprob.decoded_token = tokenizer.decode([token])
+                            logprob.decoded_token = decoded_alone(token)
             outputs.append(CompletionOutput(
                 index=index, text=text, token_ids=hyp.token_ids, cumulative_logprob=hyp.cumulative_logprob,
                 logprobs=hyp.logprobs, finish_reason=hyp.finish_reason,

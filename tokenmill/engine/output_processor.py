@@ -131,7 +131,7 @@ class OutputProcessor:
             completions = [CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
                                             finish_reason="error")]
         elif request.beam is not None:  # its sequences are live beams; the output is the finished ones
-            completions = request.beam.completions(self.tokenizer) if request.beam.done else []
+            completions = request.beam.completions(self.tokenizer, self.decoded_alone) if request.beam.done else []
         else:
             completions = self._sample_completions(request)
         return RequestOutput(
@@ -219,17 +219,23 @@ class OutputProcessor:
             texts = [self._token_text(t, context) for t in ids]
         append_position(container, ids, logprobs, ranks, texts)
 
+    def decoded_alone(self, token_id: int) -> str:
+        """The token decoded on its own; a whole token's text is kept (`_whole_texts`) and looked up
+        the next time (part of a character, U+FFFD alone, is decoded each time)."""
+        text = self._whole_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if not text.endswith("\ufffd"):
+                self._whole_texts[token_id] = text
+        return text
+
     def _token_text(self, token_id: int, context: list[int]) -> str:
         """The token's text as vLLM 0.26 reports it (v1/engine/logprobs.py, _correct_decoded_token):
         a token that is part of a character split over several tokens (byte-level or byte-fallback
         vocabularies) decodes alone to U+FFFD; it gets the text it completes together with the
         tokens before it at this position's left, or "" when the character is still incomplete."""
-        text = self._whole_texts.get(token_id)
-        if text is not None:
-            return text
-        text = self.tokenizer.decode([token_id])
+        text = self.decoded_alone(token_id)
         if not text.endswith("\ufffd"):
-            self._whole_texts[token_id] = text
             return text
         for size in range(1, min(len(context), 4) + 1):
             before = context[-size:]
