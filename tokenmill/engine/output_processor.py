@@ -34,11 +34,11 @@ class OutputProcessor:
     def record_prompt_logprobs(self, result: StepResult[Sequence]) -> None:
         """The prompt positions a step scored, appended to their requests' prompt logprobs.
 
-        A scoring job reads back every prompt position (16k a step), so positions without decoded
-        tokens are built directly: a list container's dicts as the sampled tokens' are (`_position`:
-        a third of `_append`'s time), a flat one's columns in one pass (`FlatLogprobs.extend_ranked`);
-        so are list positions with decoded tokens, where every token's text is known (`_whole_texts`);
-        the others go through `_append`."""
+        A scoring job reads back every prompt position (16k a step), so a list container's positions
+        are built directly as the sampled tokens' are (`_position`: a third of `_append`'s time),
+        their decoded tokens (if asked for) looked up where every token's text is known
+        (`_whole_texts`), and a flat one's columns without decoded tokens in one pass
+        (`FlatLogprobs.extend_ranked`); the others go through `_append`."""
         for chunk in result.prompt_logprobs.read() if result.prompt_logprobs is not None else ():
             request = chunk.seq.request
             container = request.prompt_logprobs
@@ -50,30 +50,29 @@ class OutputProcessor:
             logprobs, ranks = chunk.token_logprobs[skip:], chunk.ranks[skip:]
             top_ids = chunk.top_ids[skip:] if chunk.top_ids is not None else None
             top_logprobs = chunk.top_logprobs[skip:] if chunk.top_logprobs is not None else None
-            if self.tokenizer is None or not params.detokenize:
-                if isinstance(container, FlatLogprobs):
+            text = self.tokenizer is not None and params.detokenize
+            if isinstance(container, FlatLogprobs):
+                if not text:
                     container.extend_ranked(tokens, logprobs, ranks, top_ids, top_logprobs)
-                elif top_ids is None or top_logprobs is None:
-                    container.extend({t: Logprob(lp, r)} for t, lp, r in zip(tokens, logprobs, ranks))
-                else:
-                    k = params.prompt_logprobs
-                    container.extend(_position(t, lp, r, ti, tl, k)
-                                     for t, lp, r, ti, tl in zip(tokens, logprobs, ranks, top_ids, top_logprobs))
-                continue
-            if type(container) is list:  # with decoded tokens (`tokenmill run`'s scoring rows)
-                k = params.prompt_logprobs
+                    continue
                 for i, (token, lp, rank) in enumerate(zip(tokens, logprobs, ranks)):
-                    ids_i = top_ids[i] if top_ids is not None else None
-                    lps_i = top_logprobs[i] if top_logprobs is not None else None
-                    position = _position(token, lp, rank, ids_i, lps_i, k)
-                    if self._known_texts(position):
-                        container.append(position)
-                    else:
-                        self._append(container, token, lp, rank, (ids_i, lps_i) if ids_i is not None and lps_i is not None else None)
+                    top = (top_ids[i], top_logprobs[i]) if top_ids is not None and top_logprobs is not None else None
+                    self._append(container, token, lp, rank, top)
                 continue
-            for i, (token, lp, rank) in enumerate(zip(tokens, logprobs, ranks)):
-                top = (top_ids[i], top_logprobs[i]) if top_ids is not None and top_logprobs is not None else None
-                self._append(container, token, lp, rank, top, detokenize=params.detokenize)
+            if top_ids is None or top_logprobs is None:
+                positions = [{t: Logprob(lp, r)} for t, lp, r in zip(tokens, logprobs, ranks)]
+            else:
+                k = params.prompt_logprobs
+                positions = [_position(t, lp, r, ti, tl, k) for t, lp, r, ti, tl in zip(tokens, logprobs, ranks, top_ids, top_logprobs)]
+            if not text:
+                container.extend(positions)
+                continue
+            for i, position in enumerate(positions):  # with decoded tokens (`tokenmill run`'s scoring rows)
+                if self._known_texts(position):
+                    container.append(position)
+                else:  # a text not known yet: the position built again by the generic path, which decodes it
+                    top = (top_ids[i], top_logprobs[i]) if top_ids is not None and top_logprobs is not None else None
+                    self._append(container, tokens[i], logprobs[i], ranks[i], top)
 
     def record_sample_logprobs(self, result: StepResult[Sequence], rows: list[int]) -> None:
         """The logprobs of the tokens taken from ``rows`` (`Scheduler.update_from_output`), for
