@@ -65,6 +65,17 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted({min(size, max_tokens) for size in sizes})
 
 
+def lora_variants(lora: bool) -> tuple[bool, ...]:
+    """The variants each bucket is captured in: with the adapters' updates and without (LoRA), or plain."""
+    return (True, False) if lora else (False,)
+
+
+def kept_output_bytes(max_tokens: int, hidden_bytes_per_token: int, lora: bool) -> int:
+    """What the captured graphs keep in their pool beyond a forward's passing activations: each
+    bucket's (and variant's) final hidden states (``_Bucket.hidden``), for the memory plan."""
+    return sum(token_buckets(max_tokens)) * hidden_bytes_per_token * len(lora_variants(lora))
+
+
 def max_graph_tokens(num_layers: int, linear_params: int, max_num_batched_tokens: int) -> int:
     """The largest prompt step worth a graph: where the step's GEMMs (2 FLOPs a weight a token)
     take as long as the host's eager step (with asynchronous scheduling the slower of the two sets
@@ -194,7 +205,7 @@ class PiecewiseGraphs:
         torch._C._cuda_clearCublasWorkspaces()  # as DecodeGraphs.capture: the captures make their own, in our pool
         pool = None
         stream = torch.cuda.Stream(self.input_ids.device)  # a capture cannot run on the default stream
-        variants = (True, False) if self.lora_slots is not None else (False,)
+        variants = lora_variants(self.lora_slots is not None)
         for tokens in reversed(self.buckets):
             meta = self._metadata(tokens)  # made outside the capture: its tensors are copies from the host
             for adapters in variants:

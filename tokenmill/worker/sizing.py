@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.worker.piecewise_graphs import token_buckets
+from tokenmill.worker.piecewise_graphs import kept_output_bytes
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -80,9 +80,8 @@ def _gpu_budget(config: "EngineConfig", runner: "ModelRunner", prompt_graph_toke
     # The prompt graphs' pool: the profiled forward's activations, scaled to the largest graph's
     # tokens (activations grow with the token count), held beside every later step's own peak.
     graph_pool = runner.forward_activation_bytes * min(1.0, prompt_graph_tokens / config.max_num_batched_tokens)
-    if prompt_graph_tokens:  # and every bucket's final hidden states, which it keeps (twice with LoRA: two variants)
-        variants = 2 if runner.lora else 1
-        graph_pool += sum(token_buckets(prompt_graph_tokens)) * runner.hidden_bytes_per_token * variants
+    if prompt_graph_tokens:  # and what the graphs keep
+        graph_pool += kept_output_bytes(prompt_graph_tokens, runner.hidden_bytes_per_token, runner.lora)
     torch.cuda.empty_cache()
     # Memory other processes hold counts against our share, like vLLM's utilisation setting.
     used_by_others = total - free - torch.cuda.memory_reserved(device)
