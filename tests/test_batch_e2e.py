@@ -256,14 +256,6 @@ def test_prompt_logprobs_are_written_and_match_transformers(tmp_path, llm, tiny_
     assert table[4]["error"] and table[4]["prompt_token_logprobs"] is None
 
 
-def test_job_wide_logprobs_above_the_engine_limit_are_a_usage_error(tmp_path, llm):
-    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in prompts(2)])
-    for name in ("logprobs", "prompt_logprobs"):
-        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} 21 is more than this engine allows \\(20"):
-            job(tmp_path, llm, path, sampling={**GREEDY, name: 21})
-        assert not (tmp_path / "out.jsonl").exists() or not read_jsonl(tmp_path / "out.jsonl")  # no row ran
-
-
 def test_openai_batch_round_trip(tmp_path, llm):
     texts = prompts(4, seed=5)
     lines = [

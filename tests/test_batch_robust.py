@@ -88,6 +88,14 @@ def test_logprobs_past_max_logprobs_is_a_clear_error_in_generate(llm, tiny_llama
         LLM(str(tiny_llama_dir), max_logprobs=-2)
 
 
+def test_job_wide_logprobs_above_the_engine_limit_are_a_usage_error(tmp_path, llm):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:2]])
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} 21 is more than this engine allows \\(20"):
+            job(tmp_path, llm, path, sampling={**GREEDY, name: 21})
+        assert not (tmp_path / "out.jsonl").exists() or not read_jsonl(tmp_path / "out.jsonl")  # no row ran
+
+
 def test_a_row_that_fails_inside_a_step_fails_alone(tmp_path, llm, monkeypatch):
     """Whatever slips past validation and raises inside an engine step fails only its own row."""
     executor = llm.llm_engine.executor
