@@ -2,12 +2,15 @@
 in TFLOP/s, a mixed step of 256 decodes + prefill chunks in one launch, split, and split on two
 streams, and the decodes alone (bench "step_attention"); --sweep adds prefill tile shapes on the
 pure prefill step, --fp8-cache runs the steps over a float8 e4m3 cache. Timed through CUDA-graph
-replays, checked against the plain-torch twin first. Usage:
-    python bench/prefill_step_bench.py [--sweep] [--fp8-cache]
+replays, checked against the plain-torch twin first. --coresident times a mixed step's decodes on the
+item queue beside its prefill launch on a second stream, with few queue programs an SM so that both
+kernels' programs can share the SMs (bench "coresident_step"). Usage:
+    python bench/prefill_step_bench.py [--sweep] [--fp8-cache] [--coresident]
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import sys
@@ -18,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]  # the timers, tokenmill, tests/support
-from gpu_timing import _provenance, _time_graph  # noqa: E402
+from gpu_timing import _provenance, _time_events, _time_graph  # noqa: E402
 from kernels_bench import attention_arguments, run_case  # noqa: E402
 from support.kernel_cases import make_paged_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
@@ -168,15 +171,114 @@ def run_p5_cases(args: Any, sweep: bool) -> None:
             print(json.dumps(row), flush=True)
 
 
+def run_coresident_cases(args: Any) -> None:
+    """A mixed step's memory-bound decodes beside its compute-bound prefill chunks, as they would run
+    if the two launches shared the SMs. The engine runs them one after the other: the queue (4
+    programs an SM of 2 warps) then the prefill launch (128 x 32 tiles of 8 warps, two an SM by their
+    registers). A prefill program leaves room on its SM for one queue program but not for a second
+    prefill program, so with one queue program an SM launched first, the prefill tiles run one an SM
+    beside it. Timed eagerly (CUDA events over 20 steps): a graph does not keep the launch order of
+    two branches. Rows: the decodes alone at 1, 2 and 4 programs an SM, the chunks alone, the two in
+    sequence (the engine), and side by side with the queue launched first or second."""
+    from tokenmill.kernels.triton import paged_attention as pa
+    from tokenmill.kernels.triton import paged_attention_queue as queue
+
+    dtype = getattr(torch, args.dtype)
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
+    for decodes in (256, 128):
+        query_lens, seq_lens = p5_step(random.Random(6), decodes=decodes)
+        batch = make_paged_batch(
+            query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size,
+            dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
+        )
+        scale, d = dim**-0.5, query_lens.count(1)
+        max_q, max_s = max(query_lens), max(seq_lens)
+        _, config = pa.choose_configs(
+            num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=d, num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=dim, dtype=dtype, max_query_len=max_q, max_seq_len=max_s, device=batch.q.device,
+            cache_dtype=batch.kv_cache.dtype,
+        )
+        tile_n, num_warps, num_stages, engine_per_sm = queue.launch_shape(dtype, batch.kv_cache.dtype, dim)
+        out = torch.full_like(batch.q, float("nan"))
+        order = queue.decode_order(batch.seq_lens[:d])
+        counters = {k: queue.new_queue("cuda") for k in (1, 2, engine_per_sm)}
+        # The side stream outranks the step's: when both launches wait on the same event (the step's
+        # keys stored), the queue's programs are placed first. A same-priority stream for comparison.
+        side_high, side_same = torch.cuda.Stream(priority=-1), torch.cuda.Stream()
+
+        def decode_part(per_sm: int) -> None:
+            queue.queued_decode_attention(
+                batch.q[:d], batch.kv_cache, batch.seq_lens[:d], batch.block_tables[:d], scale, order, counters[per_sm],
+                out=out[:d], tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=per_sm,
+            )
+
+        def prefill_part() -> None:
+            pa._launch(
+                batch.q, config, k_cache=batch.kv_cache[0], v_cache=batch.kv_cache[1], out=out,
+                query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+                scale=scale, max_seq_len=max_s, num_launch_seqs=len(seq_lens), first_seq=d,
+                num_launch_tokens=len(batch.q) - d, compile_only=False,
+            )
+
+        def side_by_side(per_sm: int, queue_first: bool, side: torch.cuda.Stream = side_high) -> None:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            if not queue_first:
+                prefill_part()
+            with torch.cuda.stream(side):
+                decode_part(per_sm)
+            if queue_first:
+                prefill_part()
+            main.wait_stream(side)
+
+        cases: list[tuple[str, Any, int | None]] = [
+            *((f"decodes-alone-{k}-an-sm", functools.partial(decode_part, k), k) for k in (1, 2, engine_per_sm)),
+            ("prefill-alone", prefill_part, None),
+            ("in-sequence", lambda: (decode_part(engine_per_sm), prefill_part()), engine_per_sm),
+            *((f"side-by-side-queue-first-{k}-an-sm", functools.partial(side_by_side, k, True), k) for k in (1, 2)),
+            ("side-by-side-queue-first-1-an-sm-same-priority", functools.partial(side_by_side, 1, True, side_same), 1),
+            *((f"side-by-side-prefill-first-{k}-an-sm", functools.partial(side_by_side, k, False), k)
+              for k in (1, 2, engine_per_sm)),
+        ]
+        expected = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
+        decode_ctx = seq_lens[:d]
+        decode_bytes = sum(decode_ctx) * kv_heads * dim * 2 * batch.kv_cache.element_size()
+        for label, call, per_sm in cases:
+            out.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            rows = slice(0, d) if label.startswith("decodes") else slice(d, None) if label == "prefill-alone" else slice(None)
+            got, want = out[rows].float(), expected[rows].float()
+            rel = ((got - want).norm() / want.norm()).item()
+            if not (rel < 2e-2) or torch.isnan(got).any():
+                raise SystemExit(f"coresident {label}: wrong result (rel err {rel})")
+            us_median, us_min = _time_events(call, calls=20, repeats=10)
+            print(json.dumps({
+                **_provenance("coresident_step", label),
+                "decode_rows": d, "decode_ctx_mean": round(sum(decode_ctx) / d, 1), "prefill_tokens": len(batch.q) - d,
+                "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+                "cache_dtype": str(batch.kv_cache.dtype).removeprefix("torch."), "queue_programs_per_sm": per_sm,
+                "prefill_config": {k: getattr(config, k) for k in ("block_q", "tile_n", "num_warps", "num_stages")},
+                "us_median": round(us_median, 2), "us_min": round(us_min, 2),
+                "decode_gb_s": round(decode_bytes / (us_median * 1e-6) / 1e9, 1) if label.startswith("decodes") else None,
+                "rel_err": rel,
+            }), flush=True)
+        del expected, batch
+
+
 def main() -> None:
     parser = attention_arguments(__doc__)
     parser.add_argument("--sweep", action="store_true", help="also time prefill tile shapes")
+    parser.add_argument("--coresident", action="store_true", help="only the decodes beside the prefill chunks")
     parser.add_argument("--fp8-cache", action="store_true", help="the steps over a float8 e4m3 cache")
     args = parser.parse_args()
     args.cache_dtype = torch.float8_e4m3fn if args.fp8_cache else None
     if not torch.cuda.is_available():
         raise SystemExit("prefill_step_bench.py needs a CUDA GPU")
-    run_p5_cases(args, args.sweep)
+    if args.coresident:
+        run_coresident_cases(args)
+    else:
+        run_p5_cases(args, args.sweep)
 
 
 if __name__ == "__main__":

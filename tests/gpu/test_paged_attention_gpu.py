@@ -209,6 +209,23 @@ def test_backend_over_an_fp8_cache_takes_the_queue(scenario: str, heads: str) ->
     torch.testing.assert_close(got[:n].float(), expected[:n].float(), **_attn_tol(batch.q.dtype))
 
 
+@pytest.mark.skipif(DRYRUN, reason="CUDA only: the side stream")
+@pytest.mark.parametrize("side_decodes", [1, 2])
+def test_backend_side_decodes_equal_in_sequence(side_decodes: int) -> None:
+    """A mixed step's queued decodes on a side stream beside the prefill launch (few programs an
+    SM) give the bits of the queue and the prefill launch one after the other, layer after layer."""
+    from tokenmill.attention.triton_backend import TritonAttentionBackend
+
+    batch = _batch("p5_mixed", "qwen3-0.6b", 16, _dtype("bfloat16"), seed=3)
+    plain, beside = TritonAttentionBackend(), TritonAttentionBackend(side_decodes=side_decodes)
+    meta_plain, meta_beside = batch.metadata(), batch.metadata()
+    for _ in range(3):  # several layers of one step reuse its order and counters
+        expected = plain.attend(batch.q, batch.kv_cache, meta_plain, 0.1)
+        got = beside.attend(batch.q, batch.kv_cache, meta_beside, 0.1)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert "decode_queue" in meta_beside.backend_cache, "the decodes did not take the queue"
+
+
 @pytest.mark.skipif(DRYRUN, reason="CUDA only")
 def test_backend_forward_never_syncs() -> None:
     from tokenmill.attention.triton_backend import TritonAttentionBackend

@@ -42,9 +42,13 @@ class TritonAttentionBackend:
     run on the item queue (``kernels/triton/paged_attention_queue.py``): ``None`` where
     ``queue_pays`` says it is faster (many decodes), ``True`` always, ``False`` never; not with
     ``deterministic``.
+    ``side_decodes``: queue programs an SM for a mixed step's queued decodes, run on a side stream
+    beside the prefill launch (0: one after the other, on the step's stream). Few programs an SM
+    leave room on each SM for a prefill program, so the memory-bound decodes and the compute-bound
+    chunks can share the SMs (``bench/prefill_step_bench.py --coresident``).
     """
 
-    def __init__(self, deterministic: bool = False, decode_queue: bool | None = None) -> None:
+    def __init__(self, deterministic: bool = False, decode_queue: bool | None = None, side_decodes: int = 0) -> None:
         # Deferred so that building the backend object is free and triton loads on the first step.
         from tokenmill.kernels.triton.kv_store import store_kv
         from tokenmill.kernels.triton.paged_attention import paged_attention
@@ -60,7 +64,9 @@ class TritonAttentionBackend:
         if decode_queue and deterministic:
             raise ValueError("decode_queue is not for deterministic mode (its kernels are the batch-invariant ones)")
         self.decode_queue = False if deterministic else decode_queue
+        self.side_decodes = side_decodes
         self._queues: dict[tuple, "torch.Tensor"] = {}  # the queue's counters per (device, stream)
+        self._side_streams: dict["torch.device", "torch.cuda.Stream"] = {}
 
     def forward(
         self,
@@ -155,10 +161,18 @@ class TritonAttentionBackend:
             queue_decodes = num_decode_seqs > 0 and self._queued(num_decode_seqs, kv_cache)
             plan = meta.backend_cache[key] = (num_decode_seqs, decode_config, config, queue_decodes)
         num_decode_seqs, decode_config, config, queue_decodes = plan
+        beside = queue_decodes and self.side_decodes > 0 and q.is_cuda
         if queue_decodes:
             d = num_decode_seqs
-            self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d])
-        return self._paged_attention(
+            if beside:
+                main, side = torch.cuda.current_stream(q.device), self._side_stream(q.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d],
+                                        programs_per_sm=self.side_decodes)
+            else:
+                self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d])
+        result = self._paged_attention(
             q,
             kv_cache,
             meta.query_start_loc,
@@ -173,6 +187,19 @@ class TritonAttentionBackend:
             decode_config=decode_config,
             decodes_done=queue_decodes,
         )
+        if beside:
+            main.wait_stream(side)
+        return result
+
+    def _side_stream(self, device: "torch.device") -> "torch.cuda.Stream":
+        import torch
+
+        stream = self._side_streams.get(device)
+        if stream is None:
+            # It outranks the step's stream: the queue's programs are placed before the prefill
+            # launch's when both wait on the same keys, and take an SM's free room first.
+            stream = self._side_streams[device] = torch.cuda.Stream(device, priority=-1)
+        return stream
 
     def _queued(self, num_decodes: int, kv_cache: "torch.Tensor") -> bool:
         """Whether ``num_decodes`` decode rows of a step go to the item queue."""
@@ -184,7 +211,7 @@ class TritonAttentionBackend:
 
     def _attend_queued(
         self, q: "torch.Tensor", kv_cache: "torch.Tensor", seq_lens: "torch.Tensor", block_tables: "torch.Tensor",
-        meta: AttentionMetadata, scale: float, out: "torch.Tensor",
+        meta: AttentionMetadata, scale: float, out: "torch.Tensor", programs_per_sm: int | None = None,
     ) -> "torch.Tensor":
         """Decode rows (row i is sequence i's one token: a pure decode step, or a mixed step's
         leading decodes) through the item queue, into ``out``. The order (longest context first) is
@@ -206,7 +233,7 @@ class TritonAttentionBackend:
         order, counters, (tile_n, num_warps, num_stages, per_sm) = step
         return queue.queued_decode_attention(
             q, kv_cache, seq_lens, block_tables, scale, order, counters, out=out,
-            tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=per_sm,
+            tile_n=tile_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm or per_sm,
         )
 
     def precompile(self, num_heads: int, kv_cache: "torch.Tensor", dtype: "torch.dtype", max_seq_len: int) -> None:
