@@ -235,7 +235,7 @@ def run_coresident_cases(args: Any) -> None:
             *((f"decodes-alone-{k}-an-sm", functools.partial(decode_part, k), k) for k in (1, 2, engine_per_sm)),
             ("prefill-alone", prefill_part, None),
             ("in-sequence", lambda: (decode_part(engine_per_sm), prefill_part()), engine_per_sm),
-            *((f"side-by-side-queue-first-{k}-an-sm", functools.partial(side_by_side, k, True), k) for k in (1, 2)),
+            *((f"side-by-side-queue-first-{k}-an-sm", functools.partial(side_by_side, k, True), k) for k in (1, 2, engine_per_sm)),
             ("side-by-side-queue-first-1-an-sm-same-priority", functools.partial(side_by_side, 1, True, side_same), 1),
             *((f"side-by-side-prefill-first-{k}-an-sm", functools.partial(side_by_side, k, False), k)
               for k in (1, 2, engine_per_sm)),
