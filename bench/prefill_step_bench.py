@@ -263,7 +263,7 @@ def run_coresident_cases(args: Any) -> None:
                 "decode_gb_s": round(decode_bytes / (us_median * 1e-6) / 1e9, 1) if label.startswith("decodes") else None,
                 "rel_err": rel,
             }), flush=True)
-        del expected, batch
+        del expected
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from tokenmill.batch.job import JobConfig, run_job
 from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.requests import PromptSettings
 
+from support.jsonl import read_jsonl, write_jsonl
+
 MAX_TOKENS = 6
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 WORDS = "the cat sat on a warm mat while wind blew over its fur and the sun went down".split()
@@ -55,18 +57,6 @@ def job(tmp_path, llm, input_path, output="out.jsonl", **overrides):
                    progress=False)
     options.update(overrides)
     return run_job(JobConfig(**options), llm=llm)
-
-
-def write_jsonl(path, rows):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return path
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def by_row(records):

@@ -11,8 +11,9 @@ import signal
 
 import pytest
 
+from support.jsonl import read_jsonl, write_jsonl
 from support.processes import child_pids
-from test_batch_e2e import GREEDY, by_row, prompts, read_jsonl, reference, write_jsonl
+from test_batch_e2e import GREEDY, by_row, prompts, reference
 from tokenmill import LLM
 from tokenmill.batch.job import EngineFailure, JobConfig, run_job
 

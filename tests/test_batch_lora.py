@@ -6,7 +6,6 @@ Ray keep each row's adapter; bad flags and bad adapters are usage errors before 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.lora_modules import parse_lora_modules
 from tokenmill.cli import main
 from tokenmill.lora.request import LoRARequest
+
+from support.jsonl import read_jsonl, write_jsonl
 
 MAX_TOKENS = 6
 # logprobs=0: each record's cumulative_logprob sums the chosen tokens' logprobs, a check on the tokens.
@@ -81,15 +82,6 @@ def reference(llm, adapters, prompts: list[str], names: list[str | None], chat: 
     else:
         outs = llm.generate(prompts, params, lora_request=chosen, use_tqdm=False)
     return [(o.outputs[0].text, len(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob) for o in outs]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
 def config(tmp_path: Path, input_path: Path, adapters: dict[str, str], output: str = "out.jsonl", **extra) -> JobConfig:

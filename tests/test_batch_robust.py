@@ -18,7 +18,8 @@ from tokenmill.batch.job import JobConfig, run_job
 from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.requests import PromptSettings
 
-from test_batch_e2e import GREEDY, MAX_TOKENS, by_row, engine_left_clean, llm, read_jsonl  # noqa: F401 (fixtures)
+from support.jsonl import read_jsonl, write_jsonl
+from test_batch_e2e import GREEDY, MAX_TOKENS, by_row, engine_left_clean, llm  # noqa: F401 (fixtures)
 
 TEXTS = ["the cat sat on a warm mat", "wind blew over its fur", "the sun went down", "a mat while the cat",
          "its fur and the sun", "over the warm wind", "the cat the mat", "down went the sun"]
@@ -29,11 +30,6 @@ def job(tmp_path, llm, input_path, output="out.jsonl", should_stop=None, **overr
                    progress=False)
     options.update(overrides)
     return run_job(JobConfig(**options), llm=llm, should_stop=should_stop)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def reference(llm, texts, **sampling):

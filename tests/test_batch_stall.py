@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from test_batch_e2e import by_row, prompts, read_jsonl, write_jsonl
+from support.jsonl import read_jsonl, write_jsonl
+from test_batch_e2e import by_row, prompts
 from tokenmill.batch.stall_watchdog import EXIT_STALLED, StallWatchdog
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,6 @@ alone, Parquet output has a typed schema, and an interrupted job resumes with ev
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -16,18 +14,12 @@ from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.requests import PromptSettings
 from tokenmill.cli import main
 
+from support.jsonl import read_jsonl, write_jsonl
+
+
 @pytest.fixture
 def texts(random_sentences):
     return lambda count, seed=0: random_sentences(count, seed, high=15)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def job(tmp_path, llm, rows, task, output="out.jsonl", **overrides):

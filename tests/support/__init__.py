@@ -11,6 +11,7 @@ Fixtures stay in tests/conftest.py; this package holds the plain code behind the
 - ``gpu_kernel_cases``: the GPU kernel tests' head layouts, scheduler steps and tolerances (and their CPU dry run)
 - ``seeded_weights``: random weights that are one model at every tensor_parallel_size (a seeded full tensor sliced per rank)
 - ``processes``: ``child_pids``, the processes a test left behind
+- ``jsonl``: JSON Lines input files and job records for the batch-job tests
 - ``eager_graphs``: a CPU stand-in for the decode CUDA graphs (their tensor-parallel mirroring over gloo)
 - ``triton_interpreter``: fix-ups of Triton's CPU interpreter (numpy, fp8 rounding) and its dot made
   row-invariant for the deterministic kernels' checks (``TRITON_INTERPRET=1`` only)
