@@ -96,6 +96,12 @@ def _check_queue_rule(p: dict[str, Any]) -> None:
     assert [queued(auto, n, cache_dtype=fp8) for n in (64, 96, 128, 1024)] == [False, False, True, True]
     assert not queued(TritonAttentionBackend(deterministic=True), 1024)
     assert queued(TritonAttentionBackend(decode_queue=True), 1) and not queued(TritonAttentionBackend(decode_queue=False), 1024)
+    try:
+        TritonAttentionBackend(side_decodes=-1)
+    except ValueError as error:
+        assert "side_decodes" in str(error) and "-1" in str(error), error
+    else:
+        raise AssertionError("side_decodes=-1 was taken")
 
 
 _case("queue_rule", "queue-rule-by-items-an-sm")

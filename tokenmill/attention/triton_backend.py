@@ -64,6 +64,8 @@ class TritonAttentionBackend:
         if decode_queue and deterministic:
             raise ValueError("decode_queue is not for deterministic mode (its kernels are the batch-invariant ones)")
         self.decode_queue = False if deterministic else decode_queue
+        if side_decodes < 0:
+            raise ValueError(f"side_decodes is queue programs an SM (0: off), got {side_decodes}")
         self.side_decodes = side_decodes
         self._queues: dict[tuple, "torch.Tensor"] = {}  # the queue's counters per (device, stream)
         self._side_streams: dict["torch.device", "torch.cuda.Stream"] = {}
