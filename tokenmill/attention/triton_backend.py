@@ -25,6 +25,7 @@ Triton is imported on first use, so ``import tokenmill`` never pays for it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from tokenmill.attention.metadata import AttentionMetadata, QKVPrologue
@@ -166,14 +167,14 @@ class TritonAttentionBackend:
         beside = queue_decodes and self.side_decodes > 0 and q.is_cuda
         if queue_decodes:
             d = num_decode_seqs
+            stream: "contextlib.AbstractContextManager" = contextlib.nullcontext()
             if beside:
                 main, side = torch.cuda.current_stream(q.device), self._side_stream(q.device)
                 side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d],
-                                        programs_per_sm=self.side_decodes)
-            else:
-                self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d])
+                stream = torch.cuda.stream(side)
+            with stream:
+                self._attend_queued(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta, scale, out[:d],
+                                    programs_per_sm=self.side_decodes if beside else None)
         result = self._paged_attention(
             q,
             kv_cache,
