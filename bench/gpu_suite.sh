@@ -285,9 +285,9 @@ for part in $parts; do
     kernels-coresident)  # a mixed P5 step's queued decodes beside its prefill launch on two streams (docs/perf.md 80)
       timeout 150 python3 bench/prefill_step_bench.py --coresident > "$OUT/kernels_coresident.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_coresident.raw" "$OUT/kernels.jsonl"
       cat "$OUT/kernels_coresident.raw"; : > "$OUT/kernels_coresident.raw" ;;
-    side-decodes)  # P5 with the mixed steps' decodes on a side stream (SIDE_DECODES programs an SM, default 1) against the default, alternating
+    side-decodes)  # P5 with the mixed steps' decodes on a side stream (SIDE_DECODES programs an SM, default 2: the best kernel row of perf.md 80) against the default, alternating
       for engine in tokenmill tokenmill_side_decodes tokenmill tokenmill_side_decodes; do
-        RESULTS="$OUT/side.raw" TOKENMILL_SIDE_DECODES=${SIDE_DECODES:-1} PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine qwen3-0.6b prefill 2>&1 | grep -v "^\s*$" | tail -2
+        RESULTS="$OUT/side.raw" TOKENMILL_SIDE_DECODES=${SIDE_DECODES:-2} PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine qwen3-0.6b prefill 2>&1 | grep -v "^\s*$" | tail -2
       done
       tag "$OUT/side.raw" "$OUT/throughput.jsonl"; : > "$OUT/side.raw" ;;
     kernels-p5)  # P5's prefill and mixed attention steps: one launch vs decodes split off, prefill tile sweep; bf16, then fp8 cache
