@@ -1,8 +1,9 @@
 """tokenmill with a mixed step's queued decodes on a side stream beside its prefill launch, a few
 queue programs an SM (``TritonAttentionBackend(side_decodes=...)``; docs/perf.md 80), as an engine
 module for peer_bench.py: ``python bench/peer_bench.py tokenmill_side_decodes qwen3-0.6b prefill``.
-``TOKENMILL_SIDE_DECODES`` sets the programs an SM (default 2, the best of perf.md 80's kernel rows). The rows are tagged ``"engine":
-"tokenmill_side_decodes"``; an A/B against ``tokenmill`` in one call measures it end to end."""
+``TOKENMILL_SIDE_DECODES`` sets the programs an SM (default 2, the best of perf.md 80's kernel
+rows). The rows are tagged ``"engine": "tokenmill_side_decodes"``; an A/B against ``tokenmill`` in
+one call measures it end to end."""
 
 from __future__ import annotations
 
