@@ -53,6 +53,33 @@ def prefill_flops(query_lens: list[int], seq_lens: list[int], heads: int, head_d
     return 4.0 * head_dim * heads * keys
 
 
+def step_batch(args: Any, query_lens: list[int], seq_lens: list[int], num_decode_seqs: int) -> tuple[Any, Any, Any]:
+    """The step's paged batch on the GPU and the (decode, prefill) launch shapes the backend would
+    choose for it with ``num_decode_seqs`` leading decodes."""
+    from tokenmill.kernels.triton import paged_attention as pa
+
+    dtype = getattr(torch, args.dtype)
+    batch = make_paged_batch(
+        query_lens, seq_lens, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
+    )
+    decode_config, config = pa.choose_configs(
+        num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=num_decode_seqs, num_heads=args.heads,
+        num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), device=batch.q.device, cache_dtype=batch.kv_cache.dtype,
+    )
+    return batch, decode_config, config
+
+
+def checked_rel_err(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    """The result's relative error against the twin; a wrong result (or a row left unwritten) stops the bench."""
+    got, want = got.float(), want.float()
+    rel = ((got - want).norm() / want.norm()).item()
+    if not (rel < 2e-2) or torch.isnan(got).any():
+        raise SystemExit(f"{what}: wrong result (rel err {rel})")
+    return rel
+
+
 def run_step_case(
     args: Any, query_lens: list[int], seq_lens: list[int], label: str, *, num_decode_seqs: int,
     config: Any | None = None, two_streams: bool = False,
@@ -64,19 +91,10 @@ def run_step_case(
     rows with the compute-bound prefill tiles when both are in flight?)."""
     from tokenmill.kernels.triton import paged_attention as pa
 
-    dtype = getattr(torch, args.dtype)
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
-    batch = make_paged_batch(
-        query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size,
-        dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
-    )
+    batch, decode_config, chosen = step_batch(args, query_lens, seq_lens, num_decode_seqs)
     scale = dim**-0.5
     max_q, max_s = max(query_lens), max(seq_lens)
-    decode_config, chosen = pa.choose_configs(
-        num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=num_decode_seqs, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, max_query_len=max_q, max_seq_len=max_s, device=batch.q.device,
-        cache_dtype=batch.kv_cache.dtype,
-    )
     config = config or chosen
     out = torch.full_like(batch.q, float("nan"))
     common = dict(
@@ -105,9 +123,7 @@ def run_step_case(
     call()
     torch.cuda.synchronize()
     expected = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale)
-    rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-    if not (rel < 2e-2) or torch.isnan(out).any():
-        raise SystemExit(f"{label}: wrong result (rel err {rel}) with {config} / {decode_config}")
+    rel = checked_rel_err(out, expected, f"{label} with {config} / {decode_config}")
     del expected
     us_median, us_min = _time_graph(call, calls_per_graph=5, replays=20)
     flops = prefill_flops(query_lens, seq_lens, heads, dim)
@@ -187,17 +203,8 @@ def run_coresident_cases(args: Any) -> None:
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     for decodes in (256, 128):
         query_lens, seq_lens = p5_step(random.Random(6), decodes=decodes)
-        batch = make_paged_batch(
-            query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, block_size=args.block_size,
-            dtype=dtype, device="cuda", seed=0, cache_dtype=args.cache_dtype,
-        )
-        scale, d = dim**-0.5, query_lens.count(1)
-        max_q, max_s = max(query_lens), max(seq_lens)
-        _, config = pa.choose_configs(
-            num_tokens=len(batch.q), num_seqs=len(seq_lens), num_decode_seqs=d, num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=dim, dtype=dtype, max_query_len=max_q, max_seq_len=max_s, device=batch.q.device,
-            cache_dtype=batch.kv_cache.dtype,
-        )
+        scale, d, max_s = dim**-0.5, query_lens.count(1), max(seq_lens)
+        batch, _, config = step_batch(args, query_lens, seq_lens, d)
         tile_n, num_warps, num_stages, engine_per_sm = queue.launch_shape(dtype, batch.kv_cache.dtype, dim)
         out = torch.full_like(batch.q, float("nan"))
         order = queue.decode_order(batch.seq_lens[:d])
@@ -248,10 +255,7 @@ def run_coresident_cases(args: Any) -> None:
             call()
             torch.cuda.synchronize()
             rows = slice(0, d) if label.startswith("decodes") else slice(d, None) if label == "prefill-alone" else slice(None)
-            got, want = out[rows].float(), expected[rows].float()
-            rel = ((got - want).norm() / want.norm()).item()
-            if not (rel < 2e-2) or torch.isnan(got).any():
-                raise SystemExit(f"coresident {label}: wrong result (rel err {rel})")
+            rel = checked_rel_err(out[rows], expected[rows], f"coresident {label}")
             us_median, us_min = _time_events(call, calls=20, repeats=10)
             print(json.dumps({
                 **_provenance("coresident_step", label),
