@@ -200,6 +200,10 @@ _FP8_VARIANTS = [
     (4096, 4096, torch.bfloat16, False, (16, 200), dict(num_warps=8)),
     (1000, 4000, torch.float16, True, (3, 65, 256), {}),  # N, K not tile multiples
     (4104, 1032, torch.float16, False, (1, 130), dict(split_k=2)),
+    # Larger tiles past 64 tokens (bench/fp8_tile_sweep.py): 128 tokens x 256 weight rows and 256 x 128
+    # on two warpgroups, K split, a partial token tile.
+    (4096, 14336, torch.bfloat16, False, (96, 256), dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4, split_k=4)),
+    (6144, 4096, torch.bfloat16, True, (130, 256), dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3, split_k=2)),
 ]
 
 
