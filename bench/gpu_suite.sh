@@ -48,12 +48,12 @@ for part in $parts; do
   start=$(date +%s)
   case $part in
     tests|engine-tests|tests-1|tests-2|tests-3)
-      # The whole of tests/gpu (~545 tests) took over 450 s on the H200 (cut there on AC): tests-1 and
-      # tests-2 run it in two calls (~420 and ~220 s there), the files before test_quant_kernels_gpu.py
-      # and the rest (a new file falls on one side by its name), and tests-3 the files added since,
-      # not yet timed: MoE, LoRA (test_lora_gpu.py needs peft from .whl) and logprobs_mode. TESTS_IGNORE drops files (the quant
-      # tests need compressed-tensors from .whl); the Ray tests skip without the Ray bundle and have
-      # their own part.
+      # The whole of tests/gpu (~680 tests) in three calls: tests-1, the files before
+      # test_quant_kernels_gpu.py, tests-2 the rest (a new file falls on one side by its name), tests-3
+      # the MoE, LoRA (peft from .whl) and logprobs_mode files; 209, 123 and 56 s on the H200 at 403bb60
+      # (AU): 388 s in all, so `tests` (one call) should fit a call's 600 s, not tried. TESTS_IGNORE drops
+      # files (the quant tests need compressed-tensors from .whl, installed here when carried); the Ray
+      # tests skip without the Ray bundle and have their own part.
       case $part in
         tests) sel=tests/gpu ;;
         engine-tests) sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py tests/gpu/test_logits_processor_gpu.py" ;;
@@ -66,6 +66,12 @@ for part in $parts; do
            done ;;
       esac
       ignores=""; for f in tests/gpu/test_ray_gpu.py ${TESTS_IGNORE:-}; do ignores="$ignores --ignore=$f"; done
+      # The carried wheels (compressed-tensors, gguf, peft, xgrammar: .whl/, bench/build_wheels.sh) the
+      # checkpoint, LoRA and structured-output tests need: without them 9 tests fail and a file skips (AU).
+      if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/tokenmill-wheels ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tokenmill-wheels .whl/*.whl 2>&1 | tail -2
+      fi
+      [ -d /tmp/tokenmill-wheels ] && export PYTHONPATH="$PYTHONPATH:/tmp/tokenmill-wheels"
       log="$OUT/gpu_tests.log"; [[ $part = tests-? ]] && log="$OUT/gpu_$part.log"
       OMP_NUM_THREADS=$TESTS_OMP timeout ${TESTS_TIMEOUT:-540} python3 -m pytest $sel $ignores -q --maxfail=25 -p no:cacheprovider -rs \
         --durations=15 2>&1 | tee "$log" | tail -40 ;;
