@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [gemm-sweep] [quant-gemm] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
+#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
 #   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -103,6 +103,8 @@ for part in $parts; do
     quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl);
                  # QUANT_GEMM_KINDS="w4a16" (or fp8, fused) runs only those
       timeout 450 python3 bench/quant_gemm_bench.py ${QUANT_GEMM_KINDS:-} > "$OUT/quant_gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/quant_gemm.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/quant_gemm.raw"; cat "$OUT/quant_gemm.jsonl" ;;
+    fp8-tiles)  # the swapped fp8 GEMM past 64 tokens on larger tiles beside _scaled_mm, and tile rules scored (docs/perf.md 81)
+      timeout 300 python3 bench/fp8_tile_sweep.py > "$OUT/fp8_tiles.raw" 2>>"$OUT/suite.log"; tag "$OUT/fp8_tiles.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/fp8_tiles.raw"; tail -2 "$OUT/quant_gemm.jsonl" ;;
     quant-throughput)  # P3 with quantization="fp8" beside bf16 P3, and 8B 32-sequence decode bf16 / W4A16 / fp8
       RESULTS="$OUT/quant_throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
       RESULTS="$OUT/quant_throughput.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py tokenmill_fp8 llama3-8b nano 2>&1 | grep -v "^\s*$" | tail -2
