@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenmill.batch.journal import Journal, ResumeError, sidecar_dir
+from tokenmill.batch.results import read_result_record
 from tokenmill.batch.writers import encode_lines, jsonl_to_parquet
 
 SETTINGS = {"model": "m", "sampling": {"max_tokens": 8}, "input_digest": "abc"}
@@ -84,6 +85,71 @@ def test_journal_ahead_of_data_is_not_trusted(tmp_path):
         f.truncate(keep)
     with Journal.open(out, out, SETTINGS) as j:
         assert j.is_done(0) and not j.is_done(1)
+
+
+def samples(row, n, completion_tokens=2):
+    return encode_lines({"row": row, "sample_index": i, "text": f"t{row}.{i}", "error": None, "prompt_tokens": 5,
+                         "completion_tokens": completion_tokens} for i in range(n))
+
+
+def journal_path_of(out):
+    return os.path.join(sidecar_dir(out), "journal.jsonl")
+
+
+@pytest.mark.parametrize("damage", ["nul-in-a-middle-line", "emptied", "deleted", "entry-never-written"])
+def test_finished_rows_past_the_journal_are_read_back_not_cut(tmp_path, damage):
+    """Whatever the journal lost, the output's complete lines name their rows: none is cut and run again."""
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        for row in range(4):
+            j.commit(samples(row, 2), [row], [], 5, 4)
+    data = open(out, "rb").read()
+    entries = open(journal_path_of(out), "rb").read().splitlines(keepends=True)
+    if damage == "nul-in-a-middle-line":
+        entries[1] = entries[1][:3] + b"\0" + entries[1][4:]
+        open(journal_path_of(out), "wb").write(b"".join(entries))
+    elif damage == "emptied":
+        open(journal_path_of(out), "wb").close()
+    elif damage == "deleted":
+        os.remove(journal_path_of(out))
+    else:  # a crash after the data's write and before its journal line
+        open(journal_path_of(out), "wb").write(b"".join(entries[:3]))
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        assert [j.is_done(i) for i in range(5)] == [True] * 4 + [False]
+        assert j.repaired_bytes == 0 and open(out, "rb").read() == data
+        assert (j.previous.rows, j.previous.prompt_tokens, j.previous.completion_tokens) == (4, 20, 16)
+        assert j.rebuilt_rows == {"nul-in-a-middle-line": 3, "entry-never-written": 1}.get(damage, 4)
+        j.commit(samples(4, 2), [4], [], 5, 4)
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:  # the rebuilt journal replays
+        assert j.rebuilt_rows is None and j.previous.rows == 5
+
+
+@pytest.mark.parametrize("tail", [b'{"row":2,"sample_index":2,"te', b"\0" * 40 + b"\n"])
+def test_a_row_cut_between_its_samples_runs_again(tmp_path, tail):
+    """n = 3: a crash (or a power failure's zeros) after two of row 2's sample lines: row 2 is
+    dropped whole, rows 0 and 1 read back."""
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        j.commit(samples(0, 3), [0], [], 5, 6)
+    with open(out, "ab") as f:  # row 1 whole and row 2's first two samples, unjournaled, then the cut
+        f.write(samples(1, 3) + samples(2, 2) + tail)
+    keep = os.path.getsize(out) - len(tail) - len(samples(2, 2))
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        assert [j.is_done(i) for i in range(3)] == [True, True, False]
+        assert os.path.getsize(out) == keep and j.repaired_bytes == len(samples(2, 2)) + len(tail)
+        assert j.rebuilt_rows == 1 and j.previous.completion_tokens == 12
+
+
+def test_a_row_journaled_twice_in_the_data_stops_the_read_back(tmp_path):
+    """Lines past the journal that repeat a recorded row are not results of this attempt: cut."""
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        j.commit(samples(0, 1), [0], [], 5, 2)
+    with open(out, "ab") as f:
+        f.write(samples(1, 1) + samples(0, 1) + samples(2, 1))
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        assert [j.is_done(i) for i in range(3)] == [True, False, False]  # row 1 came just before the cut
+        assert read_rows(out) == [0]
 
 
 def test_changed_settings_refuse_to_resume(tmp_path):

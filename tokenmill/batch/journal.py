@@ -12,11 +12,14 @@ Beside OUTPUT lives a sidecar folder ``OUTPUT.tokenmill/``:
 
 A commit appends the results' lines to the data file, then one journal line naming the new end.
 On resume the journal is replayed up to its last complete line whose ``end`` the data file
-reaches; the data file is cut back to that end. Whatever a crash left after it (a half-written
-line, lines whose journal entry never made it) disappears and those rows run again: every row is
-in the output exactly once, and no finished row is recomputed. A journal that was deleted is
-rebuilt from the data file's complete lines (each names its row); a missing or damaged
-``state.json`` cannot be rebuilt (it holds the settings), and the error says so.
+reaches. Past that end, the data file's complete lines are read back (each names its row): lines a
+crash wrote before their journal entry, or everything after a journal line that was damaged, and
+all of it when the journal was deleted or emptied. The first line that does not read as a result
+(a half-written line, bytes lost to a power failure) ends what is trusted; the row whose lines come
+just before it is dropped too (a row with n > 1 samples may be cut between them), and the file is
+cut there. So every row is in the output exactly once, and a finished row is never lost to a
+journal that fell behind. A missing or damaged ``state.json`` cannot be rebuilt (it holds the
+settings), and the error says so.
 
 Durability: lines reach the OS on every commit, so a killed process (even ``kill -9``) loses
 nothing committed. fsync (data first, then journal) runs at most every ``fsync_interval``
@@ -83,7 +86,7 @@ class Journal:
         self.previous = Tally()  # rows finished by earlier attempts
         self.current = Tally()  # rows finished by this one
         self.repaired_bytes = 0  # torn or uncommitted output cut off on resume
-        self.rebuilt_rows: int | None = None  # rows read back from the data file when the journal was lost
+        self.rebuilt_rows: int | None = None  # rows read back from the data file past what the journal recorded
         self._done = bytearray()
         self._lock_fd = lock_fd
         self._data: AppendFile | None = None
@@ -146,9 +149,6 @@ class Journal:
     def _replay(self, read_record: RecordReader | None = None) -> None:
         journal_path = os.path.join(self.dir, "journal.jsonl")
         data_size = os.path.getsize(self.data_path) if os.path.exists(self.data_path) else 0
-        if not os.path.exists(journal_path) and data_size and read_record is not None:
-            self._rebuild(read_record, data_size)
-            return
         committed_end, journal_end = 0, 0
         if os.path.exists(journal_path):
             with open(journal_path, "rb") as f:
@@ -166,44 +166,54 @@ class Journal:
                         self._mark(index)
                     self.previous.add(len(rows), len(failed), int(entry.get("ptok", 0)), int(entry.get("gtok", 0)))
                     committed_end, journal_end = end, journal_end + len(line)
+        if read_record is not None and data_size > committed_end:
+            self._read_back(read_record, committed_end, journal_end, data_size, journal_lost=journal_end == 0)
+            return
         self.repaired_bytes = data_size - committed_end
         self._open_files(committed_end, journal_end)
 
-    def _rebuild(self, read_record: RecordReader, data_size: int) -> None:
-        """The journal is gone but the data file holds finished rows: read them back from it.
+    def _read_back(self, read_record: RecordReader, start: int, journal_end: int, data_size: int,
+                   journal_lost: bool) -> None:
+        """The data file holds lines past what the journal recorded (from ``start``): read them back.
 
-        Each complete line that reads as a result counts; the first one that does not (a torn tail)
-        ends what is trusted, and the file is cut there. The rows found become one journal entry,
-        so the next resume replays a journal again.
+        Each complete line that reads as a result of a row not recorded yet counts. The first one
+        that does not ends what is trusted, and the last row read before it is dropped as well (its
+        samples may be cut between lines). The rows found become one journal entry, so the next
+        resume replays a journal again.
         """
-        rows: list[int] = []
-        failed: list[int] = []
-        tally = Tally()
-        end = 0
+        found: list[list[Any]] = []  # per row, in file order: [row, failed, prompt tokens, generated tokens, offset]
+        end, cut_short = start, False
         with open(self.data_path, "rb") as f:
+            f.seek(start)
             for line in f:
                 try:
-                    found = read_record(json.loads(line)) if line.endswith(b"\n") else None
+                    record = read_record(json.loads(line)) if line.endswith(b"\n") else None
                 except (ValueError, KeyError, TypeError):
-                    found = None
-                if found is None:
+                    record = None
+                same_row = record is not None and bool(found) and record[0] == found[-1][0]
+                if record is None or (not same_row and (self.is_done(record[0]) or any(r[0] == record[0] for r in found))):
+                    cut_short = True  # not a result, or a row already there: nothing past here is trusted
                     break
-                index, row_failed, prompt_tokens, completion_tokens = found
-                if not self.is_done(index):  # a row's first record (n > 1 writes one per sample)
-                    self._mark(index)
-                    rows.append(index)
-                    failed += [index] if row_failed else []
-                    tally.add(1, int(row_failed), prompt_tokens, 0)
-                tally.completion_tokens += completion_tokens
+                if same_row:  # a later sample of the row (n > 1 writes one record per sample)
+                    found[-1][3] += record[3]
+                else:
+                    found.append([record[0], record[1], record[2], record[3], end])
                 end += len(line)
+        if cut_short and found:  # the row just before the cut may have lost samples: it runs again
+            end = found.pop()[4]
+        for row in found:
+            self._mark(row[0])
         self.repaired_bytes = data_size - end
-        self.rebuilt_rows = len(rows)
-        self._open_files(end, 0)
-        assert self._journal is not None
-        entry = {"end": end, "rows": rows, "failed": failed, "ptok": tally.prompt_tokens, "gtok": tally.completion_tokens}
-        self._journal.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
-        self._journal.sync()
-        self.previous = tally
+        self.rebuilt_rows = len(found) if (found or journal_lost) else None
+        self._open_files(end, journal_end)
+        if found:
+            assert self._journal is not None
+            tally = Tally(len(found), sum(bool(r[1]) for r in found), sum(r[2] for r in found), sum(r[3] for r in found))
+            entry = {"end": end, "rows": [r[0] for r in found], "failed": [r[0] for r in found if r[1]],
+                     "ptok": tally.prompt_tokens, "gtok": tally.completion_tokens}
+            self._journal.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+            self._journal.sync()
+            self.previous.add(**asdict(tally))
 
     def _open_files(self, data_end: int, journal_end: int) -> None:
         self._data = AppendFile(self.data_path, data_end)

@@ -24,7 +24,7 @@ class JobSummary:
     interrupted: bool = False
     already_complete: bool = False
     repaired_bytes: int = 0
-    rebuilt_rows: int | None = None  # rows read back from the output because the journal was lost
+    rebuilt_rows: int | None = None  # rows read back from the output past what the journal recorded
     errors: list[str] = field(default_factory=list)  # the first few failures of this attempt
     input: str = ""
 
@@ -44,7 +44,8 @@ class JobSummary:
         if self.rows_total == 0:
             lines.append(f"  warning: {self.input or 'the input'} has no rows, so there was nothing to generate")
         if self.rebuilt_rows is not None:
-            lines.append(f"  rebuilt: the journal was missing; {self.rebuilt_rows} finished rows were read back from the output")
+            lines.append(f"  read back: {self.rebuilt_rows} finished rows the journal had not recorded (missing, damaged or behind) "
+                         "were read back from the output")
         if self.resumed_rows:
             lines.append(f"  resumed: {self.resumed_rows} rows were done by an earlier attempt")
         if self.repaired_bytes:
