@@ -182,3 +182,42 @@ def test_not_parquet_is_a_clear_error(tmp_path):
     path = write(tmp_path / "in.parquet", b"this is not parquet")
     with pytest.raises(ValueError, match="not a readable Parquet file"):
         list(read_rows(path, "parquet"))
+
+
+def test_json_python_will_not_hold_is_a_row_error(tmp_path):
+    """An integer past Python's 4,300-digit limit is valid JSON that json.loads refuses: that line fails."""
+    path = write(tmp_path / "in.jsonl", b'{"prompt": "a"}\n{"prompt": "b", "n": ' + b"9" * 5000 + b'}\n{"prompt": "c"}\n')
+    rows = list(read_rows(path, "jsonl"))
+    assert [r.record for r in rows] == [{"prompt": "a"}, None, {"prompt": "c"}]
+    assert rows[1].error.startswith("line 2 cannot be read:") and "4300" in rows[1].error
+
+
+def test_a_parquet_value_python_cannot_hold_fails_its_row_only(tmp_path):
+    path = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "ts": pa.array([0, 10**12, 5], type=pa.timestamp("s"))}), path)
+    rows = list(read_rows(path, "parquet"))
+    assert [r.record["prompt"] if r.record else None for r in rows] == ["a", None, "c"]
+    assert rows[1].error.startswith("record 1: column 'ts' holds a value Python cannot represent")
+
+
+def test_openai_batch_is_told_by_most_lines_not_the_first(tmp_path):
+    lines = [{"method": "POST", "url": "/v1/completions", "body": {"prompt": "no custom_id"}}]
+    lines += [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}} for i in range(3)]
+    path = write(tmp_path / "in.jsonl", "\n".join(json.dumps(x) for x in lines).encode())
+    assert detect_format(path) == "openai"
+    plain = write(tmp_path / "rows.jsonl", b'{"prompt": "a", "url": "u", "body": "b"}\n{"prompt": "b"}\n')
+    assert detect_format(plain) == "jsonl"  # web-page rows with url and body fields are not batch requests
+
+
+def test_an_empty_csv_cell_is_a_missing_value(tmp_path):
+    path = write(tmp_path / "in.csv", b'id,prompt,messages\n,hello,\nx7,,"[]"\n')
+    rows = list(read_rows(path, "csv"))
+    assert rows[0].record == {"id": None, "prompt": "hello", "messages": None}
+    assert rows[1].record == {"id": "x7", "prompt": None, "messages": "[]"}
+
+
+@pytest.mark.parametrize("data", [b'[{"prompt": "a"},\n {"prompt": "b"}]\n', b'\xef\xbb\xbf\n  [\n{"prompt": "a"}]'])
+def test_a_json_array_is_refused_before_any_row_runs(tmp_path, data):
+    path = write(tmp_path / "in.json", data)
+    with pytest.raises(ValueError, match=r"holds a JSON array, not JSON Lines.*jq -c"):
+        scan_input(path, detect_format(path))

@@ -45,13 +45,16 @@ def test_ids():
     assert build_row_request(row({"prompt": "x", "sku": 7}), PromptSettings(id_field="sku")).row_id == 7
     with pytest.raises(RowError, match="no id field 'sku'"):
         build_row_request(row({"prompt": "x"}), PromptSettings(id_field="sku"))
+    where = RawRow(6, {"prompt": "x", "name": "n"}, None, "line 9")  # the line a person finds, not the 0-based index
+    with pytest.raises(RowError, match=r"^line 9 has no id field 'sku' \(--id-field; its fields: \['name', 'prompt'\]\)"):
+        build_row_request(where, PromptSettings(id_field="sku"))
 
 
 @pytest.mark.parametrize(
     "record, message",
     [
         ({"text": "x"}, "has no prompt"),
-        ({"prompt": 42}, "'prompt' must be a string, got int"),
+        ({"prompt": 42}, r"'prompt' must be a string \(or a list of token ids\), got int 42"),
         ({"prompt": ""}, "the prompt is empty"),
         ({"messages": "not json"}, "'messages' is not a JSON list"),
         ({"messages": []}, "non-empty list"),
@@ -115,6 +118,9 @@ def test_row_sampling_params():
         row_sampling_params(base, {"temperature": -1}, 0, 0)
     with pytest.raises(RowError, match=r"unknown sampling parameter\(s\) \['temp'\]"):
         row_sampling_params(base, {"temp": 1}, 0, 0)
+    with pytest.raises(RowError, match=r"\['temprature'\] in sampling_params \(did you mean 'temperature'\?\); "
+                                       r"allowed: \[.*'max_tokens'.*'top_p'"):
+        row_sampling_params(base, {"temprature": 1}, 0, 0)
     with pytest.raises(RowError, match="max_tokens"):
         row_sampling_params(base, {"max_tokens": "8"}, 0, 0)
 

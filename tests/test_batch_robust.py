@@ -402,3 +402,66 @@ def test_a_read_only_output_folder_exits_2_with_advice(tmp_path, capsys, monkeyp
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err, err
         assert f"cannot write {folder / 'out.jsonl'}" in err and "folder you can write to" in err, err
+
+
+# --- 8. what the session of 2026-12-06's audit found ----------------------------------------------
+
+
+def test_an_input_linked_to_the_output_is_refused_even_with_overwrite(tmp_path, llm):
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": t} for t in TEXTS[:2]])
+    os.symlink(data, tmp_path / "in.jsonl")
+    with pytest.raises(ValueError, match=r"must not be the input file \(.*in\.jsonl is .*data\.jsonl\)"):
+        job(tmp_path, llm, tmp_path / "in.jsonl", output="data.jsonl", overwrite=True)
+    assert len(read_jsonl(data)) == 2
+
+
+def test_rows_missing_at_the_end_are_not_marked_complete(tmp_path, llm, monkeypatch):
+    """An input that shrank while the job ran (or a row the loop lost) is not a finished job: the
+    rows done stay, the error says what happened, and a rerun on the restored input finishes."""
+    from tokenmill.batch import job as job_module
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:4]])
+    real_read_rows = job_module.read_rows
+    monkeypatch.setattr(job_module, "read_rows", lambda p, fmt: (r for r in real_read_rows(p, fmt) if r.index < 2))
+    with pytest.raises(ValueError, match=r"gave 2 rows where the scan before the run counted 4.*rerun"):
+        job(tmp_path, llm, path)
+    monkeypatch.setattr(job_module, "read_rows", real_read_rows)
+    again = job(tmp_path, llm, path)
+    assert again.complete and again.resumed_rows == 2 and again.rows_done == 4
+    assert sorted(by_row(read_jsonl(tmp_path / "out.jsonl"))) == [(i, 0) for i in range(4)]
+
+
+def test_a_lone_surrogate_id_does_not_stop_a_parquet_output(tmp_path, llm):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "the cat"}\n{"id": "b\\udc80", "prompt": "the sun"}\n')
+    summary = job(tmp_path, llm, path, output="out.parquet")
+    assert summary.complete and summary.rows_done == 2
+    assert sorted(pq.read_table(tmp_path / "out.parquet").column("id").to_pylist()) == ["a", "b\\udc80"]
+
+
+def test_a_closed_stderr_turns_the_progress_off_not_the_job(tmp_path, llm):
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return False
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:3]])
+    options = dict(input=str(path), output=str(tmp_path / "out.jsonl"), model="tiny", sampling=dict(GREEDY),
+                   log_interval=0)
+    summary = run_job(JobConfig(**options), llm=llm, stderr=ClosedPipe())
+    assert summary.complete and summary.rows_done == 3
+
+
+def test_a_file_error_elsewhere_is_not_blamed_on_the_output():
+    from tokenmill.batch.writers import describe_file_error
+
+    message = describe_file_error(PermissionError(errno.EACCES, "Permission denied", "/models/x/config.json"),
+                                  "in.jsonl", "out.jsonl")
+    assert message.startswith("cannot use /models/x/config.json: Permission denied") and "check its permissions" in message
+    message = describe_file_error(OSError(errno.ENOSPC, "No space left on device"), "in.jsonl", "out.jsonl")
+    assert message.startswith("cannot write out.jsonl: No space left on device; free some space")

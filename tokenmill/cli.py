@@ -14,6 +14,7 @@ written); 3 the job finished but some rows failed (see the summary and the rows'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -75,8 +76,9 @@ class _StopRequests:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue",
-              file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # stderr may be a pipe that closed: stop anyway
+            print("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue",
+                  file=sys.stderr, flush=True)
 
     def install(self) -> dict[int, Any]:
         """Install the handlers; returns the previous ones (for `restore`)."""
@@ -138,7 +140,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         stop.restore(previous)
-    print(summary.report(), file=sys.stderr)
+    with contextlib.suppress(OSError, ValueError):  # the results are written; a closed stderr changes no exit code
+        print(summary.report(), file=sys.stderr)
     return summary.exit_code
 
 

@@ -80,8 +80,10 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     input_path, output = config.input, config.output
     if not os.path.isfile(input_path):
         raise ValueError(f"input {input_path!r} does not exist or is not a file")
-    if os.path.abspath(input_path) in (os.path.abspath(output), os.path.abspath(sidecar_dir(output))):
-        raise ValueError("the output must not be the input file")
+    real_input, real_output = os.path.realpath(input_path), os.path.realpath(output)
+    if real_input == real_output or real_input.startswith(real_output + "."):  # OUTPUT.tokenmill/..., OUTPUT.tmp
+        raise ValueError(f"the output must not be the input file ({input_path} is {real_input})"
+                         if real_input != os.path.abspath(input_path) else "the output must not be the input file")
     check_output_path(output)
     fmt = detect_format(input_path, config.input_format)
     if fmt == "openai" and config.task != "generate":
@@ -121,7 +123,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                 progress.start = time.monotonic()  # the summary's throughput leaves model loading out
                 watchdog = StallWatchdog(config.stall_timeout, stream=stderr) if config.stall_timeout > 0 else None
                 loop = JobLoop(config, engine_llm, journal, progress, fmt, shape, fingerprint(settings), should_stop,
-                               new_llm=new_llm, notice=lambda message: print(message, file=stderr or sys.stderr, flush=True),
+                               new_llm=new_llm, notice=lambda message: _tell(message, stderr or sys.stderr),
                                watchdog=watchdog)
                 del engine_llm
             try:
@@ -138,6 +140,12 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                 loop.abort()
             errors = loop.errors
         progress.close()
+        if not interrupted and info.rows is not None and journal.total().rows < info.rows:
+            journal.sync()  # what finished stays; a rerun runs the rest
+            raise ValueError(
+                f"{input_path} gave {journal.total().rows} rows where the scan before the run counted {info.rows}: "
+                "was it changed or removed while the job ran? The finished rows are kept; restore the input "
+                "and rerun the same command to run the rest")
         if not interrupted:
             if out_fmt == "parquet":
                 schema = pooling_parquet_schema(config.task) if config.task != "generate" else \
@@ -154,6 +162,12 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             run_s=time.monotonic() - progress.start, complete=not interrupted, interrupted=interrupted,
             repaired_bytes=journal.repaired_bytes, rebuilt_rows=journal.rebuilt_rows, errors=errors, input=input_path,
         )
+
+
+def _tell(message: str, stream: TextIO) -> None:
+    """A notice for the person watching; a stream that went away (a closed pipe) does not stop the job."""
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=stream, flush=True)
 
 
 def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
+from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages, short_repr
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
@@ -56,7 +56,7 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     where = raw.where or f"row {raw.index}"
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise RowError(f"{where}: 'custom_id' must be a non-empty string", None)
+        raise RowError(f"{where}: 'custom_id' must be a non-empty string, got {short_repr(custom_id)}", None)
     method = line.get("method", "POST")
     if method != "POST":
         raise RowError(f"{where}: method {method!r} is not supported; batch requests are POST", custom_id)

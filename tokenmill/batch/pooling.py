@@ -61,7 +61,7 @@ class PoolingRows:
         assert record is not None
         where = raw.where or f"row {raw.index}"
         if self.task == "score":
-            request = RowRequest(index=raw.index, row_id=row_id_of(record, raw.index, self.settings.id_field))
+            request = RowRequest(index=raw.index, row_id=row_id_of(record, raw.index, self.settings.id_field, where))
             text_1, text_2 = (_text(record, name, where, request.row_id) for name in ("text_1", "text_2"))
             params = self._params(record, where, request.row_id, "score" if self.cross_encoder else "embed")
             if self.cross_encoder:

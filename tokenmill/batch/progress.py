@@ -218,17 +218,21 @@ class Progress:
             self._draw()
 
     def _draw(self) -> None:
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + self.line())
-        else:
-            self.stream.write(self.line() + "\n")
-        self.stream.flush()
+        self._write("\r\x1b[2K" + self.line() if self.tty else self.line() + "\n")
 
     def close(self) -> None:
         if self.enabled and self.tty:
             self._draw()
-            self.stream.write("\n")
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        """A progress line is a courtesy: a stream that went away (a closed pipe, a log shipper that
+        restarted) turns the lines off instead of stopping the job."""
+        try:
+            self.stream.write(text)
             self.stream.flush()
+        except (OSError, ValueError):  # ValueError: the stream was closed
+            self.enabled = False
 
 
 class _Expectation:

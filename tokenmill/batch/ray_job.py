@@ -91,7 +91,8 @@ class RayJobLoop:
         for raw in rows:
             if self.journal.is_done(raw.index):
                 continue
-            chunk.append({"index": raw.index, "record": None if raw.record is None else json.dumps(raw.record),
+            # default=str: a Parquet column of timestamps or bytes the prompt does not use must not stop the job
+            chunk.append({"index": raw.index, "record": None if raw.record is None else json.dumps(raw.record, default=str),
                           "error": raw.error, "where": raw.where})
             if len(chunk) == batch_rows:
                 refs.append(ray.put(pa.Table.from_pylist(chunk, schema=_row_schema())))

@@ -68,7 +68,9 @@ def detect_format(path: str, requested: str = "auto") -> str:
 
 
 def _looks_like_openai_batch(path: str) -> bool:
-    """True when the first decodable JSON object has OpenAI batch keys (custom_id and body or url)."""
+    """True when most of the first decodable JSON objects have OpenAI batch keys (custom_id, and body
+    or url): one bad line at the top must not turn a whole batch file into plain rows."""
+    votes = []
     with open(path, "rb") as f:
         for _, line in zip(range(_SNIFF_LINES), f):
             try:
@@ -76,8 +78,8 @@ def _looks_like_openai_batch(path: str) -> bool:
             except ValueError:
                 continue
             if isinstance(obj, dict):
-                return "custom_id" in obj and ("body" in obj or "url" in obj)
-    return False
+                votes.append("custom_id" in obj and ("body" in obj or "url" in obj))
+    return sum(votes) * 2 > len(votes)
 
 
 def scan_input(path: str, fmt: str) -> InputInfo:
@@ -86,6 +88,7 @@ def scan_input(path: str, fmt: str) -> InputInfo:
     digest = hashlib.blake2b(digest_size=16)
     rows: int | None = 0
     if fmt in ("jsonl", "openai"):
+        _refuse_json_array(path)
         with open(path, "rb") as f:
             for line in f:
                 digest.update(line)
@@ -100,6 +103,16 @@ def scan_input(path: str, fmt: str) -> InputInfo:
         else:
             rows = sum(1 for _ in _csv_records(path, fmt))
     return InputInfo(format=fmt, rows=rows, size=size, digest=digest.hexdigest())
+
+
+def _refuse_json_array(path: str) -> None:
+    """A file that opens with ``[`` is one JSON array (a .json export), not one object a line: every
+    line would become a bad row after the model loaded. Refuse it at once, saying how to convert."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        raise ValueError(f"{path} holds a JSON array, not JSON Lines (one object a line): convert it first, "
+                         f"e.g. jq -c '.[]' {path} > rows.jsonl")
 
 
 def read_rows(path: str, fmt: str) -> Iterator[RawRow]:
@@ -156,6 +169,8 @@ def _decode_jsonl_line(index: int, line_no: int, raw: bytes) -> RawRow:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return RawRow(index, None, f"{where} is not valid JSON: {e.msg} (column {e.colno})", where)
+    except ValueError as e:  # valid JSON Python will not hold, e.g. an integer of more than 4,300 digits
+        return RawRow(index, None, f"{where} cannot be read: {e}", where)
     except RecursionError:
         return RawRow(index, None, f"{where} is not valid JSON: nested too deeply", where)
     if not isinstance(obj, dict):
@@ -277,8 +292,8 @@ def _csv_rows(path: str, fmt: str) -> Iterator[RawRow]:
             yield RawRow(index, None, f"{where} has {len(fields)} fields but the header has {len(header)}", where)  # type: ignore[arg-type]
         elif any(_has_surrogates(v) for v in fields):  # type: ignore[union-attr]
             yield RawRow(index, None, f"{where} is not valid UTF-8", where)
-        else:
-            yield RawRow(index, dict(zip(header, fields)), None, where)  # type: ignore[arg-type]
+        else:  # an empty cell is a missing value, as a null is in Parquet or JSON
+            yield RawRow(index, {name: value if value != "" else None for name, value in zip(header, fields)}, None, where)  # type: ignore[arg-type]
 
 
 def _has_surrogates(text: str) -> bool:
@@ -304,7 +319,28 @@ def _parquet_file(path: str) -> Any:
 def _parquet_rows(path: str) -> Iterator[RawRow]:
     index = 0
     for batch in _parquet_file(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-        for record in batch.to_pylist():
-            yield RawRow(index, record, None, f"record {index}")
+        for record, error in _batch_records(batch):
+            where = f"record {index}"
+            yield RawRow(index, record, f"{where}: {error}" if error else None, where)
             index += 1
 
+
+def _batch_records(batch: Any) -> list[tuple[dict[str, Any] | None, str | None]]:
+    """A record batch's rows as dicts; when a value has no Python form (a timestamp past the year
+    9999, say), the batch is converted a row at a time and only the rows holding one fail."""
+    try:
+        return [(record, None) for record in batch.to_pylist()]
+    except (ValueError, OverflowError, TypeError):
+        pass
+    rows: list[tuple[dict[str, Any] | None, str | None]] = []
+    for i in range(batch.num_rows):
+        record: dict[str, Any] = {}
+        for name, column in zip(batch.schema.names, batch.columns):
+            try:
+                record[name] = column[i].as_py()
+            except (ValueError, OverflowError, TypeError) as e:
+                rows.append((None, f"column {name!r} holds a value Python cannot represent ({type(e).__name__}: {e})"))
+                break
+        else:
+            rows.append((record, None))
+    return rows

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import hashlib
 import json
@@ -103,8 +104,8 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     """Translate one generic row; raises RowError naming the field at fault."""
     record = raw.record
     assert record is not None
-    row_id = row_id_of(record, raw.index, settings.id_field)
     where = raw.where or f"row {raw.index}"
+    row_id = row_id_of(record, raw.index, settings.id_field, where)
     request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id),
                          adapter=row_adapter_name(record, where, row_id))
     if settings.prompt_template is not None:
@@ -122,7 +123,8 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
             request.prompt_token_ids = list(prompt)
             return request
         if not isinstance(prompt, str):
-            raise RowError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}", row_id)
+            raise RowError(f"{where}: 'prompt' must be a string (or a list of token ids), got {type(prompt).__name__} "
+                           f"{short_repr(prompt)}", row_id)
         text = prompt
     elif record.get("prompt_token_ids") is not None:
         ids = record["prompt_token_ids"]
@@ -147,10 +149,22 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     return request
 
 
-def row_id_of(record: dict[str, Any], index: int, id_field: str | None) -> Any:
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A value as an error message quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _did_you_mean(unknown: list[str]) -> str:
+    close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(sampling_field_names()), n=1)]
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+
+
+def row_id_of(record: dict[str, Any], index: int, id_field: str | None, where: str | None = None) -> Any:
     if id_field is not None:
         if id_field not in record or record[id_field] is None:
-            raise RowError(f"row {index} has no id field {id_field!r} (--id-field)", None)
+            raise RowError(f"{where or f'row {index}'} has no id field {id_field!r} (--id-field; its fields: "
+                           f"{sorted(record)[:12]})", None)
         value = record[id_field]
     elif record.get("id") is not None:
         value = record["id"]
@@ -274,7 +288,8 @@ def row_sampling_params(
     where = where or f"row {index}"
     unknown = sorted(set(overrides) - sampling_field_names())
     if unknown:
-        raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params", row_id)
+        raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params{_did_you_mean(unknown)}; "
+                       f"allowed: {sorted(sampling_field_names())}", row_id)
     key = _values_key(overrides) if made is not None else None
     checked = made.get(key) if made is not None and key is not None else None
     if checked is None:

@@ -43,14 +43,17 @@ def describe_file_error(error: OSError, input_path: str, output: str) -> str:
     """What failed (reading the input or writing the output), why, and what to do about it."""
     path = error.filename
     reading = path is not None and os.path.abspath(path) == os.path.abspath(input_path)
-    what = f"cannot read {input_path}" if reading else f"cannot write {output}"
+    # An error that names no file comes from a write to an open descriptor: the output's or its journal's.
+    ours = path is None or os.path.abspath(path) == os.path.abspath(output) or \
+        os.path.abspath(path).startswith(os.path.abspath(output) + ".")  # OUTPUT.tmp, OUTPUT.tokenmill/...
+    what = f"cannot read {input_path}" if reading else (f"cannot write {output}" if ours else f"cannot use {path}")
     detail = error.strerror or str(error)
-    if path is not None and not reading and os.path.abspath(path) != os.path.abspath(output):
+    if path is not None and ours and os.path.abspath(path) != os.path.abspath(output):
         detail += f" ({path})"
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         advice = "free some space, then rerun the same command: it continues where this one stopped"
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        advice = "check its permissions" if reading else "choose an output in a folder you can write to"
+        advice = "choose an output in a folder you can write to" if ours and not reading else "check its permissions"
     else:
         advice = "fix that, then rerun the same command: it continues where this one stopped"
     return f"{what}: {detail}; {advice}"
@@ -136,17 +139,35 @@ def jsonl_to_parquet(staging: str, output: str, schema: Any = None) -> int:
                 record["id"] = str(record["id"])
             chunk.append(record)
             if len(chunk) >= _PARQUET_CHUNK_ROWS:
-                writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                writer.write_table(_parquet_table(chunk, schema))
                 written += len(chunk)
                 chunk = []
         if chunk or written == 0:
-            writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+            writer.write_table(_parquet_table(chunk, schema))
             written += len(chunk)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, output)
     fsync_dir(os.path.dirname(os.path.abspath(output)))
     return written
+
+
+def _parquet_table(records: list[dict[str, Any]], schema: Any) -> Any:
+    """Records as an Arrow table. Parquet strings are UTF-8: a lone surrogate (an id or an input
+    value quoted in an error, read from a file that was not valid UTF-8) is written escaped, as
+    ``\\udc80``, instead of making the output impossible to finish."""
+    import pyarrow as pa
+
+    try:
+        return pa.Table.from_pylist(records, schema=schema)
+    except UnicodeEncodeError:
+        return pa.Table.from_pylist([{k: _utf8(v) for k, v in r.items()} for r in records], schema=schema)
+
+
+def _utf8(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 def write_atomic(path: str, data: bytes) -> None:
