@@ -56,6 +56,20 @@ def test_request_that_cannot_fit_the_cache_is_refused(tiny_llama_dir, llm):
 def test_bad_sampling_params_type(llm):
     with pytest.raises(ValueError, match="must be a SamplingParams"):
         llm.generate(as_inputs([[5, 6]]), [{"max_tokens": 3}], use_tqdm=False)
+    # A dict where vLLM takes a SamplingParams (iterating its keys named "str"), or pooling's params.
+    from tokenmill import PoolingParams
+
+    with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams or a list of them .*got dict \{'max_tokens': 4\}"):
+        llm.generate("the cat", {"max_tokens": 4}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams .*got PoolingParams"):
+        llm.generate("the cat", PoolingParams(), use_tqdm=False)
+    assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("prompts", [5, None, 2.5, b"bytes"])
+def test_prompts_of_no_prompt_type_name_the_argument(llm, prompts):
+    with pytest.raises(ValueError, match=r"prompts must be a prompt \(text, token ids or a prompt dict\) or a list of them, got"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
 
 
 def test_unknown_llm_keyword_is_an_error(tiny_llama_dir):

@@ -109,6 +109,9 @@ def test_unknown_keyword_is_a_type_error_with_a_suggestion():
     (dict(cpu_offload_gb=-1), "cpu_offload_gb=-1"),
     (dict(override_generation_config={"temprature": 0.5}), "override_generation_config"),
     (dict(block_size=24), "block_size=24"),
+    (dict(seed=None), "seed=None"),
+    (dict(seed=1.5), "seed=1.5"),
+    (dict(seed="abc"), "seed='abc'"),
 ])
 def test_unimplemented_values_are_value_errors_naming_argument_and_value(kwargs, named):
     with pytest.raises(ValueError, match="LLM\\(") as info:

@@ -81,7 +81,9 @@ def test_generation_config_folder_overrides_defaults(llm, tmp_path):
 
     from tokenmill import LLM
 
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_p": 0.5, "max_new_tokens": 7}))
+    # do_sample false is transformers' switch, which vLLM does not read: the temperature still holds.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.25, "top_p": 0.5,
+                                                                 "max_new_tokens": 7}))
     other = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=128, generation_config=str(tmp_path))
     params = other.get_default_sampling_params()
     assert (params.temperature, params.top_p, params.max_tokens) == (0.25, 0.5, 7)

@@ -184,6 +184,57 @@ def test_chat_content_parts_reach_the_template_in_its_format(llm):
         llm.chat(image, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE)
 
 
+TOOL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "{% for call in m.get('tool_calls') or [] %}<call>{{ call['function']['name'] }} "
+                 "{{ call['function']['arguments'] | tojson }}</call>{% endfor %}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_call_histories_reach_the_template_as_vllm_prepares_them(llm):
+    """An assistant turn with content None and OpenAI-form tool calls (arguments a JSON string): the
+    content renders empty and the arguments as the object (vLLM's chat_utils does both), against a
+    plain-jinja2 render of the conversation in that form."""
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"city": "Paris"}'}},
+                                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    prepared = [messages[0], {**messages[1], "content": "",
+                              "tool_calls": [{**messages[1]["tool_calls"][0], "function": {"name": "get", "arguments": {"city": "Paris"}}},
+                                             {**messages[1]["tool_calls"][1], "function": {"name": "now", "arguments": {}}}]},
+                messages[2]]
+    from tokenmill.inputs import render_chat_prompt  # what chat() sends (this conversation outgrows the tiny model)
+
+    ids = render_chat_prompt(tokenizer, messages, chat_template=TOOL_TEMPLATE)
+    assert ids == tokenizer.encode(_rendered_by_jinja(TOOL_TEMPLATE, prepared, tokenizer.bos_token), add_special_tokens=False)
+    assert messages[1]["content"] is None and isinstance(messages[1]["tool_calls"][0]["function"]["arguments"], str)  # not mutated
+    bad = [messages[0], {"role": "assistant", "content": None,
+                         "tool_calls": [{"function": {"name": "get", "arguments": "{city: Paris"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\[1\].tool_calls\[0\].function.arguments must be JSON"):
+        llm.chat(bad, GREEDY, use_tqdm=False, chat_template=TOOL_TEMPLATE)
+    assert llm.chat([{"role": "user", "content": None}], GREEDY, use_tqdm=False, chat_template=TOOL_TEMPLATE)[0].outputs
+
+
+def test_chat_template_given_as_long_text_or_a_path(llm, tmp_path):
+    """A template's text longer than a file name may be (OSError from the file check in vLLM too,
+    which it takes as the template), a pathlib.Path, and template kwargs that repeat an argument."""
+    from pathlib import Path
+
+    messages = [{"role": "user", "content": "the cat"}]
+    long = BOS_TEMPLATE + "{# " + "x" * 400 + " #}"
+    want = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE)[0].prompt_token_ids
+    assert llm.chat(messages, GREEDY, use_tqdm=False, chat_template=long)[0].prompt_token_ids == want
+    (tmp_path / "t.jinja").write_text(BOS_TEMPLATE)
+    assert llm.chat(messages, GREEDY, use_tqdm=False, chat_template=Path(tmp_path / "t.jinja"))[0].prompt_token_ids == want
+    # vLLM merges chat_template_kwargs under the call's own arguments: the explicit one wins, no TypeError.
+    merged = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE,
+                      chat_template_kwargs={"add_generation_prompt": False, "tools": None})[0]
+    assert merged.prompt_token_ids == want
+    with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['tokenize'\]"):
+        llm.chat(messages, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE, chat_template_kwargs={"tokenize": False})
+
+
 def test_generate_keywords_of_vllm(llm):
     tokenizer = llm.get_tokenizer()
     text = "the weather is fine today"

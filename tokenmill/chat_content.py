@@ -13,6 +13,7 @@ by name.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -62,22 +63,47 @@ def _reads_content(node: Any, holders: set[str]) -> bool:
 
 
 def formatted_messages(messages: list[dict], content_format: str, where: str) -> list[dict]:
-    """Copies of the messages whose list contents are in ``content_format`` ("string" or "openai");
-    messages without a list content, or already in form, are passed through."""
+    """Copies of the messages as a chat template expects them, as vLLM prepares them: list contents in
+    ``content_format`` ("string" or "openai"), a null or missing content empty ("" or []), and an
+    assistant's tool-call arguments given as a JSON string (the OpenAI form) parsed to the object
+    that tool-use templates render. Messages needing none of it are passed through."""
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if content_format == "openai" and isinstance(content, str):
-            out.append({**message, "content": [{"type": "text", "text": content}]})
+        if content is None:
+            message = {**message, "content": "" if content_format == "string" else []}
+        elif content_format == "openai" and isinstance(content, str):
+            message = {**message, "content": [{"type": "text", "text": content}]}
         elif isinstance(content, list):
             texts = [_part_text(part, f"{where}[{i}].content[{j}]") for j, part in enumerate(content)]
-            if content_format == "string":
-                out.append({**message, "content": "\n".join(texts)})
-            else:
-                out.append({**message, "content": [{"type": "text", "text": text} for text in texts]})
-        else:
-            out.append(message)
+            joined: Any = "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
+            message = {**message, "content": joined}
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            message = {**message, "tool_calls": [_tool_call(call, f"{where}[{i}].tool_calls[{j}]")
+                                                 for j, call in enumerate(message["tool_calls"])]}
+        out.append(message)
     return out
+
+
+def _tool_call(call: Any, where: str) -> Any:
+    """A tool call whose ``function.arguments`` is a JSON string (or empty) with them as an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, (dict, list)):
+        return call
+    if arguments in (None, ""):
+        parsed: Any = {}
+    elif isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(f"{where}.function.arguments must be JSON (the OpenAI form) or an object: {e}; "
+                             f"got {arguments[:60]!r}") from None
+    else:
+        raise ValueError(f"{where}.function.arguments must be a JSON string or an object, got {type(arguments).__name__}")
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _part_text(part: Any, where: str) -> str:

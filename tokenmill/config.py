@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -112,7 +113,7 @@ class EngineArgs(_VllmOnlyArguments):
     generation_config: str = "auto"
     # generation_config.json keys laid over the model's (or vLLM's) defaults, e.g. {"temperature": 0.5}.
     override_generation_config: dict[str, Any] | None = None
-    chat_template: str | None = None  # LLM.chat's template when a call gives none (text or a file path)
+    chat_template: str | os.PathLike | None = None  # LLM.chat's template when a call gives none (text or a file path)
     # config.json fields replaced before the model is built: a dict, or a function config -> config.
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
     gguf_file: str | None = None
@@ -178,6 +179,7 @@ class EngineArgs(_VllmOnlyArguments):
                f"one of {_SCHEDULING_POLICIES}")
         _check(self.logprobs_mode in _LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, f"one of {_LOGPROBS_MODES}")
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
+        _check(_is_int(self.seed), "seed", self.seed, "an integer (vLLM's default is 0)")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
                "block_size", self.block_size, "a power of two (or None: 16)")
@@ -232,7 +234,7 @@ class EngineArgs(_VllmOnlyArguments):
         overrides = self.override_generation_config or {}
         _check(isinstance(overrides, dict) and set(overrides) <= set(GENERATION_CONFIG_FIELDS), "override_generation_config",
                self.override_generation_config, f"a dict with keys among {sorted(GENERATION_CONFIG_FIELDS)}")
-        _check(self.chat_template is None or isinstance(self.chat_template, str), "chat_template", self.chat_template,
+        _check(self.chat_template is None or isinstance(self.chat_template, (str, os.PathLike)), "chat_template", self.chat_template,
                "None, a Jinja template or the path of a file holding one")
         _check(self.served_model_name is None or isinstance(self.served_model_name, str)
                or (isinstance(self.served_model_name, (list, tuple)) and all(isinstance(n, str) for n in self.served_model_name)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, Sequence, TypedDict
@@ -49,7 +51,12 @@ class ProcessedPrompt:
 def prompt_list(prompts: Any) -> list:
     """One prompt or many, as a list. As in vLLM, a list whose first item is an int is one prompt
     of token ids; any other list (or iterable) holds several prompts."""
-    return [prompts] if is_one_prompt(prompts) else list(prompts)
+    if is_one_prompt(prompts):
+        return [prompts]
+    if isinstance(prompts, (bytes, int, float)) or prompts is None or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a prompt (text, token ids or a prompt dict) or a list of them, "
+                         f"got {type(prompts).__name__} {_short(prompts)}")
+    return list(prompts)
 
 
 def is_one_prompt(prompts: Any) -> bool:
@@ -61,6 +68,9 @@ def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
     """``given`` for each of ``count`` prompts: one ``single`` value repeated, or a list of exactly ``count``."""
     if isinstance(given, single):
         return [given] * count
+    if not isinstance(given, (list, tuple)) or not all(isinstance(v, single) for v in given):
+        raise ValueError(f"{name} must be a {single.__name__} or a list of them (one per prompt), got "
+                         f"{type(given).__name__} {_short(given)}")
     values = list(given)
     if len(values) != count:
         raise ValueError(f"got {len(values)} {name} for {count} prompts; give one, or one per prompt")
@@ -151,12 +161,17 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs
     return found
 
 
-def load_chat_template(value: str | None) -> str | None:
+def load_chat_template(value: str | os.PathLike | None) -> str | None:
     """A chat template given as text, or the path of a file holding one (vLLM's chat_template=)."""
     if value is None:
         return None
-    if Path(value).expanduser().is_file():
-        return Path(value).expanduser().read_text(encoding="utf-8")
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    try:
+        if Path(value).expanduser().is_file():
+            return Path(value).expanduser().read_text(encoding="utf-8")
+    except OSError:  # a template's text is no file name (longer than the system allows, say): it is the template
+        pass
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"chat_template={value!r} is neither a file nor a Jinja template")
     return value
@@ -224,9 +239,14 @@ def render_chat_prompts(
         )
     fmt = resolve_content_format(content_format, template)
     checked = [_checked_messages(messages, where, fmt) for messages, where in zip(conversations, wheres)]
-    options = dict(chat_template=template, add_generation_prompt=add_generation_prompt,
-                   continue_final_message=continue_final_message, tools=tools, tokenize=True, return_dict=False,
-                   **(chat_template_kwargs or {}))
+    reserved = sorted({"tokenize", "return_dict", "chat_template"} & set(chat_template_kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: the engine tokenizes the rendered prompt, "
+                         "and the template itself is chat_template=")
+    # As vLLM merges them: the template variables, with the call's own arguments (those not None) on top.
+    explicit = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools)
+    options = {**(chat_template_kwargs or {}), **{k: v for k, v in explicit.items() if v is not None},
+               "chat_template": template, "tokenize": True, "return_dict": False}
     if len(checked) > 1:
         try:
             return [list(ids) for start in range(0, len(checked), TOKENIZE_CHUNK)

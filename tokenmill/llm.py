@@ -78,9 +78,9 @@ class LLM(PoolingMethods, EngineControlMethods):
         elif self.args.generation_config != "vllm":  # a folder holding generation_config.json
             found = _read_generation_config(self.args.generation_config)
         found.update(self.args.override_generation_config or {})
+        # As vLLM: the sampling fields only. do_sample is transformers' switch; a generation_config
+        # with do_sample false and a temperature still samples at that temperature in vLLM.
         overrides = {field: found[key] for key, field in GENERATION_CONFIG_FIELDS.items() if found.get(key) is not None}
-        if not found.get("do_sample", True):
-            overrides["temperature"] = 0.0
         return SamplingParams(**overrides)
 
     # ---- generation -----------------------------------------------------------------------
