@@ -91,6 +91,25 @@ def test_ignore_eos_runs_to_max_tokens_and_eos_stops_otherwise(llm, reference):
     assert out.token_ids == [EOS] and out.finish_reason == "stop" and out.stop_reason is None
 
 
+def test_eos_of_the_tokenizer_and_of_the_configs(tiny_llama_dir, tmp_path):
+    """vLLM (SamplingParams.update_from_generation_config, its scheduler's check_stop): the tokenizer's
+    eos ends a sequence with stop_reason None even where config.json names another, and
+    generation_config.json's other eos ids end it with stop_reason the id."""
+    import json
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 9}))  # not the tokenizer's <|im_end|>
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+    llm = LLM(str(folder), **OPTIONS)
+    assert llm.get_tokenizer().eos_token_id == EOS
+    for token, reason in ((EOS, None), (7, 7), (9, 9)):
+        out = generate_one(llm, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[token])).outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", reason)
+
+
 def test_stop_reason_of_stop_ids_strings_and_length(llm, reference):
     ids = llm.get_tokenizer()(PROMPTS[2])["input_ids"]
     greedy = hf_greedy(reference, ids, 8)[0]

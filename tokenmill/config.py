@@ -284,12 +284,15 @@ class EngineConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None
     vocab_size: int
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # every id that ends a sequence: the configs' eos ids and the tokenizer's
     tensor_parallel_size: int = 1
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs per position a request may ask for; -1: vocab_size
     # False: a prompt is admitted only when all of it fits one step.
     chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # or "priority" (engine/waiting_queue.py)
+    # The tokenizer's eos (vLLM's primary eos): a stop on it has stop_reason None, a stop on the
+    # configs' other eos ids their id (vLLM adds those to stop_token_ids). None without a tokenizer.
+    primary_eos_token_id: int | None = None
     logprobs_mode: str = "raw_logprobs"  # what sample logprobs report (worker/sampler.py)
     cpu_offload_bytes: int = 0  # of each rank's weights, streamed from pinned CPU memory (worker/offload.py)
     num_gpu_blocks_override: int | None = None

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,6 +33,9 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
     from_tokens = classifier_tokens(source.hf_config)  # sets num_labels before the pooling settings read it
     config = resolve_config(args, source)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and not isinstance(eos, bool):  # as vLLM: the tokenizer's eos ends a sequence too
+        config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids | {eos}, primary_eos_token_id=eos)
     if from_tokens is not None:
         source.hf_config.classifier_token_ids = classifier_token_ids(from_tokens[0], tokenizer)
     torch.manual_seed(args.seed)

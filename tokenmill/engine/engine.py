@@ -81,7 +81,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         self.intake = Intake(self.config, self.tokenizer, self.kv.num_usable_blocks, self.executor.use_grammars)
         self.scheduler = Scheduler(
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.chunked_prefill,
-            eos_token_ids=self.config.eos_token_ids, new_sequence=self.intake.new_sequence,
+            eos_token_ids=frozenset({config.primary_eos_token_id}) if config.primary_eos_token_id is not None
+            else config.eos_token_ids, new_sequence=self.intake.new_sequence,
             max_loras=config.lora.max_loras if config.lora is not None else None,
             priority=config.scheduling_policy == "priority",
             copy_partial_blocks=config.tensor_parallel_size == 1,  # the runner copies on rank 0 alone

@@ -98,7 +98,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids = eos_token_ids  # the model's: a stop on one of them has no stop_reason
+        self.eos_token_ids = eos_token_ids  # the eos ids whose stop has no stop_reason (vLLM: the tokenizer's)
         # Makes the sequences that beam searches fork (the engine's intake: ids, detokenizers).
         self._new_sequence = new_sequence
         # Off: a waiting sequence is admitted only when all of it fits this step's remaining budget.
