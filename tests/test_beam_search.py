@@ -34,7 +34,8 @@ CASES = [(2, 0.0, False, 0.0), (3, 0.5, False, 0.0), (4, 2.0, False, 0.7), (3, 1
 
 
 def with_frequent_eos(src: Path, dst: Path, prompts: list[list[int]]) -> Path:
-    """A copy of a tiny model whose eos is the token transformers' eos-free beams use most on ``prompts``."""
+    """A copy of a tiny model whose eos (configs and tokenizer) is the token transformers' eos-free beams use
+    most on ``prompts``."""
     if not dst.exists():
         model = hf_model(str(src))
         counts = collections.Counter()
@@ -42,10 +43,19 @@ def with_frequent_eos(src: Path, dst: Path, prompts: list[list[int]]) -> Path:
             for tokens, _ in hf_beam_search(model, prompt, 4, MAX_TOKENS, 1.0, eos=False):
                 counts.update(tokens)
         shutil.copytree(src, dst)
+        eos = counts.most_common(1)[0][0]
         for name in ("config.json", "generation_config.json"):
             config = json.loads((dst / name).read_text())
-            config["eos_token_id"] = counts.most_common(1)[0][0]
+            config["eos_token_id"] = eos
             (dst / name).write_text(json.dumps(config))
+        # The tokenizer names it too: an engine stops on the tokenizer's eos as well (as vLLM does),
+        # where transformers' beam search reads the generation config alone.
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(src))
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+        tokenizer.save_pretrained(str(dst))
+        assert AutoTokenizer.from_pretrained(str(dst)).eos_token_id == eos
     return dst
 
 
