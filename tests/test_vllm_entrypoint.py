@@ -379,3 +379,20 @@ def test_engine_controls_of_a_pooling_model_are_clear_errors(bert_embedder_llm, 
         getattr(bert_embedder_llm, method)(*args)
     assert bert_embedder_llm.get_world_size() == 1
 
+
+
+def test_model_config_is_the_engines(llm):
+    """vLLM's LLM.model_config (its scripts read max_model_len from it)."""
+    assert llm.model_config is llm.llm_engine.model_config
+    assert llm.model_config.max_model_len == llm.llm_engine.config.max_model_len
+
+
+def test_outputs_take_vllms_positional_order():
+    """vLLM 0.26's RequestOutput.__init__ and CompletionOutput fields, in order (vllm/outputs.py)."""
+    from tokenmill import CompletionOutput, RequestOutput
+
+    completion = CompletionOutput(0, "t", [5], -0.5, None, None, "stop", 5, None)
+    assert (completion.routed_experts, completion.finish_reason, completion.stop_reason) == (None, "stop", 5)
+    adapter = object()
+    output = RequestOutput("r", "p", [1], None, [completion], True, None, adapter, None, None, 3, 1)
+    assert (output.lora_request, output.encoder_prompt, output.num_cached_tokens, output.num_cache_creation_tokens) == (adapter, None, 3, 1)

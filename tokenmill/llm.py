@@ -62,6 +62,11 @@ class LLM(PoolingMethods, EngineControlMethods):
         """vLLM's LLM.supported_tasks: ("generate",), or the pooling tasks of a pooling model."""
         return self.llm_engine.get_supported_tasks()
 
+    @property
+    def model_config(self) -> Any:
+        """vLLM's LLM.model_config: the engine's settings (max_model_len, dtype, ...)."""
+        return self.llm_engine.model_config
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

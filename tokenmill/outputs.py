@@ -20,13 +20,13 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None  # a list of dicts, or a FlatLogprobs with flat_logprobs=True
+    # vLLM's fields in vLLM's order (positional construction matches): the experts it routed to, which
+    # tokenmill does not return, and (below) the adapter, None here (it is on the RequestOutput).
+    routed_experts: None = None
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | "error" | None while running
     # The stop string or stop token id that ended it ("repetition_detected" for "repetition").
     stop_reason: int | str | None = None
-    # vLLM's fields: None here (the request's adapter is on its RequestOutput), and the experts it
-    # routed to, which tokenmill does not return; present so that code reading them runs unchanged.
     lora_request: None = None
-    routed_experts: None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -48,20 +48,21 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
+    # In vLLM's positional order from here to num_cache_creation_tokens.
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
-    num_cache_creation_tokens: int = 0  # prompt tokens this request computed into full blocks of the prefix cache
     lora_request: Any = None  # the request's LoRARequest (tokenmill/lora/); None: the base model
-    # Why the engine could not finish the request (its completions end with finish_reason "error",
-    # as vLLM's for a request-level failure; vLLM gives no message): e.g. its LoRA adapter's folder
-    # was deleted after the adapter was checked. None otherwise.
-    error: str | None = None
     # vLLM's fields for what tokenmill does not do (encoder-decoder models, KV / encoder-cache
     # transfer between engines): always None here, present so that code reading them runs unchanged.
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    num_cache_creation_tokens: int = 0  # prompt tokens this request computed into full blocks of the prefix cache
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
+    # Why the engine could not finish the request (its completions end with finish_reason "error",
+    # as vLLM's for a request-level failure; vLLM gives no message): e.g. its LoRA adapter's folder
+    # was deleted after the adapter was checked. None otherwise.
+    error: str | None = None
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Fold a later output of this request into this one (vLLM's ``add``): with ``aggregate``,
