@@ -413,6 +413,9 @@ def test_an_input_linked_to_the_output_is_refused_even_with_overwrite(tmp_path, 
     with pytest.raises(ValueError, match=r"must not be the input file \(.*in\.jsonl is .*data\.jsonl\)"):
         job(tmp_path, llm, tmp_path / "in.jsonl", output="data.jsonl", overwrite=True)
     assert len(read_jsonl(data)) == 2
+    # A name that merely starts with the output's is another file: it runs.
+    backup = write_jsonl(tmp_path / "res.jsonl.bak", [{"prompt": TEXTS[0]}])
+    assert job(tmp_path, llm, backup, output="res.jsonl", input_format="jsonl").complete
 
 
 def test_rows_missing_at_the_end_are_not_marked_complete(tmp_path, llm, monkeypatch):

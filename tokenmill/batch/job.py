@@ -81,7 +81,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     if not os.path.isfile(input_path):
         raise ValueError(f"input {input_path!r} does not exist or is not a file")
     real_input, real_output = os.path.realpath(input_path), os.path.realpath(output)
-    if real_input == real_output or real_input.startswith(real_output + "."):  # OUTPUT.tokenmill/..., OUTPUT.tmp
+    if real_input in (real_output, real_output + ".tmp") or real_input.startswith(os.path.realpath(sidecar_dir(output)) + os.sep):
         raise ValueError(f"the output must not be the input file ({input_path} is {real_input})"
                          if real_input != os.path.abspath(input_path) else "the output must not be the input file")
     check_output_path(output)

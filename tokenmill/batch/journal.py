@@ -182,6 +182,7 @@ class Journal:
         resume replays a journal again.
         """
         found: list[list[Any]] = []  # per row, in file order: [row, failed, prompt tokens, generated tokens, offset]
+        seen: set[int] = set()  # the rows in ``found``
         end, cut_short = start, False
         with open(self.data_path, "rb") as f:
             f.seek(start)
@@ -191,13 +192,14 @@ class Journal:
                 except (ValueError, KeyError, TypeError):
                     record = None
                 same_row = record is not None and bool(found) and record[0] == found[-1][0]
-                if record is None or (not same_row and (self.is_done(record[0]) or any(r[0] == record[0] for r in found))):
+                if record is None or (not same_row and (self.is_done(record[0]) or record[0] in seen)):
                     cut_short = True  # not a result, or a row already there: nothing past here is trusted
                     break
                 if same_row:  # a later sample of the row (n > 1 writes one record per sample)
                     found[-1][3] += record[3]
                 else:
                     found.append([record[0], record[1], record[2], record[3], end])
+                    seen.add(record[0])
                 end += len(line)
         if cut_short and found:  # the row just before the cut may have lost samples: it runs again
             end = found.pop()[4]

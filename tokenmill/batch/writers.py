@@ -44,8 +44,9 @@ def describe_file_error(error: OSError, input_path: str, output: str) -> str:
     path = error.filename
     reading = path is not None and os.path.abspath(path) == os.path.abspath(input_path)
     # An error that names no file comes from a write to an open descriptor: the output's or its journal's.
-    ours = path is None or os.path.abspath(path) == os.path.abspath(output) or \
-        os.path.abspath(path).startswith(os.path.abspath(output) + ".")  # OUTPUT.tmp, OUTPUT.tokenmill/...
+    where, out = (os.path.abspath(path) if path is not None else None), os.path.abspath(output)
+    sidecar = out + ".tokenmill"  # journal.sidecar_dir
+    ours = where is None or where in (out, out + ".tmp", sidecar) or where.startswith(sidecar + os.sep)
     what = f"cannot read {input_path}" if reading else (f"cannot write {output}" if ours else f"cannot use {path}")
     detail = error.strerror or str(error)
     if path is not None and ours and os.path.abspath(path) != os.path.abspath(output):
