@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, Sequence, TypedDict
@@ -55,7 +54,7 @@ def prompt_list(prompts: Any) -> list:
         return [prompts]
     if isinstance(prompts, (bytes, int, float)) or prompts is None or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a prompt (text, token ids or a prompt dict) or a list of them, "
-                         f"got {type(prompts).__name__} {_short(prompts)}")
+                         f"got {type(prompts).__name__} {short_repr(prompts)}")
     return list(prompts)
 
 
@@ -70,7 +69,7 @@ def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
         return [given] * count
     if not isinstance(given, (list, tuple)) or not all(isinstance(v, single) for v in given):
         raise ValueError(f"{name} must be a {single.__name__} or a list of them (one per prompt), got "
-                         f"{type(given).__name__} {_short(given)}")
+                         f"{type(given).__name__} {short_repr(given)}")
     values = list(given)
     if len(values) != count:
         raise ValueError(f"got {len(values)} {name} for {count} prompts; give one, or one per prompt")
@@ -84,14 +83,14 @@ def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> Proce
         return ProcessedPrompt(prompt, _tokenize(prompt, tokenizer, where))
     if isinstance(prompt, list):
         if not is_token_list(prompt):
-            raise ValueError(f"{where} is a list, so it must be token ids (integers), got {_short(prompt)}")
+            raise ValueError(f"{where} is a list, so it must be token ids (integers), got {short_repr(prompt)}")
         return ProcessedPrompt(None, list(prompt))
     if isinstance(prompt, dict):
         salt = _cache_salt(prompt, where)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not is_token_list(ids):
-                raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {_short(ids)}")
+                raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {short_repr(ids)}")
             return ProcessedPrompt(prompt.get("prompt"), list(ids), salt)
         if "prompt" in prompt:
             text = prompt["prompt"]
@@ -113,7 +112,7 @@ def _cache_salt(prompt: dict, where: str) -> str | None:
             raise ValueError(f"{where}.{key} is not supported: {why}")
     salt = prompt.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"{where}.cache_salt must be a non-empty string, got {_short(salt)}")
+        raise ValueError(f"{where}.cache_salt must be a non-empty string, got {short_repr(salt)}")
     return salt
 
 
@@ -261,7 +260,7 @@ def _checked_messages(messages: Any, where: str, content_format: str) -> list[di
         raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ValueError(f"{where}[{i}] must be a dict with a string 'role', got {_short(message)}")
+            raise ValueError(f"{where}[{i}] must be a dict with a string 'role', got {short_repr(message)}")
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise ValueError(f"{where}[{i}].content must be a string or a list of parts, got {type(content).__name__}")
@@ -282,6 +281,7 @@ def _tokenize(text: str, tokenizer: Any, where: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+    """A value as an error message quotes it: its repr, cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

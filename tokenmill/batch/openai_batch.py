@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages, short_repr
+from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
+from tokenmill.inputs import short_repr
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from string import Formatter
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.inputs import is_token_list
+from tokenmill.inputs import is_token_list, short_repr
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
@@ -147,12 +147,6 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     else:
         request.prompt = text
     return request
-
-
-def short_repr(value: Any, limit: int = 60) -> str:
-    """A value as an error message quotes it: its repr, cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _did_you_mean(unknown: list[str]) -> str:
