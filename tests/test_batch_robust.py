@@ -468,3 +468,19 @@ def test_a_file_error_elsewhere_is_not_blamed_on_the_output():
     assert message.startswith("cannot use /models/x/config.json: Permission denied") and "check its permissions" in message
     message = describe_file_error(OSError(errno.ENOSPC, "No space left on device"), "in.jsonl", "out.jsonl")
     assert message.startswith("cannot write out.jsonl: No space left on device; free some space")
+
+
+def test_a_conversation_error_names_the_line_a_person_finds(tmp_path, llm):
+    """Errors found while a row's conversation is rendered say "line N", as its other errors do (the
+    0-based row index was one less), and a null content is rendered empty, as vLLM does."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n" + "\n".join(json.dumps(r) for r in [
+        {"prompt": TEXTS[0]},
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
+        {"messages": [{"role": "user", "content": None}]}]) + "\n")
+    summary = job(tmp_path, llm, path, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert summary.failed == 1
+    assert "line 3 messages[1].tool_calls[0].function.arguments must be JSON" in records[(1, None)]["error"]
+    assert records[(2, 0)]["error"] is None

@@ -233,7 +233,7 @@ class JobLoop:
                 samples = params.n
                 bound = (params.max_tokens or self.max_model_len) * samples
                 if prompt is None:
-                    prompt = row_prompt(self.tokenizer, request, raw.index, self.config.chat_template)
+                    prompt = row_prompt(self.tokenizer, request, self.config.chat_template)
                 parts = [(f"row-{raw.index}", prompt, params)]
                 # Chosen from the row each time it is read (a retry, a resumed run): nothing to remember.
                 lora = self.adapters.for_row(request, where) if self.adapters is not None else no_adapters(request, where)

@@ -78,7 +78,7 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     # The adapter, if the job has one of that name (lora_modules.JobAdapters.for_row); a name that is
     # not a string matches nothing.
     adapter = model if model is None or isinstance(model, str) else str(model)
-    request = RowRequest(index=raw.index, row_id=custom_id, overrides=overrides, adapter=adapter)
+    request = RowRequest(index=raw.index, row_id=custom_id, overrides=overrides, adapter=adapter, where=where)
     top_logprobs = None
     if url == CHAT_URL:
         if "messages" not in body:

@@ -84,6 +84,11 @@ class RowRequest:
     # The LoRA adapter the row names (a generic row's 'lora', an OpenAI line's body.model), None for
     # none; the job's adapters decide what it means (lora_modules.JobAdapters.for_row).
     adapter: str | None = None
+    where: str = ""  # where a person finds the row ("line 12"), for errors found after it was read
+
+    @property
+    def messages_where(self) -> str:
+        return f"{self.where or f'row {self.index}'} messages"
 
 
 def template_fields(template: str) -> list[str]:
@@ -106,7 +111,7 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     assert record is not None
     where = raw.where or f"row {raw.index}"
     row_id = row_id_of(record, raw.index, settings.id_field, where)
-    request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id),
+    request = RowRequest(index=raw.index, row_id=row_id, overrides=_row_overrides(record, where, row_id), where=where,
                          adapter=row_adapter_name(record, where, row_id))
     if settings.prompt_template is not None:
         text = _fill_template(settings.prompt_template, record, where, row_id)

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     from tokenmill.batch.requests import PromptSettings, RowRequest
 
 
-def row_prompt(tokenizer: Any, request: "RowRequest", index: int, chat_template: str | None) -> Any:
+def row_prompt(tokenizer: Any, request: "RowRequest", chat_template: str | None) -> Any:
     """One row's prompt: its token ids, its conversation rendered to token ids, or its text."""
     if request.messages is not None:
         from tokenmill.inputs import render_chat_prompt
 
-        ids = render_chat_prompt(tokenizer, request.messages, chat_template=chat_template, where=f"row {index} messages")
+        ids = render_chat_prompt(tokenizer, request.messages, chat_template=chat_template, where=request.messages_where)
         return {"prompt_token_ids": ids}
     if request.prompt_token_ids is not None:
         return {"prompt_token_ids": request.prompt_token_ids}
@@ -34,7 +34,7 @@ def batch_prompts(tokenizer: Any, requests: dict[int, "RowRequest"], chat_templa
     whose text or conversation could not be made in the batch are left out."""
     from tokenmill.inputs import render_chat_prompts, tokenize_prompts
 
-    prompts = {i: row_prompt(tokenizer, r, i, chat_template) for i, r in requests.items() if r.prompt_token_ids is not None}
+    prompts = {i: row_prompt(tokenizer, r, chat_template) for i, r in requests.items() if r.prompt_token_ids is not None}
     texts = {i: r.prompt for i, r in requests.items() if r.messages is None and r.prompt_token_ids is None}
     chats = {i: r.messages for i, r in requests.items() if r.messages is not None}
     if texts:
@@ -43,7 +43,7 @@ def batch_prompts(tokenizer: Any, requests: dict[int, "RowRequest"], chat_templa
     if chats:
         with contextlib.suppress(Exception):  # a row that breaks the template: each then renders alone
             rendered = render_chat_prompts(tokenizer, list(chats.values()), chat_template, True, False, None,
-                                           [f"row {i} messages" for i in chats])
+                                           [requests[i].messages_where for i in chats])
             prompts.update((i, {"prompt_token_ids": ids}) for i, ids in zip(chats, rendered))
     return prompts
 
