@@ -6,6 +6,8 @@ rows) on 64-token x 128-weight-row tiles, one program an SM, and qkv past 128 an
 tokens: at M = 256 o moves ~100 MB through L2 for 17 MB of weights, ~8 TB/s at its 12.2 µs, and the
 step is at ~35% of the fp8 tensor cores' peak. Larger tiles move fewer bytes per product, at the
 price of fewer tiles (a K split fills the SMs again, its fp32 partials being L2 traffic too).
+Measured on an H200 (403bb60, docs/perf.md 81): every larger tile was slower on o and down at every
+bucket, and the best rule of the family was the engine's own; the L2 reading did not hold.
 
 This times, for each of Llama-3-8B's projections at each bucket past 64 rows: ``_scaled_mm`` (fast
 accumulation, the engine's path where the swapped kernel does not run), the engine's own choice,
