@@ -14,7 +14,6 @@ written); 3 the job finished but some rows failed (see the summary and the rows'
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
@@ -76,9 +75,9 @@ class _StopRequests:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        with contextlib.suppress(OSError, ValueError):  # stderr may be a pipe that closed: stop anyway
-            print("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue",
-                  file=sys.stderr, flush=True)
+        from tokenmill.batch.progress import tell  # stderr may be a pipe that closed: stop anyway
+
+        tell("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue", sys.stderr)
 
     def install(self) -> dict[int, Any]:
         """Install the handlers; returns the previous ones (for `restore`)."""
@@ -140,8 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         stop.restore(previous)
-    with contextlib.suppress(OSError, ValueError):  # the results are written; a closed stderr changes no exit code
-        print(summary.report(), file=sys.stderr)
+    from tokenmill.batch.progress import tell  # the results are written; a closed stderr changes no exit code
+
+    tell(summary.report(), sys.stderr)
     return summary.exit_code
 
 

@@ -17,14 +17,14 @@ from tokenmill.batch.loop import EngineFailure, JobLoop, load_llm
 from tokenmill.batch.lora_modules import check_lora_modules
 from tokenmill.batch.openai_batch import OpenAIRecordReader
 from tokenmill.batch.pooling import pooling_parquet_schema
-from tokenmill.batch.progress import Progress
+from tokenmill.batch.progress import Progress, tell
 from tokenmill.batch.readers import detect_format, input_columns, read_rows, scan_input
 from tokenmill.batch.stall_watchdog import StallWatchdog
 from tokenmill.batch.requests import check_columns
 from tokenmill.batch.results import read_result_record
 from tokenmill.batch.summary import JobSummary
 from tokenmill.batch.writers import (
-    check_output_path, describe_file_error, generic_parquet_schema, jsonl_to_parquet, output_format,
+    check_output_path, describe_file_error, generic_parquet_schema, is_output_file, jsonl_to_parquet, output_format,
 )
 
 # Engine options that change speed or memory but not what is generated: a resumed run may change them.
@@ -80,8 +80,8 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     input_path, output = config.input, config.output
     if not os.path.isfile(input_path):
         raise ValueError(f"input {input_path!r} does not exist or is not a file")
-    real_input, real_output = os.path.realpath(input_path), os.path.realpath(output)
-    if real_input in (real_output, real_output + ".tmp") or real_input.startswith(os.path.realpath(sidecar_dir(output)) + os.sep):
+    real_input = os.path.realpath(input_path)
+    if is_output_file(real_input, os.path.realpath(output)):
         raise ValueError(f"the output must not be the input file ({input_path} is {real_input})"
                          if real_input != os.path.abspath(input_path) else "the output must not be the input file")
     check_output_path(output)
@@ -123,7 +123,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                 progress.start = time.monotonic()  # the summary's throughput leaves model loading out
                 watchdog = StallWatchdog(config.stall_timeout, stream=stderr) if config.stall_timeout > 0 else None
                 loop = JobLoop(config, engine_llm, journal, progress, fmt, shape, fingerprint(settings), should_stop,
-                               new_llm=new_llm, notice=lambda message: _tell(message, stderr or sys.stderr),
+                               new_llm=new_llm, notice=lambda message: tell(message, stderr or sys.stderr),
                                watchdog=watchdog)
                 del engine_llm
             try:
@@ -162,12 +162,6 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             run_s=time.monotonic() - progress.start, complete=not interrupted, interrupted=interrupted,
             repaired_bytes=journal.repaired_bytes, rebuilt_rows=journal.rebuilt_rows, errors=errors, input=input_path,
         )
-
-
-def _tell(message: str, stream: TextIO) -> None:
-    """A notice for the person watching; a stream that went away (a closed pipe) does not stop the job."""
-    with contextlib.suppress(OSError, ValueError):
-        print(message, file=stream, flush=True)
 
 
 def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:

@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from tokenmill.batch.writers import AppendFile, write_atomic
+from tokenmill.batch.writers import AppendFile, sidecar_dir, write_atomic
 
 STATE_VERSION = 1
 
@@ -68,10 +68,6 @@ class Tally:
 def fingerprint(settings: dict[str, Any]) -> str:
     canonical = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
-
-
-def sidecar_dir(output: str) -> str:
-    return f"{output}.tokenmill"
 
 
 class Journal:

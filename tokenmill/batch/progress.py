@@ -235,6 +235,15 @@ class Progress:
             self.enabled = False
 
 
+def tell(message: str, stream: TextIO) -> None:
+    """A line for the person watching (a notice, the summary); a stream that went away (a closed
+    pipe, a log shipper that restarted) does not stop the job."""
+    try:
+        print(message, file=stream, flush=True)
+    except (OSError, ValueError):  # ValueError: the stream was closed
+        pass
+
+
 class _Expectation:
     """How much of its bound a row uses, from the finished rows: overall, or given it ran this far."""
 

@@ -39,14 +39,24 @@ def check_output_path(output: str) -> None:
         raise ValueError(f"{output} is a directory; give the output file's path (.jsonl or .parquet)")
 
 
+def sidecar_dir(output: str) -> str:
+    """The folder of an output's resume state (journal.py)."""
+    return f"{output}.tokenmill"
+
+
+def is_output_file(path: str, output: str) -> bool:
+    """Whether ``path`` is one of the files a job writes for ``output`` (both spelled alike, e.g.
+    absolute): the output, its Parquet ``.tmp``, its sidecar folder or a file in it."""
+    sidecar = sidecar_dir(output)
+    return path in (output, f"{output}.tmp", sidecar) or path.startswith(sidecar + os.sep)
+
+
 def describe_file_error(error: OSError, input_path: str, output: str) -> str:
     """What failed (reading the input or writing the output), why, and what to do about it."""
     path = error.filename
     reading = path is not None and os.path.abspath(path) == os.path.abspath(input_path)
     # An error that names no file comes from a write to an open descriptor: the output's or its journal's.
-    where, out = (os.path.abspath(path) if path is not None else None), os.path.abspath(output)
-    sidecar = out + ".tokenmill"  # journal.sidecar_dir
-    ours = where is None or where in (out, out + ".tmp", sidecar) or where.startswith(sidecar + os.sep)
+    ours = path is None or is_output_file(os.path.abspath(path), os.path.abspath(output))
     what = f"cannot read {input_path}" if reading else (f"cannot write {output}" if ours else f"cannot use {path}")
     detail = error.strerror or str(error)
     if path is not None and ours and os.path.abspath(path) != os.path.abspath(output):
