@@ -21,3 +21,13 @@ def is_engine_stopped(error: BaseException) -> bool:
     from tokenmill.distributed.worker_processes import WorkerDiedError
 
     return isinstance(error, WorkerDiedError)
+
+
+def drop_tracebacks(error: BaseException | None) -> None:
+    """Forget the tracebacks of ``error`` and the exceptions it chains: a step's frames reference
+    the engine that raised it, which must be freed before another is loaded (the message is kept)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__

@@ -29,7 +29,7 @@ from tokenmill.batch.results import RowResult, generic_records, result_from_outp
 from tokenmill.batch.row_prompts import batch_prompts, check_chat_template, row_prompt
 from tokenmill.batch.writers import encode_lines
 from tokenmill.distributed import cleanup_dist_env_and_memory
-from tokenmill.fatal_errors import is_device_failure, is_engine_stopped
+from tokenmill.fatal_errors import drop_tracebacks, is_device_failure, is_engine_stopped
 from tokenmill.gc_policy import young_collections_only
 
 if TYPE_CHECKING:
@@ -255,10 +255,21 @@ class JobLoop:
             self._fail(raw.index, row_id, _row_message(raw, e), request)
 
     def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None, flight: _InFlight | None = None) -> None:
-        meta = request.openai if request is not None else None
-        self.pending.append((RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=meta), flight))
+        self.pending.append((self._error_result(index, row_id, message, request.openai if request is not None else None), flight))
+
+    def _error_result(self, index: int, row_id: Any, message: str, openai: Any) -> RowResult:
+        """The failed row's result; its message is among the summary's first failures."""
         if len(self.errors) < _SHOWN_ERRORS:
             self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
+        return RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=openai)
+
+    def _unwritable(self, index: int, row_id: Any, flight: _InFlight | None, error: Exception, openai: Any) -> RowResult:
+        """A finished row whose output could not become its output records (a bug that an odd output
+        triggers): it is written as a failed row, naming the error, instead of going missing or
+        stopping the job (the other rows are not at fault)."""
+        what = RuntimeError(f"the row finished but its output could not be written: {type(error).__name__}: {error}")
+        message = _row_message(flight.raw, what) if flight is not None else f"row {index}: {what}"
+        return self._error_result(index, row_id, message, openai)
 
     def _step(self) -> None:
         # Finished outputs only: an output for every running row every step (its token ids and text
@@ -282,7 +293,10 @@ class JobLoop:
                 message = _row_message(flight.raw, RuntimeError(f"the engine could not finish this row: {out.error}"))
                 self._fail(req.index, req.row_id, message, req, flight)
                 continue
-            result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
+            try:
+                result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
+            except Exception as error:  # noqa: BLE001  (this row's output, not the step: the row fails alone)
+                result = self._unwritable(req.index, req.row_id, flight, error, req.openai)
             self.pending.append((result, flight))
 
     def _count_running(self) -> None:
@@ -311,7 +325,11 @@ class JobLoop:
         self.progress.on_tokens(flight.raw.index, len(out.prompt_token_ids), 0)
         if len(flight.outputs) == len(flight.part_ids):
             assert self.pooling is not None
-            result = self.pooling.result(flight.request, [flight.outputs[i] for i in flight.part_ids])
+            req = flight.request
+            try:
+                result = self.pooling.result(req, [flight.outputs[i] for i in flight.part_ids])
+            except Exception as error:  # noqa: BLE001  (this row's output, not the step: the row fails alone)
+                result = self._unwritable(req.index, req.row_id, flight, error, None)
             self.pending.append((result, flight))
 
     def _isolate(self, error: Exception) -> None:
@@ -386,7 +404,7 @@ class JobLoop:
         with contextlib.suppress(Exception):  # stop what is left of its workers
             self.engine.executor.shutdown()
         self.llm = self.engine = None
-        _drop_tracebacks(error)  # their frames hold the old engine's runner (weights, KV cache)
+        drop_tracebacks(error)  # their frames hold the old engine's runner (weights, KV cache)
         with contextlib.suppress(Exception):  # the old engine's weights and KV cache, before the new one loads
             cleanup_dist_env_and_memory()
         try:
@@ -401,26 +419,36 @@ class JobLoop:
     def _commit(self) -> None:
         if not self.pending:
             return
-        self._committing = True
-        records: list[dict[str, Any]] = []
+        lines: list[bytes] = []
         rows, failed, prompt_tokens, completion_tokens = [], [], 0, 0
-        for result, _ in self.pending:
-            if self.shape == "openai":
-                records.append(openai_record(result, self.model_name, self.created, self.job_key))
-            elif self.pooling is not None:
-                records.extend(pooling_records(result, self.config.task))
-            else:
-                records.extend(generic_records(result, with_lora=self.adapters is not None))
+        for position, (result, flight) in enumerate(self.pending):
+            try:
+                lines.append(encode_lines(self._records(result)))
+            except Exception as error:  # noqa: BLE001  (one row's records: it is written failed, the rest go on)
+                result = self._unwritable(result.index, result.row_id, flight, error, result.openai)
+                self.pending[position] = (result, flight)
+                lines.append(encode_lines(self._records(result)))
             rows.append(result.index)
             if result.failed:
                 failed.append(result.index)
             prompt_tokens += result.prompt_tokens
             completion_tokens += result.completion_tokens
-        self.journal.commit(encode_lines(records), rows, failed, prompt_tokens, completion_tokens)
+        # Only from here is a commit half done: an interrupt while the lines were made leaves
+        # ``pending`` whole, for abort() to commit.
+        self._committing = True
+        self.journal.commit(b"".join(lines), rows, failed, prompt_tokens, completion_tokens)
         for result, flight in self.pending:
             self.progress.on_row_done(flight.raw.index if flight is not None else None, result.failed)
         self.pending = []
         self._committing = False
+
+    def _records(self, result: RowResult) -> list[dict[str, Any]]:
+        """The output records of one finished row, in the output's shape."""
+        if self.shape == "openai":
+            return [openai_record(result, self.model_name, self.created, self.job_key)]
+        if self.pooling is not None:
+            return pooling_records(result, self.config.task)
+        return generic_records(result, with_lora=self.adapters is not None)
 
     def drop_inflight(self) -> None:
         """Take every running row out of the engine unfinished (a rerun, or a retry, computes it again)."""
@@ -464,16 +492,6 @@ def _row_message(raw: RawRow, error: BaseException) -> str:
     if isinstance(error, RowError) or message.startswith(_WHERE_PREFIXES):
         return message
     return f"{raw.where or f'row {raw.index}'}: {message}"
-
-
-def _drop_tracebacks(error: BaseException | None) -> None:
-    """Forget the tracebacks of ``error`` and the exceptions it chains: a step's frames reference
-    the engine that raised it, which must be freed before another is loaded (the message is kept)."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
 
 
 def _print_notice(message: str) -> None:
