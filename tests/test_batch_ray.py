@@ -1,14 +1,20 @@
-"""`tokenmill run --ray ADDRESS`: the batch job through Ray Data on the session's local cluster writes
+"""`tokenmill run --ray ADDRESS`: the batch job on Ray actors of the session's local cluster writes
 the records a single-process run writes (Parquet here), bad rows included, and resumes after a stop
-with every row exactly once."""
+with every row exactly once; it reads its input as batches go out (not the whole file first), and a
+replica killed mid-run is replaced without losing or repeating a row."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
+from tokenmill.batch import job as job_module
+from tokenmill.batch import ray_job
 from tokenmill.batch.job import JobConfig, run_job
+from tokenmill.batch.journal import Journal
 
 WORDS = "the cat sat on a warm mat while wind blew over its fur".split()
 SAMPLING = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
@@ -34,7 +40,9 @@ def test_ray_job_matches_a_single_process_run_and_resumes(ray_cluster, tmp_path,
     assert whole.failed == 2 and len(expected) == ROWS + 1
 
     output = tmp_path / "out.parquet"
-    first = run_job(job(output, ray_address="auto", replicas=2), should_stop=lambda: True)  # stop after one batch
+    journal = tmp_path / "out.parquet.tokenmill" / "journal.jsonl"
+    first = run_job(job(output, ray_address="auto", replicas=2),
+                    should_stop=lambda: journal.exists() and journal.stat().st_size > 0)  # stop after one batch
     assert first.interrupted and 0 < first.rows_done < ROWS + 1
     second = run_job(job(output, ray_address="auto", replicas=2))
     assert second.complete and second.resumed_rows == first.rows_done and second.rows_done == ROWS + 1
@@ -46,3 +54,57 @@ def test_ray_job_matches_a_single_process_run_and_resumes(ray_cluster, tmp_path,
         want = expected[record["row"]]
         assert (record["text"], record["error"], record["id"]) == (want["text"], want["error"], str(want["id"]))
     assert "temperature" in next(r for r in records if r["row"] == 4)["error"]
+
+
+def _replica_pids() -> list[int]:
+    """The processes of the job's Ray actors (Ray names them after the actor's class)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ray::JobReplica" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_ray_job_streams_its_input_and_survives_a_killed_replica(ray_cluster, tmp_path, tiny_llama_dir, monkeypatch):
+    """When the first batch is written the driver has read only the batches sent out (two a replica,
+    and the next one), not the file: what the driver and Ray's object store hold does not grow with
+    the input. Then the replica is killed: Ray starts another, its batches run again, and every row
+    is written once."""
+    monkeypatch.setattr(ray_job, "_BATCH_ROWS", 4)
+    count = 120
+    rows = [{"id": f"r{i}", "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + i % 5))} for i in range(count)]
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    read: list[int] = []
+    real_read_rows, real_commit = job_module.read_rows, Journal.commit
+
+    def counted_rows(path, fmt):
+        for raw in real_read_rows(path, fmt):
+            read.append(raw.index)
+            yield raw
+
+    read_at_first_commit: list[int] = []
+    killed: list[int] = []
+
+    def commit(self, data, done, *args):
+        if done and not read_at_first_commit:
+            read_at_first_commit.append(len(read))
+            for pid in _replica_pids():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        return real_commit(self, data, done, *args)
+
+    monkeypatch.setattr(job_module, "read_rows", counted_rows)
+    monkeypatch.setattr(Journal, "commit", commit)
+    config = JobConfig(input=str(input_path), output=str(tmp_path / "out.jsonl"), model=str(tiny_llama_dir),
+                       sampling=SAMPLING, engine=ENGINE, progress=False, ray_address="auto", replicas=1)
+    summary = run_job(config)
+    assert read_at_first_commit and read_at_first_commit[0] <= 3 * 4, f"read {read_at_first_commit} rows before the first commit"
+    assert killed and summary.complete and summary.rows_done == count and summary.failed == 0
+    records = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
+    assert sorted(r["row"] for r in records) == list(range(count)), "not every row exactly once"

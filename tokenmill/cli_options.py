@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run N engines on this host, one per GPU (tensor_parallel_size GPUs each) or N CPU "
                      "processes sharing the cores; one output, the same resume guarantee (default: 1)")
     job.add_argument("--ray", metavar="ADDRESS", dest="ray_address",
-                     help="run the job on a Ray cluster through Ray Data ('auto', 'local' or ray://host:port; "
+                     help="run the job on a Ray cluster, one engine per Ray actor ('auto', 'local' or ray://host:port; "
                      "needs pip install 'tokenmill[ray]'); --replicas sets the number of engines (default: one per "
                      "GPU of the cluster); see docs/scale-out.md")
     job.add_argument("--stall-timeout", type=float, default=600.0, metavar="SECONDS",

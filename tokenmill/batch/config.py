@@ -29,7 +29,7 @@ class JobConfig:
     task: str = "generate"  # or a pooling task: "embed", "classify", "score" (see batch/pooling.py)
     pooling: dict[str, Any] = field(default_factory=dict)  # job-wide PoolingParams values (rows may override)
     replicas: int = 1  # engine processes on this host (batch/replicas.py), or Ray replicas with ray_address
-    ray_address: str | None = None  # run on a Ray cluster through Ray Data (batch/ray_job.py)
+    ray_address: str | None = None  # run on a Ray cluster, one engine per Ray actor (batch/ray_job.py)
     # End the process when no engine step returns for this long (batch/stall_watchdog.py); 0: never.
     # Off for the Python API (the process is the caller's); `tokenmill run` sets 600 s.
     stall_timeout: float = 0.0

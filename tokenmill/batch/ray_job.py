@@ -1,27 +1,35 @@
-"""`tokenmill run --ray ADDRESS`: the same job on a Ray cluster, through Ray Data.
+"""`tokenmill run --ray ADDRESS`: the same job on a Ray cluster, one engine per Ray actor.
 
-    driver (this process)                                  replicas (Ray actors, one LLM each)
-      reads the input, skips rows the journal has ──► Dataset ──► map_batches(JobReplica) ──┐
-      Journal: the only writer of the output ◄──────── commit units (encoded lines + rows) ◄──┘
+    driver (this process)                                   replicas (Ray actors, one LLM each)
+      reads the input a batch at a time, skipping rows ──► batch (≤ 256 rows) ──► JobReplica.run_batch
+      the journal has; ≤ 2 batches out per replica                                        │
+      Journal: the only writer of the output ◄──────── commit units (encoded lines + rows) ◄┘
 
 Each replica runs the job's own loop (`loop.JobLoop`) over the rows of each batch it is given, so a
 row becomes exactly the records a single-process run writes (prompt settings, per-row seeds,
 OpenAI format, pooling tasks, error rows). The driver commits what comes back through the same
-journal, so a killed driver resumes like any job: the rerun skips the journaled rows. A replica
-that dies is replaced by Ray and its batch retried; the driver never commits a row twice.
+journal, so a killed driver resumes like any job: the rerun skips the journaled rows.
 
-The driver reads the input (only the rows still to do) into Ray's object store before the run
-starts (spilled to disk when larger than memory), so the input needs to be readable where the
+The input streams: the driver reads the next batch only when a replica has room for it (two
+batches queued at each, so its engine never waits for the driver), and a batch leaves Ray's object
+store once its results are committed. So what the driver and the object store hold is bounded by
+replicas x 2 x 256 rows, whatever the input's size. The input needs to be readable where the
 command runs, not on the cluster's nodes. For data already in cluster storage use
 `tokenmill.ray.build_llm_processor` (docs/scale-out.md).
+
+A replica that dies (its node lost, its process killed) is restarted by Ray, which runs the batches
+it held again; the driver never commits a row twice. A batch whose replica dies ``MAX_RETRIES`` + 1
+times stops the job (a row that kills its engine's process), as `--replicas` does. A stop request
+(Ctrl-C, SIGTERM) is looked at every second, also while the replicas load their models.
 """
 
 from __future__ import annotations
 
-import json
+import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from tokenmill.batch.replica_messages import ProgressRecorder, ReplicaError, replay_progress
+from tokenmill.batch.replica_messages import Commit, ProgressRecorder, ReplicaError, replay_progress
 
 if TYPE_CHECKING:
     from tokenmill.batch.config import JobConfig
@@ -30,6 +38,10 @@ if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
 
 _BATCH_ROWS = 256  # rows per replica call at most (the job's loop drains the engine at the end of each)
+_QUEUED_PER_REPLICA = 2  # batches sent to a replica ahead: the next one waits there when one ends
+_POLL_S = 1.0  # how often a stop request is looked at while results are awaited
+_START_S = 600  # every replica up by then, or the cluster cannot place them: the job stops saying so
+MAX_RETRIES = 3  # reruns of a batch whose replica died (--replicas' MAX_RESTARTS)
 _SHOWN_ERRORS = 5  # as many row failures as the single-process summary shows
 
 
@@ -43,6 +55,7 @@ class RayJobLoop:
         self.should_stop = should_stop or (lambda: False)
         self.errors: list[str] = []
         self._connected = False
+        self._replicas: list[Any] = []  # actor handles
         from tokenmill.ray.processor import import_ray
 
         try:
@@ -57,61 +70,103 @@ class RayJobLoop:
             ray.init(address=None if address == "local" else address)
             self._connected = True
         try:
-            dataset = self._dataset(rows)
-            if dataset is None:
-                return True
-            for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
-                for unit in batch.to_pylist():
-                    self._commit(unit)
-                self.progress.maybe_draw()
-                if self.should_stop():
-                    return False
-            return True
+            return self._stream(rows)
         finally:
             self.abort()
 
     def abort(self) -> None:
-        """Disconnect from the cluster if this job connected: its replicas end with it."""
+        """End the replicas (the batches they hold run again on a rerun) and disconnect from the
+        cluster if this job connected."""
+        for actor in self._replicas:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # noqa: BLE001  (gone already)
+                pass
+        self._replicas = []
         if self._connected:
-            import ray
-
-            ray.shutdown()
+            self.ray.shutdown()
             self._connected = False
 
-    def _dataset(self, rows: Iterator["RawRow"]) -> Any:
-        import pyarrow as pa
-        import ray
+    def _stream(self, rows: Iterator["RawRow"]) -> bool:
+        """Send batches as replicas have room, commit each batch's results as it returns."""
+        ray = self.ray
+        placement = self._placement()
+        batches = self._batches(rows, placement[0])
+        batch = next(batches, None)
+        if batch is None:
+            return True  # nothing left to run: no replica is started
+        if not self._start_replicas(*placement):
+            return False
+        room = deque(actor for _ in range(_QUEUED_PER_REPLICA) for actor in self._replicas)  # one slot a queued batch
+        sent: dict[Any, tuple[Any, int, int]] = {}  # result ref -> (replica, first and last row)
+        while True:
+            while room and batch is not None:
+                actor = room.popleft()
+                sent[actor.run_batch.remote(batch)] = (actor, batch[0].index, batch[-1].index)
+                batch = next(batches, None)
+            if not sent:
+                return True
+            ready, _ = ray.wait(list(sent), num_returns=1, timeout=_POLL_S)
+            for ref in ready:
+                actor, first, last = sent.pop(ref)
+                self._take(ref, first, last)
+                room.append(actor)
+            self.progress.maybe_draw()
+            if self.should_stop():
+                return False
 
-        replicas, num_gpus, num_cpus, threads = self._placement()
-        # One block is one replica call; a small job still reaches every replica.
+    def _batches(self, rows: Iterator["RawRow"], replicas: int) -> Iterator[list["RawRow"]]:
+        """The rows still to do, read as the batches are asked for. A small job still reaches every replica."""
         total = self.progress.total_rows
         todo = None if total is None else total - self.journal.resumed_rows
-        batch_rows = _BATCH_ROWS if todo is None else max(1, min(_BATCH_ROWS, -(-todo // replicas)))
-        refs, chunk = [], []
+        size = _BATCH_ROWS if todo is None else max(1, min(_BATCH_ROWS, -(-todo // replicas)))
+        batch: list[RawRow] = []
         for raw in rows:
-            if self.journal.is_done(raw.index):
-                continue
-            # default=str: a Parquet column of timestamps or bytes the prompt does not use must not stop the job
-            chunk.append({"index": raw.index, "record": None if raw.record is None else json.dumps(raw.record, default=str),
-                          "error": raw.error, "where": raw.where})
-            if len(chunk) == batch_rows:
-                refs.append(ray.put(pa.Table.from_pylist(chunk, schema=_row_schema())))
-                chunk = []
-        if chunk:
-            refs.append(ray.put(pa.Table.from_pylist(chunk, schema=_row_schema())))
-        if not refs:
-            return None
-        from tokenmill.ray.processor import wait_for_replicas
+            if not self.journal.is_done(raw.index):
+                batch.append(raw)
+                if len(batch) == size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
 
-        dataset = ray.data.from_arrow_refs(refs).map_batches(
-            JobReplica, batch_size=batch_rows, batch_format="pyarrow", zero_copy_batch=True,
-            fn_constructor_kwargs=dict(config=self.config, input_format=self.input_format,
-                                       output_shape=self.output_shape, job_key=self.job_key, num_threads=threads),
-            compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=2),
-            num_gpus=num_gpus, num_cpus=num_cpus,
-        )
-        wait_for_replicas(dataset)
-        return dataset
+    def _start_replicas(self, replicas: int, num_gpus: float, num_cpus: float, threads: int | None) -> bool:
+        """Start the replica actors and wait until every one has loaded its model (False: stopped meanwhile)."""
+        ray = self.ray
+        # Restarted when they die, their queued batches run again (MAX_RETRIES times at most).
+        remote = ray.remote(JobReplica).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
+                                                max_task_retries=MAX_RETRIES)
+        self._replicas = [remote.remote(self.config, self.input_format, self.output_shape, self.job_key, threads)
+                          for _ in range(replicas)]
+        loading = [actor.ready.remote() for actor in self._replicas]
+        deadline = time.monotonic() + _START_S
+        while loading:
+            ready, loading = ray.wait(loading, num_returns=len(loading), timeout=_POLL_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:  # its model did not load (the error says why)
+                    raise ReplicaError(f"a Ray replica could not start: {e}") from None
+            if self.should_stop():
+                return False
+            if loading and time.monotonic() > deadline:
+                raise ReplicaError(f"{len(loading)} of {replicas} Ray replicas did not start within {_START_S} s: "
+                                   f"the cluster may not have {num_gpus:g} GPU(s) and {num_cpus:g} CPU(s) free for "
+                                   "each; --replicas sets how many run")
+        return True
+
+    def _take(self, ref: Any, first: int, last: int) -> None:
+        """Commit one batch's results and replay its progress."""
+        ray = self.ray
+        try:
+            units, events, errors = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise ReplicaError(f"the replicas running rows {first}..{last} died {MAX_RETRIES + 1} times ({e}); the "
+                               "finished rows are kept: rerun to continue") from None
+        replay_progress(events, self.progress)
+        self.errors.extend(errors[: max(0, _SHOWN_ERRORS - len(self.errors))])
+        for unit in units:
+            self._commit(unit)
 
     def _placement(self) -> tuple[int, float, float, int | None]:
         """(replicas, GPUs and CPUs per replica, torch threads of a CPU replica)."""
@@ -128,29 +183,14 @@ class RayJobLoop:
         share = max(1, int(cpus // replicas))
         return replicas, 0.0, float(share), share
 
-    def _commit(self, unit: dict[str, Any]) -> None:
-        if unit["batch_report"] is not None:  # the progress calls and first failures of one batch
-            import pickle
-
-            events, errors = pickle.loads(unit["batch_report"])
-            replay_progress(events, self.progress)
-            self.errors.extend(errors[: max(0, _SHOWN_ERRORS - len(self.errors))])
-        rows = unit["rows"]
-        if not rows:
-            return
-        done = [row for row in rows if self.journal.is_done(row)]
-        if len(done) == len(rows):
+    def _commit(self, unit: Commit) -> None:
+        done = [row for row in unit.rows if self.journal.is_done(row)]
+        if len(done) == len(unit.rows):
             return  # a retried batch whose results already arrived: written once, as it should be
         if done:
             raise ReplicaError(f"a replica sent rows that are partly in the output already: {done[:5]}; "
                                "nothing was written twice. Rerun to continue")
-        self.journal.commit(unit["data"], rows, unit["failed"], unit["prompt_tokens"], unit["completion_tokens"])
-
-
-def _row_schema() -> Any:
-    import pyarrow as pa
-
-    return pa.schema([("index", pa.int64()), ("record", pa.string()), ("error", pa.string()), ("where", pa.string())])
+        self.journal.commit(unit.data, unit.rows, unit.failed, unit.prompt_tokens, unit.completion_tokens)
 
 
 class _CollectedCommits(ProgressRecorder):
@@ -158,18 +198,18 @@ class _CollectedCommits(ProgressRecorder):
 
     def __init__(self) -> None:
         super().__init__()
-        self.units: list[dict[str, Any]] = []
+        self.units: list[Commit] = []
 
     def is_done(self, index: int) -> bool:
         return False  # the driver sends only rows still to do
 
     def commit(self, data: bytes, rows: list[int], failed: list[int], prompt_tokens: int, completion_tokens: int) -> None:
-        self.units.append(dict(data=data, rows=rows, failed=failed, prompt_tokens=prompt_tokens,
-                               completion_tokens=completion_tokens, batch_report=None))
+        if rows:
+            self.units.append(Commit(data, rows, failed, prompt_tokens, completion_tokens))
 
 
 class JobReplica:
-    """A Ray Data actor: one LLM and the job loop; a batch of input rows in, their commit units out."""
+    """A Ray actor: one LLM and the job loop; a batch of input rows in, their commit units out."""
 
     def __init__(self, config: "JobConfig", input_format: str, output_shape: str, job_key: str, num_threads: int | None):
         from tokenmill.batch.loop import JobLoop, load_llm
@@ -183,19 +223,13 @@ class JobReplica:
         self.loop = JobLoop(config, load_llm(config), self.link, self.link, input_format, output_shape,  # type: ignore[arg-type]
                           job_key, new_llm=lambda: load_llm(config))
 
-    def __call__(self, batch: Any) -> Any:
-        import pickle
+    def ready(self) -> bool:
+        """Answers once the model is loaded (the constructor has returned)."""
+        return True
 
-        import pyarrow as pa
-
-        from tokenmill.batch.readers import RawRow
-
-        raws = [RawRow(r["index"], None if r["record"] is None else json.loads(r["record"]), r["error"], r["where"] or "")
-                for r in batch.to_pylist()]
+    def run_batch(self, raws: list["RawRow"]) -> tuple[list[Commit], list[Any], list[str]]:
+        """The batch's commit units, its progress events and its first row failures."""
         self.loop.run(iter(raws))
         units, self.link.units = self.link.units, []
-        report, self.loop.errors = (self.link.take(), self.loop.errors), []
-        units.append(dict(data=b"", rows=[], failed=[], prompt_tokens=0, completion_tokens=0, batch_report=pickle.dumps(report)))
-        return pa.Table.from_pylist(units, schema=pa.schema([
-            ("data", pa.binary()), ("rows", pa.list_(pa.int64())), ("failed", pa.list_(pa.int64())),
-            ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("batch_report", pa.binary())]))
+        errors, self.loop.errors = self.loop.errors, []
+        return units, self.link.take(), errors
