@@ -222,3 +222,38 @@ def test_run_stops_a_hung_engine_after_600_s_by_default(tmp_path, monkeypatch):
             main(["run", "in.jsonl", "-o", "o.jsonl", *extra])
     assert seen == [600.0, 0.0, 90.0]
     assert JobConfig(input="in.jsonl", output="o.jsonl").stall_timeout == 0.0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_model_loads_stops_at_once(tmp_path, monkeypatch, capsys, tiny_llama_dir, signum):
+    """The first SIGTERM or Ctrl-C before the job runs a row stops it at once (a model load can take
+    minutes, and a second SIGTERM, unlike a second Ctrl-C, did nothing): exit code 130, nothing
+    written but the resume state, and the same command then runs every row."""
+    import time
+
+    from tokenmill.batch import job
+
+    real_load, loaded = job.load_llm, []
+
+    def slow_load(config):  # a large model: the stop request lands while it loads
+        os.kill(os.getpid(), signum)
+        for _ in range(150):
+            time.sleep(0.1)
+        loaded.append(True)
+        return real_load(config)
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(3)))
+    output = tmp_path / "o.jsonl"
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
+            "--no-progress", *tiny_flags(tiny_llama_dir)]
+    monkeypatch.setattr(job, "load_llm", slow_load)
+    started = time.monotonic()
+    assert main(argv) == 130
+    assert time.monotonic() - started < 10 and not loaded
+    err = capsys.readouterr().err
+    assert "stopping now" in err and "0/3 rows" in err and "rerun the same command" in err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not output.exists() or output.read_text() == ""
+    monkeypatch.setattr(job, "load_llm", real_load)
+    assert main(argv) == 0
+    assert sorted(r["row"] for r in map(json.loads, open(output))) == [0, 1, 2]

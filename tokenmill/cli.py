@@ -62,21 +62,29 @@ class _StopRequests:
     """SIGINT/SIGTERM ask the job to stop after the current step; a second Ctrl-C stops at once.
 
     Stopping between steps keeps every finished row; an immediate stop is as safe as a kill
-    (the next run repairs whatever a half-done write left).
+    (the next run repairs whatever a half-done write left). Until the job's loop first asks
+    (it asks between steps), no row runs: the input is scanned and the model loads, which can
+    take minutes, so a request stops at once instead of waiting for the load to end.
     """
 
     def __init__(self) -> None:
         self.requested = False
+        self.loop_started = False  # the job's loop has asked: a stop waits for the end of the step
 
     def __call__(self) -> bool:
+        self.loop_started = True
         return self.requested
 
     def handle(self, signum: int, frame: Any) -> None:
+        from tokenmill.batch.progress import tell  # stderr may be a pipe that closed: stop anyway
+
+        if not self.loop_started:
+            self.requested = True
+            tell("\ntokenmill run: stopping now (no row has started); rerun to continue", sys.stderr)
+            raise KeyboardInterrupt
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        from tokenmill.batch.progress import tell  # stderr may be a pipe that closed: stop anyway
-
         tell("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue", sys.stderr)
 
     def install(self) -> dict[int, Any]:

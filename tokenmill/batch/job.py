@@ -115,30 +115,26 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                     raise ValueError("replicas load their own models: pass no llm with replicas or ray_address")
                 loop: Any = _parallel_loop(config, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
             else:
-                # An engine the job loads itself is the job's to replace when it stops for good (a
-                # tensor-parallel worker died); one passed in stays the caller's. Held by the loop
-                # only, so that a replaced engine's memory can be freed.
-                new_llm = None if llm is not None else (lambda: load_llm(config))
-                engine_llm = llm if llm is not None else load_llm(config)
-                progress.start = time.monotonic()  # the summary's throughput leaves model loading out
-                watchdog = StallWatchdog(config.stall_timeout, stream=stderr) if config.stall_timeout > 0 else None
-                loop = JobLoop(config, engine_llm, journal, progress, fmt, shape, fingerprint(settings), should_stop,
-                               new_llm=new_llm, notice=lambda message: tell(message, stderr or sys.stderr),
-                               watchdog=watchdog)
-                del engine_llm
-            try:
-                with watchdog or contextlib.nullcontext():
-                    interrupted = not loop.run(read_rows(input_path, fmt))
-            except KeyboardInterrupt:
-                interrupted = True
-            except BaseException:
-                if isinstance(loop, JobLoop):  # the engine outlives the job (tests, notebooks): leave it empty
-                    with contextlib.suppress(Exception):
-                        loop.drop_inflight()
-                raise
-            if interrupted:
-                loop.abort()
-            errors = loop.errors
+                try:
+                    loop = _engine_loop(config, llm, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
+                except KeyboardInterrupt:  # stopped while the model loaded (`tokenmill run` stops at once then)
+                    loop = None  # no row ran: nothing to write or drop; the summary says interrupted
+                    interrupted = True
+                watchdog = loop.watchdog if loop is not None else None
+            if loop is not None:
+                try:
+                    with watchdog or contextlib.nullcontext():
+                        interrupted = not loop.run(read_rows(input_path, fmt))
+                except KeyboardInterrupt:
+                    interrupted = True
+                except BaseException:
+                    if isinstance(loop, JobLoop):  # the engine outlives the job (tests, notebooks): leave it empty
+                        with contextlib.suppress(Exception):
+                            loop.drop_inflight()
+                    raise
+                if interrupted:
+                    loop.abort()
+                errors = loop.errors
         progress.close()
         if not interrupted and info.rows is not None and journal.total().rows < info.rows:
             journal.sync()  # what finished stays; a rerun runs the rest
@@ -162,6 +158,19 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             run_s=time.monotonic() - progress.start, complete=not interrupted, interrupted=interrupted,
             repaired_bytes=journal.repaired_bytes, rebuilt_rows=journal.rebuilt_rows, errors=errors, input=input_path,
         )
+
+
+def _engine_loop(config: JobConfig, llm: Any, journal: Journal, progress: Progress, fmt: str, shape: str, job_key: str,
+                 should_stop: Callable[[], bool] | None, stderr: TextIO | None) -> JobLoop:
+    """The single-engine loop, with the engine loaded unless ``llm`` is given. An engine the job loads
+    itself is the job's to replace when it stops for good (a tensor-parallel worker died); one passed
+    in stays the caller's. Held by the loop only, so that a replaced engine's memory can be freed."""
+    new_llm = None if llm is not None else (lambda: load_llm(config))
+    engine_llm = llm if llm is not None else load_llm(config)
+    progress.start = time.monotonic()  # the summary's throughput leaves model loading out
+    watchdog = StallWatchdog(config.stall_timeout, stream=stderr) if config.stall_timeout > 0 else None
+    return JobLoop(config, engine_llm, journal, progress, fmt, shape, job_key, should_stop, new_llm=new_llm,
+                   notice=lambda message: tell(message, stderr or sys.stderr), watchdog=watchdog)
 
 
 def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:
