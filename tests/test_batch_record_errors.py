@@ -9,6 +9,7 @@ import pytest
 import tokenmill.batch.loop as loop_module
 from tokenmill import SamplingParams
 from tokenmill.batch.job import JobConfig, run_job
+from tokenmill.batch.pooling import PoolingRows
 
 from support.jsonl import read_jsonl, write_jsonl
 from test_batch_e2e import GREEDY, by_row, engine_left_clean, llm  # noqa: F401 (fixtures)
@@ -18,39 +19,34 @@ TEXTS = ["the cat sat on a warm mat", "wind blew over its fur", "the sun went do
 BROKEN_ROW = 2  # on line 3 of the input
 
 
-def job(tmp_path, llm, input_path, fmt="jsonl", should_stop=None):
-    config = JobConfig(input=str(input_path), output=str(tmp_path / f"out.{fmt}"), model="tiny", sampling=dict(GREEDY),
-                       progress=False)
+def job(tmp_path, llm, input_path, should_stop=None, **overrides):
+    options = dict(input=str(input_path), output=str(tmp_path / "out.jsonl"), model="tiny", sampling=dict(GREEDY),
+                   progress=False)
+    config = JobConfig(**{**options, **overrides})
     return run_job(config, llm=llm, should_stop=should_stop)
 
 
-def break_one_row(monkeypatch, stage: str) -> None:
-    """Make turning row BROKEN_ROW's output into records raise: while its finished output becomes a
-    result (the engine step), or while the result becomes output records (the commit)."""
-    if stage == "result":
-        real_result = loop_module.result_from_output
+def break_one_row(monkeypatch, builder: str, error: Exception, owner: object = loop_module) -> None:
+    """Make ``builder`` (a function of the loop's, or a method of ``owner``) raise for row BROKEN_ROW:
+    result_from_output or PoolingRows.result, as its finished output becomes a result (the engine
+    step), or a record builder, as the result becomes output records (the commit; its error row,
+    once made, is built as usual)."""
+    real = getattr(owner, builder)
 
-        def result(index, *args, **kwargs):
-            if index == BROKEN_ROW:
-                raise ValueError("no result for this output")
-            return real_result(index, *args, **kwargs)
+    def broken(*args, **kwargs):
+        first = args[1] if owner is not loop_module else args[0]  # the row's index, its result or its request
+        index, failed = (first, False) if isinstance(first, int) else (first.index, getattr(first, "failed", False))
+        if index == BROKEN_ROW and not failed:
+            raise error
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(loop_module, "result_from_output", result)
-    else:
-        real_records = loop_module.generic_records
-
-        def records(result, *args, **kwargs):
-            if result.index == BROKEN_ROW and result.error is None:
-                raise ValueError("no record for this output")
-            return real_records(result, *args, **kwargs)
-
-        monkeypatch.setattr(loop_module, "generic_records", records)
+    monkeypatch.setattr(owner, builder, broken)
 
 
-@pytest.mark.parametrize("stage", ["result", "records"])
-def test_a_row_whose_output_cannot_become_records_fails_alone(tmp_path, llm, monkeypatch, stage):
+@pytest.mark.parametrize("builder", ["result_from_output", "generic_records"])
+def test_a_row_whose_output_cannot_become_records_fails_alone(tmp_path, llm, monkeypatch, builder):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
-    break_one_row(monkeypatch, stage)
+    break_one_row(monkeypatch, builder, ValueError("no record for this output"))
     summary = job(tmp_path, llm, path)
     monkeypatch.undo()
     assert summary.exit_code == 3 and summary.rows_done == len(TEXTS) and summary.failed == 1
@@ -58,7 +54,7 @@ def test_a_row_whose_output_cannot_become_records_fails_alone(tmp_path, llm, mon
     good = [i for i in range(len(TEXTS)) if i != BROKEN_ROW]
     assert sorted(records) == sorted([(i, 0) for i in good] + [(BROKEN_ROW, None)])
     error = records[(BROKEN_ROW, None)]["error"]
-    assert error.startswith("line 3: ") and "could not be written" in error and "ValueError: no re" in error
+    assert error.startswith("line 3: ") and "could not be written: ValueError: no record for this output" in error
     assert summary.errors == [error]
     outs = llm.generate([TEXTS[i] for i in good], SamplingParams(**GREEDY), use_tqdm=False)
     assert [records[(i, 0)]["text"] for i in good] == [o.outputs[0].text for o in outs]
@@ -71,7 +67,7 @@ def test_a_rerun_after_a_stop_keeps_the_failed_row_once(tmp_path, llm, monkeypat
     failed row the journal recorded, and every row is in the output exactly once."""
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS * 3])
     output = tmp_path / "out.jsonl"
-    break_one_row(monkeypatch, "records")
+    break_one_row(monkeypatch, "generic_records", ValueError("no record for this output"))
     first = job(tmp_path, llm, path, should_stop=lambda: output.exists() and f'"row":{BROKEN_ROW},' in output.read_text())
     monkeypatch.undo()
     assert first.interrupted and first.failed == 1 and first.rows_done < len(TEXTS) * 3
@@ -86,14 +82,7 @@ def test_an_openai_row_whose_output_cannot_be_written_is_a_failed_line(tmp_path,
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": t, "max_tokens": 3, "temperature": 0.0}} for i, t in enumerate(TEXTS[:4])]
     path = write_jsonl(tmp_path / "batch.jsonl", lines)
-    real_record = loop_module.openai_record
-
-    def record(result, *args, **kwargs):
-        if result.index == BROKEN_ROW and result.error is None:
-            raise KeyError("choices")
-        return real_record(result, *args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "openai_record", record)
+    break_one_row(monkeypatch, "openai_record", KeyError("choices"))
     summary = job(tmp_path, llm, path)
     monkeypatch.undo()
     assert summary.exit_code == 3 and summary.rows_done == 4 and summary.failed == 1
@@ -101,3 +90,20 @@ def test_an_openai_row_whose_output_cannot_be_written_is_a_failed_line(tmp_path,
     assert sorted(out) == ["c0", "c1", "c2", "c3"]
     assert [out[f"c{i}"]["response"]["status_code"] for i in range(4)] == [200, 200, 400, 200]
     assert "KeyError: 'choices'" in out["c2"]["response"]["body"]["error"]["message"]
+
+
+@pytest.mark.parametrize("builder, owner", [("result", PoolingRows), ("pooling_records", loop_module)])
+def test_a_pooling_row_whose_output_cannot_be_written_fails_alone(tmp_path, bert_embedder_llm, random_sentences,
+                                                                  monkeypatch, builder, owner):
+    texts = random_sentences(5, 0, high=15)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in texts])
+    break_one_row(monkeypatch, builder, ValueError("no embedding record"), owner)
+    summary = job(tmp_path, bert_embedder_llm, path, task="embed", sampling={})
+    monkeypatch.undo()
+    assert summary.exit_code == 3 and summary.rows_done == len(texts) and summary.failed == 1
+    records = {r["row"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert sorted(records) == list(range(len(texts)))
+    assert records[BROKEN_ROW]["embedding"] is None
+    assert records[BROKEN_ROW]["error"] == ("line 3: the row finished but its output could not be written: "
+                                            "ValueError: no embedding record")
+    assert all(records[i]["embedding"] and records[i]["error"] is None for i in records if i != BROKEN_ROW)
