@@ -13,7 +13,7 @@ journal, so a killed driver resumes like any job: the rerun skips the journaled 
 The input streams: the driver reads the next batch only when a replica has room for it (two
 batches queued at each, so its engine never waits for the driver), and a batch leaves Ray's object
 store once its results are committed. So what the driver and the object store hold is bounded by
-replicas x 2 x 256 rows, whatever the input's size. The input needs to be readable where the
+replicas x 2 + 1 batches of 256 rows (the one read next included), whatever the input's size. The input needs to be readable where the
 command runs, not on the cluster's nodes. For data already in cluster storage use
 `tokenmill.ray.build_llm_processor` (docs/scale-out.md).
 
@@ -25,6 +25,7 @@ times stops the job (a row that kills its engine's process), as `--replicas` doe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -78,10 +79,8 @@ class RayJobLoop:
         """End the replicas (the batches they hold run again on a rerun) and disconnect from the
         cluster if this job connected."""
         for actor in self._replicas:
-            try:
+            with contextlib.suppress(Exception):  # gone already
                 self.ray.kill(actor)
-            except Exception:  # noqa: BLE001  (gone already)
-                pass
         self._replicas = []
         if self._connected:
             self.ray.shutdown()
@@ -136,8 +135,8 @@ class RayJobLoop:
         # Restarted when they die, their queued batches run again (MAX_RETRIES times at most).
         remote = ray.remote(JobReplica).options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=-1,
                                                 max_task_retries=MAX_RETRIES)
-        self._replicas = [remote.remote(self.config, self.input_format, self.output_shape, self.job_key, threads)
-                          for _ in range(replicas)]
+        for _ in range(replicas):  # one at a time: an interrupt between two leaves abort() each one started
+            self._replicas.append(remote.remote(self.config, self.input_format, self.output_shape, self.job_key, threads))
         loading = [actor.ready.remote() for actor in self._replicas]
         deadline = time.monotonic() + _START_S
         while loading:
