@@ -297,6 +297,27 @@ def test_replica_udf_a_row_whose_adapter_cannot_be_read_again_fails_alone(tiny_l
     assert str(tmp_path / "sql") in again[0]["__inference_error__"], again[0]["__inference_error__"]
 
 
+def test_replica_udf_a_row_whose_output_cannot_become_columns_fails_alone(tiny_llama_dir, monkeypatch):
+    """A finished row whose output raises while its result columns are built (an odd output meeting a
+    bug) becomes an error row naming the error; the batch's other rows keep their results."""
+    from tokenmill.ray import replica as replica_module
+
+    real = replica_module.result_columns
+
+    def flaky(task, job, rows):
+        if job.position == 1 and job.error is None:
+            raise KeyError("no such column")
+        return real(task, job, rows)
+
+    monkeypatch.setattr(replica_module, "result_columns", flaky)
+    replica = _replica(tiny_llama_dir, "generate", **ENGINE)
+    out = _call(replica, [{"prompt": p, "sampling_params": GREEDY} for p in ("the cat sat", "the warm mat", "wind blew")])
+    assert out[1]["__inference_error__"].startswith("the row finished but its output could not become result columns")
+    assert "KeyError" in out[1]["__inference_error__"] and out[1]["generated_tokens"] == []
+    assert [r["__inference_error__"] for r in (out[0], out[2])] == ["", ""]
+    assert [r["num_generated_tokens"] for r in (out[0], out[2])] == [4, 4]
+
+
 def test_replica_udf_classify_and_score(tiny_bert_classifier_dir, bert_classifier_llm, tiny_cross_encoder_dir,
                                         cross_encoder_llm):
     out = _call(_replica(tiny_bert_classifier_dir, "classify"), [{"prompt": "the cat sat"}, {"prompt": ""}, {"prompt": None}])

@@ -7,7 +7,8 @@ them to the replica's one engine thread and waits; the engine thread adds reques
 engine for every batch together (the engine is not thread-safe: only that thread touches it).
 
 A row that cannot run (unparseable messages, invalid sampling values, a prompt longer than the
-model allows) becomes an error row (``__inference_error__``); the other rows go on. An engine
+model allows), or whose output cannot become its result columns, becomes an error row
+(``__inference_error__``); the other rows go on. An engine
 that fails (an error in a step) fails every batch it holds: that is a bug, not a bad row.
 """
 
@@ -151,12 +152,22 @@ class TokenmillReplica:
         prefix = f"b{next(self._batches)}-"  # request ids unique across the batches in flight
         jobs = [self._job(row, position, prefix) for position, row in enumerate(rows)]
         self.engine.run(jobs)
+        columns = [self._columns(job) for job in jobs]
         if not self.continue_on_error:
             failed = next((job for job in jobs if job.error is not None), None)
             if failed is not None:
                 raise ValueError(f"row {failed.position} of the batch failed: {failed.error} "
                                  "(should_continue_on_error=True makes such rows error rows instead)")
-        return _with_columns(batch, [result_columns(self.task, job, self.pooling_rows) for job in jobs], self._types)
+        return _with_columns(batch, columns, self._types)
+
+    def _columns(self, job: RowJob) -> dict[str, Any]:
+        """The row's result columns; a finished row whose output cannot become them (a bug that an
+        odd output triggers) turns into an error row, so the batch's other rows are kept."""
+        try:
+            return result_columns(self.task, job, self.pooling_rows)
+        except Exception as e:  # noqa: BLE001  (this row's output, not the batch)
+            job.error = f"the row finished but its output could not become result columns: {type(e).__name__}: {e}"
+            return result_columns(self.task, job, self.pooling_rows)
 
     def _job(self, row: dict[str, Any], position: int, prefix: str) -> RowJob:
         from tokenmill.sampling_params import RequestOutputKind
