@@ -172,3 +172,57 @@ def test_plan_replicas_splits_cores_and_gpus(monkeypatch):
         plan_replicas({"device": "cuda:1"}, 2)
     with pytest.raises(ValueError, match="--replicas=0 is invalid"):
         plan_replicas({"device": "cpu"}, 0)
+
+
+def test_a_stop_while_replicas_load_their_models_stops_them_at_once(tmp_path, monkeypatch):
+    """A replica that has not said Ready has run no row, so a stop request ends it at once instead of
+    waiting for a model load that can take minutes (before, the pool waited for every load)."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    from multiprocessing.connection import Connection
+
+    from tokenmill.batch import replicas as replicas_module
+    from tokenmill.batch.config import JobConfig
+
+    started, kept = [], []
+
+    def loading_forever(module, env=None):  # a replica stuck loading a large model
+        mine, theirs = socket.socketpair()
+        kept.append(theirs)  # its end stays open, as a live replica's does
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        started.append(proc)
+        return proc, Connection(mine.detach())
+
+    class Journal:
+        def done_bitmap(self) -> bytes:
+            return b""
+
+    class Progress:
+        rows: dict = {}
+
+        def maybe_draw(self) -> None:
+            pass
+
+    monkeypatch.setattr(replicas_module, "start_module", loading_forever)
+    config = JobConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out.jsonl"), replicas=2,
+                       engine={"device": "cpu"})
+    polls = []
+    pool = replicas_module.ReplicaPool(config, Journal(), Progress(), "jsonl", "generic", "key",
+                                       should_stop=lambda: bool(polls.append(1)) or len(polls) > 1)
+    result = []
+    runner = threading.Thread(target=lambda: result.append(pool.run()), daemon=True)
+    began = time.monotonic()
+    runner.start()
+    runner.join(timeout=20)
+    try:
+        assert result == [False], "the pool still waits for its replicas' loads"
+        assert time.monotonic() - began < 10
+        assert len(started) == 2 and all(proc.poll() is not None for proc in started)
+    finally:
+        for proc in started:
+            proc.kill()
+        for sock in kept:
+            sock.close()

@@ -17,7 +17,8 @@ output once its commit is journaled, and only then.
   current set of finished rows, so the rows the dead one had in flight run again, once. After
   ``MAX_RESTARTS`` deaths of one shard the job stops with an error (a rerun continues).
 - Ctrl-C / SIGTERM: every replica is told to stop after its current step; each commits what
-  finished and exits, as a single-process job does.
+  finished and exits, as a single-process job does. One still loading its model (no row run yet)
+  is stopped at once.
 
 Devices: on a GPU host replica k gets its own GPUs (``CUDA_VISIBLE_DEVICES``: tensor_parallel_size
 of them each); on the CPU each replica gets cores // N torch threads, so N replicas do not fight
@@ -217,13 +218,22 @@ class ReplicaPool:
                             f"{failed.traceback}")
 
     def _stop_all(self) -> None:
+        """Ask every replica to stop after its step. One still loading its model has run no row (it
+        says Ready first), so it is stopped now rather than after a load that can take minutes."""
         self._stopping = True
         for replica in self.replicas:
-            if replica.conn is not None and not replica.finished:
-                try:
-                    send(replica.conn, StopReplica())
-                except OSError:
-                    pass  # dead: noticed when its pipe is read
+            while replica.conn is not None and not replica.ready and not replica.finished and replica.conn.poll():
+                self._receive(replica)  # what it sent meanwhile (Ready, or its death) first
+            if replica.conn is None or replica.finished:
+                continue
+            if not replica.ready:
+                self._close(replica)
+                replica.finished = True  # its rows run in the next attempt
+                continue
+            try:
+                send(replica.conn, StopReplica())
+            except OSError:
+                pass  # dead: noticed when its pipe is read
 
     def _close(self, replica: _Replica, wait_s: float = 0.0) -> None:
         if replica.proc is not None:
