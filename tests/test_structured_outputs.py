@@ -70,6 +70,18 @@ def test_grammar_and_older_guided_decoding_spelling(tiny):
     assert re.fullmatch("[ab]{3}", tiny.generate(["q"], params, use_tqdm=False)[0].outputs[0].text)
 
 
+@pytest.mark.parametrize("extra", [dict(min_tokens=3), dict(bad_words=["Q"]), dict(logits_processors=[lambda ids, logits: logits])],
+                         ids=["min_tokens", "bad_words", "processor"])
+def test_grammars_combine_with_bans_and_python_processors(tiny, extra):
+    """A grammar row's draw runs after the step's launch has returned (its masks wait for the
+    previous token): the bans and processors that write into the logits work there too."""
+    pattern = r"[A-Z][a-z]{2,5}-\d{3}"
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern),
+                            **extra)
+    out = tiny.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(pattern, out.text) and "Q" not in out.text, out.text
+
+
 def test_each_distinct_constraint_compiles_once(tiny):
     sizes = []
     for _ in range(2):

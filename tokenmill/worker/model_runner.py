@@ -260,6 +260,10 @@ class ModelRunner:
             self._draw(result, batch, logits, False)
         return result
 
+    # A grammar step's draw is called by the engine after execute() has returned, outside its
+    # inference mode; the logits are an inference tensor, which the bans (bad words, min_tokens)
+    # and Python processors change in place: allowed only inside inference mode.
+    @torch.inference_mode()
     def _draw(self, result: StepResult, batch: SamplingBatch, logits: torch.Tensor, grammars: bool) -> None:
         """Sample the step's rows (grammar masks first if ``grammars``: some row has one), keep the
         ids on the device for the next step's inputs and start copying them to the host."""
