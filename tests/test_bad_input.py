@@ -98,3 +98,34 @@ def test_skip_tokenizer_init_accepts_token_ids_only(tiny_llama_dir):
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text == ""
     with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
         llm.generate(["text"], GREEDY, use_tqdm=False)
+
+
+def test_allowed_token_ids_given_as_a_tuple_run(llm):
+    # A tuple passed SamplingParams' check, then indexed the bias row's dimensions mid-step (IndexError).
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, allowed_token_ids=(5, 6))
+    assert params.allowed_token_ids == [5, 6]
+    assert set(llm.generate(as_inputs([[5, 6, 7]]), params, use_tqdm=False)[0].outputs[0].token_ids) <= {5, 6}
+
+
+@pytest.fixture(scope="module")
+def padded_llm(tiny_models_root):
+    """A model whose vocabulary (320 ids) is wider than its tokenizer's (289): an lm_head padded to a round size."""
+    from transformers import LlamaConfig
+
+    from support.tiny_models import save_tiny_model, tiny_config_kwargs
+
+    config = LlamaConfig(**tiny_config_kwargs(vocab_size=320, tie_word_embeddings=False), architectures=["LlamaForCausalLM"])
+    return make_llm(save_tiny_model(tiny_models_root, "llama_padded_vocab", config, seed=1), max_model_len=64)
+
+
+def test_allowed_token_ids_stop_at_the_tokenizers_vocabulary(padded_llm):
+    """As in vLLM: allowing only padding ids would generate nothing else, ids without text."""
+    size = len(padded_llm.get_tokenizer())
+    message = (rf"prompts\[1\]: SamplingParams.allowed_token_ids has token ids \[{size}\] outside the tokenizer's "
+               rf"vocabulary \[0, {size}\) \(the model's ids {size}..319 are padding, without text\)")
+    with pytest.raises(ValueError, match=message):
+        padded_llm.generate(as_inputs([[5, 6], [7, 8]]), [GREEDY, SamplingParams(allowed_token_ids=[5, size])], use_tqdm=False)
+    assert_engine_idle(padded_llm)
+    # logit_bias may name any id of the model, as in vLLM.
+    biased = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logit_bias={size: 100.0})
+    assert padded_llm.generate(as_inputs([[5, 6]]), biased, use_tqdm=False)[0].outputs[0].token_ids == [size, size]

@@ -149,8 +149,10 @@ class SamplingParams:
                self.stop_token_ids, "a list of non-negative integers or None")
         self.stop = list(self.stop) if self.stop else []
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
-        if isinstance(self.logprob_token_ids, tuple):
-            self.logprob_token_ids = list(self.logprob_token_ids)
+        # Tuples as lists: the runner indexes tensors with these, and a tuple would index dimensions.
+        for name in ("logprob_token_ids", "allowed_token_ids"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         if self.guided_decoding is not None:
             _check(self.structured_outputs is None, "guided_decoding", self.guided_decoding,
                    "left unset when structured_outputs is given (it is the older name of the same field)")

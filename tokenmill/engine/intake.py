@@ -132,11 +132,17 @@ class Intake:
         """Check token ids (logit controls, logprob_token_ids) against the vocabulary and tokenize
         bad_words (vLLM: each word as is and with a leading space, since both spellings occur mid-text)."""
         vocab = self.config.vocab_size
-        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("logprob_token_ids", params.logprob_token_ids or [])):
-            bad = [t for t in ids if not 0 <= t < vocab]
+        # vLLM bounds allowed_token_ids by the tokenizer: a model's ids past it (an lm_head padded to a
+        # round size) have no text, and allowing only those would generate nothing but them.
+        allowed = min(vocab, len(self.tokenizer)) if self.tokenizer is not None else vocab
+        for name, ids, limit in (("logit_bias", list(params.logit_bias or {}), vocab),
+                                 ("allowed_token_ids", params.allowed_token_ids or [], allowed),
+                                 ("logprob_token_ids", params.logprob_token_ids or [], vocab)):
+            bad = [t for t in ids if not 0 <= t < limit]
             if bad:
-                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+                what = "the vocabulary" if limit == vocab else "the tokenizer's vocabulary"
+                padding = f" (the model's ids {limit}..{vocab - 1} are padding, without text)" if limit < vocab else ""
+                raise ValueError(f"{where}: SamplingParams.{name} has token ids {bad[:5]} outside {what} [0, {limit}){padding}")
         if not params.bad_words:
             return params
         if self.tokenizer is None:
