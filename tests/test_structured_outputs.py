@@ -82,6 +82,20 @@ def test_grammars_combine_with_bans_and_python_processors(tiny, extra):
     assert re.fullmatch(pattern, out.text) and "Q" not in out.text, out.text
 
 
+def test_a_token_the_grammar_rejects_ends_its_request_with_an_error(tiny):
+    """Once "y" is out the choice's grammar allows only eos, which min_tokens holds back: nothing is
+    left to draw from, the draw takes a token outside the grammar and, as in vLLM, that request
+    ends with finish_reason "error" (not a "stop" whose token ids break the constraint); the
+    request beside it runs on."""
+    bad = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, structured_outputs=StructuredOutputsParams(choice=["y"]))
+    good = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    other, failed = tiny.generate(["a", "b"], [good, bad], use_tqdm=False)
+    assert other.outputs[0].finish_reason == "length" and len(other.outputs[0].token_ids) == 5 and other.error is None
+    out = failed.outputs[0]
+    assert out.finish_reason == "error" and out.text == "y" and len(out.token_ids) == 2, out
+    assert re.match(r"token \d+ at output position 1 breaks the structured_outputs constraint", failed.error)
+
+
 def test_each_distinct_constraint_compiles_once(tiny):
     sizes = []
     for _ in range(2):

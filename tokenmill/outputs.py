@@ -61,7 +61,8 @@ class RequestOutput:
     ec_transfer_params: dict[str, Any] | None = None
     # Why the engine could not finish the request (its completions end with finish_reason "error",
     # as vLLM's for a request-level failure; vLLM gives no message): e.g. its LoRA adapter's folder
-    # was deleted after the adapter was checked. None otherwise.
+    # was deleted after the adapter was checked, or its grammar rejected the token drawn (every
+    # token it allowed was banned). None otherwise.
     error: str | None = None
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:

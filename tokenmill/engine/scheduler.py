@@ -86,6 +86,20 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None
             seq.finish_reason, seq.stop_reason = REPETITION, REPETITION_DETECTED
 
 
+def _end_on_rejected_token(seq: Sequence, token: int) -> None:
+    """A token the sequence's grammar rejects: the grammar's mask left nothing to draw from (every
+    token it allows was banned), so the draw took a token outside it. As vLLM (FINISHED_ERROR),
+    the sequence ends with finish_reason "error" rather than go on breaking its constraint; the
+    request's error says why."""
+    seq.finish_reason, seq.stop_reason = "error", None
+    sample = f"sample {seq.index}: " if seq.request.params.num_samples > 1 else ""
+    seq.request.error = (
+        f"{sample}token {token} at output position {len(seq.output_token_ids) - 1} breaks the structured_outputs "
+        "constraint: every token the grammar allowed there was excluded (min_tokens holding back eos, "
+        "allowed_token_ids, bad_words or a logits processor)"
+    )
+
+
 class Scheduler:
     def __init__(
         self, kv: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
@@ -237,10 +251,11 @@ class Scheduler:
                 continue
             token = samples.token_ids[row]
             seq.output_token_ids.append(token)
-            if seq.grammar is not None and not seq.grammar.is_terminated():
-                seq.grammar.accept_token(token)
+            rejected = seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token)
             check_stop(seq, token, self.eos_token_ids)
-            if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+            if rejected:
+                _end_on_rejected_token(seq, token)
+            elif seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated():
                 seq.finish_reason = "stop"  # the constraint is complete: nothing more may follow
             if seq.finish_reason is not None:
                 self.finish(seq)
