@@ -117,6 +117,13 @@ class BeamSearch:
         self._reports[seq.seq_id] = (token_ids, logprobs)
         seq.on_hold = True
 
+    def forget_reports(self, beams: list["Sequence"]) -> None:
+        """A step failed before the group could move on (`Scheduler.recover`): the beams compute their
+        position again and report anew."""
+        self._reports.clear()
+        for beam in beams:
+            beam.on_hold = False
+
     def ready(self, beams: list["Sequence"]) -> bool:
         return all(seq.seq_id in self._reports for seq in beams)
 

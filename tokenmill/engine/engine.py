@@ -92,6 +92,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         self.requests: dict[str, Request] = {}
         self._in_flight: StepResult[Sequence] | None = None  # launched, not yet read back
         self._history_readers: set[str] = set()  # live requests that force synchronous steps (needs_sync)
+        self._undelivered: list[RequestOutput] = []  # built by a step that then failed: the next step's (step)
         self.stats = EngineStats()
         self.metrics = _start_metrics(config)
         self.asleep: set[str] = set()  # "weights" / "kv_cache" while asleep (LLM.sleep)
@@ -157,6 +158,9 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
     def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
         """Forget these requests (``internal``: vLLM's flag for its own aborts; no difference here)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self._undelivered:  # their outputs from a failed step, if any, go too
+            gone = set(ids)
+            self._undelivered = [o for o in self._undelivered if o.request_id not in gone]
         for request_id in ids:
             request = self.requests.pop(request_id, None)
             if request is not None:
@@ -171,7 +175,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
 
     # ---- stepping -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests in the engine, or outputs a failed step built that the next step delivers."""
+        return bool(self.requests or self._undelivered)
 
     def generated_token_counts(self, request_id: str) -> tuple[int, int] | None:
         """(its prompt's tokens, the tokens its samples generated so far) for an unfinished request,
@@ -186,12 +191,25 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         """Run one engine step; return the outputs of the requests it advanced (or only finished ones).
 
         With asynchronous scheduling the outputs are those of the step launched by the previous call.
+        A step that raises (a request's logits processor, a bug, Ctrl-C) first puts the engine back
+        in order (`_recover`): the requests left run on, and the outputs it had built come with the
+        next step's.
         """
+        outputs, self._undelivered = self._undelivered, []
+        try:
+            self._step(outputs, finished_only)
+        except BaseException:
+            self._undelivered = outputs
+            self._recover()
+            raise
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput], finished_only: bool) -> None:
+        """One step, its outputs appended to ``outputs`` as they are built (so a failure keeps them)."""
         # Logits processors read each row's output list, complete only when steps run one at a time.
         overlap = self.config.async_scheduling and not self._history_readers and not self.config.logits_processors
-        outputs: list[RequestOutput] = []
         if self._in_flight is not None and not overlap:
-            outputs += self._read_back(self._take_in_flight(), finished_only)
+            self._read_back(self._take_in_flight(), finished_only, outputs)
         plan = self.scheduler.schedule()
         if self.adapters is not None:
             plan = self._place_adapters(plan, outputs)
@@ -202,30 +220,43 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         if plan.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished() and not outputs:
                 raise RuntimeError("the scheduler could not place any request; the KV cache is too small")
-            return outputs
-        previous = self._take_in_flight()
-        try:
-            self._in_flight = None if plan.is_empty else self._launch(plan)
-        except BaseException:
-            self._in_flight = previous  # its ids are still to be read back by the next step
-            raise
+            return
+        previous = self._take_in_flight()  # read back once the next step is launched (dropped if that fails: _recover)
+        self._in_flight = None if plan.is_empty else self._launch(plan)
         if previous is not None and self._in_flight is not None:
             self.stats.num_overlapped_steps += 1
         if previous is not None:
-            outputs += self._read_back(previous, finished_only)
+            self._read_back(previous, finished_only, outputs)
         if self._in_flight is not None and self._in_flight.pending_draw is not None:
             self._in_flight.pending_draw()  # its grammar masks need the tokens just read back
         if not overlap and self._in_flight is not None:
-            outputs += self._read_back(self._take_in_flight(), finished_only)
+            self._read_back(self._take_in_flight(), finished_only, outputs)
         if self.metrics is not None:
             self.metrics.engine_state(len(self.scheduler.running), len(self.scheduler.waiting),
                                       self.kv.num_usable_blocks - self.kv.num_free_blocks, self.kv.num_usable_blocks)
-        return outputs
+
+    def _recover(self) -> None:
+        """Put the books back in order after a step raised midway, so that the requests left (another
+        call's, enqueued ones, open iterators') run on as they would have. Where the step stopped is
+        unknown: it may have launched a plan, half read a step back, or left a draw pending. So the
+        step in flight is dropped and every sequence is computed again from the tokens the host
+        holds (`Scheduler.recover`). A request whose sequences all finished in the failed step gets
+        its last output, kept for the next step; one whose output cannot be built is dropped with a
+        logged error, not left in the engine, where nothing would ever finish it."""
+        self._in_flight = None
+        self.scheduler.recover()
+        now = time.monotonic()
+        for request in [r for r in self.requests.values() if r.is_finished]:
+            try:
+                self._undelivered.append(self._finish(request, now))
+            except Exception:  # noqa: BLE001  (the step's own error is the one raised)
+                logger.exception("request %s finished, but its output could not be built; it is dropped", request.request_id)
+                self.abort_request(request.request_id)
 
     def _settle(self) -> None:
         """Read back the step still in flight (its requests are all finished or aborted)."""
         if self._in_flight is not None:
-            self._read_back(self._take_in_flight(), finished_only=True)
+            self._read_back(self._take_in_flight(), finished_only=True, outputs=[])
 
     def _take_in_flight(self) -> StepResult[Sequence] | None:
         result, self._in_flight = self._in_flight, None
@@ -278,8 +309,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         self.scheduler.update_after_launch(plan)
         return result
 
-    def _read_back(self, result: StepResult[Sequence], finished_only: bool) -> list[RequestOutput]:
-        """Wait for a launched step's ids, append them, apply stop conditions, build outputs."""
+    def _read_back(self, result: StepResult[Sequence], finished_only: bool, outputs: list[RequestOutput]) -> None:
+        """Wait for a launched step's ids, append them, apply stop conditions, add outputs to ``outputs``."""
         if result.pending_draw is not None:  # step() draws it after reading the step before; if that raised
             result.pending_draw()
         result.wait()
@@ -290,20 +321,19 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         now = time.monotonic()
         if self.metrics is not None:
             self.metrics.tokens_read([result.sampled[row].seq for row in rows], now)
-        outputs = []
         for request in dict.fromkeys(result.sampled[row].seq.request for row in rows):
             if request.is_finished:
                 outputs.append(self._finish(request, now))
             elif not (finished_only or request.params.output_kind is RequestOutputKind.FINAL_ONLY):
                 outputs.append(self.output_processor.request_output(request))
-        return outputs
 
     def _finish(self, request: Request, now: float) -> RequestOutput:
-        """A finished request leaves the engine: its last output."""
+        """A finished request leaves the engine: its last output (built first: if that fails, the
+        request is still there for `_recover`)."""
         request.finished_time = now
+        output = self.output_processor.request_output(request)
         del self.requests[request.request_id]
         self._history_readers.discard(request.request_id)
-        output = self.output_processor.request_output(request)
         if self.metrics is not None:
             self.metrics.request_finished(request, output, now)
         request.release()  # its last output is built: break Request <-> Sequence (Request.release)

@@ -133,6 +133,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
         self._finished_seq_ids: set[int] = set()
+        # The last plan's finished_seq_ids until it is launched: a step failing before the runner
+        # released them reports them again (recover).
+        self._unlaunched_finished: set[int] = set()
 
     def add(self, request: Request) -> None:
         self.waiting.extend(request.sequences)
@@ -184,6 +187,7 @@ class Scheduler:
             preempted += 1
             budget = self._admit_waiting(scheduled, budget, copies)
         finished, self._finished_seq_ids = self._finished_seq_ids, set()
+        self._unlaunched_finished = finished
         # A copy stays marked on its sequence until the plan is launched (update_after_launch); a plan
         # the engine drops gives its copies up (undo_copies).
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished, block_copies=copies)
@@ -207,6 +211,7 @@ class Scheduler:
         count as computed, newly full blocks join the prefix cache, and each sampled token is in
         flight until `update_from_output` reads it."""
         block_size = self.kv.block_size
+        self._unlaunched_finished = set()
         if plan.block_copies:  # carried out before this plan's forward
             for item in plan.scheduled:
                 item.seq.copy_pending = None
@@ -269,6 +274,26 @@ class Scheduler:
         """Preempt every running sequence (they free their blocks and are recomputed later, in order)."""
         while self.running:
             self._preempt(self.running.pop())
+
+    def recover(self) -> None:
+        """After a step that failed midway (`LLMEngine.step`): whatever the step did to a sequence's
+        books (tokens counted as computed or in flight, a block copy planned, a beam's report), each
+        is computed again from the tokens the host holds. Every running sequence is preempted, none
+        has a token in flight any more, and beam groups forget their reports (their beams report
+        again). The device sampling state of every waiting sequence, and that of the last plan's
+        finished sequences if it never ran, is released; a sequence's is built again when it next samples."""
+        self.preempt_all()
+        self._finished_seq_ids |= self._unlaunched_finished
+        searches: dict[Request, None] = {}
+        for seq in self.waiting:
+            seq.num_inflight = 0
+            seq.copy_pending = None
+            self._finished_seq_ids.add(seq.seq_id)
+            if seq.request.beam is not None:
+                searches[seq.request] = None
+        for request in searches:
+            assert request.beam is not None
+            request.beam.forget_reports(request.sequences)
 
     def abort(self, request: Request, reason: str = "abort") -> None:
         """Finish every unfinished sequence of the request with ``reason`` ("abort", or "error": the
