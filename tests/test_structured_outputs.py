@@ -129,6 +129,20 @@ def test_a_constraint_that_does_not_compile_names_its_request_and_the_reason(tin
     assert tiny.generate(["fine"], good, use_tqdm=False)[0].outputs[0].token_ids  # the engine is unharmed
 
 
+@pytest.mark.parametrize("constraint, reason", [
+    (dict(json="{not json"), r"json does not compile: Failed to parse JSON"),
+    (dict(structural_tag="nonsense"), r"structural_tag does not compile: it is not JSON \(Expecting value"),
+    (dict(structural_tag='{"structures": [{"begin": "<a>"}], "triggers": ["<a"]}'),
+     r"structural_tag does not compile: the older form is \{\"structures\": \[\{\"begin\": \.\.\., \"schema\""),
+], ids=["json-string", "tag-not-json", "older-tag-without-schema"])
+def test_refusals_say_what_is_wrong_with_the_constraint(tiny, constraint, reason):
+    """Not a bare KeyError's "'schema'", nor xgrammar's internal "Check failed: (...) is false"."""
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=rf"prompts\[0\]: structured_outputs\.{reason}") as raised:
+        tiny.generate(["x"], bad, use_tqdm=False)
+    assert "Check failed" not in str(raised.value)
+
+
 def test_a_dict_from_a_batch_row_becomes_structured_outputs_params():
     params = SamplingParams.from_optional(structured_outputs={"choice": ["a", "b"]})
     assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])

@@ -144,11 +144,20 @@ class GrammarCache:
             raise ValueError(f"structured_outputs.{kind} does not compile: {_reason(exc)}") from exc
 
     def _compile_structural_tag(self, spec: str) -> Any:
-        tag = json.loads(spec)
+        try:
+            tag = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"it is not JSON ({exc}): give xgrammar's format as a JSON string") from exc
         if isinstance(tag, dict) and "structures" in tag:  # vLLM's older form: xgrammar's tag items and triggers
+            structures, triggers = tag["structures"], tag.get("triggers")
+            # Checked here: a missing key would otherwise surface as a bare KeyError's "'schema'".
+            if not (isinstance(structures, list) and isinstance(triggers, list)
+                    and all(isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys() for s in structures)):
+                raise ValueError('the older form is {"structures": [{"begin": ..., "schema": ..., "end": ...}, ...], '
+                                 f'"triggers": [...]}}; got {spec:.200}')
             items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in tag["structures"]]
-            return self._compiler.compile_structural_tag(items, tag["triggers"])
+                     for s in structures]
+            return self._compiler.compile_structural_tag(items, triggers)
         return self._compiler.compile_structural_tag(spec)
 
     def bitmask(self, matchers: list[Any], out: Any = None) -> Any:
@@ -199,5 +208,8 @@ def matcher_threads() -> int:
 
 
 def _reason(exc: Exception) -> str:
-    """xgrammar's message without the C++ log prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+    """xgrammar's message without the C++ log prefix ("[12:00:00] /project/cpp/x.cc:94: ") and the
+    failed internal check before it ("Check failed: (error.empty()) is false: "), which say nothing
+    about the constraint."""
+    message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", message)
