@@ -134,7 +134,7 @@ class Intake:
         vocab = self.config.vocab_size
         # vLLM bounds allowed_token_ids by the tokenizer: a model's ids past it (an lm_head padded to a
         # round size) have no text, and allowing only those would generate nothing but them.
-        allowed = min(vocab, len(self.tokenizer)) if self.tokenizer is not None else vocab
+        allowed = min(vocab, len(self.tokenizer)) if params.allowed_token_ids and self.tokenizer is not None else vocab
         for name, ids, limit in (("logit_bias", list(params.logit_bias or {}), vocab),
                                  ("allowed_token_ids", params.allowed_token_ids or [], allowed),
                                  ("logprob_token_ids", params.logprob_token_ids or [], vocab)):
