@@ -34,3 +34,99 @@ def test_flexible_argument_parser_and_print_embeddings(capsys):
     print_embeddings([1.0], prefix="Reward")
     assert capsys.readouterr().out.splitlines()[-2:] == ["Embeddings: [0.5, 0.25, 0.125, 1.0, ...] (size=5)",
                                                          "Reward: [1.0] (size=1)"]
+
+
+# --- logits processors: examples/features/logits_processor/{custom,custom_req,custom_req_init}.py ----------
+# @41c5903d (custom_req_init.py @2be24dcd): requests 0 and 2 name a target_token in extra_args,
+# the processor masks every other token of their rows; requests 1 and 3 are left alone.
+
+PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is",
+           "The future of AI is"]
+
+
+def _target_token_outputs(model_dir, processor) -> list[list[int]]:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), logits_processors=[processor], **ENGINE)
+    params = [SamplingParams(temperature=0.0, extra_args={"target_token": 128}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, extra_args={"target_token": 67}), SamplingParams(temperature=0.0)]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert [got[1], got[3]] == [list(plain[i].outputs[0].token_ids) for i in (1, 3)]
+    return got
+
+
+def _per_request_processor():
+    import torch
+
+    class DummyPerReqLogitsProcessor:
+        def __init__(self, target_token: int) -> None:
+            self.target_token = target_token
+
+        def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            val_to_keep = logits[self.target_token].item()
+            logits[:] = float("-inf")
+            logits[self.target_token] = val_to_keep
+            return logits
+
+    return DummyPerReqLogitsProcessor
+
+
+def test_custom_logits_processor_example(tiny_llama_dir):
+    import torch
+
+    from tokenmill.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
+
+    class DummyLogitsProcessor(LogitsProcessor):
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+            self.req_info: dict[int, int] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None):
+            process_dict_updates(self.req_info, batch_update,
+                                 lambda params, _, __: params.extra_args and params.extra_args.get("target_token"))
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.req_info:
+                return logits
+            cols = torch.tensor(list(self.req_info.values()), dtype=torch.long, device=logits.device)
+            rows = torch.tensor(list(self.req_info.keys()), dtype=torch.long, device=logits.device)
+            values_to_keep = logits[rows, cols].clone()
+            logits[rows] = float("-inf")
+            logits[rows, cols] = values_to_keep
+            return logits
+
+    got = _target_token_outputs(tiny_llama_dir, DummyLogitsProcessor)
+    assert got[0] == [128] * 16 and got[2] == [67] * 16
+
+
+def test_custom_req_logits_processor_examples(tiny_llama_dir):
+    """custom_req.py, then custom_req_init.py, whose wrapper applies on CUDA devices only (here: never)."""
+    from tokenmill.logits_processor import AdapterLogitsProcessor, RequestLogitsProcessor
+
+    per_request = _per_request_processor()
+    optional = RequestLogitsProcessor | None  # the examples' return annotation, evaluated at class definition
+
+    class WrappedPerReqLogitsProcessor(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params) -> optional:
+            target_token = params.extra_args and params.extra_args.get("target_token")
+            return None if target_token is None else per_request(target_token)
+
+    class CudaOnlyPerReqLogitsProcessor(WrappedPerReqLogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory: bool):
+            super().__init__(vllm_config, device, is_pin_memory)
+            self.is_cuda = device.type == "cuda"
+
+        def new_req_logits_processor(self, params) -> optional:
+            return super().new_req_logits_processor(params) if self.is_cuda else None
+
+    got = _target_token_outputs(tiny_llama_dir, WrappedPerReqLogitsProcessor)
+    assert got[0] == [128] * 16 and got[2] == [67] * 16
+    got = _target_token_outputs(tiny_llama_dir, CudaOnlyPerReqLogitsProcessor)
+    assert len(set(got[0])) > 1 and len(set(got[2])) > 1  # on the CPU the wrapper leaves every row alone

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +41,13 @@ class MoveDirectionality(enum.Enum):
 # (row, its SamplingParams, prompt ids, the live list of output ids)
 AddedRequest = tuple[int, "SamplingParams", "list[int] | None", "list[int]"]
 MovedRequest = tuple[int, int, MoveDirectionality]
+# vLLM's name for what AdapterLogitsProcessor.new_req_logits_processor returns: a per-request
+# processor fn(output_ids, row) or fn(prompt_ids, output_ids, row). Scripts annotate with it
+# (``-> RequestLogitsProcessor | None``, evaluated when the class is defined), so it is a real alias.
+RequestLogitsProcessor = Union[
+    Callable[[list[int], "torch.Tensor"], "torch.Tensor"],
+    Callable[[list[int], list[int], "torch.Tensor"], "torch.Tensor"],
+]
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class AdapterLogitsProcessor(LogitsProcessor):
         self.req_info: dict[int, Callable[["torch.Tensor"], "torch.Tensor"]] = {}
 
     @abstractmethod
-    def new_req_logits_processor(self, params: "SamplingParams") -> Callable[..., "torch.Tensor"] | None:
+    def new_req_logits_processor(self, params: "SamplingParams") -> RequestLogitsProcessor | None:
         """The request's processor, or None to leave its rows alone."""
 
     def _new_state(self, params: "SamplingParams", prompt_ids: "list[int] | None", output_ids: "list[int]"):
