@@ -52,6 +52,14 @@ def test_json_schema_outputs_validate_on_a_random_model(tiny, schema):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_an_objects_properties_come_in_the_schemas_order(tiny):
+    """As in vLLM (xgrammar given the schema as written): here the order is not alphabetical."""
+    schema = {"type": "object", "properties": {"model": {"type": "boolean"}, "car_type": {"enum": ["SUV", "Truck"]},
+                                               "brand": {"type": "integer"}}, "required": ["model", "car_type", "brand"]}
+    for out in constrained(tiny, ["a", "b c"], StructuredOutputsParams(json=schema), n=2):
+        assert list(json.loads(out.text)) == ["model", "car_type", "brand"], out.text
+
+
 def test_regex_and_choice_outputs_match_on_a_random_model(tiny):
     pattern = r"[A-Z][a-z]{2,5}-\d{3}"
     for out in constrained(tiny, ["x", "yy"], StructuredOutputsParams(regex=pattern), n=4):

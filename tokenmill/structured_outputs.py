@@ -68,7 +68,9 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar."""
         if self.json is not None:
-            return ("json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True))
+            # The schema as written: xgrammar emits an object's properties in the schema's order, so
+            # the order is part of the constraint (vLLM hands xgrammar json.dumps of it too).
+            return ("json", self.json if isinstance(self.json, str) else json.dumps(self.json))
         if self.regex is not None:
             return ("regex", self.regex)
         if self.choice is not None:
