@@ -105,6 +105,12 @@ def test_row_sampling_params_made_once_per_distinct_values():
     for _ in range(2):
         with pytest.raises(RowError, match="temperature"):
             row_sampling_params(base, {"temperature": -1}, 0, 0, made=made)
+    # A schema's property order is part of the constraint (xgrammar follows it): no sharing across orders.
+    orders = (["x", "y"], ["y", "x"])
+    schemas = [{"structured_outputs": {"json": {"type": "object", "properties": {k: {"type": "integer"} for k in order}}}}
+               for order in orders]
+    got = [row_sampling_params(base, schema, 1, 11, made=made).structured_outputs.json for schema in schemas]
+    assert [list(g["properties"]) for g in got] == list(orders)
 
 
 def test_row_sampling_params():

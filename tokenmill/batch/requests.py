@@ -311,8 +311,8 @@ _PARAMS_KEPT = 1024  # distinct rows' values kept by row_sampling_params's ``mad
 
 
 def _values_key(values: dict[str, Any]) -> str | None:
-    try:
-        return json.dumps(values, sort_keys=True)
+    try:  # keys in their order: a JSON schema's property order is part of its constraint
+        return json.dumps(values)
     except (TypeError, ValueError):  # not JSON (a Parquet cell's own types): built every time
         return None
 
