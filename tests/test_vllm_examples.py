@@ -130,3 +130,23 @@ def test_custom_req_logits_processor_examples(tiny_llama_dir):
     assert got[0] == [128] * 16 and got[2] == [67] * 16
     got = _target_token_outputs(tiny_llama_dir, CudaOnlyPerReqLogitsProcessor)
     assert len(set(got[0])) > 1 and len(set(got[2])) > 1  # on the CPU the wrapper leaves every row alone
+
+
+def test_reproducibility_example(tiny_llama_dir):
+    """examples/features/batch_invariance/reproducibility_offline.py @93e5a576: sampled outputs are the
+    same on every run, and so is the script's own random.randint after the LLM is made (vLLM seeds
+    the global generators with the engine's seed, 0 by default)."""
+    import random
+
+    import numpy
+
+    from tokenmill import LLM, SamplingParams
+
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(tiny_llama_dir), **{k: v for k, v in ENGINE.items() if k != "seed"})
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)
+        runs.append(([o.outputs[0].text for o in outputs], random.randint(0, 100), float(numpy.random.rand())))
+    random.seed(0)
+    numpy.random.seed(0)
+    assert runs[0] == runs[1] and runs[0][1:] == (random.randint(0, 100), float(numpy.random.rand()))

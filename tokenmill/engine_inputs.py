@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 
 def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSource", Any]:
     """The model (with ``hf_overrides`` applied), the engine's settings and the tokenizer (None with
-    skip_tokenizer_init); seeds torch's generator with ``args.seed``."""
-    import torch
+    skip_tokenizer_init); seeds Python's, numpy's and torch's global generators with ``args.seed``."""
 
     from tokenmill.config import resolve_config
     from tokenmill.models.source import apply_hf_overrides, resolve_model
@@ -37,8 +36,21 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
         config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids | {eos}, primary_eos_token_id=eos)
     if from_tokens is not None:
         source.hf_config.classifier_token_ids = classifier_token_ids(from_tokens[0], tokenizer)
-    torch.manual_seed(args.seed)
+    seed_global_generators(args.seed)
     return config, source, tokenizer
+
+
+def seed_global_generators(seed: int) -> None:
+    """As vLLM's workers do when they start (vLLM's reproducibility example relies on it): the
+    caller's ``random`` and numpy draws after ``LLM(seed=s)`` are the same on every run."""
+    import random
+
+    import numpy
+    import torch
+
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)  # numpy takes 32-bit seeds only; every int seed stays usable
+    torch.manual_seed(seed)
 
 
 def load_tokenizer(source: "ModelSource", args: "EngineArgs") -> Any:
