@@ -150,3 +150,23 @@ def test_reproducibility_example(tiny_llama_dir):
     random.seed(0)
     numpy.random.seed(0)
     assert runs[0] == runs[1] and runs[0][1:] == (random.randint(0, 100), float(numpy.random.rand()))
+
+
+def test_skip_loading_weights_in_engine_init_example(tiny_llama_dir):
+    """examples/offline_inference/skip_loading_weights_in_engine_init.py @0313ba1f (tensor_parallel_size
+    4 -> 1): start on dummy weights, switch the load format, reload the real ones in place."""
+    from tokenmill import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    real = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), **ENGINE).generate(PROMPTS, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama_dir), load_format="dummy", enforce_eager=True, tensor_parallel_size=1, **ENGINE)
+    dummy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
+    llm.collective_rpc("reload_weights")
+    after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert after == real != dummy
+    for overrides, named in [({"model_config": {"max_model_len": 8}}, "model_config"),
+                             ({"load_config": {"download_dir": "/x"}}, "download_dir"),
+                             ({"load_config": {"load_format": "sharded_state"}}, "'sharded_state' is invalid")]:
+        with pytest.raises(ValueError, match=named):
+            llm.collective_rpc("update_config", args=(overrides,))

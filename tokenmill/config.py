@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tokenmill.quantization.config import QuantizationConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
-_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's spellings. fp8 stores keys and values as float8 e4m3 (saturating at +-448, scale 1, as
@@ -174,7 +174,7 @@ class EngineArgs(_VllmOnlyArguments):
 
     def validate(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
-        _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, f"one of {_LOAD_FORMATS}")
+        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         _check(self.scheduling_policy in _SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
                f"one of {_SCHEDULING_POLICIES}")
         _check(self.logprobs_mode in _LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, f"one of {_LOGPROBS_MODES}")

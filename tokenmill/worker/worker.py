@@ -175,6 +175,23 @@ class Worker:
         if woke and not self.asleep:
             self._capture_graphs()
 
+    def update_config(self, overrides: dict[str, Any]) -> None:
+        """vLLM's way to change how the next ``reload_weights`` reads the checkpoint, e.g. after a start
+        with ``load_format="dummy"``: ``collective_rpc("update_config", args=({"load_config":
+        {"load_format": "auto"}},))``. The load format is the only setting that can change after start-up."""
+        from tokenmill.config import LOAD_FORMATS
+
+        allowed = "{'load_config': {'load_format': ...}}"
+        if not isinstance(overrides, dict) or set(overrides) - {"load_config"}:
+            raise ValueError(f"update_config({overrides!r}) is not supported: only {allowed} can change after start-up")
+        load = overrides.get("load_config", {})
+        if not isinstance(load, dict) or set(load) - {"load_format"}:
+            raise ValueError(f"update_config: load_config={load!r} is not supported: only its load_format can change")
+        load_format = load.get("load_format", self.load_format)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"update_config: load_format={load_format!r} is invalid: must be one of {LOAD_FORMATS}")
+        self.load_format = load_format
+
     def reload_weights(self) -> None:
         """Read the checkpoint into the model again (after a level-2 sleep and wake_up(["weights"]))."""
         from tokenmill.models.loader import fill_weights, weights_format
