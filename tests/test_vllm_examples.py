@@ -170,3 +170,78 @@ def test_skip_loading_weights_in_engine_init_example(tiny_llama_dir):
                              ({"load_config": {"load_format": "sharded_state"}}, "'sharded_state' is invalid")]:
         with pytest.raises(ValueError, match=named):
             llm.collective_rpc("update_config", args=(overrides,))
+
+
+# --- rerankers: examples/pooling/score/qwen3_reranker_offline.py @06d0369d -------------------------------
+# The original Qwen3-Reranker (a causal LM) served as a classifier from its "no" / "yes" logits, scoring
+# query-document pairs rendered by a score template (the example's template/qwen3_reranker.jinja, here an
+# equivalent shorter one: the pair is given to it as messages of roles "query" and "document").
+
+SCORE_TEMPLATE = (
+    "<|im_start|>user\n<Query>: {{ messages | selectattr('role', 'eq', 'query') | map(attribute='content') | first }}\n"
+    "<Document>: {{ messages | selectattr('role', 'eq', 'document') | map(attribute='content') | first }}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker_dir(tmp_path_factory):
+    """A tiny Qwen3 causal LM whose vocabulary has the tokens "no" and "yes" (as Qwen3's has)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from support.tiny_models import build_tiny_tokenizer, randomize_weights, tiny_config_kwargs
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens(["no", "yes"])
+    config = Qwen3Config(**tiny_config_kwargs(vocab_size=len(tokenizer), tie_word_embeddings=True, head_dim=32),
+                         architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(21)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_weights(model, 21)
+    out = tmp_path_factory.mktemp("reranker") / "qwen3_reranker"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _yes_probability(model_dir, ids: list[int]) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    no_yes = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(["no", "yes"])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits
+    return float(logits[0, -1, no_yes].softmax(-1)[1])
+
+
+def test_qwen3_reranker_example_with_its_score_template(tiny_reranker_dir):
+    from tokenmill import LLM
+
+    llm = LLM(model=str(tiny_reranker_dir), runner="pooling", hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True}, **ENGINE)
+    queries = ["What is the capital of China?", "Explain gravity"]
+    documents = ["The capital of China is Beijing.", "Gravity is a force that attracts two bodies towards each other."]
+    outputs = llm.score(queries, documents, chat_template=SCORE_TEMPLATE, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for query, document, output in zip(queries, documents, outputs):
+        # (Jinja drops a template's one trailing newline, in vLLM as here.)
+        rendered = f"<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant"
+        assert output.prompt_token_ids == tokenizer(rendered)["input_ids"]
+        assert output.outputs.score == pytest.approx(_yes_probability(tiny_reranker_dir, output.prompt_token_ids), abs=1e-5)
+    # Without a template vLLM reads such a model's pair as one text, query + document (use_sep_token off).
+    plain = llm.score(queries[0], documents[0], use_tqdm=False)[0]
+    assert plain.prompt_token_ids == tokenizer(queries[0] + documents[0])["input_ids"]
+
+
+def test_score_templates_apply_to_cross_encoders_only(minilm_dir, tiny_reranker_dir):
+    from tokenmill import LLM
+
+    with pytest.raises(ValueError, match="applies to cross-encoders"):
+        LLM(str(minilm_dir), **ENGINE).score("a", "b", chat_template=SCORE_TEMPLATE, use_tqdm=False)
+    llm = LLM(str(tiny_reranker_dir), runner="pooling", hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+        "method": "from_2_way_softmax"}, **ENGINE)
+    with pytest.raises(ValueError, match="does not render the pair"):
+        llm.score("a", "b", chat_template="{{ messages[5]['content'] }}", use_tqdm=False)

@@ -216,18 +216,28 @@ class PoolingEngine:
                 del self.requests[request.request_id]
 
     def pair_prompt(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None,
-                    tokenizer_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A cross-encoder's input for a text pair: the tokenizer joins the two as a pair
-        ([CLS] a [SEP] b [SEP] for BERT, with segment ids), cutting the longer first when truncating."""
+                    tokenizer_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> dict[str, Any]:
+        """A cross-encoder's input for a text pair, built as vLLM builds it. The tokenizer joins the two
+        as a pair ([CLS] a [SEP] b [SEP] for BERT, with segment ids), cutting the longer first when
+        truncating; a causal LM scoring from tokens' logits (``classifier_from_token``) reads them as
+        one text, ``a + b`` (vLLM's ``use_sep_token``: off for those, on for the rest; hf_overrides may
+        set it). A score template (``chat_template``) renders the pair as two messages, roles "query"
+        and "document", and the rendered text is tokenized as one."""
         if self.tokenizer is None:
             raise ValueError("scoring text pairs needs the tokenizer, but it was not loaded (skip_tokenizer_init=True)")
         for name, text in (("text_1", text_1), ("text_2", text_2)):
             if not isinstance(text, str):
                 raise TypeError(f"a cross-encoder scores text pairs; {name} is a {type(text).__name__}")
         keep = self.config.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        hf_config = self.source.hf_config
+        if chat_template is not None:
+            texts: tuple[str, ...] = (render_score_template(self.tokenizer, chat_template, text_1, text_2),)
+        elif not getattr(hf_config, "use_sep_token", getattr(hf_config, "classifier_token_ids", None) is None):
+            texts = (text_1 + text_2,)
+        else:
+            texts = (text_1, text_2)
         try:
-            encoded = self.tokenizer(text_1, text_2, **{"truncation": keep is not None, "max_length": keep,
-                                                         **(tokenizer_kwargs or {})})
+            encoded = self.tokenizer(*texts, **{"truncation": keep is not None, "max_length": keep, **(tokenizer_kwargs or {})})
         except TypeError as exc:
             raise ValueError(f"tokenization_kwargs={tokenizer_kwargs!r} are not tokenizer arguments: {exc}") from exc
         prompt: dict[str, Any] = {"prompt_token_ids": list(encoded["input_ids"]), "prompt": text_1}
@@ -331,3 +341,14 @@ def refuse_lora(lora_request: Any) -> None:
     if lora_request is not None:
         raise ValueError(f"lora_request={lora_request!r} is not supported for pooling models: tokenmill applies "
                          "LoRA adapters to generation only; leave it None")
+
+
+def render_score_template(tokenizer: Any, chat_template: str, query: str, document: str) -> str:
+    """vLLM's score template: a Jinja chat template given the pair as messages of roles "query" and
+    "document" (no generation prompt added; the template writes whatever the model expects)."""
+    messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+    except Exception as exc:  # jinja2's errors and transformers' ValueErrors: the user needs the reason
+        raise ValueError(f"score chat_template does not render the pair (roles 'query', 'document'): "
+                         f"{type(exc).__name__}: {exc}") from exc

@@ -142,16 +142,16 @@ class PoolingMethods:
         pairwise (N-to-N, equal lengths).
 
         A cross-encoder (a classifier with one label) reads each pair as one input, text_1 and
-        text_2 joined by the tokenizer as a pair; an embedding model embeds both texts and scores
-        their cosine similarity. ``pooling_params.extra_kwargs`` may hold vLLM's
-        ``max_tokens_per_query`` / ``max_tokens_per_doc`` (data_1's / data_2's texts cut to that many
-        tokens, special tokens not counted). ``chat_template`` (vLLM's score templates) must be None.
+        text_2 joined as vLLM joins them, or rendered by ``chat_template``, a score template
+        (PoolingEngine.pair_prompt); an embedding model embeds both texts and scores their cosine
+        similarity. ``pooling_params.extra_kwargs`` may hold vLLM's ``max_tokens_per_query`` /
+        ``max_tokens_per_doc`` (data_1's / data_2's texts cut to that many tokens, special tokens not counted).
         """
         engine = self._pooling_engine("score")
         refuse_lora(lora_request)
-        if chat_template is not None:
-            raise ValueError("score(chat_template=...) is not supported: tokenmill joins a cross-encoder's texts as "
-                             "the tokenizer's text pair, with no score template; leave chat_template None")
+        if chat_template is not None and engine.pooling.head == "embed":
+            raise ValueError("score(chat_template=...) applies to cross-encoders: an embedding model scores the cosine "
+                             "of each text's own embedding (vLLM ignores the template there); leave chat_template None")
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         for name, items in (("data_1", first), ("data_2", second)):
@@ -175,7 +175,7 @@ class PoolingMethods:
             return self._embedding_scores(first, second, pooling_params, truncate_prompt_tokens, use_tqdm,
                                           tokenization_kwargs)
         return self._cross_encoder_scores(engine, first, second, pooling_params, truncate_prompt_tokens, use_tqdm,
-                                          tokenization_kwargs)
+                                          tokenization_kwargs, chat_template)
 
     # ---- internals ------------------------------------------------------------------------
     def _embedding_scores(self, first: list, second: list, params: PoolingParams | None,
@@ -191,7 +191,8 @@ class PoolingMethods:
 
     def _cross_encoder_scores(self, engine: "PoolingEngine", first: list, second: list, params: PoolingParams | None,
                               truncate_prompt_tokens: int | None, use_tqdm: ProgressOption,
-                              tokenization_kwargs: dict[str, Any] | None) -> list[ScoringRequestOutput]:
+                              tokenization_kwargs: dict[str, Any] | None,
+                              chat_template: str | None) -> list[ScoringRequestOutput]:
         if "score" not in engine.pooling.tasks:
             raise ValueError(engine.unsupported("score"))
         if params is not None and params.task == "classify":  # vLLM 0.26's name of a cross-encoder's task
@@ -202,7 +203,7 @@ class PoolingMethods:
         params = _params_per_prompt(params, 1, truncate_prompt_tokens, "score")[0]
         if len(first) == 1:
             first = first * len(second)
-        prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens, tokenizer_kwargs)
+        prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens, tokenizer_kwargs, chat_template)
                    for a, b in zip(first, second)]
         outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
         return [ScoringRequestOutput.from_base(o) for o in outputs]
