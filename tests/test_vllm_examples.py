@@ -4,44 +4,101 @@ Each test makes the calls one of vLLM's example scripts makes (the path is in it
 read from vllm-project/vllm at the commit named there; the scripts are Apache-2.0) with only the
 substitutions a vLLM user makes: the import (``vllm`` -> ``tokenmill``, the paths of
 docs/from-vllm.md), the model (a tiny one from tests/conftest.py), and GPU-only settings. What an
-example reads back from its results is read the same way here, and checked.
+example reads back from its results is read the same way here, and checked. Where the tiny model
+forces a change (its 256 positions, its random answers), a comment says so. The pooling examples are
+in tests/test_vllm_pooling_examples.py.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 ENGINE = dict(dtype="float32", device="cpu", seed=0)
+PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is",
+           "The future of AI is"]  # the examples' prompts
 
 
-def test_flexible_argument_parser_and_print_embeddings(capsys):
-    """examples/basic/offline_inference/*.py @41c5903d: the argument parser every example builds,
-    an option the script adds taken with underscores as with dashes, and the embeddings printout."""
+def _example_args(*argv: str, defaults: dict | None = None, sampling: bool = False) -> dict:
+    """The examples' command line: EngineArgs' options (+ the sampling ones generate.py / chat.py add)."""
     from tokenmill import EngineArgs
     from tokenmill.utils.argparse_utils import FlexibleArgumentParser
-    from tokenmill.utils.print_utils import print_embeddings
 
     parser = FlexibleArgumentParser()
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(model="m", runner="pooling", enforce_eager=True)
-    sampling = parser.add_argument_group("Sampling parameters")
-    sampling.add_argument("--max-tokens", type=int)
-    args = vars(parser.parse_args(["--max_tokens", "5", "--max_model_len=64"]))
-    assert (args["max_tokens"], args["max_model_len"], args["runner"], args["model"]) == (5, 64, "pooling", "m")
-    with pytest.raises(SystemExit):  # an unknown option stays an error, as in argparse
-        parser.parse_args(["--no_such_option", "1"])
-    print_embeddings([0.5, 0.25, 0.125, 1.0, 2.0])
-    print_embeddings([1.0], prefix="Reward")
-    assert capsys.readouterr().out.splitlines()[-2:] == ["Embeddings: [0.5, 0.25, 0.125, 1.0, ...] (size=5)",
-                                                         "Reward: [1.0] (size=1)"]
+    parser.set_defaults(**(defaults or {}))
+    if sampling:
+        group = parser.add_argument_group("Sampling parameters")
+        for name, kind in (("--max-tokens", int), ("--temperature", float), ("--top-p", float), ("--top-k", int)):
+            group.add_argument(name, type=kind)
+        parser.add_argument("--chat-template-path", type=str)
+    return vars(parser.parse_args(list(argv)))
+
+
+def test_basic_example(tiny_llama_dir):
+    """examples/basic/offline_inference/basic.py @995b9265."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir))
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95))
+    assert [output.prompt for output in outputs] == PROMPTS
+    assert all(isinstance(output.outputs[0].text, str) and len(output.outputs[0].token_ids) <= 16 for output in outputs)
+
+
+def test_generate_example(tiny_llama_dir):
+    """examples/offline_inference/basic/generate.py @10b62e38: LLM(**args) from the command line, the
+    default sampling params with the command line's values set on them."""
+    from tokenmill import LLM
+
+    args = _example_args("--model", str(tiny_llama_dir), "--max_tokens", "5", "--top-k", "3", sampling=True)
+    max_tokens, temperature, top_p, top_k = (args.pop(k) for k in ("max_tokens", "temperature", "top_p", "top_k"))
+    args.pop("chat_template_path")
+    llm = LLM(**args)
+    sampling_params = llm.get_default_sampling_params()
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if value is not None:
+            setattr(sampling_params, name, value)
+    outputs = llm.generate(PROMPTS, sampling_params)
+    assert all(len(output.outputs[0].token_ids) <= 5 for output in outputs)
+
+
+def test_chat_example(tiny_llama_dir, tmp_path):
+    """examples/basic/offline_inference/chat.py @41c5903d: one conversation, ten in one call (with a
+    progress bar), then the ten again under a chat template read from --chat-template-path."""
+    from tokenmill import LLM
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    args = _example_args("--model", str(tiny_llama_dir), "--max-tokens", "4", "--chat-template-path", str(template),
+                         sampling=True)
+    max_tokens, chat_template_path = args.pop("max_tokens"), args.pop("chat_template_path")
+    for name in ("temperature", "top_p", "top_k"):
+        args.pop(name)
+    llm = LLM(**args)
+    sampling_params = llm.get_default_sampling_params()
+    sampling_params.max_tokens = max_tokens
+    conversation = [
+        {"role": "system", "content": "You are a helpful assistant"},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hello! How can I assist you today?"},
+        {"role": "user", "content": "Write an essay about the importance of higher education."},
+    ]
+    outputs = llm.chat(conversation, sampling_params, use_tqdm=False)
+    assert len(outputs) == 1 and outputs[0].prompt.startswith("<|im_start|>system\nYou are a helpful assistant")
+    conversations = [conversation for _ in range(10)]
+    outputs = llm.chat(conversations, sampling_params, use_tqdm=True)
+    assert len(outputs) == 10
+    with open(chat_template_path) as f:
+        chat_template = f.read()
+    outputs = llm.chat(conversations, sampling_params, use_tqdm=False, chat_template=chat_template)
+    assert len(outputs) == 10 and outputs[0].prompt.startswith("[system] You are a helpful assistant")
+
 
 
 # --- logits processors: examples/features/logits_processor/{custom,custom_req,custom_req_init}.py ----------
 # @41c5903d (custom_req_init.py @2be24dcd): requests 0 and 2 name a target_token in extra_args,
 # the processor masks every other token of their rows; requests 1 and 3 are left alone.
-
-PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is",
-           "The future of AI is"]
 
 
 def _target_token_outputs(model_dir, processor) -> list[list[int]]:
@@ -172,76 +229,255 @@ def test_skip_loading_weights_in_engine_init_example(tiny_llama_dir):
             llm.collective_rpc("update_config", args=(overrides,))
 
 
-# --- rerankers: examples/pooling/score/qwen3_reranker_offline.py @06d0369d -------------------------------
-# The original Qwen3-Reranker (a causal LM) served as a classifier from its "no" / "yes" logits, scoring
-# query-document pairs rendered by a score template (the example's template/qwen3_reranker.jinja, here an
-# equivalent shorter one: the pair is given to it as messages of roles "query" and "document").
+# --- LLMEngine driven by hand: examples/offline_inference/llm_engine_example.py (vLLM's loop, the
+# form its later versions share), examples/features/reset_kv/reset_kv_offline.py @7be59d76 and
+# examples/features/lora/multilora_offline.py @10efe946.
 
-SCORE_TEMPLATE = (
-    "<|im_start|>user\n<Query>: {{ messages | selectattr('role', 'eq', 'query') | map(attribute='content') | first }}\n"
-    "<Document>: {{ messages | selectattr('role', 'eq', 'document') | map(attribute='content') | first }}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_reranker_dir(tmp_path_factory):
-    """A tiny Qwen3 causal LM whose vocabulary has the tokens "no" and "yes" (as Qwen3's has)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from support.tiny_models import build_tiny_tokenizer, randomize_weights, tiny_config_kwargs
-
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.add_tokens(["no", "yes"])
-    config = Qwen3Config(**tiny_config_kwargs(vocab_size=len(tokenizer), tie_word_embeddings=True, head_dim=32),
-                         architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(21)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_weights(model, 21)
-    out = tmp_path_factory.mktemp("reranker") / "qwen3_reranker"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+def _process_requests(engine, test_prompts: list[tuple], reset_at_step: int | None = None) -> dict[str, object]:
+    """The examples' loop: one request added per step, engine.step() until nothing is unfinished."""
+    finished, request_id, step_id = {}, 0, 0
+    while test_prompts or engine.has_unfinished_requests():
+        if test_prompts:
+            prompt, sampling_params, *lora = test_prompts.pop(0)
+            engine.add_request(str(request_id), prompt, sampling_params, **({"lora_request": lora[0]} if lora else {}))
+            request_id += 1
+        if step_id == reset_at_step:
+            engine.reset_prefix_cache(reset_running_requests=True)
+        for request_output in engine.step():
+            if request_output.finished:
+                finished[request_output.request_id] = request_output
+        step_id += 1
+    return finished
 
 
-def _yes_probability(model_dir, ids: list[int]) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    no_yes = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(["no", "yes"])
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits
-    return float(logits[0, -1, no_yes].softmax(-1)[1])
+def _cli_namespace(model: str) -> argparse.Namespace:  # what the examples' parse_args() returns
+    return argparse.Namespace(**_example_args("--model", model))
 
 
-def test_qwen3_reranker_example_with_its_score_template(tiny_reranker_dir):
+def test_llm_engine_and_reset_kv_examples(tiny_llama_dir):
+    from tokenmill import EngineArgs, LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(_cli_namespace(str(tiny_llama_dir))))
+    test_prompts = [
+        ("A robot may not injure a human being", SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1)),
+        ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2)),
+        ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1)),
+    ]
+    finished = _process_requests(engine, list(test_prompts))
+    assert sorted(finished) == ["0", "1", "2"] and len(finished["2"].outputs) == 2
+    assert finished["0"].prompt_logprobs[0] is None and len(finished["0"].outputs[0].logprobs) == len(finished["0"].outputs[0].token_ids)
+    assert "RequestOutput(request_id='0'" in str(finished["0"])  # the examples print each finished output
+
+    long = "A robot may not injure a human being " * 6  # * 50 there: 1450 tokens here, past the tiny model's 256
+    greedy = SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1, max_tokens=16)
+    test_prompts = [(long, greedy), (long, greedy),
+                    ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2, max_tokens=128)),
+                    ("What is the meaning of life?",
+                     SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1, max_tokens=128))]
+    finished = _process_requests(engine, test_prompts, reset_at_step=10)
+    assert sorted(finished) == ["0", "1", "2", "3"]
+    assert finished["0"].outputs[0].token_ids == finished["1"].outputs[0].token_ids  # greedy, same prompt
+
+
+def test_multilora_example(tiny_llama_dir, tmp_path):
+    from support.lora_adapters import save_adapter
+    from tokenmill import EngineArgs, LLMEngine, SamplingParams
+    from tokenmill.lora.request import LoRARequest
+
+    lora_path = str(save_adapter(tiny_llama_dir, tmp_path / "sql-lora", seed=5, r=8))  # snapshot_download(...) there
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), enable_lora=True, max_loras=1,
+                                                   max_lora_rank=8, max_cpu_loras=2, max_num_seqs=256))
+    sql = "[user] Write a SQL query to answer the question based on the table schema. [/user] [assistant]"
+    greedy = SamplingParams(temperature=0.0, logprobs=1, max_tokens=16)
+    test_prompts = [
+        ("A robot may not injure a human being", greedy, None),
+        ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2, max_tokens=16), None),
+        (sql, greedy, LoRARequest("sql-lora", 1, lora_path)),
+        (sql, greedy, LoRARequest("sql-lora2", 2, lora_path)),
+        (sql, greedy, None),  # not in the example: the base model on the same prompt
+    ]
+    finished = _process_requests(engine, test_prompts)
+    tokens = [finished[i].outputs[0].token_ids for i in ("2", "3", "4")]
+    assert tokens[0] == tokens[1] != tokens[2]  # both adapters are the same one; the base model differs
+    assert finished["2"].lora_request.lora_name == "sql-lora"
+
+
+def test_metrics_example(tiny_llama_dir):
+    """examples/offline_inference/metrics.py @26063889: every metric read as its vLLM class."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.metrics.reader import Counter, Gauge, Histogram, Vector
+
+    llm = LLM(model=str(tiny_llama_dir), disable_log_stats=False)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95))
+    seen = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Gauge):
+            seen[metric.name] = metric.value
+        elif isinstance(metric, Counter):
+            seen[metric.name] = metric.value
+        elif isinstance(metric, Vector):
+            seen[metric.name] = metric.values
+        elif isinstance(metric, Histogram):
+            seen[metric.name] = (metric.sum, metric.count, dict(metric.buckets.items()))
+    assert seen["vllm:generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert seen["vllm:request_prompt_tokens"][:2] == (sum(len(o.prompt_token_ids) for o in outputs), len(PROMPTS))
+
+
+def test_simple_profiling_example(tiny_llama_dir, tmp_path):
+    """examples/features/profiling/simple_profiling_offline.py @41c5903d (a trace folder of the test's)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=1,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path / "vllm_profile")})
+    llm.start_profile()
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=4))
+    llm.stop_profile()
+    assert len(outputs) == 4 and list((tmp_path / "vllm_profile").glob("*.pt.trace.json*"))
+
+
+def test_structured_outputs_example(tiny_llama_dir):
+    """examples/features/structured_outputs/structured_outputs_offline.py @030ea52e (choice, regex,
+    a pydantic model's JSON schema, a grammar); on a random model the constraint does all the work."""
+    import json
+    import re
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    class CarType(str, Enum):
+        sedan = "sedan"
+        suv = "SUV"
+        truck = "Truck"
+        coupe = "Coupe"
+
+    class CarDescription(BaseModel):
+        brand: str
+        model: str
+        car_type: CarType
+
+    grammar = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=100)
+
+    def generate_output(prompt: str, sampling_params: SamplingParams) -> str:
+        outputs = llm.generate(prompt, sampling_params=sampling_params)
+        return outputs[0].outputs[0].text
+
+    choice = generate_output("Classify this sentiment: vLLM is wonderful!",
+                             SamplingParams(structured_outputs=StructuredOutputsParams(choice=["Positive", "Negative"])))
+    assert choice in ("Positive", "Negative")
+    regex = generate_output("Generate an email address for Alan Turing, who works in Enigma.",
+                            SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n"), stop=["\n"],
+                                           max_tokens=50))
+    assert re.fullmatch(r"\w+@\w+\.com|\w*(@\w*)?", regex)  # complete, or cut at max_tokens
+    car = generate_output("Generate a JSON with the brand, model and car_type of the most iconic car from the 90's",
+                          SamplingParams(structured_outputs=StructuredOutputsParams(json=CarDescription.model_json_schema()),
+                                         max_tokens=50))
+    assert car.startswith('{"brand": ')  # the schema's first property first (and the rest in order, when complete)
+    if car.endswith("}"):
+        assert list(json.loads(car)) == ["brand", "model", "car_type"]
+    sql = generate_output("Generate an SQL query to show the 'username' and 'email' from the 'users' table.",
+                          SamplingParams(structured_outputs=StructuredOutputsParams(grammar=grammar), max_tokens=50))
+    sentences = [f"SELECT col_{a}  from table_{b}  where col_{c} = {d} " for a in "12" for b in "12" for c in "12" for d in "12"]
+    assert any(s.startswith(sql) for s in sentences) and sql  # whole, or cut at max_model_len=100 (long prompts here)
+
+
+def test_prefix_caching_example(tiny_llama_dir):
+    """examples/features/automatic_prefix_caching/prefix_caching_offline.py @2ede65f0: the same greedy
+    answers with and without the prefix cache, the second engine after cleanup_dist_env_and_memory."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.distributed import cleanup_dist_env_and_memory
+
+    prefix = "You are an expert school principal, skilled in effectively managing faculty and staff. "
+    generating_prompts = [prefix + prompt for prompt in PROMPTS]
+    sampling_params = SamplingParams(temperature=0.0)
+    regular_llm = LLM(model=str(tiny_llama_dir), enable_prefix_caching=False, gpu_memory_utilization=0.4)
+    regular = [o.outputs[0].text for o in regular_llm.generate(generating_prompts, sampling_params)]
+    del regular_llm
+    cleanup_dist_env_and_memory()
+    prefix_cached_llm = LLM(model=str(tiny_llama_dir), enable_prefix_caching=True, gpu_memory_utilization=0.4)
+    prefix_cached_llm.generate(generating_prompts[0], sampling_params)
+    outputs = prefix_cached_llm.generate(generating_prompts, sampling_params)
+    assert [o.outputs[0].text for o in outputs] == regular
+    assert all(o.num_cached_tokens > 0 for o in outputs)
+
+
+def test_sleep_mode_docs_example(tiny_llama_dir):
+    """vLLM's docs/features/sleep_mode.md, offline: sleep levels 1 and 2, waking weights and cache apart."""
+    from tokenmill import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = LLM(str(tiny_llama_dir), enable_sleep_mode=True)
+    before = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    llm.sleep(level=1)
+    llm.wake_up()
+    after_1 = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    after_2 = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in before] == [o.outputs[0].token_ids for o in after_1] \
+        == [o.outputs[0].token_ids for o in after_2]
+
+
+def test_beam_search_docs_example(tiny_llama_dir):
+    """vLLM's docs/models/generative_models.md, LLM.beam_search: the best sequence's text (prompt included)."""
+    from tokenmill import LLM
+    from tokenmill.sampling_params import BeamSearchParams
+
+    llm = LLM(model=str(tiny_llama_dir))
+    outputs = llm.beam_search([{"prompt": "Hello, my name is "}], BeamSearchParams(beam_width=5, max_tokens=50))
+    assert outputs[0].sequences[0].text.startswith("Hello, my name is ")
+    assert len(outputs[0].sequences) == 5
+
+
+def test_chat_with_tools_example(tiny_llama_dir):
+    """examples/offline_inference/chat_with_tools.py @015c74e6 with a Hugging Face folder (the example's
+    Mistral-format flags are refused by name): tools passed to chat, then the tool's answer as a
+    "tool" message with its tool_call_id. A random model writes no tool call, so the call is made here."""
+    from tokenmill import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="load_format='mistral'"):
+        LLM(model=str(tiny_llama_dir), tokenizer_mode="mistral", config_format="mistral", load_format="mistral")
+    llm = LLM(model=str(tiny_llama_dir))
+    sampling_params = SamplingParams(max_tokens=16, temperature=0.0)  # 8192 there
+    tools = [{"type": "function", "function": {
+        "name": "get_current_weather", "description": "Get the current weather in a given location",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "state": {"type": "string"},
+                                                        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "state", "unit"]}}}]
+    messages = [{"role": "user", "content": "Can you tell me what the temperate will be in Dallas, in fahrenheit?"}]
+    outputs = llm.chat(messages, sampling_params=sampling_params, tools=tools)
+    output = outputs[0].outputs[0].text.strip().removeprefix("[TOOL_CALLS]")
+    messages.append({"role": "assistant", "content": output})
+    answer = "The weather in Dallas, TX is 85 degrees fahrenheit. It is partly cloudly, with highs in the 90's."
+    messages.append({"role": "tool", "content": answer, "tool_call_id": "a1b2c3d4e"})
+    outputs = llm.chat(messages, sampling_params, tools=tools)
+    assert answer in outputs[0].prompt and isinstance(outputs[0].outputs[0].text, str)
+
+
+@pytest.mark.parametrize("make, named", [
+    # examples/features/context_extension/context_extension_offline.py @41c5903d
+    (lambda path: dict(model=path, hf_overrides={"rope_parameters": {
+        "rope_theta": 1000000, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        "max_model_len": 131072}), "rope_type='yarn' is not supported"),
+    # examples/features/sharded_state/load_sharded_state_offline.py @41c5903d
+    (lambda path: dict(model=path, load_format="sharded_state"), "load_format='sharded_state'"),
+], ids=["yarn", "sharded_state"])
+def test_examples_of_what_tokenmill_refuses(tiny_llama_dir, make, named):
+    """Refused by name, as docs/from-vllm.md says."""
     from tokenmill import LLM
 
-    llm = LLM(model=str(tiny_reranker_dir), runner="pooling", hf_overrides={
-        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-        "is_original_qwen3_reranker": True}, **ENGINE)
-    queries = ["What is the capital of China?", "Explain gravity"]
-    documents = ["The capital of China is Beijing.", "Gravity is a force that attracts two bodies towards each other."]
-    outputs = llm.score(queries, documents, chat_template=SCORE_TEMPLATE, use_tqdm=False)
-    tokenizer = llm.get_tokenizer()
-    for query, document, output in zip(queries, documents, outputs):
-        # (Jinja drops a template's one trailing newline, in vLLM as here.)
-        rendered = f"<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant"
-        assert output.prompt_token_ids == tokenizer(rendered)["input_ids"]
-        assert output.outputs.score == pytest.approx(_yes_probability(tiny_reranker_dir, output.prompt_token_ids), abs=1e-5)
-    # Without a template vLLM reads such a model's pair as one text, query + document (use_sep_token off).
-    plain = llm.score(queries[0], documents[0], use_tqdm=False)[0]
-    assert plain.prompt_token_ids == tokenizer(queries[0] + documents[0])["input_ids"]
-
-
-def test_score_templates_apply_to_cross_encoders_only(minilm_dir, tiny_reranker_dir):
-    from tokenmill import LLM
-
-    with pytest.raises(ValueError, match="applies to cross-encoders"):
-        LLM(str(minilm_dir), **ENGINE).score("a", "b", chat_template=SCORE_TEMPLATE, use_tqdm=False)
-    llm = LLM(str(tiny_reranker_dir), runner="pooling", hf_overrides={
-        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-        "method": "from_2_way_softmax"}, **ENGINE)
-    with pytest.raises(ValueError, match="does not render the pair"):
-        llm.score("a", "b", chat_template="{{ messages[5]['content'] }}", use_tqdm=False)
+    with pytest.raises(ValueError, match=named):
+        LLM(**make(str(tiny_llama_dir)))
