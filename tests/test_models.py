@@ -121,8 +121,13 @@ def test_comparison_can_fail(tiny_llama_dir: Path, hf_reference, paged_cache) ->
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
         },
+        {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8192},
+        {  # DeepSeek's form: the attention factor from mscale, its own betas, no truncation
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 4096, "mscale": 0.707,
+            "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2, "truncate": False,
+        },
     ],
-    ids=lambda r: r["rope_type"],
+    ids=lambda r: r["rope_type"] + ("-deepseek" if "mscale" in r else ""),
 )
 def test_rotary_matches_hf(rope: dict) -> None:
     from transformers import LlamaConfig
@@ -219,8 +224,37 @@ def test_rope_params_old_and_new_config_layouts() -> None:
     assert (params.rope_type, params.theta, params.extra) == ("linear", 5e5, {"factor": 2.0})
     bare = SimpleNamespace(rope_theta=1e4, rope_scaling=None, max_position_embeddings=64)
     assert rope_params_from_config(bare).rope_type == "default"
-    with pytest.raises(ValueError, match="yarn"):
-        rope_params_from_config(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
+    with pytest.raises(ValueError, match="rope_type='dynamic' is not supported"):
+        rope_params_from_config(SimpleNamespace(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+
+
+def test_a_yarn_model_runs_past_its_pretraining_length(tiny_llama_dir, tmp_path) -> None:
+    """YaRN (Qwen's way to 128K): max_model_len defaults to the pretraining length times the factor,
+    as vLLM derives it, and past the pretraining length greedy tokens and logprobs equal transformers'."""
+    import json
+    import shutil
+
+    from reference import hf_greedy, hf_model
+    from tokenmill import LLM, SamplingParams
+
+    folder = tmp_path / "llama_yarn"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)
+    llm = LLM(str(folder), **options)
+    assert llm.llm_engine.config.max_model_len == 128
+    prompt = _tokens(60, config["vocab_size"], seed=9)  # past the 32 pretrained positions from the start
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    ref_tokens, ref_logprobs = hf_greedy(hf_model(str(folder)), prompt, 30)
+    assert out.token_ids == ref_tokens
+    ours = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
+    with pytest.raises(ValueError, match=r"max_model_len=129 is larger .*\(128, as its rope scaling stretches them\)"):
+        LLM(str(folder), max_model_len=129, **options)
 
 
 def test_rmsnorm_fused_residual() -> None:

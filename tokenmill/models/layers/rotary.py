@@ -6,8 +6,8 @@ every position up to ``max_position_embeddings``. The layout is the "neox" one H
 Llama uses: the head is split in halves (x1, x2) rather than interleaved pairs.
 
 Frequencies follow transformers' ``modeling_rope_utils`` for the supported ``rope_type``s
-("default", "linear", "llama3", "longrope"), computed in fp32 the same way so results match bit
-for bit. LongRoPE (Phi-3.5, Phi-3's 128K variants) switches to its long-context factors once a
+("default", "linear", "llama3", "longrope", "yarn"), computed in fp32 the same way so results match
+bit for bit; YaRN's cos and sin carry its attention factor, as transformers applies it. LongRoPE (Phi-3.5, Phi-3's 128K variants) switches to its long-context factors once a
 forward reaches past ``original_max_position_embeddings``, which in a batch of many sequences
 would make one sequence's rotation depend on the others; tokenmill keeps the short factors and
 the engine stops at that length (`longrope_limit`), where both agree.
@@ -25,7 +25,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
         params["partial_rotary_factor"] = float(partial)
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if rope_type == "yarn":
+        _yarn_defaults(params, config)
     if rope_type == "longrope":
         original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
         if not original:
@@ -72,6 +74,26 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
         if params.get("attention_factor") is None:
             params["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeParams(rope_type=rope_type, theta=float(theta), extra=params)
+
+
+def _yarn_defaults(params: dict[str, Any], config: "PretrainedConfig") -> None:
+    """YaRN's settings as transformers completes them: the pretraining length (the config's own field
+    first), the factor (from the two lengths when absent, DeepSeek's way) and the attention factor."""
+    original = (getattr(config, "original_max_position_embeddings", None) or params.get("original_max_position_embeddings")
+                or config.max_position_embeddings)
+    params["original_max_position_embeddings"] = int(original)
+    factor = float(params.get("factor") or config.max_position_embeddings / original)
+    params["factor"] = factor
+    if params.get("attention_factor") is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            params["attention_factor"] = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            params["attention_factor"] = _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def longrope_limit(config: "PretrainedConfig") -> int | None:
@@ -126,6 +148,8 @@ def _inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
             raise ValueError(f"rope short_factor has {ext_factors.numel()} values; head_dim {head_dim} needs {inv_freq.numel()}")
         return 1.0 / (ext_factors * rope.theta**exponents)
     factor = float(_require(rope, "factor"))
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(head_dim, rope, factor)
     if rope.rope_type == "linear":
         # Position interpolation: positions are effectively divided by `factor`.
         return inv_freq / factor
@@ -142,6 +166,27 @@ def _inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inverse_frequencies(dim: int, rope: RopeParams, factor: float) -> torch.Tensor:
+    """YaRN (NTK-by-parts): the dims that turn fewer than ``beta_slow`` times over the pretraining
+    length are interpolated (frequency / factor), those turning more than ``beta_fast`` times kept,
+    and a linear ramp blends the band between."""
+    original = float(rope.extra["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns ``rotations`` times over ``original``
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.extra.get("beta_fast") or 32), correction_dim(rope.extra.get("beta_slow") or 1)
+    if rope.extra.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
+    return (1.0 / (factor * wavelengths)) * (1 - kept) + (1.0 / wavelengths) * kept
 
 
 def _require(rope: RopeParams, key: str) -> Any:
@@ -170,7 +215,7 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos of the half angles, then sin. Kept fp32 and cast at use,
         # which is what HF does with its freshly computed fp32 cos/sin.
         cos, sin = freqs.cos(), freqs.sin()
-        scaling = self.rope.extra.get("attention_factor")  # LongRoPE scales cos and sin (in fp32, as HF)
+        scaling = self.rope.extra.get("attention_factor")  # LongRoPE and YaRN scale cos and sin (in fp32, as HF)
         if scaling is not None and scaling != 1.0:
             rotating = rotary_dim(self.head_dim, self.rope) // 2  # pass-through pairs stay (1, 0)
             cos[:, :rotating] *= scaling
@@ -180,7 +225,11 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(cls, config: "PretrainedConfig", head_dim: int) -> "RotaryEmbedding":
-        return cls(head_dim, config.max_position_embeddings, rope_params_from_config(config))
+        from tokenmill.max_model_len import rope_scaled_len
+
+        # The table covers every position max_model_len allows: a rope scaling stretches the model's.
+        return cls(head_dim, max(config.max_position_embeddings, rope_scaled_len(config, config.max_position_embeddings)),
+                   rope_params_from_config(config))
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
