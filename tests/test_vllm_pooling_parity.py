@@ -225,8 +225,6 @@ def test_score_leaves_caller_params_and_checks_their_task(cross_encoder_llm):
 def test_score_refuses_what_tokenmill_lacks(cross_encoder_llm):
     with pytest.raises(ValueError, match=r"multi-modal input .* not supported .*give strings"):
         cross_encoder_llm.score({"content": [{"type": "text", "text": "a"}]}, "b", use_tqdm=False)
-    with pytest.raises(ValueError, match="chat_template.*not supported"):
-        cross_encoder_llm.score("a", "b", chat_template="{{ query }}", use_tqdm=False)
     with pytest.raises(ValueError, match="late_interaction_params.*ColBERT"):
         PoolingParams(late_interaction_params={"mode": "cache_query"})
     with pytest.raises(ValueError, match="lora_request=.* is not supported for pooling models"):
