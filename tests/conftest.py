@@ -26,6 +26,7 @@ from support.tiny_models import (
     build_tiny_tokenizer,
     randomize_weights,
     save_tiny_bert,
+    save_tiny_bert_embedder,
     save_tiny_model,
     tiny_bert_config,
     tiny_config_kwargs,
@@ -251,20 +252,7 @@ def tiny_cross_encoder_dir(tiny_models_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bert_embedder_dir(tiny_models_root: Path) -> Path:
     """A sentence-transformers folder around a BertModel: CLS pooling, no Normalize module."""
-    import json
-
-    out = save_tiny_bert(tiny_models_root, "bert_embedder", "BertModel", tiny_bert_config(), seed=13)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False,
-         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
-    return out
+    return save_tiny_bert_embedder(tiny_models_root, "bert_embedder", seed=13)
 
 
 @pytest.fixture(scope="session")

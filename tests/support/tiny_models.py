@@ -167,6 +167,24 @@ def save_tiny_bert(root: Path, name: str, model_cls_name: str, config, seed: int
     return out
 
 
+def save_tiny_bert_embedder(root: Path, name: str, seed: int) -> Path:
+    """A sentence-transformers folder around a tiny BertModel: CLS pooling, no Normalize module."""
+    import json
+
+    out = save_tiny_bert(root, name, "BertModel", tiny_bert_config(), seed=seed)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False,
+         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
+    return out
+
+
 def save_redrawn_bf16_model(folder: Path | str, config, seed: int = 0, matrix_std: float = 0.08,
                             vector_std: float = 0.3) -> str:
     """A model of ``config`` with every weight redrawn (matrices N(0, matrix_std), vectors
