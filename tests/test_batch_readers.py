@@ -97,6 +97,47 @@ def test_openai_batch_refuses_a_custom_id_an_earlier_line_has(tmp_path):
     assert all(r.error is None for r in read_rows(write(tmp_path / "rows.jsonl", ((line("a") + "\n") * 2).encode()), "jsonl"))
 
 
+def test_openai_reader_remembers_custom_ids_in_fixed_size_entries(tmp_path, monkeypatch):
+    """The reader must remember every custom_id for the whole run: as 24-byte array entries once
+    merged (a digest and the line), never the ids themselves (a dict of the ids and their "line N"
+    texts was ~200 bytes a line; bench/results/host_memory_soak.md)."""
+    import functools
+
+    import tokenmill.batch.readers as readers
+    from tokenmill.batch.first_seen import FirstSeen
+
+    monkeypatch.setattr(readers, "FirstSeen", functools.partial(FirstSeen, merge_at=64))
+    long_id = "x" * 200
+    lines = [json.dumps({"custom_id": f"{long_id}-{i}", "method": "POST", "url": "/v1/completions", "body": {}})
+             for i in range(3000)]
+    lines.append(lines[4])  # line 3001 repeats line 5's id, by now only in the arrays
+    rows = read_rows(write(tmp_path / "batch.jsonl", ("\n".join(lines) + "\n").encode()), "openai")
+    read = [next(rows) for _ in range(3000)]
+    assert all(r.error is None for r in read)
+    seen = rows.gi_frame.f_locals["first_seen"]  # the reader's memory of the ids, between two rows
+    assert isinstance(seen, FirstSeen) and len(seen) == 3000
+    assert len(seen.recent) <= 3000 // 8 and all(type(k) is bytes and len(k) == 16 for k in seen.recent)
+    assert seen.high.nbytes + seen.low.nbytes + seen.values.nbytes == 24 * (3000 - len(seen.recent))
+    repeat = next(rows)
+    assert repeat.error.startswith("line 3001: custom_id 'xxx") and "is already used by line 5;" in repeat.error
+
+
+def test_first_seen_answers_as_a_dict_across_merges():
+    """setdefault gives the value a key was first stored with, whether it is still in the dict of new
+    keys or merged into the sorted arrays (merge_at=4: many merges, buckets of every size)."""
+    import random
+
+    from tokenmill.batch.first_seen import FirstSeen
+
+    rng = random.Random(0)
+    keys = [f"id-{i}" for i in range(600)] + ["", "\ud800 lone surrogate", "é", "x" * 10_000]
+    seen, expected = FirstSeen(merge_at=4), {}
+    for value in range(5000):
+        key = rng.choice(keys)
+        assert seen.setdefault(key, value) == expected.setdefault(key, value)
+    assert len(seen) == len(expected) and seen.high is not None
+
+
 def test_csv_rows_quotes_and_errors(tmp_path):
     path = tmp_path / "in.csv"
     with open(path, "w", newline="", encoding="utf-8") as f:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.batch.first_seen import FirstSeen
+
 INPUT_FORMATS = ("auto", "jsonl", "openai", "csv", "tsv", "parquet")
 _EXTENSIONS = {
     ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
@@ -120,7 +122,7 @@ def read_rows(path: str, fmt: str) -> Iterator[RawRow]:
     if fmt == "jsonl":
         return _jsonl_rows(path)
     if fmt == "openai":
-        return _unique_custom_ids(_jsonl_rows(path))
+        return _unique_custom_ids(_numbered_jsonl_rows(path))
     if fmt in ("csv", "tsv"):
         return _csv_rows(path, fmt)
     if fmt == "parquet":
@@ -132,27 +134,33 @@ def read_rows(path: str, fmt: str) -> Iterator[RawRow]:
 
 
 def _jsonl_rows(path: str) -> Iterator[RawRow]:
+    return (raw for _, raw in _numbered_jsonl_rows(path))
+
+
+def _numbered_jsonl_rows(path: str) -> Iterator[tuple[int, RawRow]]:
+    """Each row with its line number."""
     index = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue  # blank lines separate nothing and are not rows
-            yield _decode_jsonl_line(index, line_no, raw)
+            yield line_no, _decode_jsonl_line(index, line_no, raw)
             index += 1
 
 
-def _unique_custom_ids(rows: Iterator[RawRow]) -> Iterator[RawRow]:
+def _unique_custom_ids(rows: Iterator[tuple[int, RawRow]]) -> Iterator[RawRow]:
     """OpenAI batch lines whose custom_id an earlier line already has become bad rows. Results are
     matched to requests by custom_id, so two results under one id could not be told apart (OpenAI
     refuses such a file). The earlier line runs. Every process of a job sees every line in file
-    order (replicas shard after reading), so a resumed or sharded run decides the same way."""
-    first_seen: dict[str, str] = {}  # custom_id -> where its first line is
-    for raw in rows:
+    order (replicas shard after reading), so a resumed or sharded run decides the same way.
+    Every id read is remembered for the whole run, in ~30 bytes whatever its length (`FirstSeen`)."""
+    first_seen = FirstSeen()  # custom_id -> the line it was first on
+    for line_no, raw in rows:
         custom_id = raw.record.get("custom_id") if raw.record is not None else None
         if isinstance(custom_id, str) and custom_id:
-            first = first_seen.setdefault(custom_id, raw.where)
-            if first != raw.where:
-                raw = RawRow(raw.index, None, f"{raw.where}: custom_id {custom_id!r} is already used by {first}; "
+            first = first_seen.setdefault(custom_id, line_no)
+            if first != line_no:
+                raw = RawRow(raw.index, None, f"{raw.where}: custom_id {custom_id!r} is already used by line {first}; "
                              "each request of an OpenAI batch file needs its own custom_id", raw.where)
         yield raw
 
