@@ -328,6 +328,32 @@ def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt):
         assert sorted(by_row(records)) == [(i, 0) for i in range(len(TEXTS))]
 
 
+def test_the_table_that_rebuilt_an_openai_journal_is_not_kept_for_the_run(tmp_path, llm):
+    """Rebuilding a lost journal from an OpenAI output builds an id -> row table of the whole input
+    (~200 bytes a line); once the journal is open nothing needs it, so the run must not hold it."""
+    import gc
+
+    from tokenmill.batch.openai_batch import OpenAIRecordReader
+
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": t}}
+             for i, t in enumerate(TEXTS)]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    first = job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(8))
+    assert 0 < first.rows_done < len(TEXTS)
+    os.remove(tmp_path / "out.jsonl.tokenmill" / "journal.jsonl")
+    tables = []
+
+    def look() -> bool:  # polled once per step of the resumed run
+        gc.collect()
+        tables.extend(len(o._rows_by_id) for o in gc.get_objects()
+                      if type(o) is OpenAIRecordReader and o._rows_by_id is not None)
+        return False
+
+    second = job(tmp_path, llm, path, should_stop=look)
+    assert second.exit_code == 0 and second.resumed_rows == first.rows_done and second.rebuilt_rows
+    assert tables == []
+
+
 @pytest.mark.parametrize("damage", ["garbage", "deleted"])
 def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path, llm, damage):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])

@@ -98,9 +98,10 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
         _check_columns(columns, config, input_path)
     settings = job_settings(config, fmt, info, shape)
     data_path = output if out_fmt == "jsonl" else os.path.join(sidecar_dir(output), "staging.jsonl")
-    read_record = _record_reader(shape, fingerprint(settings), info.rows)
+    # The record reader is Journal.open's alone: an OpenAI output's, once it has rebuilt a lost journal,
+    # holds an id -> row table of the whole input, which a local here would keep for the whole run.
     with Journal.open(output, data_path, settings, overwrite=config.overwrite, fsync_interval=config.fsync_interval,
-                      read_record=read_record) as journal:
+                      read_record=_record_reader(shape, fingerprint(settings), info.rows)) as journal:
         if journal.complete:
             total = journal.total()
             return JobSummary(output, info.rows, total.rows, total.failed, total.rows, 0, 0,
