@@ -7,11 +7,11 @@ million-line file, 2 GB for ten million (bench/results/host_memory_soak.md).
 
 Here a key is its 128-bit BLAKE2b digest, the prefix cache's key (`engine/kv_cache.py`): two
 different ids share one with odds of ~2^-128 a pair, so a "seen" answer is exact in practice. The
-newest digests sit in a dict; when it holds an eighth as many as the rest (and at least
-``merge_at``), they are merged into three sorted numpy arrays (digest halves and value, 24 bytes a
-key) searched by bisection. Each key is merged ~8 times on its way down (sorting is amortised
-O(log n) a key); a lookup is one dict probe and one bisection (Python's, over memoryviews of the
-arrays: ~0.7 us where numpy's searchsorted takes ~3 us for one value).
+newest digests sit in a dict (~120 bytes an entry); when it holds a sixteenth as many as the rest
+(and at least ``merge_at``), they are merged into three sorted numpy arrays (digest halves and
+value, 24 bytes a key), searched by bucket and bisection. So ~24-32 bytes a key; the arrays are
+rewritten at every merge (the new keys inserted in place), ~17 writes a key over a run. A lookup is one dict probe and one bisection (Python's, over memoryviews of the arrays:
+~0.7 us where numpy's searchsorted takes ~3 us for one value).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import bisect
 import hashlib
 from typing import Any
 
-MERGE_AT = 1 << 16  # the fewest digests the dict holds before they move to the arrays
+MERGE_AT = 1 << 13  # the fewest digests the dict holds before they move to the arrays (~1 MB of dict)
 _BUCKET_SHIFT = 48  # the arrays are indexed by their keys' top 16 bits (512 KB of offsets)
 _BUCKETS = 1 << (64 - _BUCKET_SHIFT)
 
@@ -70,19 +70,27 @@ class FirstSeen:
         return None
 
     def _merge(self) -> None:
+        """The dict's digests into the arrays: sorted alone, then inserted where they belong, one array
+        at a time, so that a merge holds the arrays once and one array's new copy (32 bytes a key)
+        where concatenating and sorting all of them held three times as much."""
         import numpy as np
 
         halves = np.frombuffer(b"".join(self.recent), dtype="<u8").reshape(-1, 2)
-        high, low = halves[:, 0], halves[:, 1]
         values = np.fromiter(self.recent.values(), dtype=np.int64, count=len(self.recent))
-        if self.high is not None:
-            high, low, values = (np.concatenate(pair) for pair in ((self.high, high), (self.low, low), (self.values, values)))
-        order = np.argsort(high, kind="stable")
-        self.high, self.low, self.values = high[order], low[order], values[order]
-        # Where each bucket of first halves (their top bits) starts: a lookup bisects its bucket only.
-        edges = np.arange(_BUCKETS + 1, dtype=np.uint64) << np.uint64(_BUCKET_SHIFT)
-        starts = np.searchsorted(self.high, edges[:-1]).tolist() + [len(self.high)]
-        self._views = (memoryview(self.high), memoryview(self.low), memoryview(self.values), memoryview(np.array(starts)))
-        self._merged = len(self.high)
-        self._merge_when = max(self.merge_at, self._merged // 8)
+        order = np.argsort(halves[:, 0])
+        high, low, values = halves[order, 0], halves[order, 1], values[order]
         self.recent = {}
+        self._views = None  # the old arrays' views: each old array is freed as its new copy replaces it
+        if self.high is None:
+            self.high, self.low, self.values = high, low, values
+        else:
+            at = np.searchsorted(self.high, high)
+            self.high = np.insert(self.high, at, high)
+            self.low = np.insert(self.low, at, low)
+            self.values = np.insert(self.values, at, values)
+        # Where each bucket of first halves (their top bits) starts: a lookup bisects its bucket only.
+        firsts = np.arange(_BUCKETS, dtype=np.uint64) << np.uint64(_BUCKET_SHIFT)
+        starts = np.append(np.searchsorted(self.high, firsts), len(self.high))
+        self._views = (memoryview(self.high), memoryview(self.low), memoryview(self.values), memoryview(starts))
+        self._merged = len(self.high)
+        self._merge_when = max(self.merge_at, self._merged // 16)
