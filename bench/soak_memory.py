@@ -170,10 +170,15 @@ def sentence(rng: random.Random, low: int = 3, high: int = 12) -> str:
 
 
 def mixed_params(rng: random.Random, i: int, max_tokens: int) -> Any:
-    """A request's SamplingParams, cycling through the features that keep per-request state."""
-    from tokenmill import SamplingParams
+    """A request's SamplingParams, cycling through the features that keep per-request state (a
+    grammar matcher per sequence where xgrammar is installed)."""
+    import importlib.util
 
-    kinds = (
+    from tokenmill import SamplingParams, StructuredOutputsParams
+
+    grammar = [dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe so"]))] \
+        if importlib.util.find_spec("xgrammar") is not None else []
+    kinds = (*grammar,
         dict(temperature=0.0),
         dict(temperature=0.8, seed=rng.randrange(2**31)),
         dict(temperature=0.8, logprobs=3),
@@ -253,16 +258,24 @@ def embed_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callab
 
 
 def write_job_input(path: Path, rows: int, fmt: str, max_tokens: int, rng: random.Random) -> None:
+    """Rows with their own sampling values (some seeded, some with logprobs), and a few error rows:
+    a line that is not JSON, values the engine refuses, an OpenAI line reusing an earlier custom_id."""
     with open(path, "w") as f:
         for i in range(rows):
+            if i % 97 == 96:
+                f.write('{"prompt": "cut short\n')
+                continue
             own: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.8}
             if i % 3 == 1:
                 own["seed"] = rng.randrange(2**31)
             if i % 5 == 2:
                 own["logprobs"] = 2
+            if i % 89 == 88:
+                own["logprobs"] = 10**6
             if fmt == "openai":
-                body = {"model": "m", "prompt": sentence(rng), **own}
-                line = {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+                custom_id = f"request-{i - 50 if i % 101 == 100 else i}"
+                line = {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "m", "prompt": sentence(rng), **own}}
             else:
                 line = {"id": f"row-{i}", "prompt": sentence(rng), "sampling_params": own}
             f.write(json.dumps(line) + "\n")
@@ -290,7 +303,7 @@ def job_path(llm: Any, args: argparse.Namespace, rng: random.Random, folder: Pat
         if reader[0] is not None:
             done[0] += reader[0].read().count(b"\n")
         # Not near the end: the input's last rows read, the reader's own state is gone.
-        if done[0] >= (probed[0] + 1) * args.job_probe_rows and done[0] + _READ_AHEAD < args.rows:
+        if done[0] >= (probed[0] + 1) * args.job_probe_rows and done[0] + min(_READ_AHEAD, args.rows // 4) < args.rows:
             probed[0] += 1
             probes["first" if "first" not in probes else "last"] = (done[0], Probe(f"job row {done[0]}", llm, folder,
                                                                                    args.tracemalloc))
@@ -299,6 +312,8 @@ def job_path(llm: Any, args: argparse.Namespace, rng: random.Random, folder: Pat
     start = time.perf_counter()
     run_job(config, llm=llm, should_stop=should_stop)
     print(f"job: {args.rows} rows in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    if "last" not in probes:
+        raise SystemExit(f"job: fewer than two probes; give more --rows than 2 x --job-probe-rows ({args.job_probe_rows})")
     (rows_a, a), (rows_b, b) = probes["first"], probes["last"]
     return report("job", a, b, rows_b - rows_a, "row")
 
