@@ -11,6 +11,7 @@ request (per row for the batch job).
     python bench/soak_memory.py                                  # every path, default sizes
     python bench/soak_memory.py --paths generate,job --tracemalloc
     python bench/soak_memory.py --paths job --rows 20000 --input-format openai
+    RESULTS=soak.jsonl python bench/soak_memory.py                # the rows appended there too (result_row.py)
 
 Paths: generate (mixed SamplingParams: seeds, logprobs, penalties, stop strings, n=2, bad words,
 logit bias, prompt logprobs), chat, queue (enqueue + wait_for_completion), imap, embed (a pooling
@@ -37,6 +38,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support.tiny_models
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from result_row import emit  # noqa: E402  (a row a path: printed, and appended to $RESULTS if set)
 
 PATHS = ("generate", "chat", "queue", "imap", "stream", "beam", "embed", "job")
 WORDS = ("the cat sat on a warm mat while quick brown foxes jumped over lazy dogs near blue rivers and green "
@@ -120,8 +124,8 @@ class Probe:
 
 
 def report(name: str, a: Probe, b: Probe, units: int, unit: str) -> dict[str, Any]:
-    """Per-``unit`` growth between ``a`` and ``b``, printed and returned as a row."""
-    row = {"path": name, "units": units, "unit": unit,
+    """Per-``unit`` growth between ``a`` and ``b``, emitted and returned as a row."""
+    row = {"bench": "soak_memory", "path": name, "units": units, "unit": unit,
            "rss_bytes_per_unit": (b.rss - a.rss) / units, "trimmed_rss_bytes_per_unit": (b.rss_trimmed - a.rss_trimmed) / units,
            "objects_per_unit": (b.objects - a.objects) / units,
            "rss_mib_at_a": round(a.rss / 2**20, 1), "rss_mib_at_b": round(b.rss / 2**20, 1),
@@ -137,7 +141,7 @@ def report(name: str, a: Probe, b: Probe, units: int, unit: str) -> dict[str, An
                           if b.by_type[t] - a.by_type[t] > 0]
     row["grown_containers"] = {p: f"{a.census.get(p, 0)} -> {n}" for p, n in sorted(b.census.items())
                                if n > a.census.get(p, 0) + 1 and p in a.census}
-    print(json.dumps(row, indent=1), flush=True)
+    emit(row)
     return row
 
 
@@ -332,7 +336,7 @@ def make_models(root: Path) -> tuple[Path, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
-    parser.add_argument("--calls", type=int, default=50, help="calls per path (generate, chat, queue, imap, embed)")
+    parser.add_argument("--calls", type=int, default=50, help="calls per path (all but job)")
     parser.add_argument("--warmup", type=int, default=10, help="calls before the first probe")
     parser.add_argument("--prompts", type=int, default=200, help="prompts per call")
     parser.add_argument("--probe-every", type=int, default=10, help="calls between two RSS lines")
@@ -344,7 +348,6 @@ def main() -> None:
                         help="small, so that warm-up writes the whole pool and the prefix cache is full by the first probe")
     parser.add_argument("--metrics", action="store_true", help="the generation engine records metrics (disable_log_stats=False)")
     parser.add_argument("--tracemalloc", action="store_true", help="trace allocations (top sites by growth; ~3x slower)")
-    parser.add_argument("--out", help="append each path's row (JSON) to this file")
     args = parser.parse_args()
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)
@@ -359,7 +362,6 @@ def main() -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if args.tracemalloc:
         tracemalloc.start(1)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         llama, bert = make_models(Path(tmp))
         engine = dict(dtype="float32", device="cpu", seed=0, max_model_len=256, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -370,17 +372,13 @@ def main() -> None:
             for name, make in (("generate", generate_path), ("chat", chat_path), ("queue", queue_path), ("imap", imap_path),
                                ("stream", stream_path), ("beam", beam_path)):
                 if name in paths:
-                    rows.append(soak(name, llm, make(llm, args, rng), args, Path(tmp)))
+                    soak(name, llm, make(llm, args, rng), args, Path(tmp))
             if "job" in paths:
-                rows.append(job_path(llm, args, rng, Path(tmp)))
+                job_path(llm, args, rng, Path(tmp))
             del llm
         if "embed" in paths:
             pooling = LLM(str(bert), dtype="float32", device="cpu", seed=0)
-            rows.append(soak("embed", pooling, embed_path(pooling, args, rng), args, Path(tmp)))
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            soak("embed", pooling, embed_path(pooling, args, rng), args, Path(tmp))
 
 
 if __name__ == "__main__":
