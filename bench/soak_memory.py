@@ -169,8 +169,18 @@ def soak(name: str, llm: Any, step: Callable[[int], int], args: argparse.Namespa
 
 # ---- the workloads --------------------------------------------------------------------------
 
-def sentence(rng: random.Random, low: int = 3, high: int = 12) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) + f" {rng.randrange(10**6)}"
+class Sentences:
+    """Random prompts of WORDS, each ending with one of ``numbers`` numbers. Each number is a word
+    the tokenizer keeps in its BPE cache (10,000 words); a stream of ever new words measures that
+    cache filling (~10 MB, bench/results/host_memory_soak.md) before anything else."""
+
+    def __init__(self, seed: int, numbers: int):
+        self.rng = random.Random(seed)
+        self.numbers = numbers
+
+    def __call__(self, low: int = 3, high: int = 12) -> str:
+        rng = self.rng
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) + f" {rng.randrange(self.numbers)}"
 
 
 def mixed_params(rng: random.Random, i: int, max_tokens: int) -> Any:
@@ -196,72 +206,73 @@ def mixed_params(rng: random.Random, i: int, max_tokens: int) -> Any:
     return SamplingParams(max_tokens=max_tokens, **kinds[i % len(kinds)])
 
 
-def generate_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def generate_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     def step(call: int) -> int:
-        prompts = [sentence(rng) for _ in range(args.prompts)]
-        return len(llm.generate(prompts, [mixed_params(rng, call + i, args.max_tokens) for i in range(len(prompts))],
+        prompts = [text() for _ in range(args.prompts)]
+        return len(llm.generate(prompts, [mixed_params(text.rng, call + i, args.max_tokens) for i in range(len(prompts))],
                                 use_tqdm=False))
     return step
 
 
-def chat_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def chat_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     from tokenmill import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8)
 
     def step(call: int) -> int:
-        chats = [[{"role": "system", "content": sentence(rng)}, {"role": "user", "content": sentence(rng)}]
+        chats = [[{"role": "system", "content": text()}, {"role": "user", "content": text()}]
                  for _ in range(args.prompts)]
         return len(llm.chat(chats, params, use_tqdm=False))
     return step
 
 
-def queue_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def queue_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     def step(call: int) -> int:
-        llm.enqueue([sentence(rng) for _ in range(args.prompts)],
-                    [mixed_params(rng, call + i, args.max_tokens) for i in range(args.prompts)], use_tqdm=False)
+        llm.enqueue([text() for _ in range(args.prompts)],
+                    [mixed_params(text.rng, call + i, args.max_tokens) for i in range(args.prompts)], use_tqdm=False)
         return len(llm.wait_for_completion(use_tqdm=False))
     return step
 
 
-def imap_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def imap_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     from tokenmill import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8)
 
     def step(call: int) -> int:
-        return sum(1 for _ in llm.imap((sentence(rng) for _ in range(args.prompts)), params))
+        return sum(1 for _ in llm.imap((text() for _ in range(args.prompts)), params))
     return step
 
 
-def stream_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def stream_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     def step(call: int) -> int:
-        prompts = [sentence(rng) for _ in range(args.prompts)]
-        outputs = llm.stream(prompts, [mixed_params(rng, call + i, args.max_tokens) for i in range(len(prompts))])
+        prompts = [text() for _ in range(args.prompts)]
+        outputs = llm.stream(prompts, [mixed_params(text.rng, call + i, args.max_tokens) for i in range(len(prompts))])
         return sum(output.finished for output in outputs)
     return step
 
 
-def beam_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def beam_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     from tokenmill import BeamSearchParams
 
     params = BeamSearchParams(beam_width=3, max_tokens=args.max_tokens)
 
     def step(call: int) -> int:
-        return len(llm.beam_search([{"prompt": sentence(rng)} for _ in range(args.prompts // 4)], params))
+        return len(llm.beam_search([{"prompt": text()} for _ in range(args.prompts // 4)], params))
     return step
 
 
-def embed_path(llm: Any, args: argparse.Namespace, rng: random.Random) -> Callable[[int], int]:
+def embed_path(llm: Any, args: argparse.Namespace, text: Sentences) -> Callable[[int], int]:
     from support.tiny_models import BERT_WORDS  # the tiny BERT's whole words: sentences fit its 48 positions
 
     def step(call: int) -> int:
+        rng = text.rng
         return len(llm.embed([" ".join(rng.choice(BERT_WORDS) for _ in range(rng.randint(1, 20))) for _ in range(args.prompts)],
                              use_tqdm=False))
     return step
 
 
-def write_job_input(path: Path, rows: int, fmt: str, max_tokens: int, rng: random.Random) -> None:
+def write_job_input(path: Path, rows: int, fmt: str, max_tokens: int, text: Sentences) -> None:
     """Rows with their own sampling values (some seeded, some with logprobs), and a few error rows:
     a line that is not JSON, values the engine refuses, an OpenAI line reusing an earlier custom_id."""
     with open(path, "w") as f:
@@ -271,7 +282,7 @@ def write_job_input(path: Path, rows: int, fmt: str, max_tokens: int, rng: rando
                 continue
             own: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.8}
             if i % 3 == 1:
-                own["seed"] = rng.randrange(2**31)
+                own["seed"] = text.rng.randrange(2**31)
             if i % 5 == 2:
                 own["logprobs"] = 2
             if i % 89 == 88:
@@ -279,23 +290,23 @@ def write_job_input(path: Path, rows: int, fmt: str, max_tokens: int, rng: rando
             if fmt == "openai":
                 custom_id = f"request-{i - 50 if i % 101 == 100 else i}"
                 line = {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-                        "body": {"model": "m", "prompt": sentence(rng), **own}}
+                        "body": {"model": "m", "prompt": text(), **own}}
             else:
-                line = {"id": f"row-{i}", "prompt": sentence(rng), "sampling_params": own}
+                line = {"id": f"row-{i}", "prompt": text(), "sampling_params": own}
             f.write(json.dumps(line) + "\n")
 
 
 _READ_AHEAD = 2048  # rows the job reads ahead of those finished (max_inflight, twice max_num_seqs), and then some
 
 
-def job_path(llm: Any, args: argparse.Namespace, rng: random.Random, folder: Path) -> dict[str, Any]:
+def job_path(llm: Any, args: argparse.Namespace, text: Sentences, folder: Path) -> dict[str, Any]:
     """`run_job` over ``--rows`` rows; probes every ``--job-probe-rows`` finished rows (counted from
     the output's lines, read as they are written), from the should_stop hook run_job polls each step."""
     from tokenmill.batch.config import JobConfig
     from tokenmill.batch.job import run_job
 
     source, output = folder / "rows.jsonl", folder / "out.jsonl"
-    write_job_input(source, args.rows, args.input_format, args.max_tokens, rng)
+    write_job_input(source, args.rows, args.input_format, args.max_tokens, text)
     config = JobConfig(input=str(source), output=str(output), progress=False, overwrite=True,
                        input_format="openai" if args.input_format == "openai" else "auto")
     done, probed, reader = [0], [0], [None]
@@ -341,6 +352,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=200, help="prompts per call")
     parser.add_argument("--probe-every", type=int, default=10, help="calls between two RSS lines")
     parser.add_argument("--max-tokens", type=int, default=6)
+    parser.add_argument("--numbers", type=int, default=1000,
+                        help="distinct numbers prompts end with (more than ~10,000 measures the tokenizer's cache filling)")
     parser.add_argument("--rows", type=int, default=20000, help="rows of the batch job")
     parser.add_argument("--job-probe-rows", type=int, default=4000, help="the job is probed every this many rows")
     parser.add_argument("--input-format", choices=("jsonl", "openai"), default="jsonl", help="the job's input lines")
@@ -366,19 +379,19 @@ def main() -> None:
         llama, bert = make_models(Path(tmp))
         engine = dict(dtype="float32", device="cpu", seed=0, max_model_len=256, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                       disable_log_stats=not args.metrics)
-        rng = random.Random(0)
+        text = Sentences(0, args.numbers)
         if set(paths) - {"embed"}:
             llm = LLM(str(llama), **engine)
             for name, make in (("generate", generate_path), ("chat", chat_path), ("queue", queue_path), ("imap", imap_path),
                                ("stream", stream_path), ("beam", beam_path)):
                 if name in paths:
-                    soak(name, llm, make(llm, args, rng), args, Path(tmp))
+                    soak(name, llm, make(llm, args, text), args, Path(tmp))
             if "job" in paths:
-                job_path(llm, args, rng, Path(tmp))
+                job_path(llm, args, text, Path(tmp))
             del llm
         if "embed" in paths:
             pooling = LLM(str(bert), dtype="float32", device="cpu", seed=0)
-            soak("embed", pooling, embed_path(pooling, args, rng), args, Path(tmp))
+            soak("embed", pooling, embed_path(pooling, args, text), args, Path(tmp))
 
 
 if __name__ == "__main__":
