@@ -10,8 +10,9 @@ different ids share one with odds of ~2^-128 a pair, so a "seen" answer is exact
 newest digests sit in a dict (~120 bytes an entry); when it holds a sixteenth as many as the rest
 (and at least ``merge_at``), they are merged into three sorted numpy arrays (digest halves and
 value, 24 bytes a key), searched by bucket and bisection. So ~24-32 bytes a key; the arrays are
-rewritten at every merge (the new keys inserted in place), ~17 writes a key over a run. A lookup is one dict probe and one bisection (Python's, over memoryviews of the arrays:
-~0.7 us where numpy's searchsorted takes ~3 us for one value).
+rewritten at every merge (the new keys inserted in place), ~17 writes a key over a run. A lookup
+is one dict probe and one bisection (Python's, over memoryviews of the arrays: ~0.7 us where
+numpy's searchsorted takes ~3 us for one value).
 """
 
 from __future__ import annotations
