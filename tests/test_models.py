@@ -187,8 +187,7 @@ def test_a_longrope_model_runs_to_its_original_length(tiny_phi3_dir, tmp_path) -
     import json
     import shutil
 
-    from reference import hf_greedy, hf_model
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
 
     folder = tmp_path / "phi3_longrope"
     shutil.copytree(tiny_phi3_dir, folder)
@@ -200,18 +199,29 @@ def test_a_longrope_model_runs_to_its_original_length(tiny_phi3_dir, tmp_path) -
         "type": "longrope", "partial_rotary_factor": partial, "short_factor": (1 + 2 * torch.rand(half, generator=gen)).tolist(),
         "long_factor": (4 + 8 * torch.rand(half, generator=gen)).tolist()})
     (folder / "config.json").write_text(json.dumps(config))
-    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)
-    llm = LLM(str(folder), **options)
+    llm = _assert_greedy_matches_hf(folder, _tokens(30, config["vocab_size"], seed=8))
     assert llm.llm_engine.config.max_model_len == 64
-    prompt = _tokens(30, config["vocab_size"], seed=8)
+    with pytest.raises(ValueError, match=r"max_model_len=128 is past the model's original_max_position_embeddings \(64\)"):
+        LLM(str(folder), max_model_len=128, **ROPE_ENGINE)
+
+
+ROPE_ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)
+
+
+def _assert_greedy_matches_hf(folder: Path, prompt: list[int]):
+    """30 greedy tokens of the model in ``folder`` after ``prompt``: the same tokens as transformers',
+    logprobs within 1e-4. Returns the LLM."""
+    from reference import hf_greedy, hf_model
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(folder), **ROPE_ENGINE)
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0),
                        use_tqdm=False)[0].outputs[0]
     ref_tokens, ref_logprobs = hf_greedy(hf_model(str(folder)), prompt, 30)
     assert out.token_ids == ref_tokens
     ours = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
     assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
-    with pytest.raises(ValueError, match=r"max_model_len=128 is past the model's original_max_position_embeddings \(64\)"):
-        LLM(str(folder), max_model_len=128, **options)
+    return llm
 
 
 def test_rope_params_old_and_new_config_layouts() -> None:
@@ -234,8 +244,7 @@ def test_a_yarn_model_runs_past_its_pretraining_length(tiny_llama_dir, tmp_path)
     import json
     import shutil
 
-    from reference import hf_greedy, hf_model
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
 
     folder = tmp_path / "llama_yarn"
     shutil.copytree(tiny_llama_dir, folder)
@@ -243,18 +252,10 @@ def test_a_yarn_model_runs_past_its_pretraining_length(tiny_llama_dir, tmp_path)
     config.pop("rope_scaling", None)
     config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
     (folder / "config.json").write_text(json.dumps(config))
-    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 * 2**20)
-    llm = LLM(str(folder), **options)
+    llm = _assert_greedy_matches_hf(folder, _tokens(60, config["vocab_size"], seed=9))  # past the 32 pretrained positions
     assert llm.llm_engine.config.max_model_len == 128
-    prompt = _tokens(60, config["vocab_size"], seed=9)  # past the 32 pretrained positions from the start
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0),
-                       use_tqdm=False)[0].outputs[0]
-    ref_tokens, ref_logprobs = hf_greedy(hf_model(str(folder)), prompt, 30)
-    assert out.token_ids == ref_tokens
-    ours = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
-    assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
     with pytest.raises(ValueError, match=r"max_model_len=129 is larger .*\(128, as its rope scaling stretches them\)"):
-        LLM(str(folder), max_model_len=129, **options)
+        LLM(str(folder), max_model_len=129, **ROPE_ENGINE)
 
 
 def test_rmsnorm_fused_residual() -> None:
