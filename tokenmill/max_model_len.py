@@ -1,7 +1,8 @@
 """How long a sequence (prompt and output) may be for a model: ``LLM(max_model_len=...)``.
 
-The model's positions bound it. Two attention features tokenmill does not implement bound it
-further, to where its outputs stay the model's own: a sliding window (every token here attends
+The model's positions bound it, as a linear or YaRN rope scaling stretches them (vLLM's rule).
+Two attention features tokenmill does not implement bound it further, to where its outputs stay
+the model's own: a sliding window (every token here attends
 to the whole sequence, which is the same thing up to the window) and LongRoPE's long-context
 factors (which transformers and vLLM switch on past original_max_position_embeddings, depending on
 the batch). Left unset, max_model_len stops at those lengths; asked for beyond them, the window is
