@@ -1,5 +1,6 @@
 """`tokenmill run` killed with SIGKILL (and SIGTERM) at several points, then resumed: every row exactly
-once, finished rows kept, greedy text identical to an uninterrupted run."""
+once, finished rows kept, greedy text identical to an uninterrupted run; and resumed from damaged
+state (a lost journal rebuilt from the output, a damaged state file named)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tokenmill.batch.job import JobConfig, run_job
+from tokenmill.batch.journal import ResumeError
+
+from support.jsonl import read_jsonl, write_jsonl
+from test_batch_e2e import by_row, llm  # noqa: F401 (fixtures)
+from test_batch_robust import TEXTS, job
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 40
@@ -107,3 +114,71 @@ def test_kill_and_resume_exactly_once(tmp_path, tiny_llama_dir):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "already complete" in err
     assert lines_in(output) == ROWS
+
+
+# --- resumed from damaged state: a lost journal, a damaged state file ----------------------------
+
+
+class StopAfter:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self):
+        self.steps -= 1
+        return self.steps < 0
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "openai"])
+def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt):
+    """The journal rebuilt from the output; for an OpenAI output that builds an id -> row table of the
+    whole input (~200 bytes a line), which nothing needs once the journal is open: the resumed run
+    must not hold it."""
+    import gc
+
+    from tokenmill.batch.openai_batch import OpenAIRecordReader
+
+    if fmt == "openai":
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": t}}
+                 for i, t in enumerate(TEXTS)]
+        path = write_jsonl(tmp_path / "in.jsonl", lines)
+    else:
+        path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    output = "out.parquet" if fmt == "parquet" else "out.jsonl"
+    first = job(tmp_path, llm, path, output=output, max_inflight=2, should_stop=StopAfter(8))
+    assert first.interrupted and 0 < first.rows_done < len(TEXTS)
+    sidecar = tmp_path / f"{output}.tokenmill"
+    os.remove(sidecar / "journal.jsonl")
+    tables = []
+
+    def look() -> bool:  # polled once per step of the resumed run
+        gc.collect()
+        tables.extend(len(o._rows_by_id) for o in gc.get_objects()
+                      if type(o) is OpenAIRecordReader and o._rows_by_id is not None)
+        return False
+
+    second = job(tmp_path, llm, path, output=output, should_stop=look)
+    assert second.exit_code == 0 and second.resumed_rows == first.rows_done
+    assert tables == []
+    if fmt == "parquet":
+        records = pq.read_table(tmp_path / output).to_pylist()
+    else:
+        records = read_jsonl(tmp_path / output)
+    if fmt == "openai":
+        assert second.rebuilt_rows
+        assert sorted(r["custom_id"] for r in records) == sorted(f"c{i}" for i in range(len(TEXTS)))
+    else:
+        assert sorted(by_row(records)) == [(i, 0) for i in range(len(TEXTS))]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path, llm, damage):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(6))
+    state = tmp_path / "out.jsonl.tokenmill" / "state.json"
+    if damage == "garbage":
+        state.write_text("{not json")
+    else:
+        state.unlink()
+    with pytest.raises(ResumeError, match=r"state\.json.*--overwrite"):
+        job(tmp_path, llm, path)
+    assert job(tmp_path, llm, path, overwrite=True).exit_code == 0

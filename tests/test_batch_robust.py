@@ -1,7 +1,7 @@
 """`tokenmill run` against rows, files and paths meant to knock it over (issue 20), on a tiny random Llama:
 poison rows fail alone and never stop a resume, broken quoting and Arrow's nulls are read as meant,
-bad types and impossible bounds are error rows, bad outputs are clear errors, a lost journal is
-rebuilt from the output."""
+bad types and impossible bounds are error rows, bad outputs are clear errors (a lost journal rebuilt
+from the output: test_batch_resume.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.batch.job import JobConfig, run_job
-from tokenmill.batch.journal import ResumeError
 from tokenmill.batch.requests import PromptSettings
 
 from support.jsonl import read_jsonl, write_jsonl
@@ -289,83 +288,6 @@ def test_cli_output_errors_exit_2(tmp_path, capsys):
     code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "file" / "out.jsonl"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "cannot write" in err and "Traceback" not in err
-
-
-# --- 8. damaged resume state -------------------------------------------------------------------
-
-
-class StopAfter:
-    def __init__(self, steps):
-        self.steps = steps
-
-    def __call__(self):
-        self.steps -= 1
-        return self.steps < 0
-
-
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "openai"])
-def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt):
-    if fmt == "openai":
-        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": t}}
-                 for i, t in enumerate(TEXTS)]
-        path = write_jsonl(tmp_path / "in.jsonl", lines)
-    else:
-        path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
-    output = "out.parquet" if fmt == "parquet" else "out.jsonl"
-    first = job(tmp_path, llm, path, output=output, max_inflight=2, should_stop=StopAfter(8))
-    assert first.interrupted and 0 < first.rows_done < len(TEXTS)
-    sidecar = tmp_path / f"{output}.tokenmill"
-    os.remove(sidecar / "journal.jsonl")
-    second = job(tmp_path, llm, path, output=output)
-    assert second.exit_code == 0 and second.resumed_rows == first.rows_done
-    if fmt == "parquet":
-        records = pq.read_table(tmp_path / output).to_pylist()
-    else:
-        records = read_jsonl(tmp_path / output)
-    if fmt == "openai":
-        assert sorted(r["custom_id"] for r in records) == sorted(f"c{i}" for i in range(len(TEXTS)))
-    else:
-        assert sorted(by_row(records)) == [(i, 0) for i in range(len(TEXTS))]
-
-
-def test_the_table_that_rebuilt_an_openai_journal_is_not_kept_for_the_run(tmp_path, llm):
-    """Rebuilding a lost journal from an OpenAI output builds an id -> row table of the whole input
-    (~200 bytes a line); once the journal is open nothing needs it, so the run must not hold it."""
-    import gc
-
-    from tokenmill.batch.openai_batch import OpenAIRecordReader
-
-    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": t}}
-             for i, t in enumerate(TEXTS)]
-    path = write_jsonl(tmp_path / "in.jsonl", lines)
-    first = job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(8))
-    assert 0 < first.rows_done < len(TEXTS)
-    os.remove(tmp_path / "out.jsonl.tokenmill" / "journal.jsonl")
-    tables = []
-
-    def look() -> bool:  # polled once per step of the resumed run
-        gc.collect()
-        tables.extend(len(o._rows_by_id) for o in gc.get_objects()
-                      if type(o) is OpenAIRecordReader and o._rows_by_id is not None)
-        return False
-
-    second = job(tmp_path, llm, path, should_stop=look)
-    assert second.exit_code == 0 and second.resumed_rows == first.rows_done and second.rebuilt_rows
-    assert tables == []
-
-
-@pytest.mark.parametrize("damage", ["garbage", "deleted"])
-def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path, llm, damage):
-    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
-    job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(6))
-    state = tmp_path / "out.jsonl.tokenmill" / "state.json"
-    if damage == "garbage":
-        state.write_text("{not json")
-    else:
-        state.unlink()
-    with pytest.raises(ResumeError, match=r"state\.json.*--overwrite"):
-        job(tmp_path, llm, path)
-    assert job(tmp_path, llm, path, overwrite=True).exit_code == 0
 
 
 # --- 13. glitches ------------------------------------------------------------------------------
