@@ -37,6 +37,8 @@ _POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta", "camembert")
 
 
 def model_max_len(hf_config: Any) -> int:
+    from tokenmill.models.layers.rotary import rope_scaled_len
+
     return rope_scaled_len(hf_config, _model_positions(hf_config))
 
 
@@ -48,23 +50,6 @@ def _model_positions(hf_config: Any) -> int:
                 value -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1
             return value
     return 2048
-
-
-def rope_scaled_len(hf_config: Any, positions: int) -> int:
-    """``positions`` as a rope scaling stretches them, by vLLM's rule (the length its users get): a
-    linear (or dynamic) factor multiplies max_position_embeddings, YaRN's multiplies the pretraining
-    length (Qwen2.5's 32K with factor 4: 128K); LongRoPE and llama3 configs state their length."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        return positions  # no scaling, or per-layer-type parameters (refused when the model is built)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    factor = params.get("factor")
-    if rope_type in ("default", "longrope", "su", "llama3") or not isinstance(factor, (int, float)) or factor <= 0:
-        return positions
-    if rope_type == "yarn":
-        positions = (getattr(hf_config, "original_max_position_embeddings", None)
-                     or params.get("original_max_position_embeddings") or positions)
-    return int(positions * factor)
 
 
 def model_sliding_window(hf_config: Any) -> int | None:

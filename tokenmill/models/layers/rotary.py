@@ -42,8 +42,7 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
     ``rope_scaling`` is an alias of it); older configs have ``rope_theta`` at top level and an
     optional ``rope_scaling`` dict whose type key may be ``type`` or ``rope_type``.
     """
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
+    params = dict(_raw_rope(config))
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type rope parameters are not supported: {sorted(params)}")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -96,13 +95,38 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _raw_rope(config: Any) -> dict[str, Any]:
+    """The config's rope dict as written, from either layout (see `rope_params_from_config`); {} if none."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return params if isinstance(params, dict) else {}
+
+
+def _raw_rope_type(params: dict[str, Any]) -> str:
+    return params.get("rope_type") or params.get("type") or "default"
+
+
 def longrope_limit(config: "PretrainedConfig") -> int | None:
     """The longest sequence a LongRoPE model runs exactly here (its original_max_position_embeddings);
     None for other models (whose rope settings, supported or not, the model's own build reads)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(params, dict) or (params.get("rope_type") or params.get("type")) != "longrope":
+    if _raw_rope_type(_raw_rope(config)) != "longrope":
         return None
     return rope_params_from_config(config).extra["original_max_position_embeddings"]
+
+
+def rope_scaled_len(config: Any, positions: int) -> int:
+    """``positions`` as a rope scaling stretches them, by vLLM's rule (the length its users get): a
+    linear (or dynamic) factor multiplies max_position_embeddings, YaRN's multiplies the pretraining
+    length (Qwen2.5's 32K with factor 4: 128K); LongRoPE and llama3 configs state their length."""
+    params = _raw_rope(config)
+    if any(isinstance(v, dict) for v in params.values()):
+        return positions  # per-layer-type parameters (refused when the model is built)
+    rope_type, factor = _raw_rope_type(params), params.get("factor")
+    if rope_type in ("default", "longrope", "su", "llama3") or not isinstance(factor, (int, float)) or factor <= 0:
+        return positions
+    if rope_type == "yarn":
+        positions = (getattr(config, "original_max_position_embeddings", None)
+                     or params.get("original_max_position_embeddings") or positions)
+    return int(positions * factor)
 
 
 def rotary_dim(head_dim: int, rope: RopeParams) -> int:
@@ -139,17 +163,18 @@ def inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
 
 def _inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
+    bases = rope.theta**exponents  # each pair's wavelength / 2 pi, unscaled
+    inv_freq = 1.0 / bases
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "longrope":  # the short factors: see the module docstring
         ext_factors = torch.tensor(_require(rope, "short_factor"), dtype=torch.float32)
         if ext_factors.shape != inv_freq.shape:
             raise ValueError(f"rope short_factor has {ext_factors.numel()} values; head_dim {head_dim} needs {inv_freq.numel()}")
-        return 1.0 / (ext_factors * rope.theta**exponents)
+        return 1.0 / (ext_factors * bases)
     factor = float(_require(rope, "factor"))
     if rope.rope_type == "yarn":
-        return _yarn_inverse_frequencies(head_dim, rope, factor)
+        return _yarn_inverse_frequencies(head_dim, rope, factor, bases)
     if rope.rope_type == "linear":
         # Position interpolation: positions are effectively divided by `factor`.
         return inv_freq / factor
@@ -168,7 +193,7 @@ def _inverse_frequencies(head_dim: int, rope: RopeParams) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inverse_frequencies(dim: int, rope: RopeParams, factor: float) -> torch.Tensor:
+def _yarn_inverse_frequencies(dim: int, rope: RopeParams, factor: float, bases: torch.Tensor) -> torch.Tensor:
     """YaRN (NTK-by-parts): the dims that turn fewer than ``beta_slow`` times over the pretraining
     length are interpolated (frequency / factor), those turning more than ``beta_fast`` times kept,
     and a linear ramp blends the band between."""
@@ -185,8 +210,7 @@ def _yarn_inverse_frequencies(dim: int, rope: RopeParams, factor: float) -> torc
         high += 0.001  # (transformers' guard against a zero-width ramp)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp
-    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
-    return (1.0 / (factor * wavelengths)) * (1 - kept) + (1.0 / wavelengths) * kept
+    return (1.0 / (factor * bases)) * (1 - kept) + (1.0 / bases) * kept
 
 
 def _require(rope: RopeParams, key: str) -> Any:
@@ -225,8 +249,6 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(cls, config: "PretrainedConfig", head_dim: int) -> "RotaryEmbedding":
-        from tokenmill.max_model_len import rope_scaled_len
-
         # The table covers every position max_model_len allows: a rope scaling stretches the model's.
         return cls(head_dim, max(config.max_position_embeddings, rope_scaled_len(config, config.max_position_embeddings)),
                    rope_params_from_config(config))
