@@ -254,16 +254,14 @@ class ModelRunner:
         if self.grammars is not None and any(s.seq.grammar is not None for s in sampled):
             # A grammar's mask needs the previous step's token in its matcher, which the engine
             # reads back after this launch (asynchronous scheduling): the draw waits for its call,
-            # and the host fills the masks while the GPU runs this step's forward.
-            result.pending_draw = functools.partial(self._draw, result, batch, logits, True)
+            # and the host fills the masks while the GPU runs this step's forward. That call comes
+            # after execute() has returned, so it enters inference mode itself: the bans (bad words,
+            # min_tokens) and Python processors change the logits, an inference tensor, in place.
+            result.pending_draw = torch.inference_mode()(functools.partial(self._draw, result, batch, logits, True))
         else:
             self._draw(result, batch, logits, False)
         return result
 
-    # A grammar step's draw is called by the engine after execute() has returned, outside its
-    # inference mode; the logits are an inference tensor, which the bans (bad words, min_tokens)
-    # and Python processors change in place: allowed only inside inference mode.
-    @torch.inference_mode()
     def _draw(self, result: StepResult, batch: SamplingBatch, logits: torch.Tensor, grammars: bool) -> None:
         """Sample the step's rows (grammar masks first if ``grammars``: some row has one), keep the
         ids on the device for the next step's inputs and start copying them to the host."""
