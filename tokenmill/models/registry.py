@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("tokenmill.models.mixture_of_experts", "Qwen3MoeForCausalLM"),
 }
 
+_TOKEN_CLASSIFIERS = "tokenmill.models.for_token_classification"
 # Pooling models: HF ``architectures[0]`` -> (module, class name, the pooling task its head serves).
 _POOLING_MODELS: dict[str, tuple[str, str, str]] = {
     "BertModel": ("tokenmill.models.bert", "BertModel", "embed"),
@@ -43,6 +44,14 @@ _POOLING_MODELS: dict[str, tuple[str, str, str]] = {
     "MistralForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
     "Qwen2ForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
     "Qwen3ForSequenceClassification": ("tokenmill.models.decoder_pooling", "DecoderForSequenceClassification", "classify"),
+    # Token classifiers (NER): a label per prompt token, LLM.encode(pooling_task="token_classify").
+    "BertForTokenClassification": (_TOKEN_CLASSIFIERS, "BertForTokenClassification", "token_classify"),
+    "RobertaForTokenClassification": (_TOKEN_CLASSIFIERS, "RobertaForTokenClassification", "token_classify"),
+    "XLMRobertaForTokenClassification": (_TOKEN_CLASSIFIERS, "RobertaForTokenClassification", "token_classify"),
+    "LlamaForTokenClassification": (_TOKEN_CLASSIFIERS, "DecoderForTokenClassification", "token_classify"),
+    "MistralForTokenClassification": (_TOKEN_CLASSIFIERS, "DecoderForTokenClassification", "token_classify"),
+    "Qwen2ForTokenClassification": (_TOKEN_CLASSIFIERS, "DecoderForTokenClassification", "token_classify"),
+    "Qwen3ForTokenClassification": (_TOKEN_CLASSIFIERS, "DecoderForTokenClassification", "token_classify"),
 }
 
 # A causal LM run as an embedder (runner="pooling") is its base model without the LM head.
@@ -75,7 +84,7 @@ def is_supported(arch: str) -> bool:
 
 
 def pooling_task_of(arch: str) -> str | None:
-    """"embed" or "classify" for a pooling architecture; None for a generative one."""
+    """"embed", "classify" or "token_classify" for a pooling architecture; None for a generative one."""
     entry = _POOLING_MODELS.get(arch)
     return entry[2] if entry else None
 
