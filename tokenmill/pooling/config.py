@@ -1,7 +1,8 @@
 """Whether a model runs as a pooling model, and how it pools: resolved once when the engine starts.
 
 The runner follows vLLM: ``runner="auto"`` picks pooling for architectures with a pooling head
-(``BertModel``, ``*ForSequenceClassification``, base models such as ``Qwen3Model``) and generation
+(``BertModel``, ``*ForSequenceClassification``, ``*ForTokenClassification``, base models such as
+``Qwen3Model``) and generation
 for ``*ForCausalLM``; ``runner="pooling"`` runs a causal LM as an embedder of its final hidden
 states (``convert="embed"``). The older ``task="embed" | "classify" | "score" | "generate"`` spelling
 maps onto the same choices.
@@ -169,7 +170,7 @@ _ST_ACTIVATIONS: dict[str, Activation] = {"Sigmoid": "sigmoid", "Identity": "ide
 class PoolingModelConfig:
     """What the engine needs to serve a pooling model."""
 
-    head: str  # "embed" or "classify": what the model's head produces
+    head: str  # "embed", "classify" or "token_classify" (a label per token): what the model's head produces
     architecture: str  # the registry entry to build (a causal LM run as an embedder: its base model)
     pooler: PoolerConfig  # pooling_type decided; the other fields are request defaults (None: vLLM's)
     classify_activation: Activation  # classify, token_classify and (one label) score, as vLLM's get_act_fn
@@ -180,11 +181,16 @@ class PoolingModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None
     is_matryoshka: bool
     hidden_size: int
+    # Tasks the model has a head for but serves only when PoolerConfig(task=...) names them, as
+    # vLLM 0.26 serves a task other than the model's default: a decoder token classifier's classify.
+    switch_tasks: tuple[str, ...] = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:
         if self.head == "embed":
             return ("embed", "token_embed")
+        if self.head == "token_classify":
+            return ("token_classify",)
         if self.score_activation is not None:
             return ("classify", "token_classify", "score")
         return ("classify", "token_classify")
@@ -262,7 +268,7 @@ def resolve_pooling(
             raise ValueError(f"{arch} cannot run as an embedding model; embedders: BertModel, (XLM-)RobertaModel, base models and causal LMs "
                              "of the Llama family")
         architecture, head = base, "embed"
-    elif convert == "classify" and head != "classify":
+    elif convert == "classify" and head not in ("classify", "token_classify"):  # vLLM's default convert of both
         raise ValueError(f"LLM(convert='classify') needs a *ForSequenceClassification checkpoint (a trained score head); "
                          f"{arch} has none")
     elif head is None:  # convert="none" on a causal LM
@@ -270,14 +276,17 @@ def resolve_pooling(
     config = source.hf_config
     model_cls = get_model_class(architecture)
     user = PoolerConfig.coerce(pooler_config)
+    head, switch = _token_classifier_head(head, model_cls, user)
     if head == "embed":
         user = _embedder_normalize(user)
     st = _sentence_transformers(source.config_dir) if head == "embed" else {}
     defaults = PoolerConfig(pooling_type=st.get("pooling_type") or model_cls.default_pooling_type,
                             normalize=st.get("normalize"))
-    num_labels = int(getattr(config, "num_labels", 0) or 0) if head == "classify" else 0
+    classifier = head in ("classify", "token_classify")
+    num_labels = int(getattr(config, "num_labels", 0) or 0) if classifier else 0
     activation = _classify_activation(config, num_labels)
-    served = ("embed", "token_embed") if head == "embed" else ("classify", "token_classify")
+    served = {"embed": ("embed", "token_embed"), "classify": ("classify", "token_classify"),
+              "token_classify": ("token_classify", *switch)}[head]
     if user.task is not None and user.task not in served:
         raise ValueError(f"PoolerConfig.task={user.task!r} is not served by {architecture} ({head}); "
                          f"it serves {served}")
@@ -286,14 +295,31 @@ def resolve_pooling(
         architecture=architecture,
         pooler=user.merged_over(defaults),
         classify_activation=activation,
-        score_activation=activation if num_labels == 1 else None,
-        labels=_labels(config, num_labels) if head == "classify" else None,
+        score_activation=activation if num_labels == 1 and head == "classify" else None,
+        labels=_labels(config, num_labels) if classifier else None,
         takes_token_type_ids=bool(getattr(model_cls, "takes_token_type_ids", False)),
         max_seq_length=st.get("max_seq_length"),
         matryoshka_dimensions=tuple(getattr(config, "matryoshka_dimensions", None) or ()) or None,
         is_matryoshka=bool(getattr(config, "matryoshka_dimensions", None) or getattr(config, "is_matryoshka", False)),
         hidden_size=int(config.hidden_size),
+        switch_tasks=switch,
     )
+
+
+def _token_classifier_head(head: str, model_cls: type, user: PoolerConfig) -> tuple[str, tuple[str, ...]]:
+    """The head a model serves and the tasks only PoolerConfig.task opens (``switch_tasks``).
+
+    vLLM 0.26 serves a decoder ``*ForTokenClassification`` as its causal LM converted to a
+    classifier: its score head classifies every token (token_classify, the default task of a
+    ``ForTokenClassification`` architecture) or the last one (classify), the latter only when
+    ``PoolerConfig(task="classify")`` makes it the model's task; the model then serves as a sequence
+    classifier. An encoder token classifier has no sequence head (no ``classify`` method): token_classify only.
+    """
+    if head != "token_classify" or not callable(getattr(model_cls, "classify", None)):
+        return head, ()
+    if user.task == "classify":
+        return "classify", ()
+    return head, ("classify",)
 
 
 def _embedder_normalize(config: PoolerConfig) -> PoolerConfig:

@@ -27,7 +27,7 @@ from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
 from tokenmill.pooling.request import PoolingRequest
 from tokenmill.pooling.runner import LaunchedStep, PoolingRunner
-from tokenmill.pooling_params import PoolingParams
+from tokenmill.pooling_params import POOLING_TASKS, PoolingParams
 
 if TYPE_CHECKING:
     from tokenmill.models.source import ModelSource
@@ -129,8 +129,10 @@ class PoolingEngine:
         return prompts, truncate
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        """vLLM 0.26's pooling tasks of this model (a cross-encoder's score runs as "classify")."""
-        return tuple(task for task in self.pooling.tasks if task != "score")
+        """vLLM 0.26's pooling tasks of this model (a cross-encoder's score runs as "classify"; a task
+        only PoolerConfig.task opens is listed too, as vLLM lists every task the model's pooler has)."""
+        served = {*self.pooling.tasks, *self.pooling.switch_tasks} - {"score"}
+        return tuple(task for task in POOLING_TASKS if task in served)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Forget these requests: a queued one is skipped when its turn comes, the result of one in
@@ -317,6 +319,13 @@ class PoolingEngine:
     # ---- error messages that say which method fits -----------------------------------------
     def unsupported(self, task: str) -> str:
         """Why ``task`` is refused, opening with vLLM 0.26's words for it (scripts may match them)."""
+        if task in self.pooling.switch_tasks:
+            return (f"Try switching the model's pooling_task via `PoolerConfig(task=\"{task}\")`: {self._describe()} "
+                    f"serves LLM.{self._methods()}, and {task!r} when LLM(..., pooler_config=PoolerConfig(task={task!r})) "
+                    "makes that its task")
+        if task == "score" and self.pooling.head == "token_classify":
+            return (f"This model does not support the Scoring API: {self._describe()} labels each prompt token; "
+                    f"use LLM.{self._methods()}")
         if task == "score" and self.pooling.head == "classify":
             return (f"Scoring API is only enabled for num_labels == 1. score needs a cross-encoder (a classifier with "
                     f"one output label); {self._describe()} has {len(self.pooling.labels or ())} labels: use LLM.classify()")

@@ -74,9 +74,10 @@ class PoolingMethods:
         """Run a pooling model over every prompt; the raw pooled tensors, in input order.
 
         ``pooling_task`` is "embed", "token_embed" (one vector per token), "classify",
-        "token_classify" (class probabilities per token) or "score"; None (an error in vLLM 0.26)
+        "token_classify" (class probabilities per token, [prompt tokens, labels]: a token classifier's
+        NER labels, or a sequence classifier's head on every token) or "score"; None (an error in vLLM 0.26)
         means PoolerConfig.task, else the model's own task (embed for embedders, classify for
-        classifiers). vLLM's keywords: ``tokenization_kwargs`` (``truncate_prompt_tokens`` among
+        classifiers, token_classify for token classifiers). vLLM's keywords: ``tokenization_kwargs`` (``truncate_prompt_tokens`` among
         them: vLLM 0.26's way to truncate; tokenmill's older keyword of that name still works),
         ``use_tqdm`` on/off or a tqdm-like factory, ``lora_request`` None only.
         """
@@ -149,6 +150,8 @@ class PoolingMethods:
         """
         engine = self._pooling_engine("score")
         refuse_lora(lora_request)
+        if engine.pooling.head != "embed" and "score" not in engine.pooling.tasks:
+            raise ValueError(engine.unsupported("score"))  # before the inputs, as vLLM checks the model first
         if chat_template is not None and engine.pooling.head == "embed":
             raise ValueError("score(chat_template=...) applies to cross-encoders: an embedding model scores the cosine "
                              "of each text's own embedding (vLLM ignores the template there); leave chat_template None")
@@ -193,8 +196,6 @@ class PoolingMethods:
                               truncate_prompt_tokens: int | None, use_tqdm: ProgressOption,
                               tokenization_kwargs: dict[str, Any] | None,
                               chat_template: str | None) -> list[ScoringRequestOutput]:
-        if "score" not in engine.pooling.tasks:
-            raise ValueError(engine.unsupported("score"))
         if params is not None and params.task == "classify":  # vLLM 0.26's name of a cross-encoder's task
             params = params.clone(task=None)
         _, truncate_prompt_tokens = engine.tokenized([], tokenization_kwargs, truncate_prompt_tokens)
