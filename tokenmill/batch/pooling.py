@@ -49,6 +49,10 @@ class PoolingRows:
             raise ValueError(f"--task {task} needs a pooling model, but {llm.llm_engine.config.model!r} runs as a generative model")
         self.task, self.engine, self.settings, self.job_params = task, engine, settings, dict(job_params)
         head = engine.pooling.head
+        if head == "token_classify":  # the job writes one result per row; a token classifier gives one per token
+            raise ValueError(f"--task {task}: {engine.pooling.architecture} is a token classifier (a label per prompt "
+                             f"token); the batch job runs --task {', '.join(POOLING_JOB_TASKS)} (one result per row) and "
+                             "not token_classify: use LLM.encode(prompts, pooling_task='token_classify')")
         # classify and embed need that head; score takes a cross-encoder or an embedding model.
         if (task == "score" and "score" not in engine.pooling.tasks and head != "embed") or (task != "score" and head != task):
             raise ValueError(f"--task {task}: {engine.unsupported(task)}")
