@@ -148,3 +148,48 @@ def test_score_templates_apply_to_cross_encoders_only(minilm_dir, tiny_reranker_
         "method": "from_2_way_softmax"}, **ENGINE)
     with pytest.raises(ValueError, match="does not render the pair"):
         llm.score("a", "b", chat_template="{{ messages[5]['content'] }}", use_tqdm=False)
+
+
+# --- NER: examples/pooling/token_classify/ner.py @e5fd201a --------------------------------------------
+# (Before vLLM 0.26 it was examples/offline_inference/pooling/ner.py @07b13497, calling encode(prompts) without a task.)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlmr"])
+def test_ner_example(tmp_path_factory, capsys, kind):
+    """LLM(**vars(args)) with the example's defaults (runner="pooling", enforce_eager, trust_remote_code),
+    encode(pooling_task="token_classify"), each token's argmax looked up in config.id2label and printed
+    unless it is a special token; the labels against transformers' own argmax. The label map comes
+    from transformers' AutoConfig: tokenmill has no llm_engine.vllm_config (docs/from-vllm.md)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    from support.tiny_token_classifiers import save_bert_token_classifier, save_xlmr_token_classifier
+    from tokenmill import LLM
+
+    root = tmp_path_factory.mktemp("ner_example")
+    folder = save_bert_token_classifier(root, seed=51) if kind == "bert" else save_xlmr_token_classifier(root, seed=52)
+    args = _example_args(defaults=dict(model=str(folder), runner="pooling", enforce_eager=True, trust_remote_code=True))
+    prompts = ["Barack Obama visited Microsoft headquarters in Seattle on January 2025."]
+    llm = LLM(**args)
+    tokenizer = llm.get_tokenizer()
+    label_map = AutoConfig.from_pretrained(folder).id2label
+    for old_form in (False, True):
+        outputs = llm.encode(prompts) if old_form else llm.encode(prompts, pooling_task="token_classify")
+        for prompt, output in zip(prompts, outputs):
+            logits = output.outputs.data
+            predictions = logits.argmax(dim=-1)
+            tokens = tokenizer.convert_ids_to_tokens(output.prompt_token_ids)
+            labels = [label_map[p.item()] for p in predictions]
+            for token, label in zip(tokens, labels):
+                if token not in tokenizer.all_special_tokens:
+                    print(f"{token:15} → {label}")
+    printed = capsys.readouterr().out.splitlines()
+    hf = AutoModelForTokenClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    encoded = AutoTokenizer.from_pretrained(folder)(prompts[0], return_tensors="pt")
+    with torch.no_grad():
+        expected_ids = hf(**encoded).logits[0].argmax(-1).tolist()
+    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
+    expected = [f"{token:15} → {hf.config.id2label[i]}" for token, i in zip(tokens, expected_ids)
+                if token not in tokenizer.all_special_tokens]
+    assert printed == expected * 2 and len(expected) > 20
+    assert len({line.rsplit(" ", 1)[1] for line in printed}) > 1  # a random head gives tokens different labels
