@@ -1,5 +1,6 @@
 """Pooling models on a CUDA GPU against Hugging Face transformers on the same GPU: a BERT
-classifier (fp32, tight) and a Qwen3 classifier in bf16 (the engine's GPU default) against fp32."""
+classifier (fp32, tight) and a Qwen3 classifier in bf16 (the engine's GPU default) against fp32,
+token classifiers (BERT, XLM-R in fp32; Qwen3 in bf16), embedders."""
 
 from __future__ import annotations
 
@@ -39,6 +40,52 @@ def test_qwen3_classifier_on_gpu_bf16(tiny_qwen3_classifier_dir, random_sentence
     texts = random_sentences(40, seed=22, high=60)
     got = torch.tensor([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)])
     torch.testing.assert_close(got, _hf_probs(tiny_qwen3_classifier_dir, texts), rtol=0, atol=3e-2)
+
+
+# ---- token classifiers (NER): encode(pooling_task="token_classify"), a row per prompt token
+
+
+def _hf_token_logits(path, texts: list[str]) -> list[torch.Tensor]:
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    hf = AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return [hf(**{k: v.cuda() for k, v in tok(text, return_tensors="pt").items()}).logits[0].float().cpu() for text in texts]
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlmr"])
+def test_encoder_token_classifier_on_gpu(kind, tmp_path_factory, random_sentences):
+    """BERT / XLM-R token classifiers in fp32 on the packed GPU path (varlen kernel, asynchronous
+    steps), against transformers on the same GPU (the CPU twin: tests/test_for_token_classification.py)."""
+    from support.tiny_token_classifiers import save_bert_token_classifier, save_xlmr_token_classifier
+
+    root = tmp_path_factory.mktemp("ner")
+    folder = save_bert_token_classifier(root, seed=31) if kind == "bert" else save_xlmr_token_classifier(root, seed=32)
+    llm = LLM(str(folder), dtype="float32", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=256)
+    assert llm.llm_engine.config.async_scheduling
+    texts = random_sentences(40, seed=25, high=60)
+    outputs = llm.encode(texts, pooling_task="token_classify", use_tqdm=False)
+    for out, logits in zip(outputs, _hf_token_logits(folder, texts)):
+        assert out.outputs.data.shape == logits.shape
+        torch.testing.assert_close(out.outputs.data, logits.softmax(-1), rtol=0, atol=1e-4)
+
+
+def test_qwen3_token_classifier_on_gpu_bf16(tmp_path_factory, random_sentences):
+    """Qwen3ForTokenClassification in bf16 (the engine's GPU default) against transformers' fp32:
+    per-token probabilities and, with use_activation=False, logits."""
+    from support.tiny_token_classifiers import save_decoder_token_classifier
+    from tokenmill import PoolingParams
+
+    folder = save_decoder_token_classifier(tmp_path_factory.mktemp("ner"), "qwen3", seed=36)
+    llm = LLM(str(folder), gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=512)
+    assert llm.llm_engine.config.dtype == torch.bfloat16
+    texts = random_sentences(40, seed=26, high=60)
+    probs = llm.encode(texts, pooling_task="token_classify", use_tqdm=False)
+    raw = llm.encode(texts, PoolingParams(use_activation=False), pooling_task="token_classify", use_tqdm=False)
+    for out, out_raw, logits in zip(probs, raw, _hf_token_logits(folder, texts)):
+        torch.testing.assert_close(out.outputs.data, logits.softmax(-1), rtol=0, atol=3e-2)
+        torch.testing.assert_close(out_raw.outputs.data, logits, rtol=0, atol=1e-1)
 
 
 # ---- the packed GPU path: varlen attention, fused LayerNorm, one copy each way, steps in flight
