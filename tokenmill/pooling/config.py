@@ -2,9 +2,8 @@
 
 The runner follows vLLM: ``runner="auto"`` picks pooling for architectures with a pooling head
 (``BertModel``, ``*ForSequenceClassification``, ``*ForTokenClassification``, base models such as
-``Qwen3Model``) and generation
-for ``*ForCausalLM``; ``runner="pooling"`` runs a causal LM as an embedder of its final hidden
-states (``convert="embed"``). The older ``task="embed" | "classify" | "score" | "generate"`` spelling
+``Qwen3Model``) and generation for ``*ForCausalLM``; ``runner="pooling"`` runs a causal LM as an
+embedder of its final hidden states (``convert="embed"``). The older ``task="embed" | "classify" | "score" | "generate"`` spelling
 maps onto the same choices.
 
 How the model pools, in increasing priority: the model class's default (CLS for BERT, LAST for
