@@ -8,8 +8,9 @@ its dependencies) into the cache, dequantize the GGUF once into an ordinary HF f
 and every later load reads that folder.
 
 A GGUF file given by path is converted the same way, once per content: the folder is named by a
-hash of the file's bytes, and the hash is remembered per (path, size, mtime) so that a later load
-does not read the file again. ``load_format="gguf"`` skips the cache and reads the file itself.
+hash of the file's bytes (and the conversion's version), and the hash is remembered per (path,
+size, mtime) so that a later load does not read the file again. ``load_format="gguf"`` skips the
+cache and reads the file itself.
 
 Weights are stored in the dtype the run computes in (bf16 by default; fp32 when asked for, or
 where 'auto' means fp32), one folder per dtype: the values are the fp32 dequantized ones rounded
@@ -72,6 +73,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 
 COMPLETE_MARKER = "tokenmill_builtin.json"
+# The version of the GGUF conversion, part of a converted folder's name: a fix to how files are read
+# (the rope scaling, a family's layout) must not be hidden by a folder an older version converted.
+GGUF_CONVERSION_VERSION = 2
 STORED_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -126,7 +130,7 @@ def ensure_gguf_converted(gguf_path: Path, dtype: str = "bfloat16", cache: Path 
     it on first use. Keyed by the file's content: a copy shares the conversion, changed bytes do not."""
     cache = cache or cache_dir()
     content = _content_hash(Path(gguf_path), cache)
-    target = cache / "models" / f"gguf-{content[:24]}-{dtype}"
+    target = cache / "models" / f"gguf-v{GGUF_CONVERSION_VERSION}-{content[:24]}-{dtype}"
     if (target / COMPLETE_MARKER).is_file():
         return target
     _log(f"converting {gguf_path} to {target} ({dtype}, once for this file's content) ...")
@@ -203,9 +207,9 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
     then rounded once to ``dtype``)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    from tokenmill.models.gguf_config import read_gguf_config
+    from tokenmill.models.gguf_config import gguf_tokenizer_class, read_gguf_config
     from tokenmill.models.gguf_weights import iter_gguf_weights, open_gguf
     from tokenmill.models.registry import architecture_of
 
@@ -227,7 +231,8 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         config.save_pretrained(str(tmp))
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer_cls = gguf_tokenizer_class(gguf_path, reader)
+        tokenizer = tokenizer_cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         _fix_tokenizer(tokenizer, reader)
         tokenizer.save_pretrained(str(tmp))
         generation = {**_special_token_ids(reader), **(generation_defaults or {})}

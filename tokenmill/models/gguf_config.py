@@ -1,12 +1,22 @@
 """The Hugging Face config of a GGUF file: transformers' reading of its metadata, plus what that
-reading leaves wrong for the mixture-of-experts architectures we load.
+reading leaves out or gets wrong for the architectures we load, read the way llama.cpp's converter
+(convert_hf_to_gguf.py) wrote it.
 
-transformers (5.x, ``integrations/ggml.py``) maps ``qwen2moe``/``qwen3moe`` metadata to
-``qwen2_moe``/``qwen3_moe`` configs but reads only ``expert_count`` and ``expert_used_count`` of
-the MoE keys. Everything else falls back to the config class's defaults, which describe
-Qwen1.5-MoE-A2.7B / Qwen3-30B-A3B rather than the file: ``moe_intermediate_size`` (1408 / 768)
-and ``shared_expert_intermediate_size`` (5632) would give experts of the wrong width. We set them
-(and the fields llama.cpp's graphs fix without a key) from the file, the way llama.cpp reads it.
+- Every architecture: the rope scaling (gguf_rope.py), and ``head_dim`` from
+  ``{arch}.attention.key_length`` where the file states it (transformers keeps Qwen3's class
+  default of 128 whatever the file says).
+- Phi-3: the rotary width (``phi3.rope.dimension_count``, a fraction of the head: Phi-4-mini rotates
+  three quarters), the sliding window and the pretraining length, which transformers does not read.
+- Granite and SmolLM3: transformers refuses these architectures, so their config is built here
+  from llama.cpp's keys: Granite's four multipliers are ``granite.attention.scale``,
+  ``.embedding_scale``, ``.residual_scale`` and ``.logit_scale`` (a multiplier the converter left
+  out was 0/unset in the original config: HF's default, 1, applies); SmolLM3's layers without
+  rotary follow llama.cpp's fixed rule (every fourth, no key says otherwise), HF's default for
+  ``no_rope_layer_interval=4``.
+- Qwen2-MoE / Qwen3-MoE: transformers reads only ``expert_count`` and ``expert_used_count`` of the
+  MoE keys; everything else would fall back to the class defaults, which describe
+  Qwen1.5-MoE-A2.7B / Qwen3-30B-A3B rather than the file (``moe_intermediate_size`` 1408 / 768,
+  ``shared_expert_intermediate_size`` 5632 would give experts of the wrong width).
 """
 
 from __future__ import annotations
@@ -24,16 +34,127 @@ if TYPE_CHECKING:
 # transformers sets qwen3_moe's itself and leaves qwen2_moe's at its class default: we state both,
 # so neither depends on a transformers version.
 _NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
+# Architectures whose config transformers cannot build from a GGUF: general.architecture -> model_type.
+_BUILT_HERE = {"granite": "granite", "smollm3": "smollm3"}
+# Granite's multipliers: HF config field -> the key llama.cpp's converter writes it under.
+_GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+                   "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 
 
 def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
-    """transformers' config for the GGUF at ``gguf_path`` (``reader``: its open_gguf reader), fixed
-    up where transformers' reading differs from the model the file holds."""
-    from transformers import AutoConfig
+    """The HF config of the model in the GGUF at ``gguf_path`` (``reader``: its open_gguf reader)."""
+    arch = field(reader, "general.architecture")
+    if arch in _BUILT_HERE:
+        config = _config_from_keys(reader, arch, gguf_path)
+    else:
+        from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    fix_dense_config(config, reader, gguf_path)
     fix_moe_config(config, reader)
     return config
+
+
+def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
+    """The class to build this GGUF's tokenizer with (``from_pretrained(folder, gguf_file=...)``).
+    AutoTokenizer, except for the architectures whose config is built here: AutoTokenizer first asks
+    transformers for the file's config, which it refuses for them. transformers builds a GGUF's
+    tokenizer from its ``tokenizer.ggml.*`` keys whatever the architecture, so the generic fast
+    class gives the same tokenizer."""
+    if reader is None:
+        import gguf
+
+        reader = gguf.GGUFReader(str(gguf_path))
+    if field(reader, "general.architecture") in _BUILT_HERE:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
+def _config_from_keys(reader: Any, arch: str, path: Path) -> "PretrainedConfig":
+    """A Granite or SmolLM3 config from the Llama keys llama.cpp writes for both (plus Granite's
+    multipliers)."""
+    from transformers import AutoConfig
+
+    def key(name: str, required: bool = True) -> Any:
+        value = field(reader, f"{arch}.{name}")
+        if value is None and required:
+            raise ValueError(f"GGUF file {path} has no {arch}.{name}, which a {arch} model needs")
+        return value
+
+    from tokenmill.models.gguf_rope import fp32_value
+
+    heads = int(key("attention.head_count"))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = key("vocab_size", required=False) or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"GGUF file {path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens: the vocabulary "
+                         "size is unknown")
+    fields: dict[str, Any] = {
+        "max_position_embeddings": int(key("context_length")),
+        "hidden_size": int(key("embedding_length")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", required=False) or heads),
+        "rms_norm_eps": fp32_value(key("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": fp32_value(key("rope.freq_base", required=False) or 10000.0)},
+        "vocab_size": int(vocab),
+        # llama.cpp writes the output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if arch == "granite":
+        for hf_name, gguf_name in _GRANITE_SCALES.items():
+            value = key(gguf_name, required=False)
+            fields[hf_name] = fp32_value(value) if value else 1.0
+    return AutoConfig.for_model(_BUILT_HERE[arch], **fields)
+
+
+def fix_dense_config(config: "PretrainedConfig", reader: Any, path: Path) -> None:
+    """Set what transformers' reading leaves out for the families we load (see the module
+    docstring): head_dim, biases, Phi-3's rotary width, window and pretraining length, and the rope
+    scaling."""
+    from tokenmill.models.gguf_rope import rope_scaling_from_gguf
+
+    arch = field(reader, "general.architecture")
+
+    def key(name: str) -> Any:
+        return field(reader, f"{arch}.{name}")
+
+    if key("attention.key_length"):
+        config.head_dim = int(key("attention.key_length"))
+    # No key says whether the projections have biases; the tensors do, as for llama.cpp, which loads
+    # whichever bias tensors a file has. (Qwen2 and Qwen2-MoE always bias q/k/v and never o: their
+    # classes know, and their attention_bias means something else.)
+    names = {t.name for t in reader.tensors}
+    for flag, parts in (("attention_bias", ("attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv")),
+                        ("mlp_bias", ("ffn_gate", "ffn_up", "ffn_down"))):
+        if arch not in ("qwen2", "qwen2moe") and hasattr(config, flag):
+            setattr(config, flag, any(f"blk.0.{part}.bias" in names for part in parts))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    partial = 1.0
+    if arch == "phi3":
+        rotating = key("rope.dimension_count")
+        if rotating and int(rotating) != head_dim:
+            partial = int(rotating) / head_dim
+        config.partial_rotary_factor = partial
+        window = key("attention.sliding_window")
+        config.sliding_window = int(window) if window else None  # the converter writes 0 for none
+        if key("rope.scaling.original_context_length"):
+            config.original_max_position_embeddings = int(key("rope.scaling.original_context_length"))
+    theta = float(rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+    scaling = rope_scaling_from_gguf(reader, path, theta, int(head_dim * partial), int(config.max_position_embeddings))
+    base = {"rope_type": "default", "rope_theta": theta}
+    if partial != 1.0 or "partial_rotary_factor" in rope:
+        base["partial_rotary_factor"] = partial
+    config.rope_parameters = {**base, **scaling}
 
 
 def fix_moe_config(config: "PretrainedConfig", reader: Any) -> None:

@@ -2,8 +2,12 @@
 
 GGUF (llama.cpp's format) names tensors ``blk.N.attn_q.weight`` and may store them quantized.
 We dequantize with the ``gguf`` package, map names back to HF ones with gguf's own name table,
-and undo the q/k row permutation llama.cpp's converter applies to "llama" architecture models
-(it reorders each head's rows from HF's half-split rope layout to interleaved pairs).
+and undo the q/k row permutation llama.cpp's converter applies to the architectures its LlamaModel
+converts ("llama", "granite", "smollm3": it reorders each head's rows from HF's half-split rope
+layout to interleaved pairs). Phi-3 files keep the checkpoint's fused ``attn_qkv`` and gate+up
+``ffn_up``, which map to HF's ``qkv_proj`` and ``gate_up_proj``. The rope tensors (``rope_freqs``,
+Phi-3's ``rope_factors_long/short``) are not weights: the config reader turns them into the
+config's rope parameters (gguf_rope.py) and they are skipped here.
 
 Mixture-of-experts files (Qwen2-MoE, Qwen3-MoE) hold each layer's experts merged into one 3-D
 tensor per projection (``blk.N.ffn_gate_exps.weight`` [E, I, H] in torch order); we split it into
@@ -33,8 +37,12 @@ _BLOCK_MODULES = (
     "mlp.shared_expert_gate",
 )
 _GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
-# llama.cpp converters that permute q/k rows (Qwen2/Qwen3 converters do not).
-_PERMUTED_ARCHS = ("llama",)
+# llama.cpp converters that permute q/k rows: LlamaModel and its subclasses (Qwen2/Qwen3/Phi-3's do not).
+_PERMUTED_ARCHS = ("llama", "granite", "smollm3")
+# Fused projections llama.cpp keeps as the checkpoint has them, per architecture: GGUF name -> HF module.
+_FUSED_BLOCK = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Tensors that describe the rotary embedding, not weights (read by gguf_rope.py).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp architectures whose merged experts we split (and whose configs gguf_config fixes up).
 MOE_ARCHS = ("qwen2moe", "qwen3moe")
 # A dense MLP block inside a MoE architecture (Qwen3-MoE's ``mlp_only_layers``): gguf's table
@@ -103,6 +111,10 @@ def gguf_to_hf_names(reader: Any) -> dict[str, str]:
         if gguf_name is not None:
             for suffix in (".weight", ".bias"):
                 mapping[gguf_name + suffix] = hf + suffix
+    for i in range(num_blocks):
+        for gguf_part, hf_module in _FUSED_BLOCK.get(arch_name, {}).items():
+            for suffix in (".weight", ".bias"):
+                mapping[f"blk.{i}.{gguf_part}{suffix}"] = f"model.layers.{i}.{hf_module}{suffix}"
     if arch_name in MOE_ARCHS:
         for i in range(num_blocks):
             for gguf_ffn, hf_mlp in _DENSE_MLP.items():
@@ -117,8 +129,9 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(path: Path, reader: Any | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor in the file; unmapped names pass through as is
-    so that the model's ``load_weights`` reports them as unexpected instead of dropping them."""
+    """Yield (HF name, fp32 tensor) for every weight in the file (not the rope tensors); unmapped
+    names pass through as is so that the model's ``load_weights`` reports them as unexpected instead
+    of dropping them."""
     import gguf
     import numpy as np
 
@@ -129,6 +142,8 @@ def iter_gguf_weights(path: Path, reader: Any | None = None) -> Iterator[tuple[s
     num_heads = int(field(reader, f"{arch_name}.attention.head_count") or 0)
     num_kv_heads = int(field(reader, f"{arch_name}.attention.head_count_kv") or num_heads)
     for tensor in reader.tensors:
+        if tensor.name in ROPE_TENSORS:
+            continue
         try:
             array = gguf.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
