@@ -166,3 +166,23 @@ def test_llama3_gguf_read_directly_matches_transformers(tiny_llama_dir: Path, tm
     with torch.no_grad():
         want = hf_reference(reference)(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(paged_cache(model).step([(0, tokens)])[0], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_phi3_dir", "tiny_qwen3_dir"])
+def test_the_written_gguf_is_what_transformers_reads_as_llama_cpp_files(fixture: str, request, tmp_path: Path) -> None:
+    """The test's writer and our reader could share a wrong idea of llama.cpp's layout (the q/k
+    permutation's direction, Phi-3's fused tensors) and still agree with each other. transformers'
+    own GGUF loader, written for llama.cpp's files, reads the file into the original model: the
+    layout is llama.cpp's. (Its config reading misses what test_dense_gguf_... checks, so the
+    original config is given.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dir = request.getfixturevalue(fixture)
+    path, _ = write_gguf_and_reference(hf_dir, tmp_path)  # every tensor F32: the values are the original's
+    theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                  config=AutoConfig.from_pretrained(hf_dir))
+    tokens = torch.tensor(_random_prompts(theirs.config.vocab_size, [17]))
+    with torch.no_grad():
+        want = hf_model(str(hf_dir))(tokens).logits
+        assert want.std() > 0.1
+        torch.testing.assert_close(theirs(tokens).logits, want, atol=1e-5, rtol=0)

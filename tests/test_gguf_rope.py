@@ -115,6 +115,8 @@ REFUSED = {
         "{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
         "{arch}.rope.scaling.yarn_log_multiplier": 0.1}},
         r"qwen2\.rope\.scaling\.yarn_log_multiplier=0\.1\d* cannot be honoured \(DeepSeek's YaRN mscale"),
+    "attn-factor-without-longrope": ("tiny_qwen2_dir", {"metadata": {"{arch}.rope.scaling.attn_factor": 1.5}},
+                                     r"qwen2\.rope\.scaling\.attn_factor=1\.5 cannot be honoured without LongRoPE"),
     "longrope-without-factors": ("tiny_qwen2_dir", {"metadata": {"{arch}.rope.scaling.type": "longrope"}},
                                  r"qwen2\.rope\.scaling\.type='longrope' but no rope_factors_long\.weight"),
     "rope-freqs-and-linear": ("tiny_llama_dir", {"metadata": {

@@ -79,13 +79,13 @@ def _config_from_keys(reader: Any, arch: str, path: Path) -> "PretrainedConfig":
     multipliers)."""
     from transformers import AutoConfig
 
+    from tokenmill.models.gguf_rope import fp32_value
+
     def key(name: str, required: bool = True) -> Any:
         value = field(reader, f"{arch}.{name}")
         if value is None and required:
             raise ValueError(f"GGUF file {path} has no {arch}.{name}, which a {arch} model needs")
         return value
-
-    from tokenmill.models.gguf_rope import fp32_value
 
     heads = int(key("attention.head_count"))
     tokens = field(reader, "tokenizer.ggml.tokens")

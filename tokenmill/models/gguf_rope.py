@@ -64,6 +64,10 @@ def rope_scaling_from_gguf(reader: Any, path: Path, theta: float, rotary_dim: in
             raise ValueError(f"GGUF file {path}: {arch}.rope.scaling.type={kind!r} with LongRoPE factor tensors "
                              "(rope_factors_long/short): the two scalings cannot both apply")
         return _longrope(reader, tensors, key, path, rotary_dim, context_length)
+    attn = key("attn_factor")
+    if attn is not None and float(attn) != 1.0:  # llama.cpp multiplies cos and sin by it; only LongRoPE's is HF's
+        raise ValueError(f"GGUF file {path}: {arch}.rope.scaling.attn_factor={fp32_value(attn)} cannot be honoured "
+                         "without LongRoPE factor tensors; supported: the key absent or 1.0")
     if kind == "longrope":
         raise ValueError(f"GGUF file {path} has {arch}.rope.scaling.type='longrope' but no rope_factors_long.weight / "
                          "rope_factors_short.weight tensors: its LongRoPE factors are unknown")
