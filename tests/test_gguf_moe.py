@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from reference import hf_greedy, hf_model
-from support.gguf_writer import write_gguf
+from support.gguf_writer import write_gguf, write_gguf_and_reference
 from tokenmill import LLM, SamplingParams
 
 # Per model: GGUF tensors stored as Q8_0 (merged experts, a shared expert) and as F16. Q8_0 needs
@@ -45,25 +44,6 @@ def conversion_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def _write(hf_dir: Path, folder: Path, fixture: str) -> tuple[Path, Path]:
-    """The GGUF of ``hf_dir`` (alone in its folder) and an HF folder holding the values it encodes."""
-    import gguf
-    from safetensors.torch import load_file, save_file
-
-    quantized, f16 = STORED[fixture]
-    folder.mkdir()
-    path = folder / "model.gguf"
-    encoded = write_gguf(hf_dir, path, {n: gguf.GGMLQuantizationType[q] for n, q in quantized.items()}, f16)
-    original = load_file(str(hf_dir / "model.safetensors"))
-    assert encoded.keys() == original.keys()
-    changed = [n for n in original if not torch.equal(encoded[n], original[n])]
-    assert len(changed) > 3  # the quantized / fp16 tensors really hold other values (Q8_0 experts: one per expert)
-    reference = folder.parent / "reference"
-    shutil.copytree(hf_dir, reference, ignore=shutil.ignore_patterns("model.safetensors"))
-    save_file(encoded, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    return path, reference
-
-
 def _hf_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
@@ -79,7 +59,7 @@ def _random_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
 def test_moe_gguf_generates_as_transformers_on_its_weights(fixture: str, request, tmp_path: Path,
                                                           conversion_cache: Path) -> None:
     hf_dir = request.getfixturevalue(fixture)
-    path, reference = _write(hf_dir, tmp_path / "gguf", fixture)
+    path, reference = write_gguf_and_reference(hf_dir, tmp_path, *STORED[fixture])
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=16 * 2**20, seed=0)
 
     # The converted folder: the original's config (the MoE fields transformers does not read from
@@ -116,7 +96,7 @@ def test_moe_gguf_read_directly_matches_its_conversion(tiny_qwen2_moe_dir: Path,
     from tokenmill.models.loader import load_model
     from tokenmill.models.source import resolve_model
 
-    path, reference = _write(tiny_qwen2_moe_dir, tmp_path / "gguf", "tiny_qwen2_moe_dir")
+    path, reference = write_gguf_and_reference(tiny_qwen2_moe_dir, tmp_path, *STORED["tiny_qwen2_moe_dir"])
     source = resolve_model(str(path), load_format="gguf")
     assert source.weights_format == "gguf" and source.config_dir is None
     assert (source.hf_config.moe_intermediate_size, source.hf_config.shared_expert_intermediate_size) == (32, 96)
