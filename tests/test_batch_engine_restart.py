@@ -57,13 +57,13 @@ def test_a_killed_worker_of_the_jobs_own_engine_is_replaced_and_no_row_fails(tmp
                                                                                capsys, monkeypatch):
     import weakref
 
-    from tokenmill.batch import job, loop
+    from tokenmill.batch import job, job_engine
 
     loaded, alive_at_load = [], []
 
     def load_llm(config):  # the job's loader, noting which engines still exist when a new one loads
         alive_at_load.append(sum(ref() is not None for ref in loaded))
-        llm = loop.load_llm(config)
+        llm = job_engine.load_llm(config)
         loaded.append(weakref.ref(llm.llm_engine.executor.runner))  # it holds the weights and the KV cache
         return llm
 

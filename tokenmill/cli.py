@@ -200,7 +200,7 @@ def _why_empty(completion: Any, chat: bool, has_template: bool) -> str:
 
 
 def _defaults(llm: Any) -> dict[str, Any]:
-    from tokenmill.batch.loop import base_sampling
+    from tokenmill.batch.job_engine import base_sampling
 
     return base_sampling(llm, {})
 

@@ -13,7 +13,8 @@ from typing import Any, Callable, TextIO
 
 from tokenmill.batch.config import DEFAULT_MODEL, JobConfig
 from tokenmill.batch.journal import Journal, RecordReader, ResumeError, fingerprint, recorded_settings, sidecar_dir
-from tokenmill.batch.loop import EngineFailure, JobLoop, load_llm
+from tokenmill.batch.job_engine import load_llm
+from tokenmill.batch.loop import EngineFailure, JobLoop
 from tokenmill.batch.lora_modules import check_lora_modules
 from tokenmill.batch.openai_batch import OpenAIRecordReader
 from tokenmill.batch.pooling import pooling_parquet_schema

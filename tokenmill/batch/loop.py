@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from tokenmill.batch.config import JobConfig
+from tokenmill.batch.job_engine import base_sampling, max_num_seqs
 from tokenmill.batch.lora_modules import JobAdapters, no_adapters
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
 from tokenmill.batch.pooling import PoolingRows, pooling_records
@@ -47,26 +48,6 @@ _FULL_COLLECTION_S = 300.0  # a full garbage collection this often: cyclic garba
 
 class EngineFailure(RuntimeError):
     """The engine fails whatever it runs (not one row's fault): the job stops, finished rows kept."""
-
-
-def load_llm(config: JobConfig) -> Any:
-    from tokenmill import LLM
-
-    engine = dict(config.engine)
-    if config.task != "generate":
-        engine.setdefault("runner", "pooling")
-    return LLM(model=config.model, seed=config.seed, **engine)
-
-
-def base_sampling(llm: Any, explicit: dict[str, Any]) -> dict[str, Any]:
-    """The model's defaults (generation_config), then the job's explicit values."""
-    from tokenmill.batch.requests import sampling_field_names
-
-    names = sampling_field_names()
-    defaults = llm.get_default_sampling_params()
-    values = {name: getattr(defaults, name) for name in names if hasattr(defaults, name)}
-    values.update(explicit)
-    return values
 
 
 @dataclass
@@ -103,7 +84,7 @@ class JobLoop:
         self.base = base_sampling(llm, config.sampling)
         self.pooling = PoolingRows(config.task, llm, config.prompt, config.pooling) if config.task != "generate" else None
         self.keep_logprobs = _asks_logprobs(self.base)
-        self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * _max_num_seqs(self.engine, config)
+        self.max_inflight = config.max_inflight or _INFLIGHT_PER_SEQ * max_num_seqs(self.engine, config)
         self.max_model_len = self.engine.config.max_model_len
         # The job's LoRA adapters, each checked against the model now: a bad one is a usage error
         # before any row runs (vLLM's server loads its --lora-modules at start-up too).
@@ -467,14 +448,6 @@ class JobLoop:
         self.drop_inflight()
         if not self._committing:
             self._commit()
-
-
-def _max_num_seqs(engine: Any, config: JobConfig) -> int:
-    for holder in (getattr(engine, "config", None), getattr(engine, "scheduler_config", None), getattr(engine, "scheduler", None)):
-        value = getattr(holder, "max_num_seqs", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return int(config.engine.get("max_num_seqs") or 256)
 
 
 def _asks_logprobs(sampling: dict[str, Any]) -> bool:

@@ -211,7 +211,8 @@ class JobReplica:
     """A Ray actor: one LLM and the job loop; a batch of input rows in, their commit units out."""
 
     def __init__(self, config: "JobConfig", input_format: str, output_shape: str, job_key: str, num_threads: int | None):
-        from tokenmill.batch.loop import JobLoop, load_llm
+        from tokenmill.batch.job_engine import load_llm
+        from tokenmill.batch.loop import JobLoop
 
         if num_threads is not None:
             import torch

@@ -87,7 +87,8 @@ def main(argv: list[str]) -> int:
 
 
 def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
-    from tokenmill.batch.loop import JobLoop, load_llm
+    from tokenmill.batch.job_engine import load_llm
+    from tokenmill.batch.loop import JobLoop
     from tokenmill.batch.readers import read_rows
     from tokenmill.batch.stall_watchdog import StallWatchdog
 
