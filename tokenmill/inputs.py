@@ -228,7 +228,52 @@ def render_chat_prompts(
     """`render_chat_prompt` for many conversations at once: each rendered, then tokenized
     ``TOKENIZE_CHUNK`` a call (the tokenizer's batch path: on the dev CPU 132 -> 69 us a short
     conversation). A conversation that fails the checks raises naming its ``wheres`` entry; one
-    that breaks the template raises the template's own error, found by rendering one at a time."""
+    that breaks the template raises the template's own error (the first such conversation's, as
+    rendering it alone raises it)."""
+    options, template = _chat_options(tokenizer, chat_template, add_generation_prompt, continue_final_message, tools,
+                                      chat_template_kwargs)
+    fmt = resolve_content_format(content_format, template)
+    checked = [_checked_messages(messages, where, fmt) for messages, where in zip(conversations, wheres)]
+    rendered = _render_in_chunks(tokenizer, checked, options)
+    error = next((ids for ids in rendered if isinstance(ids, Exception)), None)
+    if error is not None:
+        raise error
+    return rendered  # type: ignore[return-value]  (no error among them)
+
+
+def render_chat_prompts_each(
+    tokenizer: Any,
+    conversations: Sequence[list[dict]],
+    chat_template: str | None,
+    wheres: Sequence[str],
+    add_generation_prompt: bool = True,
+) -> list[list[int] | Exception]:
+    """`render_chat_prompts` for callers that go on past a bad conversation (the batch job): each
+    conversation's token ids, or the error it raises rendered alone (a failed check, the
+    template's own). One bad conversation costs its chunk a few more calls (halves), not every
+    conversation of the chunk rendered alone. Settings no conversation could render with (no
+    template) raise."""
+    options, template = _chat_options(tokenizer, chat_template, add_generation_prompt, False, None, None)
+    fmt = resolve_content_format("auto", template)
+    results: list[list[int] | Exception] = []
+    checked, places = [], []
+    for messages, where in zip(conversations, wheres):
+        try:
+            checked.append(_checked_messages(messages, where, fmt))
+            places.append(len(results))
+            results.append([])
+        except (ValueError, TypeError) as error:
+            results.append(error)
+    for place, ids in zip(places, _render_in_chunks(tokenizer, checked, options)):
+        results[place] = ids
+    return results
+
+
+def _chat_options(
+    tokenizer: Any, chat_template: str | None, add_generation_prompt: bool, continue_final_message: bool,
+    tools: list[dict] | None, chat_template_kwargs: dict[str, Any] | None,
+) -> tuple[dict[str, Any], str]:
+    """apply_chat_template's keywords for a call's settings, and the template they name."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -236,8 +281,6 @@ def render_chat_prompts(
         raise ValueError(
             "the tokenizer has no chat template; pass chat_template= or use generate() with plain prompts"
         )
-    fmt = resolve_content_format(content_format, template)
-    checked = [_checked_messages(messages, where, fmt) for messages, where in zip(conversations, wheres)]
     reserved = sorted({"tokenize", "return_dict", "chat_template"} & set(chat_template_kwargs or {}))
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {reserved}: the engine tokenizes the rendered prompt, "
@@ -246,13 +289,30 @@ def render_chat_prompts(
     explicit = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools)
     options = {**(chat_template_kwargs or {}), **{k: v for k, v in explicit.items() if v is not None},
                "chat_template": template, "tokenize": True, "return_dict": False}
-    if len(checked) > 1:
+    return options, template
+
+
+def _render_in_chunks(tokenizer: Any, checked: list[list[dict]], options: dict[str, Any]) -> list[list[int] | Exception]:
+    """Checked conversations rendered ``TOKENIZE_CHUNK`` a call: each one's ids, or its own error."""
+    rendered: list[list[int] | Exception] = []
+    for start in range(0, len(checked), TOKENIZE_CHUNK):
+        rendered += _render_halving(tokenizer, checked[start : start + TOKENIZE_CHUNK], options)
+    return rendered
+
+
+def _render_halving(tokenizer: Any, conversations: list[list[dict]], options: dict[str, Any]) -> list[list[int] | Exception]:
+    """One apply_chat_template call for ``conversations``; if one of them breaks it, each half again,
+    down to the conversation alone, rendered as `render_chat_prompt` renders it (its own error)."""
+    if len(conversations) == 1:
         try:
-            return [list(ids) for start in range(0, len(checked), TOKENIZE_CHUNK)
-                    for ids in tokenizer.apply_chat_template(checked[start : start + TOKENIZE_CHUNK], **options)]
-        except Exception:  # noqa: BLE001  (one conversation broke the template: find it, one at a time)
-            pass
-    return [list(tokenizer.apply_chat_template(messages, **options)) for messages in checked]
+            return [list(tokenizer.apply_chat_template(conversations[0], **options))]
+        except Exception as error:  # noqa: BLE001  (a template raises what it likes: the caller decides)
+            return [error]
+    try:
+        return [list(ids) for ids in tokenizer.apply_chat_template(conversations, **options)]
+    except Exception:  # noqa: BLE001  (one conversation broke the template: find it by halves)
+        half = len(conversations) // 2
+        return _render_halving(tokenizer, conversations[:half], options) + _render_halving(tokenizer, conversations[half:], options)
 
 
 def _checked_messages(messages: Any, where: str, content_format: str) -> list[dict]:
