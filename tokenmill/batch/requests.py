@@ -16,7 +16,6 @@ turns into an error row. The OpenAI batch format has its own translation in `ope
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import functools
@@ -285,11 +284,11 @@ def row_sampling_params(
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
     where = where or f"row {index}"
-    unknown = sorted(set(overrides) - sampling_field_names())
+    unknown = sorted(set(overrides) - sampling_field_names()) if overrides else None
     if unknown:
         raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params{_did_you_mean(unknown)}; "
                        f"allowed: {sorted(sampling_field_names())}", row_id)
-    key = _values_key(overrides) if made is not None else None
+    key = (_values_key(overrides) if overrides else "") if made is not None else None  # most rows set none
     checked = made.get(key) if made is not None and key is not None else None
     if checked is None:
         try:
@@ -301,13 +300,21 @@ def row_sampling_params(
             if len(made) >= _PARAMS_KEPT:
                 made.clear()
             made[key] = checked
-    params = copy.copy(checked)  # the engine never changes a request's params in place: rows may share their lists
+    params = _shallow_copy(checked)  # the engine never changes a request's params in place: rows may share their lists
     if params.seed is None and params.temperature > 0:
         params.seed = derive_seed(base_seed, index)
     return params
 
 
 _PARAMS_KEPT = 1024  # distinct rows' values kept by row_sampling_params's ``made``
+
+
+def _shallow_copy(params: "SamplingParams") -> "SamplingParams":
+    """What ``copy.copy`` makes (a new object sharing the field values; no check runs again), without
+    its reduce protocol: 0.4 µs against 2.5 on the dev CPU, paid by every row."""
+    copied = type(params).__new__(type(params))
+    copied.__dict__ = params.__dict__.copy()
+    return copied
 
 
 def _values_key(values: dict[str, Any]) -> str | None:
