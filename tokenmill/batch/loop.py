@@ -27,7 +27,8 @@ from tokenmill.batch.pooling import PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
 from tokenmill.batch.requests import RowError, RowRequest, build_row_request, check_engine_limits, row_sampling_params
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
-from tokenmill.batch.row_prompts import batch_prompts, check_chat_template, row_prompt
+from tokenmill.batch.row_prompts import check_chat_template, prepare_rows, row_prompt
+from tokenmill.batch.rows_ahead import RowsAhead
 from tokenmill.batch.writers import encode_lines
 from tokenmill.distributed import cleanup_dist_env_and_memory
 from tokenmill.fatal_errors import drop_tracebacks, is_device_failure, is_engine_stopped
@@ -118,7 +119,7 @@ class JobLoop:
             return self._feed(rows, collect)
 
     def _feed(self, rows: Any, collect: Callable[[], None]) -> bool:
-        exhausted = False
+        ahead = RowsAhead(rows, self.journal.is_done, self._prepare, self.max_inflight, self.should_stop)
         while True:
             if self.should_stop():
                 return False
@@ -126,24 +127,21 @@ class JobLoop:
                 if not self.inflight:  # one group at a time, alone in the engine
                     self._submit_all(self.retry.popleft())
             else:
-                while not exhausted and len(self.inflight) < self.max_inflight:
-                    batch: list[RawRow] = []
-                    while not exhausted and len(self.inflight) + len(batch) < self.max_inflight:
-                        raw = next(rows, None)
-                        if raw is None:
-                            exhausted = True
-                        elif not self.journal.is_done(raw.index):
-                            batch.append(raw)
-                    self._submit_all(batch)
+                while len(self.inflight) < self.max_inflight and not ahead.finished:
+                    taken = ahead.take(self.max_inflight - len(self.inflight))
+                    for raw, built in taken:
+                        self._submit(raw, built)
                     if len(self.pending) >= _MAX_PENDING_ERRORS:
                         self._commit()
+                    if not taken:  # the job stops: the loop's next turn says so
+                        break
             if self.inflight:
                 try:
                     self._step()
                 except Exception as error:  # noqa: BLE001  (a row broke the step: find it, see _isolate)
                     self._isolate(error)
                 collect()
-            elif exhausted and not self.retry:
+            elif ahead.finished and not self.retry:
                 self._settle_suspects_at_end()
                 self._commit()
                 return True
@@ -174,18 +172,15 @@ class JobLoop:
         self.adapters.register(self.engine)
 
     def _submit_all(self, raws: list[RawRow]) -> None:
-        """Submit rows in order; their prompts made together (`row_prompts.batch_prompts`)."""
-        built: dict[int, tuple[RowRequest, Any]] = {}
-        if self.pooling is None and self.tokenizer is not None and len(raws) > 1:
-            requests = {}
-            for raw in raws:
-                if raw.error is None:
-                    with contextlib.suppress(*self._row_errors):  # _submit fails it with its own error
-                        requests[raw.index] = self._row_request(raw)
-            prompts = batch_prompts(self.tokenizer, requests, self.config.chat_template)
-            built = {index: (requests[index], prompt) for index, prompt in prompts.items()}
+        """Submit rows in order (a group run again apart); their prompts made together."""
+        built = self._prepare(raws)
         for raw in raws:
             self._submit(raw, built.get(raw.index))
+
+    def _prepare(self, raws: list[RawRow]) -> dict[int, tuple[RowRequest, Any]]:
+        if self.pooling is not None:
+            return {}
+        return prepare_rows(raws, self._row_request, self.tokenizer, self.config.chat_template, self._row_errors)
 
     def _row_request(self, raw: RawRow) -> RowRequest:
         return build_openai_request(raw) if self.fmt == "openai" else build_row_request(raw, self.config.prompt)

@@ -1,19 +1,21 @@
 """A job's rows' prompts, as the engine takes them.
 
 A row's prompt is its token ids, its text, or its conversation rendered with the chat template
-(`requests.RowRequest`). Rows submitted together (a refill of the engine: up to ``max_inflight``
-rows at the start, then the rows that finished in a step) have their texts tokenized in one
-tokenizer call and their conversations rendered and tokenized in one ``apply_chat_template``
-call: the tokenizer's batch path crosses into Rust once, on its threads (docs/perf.md 70). A row
-the batch cannot serve is left to `row_prompt`, alone, which raises that row's own error.
+(`requests.RowRequest`). Rows prepared together (a read-ahead batch, `rows_ahead.RowsAhead`, or a
+group run again apart) have their texts tokenized in one tokenizer call and their conversations
+rendered and tokenized in one ``apply_chat_template`` call (per ``TOKENIZE_CHUNK``): the
+tokenizer's batch path crosses into Rust once, on its threads (docs/perf.md 70). A conversation
+that breaks the template costs its batch a few calls more (halves), and is left out; a row the
+batch cannot serve goes to `row_prompt` alone, which raises that row's own error.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    from tokenmill.batch.readers import RawRow
     from tokenmill.batch.requests import PromptSettings, RowRequest
 
 
@@ -29,10 +31,26 @@ def row_prompt(tokenizer: Any, request: "RowRequest", chat_template: str | None)
     return request.prompt
 
 
+def prepare_rows(raws: list["RawRow"], make_request: Callable[["RawRow"], "RowRequest"], tokenizer: Any,
+                 chat_template: str | None, row_errors: tuple[type[BaseException], ...]) -> dict[int, tuple["RowRequest", Any]]:
+    """The requests and prompts of rows made together, by row index. A row whose request or prompt
+    could not be made here is left out: the job makes it alone when it submits it, and writes that
+    row's own error."""
+    if tokenizer is None or len(raws) < 2:
+        return {}
+    requests = {}
+    for raw in raws:
+        if raw.error is None:
+            with contextlib.suppress(*row_errors):
+                requests[raw.index] = make_request(raw)
+    prompts = batch_prompts(tokenizer, requests, chat_template)
+    return {index: (requests[index], prompt) for index, prompt in prompts.items()}
+
+
 def batch_prompts(tokenizer: Any, requests: dict[int, "RowRequest"], chat_template: str | None) -> dict[int, Any]:
     """The prompts of ``requests`` (by row index) made together, as `row_prompt` makes each; rows
     whose text or conversation could not be made in the batch are left out."""
-    from tokenmill.inputs import render_chat_prompts, tokenize_prompts
+    from tokenmill.inputs import render_chat_prompts_each, tokenize_prompts
 
     prompts = {i: row_prompt(tokenizer, r, chat_template) for i, r in requests.items() if r.prompt_token_ids is not None}
     texts = {i: r.prompt for i, r in requests.items() if r.messages is None and r.prompt_token_ids is None}
@@ -41,10 +59,10 @@ def batch_prompts(tokenizer: Any, requests: dict[int, "RowRequest"], chat_templa
         with contextlib.suppress(ValueError, TypeError):
             prompts.update(zip(texts, tokenize_prompts(list(texts.values()), tokenizer, {})))
     if chats:
-        with contextlib.suppress(Exception):  # a row that breaks the template: each then renders alone
-            rendered = render_chat_prompts(tokenizer, list(chats.values()), chat_template, True, False, None,
-                                           [requests[i].messages_where for i in chats])
-            prompts.update((i, {"prompt_token_ids": ids}) for i, ids in zip(chats, rendered))
+        with contextlib.suppress(Exception):  # settings no row renders with (no template): each row fails alone
+            rendered = render_chat_prompts_each(tokenizer, list(chats.values()), chat_template,
+                                                [requests[i].messages_where for i in chats])
+            prompts.update((i, {"prompt_token_ids": ids}) for i, ids in zip(chats, rendered) if not isinstance(ids, Exception))
     return prompts
 
 
