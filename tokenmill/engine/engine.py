@@ -116,6 +116,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         prompt_text: str | None = None,
         *,
         index: int | None = None,
+        seed: int | None = None,
     ) -> str:
         """Validate and queue one request; a ValueError leaves the engine untouched. Returns its id.
 
@@ -126,6 +127,8 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         first) orders the waiting requests under ``scheduling_policy="priority"`` and, under first-come-first-served
         scheduling, has no effect; ``trace_headers`` are accepted (no tracing); ``lora_request``: the
         request's LoRA adapter (a `tokenmill.lora.request.LoRARequest`; needs ``LLM(enable_lora=True)``).
+        ``seed`` (a tokenmill extension): the request's random seed in place of ``params.seed``, so
+        that requests sharing one params object each draw their own samples (the batch job's rows).
         """
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.asleep))} freed by sleep()); "
@@ -133,7 +136,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         check_add_request_keywords(request_id, priority)
         if tokenization_kwargs:
             (prompt,) = tokenize_prompts([prompt], self.tokenizer, tokenization_kwargs)
-        request = self.intake.make_request(request_id, prompt, params, index, self.requests)
+        request = self.intake.make_request(request_id, prompt, params, index, self.requests, seed)
         if lora_request is not None:
             if self.adapters is None:
                 raise ValueError(f"lora_request={lora_request!r} needs an engine started with enable_lora=True "

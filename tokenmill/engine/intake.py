@@ -38,12 +38,15 @@ class Intake:
         self._on_grammars = on_grammars
         self.grammars: GrammarCache | None = None
         self._next_seq_id = 0
+        # The last params object given stop ids (`_with_stop_ids`): it, its fields then, its copy.
+        self._stop_ids_copy: tuple[SamplingParams, dict[str, Any], SamplingParams] | None = None
 
     def make_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
-        index: int | None, ids_in_use: Container[str],
+        index: int | None, ids_in_use: Container[str], seed: int | None = None,
     ) -> Request:
-        """A ValueError names what is wrong; nothing changes anywhere until the request is returned."""
+        """A ValueError names what is wrong; nothing changes anywhere until the request is returned.
+        ``seed``: the request's own, in place of ``params.seed`` (`LLMEngine.add_request`)."""
         params = params if params is not None else SamplingParams()
         where = f"prompts[{index}]" if index is not None else "prompt"
         beam_params = params if isinstance(params, BeamSearchParams) else None
@@ -53,6 +56,8 @@ class Intake:
             raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if request_id in ids_in_use:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
         if beam_params is None:
             params = self._check_logprobs(params, where)
             if params.best_of is not None and params.best_of > params.n:
@@ -73,7 +78,7 @@ class Intake:
         params = self._with_logit_controls(params, where)
         matchers = self._grammar_matchers(params, where)
         request = Request(request_id, processed.prompt, processed.token_ids, params)
-        request.cache_salt = processed.cache_salt
+        request.cache_salt, request.seed = processed.cache_salt, seed
         request.max_output_tokens = max_output_tokens(params.max_tokens, len(processed.token_ids), config.max_model_len)
         if beam_params is not None:
             request.beam = BeamSearch(beam_params, params.all_stop_token_ids, max(1, request.max_output_tokens))
@@ -90,9 +95,10 @@ class Intake:
         params = request.params
         seq = Sequence(self._next_seq_id, index, request, request.prompt_token_ids)
         self._next_seq_id += 1
-        if params.seed is not None:
+        seed = request.seed if request.seed is not None else params.seed
+        if seed is not None:
             # A 63-bit draw key of its own for each of the request's sequences (see worker/sampler.py).
-            seq.seed = (params.seed if index == 0 else hash((params.seed, index))) & (2**63 - 1)
+            seq.seed = (seed if index == 0 else hash((seed, index))) & (2**63 - 1)
         if params.num_logprobs is not None:  # logprobs, or logprob_token_ids
             seq.logprobs = create_sample_logprobs(params.flat_logprobs)
         if params.detokenize and self.tokenizer is not None:
@@ -104,13 +110,24 @@ class Intake:
 
     # ---- checks and the engine's additions ------------------------------------------------
     def _with_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        """The params with the model's eos among the stop ids, the engine's field set on a shallow
+        copy (validation would reset it). Requests given one params object one after another (a
+        call's prompts, the batch job's rows) share one copy, as they share the object: with a copy
+        a request, each step's reads of every row's params touched as many objects as rows (~4 µs
+        more a short request on the dev CPU, docs/perf.md 86). The copy serves while the object's
+        fields are still those it was made from."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.config.eos_token_ids
-        if stop_ids != params.all_stop_token_ids:
-            params = copy.copy(params)  # the engine's field, set on a shallow copy (validation would reset it)
-            params.all_stop_token_ids = stop_ids
-        return params
+        if stop_ids == params.all_stop_token_ids:
+            return params
+        last = self._stop_ids_copy
+        if last is not None and last[0] is params and last[2].all_stop_token_ids == stop_ids and last[1] == vars(params):
+            return last[2]
+        copied = copy.copy(params)
+        copied.all_stop_token_ids = stop_ids
+        self._stop_ids_copy = (params, dict(vars(params)), copied)
+        return copied
 
     def _grammar_matchers(self, params: SamplingParams, where: str) -> list | None:
         """One matcher per sample, from a grammar compiled once per distinct constraint."""

@@ -150,6 +150,9 @@ class Request(Generic[ParamsT]):
     cache_salt: str | None = None
     # vLLM's priority (lower first): orders the waiting queue under scheduling_policy="priority".
     priority: int = 0
+    # Its random seed when the caller gave it one apart from its params (add_request's ``seed``):
+    # requests sharing one params object, each drawing its own samples.
+    seed: int | None = None
     # Its LoRA adapter: the user's LoRARequest (for its outputs) and the checked adapter (tokenmill/lora/).
     lora_request: Any = None
     adapter: "AdapterSpec | None" = None
