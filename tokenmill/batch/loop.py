@@ -25,7 +25,9 @@ from tokenmill.batch.lora_modules import JobAdapters, no_adapters
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
 from tokenmill.batch.pooling import PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
-from tokenmill.batch.requests import RowError, RowRequest, build_row_request, check_engine_limits, row_sampling_params
+from tokenmill.batch.requests import (
+    RowError, RowRequest, build_row_request, check_engine_limits, row_seed, shared_sampling_params,
+)
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
 from tokenmill.batch.row_prompts import check_chat_template, prepare_rows, row_prompt
 from tokenmill.batch.rows_ahead import RowsAhead
@@ -105,7 +107,7 @@ class JobLoop:
         self.restarts_without_progress = 0  # engine restarts since a row last finished
         self.alone_on_new_engine: set[int] = set()  # rows that stopped an engine alone and ran alone again
         self.errors: list[str] = []
-        self._params_made: dict[str, Any] = {}  # rows' SamplingParams by their values (row_sampling_params)
+        self._params_made: dict[str, Any] = {}  # rows' SamplingParams by their values (shared_sampling_params)
         from jinja2 import TemplateError  # chat templates can raise their own errors for odd conversations
 
         self._row_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, TemplateError)
@@ -190,6 +192,7 @@ class JobLoop:
         request: RowRequest | None = None
         row_id, lora = None, None
         bound, samples = 0, 1  # what the row may generate at most (progress and ETA)
+        keywords: dict[str, Any] = {}  # add_request's beyond the params: a generation row's seed (its params are shared)
         try:
             if raw.error is not None:
                 raise RowError(raw.error)
@@ -200,8 +203,8 @@ class JobLoop:
                 request, prompt = built if built is not None else (self._row_request(raw), None)
                 row_id = request.row_id
                 where = raw.where or f"row {raw.index}"
-                params = row_sampling_params(self.base, request.overrides, raw.index, self.config.seed, row_id, where,
-                                             self._params_made)
+                params = shared_sampling_params(self.base, request.overrides, raw.index, row_id, where, self._params_made)
+                keywords["seed"] = row_seed(params, self.config.seed, raw.index)
                 try:
                     check_engine_limits(params, self.max_model_len, self.engine.config.max_num_seqs)
                 except ValueError as e:
@@ -216,7 +219,7 @@ class JobLoop:
             flight = _InFlight(raw, request, part_ids=[request_id for request_id, _, _ in parts])
             try:
                 for request_id, prompt, params in parts:
-                    self.engine.add_request(request_id, prompt, params, lora_request=lora)
+                    self.engine.add_request(request_id, prompt, params, lora_request=lora, **keywords)
                     self.inflight[request_id] = flight
             except self._row_errors:
                 added = [request_id for request_id in flight.part_ids if request_id in self.inflight]

@@ -270,16 +270,28 @@ def row_sampling_params(
     base: dict[str, Any], overrides: dict[str, Any], index: int, base_seed: int, row_id: Any = None, where: str | None = None,
     made: dict[str, "SamplingParams"] | None = None,
 ) -> "SamplingParams":
-    """SamplingParams for one row: the job's values, then the row's own, then a per-row seed.
+    """SamplingParams for one row, complete: `shared_sampling_params`'s, on a copy of its own with
+    the row's seed (`row_seed`). The job itself hands the engine the shared params and the seed
+    apart (add_request's ``seed``)."""
+    checked = shared_sampling_params(base, overrides, index, row_id, where, made)
+    params = _shallow_copy(checked)  # the engine never changes a request's params in place: rows may share their lists
+    params.seed = row_seed(checked, base_seed, index)
+    return params
 
-    A sampled (temperature > 0) row without a seed of its own gets one derived from the job seed
-    and the row index, so its samples do not depend on which rows share its batch: a resumed
-    run samples exactly what an uninterrupted one would have. Whatever ``output_kind`` the row
-    names, the job reads whole outputs (CUMULATIVE): it writes each row once, complete.
+
+def shared_sampling_params(
+    base: dict[str, Any], overrides: dict[str, Any], index: int, row_id: Any = None, where: str | None = None,
+    made: dict[str, "SamplingParams"] | None = None,
+) -> "SamplingParams":
+    """A row's SamplingParams but its per-row seed: the job's values, then the row's own. Whatever
+    ``output_kind`` the row names, the job reads whole outputs (CUMULATIVE): it writes each row once,
+    complete.
 
     ``made``: the caller's SamplingParams already built and checked for ``base`` (the same every
-    call), by the row's own values: a job's rows mostly repeat a few, and each row then costs a
-    shallow copy with its seed, not a build and every check again (~25 µs on the dev CPU).
+    call), by the row's own values: a job's rows mostly repeat a few, and the rows with the same
+    values share one object, not a build and every check again each (~25 µs on the dev CPU), nor
+    a copy each (the engine's steps read every row's params: one object for all ran the steps of
+    short rows ~4% faster, docs/perf.md 86). The engine never changes a request's params in place.
     """
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -300,18 +312,25 @@ def row_sampling_params(
             if len(made) >= _PARAMS_KEPT:
                 made.clear()
             made[key] = checked
-    params = _shallow_copy(checked)  # the engine never changes a request's params in place: rows may share their lists
-    if params.seed is None and params.temperature > 0:
-        params.seed = derive_seed(base_seed, index)
-    return params
+    return checked
 
 
-_PARAMS_KEPT = 1024  # distinct rows' values kept by row_sampling_params's ``made``
+def row_seed(params: "SamplingParams", base_seed: int, index: int) -> int | None:
+    """The seed a row draws with: its own (``params.seed``), else for a sampled (temperature > 0) row
+    one derived from the job seed and the row index, so that its samples do not depend on which
+    rows share its batch: a resumed run samples exactly what an uninterrupted one would have.
+    Greedy rows need none."""
+    if params.seed is not None:
+        return params.seed
+    return derive_seed(base_seed, index) if params.temperature > 0 else None
+
+
+_PARAMS_KEPT = 1024  # distinct rows' values kept by shared_sampling_params's ``made``
 
 
 def _shallow_copy(params: "SamplingParams") -> "SamplingParams":
     """What ``copy.copy`` makes (a new object sharing the field values; no check runs again), without
-    its reduce protocol: 0.4 µs against 2.5 on the dev CPU, paid by every row."""
+    its reduce protocol: 0.4 µs against 2.5 on the dev CPU."""
     copied = type(params).__new__(type(params))
     copied.__dict__ = params.__dict__.copy()
     return copied
