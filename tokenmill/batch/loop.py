@@ -1,13 +1,14 @@
 """The `tokenmill run` loop: stream rows in, keep a bounded number of requests in flight, write each result as it finishes.
 
-    rows ──► build request ──► engine.add_request ──► engine.step() ──► finished? ──► journal.commit
-      │            │ bad row                                                             ▲
-      │            └──────────────────────────► error row ───────────────────────────────┘
+    rows ──► rows_ahead: requests, prompts ──► engine.add_request ──► engine.step() ──► finished? ──► journal.commit
+      │         (made in batches)               │ bad row                                            ▲
+      │                                         └─────────────► error row ───────────────────────────┘
       └─ rows the journal says are done are skipped (resume)
 
-Memory stays flat whatever the input size: the reader streams, at most ``max_inflight`` requests
-(a few times ``max_num_seqs``, enough to keep every batch full) are inside the engine, and every
-finished row is written at the end of the step that finished it.
+Memory stays flat whatever the input size: the reader streams, a bounded number of rows is read
+ahead (`rows_ahead.RowsAhead`), at most ``max_inflight`` requests (a few times ``max_num_seqs``,
+enough to keep every batch full) are inside the engine, and every finished row is written at the
+end of the step that finished it.
 """
 
 from __future__ import annotations
