@@ -1,4 +1,4 @@
-"""Requests sharing one SamplingParams object (docs/perf.md 86): `add_request`'s ``seed`` gives
+"""Requests sharing one SamplingParams object (docs/perf.md 87): `add_request`'s ``seed`` gives
 each its own draws as ``params.seed`` would; the engine's stop-ids copy is shared by the requests
 given one object, and made again once the object changed; the batch job's rows with the same values
 share one params object in the engine and sample what they sampled with a params object each."""

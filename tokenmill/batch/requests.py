@@ -291,7 +291,7 @@ def shared_sampling_params(
     call), by the row's own values: a job's rows mostly repeat a few, and the rows with the same
     values share one object, not a build and every check again each (~25 µs on the dev CPU), nor
     a copy each (the engine's steps read every row's params: one object for all ran the steps of
-    short rows ~4% faster, docs/perf.md 86). The engine never changes a request's params in place.
+    short rows ~4% faster, docs/perf.md 87). The engine never changes a request's params in place.
     """
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 

@@ -9,7 +9,7 @@
 Why ahead. A refill used to make the prompts of the rows that had just left the engine, a few
 hundred between two steps, so the tokenizer's work and the engine's steps took turns all job
 long; made in batches of thousands, the tokenizer runs warm for a while and most refills only
-hand over rows already made (docs/perf.md 86).
+hand over rows already made (docs/perf.md 87).
 
 What it keeps. Nothing read ahead is written or journaled: a stop drops the ready rows as it drops
 the running ones, and a resumed run reads them again (the journal says which rows are done, so
@@ -33,7 +33,7 @@ Prepared = tuple[RawRow, Any]
 
 # The read-ahead's bounds: this many times the rows the job keeps in flight, and about this many
 # prompt tokens (~40 MB of token ids as Python ints); ``CHUNK`` rows a prepare call (one tokenizer
-# call each: past a few hundred rows a call its cost per row is flat, docs/perf.md 86).
+# call each: past a few hundred rows a call its cost per row is flat, docs/perf.md 87).
 PER_INFLIGHT = 4
 TOKENS = 1 << 20
 CHUNK = 512

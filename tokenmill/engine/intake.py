@@ -114,7 +114,7 @@ class Intake:
         copy (validation would reset it). Requests given one params object one after another (a
         call's prompts, the batch job's rows) share one copy, as they share the object: with a copy
         a request, each step's reads of every row's params touched as many objects as rows (~4 µs
-        more a short request on the dev CPU, docs/perf.md 86). The copy serves while the object's
+        more a short request on the dev CPU, docs/perf.md 87). The copy serves while the object's
         fields are still those it was made from."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
