@@ -30,6 +30,7 @@ class OutputProcessor:
         # looked up, not decoded again (~5 µs a call), where positions carry decoded tokens (a
         # scoring job through `tokenmill run` decodes every prompt position). At most the vocabulary.
         self._whole_texts: dict[int, str] = {}
+        self._space_marker = _leading_space_marker(tokenizer)
 
     def record_prompt_logprobs(self, result: StepResult[Sequence]) -> None:
         """The prompt positions a step scored, appended to their requests' prompt logprobs.
@@ -224,6 +225,8 @@ class OutputProcessor:
         text = self._whole_texts.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])
+            if self._space_marker is not None:
+                text = _restore_leading_spaces(self.tokenizer.convert_ids_to_tokens(token_id), text, self._space_marker)
             if not text.endswith("\ufffd"):
                 self._whole_texts[token_id] = text
         return text
@@ -278,6 +281,31 @@ def _position(token: int, logprob: float, rank: int, top_ids: list[int] | None, 
         if top != token:
             position[top] = Logprob(lp, r)
     return position
+
+
+def _leading_space_marker(tokenizer: Any) -> str | None:
+    """The space marker ("▁") of a Metaspace pre-tokenizer (Mistral v0.3, and Llama-2 / TinyLlama /
+    Mistral tokenizers as transformers 5 builds them), alone or in a Sequence; None otherwise (byte-level
+    and legacy-layout tokenizers, whose single-token decode vLLM 0.26 leaves as it is)."""
+    import json
+
+    pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    if pre is None:
+        return None
+    config = json.loads(pre.__getstate__())
+    for part in [config, *config.get("pretokenizers", ())]:
+        if part.get("type") == "Metaspace":
+            return part.get("replacement", "\u2581")
+    return None
+
+
+def _restore_leading_spaces(piece: str | None, text: str, marker: str) -> str:
+    """The token decoded alone as vLLM 0.26 reports it (tokenizers/detokenizer_utils.py,
+    convert_ids_list_to_tokens): the decoder's Strip took the piece's leading space ("▁world" decodes
+    alone to "world"); the spaces its leading markers stand for are put back (" world")."""
+    markers = len(piece) - len(piece.lstrip(marker)) if piece else 0
+    missing = markers - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text
 
 
 def _recent_tokens(container: SampleLogprobs | PromptLogprobs, most: int = 4) -> list[int]:
