@@ -13,6 +13,24 @@ from typing import Any
 _PROMPT_CONTEXT_TOKENS = 8
 
 
+def _context_start(backend: Any, prompt_token_ids: list[int]) -> int:
+    """Where the priming window starts: the last _PROMPT_CONTEXT_TOKENS tokens, moved back (at most
+    3 tokens: a UTF-8 character has at most 3 continuation bytes) past byte-fallback tokens of
+    continuation bytes (``<0x80>``..``<0xBF>``). A window starting inside a character made the
+    ByteFallback decoder turn the window's whole run of byte tokens into U+FFFD, and the first
+    output token then carried that garbage in (a prompt ending in emoji or CJK byte tokens)."""
+    start = max(0, len(prompt_token_ids) - _PROMPT_CONTEXT_TOKENS)
+    lowest = max(0, start - 3)
+    while start > lowest and _is_continuation_byte(backend.id_to_token(prompt_token_ids[start])):
+        start -= 1
+    return start
+
+
+def _is_continuation_byte(token: str | None) -> bool:
+    # Byte-fallback pieces are spelled "<0xNN>"; continuation bytes are 0x80-0xBF: "<0x8?>".."<0xB?>".
+    return token is not None and len(token) == 6 and token.startswith("<0x") and token[3] in "89AB" and token[5] == ">"
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -21,6 +39,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         stop: list[str],
         include_stop_str_in_output: bool,
+        spaces_between_special_tokens: bool = True,
     ):
         from tokenizers.decoders import DecodeStream
 
@@ -28,9 +47,20 @@ class IncrementalDetokenizer:
         # Primed a token at a time, not seeded with DecodeStream(ids=...): a seed whose text ends
         # inside a character (a token-id prompt may end mid UTF-8) made the first generated token
         # bring the whole seed's text along. Primed, a dangling byte is held back as in any stream.
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token_id in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]:
-            self._stream.step(self._backend, token_id)
+        for token_id in prompt_token_ids[_context_start(self._backend, prompt_token_ids):]:
+            try:
+                self._stream.step(self._backend, token_id)
+            except Exception as exc:  # invalid bytes in the prompt: see _restart
+                self._restart(exc, token_id)
+        # vLLM 0.26's rule for skip_special_tokens=False, spaces_between_special_tokens=False: an added
+        # token right after an added token is its raw content (the decoder may give it a space: a
+        # normalized added token of a Llama-2-layout tokenizer decodes as " foo bar").
+        self._added: dict[int, str] | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._added = {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()} or None
+            self._last_added = False
         self.text = ""
         self._stop = stop
         self._include_stop = include_stop_str_in_output
@@ -41,7 +71,15 @@ class IncrementalDetokenizer:
 
         ``check_stop`` is False while the sequence is below min_tokens: stop strings don't count yet.
         """
-        chunk = self._stream.step(self._backend, token_id)
+        try:
+            chunk = self._stream.step(self._backend, token_id)
+        except Exception as exc:
+            chunk = self._restart(exc, token_id)
+        if self._added is not None:
+            content = self._added.get(token_id)
+            if content is not None and self._last_added:
+                chunk = content
+            self._last_added = content is not None
         if not chunk:
             return None
         searched_from = max(0, len(self.text) - self._max_stop_len + 1)
@@ -49,6 +87,18 @@ class IncrementalDetokenizer:
         if not self._stop or not check_stop:
             return None
         return self._cut_at_stop(searched_from)
+
+    def _restart(self, exc: Exception, token_id: int) -> str | None:
+        """A fresh stream from ``token_id`` on, as vLLM 0.26 recovers (its issue 17448). A byte-fallback
+        decoder (SentencePiece vocabularies: ``<0xE2>`` tokens) turns a whole run of byte tokens into
+        U+FFFD once one byte in it is invalid, so text already emitted (a byte that decoded as "H")
+        can change afterwards, and DecodeStream raises "Invalid prefix"; that must not end the engine."""
+        if not str(exc).startswith("Invalid prefix encountered"):
+            raise exc
+        from tokenizers.decoders import DecodeStream
+
+        self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        return self._stream.step(self._backend, token_id)
 
     @property
     def settled_text(self) -> str:

@@ -104,7 +104,7 @@ class Intake:
         if params.detokenize and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
-                params.include_stop_str_in_output,
+                params.include_stop_str_in_output, params.spaces_between_special_tokens,
             )
         return seq
 
