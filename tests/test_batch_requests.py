@@ -6,7 +6,9 @@ import pytest
 
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
 from tokenmill.batch.readers import RawRow
-from tokenmill.batch.requests import PromptSettings, RowError, build_row_request, derive_seed, row_sampling_params
+from tokenmill.batch.requests import (
+    PromptSettings, RowError, build_row_request, derive_seed, row_seed, shared_sampling_params,
+)
 from tokenmill.batch.results import RowResult, SampleResult, generic_records
 from tokenmill.outputs import Logprob
 
@@ -87,60 +89,61 @@ def test_csv_sampling_params_as_json_text():
 
 
 def test_row_sampling_params_made_once_per_distinct_values():
-    """Rows with the same values share one checked build (``made``), each with its own seed: every
-    field as a fresh build gives it; bad values fail every row that has them."""
+    """Rows with the same values share one checked build (``made``), each drawing with its own seed
+    (``row_seed``, handed to the engine apart): every field as a fresh build gives it; bad values
+    fail every row that has them."""
     from tokenmill.sampling_params import SamplingParams
 
     base, made = {"temperature": 0.7, "max_tokens": 8, "stop": ["\n"]}, {}
     rows = [({"max_tokens": 3}, 4), ({"max_tokens": 3}, 5), ({}, 6), ({"max_tokens": 3, "seed": 9}, 7), ({}, 8)]
     for overrides, index in rows:
-        got = row_sampling_params(base, overrides, index, 11, made=made)
-        fresh = row_sampling_params(base, overrides, index, 11)
+        got = shared_sampling_params(base, overrides, index, made=made)
+        fresh = shared_sampling_params(base, overrides, index)
         assert got is not fresh and got == fresh, overrides
-        assert got.seed == overrides.get("seed", derive_seed(11, index))
+        assert row_seed(got, 11, index) == overrides.get("seed", derive_seed(11, index))
     assert len(made) == 3
-    one, two = (row_sampling_params(base, {"max_tokens": 3}, i, 11, made=made) for i in (1, 2))
-    assert one is not two and one.seed != two.seed and one.max_tokens == two.max_tokens == 3
+    one, two = (shared_sampling_params(base, {"max_tokens": 3}, i, made=made) for i in (1, 2))
+    assert one is two and row_seed(one, 11, 1) != row_seed(two, 11, 2) and one.max_tokens == 3
     assert isinstance(one, SamplingParams) and one.output_kind.name == "CUMULATIVE"
     for _ in range(2):
         with pytest.raises(RowError, match="temperature"):
-            row_sampling_params(base, {"temperature": -1}, 0, 0, made=made)
+            shared_sampling_params(base, {"temperature": -1}, 0, made=made)
     # A schema's property order is part of the constraint (xgrammar follows it): no sharing across orders.
     orders = (["x", "y"], ["y", "x"])
     schemas = [{"structured_outputs": {"json": {"type": "object", "properties": {k: {"type": "integer"} for k in order}}}}
                for order in orders]
-    got = [row_sampling_params(base, schema, 1, 11, made=made).structured_outputs.json for schema in schemas]
+    got = [shared_sampling_params(base, schema, 1, made=made).structured_outputs.json for schema in schemas]
     assert [list(g["properties"]) for g in got] == list(orders)
 
 
 def test_row_sampling_params():
     base = {"temperature": 0.7, "max_tokens": 8}
-    p = row_sampling_params(base, {"max_tokens": 3}, index=4, base_seed=11)
-    assert (p.max_tokens, p.temperature, p.seed) == (3, 0.7, derive_seed(11, 4))
+    p = shared_sampling_params(base, {"max_tokens": 3}, index=4)
+    assert (p.max_tokens, p.temperature, row_seed(p, 11, 4)) == (3, 0.7, derive_seed(11, 4))
     assert derive_seed(11, 4) != derive_seed(11, 5) and derive_seed(11, 4) != derive_seed(12, 4)
-    assert row_sampling_params(base, {"seed": 9}, 4, 11).seed == 9
-    assert row_sampling_params(base, {"temperature": 0}, 4, 11).seed is None  # greedy needs none
+    assert row_seed(shared_sampling_params(base, {"seed": 9}, 4), 11, 4) == 9
+    assert row_seed(shared_sampling_params(base, {"temperature": 0}, 4), 11, 4) is None  # greedy needs none
     with pytest.raises(RowError, match="temperature"):
-        row_sampling_params(base, {"temperature": -1}, 0, 0)
+        shared_sampling_params(base, {"temperature": -1}, 0)
     with pytest.raises(RowError, match=r"unknown sampling parameter\(s\) \['temp'\]"):
-        row_sampling_params(base, {"temp": 1}, 0, 0)
+        shared_sampling_params(base, {"temp": 1}, 0)
     with pytest.raises(RowError, match=r"\['temprature'\] in sampling_params \(did you mean 'temperature'\?\); "
                                        r"allowed: \[.*'max_tokens'.*'top_p'"):
-        row_sampling_params(base, {"temprature": 1}, 0, 0)
+        shared_sampling_params(base, {"temprature": 1}, 0)
     with pytest.raises(RowError, match="max_tokens"):
-        row_sampling_params(base, {"max_tokens": "8"}, 0, 0)
+        shared_sampling_params(base, {"max_tokens": "8"}, 0)
 
 
 def test_row_repetition_detection_object():
     # A JSON object, or an Arrow struct whose unset keys come back as nulls.
     rd = {"max_pattern_size": 4, "min_pattern_size": None, "min_count": 3}
-    p = row_sampling_params({"max_tokens": 8}, {"repetition_detection": rd}, index=0, base_seed=0)
+    p = shared_sampling_params({"max_tokens": 8}, {"repetition_detection": rd}, index=0)
     assert (p.repetition_detection.max_pattern_size, p.repetition_detection.min_pattern_size,
             p.repetition_detection.min_count) == (4, 0, 3)
     with pytest.raises(RowError, match=r"row 2: RepetitionDetectionParams\.min_count=1 is invalid"):
-        row_sampling_params({}, {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, 2, 0)
+        shared_sampling_params({}, {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, 2)
     with pytest.raises(RowError, match="thinking_token_budget=64 is invalid.*no reasoning parsers"):
-        row_sampling_params({}, {"thinking_token_budget": 64}, 0, 0)
+        shared_sampling_params({}, {"thinking_token_budget": 64}, 0)
 
 
 # --- OpenAI batch ------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ def test_openai_chat_and_completion_requests():
     rd = {"max_pattern_size": 8, "min_count": 4}  # an object, as vLLM's server takes it
     req = build_openai_request(openai_line(url="/v1/completions", body={"prompt": "a", "repetition_detection": rd}))
     assert req.overrides == {"repetition_detection": rd}
-    assert row_sampling_params({}, req.overrides, 0, 0).repetition_detection.min_count == 4
+    assert shared_sampling_params({}, req.overrides, 0).repetition_detection.min_count == 4
 
 
 @pytest.mark.parametrize(
@@ -262,4 +265,4 @@ def test_template_null_field_is_an_error_not_the_text_none():
 ])
 def test_row_stop_values_of_the_wrong_shape_name_the_field(overrides, message):
     with pytest.raises(RowError, match=rf"line 3: {message}"):
-        row_sampling_params({}, overrides, 2, 0, where="line 3")
+        shared_sampling_params({}, overrides, 2, where="line 3")

@@ -18,7 +18,7 @@ class JobConfig:
     input_format: str = "auto"
     prompt: PromptSettings = field(default_factory=PromptSettings)
     sampling: dict[str, Any] = field(default_factory=dict)  # job-wide SamplingParams values (rows may override)
-    seed: int = 0  # per-row seeds derive from it (see requests.row_sampling_params)
+    seed: int = 0  # per-row seeds derive from it (see requests.row_seed)
     engine: dict[str, Any] = field(default_factory=dict)  # LLM(...) keyword arguments
     chat_template: str | None = None
     overwrite: bool = False
