@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-engine] [lora]
+#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-engine] [lora]
 #   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -130,6 +130,21 @@ for part in $parts; do
       OMP_NUM_THREADS=$TESTS_OMP timeout 300 python3 -m pytest tests/gpu/test_moe_gpu.py -q --maxfail=8 -p no:cacheprovider -rs \
         --durations=5 2>&1 | tee "$OUT/moe_tests.log" | tail -12
       timeout 450 python3 bench/moe_bench.py ${MOE_MODELS:-} > "$OUT/moe.raw" 2>>"$OUT/suite.log"; tag "$OUT/moe.raw" "$OUT/moe.jsonl"; : > "$OUT/moe.raw"; cat "$OUT/moe.jsonl" ;;
+    moe-sweep)  # tiles of the fused MoE GEMMs swept on three expert shapes, and the best rule of a tile per bucket of pairs
+                # an expert (bench/moe_tile_sweep.py; MOE_SWEEP_ARGS: shapes, --vllm for vLLM's fused_experts beside);
+                # the rule row is kept in /tmp/moe_rule.json for moe-ab on the same machine
+      timeout ${MOE_SWEEP_TIMEOUT:-420} python3 bench/moe_tile_sweep.py ${MOE_SWEEP_ARGS:-} > "$OUT/moe_sweep.raw" 2>>"$OUT/suite.log"
+      grep '"moe_tile_rule"' "$OUT/moe_sweep.raw" | tail -1 > /tmp/moe_rule.json.new && [ -s /tmp/moe_rule.json.new ] && mv /tmp/moe_rule.json.new /tmp/moe_rule.json
+      tag "$OUT/moe_sweep.raw" "$OUT/moe.jsonl"; : > "$OUT/moe_sweep.raw"; tail -1 "$OUT/moe.jsonl" ;;
+    moe-ab)  # Qwen3-30B-A3B's shape end to end (MOE_WORKLOADS, default nano uniform): the engine's MoE tiles, then
+             # moe-sweep's rule (/tmp/moe_rule.json) through bench/tokenmill_moe_tiles.py
+      for engine in tokenmill tokenmill_moe_tiles; do
+        [ $engine = tokenmill_moe_tiles ] && [ ! -s /tmp/moe_rule.json ] && { echo "moe-ab: no rule"; continue; }
+        TOKENMILL_MOE_TILES=/tmp/moe_rule.json RESULTS="$OUT/moe_engine.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" \
+          timeout ${MOE_AB_TIMEOUT:-280} python3 bench/moe_peer_bench.py $engine qwen3-30b-a3b ${MOE_WORKLOADS:-nano uniform} 2>&1 \
+          | grep -v "^\s*$" | tail -3
+      done
+      tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
     moe-engine)  # MoE decoders end to end (tests/gpu/test_moe_engine_gpu.py), then P1's and P2's requests on
                  # Qwen3-30B-A3B's shape, and P1's with quantization="fp8" (bench/moe_peer_bench.py; beside vllm-moe)
       OMP_NUM_THREADS=$TESTS_OMP timeout 240 python3 -m pytest tests/gpu/test_moe_engine_gpu.py -q --maxfail=4 -p no:cacheprovider -rs \
@@ -378,8 +393,8 @@ for part in $parts; do
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode ${LORA_WORKLOADS:-nano uniform} 2>&1 | tail -2
               done ;;
-        vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b nano uniform 2>&1 | tail -3
-              RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 250 \
+        vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b ${MOE_WORKLOADS:-nano uniform} 2>&1 | tail -3
+              [ "${MOE_FP8:-1}" = 1 ] && RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 250 \
                 python3 bench/moe_peer_bench.py vllm_fp8 qwen3-30b-a3b nano 2>&1 | tail -3 ;;
       esac
       tag "$OUT/vllm.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm.raw" ;;
