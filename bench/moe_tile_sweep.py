@@ -118,8 +118,6 @@ def sweep(name: str, vllm_experts) -> list[dict]:
                 row["vllm_error"] = repr(exc)[:300]
         print(json.dumps(row), flush=True)
         rows.append(row)
-    del w13, w2
-    torch.cuda.empty_cache()
     return rows
 
 
