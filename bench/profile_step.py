@@ -8,20 +8,26 @@
     python bench/profile_step.py llama3-8b nano --gpu --fp8-weights        # ... with quantization="fp8"
     python bench/profile_step.py qwen3-0.6b chat:repetition --timeline     # workload_bench.py's chat workload, one variant
     python bench/profile_step.py qwen3-0.6b refill:short --timeline        # refill_bench.py's workloads (prompts admitted every step)
+    python bench/profile_step.py qwen3-30b-a3b nano --timeline --max-num-seqs=256  # moe_peer_bench.py's shapes; the engine's cap
+The engine's INFO lines (its GPU memory plan among them) go to stderr.
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import logging
 import pstats
 import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from peer_bench import model_dir, workload  # noqa: E402
+from moe_peer_bench import peer_bench  # noqa: E402  (peer_bench's table with the mixture-of-experts shapes added)
 from refill_bench import refill_workload  # noqa: E402
 from workload_bench import chat_settings, chat_workload  # noqa: E402
+
+
+model_dir, workload = peer_bench.model_dir, peer_bench.workload
 
 
 def main() -> None:
@@ -31,8 +37,10 @@ def main() -> None:
 
     kv_cache_dtype = "fp8" if "--fp8-cache" in sys.argv[3:] else "auto"
     quantization = "fp8" if "--fp8-weights" in sys.argv[3:] else None
+    seqs = [int(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--max-num-seqs=")]
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
-              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization, max_num_seqs=seqs[0] if seqs else None)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
         (prompts, outs), settings = chat_workload(), chat_settings(name.split(":", 1)[1])
     elif name.startswith("refill:"):
