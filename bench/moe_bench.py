@@ -9,8 +9,8 @@ random logits). Each row gives, in µs per call:
   launches and the GEMMs' launch costs show up here);
 - ``fp8_weights_us``: the same call on fp8 codes with per-channel scales (``quantization="fp8"``'s
   experts: half the weight bytes);
-- ``small_tiles_us`` / ``large_tiles_us``: both of ``choose_config``'s tile classes at every T (where
-  they cross is where ``SMALL_MAX_PAIRS_PER_EXPERT`` belongs), ``align_us``: ``moe_align`` alone (one
+- ``small_tiles_us`` / ``large_tiles_us``: the smallest and largest of ``tile_classes`` at every T
+  (``bench/moe_tile_sweep.py`` times every candidate), ``align_us``: ``moe_align`` alone (one
   launch up to 8,192 pairs), ``align_torch_us``: its torch way at the same size (where the two cross
   is where ``ONE_LAUNCH_MAX_PAIRS`` belongs);
 - ``loop_us``: the model's CPU path run on the GPU (``models/layers/moe.experts_by_loop``: pairs
@@ -88,7 +88,7 @@ def bench(model: str) -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
         # Fewer calls a graph replay as calls grow long (Mixtral's experts at 8192 tokens: ~10 ms).
         per_graph = 10 if tokens <= 512 else 2
-        auto = fused_moe.choose_config(tokens * top_k, experts, x.dtype)
+        auto = fused_moe.choose_config(tokens * top_k, experts, x.dtype, fused_moe.tile_classes(hidden, inter, False))
 
         def fused(config: fused_moe.MoeConfig | None = None) -> list:
             return [lambda w=w, i=i: fused_moe.fused_experts(x, w13, w2, w, i, config=config) for w, i in routings]

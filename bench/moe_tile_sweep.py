@@ -97,7 +97,7 @@ def sweep(name: str, vllm_experts) -> list[dict]:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         routings = _routings(tokens, experts, top_k)
         want = fused_moe.fused_experts(x, w13, w2, *routings[0], config=fused_moe.SMALL_TILES).float()
-        engine = fused_moe.choose_config(tokens * top_k, experts, x.dtype)
+        engine = fused_moe.choose_config(tokens * top_k, experts, x.dtype, fused_moe.tile_classes(hidden, inter, False))
         row = {**_provenance("moe_tile_sweep", f"{name}-t{tokens}"), "shape": name, "tokens": tokens,
                "pairs_per_expert": tokens * top_k / experts, "engine": dataclasses.asdict(engine), "us": {}}
         for cand in CANDIDATES:

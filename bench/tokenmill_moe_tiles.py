@@ -23,14 +23,15 @@ _RULE = [(b.pop("max_pairs_per_expert") or float("inf"), fused_moe.MoeConfig(**b
 _engine_choice = fused_moe.choose_config
 
 
-def _choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> fused_moe.MoeConfig:
+def _choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype,
+                   classes: list[tuple[float, fused_moe.MoeConfig]]) -> fused_moe.MoeConfig:
     if dtype == torch.float32:
-        return _engine_choice(num_pairs, num_experts, dtype)
+        return _engine_choice(num_pairs, num_experts, dtype, classes)
     per_expert = num_pairs / num_experts
     return next(config for edge, config in _RULE if per_expert <= edge)
 
 
-def _variant_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+def _variant_token_counts(classes: list, num_experts: int, top_k: int, max_tokens: int) -> list[int]:
     """The fewest tokens of each bucket (its tile), and the one-launch alignment's largest call."""
     counts, lower = [1], 0.0
     for edge, _ in _RULE:

@@ -33,7 +33,9 @@ _FUSED = [
     (5, 8, 1, 40, 24, "random", None),  # K = 1; most experts empty
     (5, 8, 2, 64, 32, "random", None),  # whole K steps (EVEN_K) at fp32's 32-deep tiles
     (37, 8, 2, 40, 24, "skewed", None),  # one expert over several blocks, five experts with none
-    (37, 4, 2, 40, 24, "topk", None),  # 74 pairs on 4 experts: the large tiles (64-row blocks)
+    (37, 4, 2, 40, 24, "topk", None),  # 74 pairs on 4 experts: H and I fill no K step, so still the small tiles
+    (20, 4, 2, 128, 128, "topk", None),  # 40 pairs on 4 (10 an expert): the medium tiles (32-row blocks)
+    (70, 4, 2, 128, 128, "topk", None),  # 140 on 4: the large tiles (64-row blocks in fp32, 128 in fp16)
     (37, 8, 2, 40, 24, "random", dict(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1, group_m=2)),
 ]
 for _dt in ("float32", "float16"):
@@ -135,7 +137,7 @@ def _check_fused_moe(p: dict[str, Any]) -> None:
     import torch
 
     from tokenmill.kernels.reference import fused_moe_ref, silu_and_mul_ref
-    from tokenmill.kernels.triton.fused_moe import MoeConfig, choose_config, fused_experts, moe_align, moe_gemm
+    from tokenmill.kernels.triton.fused_moe import MoeConfig, choose_config, fused_experts, moe_align, moe_gemm, tile_classes
 
     dtype = getattr(torch, p["dtype"])
     tokens, experts, top_k, hidden, inter = p["tokens"], p["experts"], p["top_k"], p["hidden"], p["inter"]
@@ -156,7 +158,7 @@ def _check_fused_moe(p: dict[str, Any]) -> None:
         return
 
     # Each GEMM alone, into a poisoned buffer: every pair's row written, from its own expert.
-    cfg = config or choose_config(tokens * top_k, experts, dtype)
+    cfg = config or choose_config(tokens * top_k, experts, dtype, tile_classes(hidden, inter, False))
     lists = (*moe_align(ids, experts, cfg.block_m), cfg)
     flat = ids.reshape(-1).long()
     rows_x = x.repeat_interleave(top_k, dim=0).float()  # pair p's token row
@@ -175,24 +177,25 @@ def _check_moe_batch_invariant(p: dict[str, Any]) -> None:
     for bit the same alone, in a small batch and in one large enough that the default path switches
     tiles. Run with the interpreter's dot made row-independent, as an MMA is
     (``interpreter_dot_in_fixed_order``): then only the tile's K depth moves a row's bits, and in
-    fp16 the default path's two tile classes walk K=200 and 136 in other depths (128 against 64),
-    which the control shows; fp32's classes share their depth, so there the control is skipped."""
+    fp16 the default path's small and large tile classes walk K=256 and 128 in other depths (128
+    against 64), which the control shows; fp32's classes share their depth, so there the control is skipped."""
     import torch
 
     from support.triton_interpreter import interpreter_dot_in_fixed_order
     from tokenmill.kernels.reference import fused_moe_ref
-    from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts
+    from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts, tile_classes
 
     dtype = getattr(torch, p["dtype"])
-    experts, top_k, hidden, inter = 4, 2, 200, 136
+    experts, top_k, hidden, inter, tokens = 4, 2, 256, 128, 80
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(40, hidden, generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    ids = routing(40, experts, top_k, "topk", gen)
-    weights = torch.rand(40, top_k, generator=gen) + 0.5
-    assert choose_config(40 * top_k, experts, dtype) != choose_config(3 * top_k, experts, dtype)  # the default switches
-    subsets = ([7], [7, 0, 31], list(range(39, 0, -2)))
+    ids = routing(tokens, experts, top_k, "topk", gen)
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.5
+    classes = tile_classes(hidden, inter, False)
+    assert choose_config(tokens * top_k, experts, dtype, classes) != choose_config(3 * top_k, experts, dtype, classes)  # the default switches
+    subsets = ([7], [7, 0, 31], list(range(79, 0, -2)))
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
     with interpreter_dot_in_fixed_order():
         whole = fused_experts(x, w13, w2, weights, ids, batch_invariant=True)

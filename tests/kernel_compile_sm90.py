@@ -127,17 +127,20 @@ for _m in (16, 128, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-down-bf16", kernel="fp8_gemm", m=_m, n=4096, k=14336)
 
 # The fused MoE's two grouped GEMMs (and the SiLU between them): Qwen3-30B-A3B's experts (E 128, K 8)
-# at a decode step and past the small tiles' range (choose_config's two classes), Mixtral-8x7B's
+# at a decode step, at 256 tokens and past that (choose_config's three classes), Mixtral-8x7B's
 # (E 8, K 2), and fp16 with H and I that fill no tile.
 _COMPILE_MOE = {
     # name: (dtype, tokens, experts, top_k, hidden, intermediate)
     "qwen3-30b-a3b-t1-bf16": ("bfloat16", 1, 128, 8, 2048, 768),
+    "qwen3-30b-a3b-t256-bf16": ("bfloat16", 256, 128, 8, 2048, 768),
     "qwen3-30b-a3b-t1024-bf16": ("bfloat16", 1024, 128, 8, 2048, 768),
     "mixtral-8x7b-t8-bf16": ("bfloat16", 8, 8, 2, 4096, 14336),
     "mixtral-8x7b-t512-bf16": ("bfloat16", 512, 8, 2, 4096, 14336),
     "odd-fp16": ("float16", 64, 8, 2, 1000, 360),
+    "odd-fp16-t200": ("float16", 200, 8, 2, 1000, 360),
     # quantization="fp8"'s experts: fp8 codes widened in registers, per-channel scales after the K loop.
     "qwen3-30b-a3b-t1-fp8w": ("bfloat16", 1, 128, 8, 2048, 768),
+    "qwen3-30b-a3b-t256-fp8w": ("bfloat16", 256, 128, 8, 2048, 768),
     "qwen3-30b-a3b-t1024-fp8w": ("bfloat16", 1024, 128, 8, 2048, 768),
 }
 for _name in _COMPILE_MOE:

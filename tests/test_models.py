@@ -53,6 +53,17 @@ def test_interface_attributes(arch_dir: Path) -> None:
     assert tied == bool(config.tie_word_embeddings)
 
 
+def test_layers_share_one_rotary_table(arch_dir: Path) -> None:
+    """The cos/sin table covers every position the config allows (40,960 x 128 float32, 21 MB, for Qwen3;
+    67 MB for Llama-3.1): the layers share one, not a copy each (a copy a layer took 1 GB of a Qwen3-30B-A3B's
+    KV cache). SmolLM3's layers without rotary share their own identity table."""
+    model = _ours(arch_dir)
+    tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers}
+    assert len(tables) == (2 if "smollm3" in arch_dir.name else 1)
+    table_bytes = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith("cos_sin_cache"))
+    assert table_bytes == len(tables) * model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.nbytes
+
+
 def test_single_sequence_prefill(arch_dir: Path, hf_reference, paged_cache) -> None:
     model, hf = _ours(arch_dir), hf_reference(arch_dir)
     tokens = _tokens(23, model.config.vocab_size, seed=0)

@@ -26,6 +26,26 @@ def test_graphs_stop_where_the_gemms_outlast_the_launches():
     assert max_graph_tokens(80, 400_000_000_000, 16384) == 256  # never below 256 tokens
 
 
+def test_weight_count_takes_the_experts_a_token_meets(tiny_qwen3_moe_dir):
+    """A mixture-of-experts layer's count is its attention's linear weights and top_k experts' (a token's
+    GEMMs), from the config: Qwen3-MoE with 8 experts, 2 a token, one dense layer of three."""
+    import torch
+    from transformers import AutoConfig
+
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.worker.piecewise_graphs import linear_weight_count
+
+    c = AutoConfig.from_pretrained(tiny_qwen3_moe_dir)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    routed = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+    dense = 3 * c.hidden_size * c.intermediate_size
+    expected = c.num_hidden_layers * attention + (c.num_hidden_layers - 1) * routed + dense
+    ours = load_model(resolve_model(str(tiny_qwen3_moe_dir)), torch.float32, torch.device("cpu"), "dummy")
+    assert linear_weight_count(ours) == expected
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_phi3_dir"])
 def test_weight_count_is_the_decoder_layers_linear_weights(fixture, request):
     """What the graphs' limit is estimated from equals the weights of transformers' own linear

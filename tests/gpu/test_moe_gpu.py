@@ -55,14 +55,14 @@ def test_fused_experts_matches_twin(shape, dtype):
         _assert_matches(got, fused_moe_ref(x, w13, w2, weights, ids), f"T={tokens}")
 
 
-@pytest.mark.parametrize("tile", ["small", "large"])
-def test_both_tile_classes_at_every_size(tile):
-    """The small tiles at prefill sizes and the large ones at decode sizes (the engine's choice
-    switches at SMALL_MAX_PAIRS_PER_EXPERT; the benchmark times both, so both must be right)."""
+@pytest.mark.parametrize("tile", ["SMALL_TILES", "MEDIUM_TILES", "LARGE_TILES"])
+def test_every_tile_class_at_every_size(tile):
+    """Each of choose_config's tile classes at decode and prefill sizes alike (the engine switches by
+    the mean pairs an expert; the tile sweep times every class at every size, so all must be right)."""
     from tokenmill.kernels.reference import fused_moe_ref
     from tokenmill.kernels.triton import fused_moe
 
-    config = fused_moe.SMALL_TILES if tile == "small" else fused_moe.LARGE_TILES
+    config = getattr(fused_moe, tile)
     experts, top_k, hidden, inter = 128, 8, 2048, 768
     w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, seed=5)
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -144,14 +144,15 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch():
     """Deterministic mode's ``batch_invariant=True`` in bf16 on the real MMAs: each token's row bit for
     bit the same alone and in batches on both sides of the default path's tile switch (E 128, K 8)."""
     from tokenmill.kernels.reference import fused_moe_ref
-    from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts
+    from tokenmill.kernels.triton.fused_moe import choose_config, fused_experts, tile_classes
 
     experts, top_k, hidden, inter = 128, 8, 2048, 768
     w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, seed=11)
     gen = torch.Generator(device="cuda").manual_seed(12)
     x = torch.randn(2048, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = _route(2048, experts, top_k, gen)
-    assert choose_config(2048 * top_k, experts, torch.bfloat16) != choose_config(top_k, experts, torch.bfloat16)
+    classes = tile_classes(hidden, inter, False)
+    assert choose_config(2048 * top_k, experts, torch.bfloat16, classes) != choose_config(top_k, experts, torch.bfloat16, classes)
     whole = fused_experts(x, w13, w2, weights, ids, batch_invariant=True)
     _assert_matches(whole, fused_moe_ref(x, w13, w2, weights, ids), "batch_invariant values")
     for rows in ([5], [5, 1000, 77], list(range(2047, 0, -3))):
@@ -164,7 +165,7 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch():
 @pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (8, 2, 1000, 360)])
 def test_fp8_weights_match_the_dequantized_twin(shape, tokens):
     """quantization="fp8"'s experts: float8 e4m3 codes with a scale per output channel, widened in
-    registers, bf16 activations; against the twin on the dequantized weights, both tile classes."""
+    registers, bf16 activations; against the twin on the dequantized weights, every tile class."""
     from tokenmill.kernels.reference import fused_moe_ref
     from tokenmill.kernels.triton.fused_moe import fused_experts
     from tokenmill.quantization.fp8 import quantize_rows

@@ -69,12 +69,12 @@ class TensorParallel:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
-                 quant: "QuantizationConfig | None" = None, prefix: str = ""):
+                 quant: "QuantizationConfig | None" = None, prefix: str = "", rotary: RotaryEmbedding | None = None):
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.head_dim = attention_head_dim(config)
         o_bias = bool(getattr(config, "attention_bias", False))
         qkv_method = linear_method(quant, [f"{prefix}.{p}_proj" for p in "qkv"])
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, qkv_bias, **tp.kwargs(),
@@ -86,7 +86,9 @@ class LlamaAttention(nn.Module):
         # Qwen3 normalises every head of q and k (over head_dim) before rotating them.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding.from_config(config, self.head_dim)
+        # One table shared by the model's layers (LlamaModel's): it covers every position
+        # (e.g. 131,072 x 128 float32, 67 MB, for Llama-3.1), which a copy a layer would multiply.
+        self.rotary_emb = rotary if rotary is not None else RotaryEmbedding.from_config(config, self.head_dim)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | QuantizedActivation", ctx: ForwardContext) -> torch.Tensor:
@@ -94,6 +96,11 @@ class LlamaAttention(nn.Module):
         # backend does them in one kernel straight from the qkv output (see Attention.forward_qkv).
         qkv = self.qkv_proj(hidden)
         return self.o_proj(self.attn.forward_qkv(positions, qkv, ctx, self.rotary_emb, self.q_norm, self.k_norm))
+
+
+def attention_head_dim(config: "PretrainedConfig") -> int:
+    """The config's head_dim, or hidden_size / num_attention_heads where it has none."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def require_silu(config: "PretrainedConfig") -> None:
@@ -137,9 +144,10 @@ class LlamaDecoderLayer(nn.Module):
     residual_multiplier: float = 1.0
 
     def __init__(self, config: "PretrainedConfig", layer_idx: int, tp: TensorParallel, qkv_bias: bool, qk_norm: bool,
-                 quant: "QuantizationConfig | None" = None, prefix: str = "", make_mlp: MakeMLP = dense_mlp):
+                 quant: "QuantizationConfig | None" = None, prefix: str = "", make_mlp: MakeMLP = dense_mlp,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, tp, qkv_bias, qk_norm, quant, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(config, layer_idx, tp, qkv_bias, qk_norm, quant, f"{prefix}.self_attn", rotary)
         self.mlp = make_mlp(config, layer_idx, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -176,8 +184,9 @@ class LlamaModel(nn.Module):
                  quant: "QuantizationConfig | None" = None, prefix: str = "model", make_mlp: MakeMLP = dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **tp.kwargs())
+        rotary = RotaryEmbedding.from_config(config, attention_head_dim(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm, quant, f"{prefix}.layers.{i}", make_mlp)
+            LlamaDecoderLayer(config, i, tp, qkv_bias, qk_norm, quant, f"{prefix}.layers.{i}", make_mlp, rotary)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -314,7 +323,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
         attn = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or attn
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // attn
+        head_dim = attention_head_dim(config)
         inter = config.intermediate_size
         self._part_rows = {".qkv_proj.weight": (attn * head_dim, kv * head_dim, kv * head_dim),
                            ".gate_up_proj.weight": (inter, inter)}

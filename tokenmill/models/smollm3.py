@@ -34,7 +34,8 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         uses_rope = list(getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers)
         if len(uses_rope) != config.num_hidden_layers:
             raise ValueError(f"no_rope_layers has {len(uses_rope)} entries for {config.num_hidden_layers} layers")
+        rotary = self.model.layers[0].self_attn.rotary_emb
+        no_rotation = NoRotation(rotary.head_dim, rotary.max_position, rotary.rope)  # one table for every such layer
         for layer, rope in zip(self.model.layers, uses_rope):
             if not rope:
-                rotary = layer.self_attn.rotary_emb
-                layer.self_attn.rotary_emb = NoRotation(rotary.head_dim, rotary.max_position, rotary.rope)
+                layer.self_attn.rotary_emb = no_rotation

@@ -88,11 +88,15 @@ def max_graph_tokens(num_layers: int, linear_params: int, max_num_batched_tokens
 
 def linear_weight_count(model: nn.Module) -> int:
     """The weights a token's GEMMs multiply in the decoder layers: each linear layer's logical
-    input x output features, however it stores them (bf16, fp8, 4-bit words), and of stacked
-    experts one expert's (a token meets top_k of them: one keeps the estimate low, the limit high)."""
+    input x output features, however it stores them (bf16, fp8, 4-bit words), and of a layer's
+    stacked experts the top_k a token meets. (Counting one expert put Qwen3-30B-A3B's limit at
+    14,336 tokens instead of 5,632, and the graphs' pool, which the KV cache pays for, ~3x larger.)"""
+    from tokenmill.models.layers.moe import SparseMoeBlock
+
     layers = getattr(getattr(model, "model", model), "layers", model)
     linear = sum(m.input_size * m.output_size for m in layers.modules() if hasattr(m, "input_size") and hasattr(m, "output_size"))
-    experts = sum(p[0].numel() for p in layers.parameters() if p.dim() == 3)
+    experts = sum(m.gate.top_k * (m.experts.w13[0].numel() + m.experts.w2[0].numel())
+                  for m in layers.modules() if isinstance(m, SparseMoeBlock))
     return linear + experts
 
 

@@ -115,16 +115,30 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (rn < N)[None, :])
 
 
-# Decode-sized batches: an expert holds a few pairs, so a 16-row block wastes little on padding,
-# and the GEMM is a stream of the touched experts' weights (64-wide, 128-deep tiles keep enough
-# programs in flight: Qwen3-30B-A3B's gate_up at one token is 8 experts x 24 column tiles).
+# The tiles follow the mean token-expert pairs an expert (T K / E), the rows each expert's GEMM
+# has. Swept on an H100 (bench/moe_tile_sweep.py, docs/perf.md 88) with 18 tiles at T = 1-16,384
+# on Qwen3-30B-A3B's, Qwen1.5-MoE-A2.7B's and Mixtral-8x7B's experts; each class below was within
+# 3% of the best tile at every size of its range on all three shapes.
+# Up to 8 pairs an expert (decode steps): the GEMM streams the touched experts' weights; 16-row
+# blocks waste little on padding, and 64-wide, 128-deep tiles keep enough programs in flight
+# (Qwen3-30B-A3B's gate_up at one token: 8 experts x 24 column tiles).
 SMALL_TILES = MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# Prefill-sized: 64-row blocks (one warpgroup MMA tall on Hopper) re-read each weight tile for
-# a quarter as many rows as 16-row blocks would.
-LARGE_TILES = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
-# Pairs per expert (T * K / E, the mean) up to which the small tiles run. Not yet tuned on a GPU:
-# bench/moe_bench.py times both tiles at every size so the switch can be read off its rows.
-SMALL_MAX_PAIRS_PER_EXPERT = 16
+# 8-32 (Qwen3-30B-A3B's decode steps of 128-512 sequences): 32-row blocks 256 wide read each weight
+# tile for twice the rows (16 x 64 was 1.04-1.24x slower there).
+MEDIUM_TILES = MoeConfig(block_m=32, block_n=256, block_k=128, num_warps=4, num_stages=2)
+# Past 32 (prompt steps): 128 x 256 tiles on two warpgroups, compute-bound; 64 x 128 x 64, the
+# class before the sweep, was 1.08-1.6x slower.
+LARGE_TILES = MoeConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+
+
+def tile_classes(hidden: int, inter: int, fp8_weights: bool) -> list[tuple[float, MoeConfig]]:
+    """(the most mean pairs an expert, tiles) in order, for experts of these sizes. The wide tiles
+    keep their operands in registers only where both GEMMs' K (H, I) fill whole K steps: with a
+    masked tail they spill (1-16 KB a thread, sm_90; tests/kernel_compile_sm90.py), as the medium
+    tiles do on fp8 codes widened in registers (28 B), so those take the small tiles instead."""
+    if hidden % 128 or inter % 128:
+        return [(float("inf"), SMALL_TILES)]
+    return [(8, SMALL_TILES), (32, SMALL_TILES if fp8_weights else MEDIUM_TILES), (float("inf"), LARGE_TILES)]
 
 
 def precompile_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, dtype: torch.dtype,
@@ -133,33 +147,38 @@ def precompile_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_toke
     """Compile (launch nothing) every variant ``fused_experts`` can launch over these experts for calls
     of up to ``max_tokens`` tokens, as the layer calls it (its dtype, its fp8 scales, deterministic
     mode or not): the calls of ``variant_token_counts`` cover them."""
-    for tokens in variant_token_counts(w13.shape[0], top_k, max_tokens):
+    classes = tile_classes(w13.shape[2], w2.shape[2], w13_scale is not None)
+    for tokens in variant_token_counts(classes, w13.shape[0], top_k, max_tokens):
         x = torch.zeros((tokens, w13.shape[2]), dtype=dtype, device=w13.device)
         ids = torch.zeros((tokens, top_k), dtype=torch.int64, device=w13.device)
         fused_experts(x, w13, w2, torch.ones((tokens, top_k), device=w13.device), ids, batch_invariant=batch_invariant,
                       w13_scale=w13_scale, w2_scale=w2_scale, compile_only=True)
 
 
-def variant_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+def variant_token_counts(classes: list[tuple[float, MoeConfig]], num_experts: int, top_k: int, max_tokens: int) -> list[int]:
     """Token counts of up to ``max_tokens`` whose calls, between them, launch every Triton variant
-    ``fused_experts`` can for these experts: one token (the small tiles, the one-launch alignment on
-    16-row blocks) and the fewest that take the large tiles (with the one-launch alignment on
-    64-row blocks while that many pairs fit it). Larger calls add no variant (the torch alignment)."""
+    ``fused_experts`` can for experts with these ``tile_classes``: one token (the first class, the
+    one-launch alignment on its blocks) and the fewest that take each later class (with the
+    one-launch alignment on its blocks while that many pairs fit it). Larger calls add no variant
+    (the torch alignment)."""
     counts = [1]
-    large = SMALL_MAX_PAIRS_PER_EXPERT * num_experts // top_k + 1
-    if large <= max_tokens:
-        counts.append(large)
+    for limit, _ in classes[:-1]:
+        first = int(limit * num_experts) // top_k + 1
+        if first <= max_tokens:
+            counts.append(first)
     return counts
 
 
-def choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
-    """The tiles for ``num_pairs`` token-expert pairs over ``num_experts`` experts: two classes by
-    the mean pairs an expert (two compiled variants a GEMM and dtype). fp32 (tests only: FMA dots)
-    takes narrower tiles in fewer stages, so its operands fit shared memory."""
-    small = num_pairs <= SMALL_MAX_PAIRS_PER_EXPERT * num_experts
+def choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype,
+                  classes: list[tuple[float, MoeConfig]]) -> MoeConfig:
+    """The tiles of ``classes`` (``tile_classes``) for ``num_pairs`` token-expert pairs over
+    ``num_experts`` experts, by the mean pairs an expert (a compiled variant a class, GEMM and dtype).
+    fp32 (tests only: FMA dots) takes the class's block rows on narrow tiles in few stages, so its
+    operands fit shared memory."""
+    tiles = next(config for limit, config in classes if num_pairs <= limit * num_experts)
     if dtype == torch.float32:
-        return MoeConfig(block_m=16 if small else 64, block_n=32, block_k=32, num_warps=4, num_stages=2)
-    return SMALL_TILES if small else LARGE_TILES
+        return MoeConfig(block_m=min(tiles.block_m, 64), block_n=32, block_k=32, num_warps=4, num_stages=2)
+    return tiles
 
 
 def moe_gemm(
@@ -247,7 +266,8 @@ def fused_experts(
     num_pairs = t * top_k
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or choose_config(0 if batch_invariant else num_pairs, num_experts, x.dtype)
+    classes = tile_classes(h, inter, w13_scale is not None)
+    config = config or choose_config(0 if batch_invariant else num_pairs, num_experts, x.dtype, classes)
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, config.block_m, compile_only)
     lists = (sorted_pairs, block_experts, num_padded, config)
     gate_up = moe_gemm(x, w13, torch.empty((num_pairs, 2 * inter), dtype=x.dtype, device=x.device), *lists, top_k=top_k,
