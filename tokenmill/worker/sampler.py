@@ -101,16 +101,22 @@ class Sampler:
         # Raw logprobs from logits nothing below writes into: one Triton kernel reads them after the
         # draw (and topk the raw logits for k >= 2), no table (kernel_logprobs). Bans go into the
         # logits in place, and so do grammars, and processors when the logits are float32 already
-        # (.float() makes no copy then), so steps with any of them keep the table.
+        # (.float() makes no copy then), so steps with any of them take the table path (raw_outputs).
         two_passes = (mode == "raw_logprobs" and logits.is_cuda
                       and logits.stride(1) == 1 and batch.bad_words is None and batch.banned is None
                       and batch.grammar_bitmask is None and not batch.processors and batch.batch_processors is None
                       and batch.logprob_ids is None and batch.rank_within_grammar is None)
         raw_logits = logits
-        if mode == "raw_logprobs" and not two_passes:
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        elif mode == "raw_logits":
-            raw_logprobs = logits.float().clone()  # a copy: the bans below write into the logits
+        # The table path's raw values are kept in the logits' own dtype (a copy where the controls
+        # below write into the logits) and turned into float32 logprobs LOGPROB_TABLE_ROWS rows at
+        # a time once the tokens are drawn (raw_outputs), rather than held as a [N, V] float32 table:
+        # at 1,024 rows the table and the float32 copy it was made from were ~1.2 GB of V = 152K,
+        # which the memory plan set aside from the KV cache (worker/sampling_profile.py).
+        raw_values = None
+        if mode == "raw_logits" or (mode == "raw_logprobs" and not two_passes):
+            writes = (batch.grammar_bitmask is not None or batch.bad_words is not None or bool(batch.processors)
+                      or batch.batch_processors is not None or batch.banned is not None)
+            raw_values = logits.clone() if writes else logits
         state = batch.state
         bias_pending = batch.bias_rows is not None  # the logit bias is still to be added (a host fact)
         if batch.processors or batch.batch_processors:
@@ -150,14 +156,10 @@ class Sampler:
         else:
             token_ids = self._sample_on_gpu(logits, batch, state)
         if two_passes:
-            output = kernel_logprobs(raw_logits, token_ids, batch.max_num_logprobs)
-        else:
-            ranked = raw_logprobs
-            if batch.rank_within_grammar is not None and raw_logprobs is not None:
-                # logits hold -inf where the grammar forbids (a beam row has no other bans).
-                ranked = raw_logprobs.masked_fill(batch.rank_within_grammar[:, None] & (logits == float("-inf")),
-                                                  float("-inf"))
-            output = with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, ranked)
+            return kernel_logprobs(raw_logits, token_ids, batch.max_num_logprobs)
+        if raw_values is not None:
+            return raw_outputs(raw_values, mode == "raw_logprobs", token_ids, batch, logits)
+        output = with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, _ranked(raw_logprobs, batch, logits))
         if batch.logprob_ids is not None:
             assert raw_logprobs is not None, "rows with logprob_token_ids count as rows wanting logprobs"
             output.requested_logprobs = batch.logprob_ids[0].gather(raw_logprobs, batch.logprob_ids[1])
@@ -222,6 +224,48 @@ class Sampler:
 
             return sample_tokens(processed, unit, keys, counters), processed
         return _exponential_race(processed, unit, keys, counters), processed
+
+
+# Rows whose float32 logprobs raw_outputs forms at a time: [rows, V] float32 twice over (the
+# widened logits, their log-softmax) and a bool comparison, ~2.3 GB at V = 152K, bounded here.
+LOGPROB_TABLE_ROWS = 256
+
+
+def _ranked(logprobs: torch.Tensor | None, batch: SamplingBatch, logits: torch.Tensor,
+            rows: slice = slice(None)) -> torch.Tensor | None:
+    """``logprobs`` (of ``rows``) with the tokens a row's grammar forbids at -inf for the rows whose
+    top logprobs are ranked within their grammar (beams): ``logits``, after the controls, hold -inf
+    there (a beam row has no other bans)."""
+    if batch.rank_within_grammar is None or logprobs is None:
+        return logprobs
+    forbidden = batch.rank_within_grammar[rows, None] & (logits[rows] == float("-inf"))
+    return logprobs.masked_fill(forbidden, float("-inf"))
+
+
+def raw_outputs(raw: torch.Tensor, as_logprobs: bool, token_ids: torch.Tensor, batch: SamplingBatch,
+                logits: torch.Tensor) -> SamplerOutput:
+    """``with_logprobs`` (and the rows' logprob_token_ids) of the raw values ``raw`` [N, V]: their
+    log-softmax (``as_logprobs``) or themselves (raw_logits mode) in float32, formed
+    LOGPROB_TABLE_ROWS rows at a time. Each row's values depend on that row alone, so they equal the
+    whole table's. ``logits``: after the controls, for the rows ranked within their grammar."""
+    k, parts = batch.max_num_logprobs, []
+    ids_by_row = None
+    if batch.logprob_ids is not None:
+        ids_state, rows = batch.logprob_ids
+        ids_by_row, has_ids = ids_state.by_row(raw.shape[0], rows)
+    for start in range(0, max(raw.shape[0], 1), LOGPROB_TABLE_ROWS):  # one (empty) part for no rows
+        chunk = slice(start, start + LOGPROB_TABLE_ROWS)
+        table = raw[chunk].float()
+        table = torch.log_softmax(table, dim=-1) if as_logprobs else table
+        part = with_logprobs(token_ids[chunk], table, k, _ranked(table, batch, logits, chunk))
+        if ids_by_row is not None:
+            part.requested_logprobs = table.gather(1, ids_by_row[chunk]).masked_fill(~has_ids[chunk, None], 0.0)
+        parts.append(part)
+        del table
+    if len(parts) == 1:
+        return parts[0]
+    fields = zip(*(part.tensors() for part in parts))
+    return SamplerOutput(*(None if column[0] is None else torch.cat(column) for column in fields))
 
 
 def with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None, k: int,

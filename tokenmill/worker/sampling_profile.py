@@ -21,9 +21,12 @@ without bans take (the table is what such a step holds at most). Structured outp
 logits processors send the logits through a float32 copy first, whose kernels are compiled only
 when first met (``Sampler.precompile``), so that path is not run here: ``FLOAT32_COPIES`` float32
 [rows, V] tensors stand for what it holds beyond this pass. Measured on an H200 (1,024 rows,
-V = 151,936, above the logits): this pass peaks at 13 V bytes a row in raw_logprobs mode, the
-float32 path at 17, and with the ranks of beams under a grammar at 21, which the pass with its two
-copies matches (21.0); in processed_logprobs mode 48, 52 and 52 against the profile's 56.
+V = 151,936, above the logits) while raw logprobs were one [rows, V] float32 table: this pass peaked
+at 13 V bytes a row in raw_logprobs mode, the float32 path at 17, and with the ranks of beams under a
+grammar at 21, which the pass with its two copies matched (21.0); in processed_logprobs mode 48, 52
+and 52 against the profile's 56. The raw values are now a copy in the logits' dtype, their float32
+logprobs formed ``sampler.LOGPROB_TABLE_ROWS`` rows at a time: predicted (not yet measured) ~4 V a
+row plus ~2,300 V for the rows in hand, so ~14 V a row with the two copies at 1,024 rows.
 tests/gpu/test_memory_plan_gpu.py checks a whole engine.
 """
 

@@ -340,6 +340,15 @@ class LogprobIdsState(_SlottedState):
         out[rows.rows] = logprobs[rows.rows].gather(1, self.ids[rows.slots])
         return out
 
+    def by_row(self, num_rows: int, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, width] ids of each of a step's N rows (rows without: token 0) and [N] whether it has
+        any: ``gather`` for a table formed a few rows at a time."""
+        ids = torch.zeros((num_rows, self.ids.shape[1]), dtype=torch.int64, device=self.ids.device)
+        ids[rows.rows] = self.ids[rows.slots]
+        has = torch.zeros(num_rows, dtype=torch.bool, device=self.ids.device)
+        has[rows.rows] = True
+        return ids, has
+
     def _fill(self, new: list, to_device: ToDevice) -> None:
         lists = [seq.params.logprob_token_ids for _, seq in new]
         width = max(self.ids.shape[1], *(len(ids) for ids in lists))
