@@ -118,16 +118,16 @@ def _moe_gemm_kernel(
 # The tiles follow the mean token-expert pairs an expert (T K / E), the rows each expert's GEMM
 # has. Swept on an H100 (bench/moe_tile_sweep.py, docs/perf.md 88) with 18 tiles at T = 1-16,384
 # on Qwen3-30B-A3B's, Qwen1.5-MoE-A2.7B's and Mixtral-8x7B's experts; each class below was within
-# 3% of the best tile at every size of its range on all three shapes.
+# 3% of the best tile at every size the sweep timed in its range, on all three shapes.
 # Up to 8 pairs an expert (decode steps): the GEMM streams the touched experts' weights; 16-row
 # blocks waste little on padding, and 64-wide, 128-deep tiles keep enough programs in flight
 # (Qwen3-30B-A3B's gate_up at one token: 8 experts x 24 column tiles).
 SMALL_TILES = MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# 8-32 (Qwen3-30B-A3B's decode steps of 128-512 sequences): 32-row blocks 256 wide read each weight
-# tile for twice the rows (16 x 64 was 1.04-1.24x slower there).
+# 8-48 (Qwen3-30B-A3B's decode steps of 128-512 sequences): 32-row blocks 256 wide read each weight
+# tile for twice the rows (16 x 64 was 1.04-1.24x slower there; the large tiles 1.14x at 34).
 MEDIUM_TILES = MoeConfig(block_m=32, block_n=256, block_k=128, num_warps=4, num_stages=2)
-# Past 32 (prompt steps): 128 x 256 tiles on two warpgroups, compute-bound; 64 x 128 x 64, the
-# class before the sweep, was 1.08-1.6x slower.
+# Past 48 (prompt steps): 128 x 256 tiles on two warpgroups, compute-bound (the medium ones were
+# 1.06-1.25x slower at 64); 64 x 128 x 64, the class before the sweep, was 1.08-1.6x slower.
 LARGE_TILES = MoeConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
 
 
@@ -138,7 +138,7 @@ def tile_classes(hidden: int, inter: int, fp8_weights: bool) -> list[tuple[float
     tiles do on fp8 codes widened in registers (28 B), so those take the small tiles instead."""
     if hidden % 128 or inter % 128:
         return [(float("inf"), SMALL_TILES)]
-    return [(8, SMALL_TILES), (32, SMALL_TILES if fp8_weights else MEDIUM_TILES), (float("inf"), LARGE_TILES)]
+    return [(8, SMALL_TILES), (48, SMALL_TILES if fp8_weights else MEDIUM_TILES), (float("inf"), LARGE_TILES)]
 
 
 def precompile_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, dtype: torch.dtype,
