@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from support.state_seq import StateSeq as Seq
 from tokenmill import SamplingParams
 from tokenmill.kernels.reference import penalize_ref, prompt_mask_ref
 from tokenmill.kernels.triton.sampling import RowState
+from tokenmill.worker import sampling_state
 from tokenmill.worker.sampling_state import (
     BadWordState, LogitBiasState, LogprobIdsState, PenaltyState, SlotTable, StepRows, apply_bias, apply_penalties,
     step_rows,
@@ -105,7 +107,10 @@ def test_torch_penalties_match_the_reference():
     assert torch.equal(got, want)
 
 
-def test_logit_bias_rows():
+@pytest.mark.parametrize("rows_at_a_time", [256, 1])
+def test_logit_bias_rows(monkeypatch, rows_at_a_time):
+    """Each row's own bias, whether the rows are gathered together or one at a time (apply_bias)."""
+    monkeypatch.setattr(sampling_state, "BIAS_ROWS_AT_A_TIME", rows_at_a_time)
     params = [SamplingParams(logit_bias={3: 2.5, 7: -100.0}), SamplingParams(), SamplingParams(allowed_token_ids=[4, 9], logit_bias={9: 1.0})]
     seqs = [Seq(i, p, [1]) for i, p in enumerate(params)]
     state = LogitBiasState(VOCAB, CPU)

@@ -19,14 +19,15 @@ engine's ``logprobs_mode``, and a banned token a row (eos below min_tokens): a b
 the logits, so the raw logprobs take the [rows, V] table, not the two-pass kernel that steps
 without bans take (the table is what such a step holds at most). Structured outputs and Python
 logits processors send the logits through a float32 copy first, whose kernels are compiled only
-when first met (``Sampler.precompile``), so that path is not run here: ``FLOAT32_COPIES`` float32
-[rows, V] tensors stand for what it holds beyond this pass. Measured on an H200 (1,024 rows,
+when first met (``Sampler.precompile``), so that path is not run here: float32 tensors of
+``float32_path_shapes`` stand for what it holds beyond this pass. Measured on an H200 (1,024 rows,
 V = 151,936, above the logits) while raw logprobs were one [rows, V] float32 table: this pass peaked
 at 13 V bytes a row in raw_logprobs mode, the float32 path at 17, and with the ranks of beams under a
 grammar at 21, which the pass with its two copies matched (21.0); in processed_logprobs mode 48, 52
 and 52 against the profile's 56. The raw values are now a copy in the logits' dtype, their float32
-logprobs formed ``sampler.LOGPROB_TABLE_ROWS`` rows at a time: predicted (not yet measured) ~4 V a
-row plus ~2,300 V for the rows in hand, so ~14 V a row with the two copies at 1,024 rows.
+logprobs formed ``sampler.LOGPROB_TABLE_ROWS`` rows at a time, and the float32 path's bias gathered
+as many rows at a time: predicted (not yet measured) ~4 V a row plus ~2,300 V for the rows in hand,
+so ~11 V a row with the float32 path's copy at 1,024 rows.
 tests/gpu/test_memory_plan_gpu.py checks a whole engine.
 """
 
@@ -39,12 +40,15 @@ import torch
 from tokenmill.kernels.sampling_args import RowState
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.sampler import Sampler, SamplingBatch
-from tokenmill.worker.sampling_state import LogitBiasState, PenaltyState, StepRows, ToDevice
+from tokenmill.worker.sampling_state import BIAS_ROWS_AT_A_TIME, LogitBiasState, PenaltyState, StepRows, ToDevice
 
-# The float32 controls path (structured outputs, logits processors) over the kernels' path: the
-# float32 copy of the logits it works on, and the bias rows torch gathers to add to it or, for beams
-# ranked under a grammar, the masked copy of the logprobs (+4 and +8 V bytes a row, measured).
-FLOAT32_COPIES = 2
+def float32_path_shapes(rows: int, vocab: int) -> list[tuple[int, int]]:
+    """What the float32 controls path (Python logits processors) holds beyond the kernels' path: the
+    float32 copy of the logits it works on, and the bias rows torch gathers to add to it
+    (``apply_bias``, BIAS_ROWS_AT_A_TIME rows at a time; +4 V bytes a row each, measured when the
+    gather took every row). The masked copy of the logprobs that beams ranked under a grammar took
+    (+8 V) is now formed with the logprobs, a few rows at a time (``sampler.raw_outputs``)."""
+    return [(rows, vocab), (min(rows, BIAS_ROWS_AT_A_TIME), vocab)]
 
 # Penalties and a bias on every probe sequence: both tables needed, as the worst case has them.
 _PROBE_PARAMS = SamplingParams(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 1.0})
@@ -135,7 +139,7 @@ def profile_sampling(sampler: Sampler, logits: torch.Tensor, penalties: PenaltyS
     """One sampler pass over ``logits`` with the tables of ``largest_state``, the float32 path's
     extra tensors held meanwhile; all of it is freed on return."""
     batch = worst_case_batch(logits, penalties, bias, max_logprobs, logprobs_mode)
-    extra = [torch.empty(logits.shape, dtype=torch.float32, device=logits.device) for _ in range(FLOAT32_COPIES)]
+    extra = [torch.empty(shape, dtype=torch.float32, device=logits.device) for shape in float32_path_shapes(*logits.shape)]
     sampler(logits, batch)
     del extra
     return SamplingReserve(penalties.table.capacity, state_bytes(penalties, bias), logits.shape[0])
