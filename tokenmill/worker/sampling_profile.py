@@ -26,8 +26,9 @@ at 13 V bytes a row in raw_logprobs mode, the float32 path at 17, and with the r
 grammar at 21, which the pass with its two copies matched (21.0); in processed_logprobs mode 48, 52
 and 52 against the profile's 56. The raw values are now a copy in the logits' dtype, their float32
 logprobs formed ``sampler.LOGPROB_TABLE_ROWS`` rows at a time, and the float32 path's bias gathered
-as many rows at a time: predicted (not yet measured) ~4 V a row plus ~2,300 V for the rows in hand,
-so ~11 V a row with the float32 path's copy at 1,024 rows.
+as many rows at a time: predicted (not yet measured) 12-16 V a row at 1,024 rows (of the 21, ~8 V
+were the whole-table path's float32 logprobs and the copy they were made from, ~3 V the second
+stand-in at every row).
 tests/gpu/test_memory_plan_gpu.py checks a whole engine.
 """
 
