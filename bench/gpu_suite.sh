@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-engine] [lora]
+#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-engine] [memory-plan] [lora]
 #   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -145,6 +145,14 @@ for part in $parts; do
           | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
+    memory-plan)  # the GPU memory plan (docs/perf.md 88-89): its GPU test (the real peak inside the plan), then the plan's
+                  # line and the run's time for Qwen3-30B-A3B's P1 requests and Qwen3-0.6B's P2 (profile_step --timeline)
+      OMP_NUM_THREADS=$TESTS_OMP timeout 200 python3 -m pytest tests/gpu/test_memory_plan_gpu.py -q -p no:cacheprovider -rs 2>&1 \
+        | tee "$OUT/memory_plan_tests.log" | tail -3
+      for run in "qwen3-30b-a3b nano" "qwen3-0.6b uniform"; do
+        timeout 160 python3 bench/profile_step.py $run --timeline > "$OUT/plan_${run// /_}.txt" 2>&1
+        grep -E "GPU memory|generate:" "$OUT/plan_${run// /_}.txt"
+      done ;;
     moe-engine)  # MoE decoders end to end (tests/gpu/test_moe_engine_gpu.py), then P1's and P2's requests on
                  # Qwen3-30B-A3B's shape, and P1's with quantization="fp8" (bench/moe_peer_bench.py; beside vllm-moe)
       OMP_NUM_THREADS=$TESTS_OMP timeout 240 python3 -m pytest tests/gpu/test_moe_engine_gpu.py -q --maxfail=4 -p no:cacheprovider -rs \
