@@ -30,6 +30,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
 from gpu_timing import _provenance, _time_graph  # noqa: E402
+from moe_bench import _routings  # noqa: E402  (ROUTINGS random routings a call cycles through)
 
 from tokenmill.kernels.triton import fused_moe  # noqa: E402
 from tokenmill.kernels.triton.fused_moe import MoeConfig  # noqa: E402
@@ -40,7 +41,6 @@ SHAPES = {  # name: (hidden, intermediate, experts, top_k)
     "mixtral-8x7b": (4096, 14336, 8, 2),
 }
 TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 4096, 16384)
-ROUTINGS = 4
 # Upper edges of the rule's buckets of mean pairs an expert (the last is open).
 BUCKETS = (0.5, 2.0, 8.0, 32.0, 128.0, 512.0, float("inf"))
 
@@ -57,15 +57,6 @@ CANDIDATES = (
     _tile(64, 128, 64, 4, 3), _tile(64, 256, 64, 8, 3), _tile(64, 128, 128, 4, 3),
     _tile(128, 128, 64, 8, 3), _tile(128, 256, 64, 8, 4), _tile(128, 256, 64, 8, 4, 1),
 )
-
-
-def _routings(tokens: int, experts: int, top_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for _ in range(ROUTINGS):
-        probs = torch.softmax(torch.randn(tokens, experts, device="cuda"), dim=-1)
-        weights, ids = probs.topk(top_k, dim=-1)
-        out.append(((weights / weights.sum(dim=-1, keepdim=True)).contiguous(), ids.contiguous()))
-    return out
 
 
 def _timed(calls: list, tokens: int) -> float:
