@@ -95,6 +95,15 @@ def test_first_output_token_keeps_its_space_and_characters_join_across_tokens(to
     assert stream(tokenizer, [tokenizer.bos_token_id], world, True)[0] == "world 🙂"  # as decode strips it
 
 
+def test_a_prompt_ending_in_skipped_special_tokens_keeps_the_first_tokens_space(tokenizer):
+    """The priming window (the prompt's last tokens) all special and skipped: the window widens to
+    text, as vLLM primes with the whole prompt, so " world" keeps its space."""
+    prompt = tokenizer.encode("Hello") + [tokenizer.eos_token_id] * 12
+    world = tokenizer.encode("Hello world", add_special_tokens=False)[len(tokenizer.encode("Hello")) - 1:]
+    assert stream(tokenizer, prompt, world, True)[0] == expected_text(tokenizer, prompt, world, True) == " world"
+    assert stream(tokenizer, [tokenizer.eos_token_id] * 12, world, True)[0] == "world"  # no text at all before it
+
+
 def test_a_prompt_ending_in_byte_pieces_does_not_leak_into_the_output(tokenizer):
     # 12 byte-fallback pieces (é € 😀 京): the last 8 start inside "€". A window starting there made the
     # ByteFallback decoder turn the whole run into U+FFFD, which the first output token carried in.

@@ -48,12 +48,21 @@ class IncrementalDetokenizer:
         # inside a character (a token-id prompt may end mid UTF-8) made the first generated token
         # bring the whole seed's text along. Primed, a dangling byte is held back as in any stream.
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token_id in prompt_token_ids[_context_start(self._backend, prompt_token_ids):]:
-            try:
-                self._stream.step(self._backend, token_id)
-            except Exception as exc:  # invalid bytes in the prompt: see _restart
-                self._restart(exc, token_id)
+        start = _context_start(self._backend, prompt_token_ids)
+        while True:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            decoded = False
+            for token_id in prompt_token_ids[start:]:
+                try:
+                    decoded |= bool(self._stream.step(self._backend, token_id))
+                except Exception as exc:  # invalid bytes in the prompt: see _restart
+                    decoded |= bool(self._restart(exc, token_id))
+            # A window that decoded to nothing (special tokens skipped) leaves the first output token
+            # without the text before it, and a Metaspace decoder then strips its leading space:
+            # widen it (vLLM primes with the whole prompt).
+            if decoded or start == 0:
+                break
+            start = max(0, start - 8 * (len(prompt_token_ids) - start))
         # vLLM 0.26's rule for skip_special_tokens=False, spaces_between_special_tokens=False: an added
         # token right after an added token is its raw content (the decoder may give it a space: a
         # normalized added token of a Llama-2-layout tokenizer decodes as " foo bar").
