@@ -23,6 +23,7 @@ from tokenmill.attention.metadata import ForwardContext
 from tokenmill.models.layers.embedding import VocabParallelEmbedding
 from tokenmill.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.models.layers.norm import LayerNorm
+from tokenmill.models.layers.pooling_head import HeadLinear
 from tokenmill.models.llama import TensorParallel
 from tokenmill.models.weights import load_hf_weights
 
@@ -141,7 +142,7 @@ class BertPooler(nn.Module):
 
     def __init__(self, config: "PretrainedConfig"):
         super().__init__()
-        self.dense = ColumnParallelLinear(config.hidden_size, config.hidden_size, bias=True)
+        self.dense = HeadLinear(config.hidden_size, config.hidden_size, True, config)
 
     def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(cls_hidden))
@@ -211,7 +212,7 @@ class BertForSequenceClassification(nn.Module):
         self.config = config
         self.bert = BertModel(config, tp_rank, tp_size, tp_group, add_pooling_layer=True)
         self.num_labels: int = config.num_labels
-        self.classifier = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=True)
+        self.classifier = HeadLinear(config.hidden_size, self.num_labels, True, config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, token_type_ids: torch.Tensor | None = None

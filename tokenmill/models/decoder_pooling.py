@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
-from tokenmill.models.layers.linear import ColumnParallelLinear
+from tokenmill.models.layers.pooling_head import HeadLinear
 from tokenmill.models.llama import (
     IGNORED_SUFFIXES,
     STACKED,
@@ -87,7 +87,7 @@ class DecoderForSequenceClassification(DecoderEmbeddingModel):
                  quant_config: "QuantizationConfig | None" = None):
         super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
         self.num_labels: int = config.num_labels
-        self.score = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=False)
+        self.score = HeadLinear(config.hidden_size, self.num_labels, False, config)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """[B, hidden] -> [B, num_labels] logits."""

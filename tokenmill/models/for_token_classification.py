@@ -35,7 +35,7 @@ from torch import nn
 from tokenmill.attention.metadata import ForwardContext
 from tokenmill.models.bert import STACKED, BertModel, hf_name
 from tokenmill.models.decoder_pooling import DecoderEmbeddingModel
-from tokenmill.models.layers.linear import ColumnParallelLinear
+from tokenmill.models.layers.pooling_head import HeadLinear
 from tokenmill.models.roberta import RobertaModel
 from tokenmill.models.weights import load_hf_weights
 
@@ -59,7 +59,7 @@ class _EncoderForTokenClassification(nn.Module):
         self.num_labels: int = config.num_labels
         # Registered under HF's attribute name, so checkpoint names map one to one.
         self.add_module(self.prefix, self.encoder_cls(config, tp_rank, tp_size, tp_group))
-        self.classifier = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=True)
+        self.classifier = HeadLinear(config.hidden_size, self.num_labels, True, config)
 
     @property
     def encoder(self) -> BertModel:
@@ -108,7 +108,7 @@ class DecoderForTokenClassification(DecoderEmbeddingModel):
         self.num_labels: int = config.num_labels
         # transformers' GenericForTokenClassification: a bias unless the config turns it off.
         bias = bool(getattr(config, "token_classification_bias", True))
-        self.score = ColumnParallelLinear(config.hidden_size, self.num_labels, bias=bias)
+        self.score = HeadLinear(config.hidden_size, self.num_labels, bias, config)
 
     def classify_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, num_labels] logits, one row per token (token_classify)."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import ForwardContext
 from tokenmill.models.bert import STACKED, BertModel, hf_name
-from tokenmill.models.layers.linear import ColumnParallelLinear
+from tokenmill.models.layers.pooling_head import HeadLinear
 from tokenmill.models.weights import load_hf_weights
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ class RobertaModel(BertModel):
 class RobertaClassificationHead(nn.Module):
     def __init__(self, config: "PretrainedConfig"):
         super().__init__()
-        self.dense = ColumnParallelLinear(config.hidden_size, config.hidden_size, bias=True)
-        self.out_proj = ColumnParallelLinear(config.hidden_size, config.num_labels, bias=True)
+        self.dense = HeadLinear(config.hidden_size, config.hidden_size, True, config)
+        self.out_proj = HeadLinear(config.hidden_size, config.num_labels, True, config)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.dense(hidden)))

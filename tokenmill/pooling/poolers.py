@@ -20,18 +20,19 @@ from tokenmill.pooling.config import POOLING_TYPES, Activation
 
 
 def pool(hidden: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pooling_type: str) -> torch.Tensor:
-    """hidden [T, H] of a flat batch; starts and lens [B] (integers on hidden's device) -> [B, H].
-    Nothing here waits for the device (the lengths stay there)."""
+    """hidden [T, H] of a flat batch; starts and lens [B] (integers on hidden's device) -> [B, H]
+    (CLS, LAST: rows of hidden; MEAN: float32). Nothing here waits for the device (the lengths stay there)."""
     if pooling_type == "CLS":
         return hidden[starts]
     if pooling_type == "LAST":
         return hidden[starts + lens - 1]
     if pooling_type == "MEAN":
-        # Sum each sequence's rows in fp32 (index_add over a per-token sequence id), then divide.
+        # Sum each sequence's rows in fp32 (index_add over a per-token sequence id), then divide; the
+        # mean stays fp32 (the head decides its dtype: models/layers/pooling_head.py).
         seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens, output_size=hidden.shape[0])
         sums = torch.zeros(len(lens), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_of_token, hidden.float())
-        return (sums / lens[:, None].float()).to(hidden.dtype)
+        return sums / lens[:, None].float()
     raise ValueError(f"pooling_type={pooling_type!r} is not supported; supported: {POOLING_TYPES}")
 
 

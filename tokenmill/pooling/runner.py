@@ -28,6 +28,7 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata, ForwardContext
 from tokenmill.attention.prefill import PrefillAttentionBackend
 from tokenmill.attention.varlen_backend import VarlenAttentionBackend
+from tokenmill.models.layers.pooling_head import head_dtype
 from tokenmill.pooling.poolers import activate, finish_embeddings, pool
 
 if TYPE_CHECKING:
@@ -159,13 +160,15 @@ class PoolingRunner:
         pieces = []
         pooled = None
         offset = 0
+        # An embedding's head (vLLM's): its pooled state in float32, or as the config's head_dtype says.
+        head = head_dtype(self.model.config, hidden.dtype)
         for group in groups:
             p = group.params
             index = None if group.rows is None else self._to_device(np.asarray(group.rows, dtype=np.int64))
             if p.task in TOKEN_TASKS:
                 tokens = hidden if index is None else hidden[self._to_device(_token_rows(group.rows, lens))]
                 if p.task == "token_embed":
-                    out = finish_embeddings(tokens, p.dimensions, p.normalize)
+                    out = finish_embeddings(tokens.to(head), p.dimensions, p.normalize)
                 else:  # token_classify: the classifier on every token (vLLM's AllPool + classifier head)
                     out = self._classified(self.model.classify_tokens(tokens), p, "token_classify")
             else:
@@ -174,7 +177,7 @@ class PoolingRunner:
                     pooled = pool(hidden, starts, meta.seq_lens, self.pooling_type)
                 rows = pooled if index is None else pooled[index]
                 if p.task == "embed":
-                    out = finish_embeddings(rows, p.dimensions, p.normalize)
+                    out = finish_embeddings(rows.to(head), p.dimensions, p.normalize)
                 else:
                     out = self._classified(self.model.classify(rows), p, p.task)
             group.offset, group.width = offset, out.shape[-1]
