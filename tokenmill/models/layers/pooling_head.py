@@ -5,7 +5,8 @@ classifier's ``classifier``) and the pooled states an embedding is made from.
 A bf16 head rounds each logit to 8 bits of mantissa (~0.4%), and a bf16 mean of a sequence's states
 rounds the embedding the same way; vLLM keeps both in float32 unless the config says otherwise
 (``hf_overrides={"head_dtype": "model"}``, or a dtype's name), and so do we, so that scores and
-embeddings match what a vLLM user had. The heads are a few thousand weights: float32 costs nothing.
+embeddings match what a vLLM user had. A head is at most a hidden x hidden dense and a hidden x
+labels layer, run on one row a sequence (or a token): float32 costs next to nothing.
 """
 
 from __future__ import annotations
