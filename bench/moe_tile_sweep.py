@@ -1,7 +1,7 @@
 """Tiles for the fused mixture-of-experts GEMMs (``kernels/triton/fused_moe.py``), swept on the GPU.
 
-The engine picks one of two tile classes by the mean token-expert pairs an expert (16-row blocks up
-to 16 pairs an expert, 64-row blocks above), reasoned but never timed. This times the whole
+The engine's tile classes by the mean token-expert pairs an expert (``fused_moe.tile_classes``) were
+read off this sweep's rows (docs/perf.md 88; before it, two classes reasoned, never timed). It times the whole
 ``fused_experts`` call (alignment, gate_up, SiLU-mul, down, the sum over K) under CUDA-graph
 replays with every candidate tile at token counts from one decode token to a long prompt step, on
 the expert shapes of the families the engine serves: Qwen3-30B-A3B (128 small experts, 8 a token),

@@ -1,6 +1,6 @@
 """tokenmill whose fused mixture-of-experts GEMMs take their tiles from a rule of
 bench/moe_tile_sweep.py's family (a tile per bucket of mean token-expert pairs an expert) instead of
-the engine's two classes, as an engine module for peer_bench.py / moe_peer_bench.py:
+the engine's classes (``fused_moe.tile_classes``), as an engine module for peer_bench.py / moe_peer_bench.py:
 ``TOKENMILL_MOE_TILES=rule.json PYTHONPATH=bench python bench/moe_peer_bench.py tokenmill_moe_tiles
 qwen3-30b-a3b nano``, where rule.json is the sweep's last row. Rows are tagged ``"engine":
 "tokenmill_moe_tiles"``; an A/B against ``tokenmill`` in one call measures the rule end to end."""
