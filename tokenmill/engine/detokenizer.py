@@ -13,13 +13,13 @@ from typing import Any
 _PROMPT_CONTEXT_TOKENS = 8
 
 
-def _context_start(backend: Any, prompt_token_ids: list[int]) -> int:
-    """Where the priming window starts: the last _PROMPT_CONTEXT_TOKENS tokens, moved back (at most
+def _context_start(backend: Any, prompt_token_ids: list[int], window: int = _PROMPT_CONTEXT_TOKENS) -> int:
+    """Where the priming window starts: the last ``window`` tokens, moved back (at most
     3 tokens: a UTF-8 character has at most 3 continuation bytes) past byte-fallback tokens of
     continuation bytes (``<0x80>``..``<0xBF>``). A window starting inside a character made the
     ByteFallback decoder turn the window's whole run of byte tokens into U+FFFD, and the first
     output token then carried that garbage in (a prompt ending in emoji or CJK byte tokens)."""
-    start = max(0, len(prompt_token_ids) - _PROMPT_CONTEXT_TOKENS)
+    start = max(0, len(prompt_token_ids) - window)
     lowest = max(0, start - 3)
     while start > lowest and _is_continuation_byte(backend.id_to_token(prompt_token_ids[start])):
         start -= 1
@@ -48,7 +48,8 @@ class IncrementalDetokenizer:
         # inside a character (a token-id prompt may end mid UTF-8) made the first generated token
         # bring the whole seed's text along. Primed, a dangling byte is held back as in any stream.
         self._skip_special_tokens = skip_special_tokens
-        start = _context_start(self._backend, prompt_token_ids)
+        window = _PROMPT_CONTEXT_TOKENS
+        start = _context_start(self._backend, prompt_token_ids, window)
         while True:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             decoded = False
@@ -62,7 +63,8 @@ class IncrementalDetokenizer:
             # widen it (vLLM primes with the whole prompt).
             if decoded or start == 0:
                 break
-            start = max(0, start - 8 * (len(prompt_token_ids) - start))
+            window *= 9
+            start = _context_start(self._backend, prompt_token_ids, window)
         # vLLM 0.26's rule for skip_special_tokens=False, spaces_between_special_tokens=False: an added
         # token right after an added token is its raw content (the decoder may give it a space: a
         # normalized added token of a Llama-2-layout tokenizer decodes as " foo bar").
