@@ -42,7 +42,9 @@ import torch
 
 from tokenmill.engine.step import SamplerOutput
 from tokenmill.kernels.sampling_args import Filters, RowState
-from tokenmill.worker.sampling_state import BadWordState, LogprobIdsState, StepRows, apply_bias, apply_penalties
+from tokenmill.worker.sampling_state import (
+    BadWordState, LogprobIdsState, StepRows, apply_bias, apply_penalties, gather_ids,
+)
 
 
 @dataclass
@@ -260,7 +262,7 @@ def raw_outputs(raw: torch.Tensor, as_logprobs: bool, token_ids: torch.Tensor, b
         table = torch.log_softmax(table, dim=-1) if as_logprobs else table
         part = with_logprobs(token_ids[chunk], table, k, _ranked(table, batch, logits, chunk))
         if ids_by_row is not None:
-            part.requested_logprobs = table.gather(1, ids_by_row[chunk]).masked_fill(~has_ids[chunk, None], 0.0)
+            part.requested_logprobs = gather_ids(table, ids_by_row[chunk], has_ids[chunk])
         parts.append(part)
         del table
     if len(parts) == 1:

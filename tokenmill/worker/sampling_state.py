@@ -257,6 +257,11 @@ class LogitBiasState(_SlottedState):
         self.bias.index_copy_(0, slots, to_device(rows))
 
 
+def gather_ids(logprobs: torch.Tensor, ids: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """Rows of logprobs at their ``LogprobIdsState.by_row`` ids; zeros for rows without any."""
+    return logprobs.gather(1, ids).masked_fill(~has[:, None], 0.0)
+
+
 # Bias rows apply_bias gathers at a time: a [rows, V] float32 gather (~155 MB at V = 152K), which
 # the memory plan sets aside at this many rows rather than at every row of a step.
 BIAS_ROWS_AT_A_TIME = 256
@@ -343,13 +348,12 @@ class LogprobIdsState(_SlottedState):
 
     def gather(self, logprobs: torch.Tensor, rows: StepRows) -> torch.Tensor:
         """[N, width] float32: each row's logprobs at its ids (rows without ids: zeros, never read)."""
-        out = logprobs.new_zeros((logprobs.shape[0], self.ids.shape[1]))
-        out[rows.rows] = logprobs[rows.rows].gather(1, self.ids[rows.slots])
-        return out
+        ids, has = self.by_row(logprobs.shape[0], rows)
+        return gather_ids(logprobs, ids, has)
 
     def by_row(self, num_rows: int, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, width] ids of each of a step's N rows (rows without: token 0) and [N] whether it has
-        any: ``gather`` for a table formed a few rows at a time."""
+        any, for ``gather_ids`` over the whole table or a few of its rows at a time."""
         ids = torch.zeros((num_rows, self.ids.shape[1]), dtype=torch.int64, device=self.ids.device)
         ids[rows.rows] = self.ids[rows.slots]
         has = torch.zeros(num_rows, dtype=torch.bool, device=self.ids.device)
