@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-engine] [memory-plan] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -260,6 +260,8 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 150 python3 bench/profile_step.py $shape nano --gpu > "$OUT/profile_gpu_$shape.txt" 2>&1; head -32 "$OUT/profile_gpu_$shape.txt"
       done ;;
+    profile-moe)  # Qwen3-30B-A3B's P1 requests under torch.profiler's step windows: the MoE layer's kernels at prompt and decode sizes
+      timeout 240 python3 bench/profile_step.py qwen3-30b-a3b nano --gpu > "$OUT/profile_gpu_moe.txt" 2>&1; grep "^==" "$OUT/profile_gpu_moe.txt" ;;
     profile-refill)  # refill_bench.py's long workload: the host under cProfile, then torch.profiler's windows (device and host time by op)
       timeout 200 python3 bench/profile_step.py qwen3-0.6b refill:long > "$OUT/profile_refill_host.txt" 2>&1; head -60 "$OUT/profile_refill_host.txt"
       timeout 200 python3 bench/profile_step.py qwen3-0.6b refill:long --gpu > "$OUT/profile_refill_gpu.txt" 2>&1; grep "^==" "$OUT/profile_refill_gpu.txt" ;;
@@ -401,7 +403,9 @@ for part in $parts; do
         vllm-lora) for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
                 RESULTS="$OUT/vllm.raw" timeout 200 python3 bench/lora_bench.py vllm qwen3-0.6b $mode ${LORA_WORKLOADS:-nano uniform} 2>&1 | tail -2
               done ;;
-        vllm-moe) RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b ${MOE_WORKLOADS:-nano uniform} 2>&1 | tail -3
+        vllm-moe) # the log kept: vLLM's KV cache size beside the plan's (memory-plan, entry 88)
+              RESULTS="$OUT/vllm.raw" timeout 330 python3 bench/moe_peer_bench.py vllm qwen3-30b-a3b ${MOE_WORKLOADS:-nano uniform} 2>&1 \
+                | tee "$OUT/vllm_moe.log" | grep -E "KV cache|^\{" | tail -6
               [ "${MOE_FP8:-1}" = 1 ] && RESULTS="$OUT/vllm.raw" PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 250 \
                 python3 bench/moe_peer_bench.py vllm_fp8 qwen3-30b-a3b nano 2>&1 | tail -3 ;;
       esac
