@@ -1,8 +1,8 @@
 """The fused mixture-of-experts kernels' cases and checks under the interpreter, run by the workers
 of ``test_kernels_interpret.py`` (which merges ``CASES`` and ``CHECKS`` into its own): ``moe_align``
 on its own (every pair listed once, one expert a block, sentinel padding, the padded count), each
-grouped GEMM on its own into a NaN-poisoned buffer, and ``fused_experts`` end to end against
-``reference.fused_moe_ref``.
+grouped GEMM on its own into a NaN-poisoned buffer, ``fused_experts`` end to end against
+``reference.fused_moe_ref``, and the router's top-k (``moe_routing.route_top_k``) against plain torch.
 
 Shapes are tiny (the interpreter is slow) but awkward: H and I that fill no tile (40, 24: masked K
 steps, columns past N), one token, K = 1 (down written straight into the output), skewed routing
@@ -51,6 +51,14 @@ for _dt in ("float32", "float16"):
     _case("moe_batch_invariant", f"moe-batch-invariant-{_dt}", dtype=_dt)
 _case("fused_moe", "moe-t0-e4-k2-float32", dtype="float32", tokens=0, experts=4, top_k=2, hidden=40, inter=24,
       routing="random", config=None, ids_dtype="int64")
+# The router's top-k (moe_routing.route_top_k): (tokens, experts, top_k, renormalize, logits' spread).
+# "ties": logits on a coarse grid, so a row holds equal logits, some at the k-th place.
+_ROUTES = [(1, 128, 8, True, "normal"), (37, 8, 2, True, "normal"), (5, 60, 4, False, "normal"),  # 60: padded experts
+           (21, 128, 8, False, "ties"), (9, 512, 8, True, "ties"), (3, 4, 4, True, "normal"), (0, 8, 2, True, "normal")]
+for _dt in ("float32", "float16"):
+    for _t, _e, _k, _norm, _spread in _ROUTES:
+        _case("moe_route", f"moe-route-t{_t}-e{_e}-k{_k}-{'norm' if _norm else 'raw'}-{_spread}-{_dt}", dtype=_dt,
+              tokens=_t, experts=_e, top_k=_k, renormalize=_norm, spread=_spread)
 
 
 def routing(tokens: int, experts: int, top_k: int, kind: str, gen: Any) -> Any:
@@ -132,6 +140,31 @@ def _check_moe_align(p: dict[str, Any]) -> None:
             for got, want in zip(moe_align(ids, experts, block_m), _moe_align_torch(ids, experts, block_m)):
                 assert torch.equal(got, want), (tokens, experts, top_k, block_m, kind)
 
+
+def _check_moe_route(p: dict[str, Any]) -> None:
+    """``route_top_k`` against plain torch: the weights of ``reference.moe_route_ref`` and, as ids, the
+    first top_k of a stable descending sort of the logits (the lower index first among equal ones)."""
+    import torch
+
+    from tokenmill.kernels.reference import moe_route_ref
+    from tokenmill.kernels.triton.moe_routing import route_top_k
+
+    tokens, experts, top_k = p["tokens"], p["experts"], p["top_k"]
+    gen = torch.Generator().manual_seed(tokens * 13 + experts + top_k)
+    logits = torch.randn(tokens, experts, generator=gen) * 3
+    if p["spread"] == "ties":
+        logits = (logits * 2).round() / 2  # ~25 distinct values a row
+    logits = logits.to(getattr(torch, p["dtype"]))
+    weights, ids = route_top_k(logits, top_k, p["renormalize"])
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == (tokens, top_k)
+    want_weights, _ = moe_route_ref(logits, top_k, p["renormalize"])
+    want_ids = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
+    assert torch.equal(ids, want_ids), (ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    if p["spread"] == "ties":
+        assert any(len(set(row.tolist())) < top_k + 1 for row in logits.float().sort(dim=-1, descending=True).values[:, :top_k + 1]), \
+            "the case must hold a tie at or above the k-th place"
 
 def _check_fused_moe(p: dict[str, Any]) -> None:
     import torch
@@ -238,5 +271,5 @@ def _check_moe_fp8_weights(p: dict[str, Any]) -> None:
     assert want.abs().mean() > 0.05
 
 
-CHECKS = {"moe_align": _check_moe_align, "fused_moe": _check_fused_moe, "moe_batch_invariant": _check_moe_batch_invariant,
+CHECKS = {"moe_align": _check_moe_align, "moe_route": _check_moe_route, "fused_moe": _check_fused_moe, "moe_batch_invariant": _check_moe_batch_invariant,
           "moe_fp8_weights": _check_moe_fp8_weights}

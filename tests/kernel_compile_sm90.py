@@ -145,6 +145,9 @@ _COMPILE_MOE = {
 }
 for _name in _COMPILE_MOE:
     _case("compile_sm90", f"sm90-moe-{_name}", kernel="fused_moe", shape=_name)
+# The router's top-k: Qwen3-30B-A3B's (16 tokens of 128 experts a program) and a 512-expert router's.
+for _experts, _top_k in ((128, 8), (512, 10)):
+    _case("compile_sm90", f"sm90-moe-route-e{_experts}-k{_top_k}-bf16", kernel="moe_route", experts=_experts, top_k=_top_k)
 
 _SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
 _TRITON_DTYPES = {"torch.float8_e4m3fn": "fp8e4nv", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32", "torch.int64": "i64", "torch.uint8": "u8"}
@@ -368,6 +371,10 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         fused_experts(torch.empty((tokens, hidden), dtype=dtype), torch.empty((experts, 2 * inter, hidden), dtype=stored),
                       torch.empty((experts, hidden, inter), dtype=stored), torch.ones((tokens, top_k)),
                       torch.zeros((tokens, top_k), dtype=torch.int64), **scales)
+    elif kernel == "moe_route":
+        from tokenmill.kernels.triton.moe_routing import route_top_k
+
+        route_top_k(torch.empty((100, p["experts"]), dtype=bf16), p["top_k"], True)
     elif kernel == "fp8_gemm":
         from tokenmill.kernels.triton.fp8_gemm import fp8_gemm
 

@@ -3,7 +3,8 @@
 (E 128, K 8, H 2048, I 768), the same experts 8 to a layer with K 2, and H / I that fill no tile;
 both tile classes at sizes where the engine picks the other; ``moe_align`` at prefill sizes; and
 ``fused_experts`` captured in a CUDA graph for a fixed T, replayed with new tokens and routings
-(spread, all on the same K experts) copied into the captured inputs. The engine through the MoE
+(spread, all on the same K experts) copied into the captured inputs; the router's top-k kernel
+(``moe_routing.route_top_k``) against plain torch, and in a graph. The engine through the MoE
 models: test_moe_engine_gpu.py."""
 
 from __future__ import annotations
@@ -139,6 +140,55 @@ def test_fused_experts_replays_in_a_cuda_graph(tokens):
         torch.cuda.synchronize()
         _assert_matches(y, fused_moe_ref(x, w13, w2, weights, ids), f"replay with {kind} routing")
 
+
+def _expected_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: the weights of ``reference.moe_route_ref``; the ids the first top_k of a stable
+    descending sort (among equal logits the lower index first, the kernel's rule)."""
+    from tokenmill.kernels.reference import moe_route_ref
+
+    weights, _ = moe_route_ref(logits, top_k, renormalize)
+    return weights, torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
+
+
+# (experts, top_k, renormalize): Qwen3-30B-A3B's router, Mixtral's, Qwen1.5-MoE-A2.7B's (60: padded, not
+# renormalised), a 512-expert router (4 tokens a program).
+ROUTERS = [(128, 8, True), (8, 2, True), (60, 4, False), (512, 10, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("router", ROUTERS)
+def test_route_top_k_matches_torch(router, dtype):
+    """The router kernel against plain torch at decode and prefill sizes, bf16 logits tying often."""
+    from tokenmill.kernels.triton.moe_routing import route_top_k
+
+    experts, top_k, renormalize = router
+    gen = torch.Generator(device="cuda").manual_seed(experts)
+    for tokens in [1, 3, 16, 17, 100, 1024, 16384]:
+        logits = (torch.randn(tokens, experts, generator=gen, device="cuda") * 2).to(dtype)
+        weights, ids = route_top_k(logits, top_k, renormalize)
+        want_weights, want_ids = _expected_route(logits, top_k, renormalize)
+        assert torch.equal(ids, want_ids), f"T={tokens}"
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6, msg=f"T={tokens}")  # exp rounded apart
+
+
+def test_route_top_k_replays_in_a_cuda_graph():
+    from tokenmill.kernels.triton.moe_routing import route_top_k
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(64, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    route_top_k(logits, 8, True)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_top_k(logits, 8, True)
+    for _ in range(3):
+        logits.copy_(torch.randn(64, 128, generator=gen, device="cuda"))
+        weights.fill_(float("nan"))
+        ids.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_weights, want_ids = _expected_route(logits, 8, True)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
 
 def test_batch_invariant_rows_do_not_depend_on_the_batch():
     """Deterministic mode's ``batch_invariant=True`` in bf16 on the real MMAs: each token's row bit for

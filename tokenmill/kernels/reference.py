@@ -407,6 +407,16 @@ def fused_moe_ref(
     return pairs.sum(dim=1).to(x.dtype)
 
 
+def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice in plain torch (Hugging Face's steps): softmax of the float32 logits, the
+    top_k in descending order, divided by their sum when ``renormalize``; float32 weights, int64 ids.
+    Which of equally probable experts comes first is topk's choice (the kernel takes the lower index)."""
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def token_logprobs_ref(
     logits: torch.Tensor, token_ids: torch.Tensor, top: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ once when its block is unused (the bound, and how the pairs are grouped: ``moe_a
 
 Rounding: both GEMMs accumulate in fp32 and round their output to x's dtype once (gate_up, then the
 SiLU-mul, then down already multiplied by the pair's routing weight); the K pairs of a token are
-summed in fp32 and rounded once more.
+summed in fp32, in pair order, and rounded once more.
 
 fp8 weights (``quantization="fp8"``): the codes are loaded as they are stored (half the bytes of a
 bf16 weight, which is what a decode step's expert GEMMs are bound by) and widened to x's dtype in
@@ -240,9 +240,9 @@ def fused_experts(
     No host sync: capturable in a CUDA graph for a fixed T. ``config`` overrides ``choose_config``
     (tests, benchmarks); ``out`` receives the result (tests poison it). ``batch_invariant`` (deterministic
     mode): one tile class at every size, since a row's bits follow its tile (a pair's row is computed
-    alone within it, whatever rows share its block), and a token's k pairs summed in a fixed order,
-    so a token's output does not depend on the batch. ``w13_scale`` / ``w2_scale``: the weights are
-    float8 e4m3 codes with a scale per output channel, widened to x's dtype in registers.
+    alone within it, whatever rows share its block), so a token's output does not depend on the
+    batch (its k pairs are summed in pair order at every size). ``w13_scale`` / ``w2_scale``: the
+    weights are float8 e4m3 codes with a scale per output channel, widened to x's dtype in registers.
     ``compile_only``: compile the Triton variants this call would launch (``ModelRunner.precompile_kernels``);
     the result is then meaningless."""
     t, h = x.shape
@@ -280,10 +280,21 @@ def fused_experts(
     down = moe_gemm(act, w2, torch.empty((num_pairs, h), dtype=x.dtype, device=x.device), *lists, top_k=1,
                     topk_weights=route, w_scale=w2_scale, compile_only=compile_only)
     del act
-    per_pair = down.view(t, top_k, h)
-    if batch_invariant:  # k - 1 elementwise adds: their order is fixed, whatever a reduction kernel picks for T
-        total = per_pair[:, 0].float()
-        for k in range(1, top_k):
-            total += per_pair[:, k]
-        return out.copy_(total)
-    return out.copy_(per_pair.sum(dim=1, dtype=torch.float32))  # fp32 sum, rounded once
+    block = min(1024, triton.next_power_of_2(h))
+    launcher(_sum_pairs_kernel, (t, triton.cdiv(h, block)), compile_only)(down, out, h, TOP_K=top_k, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """A token's K pair rows (``down``, [T * K, H]) summed in fp32 in pair order, rounded once: one
+    launch (torch's ``sum(dim=1)`` and the copy into ``out`` were two, ~12 µs a decode layer on an
+    H100; docs/perf.md 90), and a fixed order whatever T is, so deterministic mode needs nothing else."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    rows = pairs_ptr + token * TOP_K * hidden + cols
+    total = tl.load(rows, mask=mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, TOP_K):
+        total += tl.load(rows + k * hidden, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=mask)

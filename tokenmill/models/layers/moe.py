@@ -14,7 +14,8 @@ CUDA graph like any other layer. On the CPU a loop over the experts that receive
 same arithmetic with ``F.linear``.
 
 The routing follows Hugging Face: router logits in the model's dtype, softmax in float32, top-k,
-then (Mixtral always; the Qwen models when ``norm_topk_prob``) renormalised over the k chosen.
+then (Mixtral always; the Qwen models when ``norm_topk_prob``) renormalised over the k chosen; on a
+GPU one Triton launch does all but the logits' GEMM (``kernels/triton/moe_routing.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        probs = torch.softmax(self.matmul(x, self.weight).float(), dim=-1)
+        logits = self.matmul(x, self.weight)
+        if logits.is_cuda:  # the same steps in one launch (kernels/triton/moe_routing.py)
+            from tokenmill.kernels.triton.moe_routing import route_top_k
+
+            return route_top_k(logits, self.top_k, self.renormalize)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
