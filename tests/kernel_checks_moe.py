@@ -162,6 +162,16 @@ def _check_moe_route(p: dict[str, Any]) -> None:
     want_ids = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
     assert torch.equal(ids, want_ids), (ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    if tokens >= 3:  # garbage rows (a padding token's): a NaN ranks lowest, and every id names an expert
+        bad = logits.clone()
+        bad[0] = float("nan")
+        bad[1, int(want_ids[1, 0])] = float("nan")
+        bad[2, 1] = float("inf")
+        _, bad_ids = route_top_k(bad, top_k, p["renormalize"])
+        assert bool(((bad_ids >= 0) & (bad_ids < experts)).all()), bad_ids
+        assert all(len(set(row)) == top_k for row in bad_ids.tolist()), bad_ids
+        ranked = torch.sort(-bad.float().nan_to_num(nan=float("-inf")), dim=-1, stable=True).indices[:, :top_k]
+        assert torch.equal(bad_ids[1:3], ranked[1:3]), (bad_ids, ranked)
     if p["spread"] == "ties":
         assert any(len(set(row.tolist())) < top_k + 1 for row in logits.float().sort(dim=-1, descending=True).values[:, :top_k + 1]), \
             "the case must hold a tie at or above the k-th place"

@@ -169,6 +169,15 @@ def test_route_top_k_matches_torch(router, dtype):
         want_weights, want_ids = _expected_route(logits, top_k, renormalize)
         assert torch.equal(ids, want_ids), f"T={tokens}"
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6, msg=f"T={tokens}")  # exp rounded apart
+    # Garbage rows (padding tokens'): NaN ranks lowest, every id a valid expert (an id past E made the
+    # grouped GEMMs read past the weights: an illegal address on the first engine run, lease BE).
+    bad = logits.clone()
+    bad[0] = float("nan")
+    bad[1, :experts // 2] = float("nan")
+    bad[2, 0] = float("inf")
+    _, bad_ids = route_top_k(bad, top_k, renormalize)
+    assert bool(((bad_ids >= 0) & (bad_ids < experts)).all())
+    assert all(len(set(row)) == top_k for row in bad_ids.tolist())
 
 
 def test_route_top_k_replays_in_a_cuda_graph():

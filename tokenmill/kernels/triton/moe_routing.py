@@ -9,7 +9,8 @@ registers: 8 to a few hundred experts) and picks the k largest by k rounds of a 
 The experts come in descending order of probability, as torch's ``topk(softmax(x))`` gives them,
 chosen on the logits themselves (the same order, with no ties made by rounding the exponentials);
 among equal logits the lower expert index comes first (bf16 router logits tie often at 128
-experts; torch's CUDA ``topk`` leaves that order unspecified).
+experts; torch's CUDA ``topk`` leaves that order unspecified). A NaN logit ranks below every
+other (torch's ``topk`` ranks it first): whatever a row holds, its ids are valid experts.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def _route_kernel(
     x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_row + experts[None, :], mask=real,
                 other=float("-inf")).to(tl.float32)
     x = tl.where((rows < num_tokens)[:, None], x, 0.0)  # rows past the tokens: finite, never stored
+    # A NaN ranks lowest: a row of garbage (a padding token's) still names k experts below E, where
+    # no match for its maximum named expert E_PAD and the grouped GEMMs read past the weights.
+    x = tl.where(x == x, x, float("-inf"))
     row_max = tl.max(x, axis=1)
     total = tl.sum(tl.exp(x - row_max[:, None]), axis=1)  # padding experts: exp(-inf) = 0
     # Chosen on the logits, whose order is the probabilities' (a rounded exp could tie two of them).
@@ -55,6 +59,7 @@ def _route_kernel(
     for k in tl.static_range(TOP_K):
         best = tl.max(tl.where(left, x, float("-inf")), axis=1)
         pick = tl.min(tl.where(left & (x == best[:, None]), experts[None, :], E_PAD), axis=1)  # the lowest of ties
+        pick = tl.minimum(pick, num_experts - 1)  # only a token past the last can match nothing
         weights = tl.where(slots[None, :] == k, (tl.exp(best - row_max) / total)[:, None], weights)
         ids = tl.where(slots[None, :] == k, pick[:, None], ids)
         left = left & (experts[None, :] != pick[:, None])
