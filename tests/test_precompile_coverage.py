@@ -5,7 +5,8 @@ int equal to 1 becomes a constant, ints and pointers divisible by 16 get a hint)
 whose key was not precompiled compiles in the middle of a run. Here Triton's own binder computes
 the keys, as on the GPU, under a stand-in driver that reports an sm_90 device and a
 ``jit_cache_hook`` that records each key instead of compiling: ``Sampler.precompile``, the
-attention backend's ``precompile`` and the MoE layers' ``precompile_experts`` against the launches
+attention backend's ``precompile`` and the MoE layers' ``precompile_experts`` (and their routers'
+``route_top_k``) against the launches
 of steps at many batch sizes, both vocabularies of P1-P4, every sampler path and MoE shape. Also that ``parallel_compile`` leaves each kernel
 loaded, its launcher built (a first launch would otherwise build it: ~0.4 s of C compiler each on
 a cold Triton cache).
@@ -250,7 +251,22 @@ def _check_moe(recorder: _KeyRecorder) -> str | None:
                             if t <= budget})
             runs = {(experts, fp8, batch_invariant, t): recorder.of(lambda t=t: step(t)) for t in sizes}
             problems.append(_missing(precompiled, runs))
+    # The router's one variant (moe_routing.route_top_k, compiled by Router.compile_variants from a
+    # one-token call) against its launches at every step size.
+    for experts, top_k, renormalize in ((128, 8, True), (8, 2, True), (60, 4, False)):
+        precompiled = recorder.of(lambda: _route(1, experts, top_k, renormalize, compile_only=True))
+        runs = {(experts, t): recorder.of(lambda t=t: _route(t, experts, top_k, renormalize)) for t in (1, 2, 16, 17, 300, 8192)}
+        problems.append(_missing(precompiled, runs))
     return "\n".join(p for p in problems if p) or None
+
+
+def _route(tokens: int, experts: int, top_k: int, renormalize: bool, compile_only: bool = False) -> None:
+    """``route_top_k`` over bf16 router logits, as ``Router.forward`` and ``Router.compile_variants`` call it."""
+    import torch
+
+    from tokenmill.kernels.triton.moe_routing import route_top_k
+
+    route_top_k(torch.empty((tokens, experts), dtype=torch.bfloat16), top_k, renormalize, compile_only=compile_only)
 
 
 def _check_load(driver: Any) -> str | None:

@@ -73,6 +73,15 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def compile_variants(self) -> None:
+        """Compile the routing kernel's one variant (GPU only; ``SparseMoeBlock.precompile``)."""
+        if not self.weight.is_cuda:
+            return
+        from tokenmill.kernels.triton.moe_routing import route_top_k
+
+        logits = torch.empty((1, self.weight.shape[0]), dtype=self.weight.dtype, device=self.weight.device)
+        route_top_k(logits, self.top_k, self.renormalize, compile_only=True)
+
 
 class Experts(nn.Module):
     """E SwiGLU experts, stacked: ``w13`` [E, 2 I_rank, H] and ``w2`` [E, H, I_rank].
@@ -228,7 +237,8 @@ class SparseMoeBlock(nn.Module):
 
     def precompile(self, max_tokens: int) -> None:
         """The runner's hook before the first step (``ModelRunner.precompile_kernels``): see
-        ``Experts.compile_variants``."""
+        ``Experts.compile_variants`` and ``Router.compile_variants``."""
+        self.gate.compile_variants()
         self.experts.compile_variants(self.gate.top_k, max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
