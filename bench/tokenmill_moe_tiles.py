@@ -32,7 +32,8 @@ def _choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype,
 
 
 def _variant_token_counts(classes: list, num_experts: int, top_k: int, max_tokens: int) -> list[int]:
-    """The fewest tokens of each bucket (its tile), and the one-launch alignment's largest call."""
+    """The fewest tokens of each bucket (its tile), the one-launch alignment's largest call and the
+    chunked alignment's smallest."""
     counts, lower = [1], 0.0
     for edge, _ in _RULE:
         first = int(lower * num_experts // top_k) + 1
@@ -40,6 +41,7 @@ def _variant_token_counts(classes: list, num_experts: int, top_k: int, max_token
             counts.append(first)
         lower = edge
     counts.append(min(ONE_LAUNCH_MAX_PAIRS // top_k, max_tokens))
+    counts.append(min(ONE_LAUNCH_MAX_PAIRS // top_k + 1, max_tokens))
     return sorted(set(counts))
 
 

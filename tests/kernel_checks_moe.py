@@ -21,7 +21,7 @@ def _case(check: str, name: str, **params: Any) -> None:
     CASES[name] = (check, params)
 
 
-# moe_align's lists: the one-launch counting sort (up to ONE_LAUNCH_MAX_PAIRS) and the torch way.
+# moe_align's lists: the one-launch counting sort (up to ONE_LAUNCH_MAX_PAIRS) and the chunked launches.
 _case("moe_align", "moe-align-int64", ids_dtype="int64")
 _case("moe_align", "moe-align-int32", ids_dtype="int32")
 
@@ -80,8 +80,9 @@ def routing(tokens: int, experts: int, top_k: int, kind: str, gen: Any) -> Any:
 def assert_align_lists(ids: Any, experts: int, block_m: int, stable: bool | None = None) -> None:
     """The invariants of ``moe_align``'s output for ``ids`` [T, K] (on any device; checked on the CPU;
     tests/gpu/test_moe_gpu.py runs it on CUDA). ``stable``: each expert's pairs must come in
-    increasing order (the torch way's promise; the one-launch way's atomics give any order, except
-    under the interpreter, which runs a vector's lanes in turn); default: when the torch way runs."""
+    increasing order (the chunked launches' promise, and the torch twin's; the one-launch way's
+    atomics give any order, except under the interpreter, which runs a vector's lanes in turn);
+    default: when the chunked launches run."""
     import torch
 
     from tokenmill.kernels.triton.moe_align import ONE_LAUNCH_MAX_PAIRS, max_padded_rows, moe_align
@@ -123,20 +124,23 @@ def assert_align_lists(ids: Any, experts: int, block_m: int, stable: bool | None
 def _check_moe_align(p: dict[str, Any]) -> None:
     import torch
 
-    from tokenmill.kernels.triton.moe_align import ONE_LAUNCH_MAX_PAIRS, _moe_align_torch, moe_align
+    from tokenmill.kernels.triton.moe_align import _moe_align_torch, moe_align
 
     gen = torch.Generator().manual_seed(3)
     ids_dtype = getattr(torch, p["ids_dtype"])
     for tokens, experts, top_k, block_m, kind in (
         (1, 128, 8, 16, "topk"), (5, 8, 2, 16, "random"), (37, 8, 2, 16, "skewed"), (37, 4, 1, 64, "random"),
         (100, 256, 8, 16, "topk"), (300, 8, 2, 64, "topk"), (16, 4, 4, 16, "skewed"), (7, 8, 2, 1, "random"), (0, 8, 2, 16, "random"),
-        (1100, 128, 8, 64, "topk"),  # 8,800 pairs: past the one-launch limit, the torch way
+        # Past the one-launch limit, the chunked launches: several chunks, a ragged last one, experts
+        # that fill no power of two (60), skewed routing, few experts over many chunks, a wide router.
+        (1100, 128, 8, 64, "topk"), (1100, 60, 8, 16, "skewed"), (4200, 8, 2, 128, "random"), (520, 512, 16, 16, "topk"),
     ):
         ids = routing(tokens, experts, top_k, kind, gen).to(ids_dtype)
         assert_align_lists(ids, experts, block_m)
-        # The interpreter runs the one launch's atomics lane by lane, chunk by chunk, so its lists are
-        # the stable torch way's exactly: a check of the counting sort's arithmetic, row by row.
-        if 0 < ids.numel() <= ONE_LAUNCH_MAX_PAIRS:
+        # The chunked launches are stable (an expert's pairs in increasing order), and the
+        # interpreter runs the one launch's atomics lane by lane, chunk by chunk: either way the lists
+        # are the stable torch twin's exactly, a check of the arithmetic row by row.
+        if ids.numel():
             for got, want in zip(moe_align(ids, experts, block_m), _moe_align_torch(ids, experts, block_m)):
                 assert torch.equal(got, want), (tokens, experts, top_k, block_m, kind)
 

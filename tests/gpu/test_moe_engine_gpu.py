@@ -81,7 +81,7 @@ def test_no_moe_kernel_is_compiled_during_a_run(tmp_path):
     """The grouped GEMMs' and the alignment's variants are compiled while ``LLM()`` starts
     (``precompile_experts``; tests/test_precompile_coverage.py checks the keys on the CPU), so a run
     of chunked prompts, mixed steps and decodes at every batch size compiles none. The budget of
-    4,096 tokens x 4 experts puts the profiling step on the torch alignment, so the one-launch
+    4,096 tokens x 4 experts puts the profiling step on the chunked alignment, so the one-launch
     alignment on 64-row blocks (steps of 65-2,048 tokens) is first met by the run itself."""
     import json
 

@@ -94,19 +94,27 @@ def test_int32_ids_skewed_routing_and_empty_batch():
     assert empty.shape == (0, hidden)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(4096, 128, 8, 64), (8192, 8, 2, 64), (300, 256, 8, 16), (1, 128, 8, 16)])
+# Past 8,192 pairs the chunked launches (stable: the torch twin's lists exactly), at and below it the one launch.
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(4096, 128, 8, 64), (8192, 8, 2, 64), (16384, 128, 8, 128),
+                                                              (2000, 60, 8, 16), (300, 256, 8, 16), (1024, 128, 8, 64),
+                                                              (1, 128, 8, 16)])
 def test_moe_align_on_the_gpu(tokens, experts, top_k, block_m):
     from kernel_checks_moe import assert_align_lists
+
+    from tokenmill.kernels.triton.moe_align import ONE_LAUNCH_MAX_PAIRS, _moe_align_torch, moe_align
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     _, ids = _route(tokens, experts, top_k, gen)
     assert_align_lists(ids, experts, block_m)
     assert_align_lists(ids.to(torch.int32), experts, block_m)
+    if ids.numel() > ONE_LAUNCH_MAX_PAIRS:
+        for got, want in zip(moe_align(ids, experts, block_m), _moe_align_torch(ids, experts, block_m)):
+            assert torch.equal(got, want)
 
 
 # 1-64 tokens: the small tiles and the one-launch alignment on 16-row blocks; 512 (4,096 pairs): the
 # large tiles and the one-launch alignment on 64-row blocks; 2,048 (16,384 pairs): the large tiles
-# and the torch alignment (its stable sort) inside the graph.
+# and the chunked alignment (three launches) inside the graph.
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512, 2048])
 def test_fused_experts_replays_in_a_cuda_graph(tokens):
     from tokenmill.kernels.reference import fused_moe_ref

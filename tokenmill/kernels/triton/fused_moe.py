@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.activation import silu_and_mul
-from tokenmill.kernels.triton.moe_align import moe_align
+from tokenmill.kernels.triton.moe_align import ONE_LAUNCH_MAX_PAIRS, moe_align
 from tokenmill.kernels.triton.precompile import launcher
 # The tiles of both GEMMs of one call (they share BLOCK_M because they share the alignment).
 from tokenmill.kernels.triton.matmul import MatmulConfig as MoeConfig
@@ -158,15 +158,14 @@ def precompile_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_toke
 def variant_token_counts(classes: list[tuple[float, MoeConfig]], num_experts: int, top_k: int, max_tokens: int) -> list[int]:
     """Token counts of up to ``max_tokens`` whose calls, between them, launch every Triton variant
     ``fused_experts`` can for experts with these ``tile_classes``: one token (the first class, the
-    one-launch alignment on its blocks) and the fewest that take each later class (with the
-    one-launch alignment on its blocks while that many pairs fit it). Larger calls add no variant
-    (the torch alignment)."""
+    one-launch alignment on its blocks), the fewest that take each later class, and the fewest past
+    the one-launch alignment (the chunked alignment, on the blocks of the class that count falls in;
+    a later class's first count, past it too, covers that class's). Larger calls add no variant."""
     counts = [1]
     for limit, _ in classes[:-1]:
-        first = int(limit * num_experts) // top_k + 1
-        if first <= max_tokens:
-            counts.append(first)
-    return counts
+        counts.append(int(limit * num_experts) // top_k + 1)
+    counts.append(ONE_LAUNCH_MAX_PAIRS // top_k + 1)
+    return sorted({count for count in counts if count <= max_tokens})
 
 
 def choose_config(num_pairs: int, num_experts: int, dtype: torch.dtype,
