@@ -134,6 +134,7 @@ def _check_moe_align(p: dict[str, Any]) -> None:
         # Past the one-launch limit, the chunked launches: several chunks, a ragged last one, experts
         # that fill no power of two (60), skewed routing, few experts over many chunks, a wide router.
         (1100, 128, 8, 64, "topk"), (1100, 60, 8, 16, "skewed"), (4200, 8, 2, 128, "random"), (520, 512, 16, 16, "topk"),
+        (4100, 128, 8, 64, "topk"),  # 33 chunks: past one tile of the rows kernel's passes (32 chunks at E = 128)
     ):
         ids = routing(tokens, experts, top_k, kind, gen).to(ids_dtype)
         assert_align_lists(ids, experts, block_m)
