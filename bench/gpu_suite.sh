@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
-#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-engine] [memory-plan] [lora]
+#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
 #   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -145,6 +145,16 @@ for part in $parts; do
           | grep -v "^\s*$" | tail -3
       done
       tag "$OUT/moe_engine.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_engine.raw" ;;
+    moe-ab-old)  # Qwen3-30B-A3B's shape end to end (MOE_WORKLOADS, default nano uniform): an older engine in .old/ (made here
+                 # with `git worktree add --detach .old <sha>`, carried) beside this tree, old first, in one call (rows' "tree")
+      [ -d .old/tokenmill ] || { echo "moe-ab-old: no .old/ tree carried"; continue; }
+      for tree in old new; do
+        dir=$PWD; [ $tree = old ] && dir=$PWD/.old
+        (cd "$dir" && RESULTS="$OUT/moe_ab.raw" PYTHONPATH="$dir" timeout ${MOE_AB_TIMEOUT:-280} \
+          python3 bench/moe_peer_bench.py tokenmill qwen3-30b-a3b ${MOE_WORKLOADS:-nano uniform} 2>&1 | grep -v "^\s*$" | tail -2)
+        sed -i "/\"tree\"/!s/\"engine\": \"tokenmill\",/\"engine\": \"tokenmill\", \"tree\": \"$tree\",/" "$OUT/moe_ab.raw"
+      done
+      tag "$OUT/moe_ab.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_ab.raw" ;;
     memory-plan)  # the GPU memory plan (docs/perf.md 88-89): its GPU test (the real peak inside the plan), then the plan's
                   # line and the run's time for Qwen3-30B-A3B's P1 requests and Qwen3-0.6B's P2 (profile_step --timeline)
       OMP_NUM_THREADS=$TESTS_OMP timeout 200 python3 -m pytest tests/gpu/test_memory_plan_gpu.py -q -p no:cacheprovider -rs 2>&1 \
