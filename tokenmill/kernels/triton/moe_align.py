@@ -19,7 +19,7 @@ row alone, so the order changes no value):
   (a prefix over the chunks, then over the experts' padded runs) and each block's expert; each
   chunk writing its pairs there, ranked within an expert by a one-hot prefix sum. An expert's
   pairs come in increasing order, as a stable sort gives them. (Before: torch ops, a stable sort,
-  ``searchsorted``, ``cumsum``, a scatter: ~25 launches, the sort alone ~0.23 ms a layer at 8,192
+  ``searchsorted``, ``cumsum``, a scatter: ~25 launches, the sort alone ~0.23 ms a layer at 16,384
   tokens on an H100, docs/perf.md 91; ``_moe_align_torch`` stays as the tests' twin.)
 No ``.item()``, ``nonzero`` or ``bincount`` (whose CUDA version reads the input's maximum back to
 size its output) anywhere.
