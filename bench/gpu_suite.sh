@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -162,6 +162,12 @@ for part in $parts; do
       for run in "qwen3-30b-a3b nano" "qwen3-0.6b uniform"; do
         timeout 160 python3 bench/profile_step.py $run --timeline > "$OUT/plan_${run// /_}.txt" 2>&1
         grep -E "GPU memory|generate:" "$OUT/plan_${run// /_}.txt"
+      done ;;
+    timeline-moe)  # Qwen3-30B-A3B's P1 and P2 requests by step kind and batch size, with the run's preemptions (the
+                   # re-prefills of preempted sequences are prompt steps too: entry 90's note on uniform's 0.95x)
+      for workload in ${MOE_WORKLOADS:-nano uniform}; do
+        timeout 200 python3 bench/profile_step.py qwen3-30b-a3b $workload --timeline > "$OUT/timeline_moe_$workload.txt" 2>&1
+        grep -E "GPU memory|generate:|prompt tokens" "$OUT/timeline_moe_$workload.txt"
       done ;;
     moe-engine)  # MoE decoders end to end (tests/gpu/test_moe_engine_gpu.py), then P1's and P2's requests on
                  # Qwen3-30B-A3B's shape, and P1's with quantization="fp8" (bench/moe_peer_bench.py; beside vllm-moe)

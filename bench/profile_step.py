@@ -119,7 +119,8 @@ def timeline(llm, inputs, params) -> None:
     tail of a batch is where per-step costs that do not shrink with it dominate). Each line also
     gives the time the host spent blocked on the GPU (``StepResult.wait``: near zero means the host
     is the bottleneck there, near the step time means the GPU is) and inside the runner's launch
-    (``ModelRunner.execute``: batch building, and the forward's launches)."""
+    (``ModelRunner.execute``: batch building, and the forward's launches; on a GPU-bound step also
+    the host blocked on a full launch queue). The run's preemptions come with the total."""
     from tokenmill.engine.step import StepResult
 
     engine = llm.llm_engine
@@ -162,13 +163,15 @@ def timeline(llm, inputs, params) -> None:
         return out
 
     engine.step, runner.execute, StepResult.wait = timed_step, timed_execute, timed_wait
+    preempted_before = engine.scheduler.num_preemptions
     try:
         start = time.perf_counter()
         llm.generate(inputs, params, use_tqdm=False)
         total = time.perf_counter() - start
     finally:
         engine.step, runner.execute, StepResult.wait = step, execute, wait
-    print(f"generate: {total:.2f} s")
+    # Preempted sequences are computed again from their tokens: prompt steps beyond the prompts' own.
+    print(f"generate: {total:.2f} s; {engine.scheduler.num_preemptions - preempted_before} preemptions")
 
     def line(title: str, row: dict) -> str:
         n = row["steps"]
