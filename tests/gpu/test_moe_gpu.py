@@ -1,7 +1,8 @@
 """The fused mixture-of-experts kernels on a CUDA GPU against their plain-torch twin
 (``reference.fused_moe_ref``): bf16 and fp16 over T from 1 to 4096 on Qwen3-30B-A3B's experts
 (E 128, K 8, H 2048, I 768), the same experts 8 to a layer with K 2, and H / I that fill no tile;
-both tile classes at sizes where the engine picks the other; ``moe_align`` at prefill sizes; and
+both tile classes at sizes where the engine picks the other; ``moe_align`` at prefill sizes (the
+chunked launches against the torch twin, exactly); and
 ``fused_experts`` captured in a CUDA graph for a fixed T, replayed with new tokens and routings
 (spread, all on the same K experts) copied into the captured inputs; the router's top-k kernel
 (``moe_routing.route_top_k``) against plain torch, and in a graph. The engine through the MoE
@@ -206,6 +207,7 @@ def test_route_top_k_replays_in_a_cuda_graph():
         want_weights, want_ids = _expected_route(logits, 8, True)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
 
 def test_batch_invariant_rows_do_not_depend_on_the_batch():
     """Deterministic mode's ``batch_invariant=True`` in bf16 on the real MMAs: each token's row bit for
