@@ -181,6 +181,7 @@ def _check_moe_route(p: dict[str, Any]) -> None:
         assert any(len(set(row.tolist())) < top_k + 1 for row in logits.float().sort(dim=-1, descending=True).values[:, :top_k + 1]), \
             "the case must hold a tie at or above the k-th place"
 
+
 def _check_fused_moe(p: dict[str, Any]) -> None:
     import torch
 
@@ -286,5 +287,5 @@ def _check_moe_fp8_weights(p: dict[str, Any]) -> None:
     assert want.abs().mean() > 0.05
 
 
-CHECKS = {"moe_align": _check_moe_align, "moe_route": _check_moe_route, "fused_moe": _check_fused_moe, "moe_batch_invariant": _check_moe_batch_invariant,
-          "moe_fp8_weights": _check_moe_fp8_weights}
+CHECKS = {"moe_align": _check_moe_align, "moe_route": _check_moe_route, "fused_moe": _check_fused_moe,
+          "moe_batch_invariant": _check_moe_batch_invariant, "moe_fp8_weights": _check_moe_fp8_weights}
