@@ -200,14 +200,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     device = topk_ids.device
     rows = max_padded_rows(num_pairs, num_experts, block_m)
     e_pad = triton.next_power_of_2(num_experts)
-    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
-    block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    sorted_pairs, block_experts, num_padded = _empty_lists(rows, block_m, device)
     scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=device)
     launcher(_align_kernel, (1,), compile_only)(
         topk_ids.reshape(-1), sorted_pairs, block_experts, num_padded, scratch, num_pairs, rows,
         NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=_CHUNK, num_warps=8)
     return sorted_pairs, block_experts, num_padded
+
+
+def _empty_lists(rows: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_align``'s three outputs, unfilled: sorted_pairs [rows], block_experts [rows / block_m], num_padded [1]."""
+    return (torch.empty(rows, dtype=torch.int32, device=device),
+            torch.empty(rows // block_m, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
 
 
 def _moe_align_chunks(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -220,9 +225,7 @@ def _moe_align_chunks(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     e_pad = triton.next_power_of_2(num_experts)
     num_chunks = triton.cdiv(num_pairs, _CHUNK)
     ids = topk_ids.reshape(-1)
-    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
-    block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    sorted_pairs, block_experts, num_padded = _empty_lists(rows, block_m, device)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
     firsts = torch.empty_like(counts)
     # ~4K-element register tiles whatever E is (8 to a few hundred experts).
