@@ -122,11 +122,17 @@ def test_replicas_killed_and_resumed_exactly_once(tmp_path, tiny_llama_dir):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "rerun the same command" in err
 
-    # 3. SIGKILL of one replica: a replacement takes its unfinished rows; the job completes.
+    # 3. SIGKILL of one replica: a replacement takes its unfinished rows; the job completes. The victim
+    # is the replica whose shard (rows with index % 2 == shard) has the most rows left, found while the
+    # models load, so it cannot have finished its shard before the kill (a random pick once killed a
+    # replica that had just finished, and no replacement was needed).
     before = lines_in(output)
+    done = {json.loads(line)["row"] for line in open(output)}
+    left = [sum(1 for row in range(ROWS + 1) if row % 2 == shard and row not in done) for shard in (0, 1)]
     proc = start(input_path, output, tiny_llama_dir)
-    wait_until(proc, lambda: lines_in(output) >= before + 2 and len(replica_pids(proc.pid)) == 2)
-    victim = replica_pids(proc.pid)[rng.randrange(2)]
+    wait_until(proc, lambda: len(replica_pids(proc.pid)) == 2)
+    victim = replica_pids(proc.pid)[left.index(max(left))]  # started in shard order: the lower pid is shard 0
+    wait_until(proc, lambda: lines_in(output) >= before + 1)
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 3, err  # done, with the bad rows failed
