@@ -108,8 +108,14 @@ def test_several_llms_in_one_process(llm, tiny_llama_dir, tiny_qwen2_dir):
     assert second == [hf_greedy(hf_model(str(tiny_qwen2_dir)), p["prompt_token_ids"], 6)[0] for p in prompts]
     with_stats = other.generate(prompts, GREEDY, use_tqdm=False)  # vLLM's test_log_stats: every output has metrics
     assert all(o.metrics is not None and o.metrics.first_token_time is not None for o in with_stats)
+    for m in (o.metrics for o in with_stats):  # vLLM v1's RequestStateStats names read the same times
+        assert m.num_generation_tokens == 6 and m.queued_ts == m.arrival_time and not m.is_corrupted
+        assert 0.0 < m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts == m.finished_time
+        assert m.first_token_latency == m.first_token_time - m.arrival_time > 0.0
     generated = {m.name: m.value for m in other.get_metrics() if m.name == "vllm:generation_tokens"}
     assert generated == {"vllm:generation_tokens": 24}  # its own registry: the other LLM's tokens are not counted
+    sampled = other.generate(prompts[:1], SamplingParams(n=3, max_tokens=4, ignore_eos=True, seed=1), use_tqdm=False)
+    assert sampled[0].metrics.num_generation_tokens == 12  # every completion's tokens, as vLLM counts them
     with pytest.raises(ValueError, match="disable_log_stats=False"):
         llm.get_metrics()
 

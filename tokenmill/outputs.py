@@ -34,10 +34,38 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's times on the engine's monotonic clock (seconds), vLLM v0's names, and under vLLM
+    v1's `RequestStateStats` names the same times (0.0 while unset, as vLLM's), so that code written
+    for either reads them unchanged. One difference: vLLM's ``arrival_time`` is wall-clock; here
+    every time is on the one clock, so differences between any two are durations."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0  # over all the request's completions, as vLLM counts them
+    last_token_time: float | None = None  # when the newest token of this output was read back
+    is_corrupted: bool = False  # vLLM's NaN-in-logits flag (it counts NaNs only when asked to): never set here
+
+    @property
+    def queued_ts(self) -> float:
+        return self.arrival_time
+
+    @property
+    def scheduled_ts(self) -> float:
+        return self.first_scheduled_time or 0.0
+
+    @property
+    def first_token_ts(self) -> float:
+        return self.first_token_time or 0.0
+
+    @property
+    def last_token_ts(self) -> float:
+        return self.last_token_time or 0.0
+
+    @property
+    def first_token_latency(self) -> float:
+        return 0.0 if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass

@@ -14,6 +14,7 @@ that is the sampled one takes its listed rank (vLLM's dict is built in that orde
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tokenmill.engine.request import Request, Sequence
@@ -141,12 +142,21 @@ class OutputProcessor:
             prompt_logprobs=self._prompt_logprobs(request),
             outputs=completions,
             finished=request.is_finished,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time),
+            metrics=self._metrics(request, completions),
             num_cached_tokens=request.num_cached_tokens,
             num_cache_creation_tokens=request.num_cache_creation_tokens,
             lora_request=request.lora_request,
             error=request.error,
         )
+
+    @staticmethod
+    def _metrics(request: Request, completions: list[CompletionOutput]) -> RequestMetrics:
+        generated = sum(len(s.output_token_ids) for s in request.sequences) if request.beam is None else \
+            sum(len(c.token_ids) for c in completions)
+        # An output is made in the step that read its newest token (or the one that finished it).
+        last = request.finished_time or (time.monotonic() if generated else None)
+        return RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                              request.finished_time, generated, last)
 
     @staticmethod
     def _prompt_logprobs(request: Request) -> PromptLogprobs | None:
