@@ -13,7 +13,6 @@ parent process disappears (a killed parent cannot stop it, so it stops itself).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -74,11 +73,11 @@ def shard_rows(rows: Iterator[Any], shard: int, shards: int) -> Iterator[Any]:
 
 def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
+    exit_with_parent(int(argv[1]))
     try:
         setup: ReplicaSetup = receive(conn)
     except (EOFError, OSError):
         return 1  # the parent went away before sending the set-up
-    exit_with_parent(os.getppid())
     sys.path.extend(p for p in setup.sys_path if p not in sys.path)
     try:
         return run_replica(conn, setup)

@@ -26,7 +26,8 @@ STOP_GRACE_S = 5.0  # a child told to stop exits at once; this bounds one that d
 
 
 def start_module(module: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Connection]:
-    """Start ``python -m module FD``; returns the process and this side's end of the pipe.
+    """Start ``python -m module FD PID`` (PID: this process, the parent the child watches with
+    `exit_with_parent`); returns the process and this side's end of the pipe.
 
     The child runs the tokenmill that runs here (its folder goes first on PYTHONPATH), in a new
     session, so a Ctrl-C at the terminal reaches only this process, which stops children in order.
@@ -37,7 +38,7 @@ def start_module(module: str, env: dict[str, str] | None = None) -> tuple[subpro
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
     with theirs:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(theirs.fileno())],
+            [sys.executable, "-m", module, str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),),
             env=child_env,
             start_new_session=True,
@@ -82,7 +83,9 @@ def describe_exit(code: int | None) -> str:
 
 def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     """In a child: exit when the parent process is gone, even if the main thread is stuck (in a
-    collective, a model step...). A killed parent cannot stop its children, so they stop themselves."""
+    collective, a model step...). A killed parent cannot stop its children, so they stop themselves.
+    ``parent`` is the pid the parent passed (`start_module`), not ``os.getppid()`` read here: a parent
+    killed before the child got this far has made init the child's parent already, which never goes."""
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import pickle
 import sys
 import traceback
@@ -35,12 +34,12 @@ from tokenmill.worker.worker import Worker, worker_class
 
 def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
+    exit_with_parent(int(argv[1]))
     try:
         setup: WorkerSetup = receive(conn)
     except EOFError:
         return 1  # rank 0 went away before sending the set-up
     sys.path.extend(p for p in setup.sys_path if p not in sys.path)
-    exit_with_parent(os.getppid())
     # Rank 0 logs the same warnings (same config, same model); errors still show.
     logging.getLogger("tokenmill").setLevel(logging.ERROR)
     try:
