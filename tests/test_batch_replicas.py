@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -33,8 +34,9 @@ def write_input(path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json at all\n")
 
 
-def start(input_path: Path, output: Path, model: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def start(input_path: Path, output: Path, model: Path, *extra: str, hooks: Path | None = None) -> subprocess.Popen:
+    path = [str(hooks)] if hooks is not None else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO), os.environ.get("PYTHONPATH", "")])}
     flags = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--model", str(model), "--dtype", "float32",
              "--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 * 2**20), "--max-num-seqs", "1"]
     cmd = [sys.executable, "-m", "tokenmill.cli", "run", str(input_path), "-o", str(output), "--replicas", "2",
@@ -123,16 +125,39 @@ def test_replicas_killed_and_resumed_exactly_once(tmp_path, tiny_llama_dir):
     assert "interrupted" in err and "rerun the same command" in err
 
     # 3. SIGKILL of one replica: a replacement takes its unfinished rows; the job completes. The victim
-    # is the replica whose shard (rows with index % 2 == shard) has the most rows left, found while the
-    # models load, so it cannot have finished its shard before the kill (a random pick once killed a
-    # replica that had just finished, and no replacement was needed).
-    before = lines_in(output)
-    done = {json.loads(line)["row"] for line in open(output)}
-    left = [sum(1 for row in range(ROWS + 1) if row % 2 == shard and row not in done) for shard in (0, 1)]
-    proc = start(input_path, output, tiny_llama_dir)
-    wait_until(proc, lambda: len(replica_pids(proc.pid)) == 2)
-    victim = replica_pids(proc.pid)[left.index(max(left))]  # started in shard order: the lower pid is shard 0
-    wait_until(proc, lambda: lines_in(output) >= before + 1)
+    # is the first replica to commit rows: a hook (sitecustomize, loaded by every process of this run;
+    # only replicas run JobLoop) makes it write its pid to a marker after that commit and wait there,
+    # with a row in flight and before it could send Finished, until it is killed. Waiting for output
+    # lines instead raced: the parent writes them as it reads the replicas' commits, so on a loaded
+    # machine a replica could finish its whole shard before the first line appeared (CI failed so).
+    marker, hooks = tmp_path / "victim.pid", tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, time
+        import tokenmill.batch.loop as loop
+
+        commit = loop.JobLoop._commit
+
+        def commit_then_wait_to_be_killed(self):
+            had_rows = bool(self.pending)
+            commit(self)
+            if not had_rows or os.path.exists({str(marker)!r}):
+                return
+            mine = {str(marker)!r} + f".{{os.getpid()}}"
+            with open(mine, "w") as f:
+                f.write(str(os.getpid()))
+            try:
+                os.link(mine, {str(marker)!r})  # the marker appears with its pid in it, for one replica only
+            except FileExistsError:
+                return
+            time.sleep(3600)
+
+        loop.JobLoop._commit = commit_then_wait_to_be_killed
+    """))
+    proc = start(input_path, output, tiny_llama_dir, hooks=hooks)
+    wait_until(proc, marker.exists)
+    victim = int(marker.read_text())
+    assert victim in replica_pids(proc.pid)
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 3, err  # done, with the bad rows failed
