@@ -17,7 +17,7 @@ run's time by a cost model of a step, a decode step's milliseconds at N running 
 defaults are Qwen3-30B-A3B's on an H100 from the timeline of lease BD
 (`bench/results/gpu_timeline_4a1873d_qwen3-30b-a3b_nano.txt`: a decode step 10.0 / 20.3 / 24.1 /
 30.3 ms at up to 16 / 32 / 64 / 128-192 sequences, a prompt step 12.5 ms over a decode step for
-~1,685 tokens); the model leaves the host's and the launches' share out, so compare its figures
+~1,685 tokens; its 1- and 1,024-sequence ends are estimates, outside what the timeline saw); the model leaves the host's and the launches' share out, so compare its figures
 with each other, not with a measured wall time.
 """
 
