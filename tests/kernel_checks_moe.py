@@ -146,12 +146,23 @@ def _check_moe_align(p: dict[str, Any]) -> None:
                 assert torch.equal(got, want), (tokens, experts, top_k, block_m, kind)
 
 
+def expected_route(logits: Any, top_k: int, renormalize: bool) -> tuple[Any, Any]:
+    """Plain torch for ``route_top_k`` (here and tests/gpu/test_moe_gpu.py): the weights of
+    ``reference.moe_route_ref``; the ids the first top_k of a stable descending sort of the logits
+    (among equal logits the lower index first, the kernel's rule)."""
+    import torch
+
+    from tokenmill.kernels.reference import moe_route_ref
+
+    weights, _ = moe_route_ref(logits, top_k, renormalize)
+    return weights, torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
+
+
 def _check_moe_route(p: dict[str, Any]) -> None:
     """``route_top_k`` against plain torch: the weights of ``reference.moe_route_ref`` and, as ids, the
     first top_k of a stable descending sort of the logits (the lower index first among equal ones)."""
     import torch
 
-    from tokenmill.kernels.reference import moe_route_ref
     from tokenmill.kernels.triton.moe_routing import route_top_k
 
     tokens, experts, top_k = p["tokens"], p["experts"], p["top_k"]
@@ -163,8 +174,7 @@ def _check_moe_route(p: dict[str, Any]) -> None:
     weights, ids = route_top_k(logits, top_k, p["renormalize"])
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert weights.shape == ids.shape == (tokens, top_k)
-    want_weights, _ = moe_route_ref(logits, top_k, p["renormalize"])
-    want_ids = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
+    want_weights, want_ids = expected_route(logits, top_k, p["renormalize"])
     assert torch.equal(ids, want_ids), (ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
     if tokens >= 3:  # garbage rows (a padding token's): a NaN ranks lowest, and every id names an expert

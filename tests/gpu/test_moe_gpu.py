@@ -150,15 +150,6 @@ def test_fused_experts_replays_in_a_cuda_graph(tokens):
         _assert_matches(y, fused_moe_ref(x, w13, w2, weights, ids), f"replay with {kind} routing")
 
 
-def _expected_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: the weights of ``reference.moe_route_ref``; the ids the first top_k of a stable
-    descending sort (among equal logits the lower index first, the kernel's rule)."""
-    from tokenmill.kernels.reference import moe_route_ref
-
-    weights, _ = moe_route_ref(logits, top_k, renormalize)
-    return weights, torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
-
-
 # (experts, top_k, renormalize): Qwen3-30B-A3B's router, Mixtral's, Qwen1.5-MoE-A2.7B's (60: padded, not
 # renormalised), a 512-expert router (4 tokens a program).
 ROUTERS = [(128, 8, True), (8, 2, True), (60, 4, False), (512, 10, True)]
@@ -168,6 +159,8 @@ ROUTERS = [(128, 8, True), (8, 2, True), (60, 4, False), (512, 10, True)]
 @pytest.mark.parametrize("router", ROUTERS)
 def test_route_top_k_matches_torch(router, dtype):
     """The router kernel against plain torch at decode and prefill sizes, bf16 logits tying often."""
+    from kernel_checks_moe import expected_route
+
     from tokenmill.kernels.triton.moe_routing import route_top_k
 
     experts, top_k, renormalize = router
@@ -175,7 +168,7 @@ def test_route_top_k_matches_torch(router, dtype):
     for tokens in [1, 3, 16, 17, 100, 1024, 16384]:
         logits = (torch.randn(tokens, experts, generator=gen, device="cuda") * 2).to(dtype)
         weights, ids = route_top_k(logits, top_k, renormalize)
-        want_weights, want_ids = _expected_route(logits, top_k, renormalize)
+        want_weights, want_ids = expected_route(logits, top_k, renormalize)
         assert torch.equal(ids, want_ids), f"T={tokens}"
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6, msg=f"T={tokens}")  # exp rounded apart
     # Garbage rows (padding tokens'): NaN ranks lowest, every id a valid expert (an id past E made the
@@ -190,6 +183,8 @@ def test_route_top_k_matches_torch(router, dtype):
 
 
 def test_route_top_k_replays_in_a_cuda_graph():
+    from kernel_checks_moe import expected_route
+
     from tokenmill.kernels.triton.moe_routing import route_top_k
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -204,7 +199,7 @@ def test_route_top_k_replays_in_a_cuda_graph():
         ids.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
-        want_weights, want_ids = _expected_route(logits, 8, True)
+        want_weights, want_ids = expected_route(logits, 8, True)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
 
