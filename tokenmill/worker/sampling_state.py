@@ -357,7 +357,9 @@ class LogprobIdsState(_SlottedState):
         ids = torch.zeros((num_rows, self.ids.shape[1]), dtype=torch.int64, device=self.ids.device)
         ids[rows.rows] = self.ids[rows.slots]
         has = torch.zeros(num_rows, dtype=torch.bool, device=self.ids.device)
-        has[rows.rows] = True
+        # index_fill_ takes the value as a kernel argument; ``has[rows] = True`` would copy a CPU
+        # scalar to the device, a host sync every step (test_logprob_ids_state_needs_no_host_sync).
+        has.index_fill_(0, rows.rows, True)
         return ids, has
 
     def _fill(self, new: list, to_device: ToDevice) -> None:
