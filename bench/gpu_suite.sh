@@ -381,7 +381,9 @@ for part in $parts; do
       # three (cat part0 part1 | split -n 3 -d -a 1 - <name>.part), carried in three calls < 30 s apart.
       if [ ! -d /tmp/vllm-site/vllm ]; then
         mkdir -p /tmp/vllm-site
-        cat /tmp/vllmchunk/*.part* .vllmchunk/*.part* 2>/dev/null | xz -d | tar -C /tmp/vllm-site -xf - || echo "vllm bundle: unpack failed"
+        # Only the parts that exist: under pipefail a glob that matched nothing failed the pipeline after a good unpack.
+        chunks=""; for f in /tmp/vllmchunk/*.part* .vllmchunk/*.part*; do [ -f "$f" ] && chunks="$chunks $f"; done
+        cat $chunks | xz -d | tar -C /tmp/vllm-site -xf - || echo "vllm bundle: unpack failed"
       fi ;;
     vllm-det)  # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) on P1-P3, rows tagged "engine": "vllm" with "mode"
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
