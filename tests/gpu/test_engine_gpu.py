@@ -178,6 +178,53 @@ def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
         assert fast.llm_engine.stats.num_overlapped_steps - before > 15
 
 
+def test_launching_a_step_never_waits_for_the_gpu(gpu_models, monkeypatch):
+    """Asynchronous scheduling is only asynchronous while launching a step never syncs with the
+    device: one sync there (a CPU scalar copied in, an ``.item()``, a boolean mask) makes the host
+    wait for the step before every launch, which no output shows. So every launch runs under CUDA's
+    sync check, with the per-sequence sampling features all at once: penalties, logit bias, allowed
+    ids, min_tokens, top-k / top-p / min-p, seeds, n > 1, logprobs, prompt logprobs, listed ids'
+    logprobs, a shared prefix, and a pool small enough to preempt."""
+    from tokenmill.worker.model_runner import ModelRunner
+
+    def checked(launch):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+
+    path = gpu_models["qwen3"]
+    base = LLM(path, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3)
+    per_block = base.llm_engine.executor.runner.kv_bytes_per_block()
+    del base
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256,
+              kv_cache_memory_bytes=120 * per_block)
+    prompts = _prompts(40, seed=21)
+    shared = prompts[0][:48] if len(prompts[0]) >= 48 else [5] * 48
+    inputs = [{"prompt_token_ids": (shared + p if i % 3 == 0 else p)[:700]} for i, p in enumerate(prompts)]
+    controls = [
+        dict(temperature=0.7, seed=3, top_p=0.9, top_k=50, repetition_penalty=1.1, n=2, logprobs=3),
+        dict(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.05, prompt_logprobs=2),
+        dict(temperature=0.0, min_tokens=12, stop_token_ids=[9], logprob_token_ids=[3, 17, 400]),
+        dict(temperature=0.9, logit_bias={11: 3.0, 7: -100.0}, top_p=0.95, logprobs=1),
+        dict(temperature=0.0, allowed_token_ids=list(range(20, 60)), repetition_penalty=1.5),
+        dict(temperature=0.8),
+    ]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False, **controls[i % len(controls)])
+              for i in range(len(inputs))]
+    monkeypatch.setattr(ModelRunner, "execute", checked(ModelRunner.execute))
+    monkeypatch.setattr(ModelRunner, "_draw", checked(ModelRunner._draw))  # a draw that waits for its grammar masks
+    before = llm.llm_engine.stats.num_overlapped_steps
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    for output, p in zip(outputs, params):
+        assert all(len(c.token_ids) == 40 or p.stop_token_ids for c in output.outputs) and output.outputs[0].token_ids
+    assert llm.llm_engine.stats.num_overlapped_steps - before > 30
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
 def test_prefix_hits_chunked_prefill_and_preemption_on_gpu(gpu_models):
     path = gpu_models["llama"]
     prompts = _prompts(12, seed=9)

@@ -147,7 +147,9 @@ class Sampler:
         if batch.batch_processors is not None:
             logits = batch.batch_processors(logits)
         if batch.banned is not None:
-            logits[batch.banned[0], batch.banned[1]] = float("-inf")
+            # The value made on the logits' device: ``logits[rows, ids] = float("-inf")`` would copy a
+            # CPU scalar to the GPU, a host sync every step a sequence is short of its min_tokens.
+            logits.index_put_((batch.banned[0], batch.banned[1]), logits.new_full((), float("-inf")))
         if mode in ("processed_logprobs", "processed_logits") or not logits.is_cuda:
             # The CPU always samples this way: the same steps in plain torch, from the same state.
             token_ids, processed = self._processed(logits, batch, state, bias_pending)
