@@ -199,7 +199,7 @@ for part in $parts; do
                    # .bench_tokenizer/ and xgrammar (.whl) carried
       RESULTS="$OUT/grammar_host.raw" timeout 150 python3 bench/grammar_host_bench.py --rows 128 512 --threads 1 2 4 8 \
         2>>"$OUT/suite.log"; tag "$OUT/grammar_host.raw" "$OUT/grammar_host.jsonl"; : > "$OUT/grammar_host.raw" ;;
-    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all, logit bias, logprobs 1 / 2
+    chat|chat-8b)  # the chat workload: temperature only, + top_p 0.9, + top_k 50, + top_k 100 & top_p 0.95, + repetition_penalty 1.1, all, logit bias, logprobs 1 / 2, min_tokens (a stop id banned every step)
                    # (the default); json, only when named (CHAT_VARIANTS="temperature json"): a JSON schema through structured
                    # outputs; needs .bench_tokenizer/ carried (bench/prepare_bench_tokenizer.sh) and xgrammar, which the image
                    # lacks: from .whl (bench/build_wheels.sh) when carried and installed, else linked from the vLLM bundle

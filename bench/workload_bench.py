@@ -69,6 +69,10 @@ VARIANTS = {
     # logits, since perf.md 61 (before it, from the whole table: run it at 6f08266 for that).
     "logprobs1": dict(logprobs=1),
     "logprobs2": dict(logprobs=2),
+    # Every request short of its min_tokens to its last token (min_tokens = its max_tokens, written
+    # here as MAX_TOKENS) with a stop id, so the ban on that id is applied every step and no request
+    # stops early: the temperature variant's work (perf.md 93: the ban's host sync).
+    "min_tokens": dict(min_tokens="MAX_TOKENS", stop_token_ids=[0]),
 }
 
 # The json variant's schema, as one string (both engines compile this exact text: tokenmill keys a dict
@@ -161,6 +165,11 @@ def engine_settings(mod, settings: dict) -> dict:
     return settings
 
 
+def per_request(settings: dict, max_tokens: int) -> dict:
+    """A variant's keywords for one request: any value written MAX_TOKENS becomes its max_tokens."""
+    return {key: max_tokens if value == "MAX_TOKENS" else value for key, value in settings.items()}
+
+
 def _alloc_retries() -> int | None:
     """This process's CUDA allocator retries so far (None without CUDA in this process: the CPU, or
     an engine whose GPU work runs in another process)."""
@@ -204,8 +213,8 @@ def main() -> None:
         results = None  # the last variant's outputs, before this one allocates its own
         gc.collect()
         settings = chat_settings(name)
-        params = [SamplingParams(**engine_settings(mod, settings), ignore_eos=True, max_tokens=o, detokenize=False)
-                  for o in outs]
+        params = [SamplingParams(**per_request(engine_settings(mod, settings), o), ignore_eos=True, max_tokens=o,
+                                 detokenize=False) for o in outs]
         if not llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: a variant would reuse the last one's prompts")
         full_collections, retries = gc.get_stats()[2]["collections"], _alloc_retries()
