@@ -202,9 +202,8 @@ def test_launching_a_step_never_waits_for_the_gpu(gpu_models, monkeypatch):
     del base
     llm = LLM(path, skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256,
               kv_cache_memory_bytes=120 * per_block)
-    prompts = _prompts(40, seed=21)
-    shared = prompts[0][:48] if len(prompts[0]) >= 48 else [5] * 48
-    inputs = [{"prompt_token_ids": (shared + p if i % 3 == 0 else p)[:700]} for i, p in enumerate(prompts)]
+    shared = list(range(100, 148))  # three whole blocks every third prompt starts with: prefix-cache hits
+    inputs = [{"prompt_token_ids": (shared + p if i % 3 == 0 else p)[:700]} for i, p in enumerate(_prompts(40, seed=21))]
     controls = [
         dict(temperature=0.7, seed=3, top_p=0.9, top_k=50, repetition_penalty=1.1, n=2, logprobs=3),
         dict(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.05, prompt_logprobs=2),
