@@ -34,6 +34,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # gpu_timing, tokenmill
 from gpu_timing import _time_events, _time_graph  # noqa: E402
 from tokenmill.kernels.triton import sampling  # noqa: E402
+from tokenmill.kernels.sampling_args import counts_width  # noqa: E402
 from tokenmill.kernels.triton.sampling import Filters, RowState, sample_tokens  # noqa: E402
 
 # case -> (top_k, top_p, min_p, repetition_penalty) at temperature 0.7
@@ -54,9 +55,9 @@ EXTRA_CASES = {
 
 
 def penalty_state(rows: int, vocab: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+    counts = torch.zeros(rows, counts_width(vocab), dtype=torch.int16, device=device)
     outputs = torch.randint(0, vocab, (rows, 300), device=device, generator=gen)
-    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int16))
     words = -(-vocab // 32)
     dense = torch.zeros(rows, words * 32, dtype=torch.int64, device=device)
     dense.scatter_(1, torch.randint(0, vocab, (rows, 500), device=device, generator=gen), 1)

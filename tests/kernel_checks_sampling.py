@@ -32,6 +32,9 @@ for _dt in ("float32", "float16"):
 _case("sample_tokens", "sample-tokens-v5003-float32", dtype="float32", vocab=5003, rows=None)
 _case("sample_tokens", "sample-tokens-v5003-float16", dtype="float16", vocab=5003, rows=None)
 _case("sample_tokens", "sample-tokens-v20000-wide-float32", dtype="float32", vocab=20000, rows=[0, 3, 5, 11])
+# Each slot's own counts read from the int16 table, odd vocabularies (a padding column a row).
+_case("penalty_counts", "penalty-counts-v5003-float32", dtype="float32", vocab=5003)
+_case("penalty_counts", "penalty-counts-v2049-float16", dtype="float16", vocab=2049)
 # Wide top-p rows through the histogram passes (several splits, a last partial tile), mixed with
 # narrow, min-p-only and greedy rows; at 9,000 tokens a row of ties overflows the bracket (sweeps).
 _case("sample_tokens_wide", "sample-tokens-wide-v5003-float32", dtype="float32", vocab=5003)
@@ -248,7 +251,7 @@ def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:
     x[rows] += bias[bias_slots[rows].long()]
     rows = torch.nonzero(penalty_slots >= 0).flatten()
     slots = penalty_slots[rows].long()
-    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows],
+    x[rows] = penalize_ref(x[rows], counts[slots, : x.shape[1]], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows],
                            freq[rows], pres[rows])
     return [x[row] / torch.tensor(t) if t > 0 else x[row] for row, t in enumerate(temperature.tolist())]
 
@@ -301,6 +304,41 @@ def _check_kernel_logprobs(p: dict[str, Any]) -> None:
     assert_matches_table(got, logits, k)
 
 
+def _check_penalty_counts(p: dict[str, Any]) -> None:
+    """The kernels read each slot's own counts from the int16 table (int32 words, rows of
+    ``counts_width(V)`` columns, V odd here): greedy rows over flat logits, so a row's token is decided
+    by its slot's counts alone. Slot s (frequency 1) penalises tokens 0 .. k_s - 1, so its rows take
+    k_s; slot 4 (frequency -1) boosts the row's last token most (the word a padding column shares);
+    slot 5 holds a count at COUNT_MAX on a token near the middle (frequency -1e-3); a row without a
+    slot takes token 0. Any read of a neighbouring slot's row, or the wrong half of a word, moves them."""
+    import torch
+
+    from tokenmill.kernels.reference import sample_ref
+    from tokenmill.kernels.sampling_args import COUNT_MAX, Filters, RowState, counts_width
+    from tokenmill.kernels.triton.sampling import sample_tokens
+
+    vocab = p["vocab"]
+    counts = torch.zeros(6, counts_width(vocab), dtype=torch.int16)
+    firsts = [3 + 7 * s for s in range(4)]
+    for s, k in enumerate(firsts):
+        counts[s, :k] = 1 + s
+    counts[4, : vocab // 3] = 1
+    counts[4, vocab - 1] = 5
+    counts[5, vocab // 2 + 1] = COUNT_MAX
+    frequency = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1e-3])
+    slots = torch.tensor([3, 0, 4, 1, 2, -1, 5, 0, 3], dtype=torch.int32)
+    rows = len(slots)
+    state = RowState(torch.full((rows,), -1, dtype=torch.int32), torch.zeros(1, vocab), slots, counts,
+                     torch.zeros(6, -(-vocab // 32), dtype=torch.int32), torch.ones(6), frequency, torch.zeros(6))
+    logits = torch.zeros(rows, vocab, dtype=getattr(torch, p["dtype"]))
+    temperature, keys = torch.zeros(rows), torch.zeros(rows, dtype=torch.int64)
+    filters = Filters(torch.zeros(rows, dtype=torch.int64), torch.ones(rows), torch.zeros(rows))
+    got = sample_tokens(logits, temperature, keys, keys, filters, state).tolist()
+    want = [firsts[s] if 0 <= s < 4 else {4: vocab - 1, 5: vocab // 2 + 1}.get(s, 0) for s in slots.tolist()]
+    assert got == want, (got, want)
+    assert got == sample_ref(logits, temperature, keys, keys, filters, state).tolist()
+
+
 CHECKS = {
     "token_logprobs": _check_token_logprobs,
     "kernel_logprobs": _check_kernel_logprobs,
@@ -308,4 +346,5 @@ CHECKS = {
     "sample_tokens": _check_sample_tokens,
     "sample_tokens_wide": _check_sample_tokens_wide,
     "sample_tokens_rounds": _check_sample_tokens_rounds,
+    "penalty_counts": _check_penalty_counts,
 }

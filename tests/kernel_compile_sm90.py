@@ -315,7 +315,7 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         slots = torch.zeros(rows, dtype=torch.int32)
         floats = torch.ones(rows)
         factors = torch.ones(4)
-        state = sampling.RowState(slots, torch.empty((4, vocab)), slots, torch.empty((4, vocab), dtype=torch.int32),
+        state = sampling.RowState(slots, torch.empty((4, vocab)), slots, torch.empty((4, vocab), dtype=torch.int16),
                                   torch.empty((4, vocab // 32), dtype=torch.int32), factors, factors, factors)
         for top_p_alone in (True, False):  # with and without the wide top-p histogram passes
             sampling.sample_tokens(torch.empty((rows, vocab), dtype=bf16), floats, ids, ids,

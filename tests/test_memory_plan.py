@@ -14,6 +14,7 @@ import torch
 
 from support.state_seq import StateSeq
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.sampling_args import counts_width
 from tokenmill.worker.sampling_profile import SamplingReserve, float32_path_shapes, largest_state, state_bytes
 from tokenmill.worker.sampling_state import LogitBiasState, PenaltyState, SlotTable, slot_capacity
 
@@ -117,12 +118,12 @@ def test_profile_run_holds_the_largest_state_while_it_samples(tiny_llama_dir, mo
     # sequences still hold state (8 rows).
     reserve = runner.profile_run(3, MAX_NUM_SEQS, max_logprobs=20)
     rows = 8
-    assert seen == dict(logits=(3, vocab), bias=(rows, vocab), counts=(rows, vocab), bits=(rows, -(-vocab // 32)),
-                        bias_rows=[0, 1, 2], penalty_rows=[0, 1, 2], filters=True, greedy=False, logprobs=20,
-                        mode="raw_logprobs")
+    assert seen == dict(logits=(3, vocab), bias=(rows, vocab), counts=(rows, counts_width(vocab)),
+                        bits=(rows, -(-vocab // 32)), bias_rows=[0, 1, 2], penalty_rows=[0, 1, 2], filters=True,
+                        greedy=False, logprobs=20, mode="raw_logprobs")
     assert float32_path_shapes(3, vocab) == [(3, vocab), (3, vocab)]  # few rows: the bias gathered at once
     assert allocated.count(((3, vocab), torch.float32)) == 2
-    expected_bytes = rows * (4 * vocab + 4 * -(-vocab // 32) + 12) + rows * 4 * vocab
+    expected_bytes = rows * (2 * counts_width(vocab) + 4 * -(-vocab // 32) + 12) + rows * 4 * vocab  # int16 counts
     assert reserve == SamplingReserve(state_rows=rows, state_bytes=expected_bytes, sampler_rows=3)
     # The engine's own tables are untouched (fresh ones were profiled and dropped).
     assert runner.penalties.table.capacity == 1 and runner.logit_bias.table.capacity == 1

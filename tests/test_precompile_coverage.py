@@ -119,7 +119,7 @@ def _check_sampler(recorder: _KeyRecorder) -> str | None:
     ``Sampler.precompile``."""
     import torch
 
-    from tokenmill.kernels.sampling_args import Filters, RowState
+    from tokenmill.kernels.sampling_args import Filters, RowState, counts_width
     from tokenmill.kernels.triton.sampling import sample_tokens
     from tokenmill.kernels.triton.token_logprobs import token_logprobs
     from tokenmill.worker.model_runner import ModelRunner
@@ -142,7 +142,7 @@ def _check_sampler(recorder: _KeyRecorder) -> str | None:
             bias_slots, penalty_slots = runner._columns([[-1] * rows, list(range(rows))], torch.int32)
             # torch.empty: the tables' memory is never touched (3,005 x 151,936 would be 1.8 GB each).
             state = RowState(bias_slots, torch.empty(slots, vocab), penalty_slots,
-                             torch.empty(slots, vocab, dtype=torch.int32),
+                             torch.empty(slots, counts_width(vocab), dtype=torch.int16),
                              torch.empty(slots, -(-vocab // 32), dtype=torch.int32),
                              *(torch.ones(slots) for _ in range(3)))  # the penalty factors, per slot (PenaltyState)
         logits = torch.empty(rows, vocab, dtype=torch.bfloat16)

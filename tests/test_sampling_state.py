@@ -14,6 +14,7 @@ import torch
 from support.state_seq import StateSeq as Seq
 from tokenmill import SamplingParams
 from tokenmill.kernels.reference import penalize_ref, prompt_mask_ref
+from tokenmill.kernels.sampling_args import COUNT_MAX, counts_width
 from tokenmill.kernels.triton.sampling import RowState
 from tokenmill.worker import sampling_state
 from tokenmill.worker.sampling_state import (
@@ -21,7 +22,7 @@ from tokenmill.worker.sampling_state import (
     step_rows,
 )
 
-VOCAB = 300
+VOCAB = 301  # odd: the counts table's padding column (sampling_args.counts_width) is in play
 CPU = torch.device("cpu")
 
 
@@ -30,7 +31,7 @@ def same(x):
 
 
 def expected_counts(seq: Seq) -> torch.Tensor:
-    return torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=VOCAB).int()
+    return torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=VOCAB).short()
 
 
 def expected_prompt(seq: Seq) -> torch.Tensor:
@@ -51,7 +52,7 @@ def test_penalty_state_fills_records_releases_and_grows():
     seqs = [random_seq(rng, i, penalised if i != 2 else SamplingParams(), outputs=rng.randrange(5)) for i in range(5)]
     slots = state.slots(seqs, same)
     assert slots[2] == -1 and sorted(s for s in slots if s >= 0) == [0, 1, 2, 3]
-    assert state.table.capacity == 4 and state.counts.shape == (4, VOCAB)
+    assert state.table.capacity == 4 and state.counts.shape == (4, counts_width(VOCAB))
     for _ in range(6):  # steps: sampled ids counted on the "device", the host appends them later
         rows = step_rows(slots, same)
         sampled = torch.tensor([rng.randrange(VOCAB) for _ in seqs])
@@ -61,7 +62,7 @@ def test_penalty_state_fills_records_releases_and_grows():
         assert state.slots(seqs, same) == slots
     for seq, slot in zip(seqs, slots):
         if slot >= 0:
-            assert torch.equal(state.counts[slot], expected_counts(seq))
+            assert torch.equal(state.counts[slot, :VOCAB], expected_counts(seq))
             assert torch.equal(prompt_mask_ref(state.prompt_bits[slot : slot + 1], VOCAB)[0], expected_prompt(seq))
     # Released slots are reused and refilled from what the host knows (as after a preemption);
     # a new sequence beyond the capacity grows the tables and keeps the other slots intact.
@@ -70,8 +71,21 @@ def test_penalty_state_fills_records_releases_and_grows():
     again = state.slots([seqs[3], *newcomers, seqs[1]], same)
     assert state.table.capacity == 8 and again[-1] == slots[1]
     for seq, slot in zip([seqs[3], *newcomers, seqs[1]], again):
-        assert torch.equal(state.counts[slot], expected_counts(seq))
+        assert torch.equal(state.counts[slot, :VOCAB], expected_counts(seq))
         assert torch.equal(prompt_mask_ref(state.prompt_bits[slot : slot + 1], VOCAB)[0], expected_prompt(seq))
+
+
+def test_a_count_is_held_at_count_max_when_filled_and_when_recorded():
+    """int16 counts: a sequence resumed with more repeats of a token than COUNT_MAX fills it at COUNT_MAX,
+    and a record on top stays there (no wrap to a negative count); the others count on."""
+    state = PenaltyState(VOCAB, CPU)
+    seq = Seq(0, SamplingParams(frequency_penalty=0.1), [1, 2], [7] * (COUNT_MAX + 5) + [8, 8])
+    slots = state.slots([seq], same)
+    assert state.counts[slots[0], 7] == COUNT_MAX and state.counts[slots[0], 8] == 2
+    for token in (7, 8):
+        state.record(step_rows(slots, same), torch.tensor([token]))
+    assert state.counts[slots[0], 7] == COUNT_MAX and state.counts[slots[0], 8] == 3
+    assert state.counts.dtype == torch.int16
 
 
 def test_slot_table_takes_back_done_sequences_before_growing():

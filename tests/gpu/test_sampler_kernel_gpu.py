@@ -102,7 +102,8 @@ def _expected_thresholds(logits, temperature, filters, state):
     rows = torch.nonzero(penalty_slots >= 0).flatten()
     slots = penalty_slots[rows].long()
     # The penalty factors are per slot, as the counts (reference.sample_ref reads them so).
-    x[rows] = penalize_ref(x[rows], counts[slots], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[slots], freq[slots],
+    x[rows] = penalize_ref(x[rows], counts[slots, : x.shape[1]], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[slots],
+                           freq[slots],
                            pres[slots])
     scores, thresholds = [], []
     for row, t in enumerate(temperature.tolist()):
@@ -216,6 +217,7 @@ def test_wide_top_p_matches_twin_and_repeats(dtype: torch.dtype) -> None:
     second call bit-identical (deterministic: no atomics, fixed-order sums)."""
     from tokenmill.kernels.reference import sample_ref
     from tokenmill.kernels.triton import sampling
+    from tokenmill.kernels.sampling_args import counts_width
     from tokenmill.kernels.triton.sampling import Filters, RowState
 
     if DRYRUN and dtype is torch.bfloat16:
@@ -238,7 +240,7 @@ def test_wide_top_p_matches_twin_and_repeats(dtype: torch.dtype) -> None:
     keys = torch.randint(0, 2**62, (rows,), generator=gen)
     counters = torch.arange(rows)
     none = torch.full((rows,), -1, dtype=torch.int32)
-    state = RowState(none, torch.zeros(1, vocab), none, torch.zeros(1, vocab, dtype=torch.int32),
+    state = RowState(none, torch.zeros(1, vocab), none, torch.zeros(1, counts_width(vocab), dtype=torch.int16),
                      torch.zeros(1, -(-vocab // 32), dtype=torch.int32), torch.ones(1), torch.zeros(1), torch.zeros(1))
     filters = Filters(top_k, top_p, min_p)
     dev = [t.to(DEVICE) for t in (logits, temperature, keys, counters)]
@@ -380,8 +382,8 @@ def test_penalty_state_fills_and_counts_without_a_host_sync() -> None:
         torch.cuda.set_sync_debug_mode("default")
     for seq in seqs:
         slot = state.table.get(seq.seq_id)
-        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=vocab).int()
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64), minlength=vocab).short()
         mask = torch.zeros(vocab, dtype=torch.bool)
         mask[seq.prompt_token_ids] = True
-        assert torch.equal(state.counts[slot].cpu(), counts)
+        assert torch.equal(state.counts[slot, :vocab].cpu(), counts)
         assert torch.equal(prompt_mask_ref(state.prompt_bits[slot : slot + 1].cpu(), vocab)[0], mask)

@@ -32,6 +32,7 @@ def sampling_rows(vocab: int, dtype: torch.dtype, seed: int, device: str | torch
     """Inputs of ``sampling.sample_tokens`` with one row of each kind in SAMPLING_ROWS, and per-row
     state: penalties on four rows (one greedy), a bias on four (one bans 50 tokens, one shifts 30).
     Returns (logits, temperature, keys, counters, Filters, RowState)."""
+    from tokenmill.kernels.sampling_args import counts_width
     from tokenmill.kernels.triton.sampling import Filters, RowState
 
     gen = torch.Generator().manual_seed(seed)
@@ -50,9 +51,9 @@ def sampling_rows(vocab: int, dtype: torch.dtype, seed: int, device: str | torch
         else:
             logits[i] *= kind
         temperature[i], top_k[i], top_p[i], min_p[i] = t, k, p, mp
-    counts = torch.zeros(4, vocab, dtype=torch.int32)
+    counts = torch.zeros(4, counts_width(vocab), dtype=torch.int16)  # a padding column where V is odd: never read
     for s in range(4):
-        counts[s].index_add_(0, torch.randint(0, vocab, (30,), generator=gen), torch.ones(30, dtype=torch.int32))
+        counts[s].index_add_(0, torch.randint(0, vocab, (30,), generator=gen), torch.ones(30, dtype=torch.int16))
     in_prompt = torch.zeros(4, -(-vocab // 32) * 32, dtype=torch.int64)
     in_prompt[:, :vocab] = (torch.rand(4, vocab, generator=gen) < 0.05).long()
     prompt_bits = (in_prompt.view(4, -1, 32) << torch.arange(32)).sum(-1).to(torch.int32)
@@ -184,11 +185,12 @@ def round_sampling_rows(vocab: int, dtype: torch.dtype, seed: int) -> tuple:
 def _one_slot_state(vocab: int, rows: int, gen: torch.Generator):
     """Per-row state with one slot each: row 0 penalised (300 random output counts, a random prompt
     bitmap; repetition 1.2, frequency 0.1, presence 0.05), row 1 biased (N(0, 0.2) on every token)."""
+    from tokenmill.kernels.sampling_args import counts_width
     from tokenmill.kernels.triton.sampling import RowState
 
     words = -(-vocab // 32)
-    counts = torch.zeros(1, vocab, dtype=torch.int32)
-    counts[0].index_add_(0, torch.randint(0, vocab, (300,), generator=gen), torch.ones(300, dtype=torch.int32))
+    counts = torch.zeros(1, counts_width(vocab), dtype=torch.int16)
+    counts[0].index_add_(0, torch.randint(0, vocab, (300,), generator=gen), torch.ones(300, dtype=torch.int16))
     prompt_bits = torch.randint(-2**31, 2**31, (1, words), generator=gen, dtype=torch.int64).to(torch.int32)
     bias = torch.randn(1, vocab, generator=gen) * 0.2
 

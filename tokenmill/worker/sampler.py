@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from tokenmill.engine.step import SamplerOutput
-from tokenmill.kernels.sampling_args import Filters, RowState
+from tokenmill.kernels.sampling_args import Filters, RowState, counts_width
 from tokenmill.worker.sampling_state import (
     BadWordState, LogprobIdsState, StepRows, apply_bias, apply_penalties, gather_ids,
 )
@@ -184,7 +184,7 @@ class Sampler:
         ids = torch.zeros(1, dtype=torch.int64, device=device)
         slots = torch.zeros(1, dtype=torch.int32, device=device)
         table = torch.empty(1, vocab_size, dtype=torch.float32, device=device)
-        counts = torch.empty(1, vocab_size, dtype=torch.int32, device=device)
+        counts = torch.empty(1, counts_width(vocab_size), dtype=torch.int16, device=device)
         bits = torch.empty(1, -(-vocab_size // 32), dtype=torch.int32, device=device)
         state = RowState(slots, table, slots, counts, bits, temperature, temperature, temperature)
         filters = Filters(ids, temperature, temperature)

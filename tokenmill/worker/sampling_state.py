@@ -13,9 +13,9 @@ sequences hold slots when a table grows, so it never passes ``slot_capacity(max_
 the size the GPU memory plan reserves for it (``sampling_profile.py``).
 
 Bytes per slot, V = vocabulary size (Qwen's V = 151,936 in brackets):
-- ``PenaltyState`` (repetition / frequency / presence penalties): output counts, V int32, the
-  prompt's tokens as a bitmap, ceil(V / 32) int32, and the three factors: 4.125 V + 12 bytes
-  (627 KB; 256 slots 160 MB, 1,024 slots 642 MB).
+- ``PenaltyState`` (repetition / frequency / presence penalties): output counts, V int16 (held at
+  ``COUNT_MAX``; V rounded up to even), the prompt's tokens as a bitmap, ceil(V / 32) int32, and the
+  three factors: 2.125 V + 12 bytes (323 KB; 256 slots 83 MB, 1,024 slots 331 MB).
 - ``LogitBiasState`` (logit_bias, allowed_token_ids): one additive float32 row, 4 V bytes (608 KB).
 - ``BadWordState`` (bad_words): the words as token ids, and the last L - 1 output ids for words
   of up to L tokens: a few hundred bytes.
@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from tokenmill.kernels.sampling_args import RowState
+from tokenmill.kernels.sampling_args import COUNT_MAX, RowState, counts_width
 from tokenmill.sampling_params import SamplerNeeds
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor onto the device (pinned, asynchronous on a GPU)
@@ -171,7 +171,7 @@ class PenaltyState(_SlottedState):
 
     def __init__(self, vocab_size: int, device: torch.device, is_done: Callable[[object], bool] | None = None):
         self.table = SlotTable(is_done)
-        self.counts = torch.zeros((1, vocab_size), dtype=torch.int32, device=device)
+        self.counts = torch.zeros((1, counts_width(vocab_size)), dtype=torch.int16, device=device)
         self.prompt_bits = torch.zeros((1, -(-vocab_size // 32)), dtype=torch.int32, device=device)
         # [S] float32 each: every slot's repetition, frequency and presence penalty (RowState's factors).
         self.repetition, self.frequency, self.presence = (torch.ones(1, device=device) for _ in range(3))
@@ -183,7 +183,7 @@ class PenaltyState(_SlottedState):
         launches every step (docs/perf.md 53)."""
         flat = self.counts.view(-1)
         at = torch.add(token_ids[rows.rows], rows.slots, alpha=self.counts.shape[1])
-        flat[at] = flat[at] + 1
+        flat[at] = flat[at].clamp_(max=COUNT_MAX - 1) + 1
 
     def _fill(self, new: list, to_device: ToDevice) -> None:
         self.counts = _grown(self.counts, self.table.capacity)
@@ -202,8 +202,8 @@ class PenaltyState(_SlottedState):
         cells = np.fromiter((slot * vocab + token for slot, seq in new for token in seq.output_token_ids), np.int64)
         if cells.size:
             cells, times = np.unique(cells, return_counts=True)
-            index = to_device(torch.from_numpy(np.stack([cells, times])))
-            self.counts.view(-1)[index[0]] = index[1].to(torch.int32)
+            index = to_device(torch.from_numpy(np.stack([cells, np.minimum(times, COUNT_MAX)])))
+            self.counts.view(-1)[index[0]] = index[1].to(self.counts.dtype)
         # The prompts as bitmaps, built whole on the host (bitwise_or.at folds a prompt's repeated
         # tokens; bit 31 becomes the sign, as the kernels read it) and copied in one piece: ceil(V / 32)
         # int32 a sequence (19 KB at V = 151,936). No sort: 5-7x faster than reducing distinct
@@ -221,7 +221,7 @@ def apply_penalties(logits: torch.Tensor, state: RowState, rows: StepRows) -> to
     sampler): vLLM's formulas, in the order and rounding of ``reference.penalize_ref``."""
     vocab = logits.shape[1]
     logits = logits.float().clone()
-    counts = state.counts[rows.slots]
+    counts = state.counts[rows.slots, :vocab]
     bits = (state.prompt_bits[rows.slots].long()[:, :, None] >> torch.arange(32, device=logits.device)) & 1
     seen = bits.flatten(1)[:, :vocab].bool() | (counts > 0)
     x = logits[rows.rows]

@@ -5,7 +5,7 @@ given. On a GPU the pool takes what is left of ``gpu_memory_utilization`` of the
 weights and a measured peak (``ModelRunner.profile_run``): one forward at the largest step, then a
 sampler pass at the most rows a step samples, while the largest per-sequence sampling state the
 engine can reach is held (the penalty and logit-bias tables at ``slot_capacity(max_num_seqs)``
-rows, 8.125 V bytes a row: ~1.26 GB at V = 151,936 and 1,024 sequences; with the sampler's pass
+rows, 6.125 V bytes a row: ~0.95 GB at V = 151,936 and 1,024 sequences; with the sampler's pass
 over the logits, 12-16 V bytes a row more (21 while raw logprobs were one float32 table), ~3-3.8 GB
 for sampling there; see ``worker/sampling_profile.py``), so turning those features on late in a
 long run finds its memory already set aside. On the CPU the pool defaults to 4 GiB (vLLM's CPU

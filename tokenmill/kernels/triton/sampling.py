@@ -15,9 +15,9 @@ plain argmax and draw nothing.
 **Logit bias and penalties** (repetition, frequency, presence; vLLM's formulas and order) are
 applied where a row's logits are read, from per-sequence state on the device (``RowState`` in
 ``kernels/sampling_args.py``, filled by ``worker/sampling_state.py``): a float32 bias row, output
-counts [slots, V] int32 and the prompt's tokens as a bitmap [slots, ceil(V / 32)] int32; a row's
-slot of -1 means none. Every kernel here is launched without FMA contraction, so the results round
-exactly as torch's separate ops do.
+counts [slots, V rounded up to even] int16 (read as int32 words, two tokens a word) and the prompt's
+tokens as a bitmap [slots, ceil(V / 32)] int32; a row's slot of -1 means none. Every kernel here is
+launched without FMA contraction, so the results round exactly as torch's separate ops do.
 
 **Filters.** A row's top-k, top-p and min-p (vLLM's order, on the tempered distribution) keep
 exactly the tokens with s >= t for one threshold t per row:
@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.sampling_args import Filters, RowState
+from tokenmill.kernels.sampling_args import Filters, RowState, counts_width
 from tokenmill.kernels.triton.precompile import launcher
 from tokenmill.kernels.triton.sampling_rows import (
     _chunk_draw,
@@ -349,12 +349,13 @@ def _state_args(state: RowState, logits: torch.Tensor) -> tuple:
     _check_rows(state.counts.shape[0], repetition=(state.repetition, (torch.float32,)),
                 frequency=(state.frequency, (torch.float32,)), presence=(state.presence, (torch.float32,)))
     words = triton.cdiv(vocab, 32)
-    for name, t, width, dtype in (("bias", state.bias, vocab, torch.float32), ("counts", state.counts, vocab, torch.int32),
+    for name, t, width, dtype in (("bias", state.bias, vocab, torch.float32),
+                                  ("counts", state.counts, counts_width(vocab), torch.int16),
                                   ("prompt_bits", state.prompt_bits, words, torch.int32)):
         if t.dim() != 2 or t.shape[1] != width or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [S, {width}] {dtype} tensor, got {tuple(t.shape)} {t.dtype}")
-    return (state.bias_slots, state.bias, state.penalty_slots, state.counts, state.prompt_bits, state.repetition,
-            state.frequency, state.presence, words)
+    return (state.bias_slots, state.bias, state.penalty_slots, state.counts.view(torch.int32), state.prompt_bits,
+            state.repetition, state.frequency, state.presence, words)
 
 
 def sample_tokens(

@@ -42,7 +42,9 @@ def _scores(
             x += tl.load(bias_ptr + bias_slot.to(tl.int64) * vocab_size + tokens, mask=valid, other=0.0)
         if penalty_slot >= 0:
             base = penalty_slot.to(tl.int64)
-            count = tl.load(counts_ptr + base * vocab_size + tokens, mask=valid, other=0)
+            # counts_ptr: the int16 table as int32 words, (V + 1) // 2 a row (sampling_args.counts_width).
+            pair = tl.load(counts_ptr + base * ((vocab_size + 1) // 2) + tokens // 2, mask=valid, other=0)
+            count = (pair >> ((tokens % 2) * 16)) & 0xFFFF
             word = tl.load(prompt_bits_ptr + base * words_per_row + tokens // 32, mask=valid, other=0)
             seen = (((word >> (tokens % 32)) & 1) != 0) | (count > 0)
             x = tl.where(seen, tl.where(x > 0.0, tl.math.div_rn(x, repetition), x * repetition), x)
