@@ -293,8 +293,8 @@ def sample_ref(
         x[rows] = x[rows] + bias[bias_slots[rows].long()]
         rows = torch.nonzero(penalty_slots >= 0).flatten()
         slots = penalty_slots[rows].long()
-        x[rows] = penalize_ref(x[rows], counts[slots, :vocab], prompt_mask_ref(prompt_bits[slots], vocab), repetition[slots],
-                               frequency[slots], presence[slots])
+        x[rows] = penalize_ref(x[rows], counts[slots, :vocab], prompt_mask_ref(prompt_bits[slots], vocab),
+                               repetition[slots], frequency[slots], presence[slots])
     out = []
     for row, (t, key, counter) in enumerate(zip(temperature.tolist(), keys.tolist(), counters.tolist())):
         if t == 0:
