@@ -195,11 +195,11 @@ class PenaltyState(_SlottedState):
         self.repetition, self.frequency, self.presence = (
             _grown(table, self.table.capacity).index_copy_(0, slots, row)
             for table, row in zip((self.repetition, self.frequency, self.presence), factors))
-        vocab = self.counts.shape[1]
+        width = self.counts.shape[1]  # counts_width(V)
         # Output counts (a preempted sequence's outputs): reduced on the host to distinct (slot,
         # token) cells, written with a plain assignment.
         self.counts.index_fill_(0, slots, 0)
-        cells = np.fromiter((slot * vocab + token for slot, seq in new for token in seq.output_token_ids), np.int64)
+        cells = np.fromiter((slot * width + token for slot, seq in new for token in seq.output_token_ids), np.int64)
         if cells.size:
             cells, times = np.unique(cells, return_counts=True)
             index = to_device(torch.from_numpy(np.stack([cells, np.minimum(times, COUNT_MAX)])))
