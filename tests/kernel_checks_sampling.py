@@ -251,8 +251,8 @@ def _twin_scores(logits: Any, temperature: Any, state: Any) -> list:
     x[rows] += bias[bias_slots[rows].long()]
     rows = torch.nonzero(penalty_slots >= 0).flatten()
     slots = penalty_slots[rows].long()
-    x[rows] = penalize_ref(x[rows], counts[slots, : x.shape[1]], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[rows],
-                           freq[rows], pres[rows])
+    x[rows] = penalize_ref(x[rows], counts[slots, : x.shape[1]], prompt_mask_ref(prompt_bits[slots], x.shape[1]),
+                           rep[rows], freq[rows], pres[rows])
     return [x[row] / torch.tensor(t) if t > 0 else x[row] for row, t in enumerate(temperature.tolist())]
 
 
