@@ -102,9 +102,8 @@ def _expected_thresholds(logits, temperature, filters, state):
     rows = torch.nonzero(penalty_slots >= 0).flatten()
     slots = penalty_slots[rows].long()
     # The penalty factors are per slot, as the counts (reference.sample_ref reads them so).
-    x[rows] = penalize_ref(x[rows], counts[slots, : x.shape[1]], prompt_mask_ref(prompt_bits[slots], x.shape[1]), rep[slots],
-                           freq[slots],
-                           pres[slots])
+    x[rows] = penalize_ref(x[rows], counts[slots, : x.shape[1]], prompt_mask_ref(prompt_bits[slots], x.shape[1]),
+                           rep[slots], freq[slots], pres[slots])
     scores, thresholds = [], []
     for row, t in enumerate(temperature.tolist()):
         k, p, m = (float(f[row]) for f in filters)
