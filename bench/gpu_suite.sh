@@ -44,6 +44,10 @@ with open(src) as f, open(dst, "a") as out:
 PY
 }
 
+mark_tree() {  # the ab-old parts: tokenmill rows of $2 not yet marked get "tree": $1 (old or new)
+  sed -i "/\"tree\"/!s/\"engine\": \"tokenmill\",/\"engine\": \"tokenmill\", \"tree\": \"$1\",/" "$2"
+}
+
 for part in $parts; do
   start=$(date +%s)
   case $part in
@@ -152,7 +156,7 @@ for part in $parts; do
         dir=$PWD; [ $tree = old ] && dir=$PWD/.old
         (cd "$dir" && RESULTS="$OUT/moe_ab.raw" PYTHONPATH="$dir" timeout ${MOE_AB_TIMEOUT:-280} \
           python3 bench/moe_peer_bench.py tokenmill qwen3-30b-a3b ${MOE_WORKLOADS:-nano uniform} 2>&1 | grep -v "^\s*$" | tail -2)
-        sed -i "/\"tree\"/!s/\"engine\": \"tokenmill\",/\"engine\": \"tokenmill\", \"tree\": \"$tree\",/" "$OUT/moe_ab.raw"
+        mark_tree "$tree" "$OUT/moe_ab.raw"
       done
       tag "$OUT/moe_ab.raw" "$OUT/throughput.jsonl"; : > "$OUT/moe_ab.raw" ;;
     memory-plan)  # the GPU memory plan (docs/perf.md 88-89): its GPU test (the real peak inside the plan), then the plan's
@@ -224,7 +228,7 @@ for part in $parts; do
         path=$PWD; [ $tree = old ] && path=$PWD/.old
         RESULTS="$OUT/chat_ab.raw" PYTHONPATH="$path:$PYTHONPATH" timeout 280 python3 bench/workload_bench.py tokenmill qwen3-0.6b \
           ${CHAT_VARIANTS:-temperature min_tokens} 2>&1 | grep -E '^(\{|WARNING)'
-        sed -i "/\"tree\"/!s/\"engine\": \"tokenmill\",/\"engine\": \"tokenmill\", \"tree\": \"$tree\",/" "$OUT/chat_ab.raw"
+        mark_tree "$tree" "$OUT/chat_ab.raw"
       done
       tag "$OUT/chat_ab.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat_ab.raw" ;;
     refill)  # many more requests than run at once (bench/refill_bench.py: short 8,192 x 16 tokens, long 4,096 of

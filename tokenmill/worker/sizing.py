@@ -96,7 +96,7 @@ def _gpu_budget(config: "EngineConfig", runner: "ModelRunner", prompt_graph_toke
         "GPU memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB (the forward's own %.2f; with %.2f GiB "
         "of sampling state in %d slots and a sampler pass over %d rows), prompt-step graphs %.2f GiB, KV cache %.2f GiB",
         total / 2**30, baseline / 2**30, activation_peak / 2**30, runner.forward_activation_bytes / 2**30,
-        sampling.state_bytes / 2**30, sampling.state_rows, sampling.sampler_rows, graph_pool / 2**30, budget / 2**30,
+        state / 2**30, sampling.state_rows, sampling.sampler_rows, graph_pool / 2**30, budget / 2**30,
     )
     return max(budget, 0)
 
