@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -261,6 +261,15 @@ for part in $parts; do
     timeline)
       for shape in qwen3-0.6b llama3-8b; do
         timeout 120 python3 bench/profile_step.py $shape nano --timeline > "$OUT/timeline_$shape.txt" 2>&1; tail -9 "$OUT/timeline_$shape.txt"
+      done ;;
+    first-call)  # what a process's first big generate call pays that its second does not (perf.md 96): P1's and P5's
+                 # requests twice in one process, the second over moved token ids (profile_step.py --timeline --calls=2),
+                 # then P1's the same way with every CUDA kernel loaded at start-up (CUDA_MODULE_LOADING=EAGER)
+      for run in "nano" "prefill" "nano eager"; do
+        read -r workload loading <<< "$run"; name=first_call_$workload${loading:+_$loading}
+        env ${loading:+CUDA_MODULE_LOADING=EAGER} timeout 200 python3 bench/profile_step.py qwen3-0.6b $workload --timeline --calls=2 \
+          > "$OUT/$name.txt" 2>&1
+        echo "== $name"; grep -E "^(generate|-- call|steps with prompt|decode steps with (1-16|193-256|257))" "$OUT/$name.txt"
       done ;;
     timeline-fp8kv)  # P1 and P3 over an fp8 cache, by batch size (perf.md 28: 1.29x / 1.12x where the attention kernel
                      # alone gave ~1.4x / ~1.2x; at ea5083c P1's 193-256-sequence steps waited only 0.58 of 6.64 ms for the

@@ -9,6 +9,8 @@
     python bench/profile_step.py qwen3-0.6b chat:repetition --timeline     # workload_bench.py's chat workload, one variant
     python bench/profile_step.py qwen3-0.6b refill:short --timeline        # refill_bench.py's workloads (prompts admitted every step)
     python bench/profile_step.py qwen3-30b-a3b nano --timeline --max-num-seqs=256  # moe_peer_bench.py's shapes; the engine's cap
+    python bench/profile_step.py qwen3-0.6b nano --timeline --calls=2      # the same requests twice, token ids moved
+                                                                           # (no prefix hits): what the first call pays
 The engine's INFO lines (its GPU memory plan among them) go to stderr.
 """
 
@@ -49,12 +51,22 @@ def main() -> None:
         prompts, outs, settings = workload(name)
     params = [SamplingParams(**settings, ignore_eos=True, max_tokens=o, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:4], params[:4], use_tqdm=False)
+    # The warm-up over ids no call uses (moved_ids' last shift), so that no call finds its first
+    # prompts in the prefix cache; the protocols' own warm-up shares nothing with them either.
+    llm.generate([{"prompt_token_ids": moved_ids(p, 12)} for p in prompts[:4]], params[:4], use_tqdm=False)
     if on_gpu:
         profile_device(llm, inputs, params)
         return
     if "--timeline" in sys.argv[3:]:
-        timeline(llm, inputs, params)
+        calls = [int(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--calls=")]
+        for call in range(calls[0] if calls else 1):
+            if call:
+                # The same lengths and settings over other token ids, so that nothing of the last
+                # call's prompts is found in the prefix cache (reset as well).
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("the prefix cache could not be reset")
+                print(f"-- call {call + 1}, token ids moved by {call * ID_SHIFT} --")
+            timeline(llm, [{"prompt_token_ids": moved_ids(p, call)} for p in prompts] if call else inputs, params)
         return
     profiler = cProfile.Profile()
     start = time.perf_counter()
@@ -67,6 +79,19 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(35)
     print(out.getvalue())
+
+
+# The protocols' token ids are below 10,001 and every shape's vocabulary above 128,000: ids moved by
+# this much, up to 12 times, stay inside it and meet none of the earlier calls' ids.
+ID_SHIFT = 10_007
+
+
+def moved_ids(ids: list[int], call: int) -> list[int]:
+    """A prompt's token ids for repeat ``call`` (1, 2, ...) of the same requests: shifted past all the
+    earlier calls' ids."""
+    if not 0 < call <= 12 or max(ids) >= ID_SHIFT:  # 12 is the warm-up's
+        raise ValueError(f"moved_ids: call {call} (1-12 allowed) of ids up to {max(ids)} (below {ID_SHIFT} allowed)")
+    return [t + call * ID_SHIFT for t in ids]
 
 
 def profile_device(llm, inputs, params) -> None:
