@@ -17,6 +17,7 @@ The engine's INFO lines (its GPU memory plan among them) go to stderr.
 from __future__ import annotations
 
 import cProfile
+import datetime
 import io
 import logging
 import pstats
@@ -196,7 +197,11 @@ def timeline(llm, inputs, params) -> None:
     finally:
         engine.step, runner.execute, StepResult.wait = step, execute, wait
     # Preempted sequences are computed again from their tokens: prompt steps beyond the prompts' own.
-    print(f"generate: {total:.2f} s; {engine.scheduler.num_preemptions - preempted_before} preemptions")
+    # The local wall-clock start, written as nvidia-smi writes its timestamps, to line the call up with
+    # a log kept beside it (gpu_suite first-call's GPU clocks).
+    began = datetime.datetime.now() - datetime.timedelta(seconds=total)
+    print(f"generate: {total:.2f} s; {engine.scheduler.num_preemptions - preempted_before} preemptions; "
+          f"started {began.strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}")
 
     def line(title: str, row: dict) -> str:
         n = row["steps"]
