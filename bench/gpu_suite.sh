@@ -52,12 +52,14 @@ for part in $parts; do
   start=$(date +%s)
   case $part in
     tests|engine-tests|tests-1|tests-2|tests-3)
-      # The whole of tests/gpu (~680 tests) in three calls: tests-1, the files before
-      # test_quant_kernels_gpu.py, tests-2 the rest (a new file falls on one side by its name), tests-3
-      # the MoE, LoRA (peft from .whl) and logprobs_mode files; 209, 123 and 56 s on the H200 at 403bb60
-      # (AU): 388 s in all, so `tests` (one call) should fit a call's 600 s, not tried. TESTS_IGNORE drops
-      # files (the quant tests need compressed-tensors from .whl, installed here when carried); the Ray
-      # tests skip without the Ray bundle and have their own part.
+      # The whole of tests/gpu (~700 tests) in three calls: tests-1, the files before
+      # test_pooling_gpu.py, tests-2 the rest (a new file falls on one side by its name), tests-3
+      # the MoE, LoRA (peft from .whl) and logprobs_mode files. On an H100 of lease BH (5b74e17) the
+      # split was at test_quant_kernels_gpu.py: tests-1 491 s, tests-2 206 s, tests-3 117 s, so tests-1
+      # alone came near a call's 600 s; the pooling, qkv-prologue and quant-engine files (the last one's five
+      # slowest tests alone ~60 s there) now run in tests-2. On the H200 at 403bb60 (AU) the three took 209,
+      # 123 and 56 s. TESTS_IGNORE drops files (the quant tests need compressed-tensors from .whl,
+      # installed here when carried); the Ray tests skip without the Ray bundle and have their own part.
       case $part in
         tests) sel=tests/gpu ;;
         engine-tests) sel="tests/gpu/test_engine_gpu.py tests/gpu/test_pooling_gpu.py tests/gpu/test_sampler_kernel_gpu.py tests/gpu/test_logprob_token_ids_gpu.py tests/gpu/test_logits_processor_gpu.py" ;;
@@ -65,7 +67,7 @@ for part in $parts; do
              [ "$(basename "$f")" = test_ray_gpu.py ] && continue
              name=$(basename "$f")
              if [[ $name == test_moe* || $name == test_lora* || $name == test_logprobs_mode* ]]; then half=tests-3
-             elif [[ $name < test_quant_kernels_gpu.py ]]; then half=tests-1; else half=tests-2; fi
+             elif [[ $name < test_pooling_gpu.py ]]; then half=tests-1; else half=tests-2; fi
              [ "$half" = "$part" ] && sel="$sel $f"
            done ;;
       esac
