@@ -264,20 +264,24 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 120 python3 bench/profile_step.py $shape nano --timeline > "$OUT/timeline_$shape.txt" 2>&1; tail -9 "$OUT/timeline_$shape.txt"
       done ;;
-    first-call)  # what a process's first big generate call pays that its second does not (perf.md 96): P1's and P5's
-                 # requests twice in one process, the second over moved token ids (profile_step.py --timeline --calls=2),
-                 # then P1's the same way with every CUDA kernel loaded at start-up (CUDA_MODULE_LOADING=EAGER)
-                 # The GPU's clocks and performance state every 100 ms beside each run (first_call_*_clocks.csv; each
-                 # call's line in the timeline gives its start in the same time format), in case the first call meets the GPU
-                 # still coming up from idle after the start-up's host work.
-      for run in "nano" "prefill" "nano eager"; do
-        read -r workload loading <<< "$run"; name=first_call_$workload${loading:+_$loading}
+    first-call)  # what a process's first big generate call pays that its second does not (perf.md 96): P1's requests
+                 # twice in one process, the second over moved token ids (profile_step.py --timeline --calls=2), then
+                 # three runs that each take one suspect away before call 1: every CUDA graph launched once after
+                 # start-up (graphs: the driver uploads a graph at its first launch), the GPU kept busy for 1 s
+                 # (gpu: clocks coming up from the start-up's idle), every CUDA kernel loaded at start-up
+                 # (eager: CUDA_MODULE_LOADING=EAGER against lazy loading); then P5's requests. Beside each run the
+                 # GPU's clocks and performance state every 100 ms (first_call_*_clocks.csv; each call's line in the
+                 # timeline gives its start in the same time format).
+      for run in "nano" "nano graphs" "nano gpu" "nano eager" "prefill"; do
+        read -r workload suspect <<< "$run"; name=first_call_$workload${suspect:+_$suspect}
+        flags=""; envs=""
+        case $suspect in graphs|gpu) flags=--prime=$suspect ;; eager) envs=CUDA_MODULE_LOADING=EAGER ;; esac
         nvidia-smi --query-gpu=timestamp,pstate,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv,noheader \
           -lms 100 > "$OUT/${name}_clocks.csv" 2>&1 & clocks=$!
-        env ${loading:+CUDA_MODULE_LOADING=EAGER} timeout 200 python3 bench/profile_step.py qwen3-0.6b $workload --timeline --calls=2 \
+        env $envs timeout 200 python3 bench/profile_step.py qwen3-0.6b $workload --timeline --calls=2 $flags \
           > "$OUT/$name.txt" 2>&1
         kill $clocks 2>/dev/null; wait $clocks 2>/dev/null
-        echo "== $name"; grep -E "^(generate|-- call|steps with prompt|decode steps with (1-16|193-256|257))" "$OUT/$name.txt"
+        echo "== $name"; grep -E "^(replayed|kept|generate|-- call|steps with prompt|decode steps with (1-16|193-256|257))" "$OUT/$name.txt"
       done ;;
     timeline-fp8kv)  # P1 and P3 over an fp8 cache, by batch size (perf.md 28: 1.29x / 1.12x where the attention kernel
                      # alone gave ~1.4x / ~1.2x; at ea5083c P1's 193-256-sequence steps waited only 0.58 of 6.64 ms for the

@@ -11,6 +11,7 @@
     python bench/profile_step.py qwen3-30b-a3b nano --timeline --max-num-seqs=256  # moe_peer_bench.py's shapes; the engine's cap
     python bench/profile_step.py qwen3-0.6b nano --timeline --calls=2      # the same requests twice, token ids moved
                                                                            # (no prefix hits): what the first call pays
+    ... --calls=2 --prime=graphs   # every CUDA graph launched once after start-up; --prime=gpu: the GPU busy 1 s before call 1
 The engine's INFO lines (its GPU memory plan among them) go to stderr.
 """
 
@@ -44,6 +45,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
               kv_cache_dtype=kv_cache_dtype, quantization=quantization, max_num_seqs=seqs[0] if seqs else None)
+    prime = [a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("--prime=")]
+    if "graphs" in prime:
+        replay_every_graph(llm)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
         (prompts, outs), settings = chat_workload(), chat_settings(name.split(":", 1)[1])
     elif name.startswith("refill:"):
@@ -60,6 +64,8 @@ def main() -> None:
         return
     if "--timeline" in sys.argv[3:]:
         calls = [int(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--calls=")]
+        if "gpu" in prime:
+            keep_gpu_busy(1.0)
         for call in range(calls[0] if calls else 1):
             if call:
                 # The same lengths and settings over other token ids, so that nothing of the last
@@ -93,6 +99,39 @@ def moved_ids(ids: list[int], call: int) -> list[int]:
     if not 0 < call <= 12 or max(ids) >= ID_SHIFT:  # 12 is the warm-up's
         raise ValueError(f"moved_ids: call {call} (1-12 allowed) of ids up to {max(ids)} (below {ID_SHIFT} allowed)")
     return [t + call * ID_SHIFT for t in ids]
+
+
+def replay_every_graph(llm) -> None:
+    """Launch every captured CUDA graph once (each decode bucket's, each prompt bucket's pieces), right
+    after start-up while their static inputs still hold the captures' own (slot -1: nothing stored, no
+    context: attention skips). Separates a graph's first launch, when the driver uploads it, from the
+    calls (`--prime=graphs`, gpu_suite first-call)."""
+    import torch
+
+    runner = llm.llm_engine.executor.runner
+    start = time.perf_counter()
+    graphs = [graph for graph, _ in runner.graphs.graphs.values()] if runner.graphs is not None else []
+    if runner.prompt_graphs is not None:
+        graphs += [piece for bucket in runner.prompt_graphs.graphs.values() for piece in bucket.pieces]
+    for graph in graphs:
+        graph.replay()
+    if graphs:
+        torch.cuda.synchronize()
+    print(f"replayed {len(graphs)} CUDA graphs once in {time.perf_counter() - start:.3f} s")
+
+
+def keep_gpu_busy(seconds: float) -> None:
+    """bf16 matrix products for about ``seconds`` (`--prime=gpu`), right before the first call: a GPU
+    still coming up from the start-up's idle would then be at speed when the call begins."""
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+    print(f"kept the GPU busy for {time.perf_counter() - start:.2f} s")
 
 
 def profile_device(llm, inputs, params) -> None:
