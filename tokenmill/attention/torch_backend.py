@@ -60,18 +60,25 @@ class TorchAttentionBackend:
         batch = blocks.shape[0]
         num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         # Whole blocks are gathered (contiguous block_size * heads * head_dim runs), which is several
-        # times faster than gathering token slots one by one.
-        keys = kv_cache[0][blocks].view(batch, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        values = kv_cache[1][blocks].view(batch, -1, num_kv_heads, head_dim)
+        # times faster than gathering token slots one by one; index_select copies each block as one
+        # run, where indexing with a tensor (cache[blocks]) walks it element by element: 4-6x faster
+        # at C1's shapes (docs/perf.md 98).
+        keys = kv_cache[0].index_select(0, blocks.reshape(-1)).view(batch, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        values = kv_cache[1].index_select(0, blocks.reshape(-1)).view(batch, -1, num_kv_heads, head_dim)
+        num_heads = q.shape[1]
+        # The query heads that share a kv head are rows of one query: [B, Hkv, H / Hkv, D], head h on
+        # kv head h // (H / Hkv) as under enable_gqa. The CPU kernel then runs a third (SmolLM2) to a
+        # quarter (Llama-3) of the (sequence, head) problems, each with several rows instead of one:
+        # bf16 decode attention 3.5-7x faster than one-row queries with enable_gqa on an AVX512-BF16 CPU
+        # without AMX, fp16 2-3.5x, fp32 the same or faster (docs/perf.md 98).
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
+            q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
             keys.transpose(1, 2).to(q.dtype),
             values.transpose(1, 2).to(q.dtype),
             attn_mask=valid[:, None, None, :],
             scale=scale,
-            enable_gqa=True,
         )
-        return out.squeeze(2)
+        return out.reshape(batch, num_heads, head_dim)
 
     def _mixed(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -107,7 +114,8 @@ def _sequence_contexts(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         slots = _context_slots(meta, i, seq_len)
-        yield start, query_len, seq_len, flat_k[slots].transpose(0, 1).to(q.dtype), flat_v[slots].transpose(0, 1).to(q.dtype)
+        keys, values = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+        yield start, query_len, seq_len, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
         start += query_len
 
 
