@@ -11,7 +11,8 @@
     python bench/profile_step.py qwen3-30b-a3b nano --timeline --max-num-seqs=256  # moe_peer_bench.py's shapes; the engine's cap
     python bench/profile_step.py qwen3-0.6b nano --timeline --calls=2      # the same requests twice, token ids moved
                                                                            # (no prefix hits): what the first call pays
-    ... --calls=2 --prime=graphs   # every CUDA graph launched once after start-up; --prime=gpu: the GPU busy 1 s before call 1
+    ... --calls=2 --prime=graphs   # every CUDA graph launched once after start-up
+    ... --calls=2 --prime=gpu      # the GPU kept busy for 1 s right before call 1
 The engine's INFO lines (its GPU memory plan among them) go to stderr.
 """
 

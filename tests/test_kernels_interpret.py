@@ -170,7 +170,8 @@ def test_reference_attention_matches_torch_backend() -> None:
 
     # Query heads per kv head 2, 3 (SmolLM2's 9 / 3), 1 and 4; a decode step in bf16 too (the CPU's
     # default dtype where it multiplies bf16 natively), held to the fp32 twin at bf16's resolution.
-    cases = [(4, 2, torch.float32), (6, 2, torch.float32), (4, 4, torch.float32), (8, 2, torch.float32), (6, 2, torch.bfloat16)]
+    cases = [(4, 2, torch.float32), (6, 2, torch.float32), (4, 4, torch.float32), (8, 2, torch.float32),
+             (6, 2, torch.bfloat16)]
     for num_heads, num_kv_heads, dtype in cases:
         for query_lens, seq_lens in (([1, 1, 1], [5, 17, 40]), ([1, 7, 3, 2], [16, 7, 35, 2])):
             batch = make_paged_batch(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
@@ -179,7 +180,8 @@ def test_reference_attention_matches_torch_backend() -> None:
             expected = TorchAttentionBackend().forward(batch.q, batch.k, batch.v, cache_a, batch.metadata(), 0.2)
             store_kv_ref(batch.k, batch.v, cache_b, batch.slot_mapping)
             assert torch.equal(cache_a, cache_b)
-            got = paged_attention_ref(batch.q.float(), cache_b.float(), batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.2)
+            got = paged_attention_ref(batch.q.float(), cache_b.float(), batch.query_start_loc, batch.seq_lens,
+                                      batch.block_tables, 0.2)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, expected.float(), atol=tol, rtol=tol)
 
