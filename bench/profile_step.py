@@ -35,6 +35,11 @@ from workload_bench import chat_settings, chat_workload  # noqa: E402
 model_dir, workload = peer_bench.model_dir, peer_bench.workload
 
 
+def flag_values(name: str) -> list[str]:
+    """The values given as ``NAME=value`` after the shape and workload, in order."""
+    return [a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith(name + "=")]
+
+
 def main() -> None:
     shape, name = sys.argv[1], sys.argv[2]
     on_gpu = "--gpu" in sys.argv[3:]
@@ -42,11 +47,11 @@ def main() -> None:
 
     kv_cache_dtype = "fp8" if "--fp8-cache" in sys.argv[3:] else "auto"
     quantization = "fp8" if "--fp8-weights" in sys.argv[3:] else None
-    seqs = [int(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--max-num-seqs=")]
+    seqs = [int(v) for v in flag_values("--max-num-seqs")]
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     llm = LLM(model=model_dir(shape, False), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
               kv_cache_dtype=kv_cache_dtype, quantization=quantization, max_num_seqs=seqs[0] if seqs else None)
-    prime = [a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("--prime=")]
+    prime = flag_values("--prime")
     if "graphs" in prime:
         replay_every_graph(llm)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
@@ -64,7 +69,7 @@ def main() -> None:
         profile_device(llm, inputs, params)
         return
     if "--timeline" in sys.argv[3:]:
-        calls = [int(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--calls=")]
+        calls = [int(v) for v in flag_values("--calls")]
         if "gpu" in prime:
             keep_gpu_busy(1.0)
         for call in range(calls[0] if calls else 1):
