@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -233,6 +233,21 @@ for part in $parts; do
         mark_tree "$tree" "$OUT/chat_ab.raw"
       done
       tag "$OUT/chat_ab.raw" "$OUT/throughput.jsonl"; : > "$OUT/chat_ab.raw" ;;
+    protocol-ab-old)  # P1 and P5 (peer_bench.py, each in its own process, so each is a process's first call as in the
+                      # protocols) on an older engine in .old/ (carried, as for moe-ab-old) and on this tree, old then new,
+                      # AB_ROUNDS times (default 2); rows carry "tree"
+      [ -d .old/tokenmill ] || { echo "protocol-ab-old: no .old/ tree carried"; continue; }
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for tree in old new; do
+          path=$PWD; [ $tree = old ] && path=$PWD/.old
+          for workload in nano prefill; do
+            RESULTS="$OUT/protocol_ab.raw" PYTHONPATH="$path:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py tokenmill \
+              qwen3-0.6b $workload 2>&1 | grep -E '^\{'
+            mark_tree "$tree" "$OUT/protocol_ab.raw"
+          done
+        done
+      done
+      tag "$OUT/protocol_ab.raw" "$OUT/throughput.jsonl"; : > "$OUT/protocol_ab.raw" ;;
     refill)  # many more requests than run at once (bench/refill_bench.py: short 8,192 x 16 tokens, long 4,096 of
              # P1's lengths): prompts admitted beside running decodes every step, which P1-P5 never reach; then
              # where each one's time goes, steps with prompt tokens apart from decode-only ones (profile_step.py --timeline)

@@ -54,6 +54,8 @@ def main() -> None:
     prime = flag_values("--prime")
     if "graphs" in prime:
         replay_every_graph(llm)
+    if "logits" in prime:
+        logits_at_every_row_count(llm)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
         (prompts, outs), settings = chat_workload(), chat_settings(name.split(":", 1)[1])
     elif name.startswith("refill:"):
@@ -126,6 +128,22 @@ def replay_every_graph(llm) -> None:
     print(f"replayed {len(graphs)} CUDA graphs once in {time.perf_counter() - start:.3f} s")
 
 
+def logits_at_every_row_count(llm) -> None:
+    """The model's logits (its eager lm_head GEMM) once for every row count a step can sample
+    (`--prime=logits`): cuBLAS's first GEMM of a new shape picks and loads its kernel then."""
+    import torch
+
+    runner = llm.llm_engine.executor.runner
+    rows = llm.llm_engine.scheduler.max_num_seqs
+    start = time.perf_counter()
+    hidden = torch.zeros(rows, runner.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
+    with torch.inference_mode():
+        for n in range(1, rows + 1):
+            runner.model.compute_logits(hidden[:n])
+    torch.cuda.synchronize()
+    print(f"computed logits at 1-{rows} rows in {time.perf_counter() - start:.3f} s")
+
+
 def keep_gpu_busy(seconds: float) -> None:
     """bf16 matrix products for about ``seconds`` (`--prime=gpu`), right before the first call: a GPU
     still coming up from the start-up's idle would then be at speed when the call begins."""
@@ -184,6 +202,22 @@ def profile_device(llm, inputs, params) -> None:
     print("\n".join(reports))
 
 
+def allocator_counts() -> dict[str, float]:
+    """What torch's CUDA caching allocator and its pinned host allocator have done so far (empty off
+    CUDA): a call that must cudaMalloc (or, short of memory, free every cached block, a device-wide
+    sync, and retry) or cudaHostAlloc pays it inside its launches."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    device, host = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    counts = {k: device.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
+    counts["reserved_GiB"] = device.get("reserved_bytes.all.current", 0) / 2**30
+    counts.update({k: host.get(k, 0) for k in ("num_host_alloc", "num_host_free")})
+    counts["host_alloc_s"] = host.get("host_alloc_time.total", 0) / 1e6
+    return counts
+
+
 def timeline(llm, inputs, params) -> None:
     """Wall time of the run split by the step each engine.step call launched: steps with prompt
     tokens (eager forwards, or the prompt graphs' pieces) apart, decode-only steps by how many sequences they carried (the thin
@@ -235,6 +269,7 @@ def timeline(llm, inputs, params) -> None:
 
     engine.step, runner.execute, StepResult.wait = timed_step, timed_execute, timed_wait
     preempted_before = engine.scheduler.num_preemptions
+    allocations_before = allocator_counts()
     try:
         start = time.perf_counter()
         llm.generate(inputs, params, use_tqdm=False)
@@ -247,6 +282,9 @@ def timeline(llm, inputs, params) -> None:
     began = datetime.datetime.now() - datetime.timedelta(seconds=total)
     print(f"generate: {total:.2f} s; {engine.scheduler.num_preemptions - preempted_before} preemptions; "
           f"started {began.strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}")
+    if allocations_before:
+        after = allocator_counts()
+        print("allocators in this call: " + ", ".join(f"{k} {after[k] - v:g}" for k, v in allocations_before.items()))
 
     def line(title: str, row: dict) -> str:
         n = row["steps"]

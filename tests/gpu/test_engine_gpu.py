@@ -297,7 +297,8 @@ def test_fp8_kv_cache_matches_hf_with_fp8_keys_and_values_on_gpu(gpu_models):
 @pytest.mark.parametrize("enforce_eager, deterministic, kv_cache_dtype",
                          [(False, False, "auto"), (True, False, "auto"), (False, True, "auto"), (False, False, "fp8")])
 def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, deterministic, kv_cache_dtype, overlap, monkeypatch):
-    """``LLM()`` compiles every Triton kernel variant a step can launch: a run of mixed steps
+    """``LLM()`` compiles every Triton kernel variant a step can launch, and runs the logits GEMM at
+    every row count a step can sample: a run of mixed steps
     (chunked prefill, prefix hits, decode at every batch size, greedy, sampled, filtered and
     penalised rows) compiles nothing. The model's shape (6 q heads on 2 kv heads of 32, hidden 192) is used by no
     other test, so no earlier test in this process can have compiled its variants. Qwen3's vocabulary
@@ -315,6 +316,18 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
                   hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("TOKENMILL_OVERLAP", overlap)  # micro-batches: B's fresh metadata, halves' split counts
+    # The logits GEMM runs eagerly at each step's number of sampling rows; cuBLAS picks and loads a
+    # kernel for a shape the first time it meets it, so LLM() runs it at every count a step can have.
+    from tokenmill.models.llama import LlamaForCausalLM
+
+    logits_rows: list[int] = []
+    compute_logits = LlamaForCausalLM.compute_logits
+
+    def counted(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits_rows.append(hidden.shape[0])
+        return compute_logits(self, hidden)
+
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", counted)
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=40,
               max_num_batched_tokens=512, gpu_memory_utilization=0.3, enforce_eager=enforce_eager, seed=1,
               deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
@@ -330,6 +343,7 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
                              max_tokens=rng.choice([3, 30, 200, 500]) if i % 13 == 6 else rng.choice([1, 3, 30, 200, 500]),
                              ignore_eos=True, detokenize=False)
               for i in range(len(prompts))]
+    warmed_rows, logits_rows[:] = set(logits_rows), []
     compiled: list[str] = []
     loaded: list[str] = []
 
@@ -351,3 +365,4 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     assert compiled == [], "compiled during the run:\n" + "\n".join(compiled)
     assert loaded == [], "first launched (launcher built, binary loaded) during the run:\n" + "\n".join(loaded)
+    assert set(logits_rows) <= warmed_rows, f"logits first computed during the run at {set(logits_rows) - warmed_rows} rows"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
@@ -104,6 +105,26 @@ class Worker:
         self.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self._capture_graphs()
+        self._warm_logits()
+
+    @torch.inference_mode()
+    def _warm_logits(self) -> None:
+        """The logits GEMM once at every row count a step can sample (1 to max_num_seqs), on a GPU.
+        It runs eagerly each step (not in a graph) at the step's number of sampling rows, and cuBLAS
+        picks and loads its kernel the first time it meets a shape: during a process's first big
+        call that cost ~5 ms a prompt step and 0.1-0.35 ms a decode step of host time on an H100,
+        the prompt steps' launches blocking for the GPU (docs/perf.md 99). Every rank runs it at
+        once (collective_rpc), so tensor parallelism's all-gathers pair up."""
+        compute_logits = getattr(self.model, "compute_logits", None)
+        if self.device.type != "cuda" or compute_logits is None:
+            return
+        start = time.perf_counter()
+        rows = self.config.max_num_seqs
+        hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.config.dtype, device=self.device)
+        for n in range(1, rows + 1):
+            compute_logits(hidden[:n])
+        torch.cuda.synchronize(self.device)
+        logger.info("ran the logits GEMM at 1-%d rows in %.2f s", rows, time.perf_counter() - start)
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
