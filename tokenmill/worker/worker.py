@@ -109,8 +109,9 @@ class Worker:
 
     @torch.inference_mode()
     def _warm_logits(self) -> None:
-        """The logits GEMM once at every row count a step can sample (1 to max_num_seqs), on a GPU.
-        It runs eagerly each step (not in a graph) at the step's number of sampling rows, and cuBLAS
+        """The logits GEMM once at every row count a step can sample (1 to max_num_seqs) or score
+        prompt logprobs in (a slice of at most ``prompt_logprob_rows``), on a GPU. It runs eagerly
+        each step (not in a graph) at the step's number of such rows, and cuBLAS
         picks and loads its kernel the first time it meets a shape: during a process's first big
         call that cost ~5 ms a prompt step and 0.1-0.35 ms a decode step of host time on an H100,
         the prompt steps' launches blocking for the GPU (docs/perf.md 99). Every rank runs it at
@@ -119,7 +120,7 @@ class Worker:
         if self.device.type != "cuda" or compute_logits is None:
             return
         start = time.perf_counter()
-        rows = self.config.max_num_seqs
+        rows = max(self.config.max_num_seqs, self.runner.prompt_logprob_rows)
         hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.config.dtype, device=self.device)
         for n in range(1, rows + 1):
             compute_logits(hidden[:n])
