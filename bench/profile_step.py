@@ -54,8 +54,6 @@ def main() -> None:
     prime = flag_values("--prime")
     if "graphs" in prime:
         replay_every_graph(llm)
-    if "logits" in prime:
-        logits_at_every_row_count(llm)
     if name.startswith("chat:"):  # the chat workload at temperature 0.7 with a workload_bench.py variant's settings
         (prompts, outs), settings = chat_workload(), chat_settings(name.split(":", 1)[1])
     elif name.startswith("refill:"):
@@ -126,22 +124,6 @@ def replay_every_graph(llm) -> None:
     if graphs:
         torch.cuda.synchronize()
     print(f"replayed {len(graphs)} CUDA graphs once in {time.perf_counter() - start:.3f} s")
-
-
-def logits_at_every_row_count(llm) -> None:
-    """The model's logits (its eager lm_head GEMM) once for every row count a step can sample
-    (`--prime=logits`): cuBLAS's first GEMM of a new shape picks and loads its kernel then."""
-    import torch
-
-    runner = llm.llm_engine.executor.runner
-    rows = llm.llm_engine.scheduler.max_num_seqs
-    start = time.perf_counter()
-    hidden = torch.zeros(rows, runner.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
-    with torch.inference_mode():
-        for n in range(1, rows + 1):
-            runner.model.compute_logits(hidden[:n])
-    torch.cuda.synchronize()
-    print(f"computed logits at 1-{rows} rows in {time.perf_counter() - start:.3f} s")
 
 
 def keep_gpu_busy(seconds: float) -> None:
