@@ -316,8 +316,8 @@ def test_no_kernel_is_compiled_during_a_run(tmp_path, enforce_eager, determinist
                   hidden_act="silu", torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("TOKENMILL_OVERLAP", overlap)  # micro-batches: B's fresh metadata, halves' split counts
-    # The logits GEMM runs eagerly at each step's number of sampling rows; cuBLAS picks and loads a
-    # kernel for a shape the first time it meets it, so LLM() runs it at every count a step can have.
+    # The logits GEMM runs eagerly at each step's number of sampling rows, and cuBLAS's first GEMM of a
+    # shape blocks (docs/perf.md 99), so LLM() runs it at every count a step can have.
     from tokenmill.models.llama import LlamaForCausalLM
 
     logits_rows: list[int] = []

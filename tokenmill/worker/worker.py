@@ -111,9 +111,8 @@ class Worker:
     def _warm_logits(self) -> None:
         """The logits GEMM once at every row count a step can sample (1 to max_num_seqs) or score
         prompt logprobs in (a slice of at most ``prompt_logprob_rows``), on a GPU. It runs eagerly
-        each step (not in a graph) at the step's number of such rows, and cuBLAS
-        picks and loads its kernel the first time it meets a shape: during a process's first big
-        call that cost ~5 ms a prompt step and 0.1-0.35 ms a decode step of host time on an H100,
+        each step (not in a graph) at the step's number of such rows, and cuBLAS's first GEMM of
+        a shape (choosing, maybe loading, its kernel) blocks: during a process's first big call that cost ~5 ms a prompt step and 0.1-0.35 ms a decode step of host time on an H100,
         the prompt steps' launches blocking for the GPU (docs/perf.md 99). Every rank runs it at
         once (collective_rpc), so tensor parallelism's all-gathers pair up."""
         compute_logits = getattr(self.model, "compute_logits", None)
