@@ -112,9 +112,10 @@ class Worker:
         """The logits GEMM once at every row count a step can sample (1 to max_num_seqs) or score
         prompt logprobs in (a slice of at most ``prompt_logprob_rows``), on a GPU. It runs eagerly
         each step (not in a graph) at the step's number of such rows, and cuBLAS's first GEMM of
-        a shape (choosing, maybe loading, its kernel) blocks: during a process's first big call that cost ~5 ms a prompt step and 0.1-0.35 ms a decode step of host time on an H100,
-        the prompt steps' launches blocking for the GPU (docs/perf.md 99). Every rank runs it at
-        once (collective_rpc), so tensor parallelism's all-gathers pair up."""
+        a shape (choosing, maybe loading, its kernel) blocks: during a process's first big call
+        that cost ~5 ms a prompt step and 0.1-0.35 ms a decode step of host time on an H100, the
+        prompt steps' launches blocking for the GPU (docs/perf.md 99). Every rank runs it at once
+        (collective_rpc), so tensor parallelism's all-gathers pair up."""
         compute_logits = getattr(self.model, "compute_logits", None)
         if self.device.type != "cuda" or compute_logits is None:
             return
