@@ -1,0 +1,54 @@
+"""P6's embedding call twice in one process: what a pooling engine's first big call pays that its
+second does not (docs/perf.md 99 found it for generation: cuBLAS's first GEMM at each new row count
+blocks, and every pooling step runs its forward eagerly at that step's token count).
+
+    python bench/embed_calls.py ENGINE SHAPE [CALLS]   ENGINE tokenmill | vllm, SHAPE as embed_bench.py's
+
+The inputs and the engine's settings are embed_bench.py's (P6); call k > 1 embeds the same lengths
+over token ids moved by k * 10,007 (below either shape's vocabulary). Prints one JSON row a call and
+appends them to $RESULTS.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from random import randint, seed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from embed_bench import SHAPES, model_dir  # noqa: E402  (the protocol's own shapes and model folders)
+
+ID_SHIFT = 10_007  # P6's ids are below 10,001; two shifts stay below BERT's 30,522-token vocabulary (30,014)
+
+
+def main() -> None:
+    engine, shape = sys.argv[1], sys.argv[2]
+    calls = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    if not 1 <= calls <= 3:
+        raise SystemExit(f"CALLS: {calls} (1-3 allowed: a fourth shift would leave BERT's vocabulary)")
+    _, n, longest = SHAPES[shape]
+    mod = importlib.import_module(engine)
+    llm = mod.LLM(model=model_dir(shape), runner="pooling", load_format="dummy", dtype="bfloat16",
+                  max_model_len=512, gpu_memory_utilization=0.9, seed=0)
+    seed(0)
+    inputs = [[randint(2, 10000) for _ in range(randint(8, longest))] for _ in range(n)]
+    tokens = sum(map(len, inputs))
+    llm.embed([{"prompt_token_ids": ids} for ids in inputs[:64]], use_tqdm=False)  # embed_bench.py's warm-up
+    for call in range(calls):
+        batch = [{"prompt_token_ids": [t + call * ID_SHIFT for t in ids]} for ids in inputs]
+        start = time.time()
+        llm.embed(batch, use_tqdm=False)
+        seconds = time.time() - start
+        row = dict(engine=engine, shape=shape, workload="embed", call=call + 1, inputs=n, in_tokens=tokens,
+                   seconds=round(seconds, 3), in_tok_s=round(tokens / seconds, 1))
+        print(json.dumps(row), flush=True)
+        if os.environ.get("RESULTS"):
+            with open(os.environ["RESULTS"], "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
