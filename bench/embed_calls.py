@@ -12,7 +12,6 @@ appends them to $RESULTS.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from random import randint, seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from embed_bench import SHAPES, model_dir  # noqa: E402  (the protocol's own shapes and model folders)
+from result_row import emit  # noqa: E402
 
 ID_SHIFT = 10_007  # P6's ids are below 10,001; two shifts stay below BERT's 30,522-token vocabulary (30,014)
 
@@ -42,12 +42,8 @@ def main() -> None:
         start = time.time()
         llm.embed(batch, use_tqdm=False)
         seconds = time.time() - start
-        row = dict(engine=engine, shape=shape, workload="embed", call=call + 1, inputs=n, in_tokens=tokens,
-                   seconds=round(seconds, 3), in_tok_s=round(tokens / seconds, 1))
-        print(json.dumps(row), flush=True)
-        if os.environ.get("RESULTS"):
-            with open(os.environ["RESULTS"], "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(dict(engine=engine, shape=shape, workload="embed", call=call + 1, inputs=n, in_tokens=tokens,
+                  seconds=round(seconds, 3), in_tok_s=round(tokens / seconds, 1)))
 
 
 if __name__ == "__main__":
