@@ -4,8 +4,8 @@ blocks, and every pooling step runs its forward eagerly at that step's token cou
 
     python bench/embed_calls.py ENGINE SHAPE [CALLS]   ENGINE tokenmill | vllm, SHAPE as embed_bench.py's
 
-The inputs and the engine's settings are embed_bench.py's (P6); call k > 1 embeds the same lengths
-over token ids moved by k * 10,007 (below either shape's vocabulary). Prints one JSON row a call and
+The inputs and the engine's settings are embed_bench.py's (P6); call k embeds the same lengths
+over token ids moved by (k - 1) * 10,007 (below either shape's vocabulary). Prints one JSON row a call and
 appends them to $RESULTS.
 """
 
