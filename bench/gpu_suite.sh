@@ -279,7 +279,8 @@ for part in $parts; do
       for shape in qwen3-0.6b llama3-8b; do
         timeout 120 python3 bench/profile_step.py $shape nano --timeline > "$OUT/timeline_$shape.txt" 2>&1; tail -9 "$OUT/timeline_$shape.txt"
       done ;;
-    first-call)  # what a process's first big generate call pays that its second does not (perf.md 96): P1's requests
+    first-call)  # what a process's first big generate call pays that its second does not (asked in perf.md 96, answered in
+                 # 99: the eager logits GEMM at new row counts, now warmed in LLM()): P1's requests
                  # twice in one process, the second over moved token ids (profile_step.py --timeline --calls=2), then
                  # three runs that each take one suspect away before call 1: every CUDA graph launched once after
                  # start-up (graphs: the driver uploads a graph at its first launch), the GPU kept busy for 1 s
