@@ -2,10 +2,10 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p4] [p5] [p6] [p6-calls] [throughput-fp8]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p1p5] [p4] [p5] [p6] [p6-calls] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
 #   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
-#   [vllm] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
+#   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
 #   [kernels-p5] [kernels-coresident] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
@@ -354,6 +354,11 @@ for part in $parts; do
     p5)  # long prompts, short outputs
       RESULTS="$OUT/throughput.raw" timeout 150 python3 bench/peer_bench.py tokenmill qwen3-0.6b prefill 2>&1 | grep -v "^\s*$" | tail -3
       tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
+    p1p5)  # P1 and P5 alone, each in its own process (each a process's first call, as the protocols run them)
+      for workload in nano prefill; do
+        RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill qwen3-0.6b $workload 2>&1 | grep -E '^\{'
+      done
+      tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
     p6-calls)  # P6's embed call twice in one process (bench/embed_calls.py), the second over moved ids: does a pooling
                # engine's first call pay cuBLAS's first use of each step's token count (docs/perf.md 99)?
       for shape in qwen3-embed-0.6b bert-minilm; do
@@ -450,7 +455,7 @@ for part in $parts; do
       done
       sed -i 's/"engine": "vllm"/"engine": "vllm", "mode": "batch_invariant"/' "$OUT/vllm_det.raw" 2>/dev/null
       tag "$OUT/vllm_det.raw" "$OUT/throughput.jsonl"; : > "$OUT/vllm_det.raw" ;;
-    vllm|vllm-p4p5|vllm-p6|vllm-chat|vllm-refill|vllm-beam|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
+    vllm|vllm-p1p5|vllm-p4p5|vllm-p6|vllm-chat|vllm-refill|vllm-beam|vllm-tp2|vllm-fp8|vllm-fp8kv|vllm-moe|vllm-lora)
       [ -d /tmp/vllm-site/vllm ] || bash "$0" vllm-unpack
       export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
       case $part in
@@ -466,6 +471,7 @@ for part in $parts; do
                 python3 bench/peer_bench.py vllm_fp8 llama3-8b nano 2>&1 | tail -3 ;;
         vllm) for run in "qwen3-0.6b nano uniform" "llama3-8b nano"; do
                 RESULTS="$OUT/vllm.raw" timeout 250 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
+        vllm-p1p5) RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm qwen3-0.6b nano prefill 2>&1 | tail -3 ;;
         vllm-p4p5) for run in "qwen3-0.6b sampling prefill" "llama3-8b sampling"; do
                 RESULTS="$OUT/vllm.raw" timeout 300 python3 bench/peer_bench.py vllm $run 2>&1 | tail -3; done ;;
         vllm-p6) for shape in qwen3-embed-0.6b bert-minilm; do
