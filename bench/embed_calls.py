@@ -6,7 +6,7 @@ blocks, and every pooling step runs its forward eagerly at that step's token cou
 
 The inputs and the engine's settings are embed_bench.py's (P6); call k embeds the same lengths
 over token ids moved by (k - 1) * 10,007 (below either shape's vocabulary). Prints one JSON row a call and
-appends them to $RESULTS.
+appends them to $RESULTS, with the pinned host buffers each call made (torch's host allocator).
 """
 
 from __future__ import annotations
@@ -39,11 +39,22 @@ def main() -> None:
     llm.embed([{"prompt_token_ids": ids} for ids in inputs[:64]], use_tqdm=False)  # embed_bench.py's warm-up
     for call in range(calls):
         batch = [{"prompt_token_ids": [t + call * ID_SHIFT for t in ids]} for ids in inputs]
+        pinned = _pinned_allocations()
         start = time.time()
         llm.embed(batch, use_tqdm=False)
         seconds = time.time() - start
+        allocs, alloc_s = (now - then for now, then in zip(_pinned_allocations(), pinned))
         emit(dict(engine=engine, shape=shape, workload="embed", call=call + 1, inputs=n, in_tokens=tokens,
-                  seconds=round(seconds, 3), in_tok_s=round(tokens / seconds, 1)))
+                  seconds=round(seconds, 3), in_tok_s=round(tokens / seconds, 1),
+                  pinned_allocs=allocs, pinned_alloc_s=round(alloc_s, 4)))
+
+
+def _pinned_allocations() -> tuple[int, float]:
+    """How many page-locked host buffers torch's pinned allocator has made so far, and their seconds."""
+    import torch
+
+    stats = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
+    return stats.get("num_host_alloc", 0), stats.get("host_alloc_time.total", 0) / 1e6
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Everything we run on the GPU machine, in one call: the GPU tests, the kernel micro-benchmark and
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
-# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p1p5] [p4] [p5] [p6] [p6-calls] [throughput-fp8]
+# Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p1p5] [p4] [p5] [p6] [p6-calls] [p6-calls-ab-old] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
 #   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
@@ -363,6 +363,20 @@ for part in $parts; do
                # engine's first call pay cuBLAS's first use of each step's token count (docs/perf.md 99)?
       for shape in qwen3-embed-0.6b bert-minilm; do
         RESULTS="$OUT/embed_calls.raw" timeout 200 python3 bench/embed_calls.py tokenmill $shape 2 2>&1 | grep -E '^\{'
+      done
+      tag "$OUT/embed_calls.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed_calls.raw" ;;
+    p6-calls-ab-old)  # p6-calls on an older engine in .old/ (carried) and on this tree, old then new, AB_ROUNDS times
+                      # (default 2); rows carry "tree"
+      [ -d .old/tokenmill ] || { echo "p6-calls-ab-old: no .old/ tree carried"; continue; }
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for tree in old new; do
+          path=$PWD; [ $tree = old ] && path=$PWD/.old
+          for shape in qwen3-embed-0.6b bert-minilm; do
+            RESULTS="$OUT/embed_calls.raw" PYTHONPATH="$path:$PYTHONPATH" timeout 200 python3 bench/embed_calls.py tokenmill \
+              $shape 2 2>&1 | grep -E '^\{'
+            mark_tree "$tree" "$OUT/embed_calls.raw"
+          done
+        done
       done
       tag "$OUT/embed_calls.raw" "$OUT/throughput.jsonl"; : > "$OUT/embed_calls.raw" ;;
     p6)  # embeddings, input tokens/s
