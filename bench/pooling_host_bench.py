@@ -33,6 +33,17 @@ SHAPES = {  # a tiny model of each P6 architecture, and P6's longest input
 }
 
 
+class _ZeroForward:
+    """The model's forward replaced by zeros of the right shape; its config stays (the runner reads
+    the heads' dtype from it)."""
+
+    def __init__(self, config, hidden: int):
+        self.config, self.hidden = config, hidden
+
+    def __call__(self, ids, positions, ctx, **kw):
+        return torch.zeros(ids.shape[0], self.hidden)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", nargs="?", default="bert", choices=list(SHAPES))
@@ -49,7 +60,7 @@ def main() -> None:
                   skip_tokenizer_init=True, max_num_batched_tokens=65536, max_num_seqs=65536)
     engine = llm.llm_engine
     hidden = config["hidden_size"]
-    engine.runner.model = lambda ids, positions, ctx, **kw: torch.zeros(ids.shape[0], hidden)
+    engine.runner.model = _ZeroForward(engine.runner.model.config, hidden)
     seed(0)
     inputs = [{"prompt_token_ids": [randint(2, 10000) for _ in range(randint(8, longest))]} for _ in range(args.requests)]
     llm.embed(inputs[:64], use_tqdm=False)
