@@ -77,34 +77,47 @@ def test_one_step_serves_different_params_and_tasks(tiny_bert_embedder_dir, bert
         torch.testing.assert_close(by_id[f"r{i}"], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pooling_type", ["CLS", "MEAN"])
-def test_rows_padded_past_the_prompts_change_no_result(tiny_bert_embedder_dir, bert_hidden, pooling_type):
-    """On the GPU a step's rows are padded to a multiple of 128 (the runner's ``row_multiple``);
-    here the padding is forced on the CPU: pooled, per-token and mean results stay transformers'."""
-    llm = LLM(str(tiny_bert_embedder_dir), pooler_config=PoolerConfig(pooling_type=pooling_type), **ENGINE)
-    engine = llm.llm_engine
-    engine.runner.row_multiple = 64
-    prompts = _prompts(6, seed=4)
-    assert sum(map(len, prompts)) % 64, "the step must have padding rows"
-    asks = [PoolingParams(task="embed", normalize=False), PoolingParams(task="token_embed", normalize=False)] * 3
-    for i, (ids, params) in enumerate(zip(prompts, asks)):
-        engine.add_request(f"p{i}", {"prompt_token_ids": ids}, params)
-    by_id = {o.request_id: o.outputs.data for o in engine.step()}
-    for i, (ids, params) in enumerate(zip(prompts, asks)):
-        hidden = bert_hidden(ids)
-        pooled = hidden[0] if pooling_type == "CLS" else hidden.mean(0)
-        expected = hidden if params.task == "token_embed" else pooled
-        torch.testing.assert_close(by_id[f"p{i}"], expected, rtol=1e-5, atol=1e-5)
+def test_a_calls_requests_enter_a_few_steps_ahead_of_the_engine(async_embedder, bert_hidden, monkeypatch):
+    """embed() adds its requests while the engine runs the earlier ones (at most two steps' tokens
+    queued ahead, plus one prompt), not all before the first step, and turns each output into an
+    embedding as it arrives; the results are transformers' in input order."""
+    engine = async_embedder.llm_engine
+    budget = engine.config.max_num_batched_tokens
+    events, queued = [], []
+    add, step = engine.add_request, engine.step
+
+    def recording_add(request_id, *args, **kwargs):
+        events.append("add")
+        return add(request_id, *args, **kwargs)
+
+    def recording_step(*args, **kwargs):
+        events.append("step")
+        queued.append(engine.queued_tokens)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "step", recording_step)
+    prompts = [{"prompt_token_ids": ids} for ids in _prompts(40, seed=6)]
+    got = async_embedder.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    assert events.index("step") < len(events) - 1 - events[::-1].index("add"), "every request was added before the first step"
+    assert max(queued) <= 2 * budget + 40, queued
+    for prompt, out in zip(prompts, got):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), bert_hidden(prompt["prompt_token_ids"])[0],
+                                   rtol=1e-5, atol=1e-5)
+    assert engine.queued_tokens == 0 and not engine.has_unfinished_requests()
 
 
-def test_rows_padded_past_the_prompts_leave_a_decoder_embedder_unchanged(tiny_qwen3_dir):
-    """The causal path (fused qkv prologue, last-token pooling) with padding rows gives the unpadded results."""
-    prompts = [{"prompt_token_ids": ids} for ids in _prompts(7, seed=5)]
-    llm = LLM(str(tiny_qwen3_dir), runner="pooling", **ENGINE)
-    plain = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
-    llm.llm_engine.runner.row_multiple = 128
-    padded = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
-    torch.testing.assert_close(torch.tensor(padded), torch.tensor(plain), rtol=1e-5, atol=1e-6)
+def test_an_invalid_prompt_late_in_a_call_still_rejects_the_whole_call(async_embedder):
+    """Its error names the prompt once the engine reaches it; the requests already in are aborted
+    and the engine serves the next call."""
+    engine = async_embedder.llm_engine
+    prompts = [{"prompt_token_ids": ids} for ids in _prompts(30, seed=7)]
+    prompts[27] = {"prompt_token_ids": [5, 6, engine.config.vocab_size]}
+    with pytest.raises(ValueError, match=r"prompts\[27\]"):
+        async_embedder.embed(prompts, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert len(async_embedder.embed(prompts[:3], use_tqdm=False)) == 3
+    assert engine.queued_tokens == 0
 
 
 def test_abort_while_in_flight_drops_only_that_result(async_embedder, bert_hidden):

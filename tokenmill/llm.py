@@ -434,24 +434,31 @@ class LLM(PoolingMethods, EngineControlMethods):
 
     def _collect(
         self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None,
-        collect_young: Callable[[], None] | None = None,
-    ) -> list[RequestOutput]:
+        collect_young: Callable[[], None] | None = None, feed: Callable[[], bool] | None = None,
+        finish: Callable[[Any], Any] | None = None,
+    ) -> list[Any]:
         """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
         (``done``: outputs of some of them that already finished; aborted ones are left out).
-        ``collect_young``: called after each step (`gc_policy.young_collections_only`)."""
+        ``collect_young``: called after each step (`gc_policy.young_collections_only`). ``feed``:
+        called before each step to add more of the requests, False once all are in (an error it
+        raises aborts every one of ``ids``). ``finish``: applied to each output as it arrives, so
+        that work overlaps the device's next step."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        results: list[Any] = [None] * len(ids)
         progress = RequestProgress(len(ids), use_tqdm)
         for request_id, output in (done or {}).items():
-            results[order[request_id]] = output
+            results[order[request_id]] = output if finish is None else finish(output)
             progress.finished(output)
         remaining = sum(r is None for r in results)
+        feeding = feed is not None
         try:
-            while remaining and engine.has_unfinished_requests():
+            while remaining and (feeding or engine.has_unfinished_requests()):
+                if feeding:
+                    feeding = feed()  # type: ignore[misc]
                 for output in self._step(finished_only=True):
                     if output.request_id in order:  # requests queued by others finish here too
-                        results[order[output.request_id]] = output
+                        results[order[output.request_id]] = output if finish is None else finish(output)
                         progress.finished(output)
                         remaining -= 1
                 if collect_young is not None:

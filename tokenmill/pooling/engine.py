@@ -50,6 +50,7 @@ class PoolingEngine:
         self.runner = PoolingRunner(model, config.device, pooling)
         self.requests: dict[str, PoolingRequest] = {}  # queued or in flight; aborting removes one
         self.waiting: deque[PoolingRequest] = deque()
+        self.queued_tokens = 0  # prompt tokens in ``waiting`` (aborted ones too, until their turn)
         self.in_flight: tuple[list[PoolingRequest], LaunchedStep] | None = None
         # Requests of one call share their PoolingParams object: resolve it once, not per request.
         self._resolved: dict[tuple, PoolingParams] = {}
@@ -94,6 +95,7 @@ class PoolingEngine:
         request = PoolingRequest(request_id, text if text is not None else prompt_text, ids, params, token_types)
         self.requests[request_id] = request
         self.waiting.append(request)
+        self.queued_tokens += len(ids)
         return request_id
 
     def tokenized(self, prompts: list[PromptType], tokenization_kwargs: dict[str, Any] | None,
@@ -175,15 +177,17 @@ class PoolingEngine:
         waiting, live = self.waiting, self.requests
         while waiting and room:
             request = waiting[0]
+            n = len(request.prompt_token_ids)
             if live.get(request.request_id) is not request:  # aborted
                 waiting.popleft()
+                self.queued_tokens -= n
                 continue
-            n = len(request.prompt_token_ids)
             if n > budget:
                 # step_limits keeps the budget >= max_model_len, so only a later step can take it.
                 assert batch, "a prompt longer than a whole step's token budget was accepted"
                 break
             waiting.popleft()
+            self.queued_tokens -= n
             batch.append(request)
             budget -= n
             room -= 1

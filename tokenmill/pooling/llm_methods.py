@@ -11,9 +11,9 @@ these methods refuse a generative model, and LLM's generation methods refuse a p
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
-from tokenmill.gc_policy import collections_paused
+from tokenmill.gc_policy import collections_paused, young_collections_only
 from tokenmill.inputs import one_per_prompt, prompt_list
 from tokenmill.outputs import (
     ClassificationRequestOutput,
@@ -52,12 +52,46 @@ def _gc_paused(method: _F) -> _F:
     return paused  # type: ignore[return-value]
 
 
+# A call's requests enter the engine while it runs the earlier ones, this many steps' worth ahead.
+_STEPS_QUEUED = 2
+
+
 class PoolingMethods:
     llm_engine: "Engine"
+    _request_counter: Iterator[int]
 
-    def _run(self, prompts: Sequence[Any], params: Sequence[Any], use_tqdm: bool) -> list[Any]:
-        """Submit every prompt and collect the outputs in input order (`LLM._run`)."""
+    def _collect(self, ids: list[str], use_tqdm: ProgressOption, done: Any = None, collect_young: Any = None,
+                 feed: Callable[[], bool] | None = None, finish: Callable[[Any], Any] | None = None) -> list[Any]:
+        """Step the engine until the requests ``ids`` finish; their outputs in input order (`LLM._collect`)."""
         raise NotImplementedError
+
+    def _run_pooling(self, prompts: Sequence[Any], params: Sequence[PoolingParams], use_tqdm: ProgressOption,
+                     finish: Callable[[PoolingRequestOutput], Any] | None = None) -> list[Any]:
+        """Every prompt's output in input order (``finish``: applied to each as it arrives).
+
+        The requests enter the engine a few steps ahead of it rather than all before its first
+        step: validating (and tokenizing a text) takes ~10-30 µs of host time a request, and with
+        tens of thousands of short prompts doing it all first left the device idle for a good part
+        of the call (docs/perf.md 100), as did converting every output after the last step. An
+        invalid prompt still rejects the whole call: its error aborts the requests already in,
+        and what they computed is dropped.
+        """
+        engine = self.llm_engine
+        assert isinstance(engine, PoolingEngine)
+        ids = [str(next(self._request_counter)) for _ in prompts]
+        ahead = _STEPS_QUEUED * engine.config.max_num_batched_tokens
+        pending = iter(range(len(ids)))
+
+        def feed() -> bool:
+            while engine.queued_tokens < ahead:
+                index = next(pending, None)
+                if index is None:
+                    return False
+                engine.add_request(ids[index], prompts[index], params[index], index=index)
+            return True
+
+        with young_collections_only() as collect_young:
+            return self._collect(ids, use_tqdm, collect_young=collect_young, feed=feed, finish=finish)
 
     @_gc_paused
     def encode(
@@ -81,13 +115,8 @@ class PoolingMethods:
         them: vLLM 0.26's way to truncate; tokenmill's older keyword of that name still works),
         ``use_tqdm`` on/off or a tqdm-like factory, ``lora_request`` None only.
         """
-        engine = self._pooling_engine("encode")
-        _check_pooling_task(pooling_task, prompts)
-        refuse_lora(lora_request)
-        prompts, truncate_prompt_tokens = engine.tokenized(prompt_list(prompts), tokenization_kwargs,
-                                                           truncate_prompt_tokens)
-        params = _params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
-        return self._run(prompts, params, use_tqdm)
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, pooling_task,
+                          tokenization_kwargs)
 
     @_gc_paused
     def embed(
@@ -103,9 +132,8 @@ class PoolingMethods:
         """One embedding per prompt (``outputs.embedding``), L2-normalised unless the model or
         ``PoolingParams(use_activation=False)`` says otherwise. Keywords as `encode`'s."""
         self._pooling_engine("embed")
-        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                              lora_request=lora_request, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
-        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, "embed",
+                          tokenization_kwargs, EmbeddingRequestOutput.from_base)
 
     @_gc_paused
     def classify(
@@ -121,9 +149,8 @@ class PoolingMethods:
         """Class probabilities per prompt (``outputs.probs``, in the order of the model's id2label).
         Keywords as `encode`'s."""
         self._pooling_engine("classify")
-        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                              lora_request=lora_request, pooling_task="classify", tokenization_kwargs=tokenization_kwargs)
-        return [ClassificationRequestOutput.from_base(o) for o in outputs]
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, "classify",
+                          tokenization_kwargs, ClassificationRequestOutput.from_base)
 
     @_gc_paused
     def score(
@@ -181,6 +208,19 @@ class PoolingMethods:
                                           tokenization_kwargs, chat_template)
 
     # ---- internals ------------------------------------------------------------------------
+    def _pool(self, prompts: "PromptType | Sequence[PromptType]", pooling_params: Any, truncate_prompt_tokens: int | None,
+              use_tqdm: ProgressOption, lora_request: Any, pooling_task: str | None,
+              tokenization_kwargs: dict[str, Any] | None, finish: Callable[[PoolingRequestOutput], Any] | None = None,
+              ) -> list[Any]:
+        """`encode`'s work; ``finish`` turns each output into the calling method's kind as it arrives."""
+        engine = self._pooling_engine("encode")
+        _check_pooling_task(pooling_task, prompts)
+        refuse_lora(lora_request)
+        prompts, truncate_prompt_tokens = engine.tokenized(prompt_list(prompts), tokenization_kwargs,
+                                                           truncate_prompt_tokens)
+        params = _params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
+        return self._run_pooling(prompts, params, use_tqdm, finish)
+
     def _embedding_scores(self, first: list, second: list, params: PoolingParams | None,
                           truncate_prompt_tokens: int | None, use_tqdm: ProgressOption,
                           tokenization_kwargs: dict[str, Any] | None) -> list[ScoringRequestOutput]:
@@ -206,8 +246,7 @@ class PoolingMethods:
             first = first * len(second)
         prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens, tokenizer_kwargs, chat_template)
                    for a, b in zip(first, second)]
-        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
-        return [ScoringRequestOutput.from_base(o) for o in outputs]
+        return self._run_pooling(prompts, [params] * len(prompts), use_tqdm, ScoringRequestOutput.from_base)
 
     def _pooling_engine(self, method: str) -> "PoolingEngine":
         engine = self.llm_engine

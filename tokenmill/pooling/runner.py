@@ -10,10 +10,7 @@ There is no KV cache and no sampler, and nothing in a step is done per request o
   offsets; requests that want the same post-processing (task, dimensions, normalize,
   activation) form one group, usually the whole step, handled by a few tensor operations; every
   group's results are laid end to end in one fp32 tensor that returns in one copy into pinned
-  memory; once it has landed it is copied into ordinary memory (the pinned buffer is reused) and
-  the host cuts that into per-request views in bulk.
-- On the GPU the step's rows are padded to a multiple of 128 past the prompts' tokens, so its
-  GEMMs meet few distinct row counts (``_GPU_ROW_MULTIPLE``).
+  memory, and the host cuts it into per-request views in bulk.
 `launch` enqueues all of that and returns at once (no host sync on the GPU), so the engine can
 prepare the next step while this one runs; `LaunchedStep.results` waits for it.
 """
@@ -40,11 +37,6 @@ if TYPE_CHECKING:
     from tokenmill.pooling_params import PoolingParams
 
 _ALIGN = 4  # int32 elements in 16 bytes
-# On the GPU a step's rows are padded up to a multiple of this. cuBLAS's first GEMM at a new row
-# count blocks the host until the device drains (docs/perf.md 96, 99), and whole-prompt steps hit a
-# new count nearly every step: BERT's first embed call ran 8% behind its second (perf.md 100). A
-# multiple of 128 leaves a few counts a run, and costs at most one partial GEMM tile of rows.
-_GPU_ROW_MULTIPLE = 128
 TOKEN_TASKS = ("token_embed", "token_classify")  # one output row per prompt token
 
 @dataclass
@@ -64,7 +56,7 @@ class LaunchedStep:
     num_requests: int
     lens: list[int]
     groups: list[_Group]
-    output: torch.Tensor  # fp32, flat: every group's results end to end (pinned host memory on a GPU until read)
+    output: torch.Tensor  # fp32, flat: every group's results end to end (pinned host memory on a GPU)
     done: "torch.cuda.Event | None"
 
     def results(self) -> list[torch.Tensor]:
@@ -72,12 +64,6 @@ class LaunchedStep:
         (token_embed, token_classify) CPU float32 views of one host buffer."""
         if self.done is not None:
             self.done.synchronize()
-            # Out of the pinned buffer the device wrote into pageable memory, so the buffer goes
-            # back to torch's pinned cache for a later step. The views below are the caller's
-            # results: views of it would keep each step's buffer page-locked for as long as the
-            # results live (a whole call's output), and each step would page-lock a new one.
-            pageable = torch.empty(self.output.shape, dtype=self.output.dtype)
-            self.output, self.done = pageable.copy_(self.output), None
         out: list[torch.Tensor | None] = [None] * self.num_requests
         for group in self.groups:
             rows = range(self.num_requests) if group.rows is None else group.rows
@@ -105,7 +91,6 @@ class PoolingRunner:
         self.backend = VarlenAttentionBackend() if device.type == "cuda" else PrefillAttentionBackend()
         # Decoder layers look up their cache by layer index; a pooling model has none.
         self.no_cache: list = [None] * getattr(model, "num_layers", 0)
-        self.row_multiple = _GPU_ROW_MULTIPLE if device.type == "cuda" else 1
 
     @torch.inference_mode()
     def launch(self, requests: list["PoolingRequest"]) -> LaunchedStep:
@@ -117,7 +102,6 @@ class PoolingRunner:
             hidden = self.model(ids, positions, ctx)
         else:
             hidden = self.model(ids, positions, ctx, token_type_ids=types)
-        hidden = hidden[: sum(lens)]  # the padding rows (no sequence's; attention left them unset)
         groups = _groups(requests)
         flat = self._pooled(hidden, meta, groups, lens)
         if self.device.type != "cuda":
@@ -132,29 +116,25 @@ class PoolingRunner:
         self, requests: list["PoolingRequest"], lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         """Token ids, positions, attention metadata and segment ids (None when no request has them),
-        built on the host in one int32 buffer and copied to the device at once. The rows past the
-        prompts' tokens, up to ``row_multiple``, hold token 0 at position 0 and belong to no sequence."""
+        built on the host in one int32 buffer and copied to the device at once."""
         tokens, num = sum(lens), len(requests)
-        rows = -(-tokens // self.row_multiple) * self.row_multiple
         with_types = self.pooling.takes_token_type_ids and any(r.token_type_ids is not None for r in requests)
         # Segments [ids | positions | start offsets (num + 1) | lengths (num) | segment ids], each
         # starting on 16 bytes: Triton specialises kernels on pointer alignment, and a segment whose
         # alignment changed with the step's token count would compile a second variant mid-run.
-        sizes = [rows, rows, num + 1, num] + ([rows] if with_types else [])
+        sizes = [tokens, tokens, num + 1, num] + ([tokens] if with_types else [])
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)
         host = torch.empty(offsets[-1], dtype=torch.int32, pin_memory=self.device.type == "cuda")
         ids, positions, starts, seq_lens, *types = (host.numpy()[o : o + n] for o, n in zip(offsets, sizes))
-        ids[:tokens] = np.fromiter(itertools.chain.from_iterable(r.prompt_token_ids for r in requests), np.int32, tokens)
+        ids[:] = np.fromiter(itertools.chain.from_iterable(r.prompt_token_ids for r in requests), np.int32, tokens)
         seq_lens[:] = lens
         starts[0] = 0
         np.cumsum(seq_lens, out=starts[1:])
-        positions[:tokens] = np.arange(tokens, dtype=np.int32) - np.repeat(starts[:-1], seq_lens)
-        ids[tokens:] = positions[tokens:] = 0
+        positions[:] = np.arange(tokens, dtype=np.int32) - np.repeat(starts[:-1], seq_lens)
         if with_types:
-            types[0][tokens:] = 0
-            types[0][:tokens] = np.fromiter(
+            types[0][:] = np.fromiter(
                 itertools.chain.from_iterable(r.token_type_ids or itertools.repeat(0, n) for r, n in zip(requests, lens)),
                 np.int32, tokens,
             )
