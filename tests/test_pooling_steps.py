@@ -120,6 +120,34 @@ def test_an_invalid_prompt_late_in_a_call_still_rejects_the_whole_call(async_emb
     assert engine.queued_tokens == 0
 
 
+def test_texts_are_tokenized_in_batches_as_the_call_reaches_them(async_embedder, random_sentences, monkeypatch):
+    """A call's texts go through the tokenizer's batch path a chunk at a time, giving the ids (and so
+    the embeddings) one call a text gives; a request that cuts its prompt is tokenized alone, so the
+    tokenizer keeps its special tokens."""
+    engine = async_embedder.llm_engine
+    tokenizer = engine.tokenizer
+    texts = random_sentences(40, seed=8, high=12)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, *args, **kwargs):
+            calls.append(len(text) if isinstance(text, list) else 1)
+            return tokenizer(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "tokenizer", Counting())
+    got = async_embedder.embed(texts, use_tqdm=False)
+    assert calls == [40], calls
+    one_by_one = [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]
+    assert [o.outputs.embedding for o in got] == [o.outputs.embedding for o in async_embedder.embed(one_by_one, use_tqdm=False)]
+    assert [o.prompt_token_ids for o in got] == [p["prompt_token_ids"] for p in one_by_one]
+    calls.clear()
+    cut = async_embedder.embed(texts[:3], PoolingParams(truncate_prompt_tokens=4), use_tqdm=False)
+    assert calls == [1, 1, 1] and all(o.prompt_token_ids[-1] == tokenizer.sep_token_id for o in cut)
+
+
 def test_abort_while_in_flight_drops_only_that_result(async_embedder, bert_hidden):
     engine = async_embedder.llm_engine
     prompts = _prompts(4, seed=3)

@@ -14,7 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from tokenmill.gc_policy import collections_paused, young_collections_only
-from tokenmill.inputs import one_per_prompt, prompt_list
+from tokenmill.inputs import TOKENIZE_CHUNK, one_per_prompt, prompt_list, tokenize_prompts
 from tokenmill.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -81,12 +81,22 @@ class PoolingMethods:
         ids = [str(next(self._request_counter)) for _ in prompts]
         ahead = _STEPS_QUEUED * engine.config.max_num_batched_tokens
         pending = iter(range(len(ids)))
+        # Texts are tokenized TOKENIZE_CHUNK at a time as the feed reaches them (the tokenizer's batch
+        # path: ~1.5x faster than one call a text), unless a request cuts its prompt: the tokenizer
+        # then truncates each text itself, keeping its special tokens (PoolingEngine._tokenize).
+        prompts = list(prompts)
+        batched = engine.tokenizer is not None and all(p.truncate_prompt_tokens is None for p in _distinct(params))
+        tokenized = 0  # prompts[:tokenized] have been through the batch path
 
         def feed() -> bool:
+            nonlocal tokenized
             while engine.queued_tokens < ahead:
                 index = next(pending, None)
                 if index is None:
                     return False
+                if batched and index >= tokenized:
+                    tokenized = min(index + TOKENIZE_CHUNK, len(prompts))
+                    prompts[index:tokenized] = tokenize_prompts(prompts[index:tokenized], engine.tokenizer, {})
                 engine.add_request(ids[index], prompts[index], params[index], index=index)
             return True
 
@@ -319,6 +329,11 @@ def _params_per_prompt(pooling_params: PoolingParams | Sequence[PoolingParams] |
             copy = changed[id(params)] = params.clone(**changes) if changes else params
         out.append(copy)
     return out
+
+
+def _distinct(objects: Sequence[Any]) -> list[Any]:
+    """Each object once (by identity): a call's prompts usually share one params object."""
+    return list({id(o): o for o in objects}.values())
 
 
 def embedding_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
