@@ -1,6 +1,6 @@
 """P6's embedding call twice in one process: what a pooling engine's first big call pays that its
-second does not (docs/perf.md 99 found it for generation: cuBLAS's first GEMM at each new row count
-blocks, and every pooling step runs its forward eagerly at that step's token count).
+second does not (docs/perf.md 99 asked, for cuBLAS's first GEMM at each new row count; 100 found
+BERT's call 1 ~4-8% slower on an H100, not from that, and not mainly from pinned allocations).
 
     python bench/embed_calls.py ENGINE SHAPE [CALLS]   ENGINE tokenmill | vllm, SHAPE as embed_bench.py's
 

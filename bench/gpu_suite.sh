@@ -359,8 +359,8 @@ for part in $parts; do
         RESULTS="$OUT/throughput.raw" timeout 170 python3 bench/peer_bench.py tokenmill qwen3-0.6b $workload 2>&1 | grep -E '^\{'
       done
       tag "$OUT/throughput.raw" "$OUT/throughput.jsonl"; : > "$OUT/throughput.raw" ;;
-    p6-calls)  # P6's embed call twice in one process (bench/embed_calls.py), the second over moved ids: does a pooling
-               # engine's first call pay cuBLAS's first use of each step's token count (docs/perf.md 99)?
+    p6-calls)  # P6's embed call twice in one process (bench/embed_calls.py), the second over moved ids: what a pooling
+               # engine's first call pays that its second does not (docs/perf.md 99-100)
       for shape in qwen3-embed-0.6b bert-minilm; do
         RESULTS="$OUT/embed_calls.raw" timeout 200 python3 bench/embed_calls.py tokenmill $shape 2 2>&1 | grep -E '^\{'
       done

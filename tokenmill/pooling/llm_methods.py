@@ -70,9 +70,9 @@ class PoolingMethods:
         """Every prompt's output in input order (``finish``: applied to each as it arrives).
 
         The requests enter the engine a few steps ahead of it rather than all before its first
-        step: validating (and tokenizing a text) takes ~10-30 µs of host time a request, and with
-        tens of thousands of short prompts doing it all first left the device idle for a good part
-        of the call (docs/perf.md 100), as did converting every output after the last step. An
+        step: validating a request takes ~15-20 µs of host time (a text ~100 µs more to tokenize), and
+        with tens of thousands of short prompts doing it all first left the device idle for a good
+        part of the call (docs/perf.md 100), as did converting every output after the last step. An
         invalid prompt still rejects the whole call: its error aborts the requests already in,
         and what they computed is dropped.
         """
