@@ -85,7 +85,7 @@ class PoolingMethods:
         # path: ~1.5x faster than one call a text), unless a request cuts its prompt: the tokenizer
         # then truncates each text itself, keeping its special tokens (PoolingEngine._tokenize).
         prompts = list(prompts)
-        batched = engine.tokenizer is not None and all(p.truncate_prompt_tokens is None for p in _distinct(params))
+        batched = engine.tokenizer is not None and all(p.truncate_prompt_tokens is None for p in params)
         tokenized = 0  # prompts[:tokenized] have been through the batch path
 
         def feed() -> bool:
@@ -329,11 +329,6 @@ def _params_per_prompt(pooling_params: PoolingParams | Sequence[PoolingParams] |
             copy = changed[id(params)] = params.clone(**changes) if changes else params
         out.append(copy)
     return out
-
-
-def _distinct(objects: Sequence[Any]) -> list[Any]:
-    """Each object once (by identity): a call's prompts usually share one params object."""
-    return list({id(o): o for o in objects}.values())
 
 
 def embedding_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
