@@ -134,11 +134,14 @@ def main() -> None:
                    load_s=round(statistics.median(r["load_s"] for r in results), 2),
                    import_s=round(statistics.median(r["import_s"] for r in results), 2),
                    generated_tokens=results[0]["generated"],
-                   greedy_agreement_vs_reference=round(agreement(results[0]["tokens"], reference[0]["tokens"]), 4),
-                   identical_sequences_vs_reference=sum(a == b for a, b in zip(results[0]["tokens"], reference[0]["tokens"])),
+                   greedy_agreement_vs_reference=(round(agreement(results[0]["tokens"], reference[0]["tokens"]), 4)
+                                                  if reference else None),
+                   identical_sequences_vs_reference=(sum(a == b for a, b in zip(results[0]["tokens"], reference[0]["tokens"]))
+                                                     if reference else None),
                    greedy_agreement_vs_tokenmill_fp32=(round(agreement(results[0]["tokens"], exact[0]["tokens"]), 4)
                                                        if exact else None),
-                   reference=f"{'hf-transformers' if not args.skip_hf else 'tokenmill'} {args.hf_dtype}",
+                   reference=(f"hf-transformers {args.hf_dtype}" if not args.skip_hf
+                              else "tokenmill float32" if exact else None),
                    commit=commit, date=datetime.date.today().isoformat(), cpu=cpu, cores=2)
         rows.append(row)
         print(json.dumps(row))

@@ -203,3 +203,28 @@ def test_the_cpu_default_pool_grows_on_demand_and_a_sized_one_does_not(tiny_llam
     assert touched_blocks(kv) < 2 * len(prompts)  # where the old pool walked 3 fresh blocks per row
     assert texts == [o.outputs[0].text for o in sized.generate(prompts, params, use_tqdm=False)]
     assert default.generate(prompts[-1:], params, use_tqdm=False)[0].num_cached_tokens >= 16  # still a prefix cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_the_cpu_cache_tensors_start_zeroed_and_own_their_memory(dtype):
+    """lazy_zeros' CPU tensors: zero-filled (a masked slot must hold a finite number), the shape and
+    dtype asked, one mapping each, and a view keeps its memory alive after the tensor is dropped."""
+    import gc
+
+    import torch
+
+    from tokenmill.worker.sizing import lazy_zeros
+
+    dtype = getattr(torch, dtype)
+    shape = (2, 7, 16, 3, 8)
+    a, b = (lazy_zeros(shape, dtype, torch.device("cpu")) for _ in range(2))
+    assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
+    assert not a.float().any() and not b.float().any()
+    a[1, 6, 15] = 2.0
+    assert float(a.float().sum()) == 2.0 * 3 * 8 and not b.float().any()  # no shared memory
+    tail = a[1, 6]
+    del a
+    gc.collect()
+    tail.copy_(tail.float() + 1)  # the mapping is still there (float8 has no in-place add)
+    assert float(tail.float().sum()) == 2.0 * 24 + 16 * 24
+    assert lazy_zeros((0, 4), dtype, torch.device("cpu")).shape == (0, 4)
