@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
-import mmap
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tokenmill.worker.piecewise_graphs import kept_output_bytes
@@ -106,18 +105,11 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     """A zero-filled KV cache tensor, so a slot read before it is written (the masked tail of a
     block) holds a finite number: a NaN would survive an attention mask.
 
-    On the CPU the tensor lives in an anonymous mapping of its own: the OS hands out zero pages as
-    they are first written, so a 4 GiB pool is instant, where torch.zeros would write every byte
-    (seconds here). Not numpy's calloc, which asks for transparent huge pages on large arrays: where
-    the system then compacts memory on each first write (defrag "madvise", the kernel's default), a
-    prompt's first write to a 2 MiB region took 1-2.5 ms on the dev machine against 0.14 ms for plain
-    pages, 6.8 ms of C1's prefill a layer (docs/perf.md 101). A GPU zero-fills 100 GiB in tens of
-    milliseconds, so torch.zeros is fine there.
+    On the CPU, numpy's zeros come from calloc: the OS maps zero pages lazily, so a 4 GiB pool is
+    instant, where torch.zeros would write every byte (seconds here). A GPU zero-fills 100 GiB in
+    tens of milliseconds, so torch.zeros is fine there.
     """
-    size = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or size == 0:
+    if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # The tensor keeps the mapping alive (torch.frombuffer holds a reference to it); bytes first,
-    # then the dtype, which also serves dtypes frombuffer does not take (float8).
-    pages = mmap.mmap(-1, size)
-    return torch.frombuffer(pages, dtype=torch.uint8, count=size).view(dtype).view(shape)
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
+    return torch.from_numpy(raw).view(dtype)
