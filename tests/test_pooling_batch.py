@@ -158,3 +158,97 @@ def test_cli_classify_job(tmp_path, tiny_bert_classifier_dir, bert_classifier_ll
     expected = bert_classifier_llm.classify(words, PoolingParams(use_activation=False), use_tqdm=False)
     for i, out in enumerate(expected):
         assert records[i]["probs"] == pytest.approx(out.outputs.probs, abs=1e-6)  # raw logits, as asked
+
+
+def openai_line(custom_id, body, url="/v1/embeddings"):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_path, bert_embedder_llm, texts):
+    import base64
+    import struct
+
+    words = texts(5, seed=6)
+    ids = bert_embedder_llm.get_tokenizer()(words[4])["input_ids"]
+    lines = [
+        openai_line("one", {"model": "tiny", "input": words[0]}),
+        openai_line("many", {"input": words[1:4], "encoding_format": "base64", "user": "u"}),
+        openai_line("ids", {"input": [ids, ids[:3]]}),
+        openai_line("chat", {"messages": [{"role": "user", "content": "hi"}]}, url="/v1/chat/completions"),
+        openai_line("empty", {"input": []}),
+        openai_line("mixed", {"input": [words[0], ids]}),
+        openai_line("format", {"input": words[0], "encoding_format": "bytes"}),
+        openai_line("field", {"input": words[0], "temperature": 0.5}),
+        openai_line("long", {"input": " ".join(["cat"] * 60)}),  # over max_model_len=48: the engine refuses it
+        openai_line("cut", {"input": " ".join(["cat"] * 60), "truncate_prompt_tokens": 16}),
+    ]
+    summary = job(tmp_path, bert_embedder_llm, lines, "embed")
+    assert summary.rows_done == len(lines) and summary.failed == 6
+    out = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
+    assert sorted(out) == sorted(line["custom_id"] for line in lines)
+
+    def vectors(custom_id):
+        response = out[custom_id]["response"]
+        assert out[custom_id]["error"] is None and response["status_code"] == 200
+        body = response["body"]
+        assert body["object"] == "list" and body["model"] == "tiny" and body["id"].startswith("embd-")
+        assert [d["index"] for d in body["data"]] == list(range(len(body["data"])))
+        assert {d["object"] for d in body["data"]} == {"embedding"}
+        return [d["embedding"] for d in body["data"]], body["usage"]
+
+    def expected(prompts):
+        return [o.outputs.embedding for o in bert_embedder_llm.embed(prompts, use_tqdm=False)]
+
+    (one,), usage = vectors("one")
+    assert one == pytest.approx(expected([words[0]])[0], rel=1e-5, abs=1e-6)
+    assert usage["prompt_tokens"] == usage["total_tokens"] == len(bert_embedder_llm.get_tokenizer()(words[0])["input_ids"])
+    packed, _ = vectors("many")
+    decoded = [list(struct.unpack(f"<{len(base64.b64decode(v)) // 4}f", base64.b64decode(v))) for v in packed]
+    for got, want in zip(decoded, expected(words[1:4]), strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)  # float32 bytes of the same vectors
+    (full, short), usage = vectors("ids")
+    want_full, want_short = expected([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:3]}])
+    assert full == pytest.approx(want_full, rel=1e-5, abs=1e-6) and short == pytest.approx(want_short, rel=1e-5, abs=1e-6)
+    assert usage["prompt_tokens"] == len(ids) + 3
+    (cut,), usage = vectors("cut")
+    assert usage["prompt_tokens"] == 16
+    for custom_id, message in (("chat", "--task embed runs /v1/embeddings lines alone"), ("empty", "body.input must be"),
+                               ("mixed", "not mixed"), ("format", "encoding_format='bytes'"), ("field", "['temperature']")):
+        assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]
+    refused = out["long"]["response"]
+    assert refused["status_code"] == 400 and "max_model_len=48" in refused["body"]["error"]["message"]
+
+
+def test_openai_embedding_lines_in_a_generation_job_and_other_tasks(tmp_path, bert_embedder_llm):
+    line = openai_line("e", {"input": "a cat"})
+    with pytest.raises(ValueError, match="--task classify reads rows .* --task embed for /v1/embeddings lines"):
+        job(tmp_path, bert_embedder_llm, [line], "classify")
+    with pytest.raises(ValueError, match="give a .jsonl output"):
+        job(tmp_path, bert_embedder_llm, [line], "embed", output="out.parquet")
+    from tokenmill.batch.openai_batch import build_openai_request
+    from tokenmill.batch.readers import RawRow
+    from tokenmill.batch.requests import RowError
+
+    with pytest.raises(RowError, match="asks for embeddings: run the job with --task embed"):
+        build_openai_request(RawRow(index=0, record=line))
+
+
+def test_interrupted_openai_embedding_job_resumes_with_every_line_once(tmp_path, bert_embedder_llm, texts):
+    words = texts(10, seed=8)
+    lines = [openai_line(f"c{i}", {"input": [w, w.upper()]}) for i, w in enumerate(words)]
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    polls = []
+    config = JobConfig(input=str(source), output=str(output), model="tiny", task="embed", progress=False)
+    first = run_job(config, llm=bert_embedder_llm, should_stop=lambda: polls.append(1) or len(polls) > 2)
+    assert first.interrupted and 0 < first.rows_done < len(lines)
+    second = run_job(config, llm=bert_embedder_llm)
+    assert second.complete and second.resumed_rows == first.rows_done and second.failed == 0
+    out = read_jsonl(output)
+    assert sorted(line["custom_id"] for line in out) == sorted(f"c{i}" for i in range(len(words)))
+    for line in out:
+        word = words[int(line["custom_id"][1:])]
+        got = [d["embedding"] for d in line["response"]["body"]["data"]]
+        want = [o.outputs.embedding for o in bert_embedder_llm.embed([word, word.upper()], use_tqdm=False)]
+        for vector, expected_vector in zip(got, want, strict=True):
+            assert vector == pytest.approx(expected_vector, rel=1e-5, abs=1e-6)

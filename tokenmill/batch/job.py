@@ -87,9 +87,12 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                          if real_input != os.path.abspath(input_path) else "the output must not be the input file")
     check_output_path(output)
     fmt = detect_format(input_path, config.input_format)
-    if fmt == "openai" and config.task != "generate":
-        raise ValueError(f"--task {config.task} reads rows (JSONL, CSV, Parquet), not OpenAI batch requests")
     out_fmt = output_format(output)
+    if fmt == "openai" and config.task not in ("generate", "embed"):
+        raise ValueError(f"--task {config.task} reads rows (JSONL, CSV, Parquet), not OpenAI batch requests "
+                         "(those run --task generate, or --task embed for /v1/embeddings lines)")
+    if fmt == "openai" and config.task == "embed" and out_fmt != "jsonl":
+        raise ValueError(f"an OpenAI batch file's embeddings are written as OpenAI output lines: give a .jsonl output, not {output!r}")
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
     config = keep_deterministic(config, stderr)

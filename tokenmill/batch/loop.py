@@ -198,7 +198,7 @@ class JobLoop:
             if raw.error is not None:
                 raise RowError(raw.error)
             if self.pooling is not None:
-                request, parts = self.pooling.build(raw)
+                request, parts = self.pooling.build_openai(raw) if self.fmt == "openai" else self.pooling.build(raw)
                 row_id = request.row_id
             else:
                 request, prompt = built if built is not None else (self._row_request(raw), None)
@@ -309,7 +309,7 @@ class JobLoop:
             try:
                 result = self.pooling.result(req, [flight.outputs[i] for i in flight.part_ids])
             except Exception as error:  # noqa: BLE001  (this row's output, not the step: the row fails alone)
-                result = self._unwritable(req.index, req.row_id, flight, error, None)
+                result = self._unwritable(req.index, req.row_id, flight, error, req.openai)
             self.pending.append((result, flight))
 
     def _isolate(self, error: Exception) -> None:

@@ -7,6 +7,11 @@ Output line: {"id": "batch_req_...", "custom_id": "r1",
                            "body": {"id": "chatcmpl-...", "object": "chat.completion", "created": ...,
                                     "model": "...", "choices": [...], "usage": {...}}},
               "error": null}
+``/v1/embeddings`` lines run under ``--task embed`` (an embedding model): ``body.input`` is a text,
+a list of token ids, or a list of either (one engine request each), ``body.encoding_format``
+"float" or "base64" (each vector's float32 bytes, little-endian, as OpenAI sends them), and
+``body.dimensions`` / ``body.truncate_prompt_tokens`` become the PoolingParams of the line; the
+body then holds ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}]}``.
 With ``--lora-modules`` a line's ``body.model`` selects the adapter of that name (the base model's
 name, or no ``model``, runs without one) and the output's ``body.model`` names the adapter that ran,
 as vLLM's server answers; without adapters ``model`` is ignored (see lora_modules.py).
@@ -17,7 +22,10 @@ OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) 
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import sys
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
@@ -29,6 +37,8 @@ if TYPE_CHECKING:
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+_ENCODINGS = ("float", "base64")
 
 # body key -> SamplingParams field (OpenAI's names, plus the extra ones vLLM's server accepts).
 _COMMON = {
@@ -50,8 +60,9 @@ _COMMON = {
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
 
 
-def build_openai_request(raw: "RawRow") -> RowRequest:
-    """Translate one OpenAI batch line; raises RowError (carrying the custom_id) for a bad request."""
+def _open_line(raw: "RawRow", urls: tuple[str, ...], elsewhere: str) -> tuple[str, str, str, dict[str, Any]]:
+    """(where, custom_id, url, body) of an OpenAI batch line whose url is one of ``urls``; a line for
+    another url this module knows gets ``elsewhere`` as its error (which job would run it)."""
     line = raw.record
     assert line is not None
     where = raw.where or f"row {raw.index}"
@@ -62,11 +73,20 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     if method != "POST":
         raise RowError(f"{where}: method {method!r} is not supported; batch requests are POST", custom_id)
     url = line.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise RowError(f"{where}: url {url!r} is not supported; use {CHAT_URL!r} or {COMPLETIONS_URL!r}", custom_id)
+    if url not in urls:
+        known = url in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+        raise RowError(f"{where}: url {url!r} " + (elsewhere if known else "is not supported; use " + ", ".join(
+            map(repr, (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL))) + " (the last under --task embed)"), custom_id)
     body = line.get("body")
     if not isinstance(body, dict):
         raise RowError(f"{where}: 'body' must be an object", custom_id)
+    return where, custom_id, url, body
+
+
+def build_openai_request(raw: "RawRow") -> RowRequest:
+    """Translate one OpenAI batch line; raises RowError (carrying the custom_id) for a bad request."""
+    where, custom_id, url, body = _open_line(
+        raw, (CHAT_URL, COMPLETIONS_URL), "asks for embeddings: run the job with --task embed and an embedding model")
     if body.get("stream") is True:
         raise RowError(f"{where}: body.stream=true is not supported in a batch", custom_id)
     allowed = set(_COMMON) | _IGNORED | ({"messages", "logprobs", "top_logprobs"} if url == CHAT_URL else {"prompt", "logprobs"})
@@ -116,6 +136,42 @@ def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_
         )
 
 
+def build_openai_embedding(raw: "RawRow") -> tuple[RowRequest, list[Any], dict[str, Any]]:
+    """One ``/v1/embeddings`` line: its request, its inputs (texts or token-id lists, one engine
+    request each) and the PoolingParams fields it sets; raises RowError for a bad line."""
+    where, custom_id, _, body = _open_line(
+        raw, (EMBEDDINGS_URL,), "asks for generation: --task embed runs /v1/embeddings lines alone")
+    allowed = {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "model", "user"}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RowError(f"{where}: body field(s) {unknown} are not supported for {EMBEDDINGS_URL} (supported: {sorted(allowed)})", custom_id)
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in _ENCODINGS:
+        raise RowError(f"{where}: body.encoding_format={short_repr(encoding)} is not supported; use one of {list(_ENCODINGS)}", custom_id)
+    inputs = _embedding_inputs(body.get("input"), where, custom_id)
+    request = RowRequest(index=raw.index, row_id=custom_id, where=where)
+    request.openai = OpenAIMeta(custom_id=custom_id, url=EMBEDDINGS_URL, top_logprobs=None, encoding_format=encoding)
+    pooling = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens") if body.get(k) is not None}
+    return request, inputs, pooling
+
+
+def _embedding_inputs(value: Any, where: str, custom_id: str) -> list[Any]:
+    """``body.input`` as OpenAI takes it: a text, token ids, or a non-empty list of texts or of token-id lists."""
+    def token_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str) and value:
+        return [value]
+    if token_ids(value):
+        return [{"prompt_token_ids": list(value)}]
+    if isinstance(value, list) and value and all(isinstance(x, str) and x for x in value):
+        return list(value)
+    if isinstance(value, list) and value and all(token_ids(x) for x in value):
+        return [{"prompt_token_ids": list(x)} for x in value]
+    raise RowError(f"{where}: body.input must be a non-empty string, a list of token ids, or a non-empty list of "
+                   f"either (strings or token-id lists, not mixed); got {short_repr(value)}", custom_id)
+
+
 # --- output ------------------------------------------------------------------------------------
 
 
@@ -138,6 +194,10 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
         return {"id": line_id, "custom_id": custom_id,
                 "response": {"status_code": 400, "request_id": request_id, "body": body}, "error": None}
     assert meta is not None
+    if meta.url == EMBEDDINGS_URL:
+        response = _embedding_body(result, meta, model, created, _stable_id("embd-", job_key, result.index))
+        return {"id": line_id, "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": request_id, "body": response}, "error": None}
     chat = meta.url == CHAT_URL
     completion_tokens = sum(s.num_tokens for s in result.samples)
     body = {
@@ -159,6 +219,24 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
                 choice["prompt_logprobs"] = positions
     return {"id": line_id, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def _embedding_body(result: "RowResult", meta: OpenAIMeta, model: str, created: int, body_id: str) -> dict[str, Any]:
+    assert result.pooled is not None
+    vectors = result.pooled["embeddings"]
+    if meta.encoding_format == "base64":
+        vectors = [_base64_floats(v) for v in vectors]
+    return {"id": body_id, "object": "list", "created": created, "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+
+def _base64_floats(values: list[float]) -> str:
+    """A vector as OpenAI's base64 encoding sends it: float32, little-endian, base64."""
+    floats = array("f", values)
+    if sys.byteorder != "little":
+        floats.byteswap()
+    return base64.b64encode(floats.tobytes()).decode("ascii")
 
 
 class OpenAIRecordReader:

@@ -86,12 +86,24 @@ class PoolingRows:
         prompt: Any = {"prompt_token_ids": request.prompt_token_ids} if request.prompt_token_ids is not None else request.prompt
         return request, [(f"row-{raw.index}", prompt, self._params(record, where, request.row_id, self.task))]
 
+    def build_openai(self, raw: "RawRow") -> tuple[RowRequest, Parts]:
+        """An OpenAI batch line (``/v1/embeddings``, see openai_batch.py): its request, and one engine
+        request per input; raises RowError for a bad line."""
+        from tokenmill.batch.openai_batch import build_openai_embedding
+
+        request, inputs, pooling = build_openai_embedding(raw)
+        params = self._params({"pooling_params": pooling}, request.where, request.row_id, self.task)
+        return request, [(f"row-{raw.index}-{i}", prompt, params) for i, prompt in enumerate(inputs)]
+
     def result(self, request: RowRequest, outputs: list["PoolingRequestOutput"]) -> "RowResult":
         """The row's result from its finished engine outputs (in the order of its parts)."""
         from tokenmill.batch.results import RowResult
         from tokenmill.pooling.llm_methods import embedding_score
 
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        if request.openai is not None:  # an OpenAI line's inputs, each its own vector
+            return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, openai=request.openai,
+                             pooled={"embeddings": [o.outputs.data.tolist() for o in outputs]})
         data = outputs[0].outputs.data
         if self.task == "embed":
             pooled: dict[str, Any] = {"embedding": data.tolist()}

@@ -67,6 +67,7 @@ class OpenAIMeta:
     custom_id: str
     url: str
     top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
+    encoding_format: str = "float"  # embeddings: "float" (lists of numbers) or "base64" (float32 bytes)
 
 
 @dataclass
