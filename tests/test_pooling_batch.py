@@ -106,15 +106,21 @@ def test_score_rows_match_llm_score(tmp_path, request, model, texts):
     assert records[5]["score"] is None and "'text_2'" in records[5]["error"]
 
 
+def interrupted_embed_job(tmp_path, llm, rows):
+    """An embed job over ``rows`` stopped after its third poll, part done: (its config, its summary)."""
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    polls = []
+    config = JobConfig(input=str(source), output=str(tmp_path / "out.jsonl"), model="tiny", task="embed", progress=False)
+    first = run_job(config, llm=llm, should_stop=lambda: polls.append(1) or len(polls) > 2)
+    assert first.interrupted and 0 < first.rows_done < len(rows)
+    return config, first
+
+
 def test_interrupted_embed_job_resumes_with_every_row_once(tmp_path, bert_embedder_llm, texts):
     words = texts(12, seed=4)
     rows = [{"prompt": t} for t in words]
-    source = write_jsonl(tmp_path / "in.jsonl", rows)
-    output = tmp_path / "out.jsonl"
-    polls = []
-    config = JobConfig(input=str(source), output=str(output), model="tiny", task="embed", progress=False)
-    first = run_job(config, llm=bert_embedder_llm, should_stop=lambda: polls.append(1) or len(polls) > 2)
-    assert first.interrupted and 0 < first.rows_done < len(rows)
+    config, first = interrupted_embed_job(tmp_path, bert_embedder_llm, rows)
+    source, output = config.input, tmp_path / "out.jsonl"
     with pytest.raises(ResumeError, match="other settings"):
         run_job(JobConfig(input=str(source), output=str(output), model="tiny", task="classify", progress=False),
                 llm=bert_embedder_llm)
@@ -236,12 +242,8 @@ def test_openai_embedding_lines_in_a_generation_job_and_other_tasks(tmp_path, be
 def test_interrupted_openai_embedding_job_resumes_with_every_line_once(tmp_path, bert_embedder_llm, texts):
     words = texts(10, seed=8)
     lines = [openai_line(f"c{i}", {"input": [w, w.upper()]}) for i, w in enumerate(words)]
-    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    config, first = interrupted_embed_job(tmp_path, bert_embedder_llm, lines)
     output = tmp_path / "out.jsonl"
-    polls = []
-    config = JobConfig(input=str(source), output=str(output), model="tiny", task="embed", progress=False)
-    first = run_job(config, llm=bert_embedder_llm, should_stop=lambda: polls.append(1) or len(polls) > 2)
-    assert first.interrupted and 0 < first.rows_done < len(lines)
     second = run_job(config, llm=bert_embedder_llm)
     assert second.complete and second.resumed_rows == first.rows_done and second.failed == 0
     out = read_jsonl(output)
