@@ -208,7 +208,7 @@ def test_the_cpu_default_pool_grows_on_demand_and_a_sized_one_does_not(tiny_llam
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
 def test_the_cpu_cache_tensors_start_zeroed_and_own_their_memory(dtype):
     """lazy_zeros' CPU tensors: zero-filled (a masked slot must hold a finite number), the shape and
-    dtype asked, one mapping each, and a view keeps its memory alive after the tensor is dropped."""
+    dtype asked, memory of their own, and a view keeps its memory alive after the tensor is dropped."""
     import gc
 
     import torch
@@ -225,6 +225,6 @@ def test_the_cpu_cache_tensors_start_zeroed_and_own_their_memory(dtype):
     tail = a[1, 6]
     del a
     gc.collect()
-    tail.copy_(tail.float() + 1)  # the mapping is still there (float8 has no in-place add)
+    tail.copy_(tail.float() + 1)  # its memory is still there (float8 has no in-place add)
     assert float(tail.float().sum()) == 2.0 * 24 + 16 * 24
     assert lazy_zeros((0, 4), dtype, torch.device("cpu")).shape == (0, 4)
