@@ -177,7 +177,8 @@ def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_pat
     words = texts(5, seed=6)
     ids = bert_embedder_llm.get_tokenizer()(words[4])["input_ids"]
     lines = [
-        openai_line("one", {"model": "tiny", "input": words[0]}),
+        openai_line("one", {"model": "tiny", "input": words[0], "priority": 3}),
+        openai_line("normed", {"input": words[0], "use_activation": True}),
         openai_line("many", {"input": words[1:4], "encoding_format": "base64", "user": "u"}),
         openai_line("ids", {"input": [ids, ids[:3]]}),
         openai_line("chat", {"messages": [{"role": "user", "content": "hi"}]}, url="/v1/chat/completions"),
@@ -208,6 +209,9 @@ def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_pat
     (one,), usage = vectors("one")
     assert one == pytest.approx(expected([words[0]])[0], rel=1e-5, abs=1e-6)
     assert usage["prompt_tokens"] == usage["total_tokens"] == len(bert_embedder_llm.get_tokenizer()(words[0])["input_ids"])
+    (normed,), _ = vectors("normed")
+    want = bert_embedder_llm.embed(words[0], PoolingParams(normalize=True), use_tqdm=False)[0].outputs.embedding
+    assert normed == pytest.approx(want, abs=1e-6) and sum(x * x for x in normed) == pytest.approx(1.0, abs=1e-5)
     packed, _ = vectors("many")
     decoded = [list(struct.unpack(f"<{len(base64.b64decode(v)) // 4}f", base64.b64decode(v))) for v in packed]
     for got, want in zip(decoded, expected(words[1:4]), strict=True):

@@ -10,7 +10,8 @@ Output line: {"id": "batch_req_...", "custom_id": "r1",
 ``/v1/embeddings`` lines run under ``--task embed`` (an embedding model): ``body.input`` is a text,
 a list of token ids, or a list of either (one engine request each), ``body.encoding_format``
 "float" or "base64" (each vector's float32 bytes, little-endian, as OpenAI sends them), and
-``body.dimensions`` / ``body.truncate_prompt_tokens`` become the PoolingParams of the line; the
+``body.dimensions`` / ``truncate_prompt_tokens`` / ``use_activation`` (vLLM's: whether to normalise)
+become the PoolingParams of the line; the
 body then holds ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}]}``.
 With ``--lora-modules`` a line's ``body.model`` selects the adapter of that name (the base model's
 name, or no ``model``, runs without one) and the output's ``body.model`` names the adapter that ran,
@@ -141,7 +142,9 @@ def build_openai_embedding(raw: "RawRow") -> tuple[RowRequest, list[Any], dict[s
     request each) and the PoolingParams fields it sets; raises RowError for a bad line."""
     where, custom_id, _, body = _open_line(
         raw, (EMBEDDINGS_URL,), "asks for generation: --task embed runs /v1/embeddings lines alone")
-    allowed = {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "model", "user"}
+    # OpenAI's fields and vLLM's extras; "priority" is accepted and has no effect (a pooling request
+    # has no queue to jump).
+    allowed = {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "use_activation", "model", "user", "priority"}
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise RowError(f"{where}: body field(s) {unknown} are not supported for {EMBEDDINGS_URL} (supported: {sorted(allowed)})", custom_id)
@@ -151,7 +154,7 @@ def build_openai_embedding(raw: "RawRow") -> tuple[RowRequest, list[Any], dict[s
     inputs = _embedding_inputs(body.get("input"), where, custom_id)
     request = RowRequest(index=raw.index, row_id=custom_id, where=where)
     request.openai = OpenAIMeta(custom_id=custom_id, url=EMBEDDINGS_URL, top_logprobs=None, encoding_format=encoding)
-    pooling = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens") if body.get(k) is not None}
+    pooling = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens", "use_activation") if body.get(k) is not None}
     return request, inputs, pooling
 
 
