@@ -177,8 +177,9 @@ def test_openai_chat_and_completion_requests():
     [
         ({"custom_id": None}, "custom_id"),
         ({"method": "GET"}, "method 'GET'"),
-        ({"url": "/v1/embeddings"}, "url '/v1/embeddings' asks for embeddings: run the job with --task embed"),
-        ({"url": "/v1/rerank"}, "url '/v1/rerank' is not supported; use '/v1/chat/completions', '/v1/completions', '/v1/embeddings'"),
+        ({"url": "/v1/embeddings"}, "url '/v1/embeddings' is answered under --task embed, and this job runs --task generate"),
+        ({"url": "/v1/rerank"}, "url '/v1/rerank' is answered under --task score"),
+        ({"url": "/v1/audio/transcriptions"}, r"is not supported; use .*'/v1/score' / '/v1/rerank' \(--task score\)"),
         ({"body": "x"}, "'body' must be an object"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}, r"\['tools'\] are not supported"),
         ({"body": {"max_tokens": 3}}, "body.messages is required"),

@@ -222,7 +222,7 @@ def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_pat
     assert usage["prompt_tokens"] == len(ids) + 3
     (cut,), usage = vectors("cut")
     assert usage["prompt_tokens"] == 16
-    for custom_id, message in (("chat", "--task embed runs /v1/embeddings lines alone"), ("empty", "body.input must be"),
+    for custom_id, message in (("chat", "is answered under --task generate, and this job runs --task embed"), ("empty", "body.input must be"),
                                ("mixed", "not mixed"), ("format", "encoding_format='bytes'"), ("field", "['temperature']")):
         assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]
     refused = out["long"]["response"]
@@ -239,7 +239,7 @@ def test_openai_embedding_lines_in_a_generation_job_and_other_tasks(tmp_path, be
     from tokenmill.batch.readers import RawRow
     from tokenmill.batch.requests import RowError
 
-    with pytest.raises(RowError, match="asks for embeddings: run the job with --task embed"):
+    with pytest.raises(RowError, match="'/v1/embeddings' is answered under --task embed, and this job runs --task generate"):
         build_openai_request(RawRow(index=0, record=line))
 
 
@@ -258,3 +258,52 @@ def test_interrupted_openai_embedding_job_resumes_with_every_line_once(tmp_path,
         want = [o.outputs.embedding for o in bert_embedder_llm.embed([word, word.upper()], use_tqdm=False)]
         for vector, expected_vector in zip(got, want, strict=True):
             assert vector == pytest.approx(expected_vector, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("model", ["cross_encoder_llm", "bert_embedder_llm"])
+def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model, texts):
+    llm = request.getfixturevalue(model)
+    queries, docs = texts(3, seed=11), texts(4, seed=12)
+    lines = [
+        openai_line("one-to-n", {"queries": queries[0], "documents": docs, "model": "tiny"}, url="/v1/score"),
+        openai_line("pairwise", {"text_1": queries, "text_2": docs[:3]}, url="/score"),
+        openai_line("items", {"queries": [queries[1]], "items": docs[1]}, url="/v1/score"),
+        openai_line("rerank", {"query": queries[2], "documents": docs, "top_n": 2}, url="/v1/rerank"),
+        openai_line("rerank-all", {"query": queries[2], "documents": docs}, url="/rerank"),
+        openai_line("lengths", {"data_1": queries[:2], "data_2": docs}, url="/v1/score"),
+        openai_line("no-docs", {"query": queries[0], "documents": []}, url="/v1/rerank"),
+        openai_line("two-queries", {"query": queries[:2], "documents": docs}, url="/v1/rerank"),
+        openai_line("top", {"query": queries[0], "documents": docs, "top_n": -1}, url="/v1/rerank"),
+        openai_line("field", {"queries": queries[0], "documents": docs, "max_tokens_per_doc": 4}, url="/v1/score"),
+        openai_line("embed", {"input": "a cat"}),
+    ]
+    summary = job(tmp_path, llm, lines, "score")
+    assert summary.rows_done == len(lines) and summary.failed == 6
+    out = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
+
+    def body(custom_id):
+        assert out[custom_id]["error"] is None and out[custom_id]["response"]["status_code"] == 200
+        return out[custom_id]["response"]["body"]
+
+    def scores(first, second):
+        return [o.outputs.score for o in llm.score(first, second, use_tqdm=False)]
+
+    for custom_id, (first, second) in {"one-to-n": (queries[0], docs), "pairwise": (queries, docs[:3]),
+                                       "items": ([queries[1]], [docs[1]])}.items():
+        got = body(custom_id)
+        assert got["object"] == "list" and got["model"] == "tiny" and got["id"].startswith("score-")
+        assert [d["index"] for d in got["data"]] == list(range(len(got["data"])))
+        assert [d["score"] for d in got["data"]] == pytest.approx(scores(first, second), abs=1e-6)
+    want = scores(queries[2], docs)
+    best = sorted(range(len(docs)), key=lambda j: -want[j])
+    for custom_id, keep in (("rerank", 2), ("rerank-all", len(docs))):
+        got = body(custom_id)
+        assert [r["index"] for r in got["results"]] == best[:keep] and got["id"].startswith("rerank-")
+        for result in got["results"]:
+            assert result["document"] == {"text": docs[result["index"]]}
+            assert result["relevance_score"] == pytest.approx(want[result["index"]], abs=1e-6)
+        assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] > len(docs)
+    for custom_id, message in (("lengths", "has 2 texts and body.data_2 4"), ("no-docs", "body.documents must be a non-empty"),
+                               ("two-queries", "body.query must be one text, got 2"), ("top", "body.top_n=-1 is invalid"),
+                               ("field", "['max_tokens_per_doc'] are not supported"), ("embed", "answered under --task embed")):
+        assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]

@@ -88,11 +88,12 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     check_output_path(output)
     fmt = detect_format(input_path, config.input_format)
     out_fmt = output_format(output)
-    if fmt == "openai" and config.task not in ("generate", "embed"):
-        raise ValueError(f"--task {config.task} reads rows (JSONL, CSV, Parquet), not OpenAI batch requests "
-                         "(those run --task generate, or --task embed for /v1/embeddings lines)")
-    if fmt == "openai" and config.task == "embed" and out_fmt != "jsonl":
-        raise ValueError(f"an OpenAI batch file's embeddings are written as OpenAI output lines: give a .jsonl output, not {output!r}")
+    if fmt == "openai" and config.task not in ("generate", "embed", "score"):
+        raise ValueError(f"--task {config.task} reads rows (JSONL, CSV, Parquet), not OpenAI batch requests (those run "
+                         "--task generate, --task embed for /v1/embeddings lines, --task score for /v1/score and /v1/rerank)")
+    if fmt == "openai" and config.task != "generate" and out_fmt != "jsonl":
+        raise ValueError(f"an OpenAI batch file's {config.task} lines are answered as OpenAI output lines: give a .jsonl "
+                         f"output, not {output!r}")
     shape = "openai" if fmt == "openai" and out_fmt == "jsonl" else "generic"
     info = scan_input(input_path, fmt)
     config = keep_deterministic(config, stderr)

@@ -7,12 +7,8 @@ Output line: {"id": "batch_req_...", "custom_id": "r1",
                            "body": {"id": "chatcmpl-...", "object": "chat.completion", "created": ...,
                                     "model": "...", "choices": [...], "usage": {...}}},
               "error": null}
-``/v1/embeddings`` lines run under ``--task embed`` (an embedding model): ``body.input`` is a text,
-a list of token ids, or a list of either (one engine request each), ``body.encoding_format``
-"float" or "base64" (each vector's float32 bytes, little-endian, as OpenAI sends them), and
-``body.dimensions`` / ``truncate_prompt_tokens`` / ``use_activation`` (vLLM's: whether to normalise)
-become the PoolingParams of the line; the
-body then holds ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}]}``.
+Lines for a pooling model (``/v1/embeddings`` under ``--task embed``, ``/v1/score`` and ``/v1/rerank``
+under ``--task score``) are read and answered by openai_pooling.py.
 With ``--lora-modules`` a line's ``body.model`` selects the adapter of that name (the base model's
 name, or no ``model``, runs without one) and the output's ``body.model`` names the adapter that ran,
 as vLLM's server answers; without adapters ``model`` is ignored (see lora_modules.py).
@@ -23,10 +19,7 @@ OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) 
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import sys
-from array import array
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
@@ -39,7 +32,10 @@ if TYPE_CHECKING:
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
-_ENCODINGS = ("float", "base64")
+SCORE_URLS = ("/v1/score", "/score")
+RERANK_URLS = ("/v1/rerank", "/rerank", "/v2/rerank")
+# Lines answered by a pooling model (openai_pooling.py), each url with the --task that runs it.
+POOLING_TASKS = {EMBEDDINGS_URL: "embed", **dict.fromkeys(SCORE_URLS + RERANK_URLS, "score")}
 
 # body key -> SamplingParams field (OpenAI's names, plus the extra ones vLLM's server accepts).
 _COMMON = {
@@ -61,9 +57,9 @@ _COMMON = {
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
 
 
-def _open_line(raw: "RawRow", urls: tuple[str, ...], elsewhere: str) -> tuple[str, str, str, dict[str, Any]]:
-    """(where, custom_id, url, body) of an OpenAI batch line whose url is one of ``urls``; a line for
-    another url this module knows gets ``elsewhere`` as its error (which job would run it)."""
+def open_line(raw: "RawRow", task: str) -> tuple[str, str, str, dict[str, Any]]:
+    """(where, custom_id, url, body) of an OpenAI batch line for a job of ``task`` (generate, embed,
+    score); a line whose url another task runs is told which."""
     line = raw.record
     assert line is not None
     where = raw.where or f"row {raw.index}"
@@ -74,10 +70,12 @@ def _open_line(raw: "RawRow", urls: tuple[str, ...], elsewhere: str) -> tuple[st
     if method != "POST":
         raise RowError(f"{where}: method {method!r} is not supported; batch requests are POST", custom_id)
     url = line.get("url")
-    if url not in urls:
-        known = url in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
-        raise RowError(f"{where}: url {url!r} " + (elsewhere if known else "is not supported; use " + ", ".join(
-            map(repr, (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL))) + " (the last under --task embed)"), custom_id)
+    runs = POOLING_TASKS.get(url, "generate" if url in (CHAT_URL, COMPLETIONS_URL) else None)
+    if runs is None:
+        raise RowError(f"{where}: url {url!r} is not supported; use {CHAT_URL!r} or {COMPLETIONS_URL!r} (--task generate), "
+                       f"{EMBEDDINGS_URL!r} (--task embed), or {SCORE_URLS[0]!r} / {RERANK_URLS[0]!r} (--task score)", custom_id)
+    if runs != task:
+        raise RowError(f"{where}: url {url!r} is answered under --task {runs}, and this job runs --task {task}", custom_id)
     body = line.get("body")
     if not isinstance(body, dict):
         raise RowError(f"{where}: 'body' must be an object", custom_id)
@@ -86,8 +84,7 @@ def _open_line(raw: "RawRow", urls: tuple[str, ...], elsewhere: str) -> tuple[st
 
 def build_openai_request(raw: "RawRow") -> RowRequest:
     """Translate one OpenAI batch line; raises RowError (carrying the custom_id) for a bad request."""
-    where, custom_id, url, body = _open_line(
-        raw, (CHAT_URL, COMPLETIONS_URL), "asks for embeddings: run the job with --task embed and an embedding model")
+    where, custom_id, url, body = open_line(raw, "generate")
     if body.get("stream") is True:
         raise RowError(f"{where}: body.stream=true is not supported in a batch", custom_id)
     allowed = set(_COMMON) | _IGNORED | ({"messages", "logprobs", "top_logprobs"} if url == CHAT_URL else {"prompt", "logprobs"})
@@ -137,48 +134,10 @@ def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_
         )
 
 
-def build_openai_embedding(raw: "RawRow") -> tuple[RowRequest, list[Any], dict[str, Any]]:
-    """One ``/v1/embeddings`` line: its request, its inputs (texts or token-id lists, one engine
-    request each) and the PoolingParams fields it sets; raises RowError for a bad line."""
-    where, custom_id, _, body = _open_line(
-        raw, (EMBEDDINGS_URL,), "asks for generation: --task embed runs /v1/embeddings lines alone")
-    # OpenAI's fields and vLLM's extras; "priority" is accepted and has no effect (a pooling request
-    # has no queue to jump).
-    allowed = {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "use_activation", "model", "user", "priority"}
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise RowError(f"{where}: body field(s) {unknown} are not supported for {EMBEDDINGS_URL} (supported: {sorted(allowed)})", custom_id)
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in _ENCODINGS:
-        raise RowError(f"{where}: body.encoding_format={short_repr(encoding)} is not supported; use one of {list(_ENCODINGS)}", custom_id)
-    inputs = _embedding_inputs(body.get("input"), where, custom_id)
-    request = RowRequest(index=raw.index, row_id=custom_id, where=where)
-    request.openai = OpenAIMeta(custom_id=custom_id, url=EMBEDDINGS_URL, top_logprobs=None, encoding_format=encoding)
-    pooling = {k: body[k] for k in ("dimensions", "truncate_prompt_tokens", "use_activation") if body.get(k) is not None}
-    return request, inputs, pooling
-
-
-def _embedding_inputs(value: Any, where: str, custom_id: str) -> list[Any]:
-    """``body.input`` as OpenAI takes it: a text, token ids, or a non-empty list of texts or of token-id lists."""
-    def token_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(value, str) and value:
-        return [value]
-    if token_ids(value):
-        return [{"prompt_token_ids": list(value)}]
-    if isinstance(value, list) and value and all(isinstance(x, str) and x for x in value):
-        return list(value)
-    if isinstance(value, list) and value and all(token_ids(x) for x in value):
-        return [{"prompt_token_ids": list(x)} for x in value]
-    raise RowError(f"{where}: body.input must be a non-empty string, a list of token ids, or a non-empty list of "
-                   f"either (strings or token-id lists, not mixed); got {short_repr(value)}", custom_id)
-
-
 # --- output ------------------------------------------------------------------------------------
 
 
-def _stable_id(prefix: str, *parts: Any) -> str:
+def stable_id(prefix: str, *parts: Any) -> str:
     return prefix + hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
 
@@ -186,25 +145,26 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
     """The output line for one row (ids derive from the job and row, so a rerun writes the same ones)."""
     meta = result.openai
     custom_id = meta.custom_id if meta is not None else (result.row_id if isinstance(result.row_id, str) else None)
-    line_id = _stable_id("batch_req_", job_key, result.index)
+    line_id = stable_id("batch_req_", job_key, result.index)
     if result.error is not None and meta is None:
         # Not a request at all (undecodable line, no custom_id): OpenAI's error-file shape.
         return {"id": line_id, "custom_id": custom_id, "response": None,
                 "error": {"code": "invalid_request", "message": result.error}}
-    request_id = _stable_id("req_", job_key, result.index)
+    request_id = stable_id("req_", job_key, result.index)
     if result.error is not None:
         body: dict[str, Any] = {"error": {"message": result.error, "type": "invalid_request_error", "param": None, "code": None}}
         return {"id": line_id, "custom_id": custom_id,
                 "response": {"status_code": 400, "request_id": request_id, "body": body}, "error": None}
     assert meta is not None
-    if meta.url == EMBEDDINGS_URL:
-        response = _embedding_body(result, meta, model, created, _stable_id("embd-", job_key, result.index))
-        return {"id": line_id, "custom_id": custom_id,
-                "response": {"status_code": 200, "request_id": request_id, "body": response}, "error": None}
+    if meta.url in POOLING_TASKS:
+        from tokenmill.batch.openai_pooling import pooling_body
+
+        return {"id": line_id, "custom_id": custom_id, "error": None,
+                "response": {"status_code": 200, "request_id": request_id, "body": pooling_body(result, meta, model, created, job_key)}}
     chat = meta.url == CHAT_URL
     completion_tokens = sum(s.num_tokens for s in result.samples)
     body = {
-        "id": _stable_id("chatcmpl-" if chat else "cmpl-", job_key, result.index),
+        "id": stable_id("chatcmpl-" if chat else "cmpl-", job_key, result.index),
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": result.lora or model,  # the adapter the row ran with, under its name (vLLM's server)
@@ -224,24 +184,6 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
-def _embedding_body(result: "RowResult", meta: OpenAIMeta, model: str, created: int, body_id: str) -> dict[str, Any]:
-    assert result.pooled is not None
-    vectors = result.pooled["embeddings"]
-    if meta.encoding_format == "base64":
-        vectors = [_base64_floats(v) for v in vectors]
-    return {"id": body_id, "object": "list", "created": created, "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
-
-
-def _base64_floats(values: list[float]) -> str:
-    """A vector as OpenAI's base64 encoding sends it: float32, little-endian, base64."""
-    floats = array("f", values)
-    if sys.byteorder != "little":
-        floats.byteswap()
-    return base64.b64encode(floats.tobytes()).decode("ascii")
-
-
 class OpenAIRecordReader:
     """Reads an output line back as (row, failed, prompt tokens, generated tokens), or None.
 
@@ -255,7 +197,7 @@ class OpenAIRecordReader:
 
     def __call__(self, line: dict[str, Any]) -> tuple[int, bool, int, int] | None:
         if self._rows_by_id is None:
-            self._rows_by_id = {_stable_id("batch_req_", self.job_key, i): i for i in range(self.rows)}
+            self._rows_by_id = {stable_id("batch_req_", self.job_key, i): i for i in range(self.rows)}
         index = self._rows_by_id.get(line.get("id"))  # type: ignore[arg-type]
         if index is None:
             return None

@@ -87,13 +87,24 @@ class PoolingRows:
         return request, [(f"row-{raw.index}", prompt, self._params(record, where, request.row_id, self.task))]
 
     def build_openai(self, raw: "RawRow") -> tuple[RowRequest, Parts]:
-        """An OpenAI batch line (``/v1/embeddings``, see openai_batch.py): its request, and one engine
-        request per input; raises RowError for a bad line."""
-        from tokenmill.batch.openai_batch import build_openai_embedding
+        """An OpenAI batch line (``/v1/embeddings`` under embed, ``/v1/score`` or ``/v1/rerank`` under
+        score; see openai_pooling.py): its request and engine requests; raises RowError for a bad line."""
+        from tokenmill.batch.openai_pooling import build_openai_embedding, build_openai_scoring
 
-        request, inputs, pooling = build_openai_embedding(raw)
-        params = self._params({"pooling_params": pooling}, request.where, request.row_id, self.task)
-        return request, [(f"row-{raw.index}-{i}", prompt, params) for i, prompt in enumerate(inputs)]
+        if self.task == "embed":
+            request, inputs, fields = build_openai_embedding(raw)
+            params = self._params({"pooling_params": fields}, request.where, request.row_id, "embed")
+            return request, [(f"row-{raw.index}-{i}", prompt, params) for i, prompt in enumerate(inputs)]
+        request, first, second, fields = build_openai_scoring(raw)
+        params = self._params({"pooling_params": fields}, request.where, request.row_id, "score" if self.cross_encoder else "embed")
+        if not self.cross_encoder:  # each text embedded once; result() pairs them
+            return request, [(f"row-{raw.index}-{i}", text, params) for i, text in enumerate(first + second)]
+        pairs = zip(first * len(second) if len(first) == 1 else first, second)
+        try:
+            return request, [(f"row-{raw.index}-{i}", self.engine.pair_prompt(a, b, params.truncate_prompt_tokens), params)
+                             for i, (a, b) in enumerate(pairs)]
+        except (TypeError, ValueError) as e:
+            raise RowError(f"{request.where}: {e}", request.row_id) from None
 
     def result(self, request: RowRequest, outputs: list["PoolingRequestOutput"]) -> "RowResult":
         """The row's result from its finished engine outputs (in the order of its parts)."""
@@ -101,9 +112,11 @@ class PoolingRows:
         from tokenmill.pooling.llm_methods import embedding_score
 
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        if request.openai is not None:  # an OpenAI line's inputs, each its own vector
+        if request.openai is not None:  # an OpenAI line: each input's vector, or each pair's score
+            pooled = ({"embeddings": [o.outputs.data.tolist() for o in outputs]} if self.task == "embed"
+                      else {"scores": self._pair_scores(outputs, request.openai.queries)})
             return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, openai=request.openai,
-                             pooled={"embeddings": [o.outputs.data.tolist() for o in outputs]})
+                             pooled=pooled)
         data = outputs[0].outputs.data
         if self.task == "embed":
             pooled: dict[str, Any] = {"embedding": data.tolist()}
@@ -115,6 +128,16 @@ class PoolingRows:
         else:
             pooled = {"score": embedding_score(outputs[0], outputs[1]).outputs.score}
         return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, pooled=pooled)
+
+    def _pair_scores(self, outputs: list["PoolingRequestOutput"], queries: int) -> list[float]:
+        """A score line's scores: a cross-encoder's, one output a pair; else the cosine of the first
+        ``queries`` outputs' embeddings (one, or one a pair) with the others'."""
+        from tokenmill.pooling.llm_methods import embedding_score
+
+        if self.cross_encoder:
+            return [float(o.outputs.data.squeeze().item()) for o in outputs]
+        firsts, seconds = outputs[:queries], outputs[queries:]
+        return [embedding_score(a, b).outputs.score for a, b in zip(firsts * len(seconds) if queries == 1 else firsts, seconds)]
 
     def _params(self, record: dict[str, Any], where: str, row_id: Any, task: str) -> "PoolingParams":
         from tokenmill.pooling_params import PoolingParams

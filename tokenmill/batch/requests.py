@@ -68,6 +68,9 @@ class OpenAIMeta:
     url: str
     top_logprobs: int | None  # chat: how many alternatives per token, when logprobs were asked
     encoding_format: str = "float"  # embeddings: "float" (lists of numbers) or "base64" (float32 bytes)
+    queries: int = 0  # score and rerank lines: how many of the line's first texts (data_1, the query) there are
+    documents: tuple[str, ...] = ()  # rerank lines: the documents, each named in its result
+    top_n: int = 0  # rerank lines: how many results to keep, best first (0: all)
 
 
 @dataclass
