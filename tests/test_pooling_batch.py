@@ -274,11 +274,13 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
         openai_line("no-docs", {"query": queries[0], "documents": []}, url="/v1/rerank"),
         openai_line("two-queries", {"query": queries[:2], "documents": docs}, url="/v1/rerank"),
         openai_line("top", {"query": queries[0], "documents": docs, "top_n": -1}, url="/v1/rerank"),
-        openai_line("field", {"queries": queries[0], "documents": docs, "max_tokens_per_doc": 4}, url="/v1/score"),
+        openai_line("field", {"queries": queries[0], "documents": docs, "instruction": "x"}, url="/v1/score"),
+        openai_line("half", {"text_1": queries[0]}, url="/v1/score"),
+        openai_line("cut", {"queries": queries[0], "documents": docs, "max_tokens_per_doc": 2}, url="/v1/score"),
         openai_line("embed", {"input": "a cat"}),
     ]
     summary = job(tmp_path, llm, lines, "score")
-    assert summary.rows_done == len(lines) and summary.failed == 6
+    assert summary.rows_done == len(lines) and summary.failed == 7
     out = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
 
     def body(custom_id):
@@ -294,6 +296,9 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
         assert got["object"] == "list" and got["model"] == "tiny" and got["id"].startswith("score-")
         assert [d["index"] for d in got["data"]] == list(range(len(got["data"])))
         assert [d["score"] for d in got["data"]] == pytest.approx(scores(first, second), abs=1e-6)
+    cut = llm.score(queries[0], docs, pooling_params=PoolingParams(extra_kwargs={"max_tokens_per_doc": 2}), use_tqdm=False)
+    assert [d["score"] for d in body("cut")["data"]] == pytest.approx([o.outputs.score for o in cut], abs=1e-6)
+    assert [d["score"] for d in body("cut")["data"]] != pytest.approx(scores(queries[0], docs), abs=1e-6)
     want = scores(queries[2], docs)
     best = sorted(range(len(docs)), key=lambda j: -want[j])
     for custom_id, keep in (("rerank", 2), ("rerank-all", len(docs))):
@@ -305,5 +310,6 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
         assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] > len(docs)
     for custom_id, message in (("lengths", "has 2 texts and body.data_2 4"), ("no-docs", "body.documents must be a non-empty"),
                                ("two-queries", "body.query must be one text, got 2"), ("top", "body.top_n=-1 is invalid"),
-                               ("field", "['max_tokens_per_doc'] are not supported"), ("embed", "answered under --task embed")):
+                               ("field", "['instruction'] are not supported"), ("half", "body.text_2 must be a non-empty"),
+                               ("embed", "answered under --task embed")):
         assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]

@@ -19,23 +19,15 @@ OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) 
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.batch.openai_lines import CHAT_URL, POOLING_TASKS, open_line, stable_id
+from tokenmill.batch.openai_pooling import pooling_body
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
-from tokenmill.inputs import short_repr
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
     from tokenmill.batch.results import RowResult
-
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-EMBEDDINGS_URL = "/v1/embeddings"
-SCORE_URLS = ("/v1/score", "/score")
-RERANK_URLS = ("/v1/rerank", "/rerank", "/v2/rerank")
-# Lines answered by a pooling model (openai_pooling.py), each url with the --task that runs it.
-POOLING_TASKS = {EMBEDDINGS_URL: "embed", **dict.fromkeys(SCORE_URLS + RERANK_URLS, "score")}
 
 # body key -> SamplingParams field (OpenAI's names, plus the extra ones vLLM's server accepts).
 _COMMON = {
@@ -55,31 +47,6 @@ _COMMON = {
 }
 # Accepted and without effect offline ("model" selects a LoRA adapter when the job has some).
 _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
-
-
-def open_line(raw: "RawRow", task: str) -> tuple[str, str, str, dict[str, Any]]:
-    """(where, custom_id, url, body) of an OpenAI batch line for a job of ``task`` (generate, embed,
-    score); a line whose url another task runs is told which."""
-    line = raw.record
-    assert line is not None
-    where = raw.where or f"row {raw.index}"
-    custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise RowError(f"{where}: 'custom_id' must be a non-empty string, got {short_repr(custom_id)}", None)
-    method = line.get("method", "POST")
-    if method != "POST":
-        raise RowError(f"{where}: method {method!r} is not supported; batch requests are POST", custom_id)
-    url = line.get("url")
-    runs = POOLING_TASKS.get(url, "generate" if url in (CHAT_URL, COMPLETIONS_URL) else None)
-    if runs is None:
-        raise RowError(f"{where}: url {url!r} is not supported; use {CHAT_URL!r} or {COMPLETIONS_URL!r} (--task generate), "
-                       f"{EMBEDDINGS_URL!r} (--task embed), or {SCORE_URLS[0]!r} / {RERANK_URLS[0]!r} (--task score)", custom_id)
-    if runs != task:
-        raise RowError(f"{where}: url {url!r} is answered under --task {runs}, and this job runs --task {task}", custom_id)
-    body = line.get("body")
-    if not isinstance(body, dict):
-        raise RowError(f"{where}: 'body' must be an object", custom_id)
-    return where, custom_id, url, body
 
 
 def build_openai_request(raw: "RawRow") -> RowRequest:
@@ -137,10 +104,6 @@ def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_
 # --- output ------------------------------------------------------------------------------------
 
 
-def stable_id(prefix: str, *parts: Any) -> str:
-    return prefix + hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=12).hexdigest()
-
-
 def openai_record(result: "RowResult", model: str, created: int, job_key: str) -> dict[str, Any]:
     """The output line for one row (ids derive from the job and row, so a rerun writes the same ones)."""
     meta = result.openai
@@ -157,8 +120,6 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
                 "response": {"status_code": 400, "request_id": request_id, "body": body}, "error": None}
     assert meta is not None
     if meta.url in POOLING_TASKS:
-        from tokenmill.batch.openai_pooling import pooling_body
-
         return {"id": line_id, "custom_id": custom_id, "error": None,
                 "response": {"status_code": 200, "request_id": request_id, "body": pooling_body(result, meta, model, created, job_key)}}
     chat = meta.url == CHAT_URL

@@ -13,6 +13,7 @@ text against each second one, or the same number of each, pairwise; a rerank lin
 ``query`` against each of its ``documents`` and answers the best ``top_n`` (0: all), best first,
 ``{"results": [{"index": j, "document": {"text": ...}, "relevance_score": s}]}``. A cross-encoder
 reads each pair as one input; an embedding model embeds each text once and scores the cosine.
+``max_tokens_per_query`` / ``max_tokens_per_doc`` cut each side's texts after that many tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.batch.openai_batch import EMBEDDINGS_URL, RERANK_URLS, open_line, stable_id
+from tokenmill.batch.openai_lines import EMBEDDINGS_URL, RERANK_URLS, open_line, stable_id
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest
 from tokenmill.inputs import short_repr
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 _ENCODINGS = ("float", "base64")
 # vLLM's names for a score line's two sides, in the order it tries them.
 _SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+# vLLM's cuts of a score line's texts, each side's own (LLM.score takes them in pooling_params.extra_kwargs).
+_CUTS = ("max_tokens_per_query", "max_tokens_per_doc")
 # Accepted and without effect: the job's --model runs every line, and a pooling request has no queue
 # to jump ("priority").
 _IGNORED = {"model", "user", "priority"}
@@ -52,17 +55,24 @@ def build_openai_embedding(raw: "RawRow") -> tuple[RowRequest, list[Any], dict[s
     return request, inputs, _pooling_fields(body, ("dimensions", "truncate_prompt_tokens", "use_activation"))
 
 
-def build_openai_scoring(raw: "RawRow") -> tuple[RowRequest, list[str], list[str], dict[str, Any]]:
+def build_openai_scoring(raw: "RawRow") -> tuple[RowRequest, list[str], list[str], dict[str, Any], dict[str, int]]:
     """One ``/v1/score`` or ``/v1/rerank`` line: its request, its first and second texts (the query
-    and the documents of a rerank line) and the PoolingParams fields it sets; raises RowError."""
+    and the documents of a rerank line), the PoolingParams fields it sets, and vLLM's
+    ``max_tokens_per_query`` / ``max_tokens_per_doc`` (texts to cut, `cut_texts`); raises RowError."""
     where, custom_id, url, body = open_line(raw, "score")
     rerank = url in RERANK_URLS
+    common = {"truncate_prompt_tokens", "use_activation", *_CUTS}
     if rerank:
         names = ("query", "documents")
-        _check_fields(body, {*names, "top_n", "truncate_prompt_tokens", "use_activation"}, where, url, custom_id)
-    else:
-        names = next((pair for pair in _SCORE_SIDES if pair[0] in body and pair[1] in body), _SCORE_SIDES[0])
-        _check_fields(body, {*names, "truncate_prompt_tokens", "use_activation"}, where, url, custom_id)
+        _check_fields(body, {*names, "top_n", *common}, where, url, custom_id)
+    else:  # the pair of names the body uses; with one of a pair missing, that pair (its error names the other)
+        names = next((pair for pair in _SCORE_SIDES if pair[0] in body and pair[1] in body),
+                     next((pair for pair in _SCORE_SIDES if pair[0] in body or pair[1] in body), _SCORE_SIDES[0]))
+        _check_fields(body, {*names, *common}, where, url, custom_id)
+    cuts = {name: body[name] for name in _CUTS if body.get(name) is not None}
+    for name, limit in cuts.items():
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise RowError(f"{where}: body.{name}={short_repr(limit)} is invalid: must be an integer >= 0 (0: no cut)", custom_id)
     first, second = (_texts(body.get(name), f"{where}: body.{name}", custom_id) for name in names)
     if rerank and len(first) != 1:
         raise RowError(f"{where}: body.query must be one text, got {len(first)}", custom_id)
@@ -75,7 +85,7 @@ def build_openai_scoring(raw: "RawRow") -> tuple[RowRequest, list[str], list[str
     request = RowRequest(index=raw.index, row_id=custom_id, where=where)
     request.openai = OpenAIMeta(custom_id=custom_id, url=url, top_logprobs=None, queries=len(first),
                                 documents=tuple(second) if rerank else (), top_n=top_n)
-    return request, first, second, _pooling_fields(body, ("truncate_prompt_tokens", "use_activation"))
+    return request, first, second, _pooling_fields(body, ("truncate_prompt_tokens", "use_activation")), cuts
 
 
 def _check_fields(body: dict[str, Any], fields: set[str], where: str, url: str, custom_id: str) -> None:

@@ -95,8 +95,15 @@ class PoolingRows:
             request, inputs, fields = build_openai_embedding(raw)
             params = self._params({"pooling_params": fields}, request.where, request.row_id, "embed")
             return request, [(f"row-{raw.index}-{i}", prompt, params) for i, prompt in enumerate(inputs)]
-        request, first, second, fields = build_openai_scoring(raw)
+        from tokenmill.pooling.llm_methods import cut_texts
+
+        request, first, second, fields, cuts = build_openai_scoring(raw)
         params = self._params({"pooling_params": fields}, request.where, request.row_id, "score" if self.cross_encoder else "embed")
+        try:
+            first = cut_texts(self.engine, first, cuts.get("max_tokens_per_query", 0), "max_tokens_per_query")
+            second = cut_texts(self.engine, second, cuts.get("max_tokens_per_doc", 0), "max_tokens_per_doc")
+        except ValueError as e:
+            raise RowError(f"{request.where}: {e}", request.row_id) from None
         if not self.cross_encoder:  # each text embedded once; result() pairs them
             return request, [(f"row-{raw.index}-{i}", text, params) for i, text in enumerate(first + second)]
         pairs = zip(first * len(second) if len(first) == 1 else first, second)

@@ -209,8 +209,8 @@ class PoolingMethods:
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         extra = (pooling_params.extra_kwargs if pooling_params is not None else None) or {}
-        first = _cut_texts(engine, first, extra.get("max_tokens_per_query", 0), "max_tokens_per_query")
-        second = _cut_texts(engine, second, extra.get("max_tokens_per_doc", 0), "max_tokens_per_doc")
+        first = cut_texts(engine, first, extra.get("max_tokens_per_query", 0), "max_tokens_per_query")
+        second = cut_texts(engine, second, extra.get("max_tokens_per_doc", 0), "max_tokens_per_doc")
         if engine.pooling.head == "embed":
             return self._embedding_scores(first, second, pooling_params, truncate_prompt_tokens, use_tqdm,
                                           tokenization_kwargs)
@@ -285,7 +285,7 @@ def _check_pooling_task(pooling_task: str | None, prompts: Any) -> None:
                             if pooling_task in ("reward", "encode") else ""))
 
 
-def _cut_texts(engine: "PoolingEngine", texts: list, limit: int, name: str) -> list:
+def cut_texts(engine: "PoolingEngine", texts: list, limit: int, name: str) -> list:
     """vLLM's max_tokens_per_query / max_tokens_per_doc: each text cut after its first ``limit``
     tokens (special tokens not counted), at the character where that token ends."""
     if not limit:

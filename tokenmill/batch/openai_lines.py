@@ -1,0 +1,53 @@
+"""An OpenAI batch line's frame: the urls tokenmill answers and which ``--task`` runs each, the
+checks every line passes before its body is read (custom_id, method, url, body), and the ids of
+the output lines. Generation lines are read in openai_batch.py, a pooling model's in openai_pooling.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.batch.requests import RowError
+from tokenmill.inputs import short_repr
+
+if TYPE_CHECKING:
+    from tokenmill.batch.readers import RawRow
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+SCORE_URLS = ("/v1/score", "/score")
+RERANK_URLS = ("/v1/rerank", "/rerank", "/v2/rerank")
+# Lines answered by a pooling model (openai_pooling.py), each url with the --task that runs it.
+POOLING_TASKS = {EMBEDDINGS_URL: "embed", **dict.fromkeys(SCORE_URLS + RERANK_URLS, "score")}
+
+
+def open_line(raw: "RawRow", task: str) -> tuple[str, str, str, dict[str, Any]]:
+    """(where, custom_id, url, body) of an OpenAI batch line for a job of ``task`` (generate, embed,
+    score); a line whose url another task runs is told which."""
+    line = raw.record
+    assert line is not None
+    where = raw.where or f"row {raw.index}"
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RowError(f"{where}: 'custom_id' must be a non-empty string, got {short_repr(custom_id)}", None)
+    method = line.get("method", "POST")
+    if method != "POST":
+        raise RowError(f"{where}: method {method!r} is not supported; batch requests are POST", custom_id)
+    url = line.get("url")
+    runs = POOLING_TASKS.get(url, "generate" if url in (CHAT_URL, COMPLETIONS_URL) else None)
+    if runs is None:
+        raise RowError(f"{where}: url {url!r} is not supported; use {CHAT_URL!r} or {COMPLETIONS_URL!r} (--task generate), "
+                       f"{EMBEDDINGS_URL!r} (--task embed), or {SCORE_URLS[0]!r} / {RERANK_URLS[0]!r} (--task score)", custom_id)
+    if runs != task:
+        raise RowError(f"{where}: url {url!r} is answered under --task {runs}, and this job runs --task {task}", custom_id)
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise RowError(f"{where}: 'body' must be an object", custom_id)
+    return where, custom_id, url, body
+
+
+def stable_id(prefix: str, *parts: Any) -> str:
+    """An output id made from the job and the row, so that a rerun writes the same one."""
+    return prefix + hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=12).hexdigest()
