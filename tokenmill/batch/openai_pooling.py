@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.openai_lines import EMBEDDINGS_URL, RERANK_URLS, open_line, stable_id
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest
-from tokenmill.inputs import short_repr
+from tokenmill.inputs import is_token_list, short_repr
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
@@ -102,7 +102,7 @@ def _pooling_fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, A
 def _embedding_inputs(value: Any, where: str, custom_id: str) -> list[Any]:
     """``body.input`` as OpenAI takes it: a text, token ids, or a non-empty list of texts or of token-id lists."""
     def token_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        return isinstance(x, list) and bool(x) and is_token_list(x)
 
     if isinstance(value, str) and value:
         return [value]

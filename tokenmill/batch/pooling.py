@@ -95,7 +95,7 @@ class PoolingRows:
             request, inputs, fields = build_openai_embedding(raw)
             params = self._params({"pooling_params": fields}, request.where, request.row_id, "embed")
             return request, [(f"row-{raw.index}-{i}", prompt, params) for i, prompt in enumerate(inputs)]
-        from tokenmill.pooling.llm_methods import cut_texts
+        from tokenmill.pooling.llm_methods import cut_texts, score_pairs
 
         request, first, second, fields, cuts = build_openai_scoring(raw)
         params = self._params({"pooling_params": fields}, request.where, request.row_id, "score" if self.cross_encoder else "embed")
@@ -106,21 +106,20 @@ class PoolingRows:
             raise RowError(f"{request.where}: {e}", request.row_id) from None
         if not self.cross_encoder:  # each text embedded once; result() pairs them
             return request, [(f"row-{raw.index}-{i}", text, params) for i, text in enumerate(first + second)]
-        pairs = zip(first * len(second) if len(first) == 1 else first, second)
         try:
             return request, [(f"row-{raw.index}-{i}", self.engine.pair_prompt(a, b, params.truncate_prompt_tokens), params)
-                             for i, (a, b) in enumerate(pairs)]
+                             for i, (a, b) in enumerate(score_pairs(first, second))]
         except (TypeError, ValueError) as e:
             raise RowError(f"{request.where}: {e}", request.row_id) from None
 
     def result(self, request: RowRequest, outputs: list["PoolingRequestOutput"]) -> "RowResult":
         """The row's result from its finished engine outputs (in the order of its parts)."""
         from tokenmill.batch.results import RowResult
-        from tokenmill.pooling.llm_methods import embedding_score
+        from tokenmill.outputs import EmbeddingOutput
 
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         if request.openai is not None:  # an OpenAI line: each input's vector, or each pair's score
-            pooled = ({"embeddings": [o.outputs.data.tolist() for o in outputs]} if self.task == "embed"
+            pooled = ({"embeddings": [EmbeddingOutput.from_base(o.outputs).embedding for o in outputs]} if self.task == "embed"
                       else {"scores": self._pair_scores(outputs, request.openai.queries)})
             return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, openai=request.openai,
                              pooled=pooled)
@@ -130,21 +129,19 @@ class PoolingRows:
         elif self.task == "classify":
             probs = data.tolist()
             pooled = {"label": self.labels[int(data.argmax())] if self.labels else None, "probs": probs}
-        elif self.cross_encoder:
-            pooled = {"score": float(data.squeeze().item())}
-        else:
-            pooled = {"score": embedding_score(outputs[0], outputs[1]).outputs.score}
+        else:  # a row is one pair: one output of a cross-encoder, or the two texts' embeddings
+            pooled = {"score": self._pair_scores(outputs, 1)[0]}
         return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, pooled=pooled)
 
     def _pair_scores(self, outputs: list["PoolingRequestOutput"], queries: int) -> list[float]:
-        """A score line's scores: a cross-encoder's, one output a pair; else the cosine of the first
+        """A score row's or line's scores: a cross-encoder's, one output a pair; else the cosine of the first
         ``queries`` outputs' embeddings (one, or one a pair) with the others'."""
-        from tokenmill.pooling.llm_methods import embedding_score
+        from tokenmill.outputs import ScoringOutput
+        from tokenmill.pooling.llm_methods import embedding_score, score_pairs
 
         if self.cross_encoder:
-            return [float(o.outputs.data.squeeze().item()) for o in outputs]
-        firsts, seconds = outputs[:queries], outputs[queries:]
-        return [embedding_score(a, b).outputs.score for a, b in zip(firsts * len(seconds) if queries == 1 else firsts, seconds)]
+            return [ScoringOutput.from_base(o.outputs).score for o in outputs]
+        return [embedding_score(a, b).outputs.score for a, b in score_pairs(outputs[:queries], outputs[queries:])]
 
     def _params(self, record: dict[str, Any], where: str, row_id: Any, task: str) -> "PoolingParams":
         from tokenmill.pooling_params import PoolingParams

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _gc_paused(method: _F) -> _F:
@@ -237,10 +238,7 @@ class PoolingMethods:
         # Each distinct input is embedded once: data_1's text(s), then data_2's.
         embedded = self.encode(first + second, params, truncate_prompt_tokens=truncate_prompt_tokens,
                                use_tqdm=use_tqdm, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
-        lefts, rights = embedded[: len(first)], embedded[len(first):]
-        if len(lefts) == 1:
-            lefts = lefts * len(rights)
-        return [embedding_score(a, b) for a, b in zip(lefts, rights)]
+        return [embedding_score(a, b) for a, b in score_pairs(embedded[: len(first)], embedded[len(first):])]
 
     def _cross_encoder_scores(self, engine: "PoolingEngine", first: list, second: list, params: PoolingParams | None,
                               truncate_prompt_tokens: int | None, use_tqdm: ProgressOption,
@@ -252,10 +250,8 @@ class PoolingMethods:
         tokenizer_kwargs = {k: v for k, v in (tokenization_kwargs or {}).items()
                             if k not in ("truncate_prompt_tokens", "truncation_side")}
         params = _params_per_prompt(params, 1, truncate_prompt_tokens, "score")[0]
-        if len(first) == 1:
-            first = first * len(second)
         prompts = [engine.pair_prompt(a, b, params.truncate_prompt_tokens, tokenizer_kwargs, chat_template)
-                   for a, b in zip(first, second)]
+                   for a, b in score_pairs(first, second)]
         return self._run_pooling(prompts, [params] * len(prompts), use_tqdm, ScoringRequestOutput.from_base)
 
     def _pooling_engine(self, method: str) -> "PoolingEngine":
@@ -283,6 +279,12 @@ def _check_pooling_task(pooling_task: str | None, prompts: Any) -> None:
         raise ValueError(f"pooling_task={pooling_task!r} is invalid: must be None or one of {POOLING_TASKS}"
                          + ("; reward models: 'classify' or 'token_classify' (STEP pooling is not implemented)"
                             if pooling_task in ("reward", "encode") else ""))
+
+
+def score_pairs(first: Sequence[_T], second: Sequence[_T]) -> list[tuple[_T, _T]]:
+    """vLLM's score pairs: one first item against each second one (1-to-N), else pairwise (N-to-N;
+    the caller has checked the lengths)."""
+    return list(zip(list(first) * len(second) if len(first) == 1 else first, second))
 
 
 def cut_texts(engine: "PoolingEngine", texts: list, limit: int, name: str) -> list:
