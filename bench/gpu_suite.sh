@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p1p5] [p4] [p5] [p6] [p6-calls] [p6-calls-ab-old] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
-#   [sampler] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-ab-old] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -197,6 +197,19 @@ for part in $parts; do
     sampler)  # the sampling kernels alone: temperature, filters, penalties at 64 / 256 / 1,024 rows
       timeout 300 python3 bench/sampler_bench.py --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
       grep -v '^{' "$OUT/sampler.raw"; tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw" ;;
+    sampler-ab-old)  # the sampler bench on an older engine in .old/ (carried) and on this tree, old then new, AB_ROUNDS
+                     # times (default 2); rows carry "tree" (docs/perf.md 102: the draw's noise by lg2.approx)
+      [ -d .old/tokenmill ] || { echo "sampler-ab-old: no .old/ tree carried"; continue; }
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for tree in old new; do
+          path=$PWD; [ $tree = old ] && path=$PWD/.old
+          # Each tree's own copy of the bench: it puts its tree's root first on sys.path.
+          timeout 300 python3 "$path/bench/sampler_bench.py" --json > "$OUT/sampler.raw" 2>>"$OUT/suite.log"
+          grep -v '^{' "$OUT/sampler.raw" | sed "s/^/$tree: /"
+          sed -i "/^{/s/^{/{\"tree\": \"$tree\", /" "$OUT/sampler.raw"
+          tag "$OUT/sampler.raw" "$OUT/sampler.jsonl"; : > "$OUT/sampler.raw"
+        done
+      done ;;
     sampler-rounds)  # top-p alone (0.5 / 0.9 / 0.95) with 0-3 argmax rounds: 0 is the exact path alone (perf.md 51)
       timeout 500 python3 bench/sampler_bench.py --json --cases "top_p 0.5" "top_p 0.9" "top_p 0.95" --rounds 0 1 2 3 \
         > "$OUT/sampler.raw" 2>>"$OUT/suite.log"

@@ -26,6 +26,9 @@ for _dt in ("float32", "float16"):
     for _vocab in (37, 2048, 5003):
         _case("gumbel_argmax", f"gumbel-argmax-v{_vocab}-{_dt}", dtype=_dt, vocab=_vocab)
 
+# The draw's noise alone against its float64 twin: the range's ends and the series' edge.
+_case("gumbel_noise", "gumbel-noise", count=4096)
+
 # Penalties, logit bias, top-k / top-p / min-p and the draw (three kernels and the draw): one row of
 # each kind (see _check_sample_tokens), over vocabularies that hold a wide row's bracket at once
 # (5003) or need sweeps to narrow it (20000, past the 8,192-token bracket).
@@ -108,6 +111,18 @@ def _check_gumbel_argmax(p: dict[str, Any]) -> None:
     flat = logits[5].expand(16, vocab).contiguous()
     draws = gumbel_argmax(flat, torch.ones(16), keys[5].expand(16).contiguous(), torch.arange(16))
     assert len(set(draws.tolist())) > 8, draws.tolist()
+
+
+def _check_gumbel_noise(p: dict[str, Any]) -> None:
+    from support.gumbel_noise_kernel import EXACT_LOG_TOLERANCE, NOISE_MAX, NOISE_MIN, gumbel_noise, noise_inputs
+    from tokenmill.kernels.reference import gumbel_from_bits_ref
+
+    bits = noise_inputs(p["count"], seed=7)
+    got = gumbel_noise(bits, fast_log=False)
+    want = gumbel_from_bits_ref(bits)
+    assert NOISE_MIN <= float(got.min()) and float(got.max()) <= NOISE_MAX, (float(got.min()), float(got.max()))
+    error = (got - want).abs()
+    assert float(error.max()) <= EXACT_LOG_TOLERANCE, (float(error.max()), int(bits[error.argmax()]))
 
 
 def _state_rows(state, rows):
@@ -343,6 +358,7 @@ CHECKS = {
     "token_logprobs": _check_token_logprobs,
     "kernel_logprobs": _check_kernel_logprobs,
     "gumbel_argmax": _check_gumbel_argmax,
+    "gumbel_noise": _check_gumbel_noise,
     "sample_tokens": _check_sample_tokens,
     "sample_tokens_wide": _check_sample_tokens_wide,
     "sample_tokens_rounds": _check_sample_tokens_rounds,

@@ -63,6 +63,26 @@ def test_gumbel_argmax_matches_twin(vocab: int, dtype: torch.dtype) -> None:
     assert (got != want).sum() <= 1, "more than one near-tie among a few rows"
 
 
+@pytest.mark.parametrize("fast_log", [False, True])
+def test_gumbel_noise_matches_twin(fast_log: bool) -> None:
+    """The noise alone, as the kernels compute it (lg2.approx with ``fast_log``, the default on a
+    GPU; libdevice's logf without), against its float64 twin over the range's ends, uniform bits and
+    the small magnitudes the race's winners come from."""
+    from support.gumbel_noise_kernel import (EXACT_LOG_TOLERANCE, FAST_LOG_TOLERANCE, NOISE_MAX, NOISE_MIN,
+                                             gumbel_noise, noise_inputs)
+    from tokenmill.kernels.reference import gumbel_from_bits_ref
+
+    if DRYRUN and fast_log:
+        pytest.skip("the interpreter runs no PTX")
+    bits = noise_inputs(2_000 if DRYRUN else 500_000, seed=11)
+    got = gumbel_noise(bits, fast_log, DEVICE)
+    want = gumbel_from_bits_ref(bits)
+    assert NOISE_MIN <= float(got.min()) and float(got.max()) <= NOISE_MAX, (float(got.min()), float(got.max()))
+    error = (got - want).abs()
+    assert float(error.max()) <= (FAST_LOG_TOLERANCE if fast_log else EXACT_LOG_TOLERANCE), (
+        float(error.max()), int(bits[error.argmax()]))
+
+
 def test_gumbel_argmax_draws_follow_the_softmax() -> None:
     from tokenmill.kernels.triton.sampling import gumbel_argmax
 

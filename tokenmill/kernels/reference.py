@@ -199,11 +199,16 @@ def philox_ref(key: int, *counter: torch.Tensor | int) -> tuple[torch.Tensor, ..
     return tuple(c)
 
 
-def uniform_from_bits_ref(bits: torch.Tensor) -> torch.Tensor:
-    """``tl.uint_to_uniform_float`` for 32-bit values: |signed value| (one's complement) times 2**-31, in [0, 1)."""
+def gumbel_from_bits_ref(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 Gumbel(0, 1) noise from 32-bit values: -ln(-ln(1 - w)) in float64, w the midpoint
+    (k + 1/2) 2^-31 of the bits' magnitude k (one's complement, as ``tl.uint_to_uniform_float``) in
+    float32, held below 1.
+    The kernels take the same w and approximate the logs (``sampling_rows._gumbel_noise``)."""
     signed = torch.where(bits >= 2**31, bits - 2**32, bits)
     magnitude = torch.where(signed < 0, -signed - 1, signed)
-    return magnitude.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+    half = torch.tensor(0.5, dtype=torch.float32)
+    w = ((magnitude.to(torch.float32) + half) * torch.tensor(2.0**-31, dtype=torch.float32)).clamp(max=0.99999994)
+    return (-torch.log(-torch.log1p(-w.double()))).float()
 
 
 def gumbel_noise_ref(key: int, counter: torch.Tensor | int, vocab_size: int) -> torch.Tensor:
@@ -213,7 +218,7 @@ def gumbel_noise_ref(key: int, counter: torch.Tensor | int, vocab_size: int) -> 
     quads = torch.arange(-(-vocab_size // 4), dtype=torch.int64)
     quads, counter = torch.broadcast_tensors(quads, counter)
     bits = torch.stack(philox_ref(key, quads, counter & _M32, counter >> 32, 0), dim=-1).flatten(-2)[..., :vocab_size]
-    return -torch.log(-torch.log(uniform_from_bits_ref(bits)))
+    return gumbel_from_bits_ref(bits)
 
 
 def gumbel_argmax_ref(

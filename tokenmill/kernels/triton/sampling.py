@@ -89,6 +89,8 @@ from tokenmill.kernels.sampling_args import Filters, RowState, counts_width
 from tokenmill.kernels.triton.precompile import launcher
 from tokenmill.kernels.triton.sampling_rows import (
     _chunk_draw,
+    _gumbel_noise,
+    fast_log,
     _largest_reaching,
     _row_filters,
     _row_state,
@@ -115,7 +117,7 @@ _ROUNDS = 2  # argmax rounds a wide top-p row gets before the exact path (sampli
 # ---- the noise -----------------------------------------------------------------------------------
 
 @triton.jit
-def _gumbel(key, counter, tokens):
+def _gumbel(key, counter, tokens, FAST_LOG: tl.constexpr):
     """Gumbel(0, 1) noise of ``tokens`` (int32) for one row's (key, counter): output tokens % 4 of
     Philox(key, (tokens // 4, counter_lo, counter_hi, 0)), the draw kernel's noise token by token."""
     quads = tokens // 4
@@ -125,7 +127,7 @@ def _gumbel(key, counter, tokens):
     r0, r1, r2, r3 = tl.philox(key, quads, c1, c2, zero)
     lane = tokens % 4
     bits = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    return -tl.log(-tl.log(tl.uint_to_uniform_float(bits)))  # uniform in [0, 1); 0 gives -inf noise
+    return _gumbel_noise(bits, FAST_LOG)
 
 
 # ---- 1. chunk statistics ------------------------------------------------------------------------
@@ -190,6 +192,7 @@ def _threshold_kernel(
     SELECT: tl.constexpr,  # groups gathered: SELECT * GROUP tokens
     CANDIDATES: tl.constexpr,  # tokens >= lo compacted to find the thresholds among
     HAS_STATE: tl.constexpr,
+    FAST_LOG: tl.constexpr,  # the noise's logs by lg2.approx (``sampling_rows._ln``)
 ):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
@@ -268,7 +271,7 @@ def _threshold_kernel(
                 if ok & (threshold >= lo):
                     key = tl.load(key_ptr + row)
                     counter = tl.load(counter_ptr + row)
-                    score = tl.where((slot < count) & (values >= threshold), values + _gumbel(key, counter, ids),
+                    score = tl.where((slot < count) & (values >= threshold), values + _gumbel(key, counter, ids, FAST_LOG),
                                      float("-inf"))
                     best = tl.max(score, axis=0)
                     chosen = tl.min(tl.where(score == best, ids, vocab_size), axis=0)
@@ -308,6 +311,7 @@ def _gumbel_argmax_kernel(
     CHUNK: tl.constexpr,
     HAS_FILTERS: tl.constexpr,
     HAS_STATE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -329,7 +333,7 @@ def _gumbel_argmax_kernel(
         best, token = _chunk_draw(logits_ptr, stride_row, row, chunk, tl.load(temperature_ptr + row), key_ptr,
                                   counter_ptr, threshold, bias_slot, bias_ptr, penalty_slot, counts_ptr,
                                   prompt_bits_ptr, vocab_size, words_per_row, repetition, frequency, presence, CHUNK,
-                                  False, HAS_STATE)
+                                  False, HAS_STATE, FAST_LOG)
         tl.store(best_score_ptr + out, best)
         tl.store(best_token_ptr + out, token)
 
@@ -397,7 +401,7 @@ def sample_tokens(
         launcher(_gumbel_argmax_kernel, (rows, num_chunks), compile_only)(
             logits, temperature, keys, counters, best_score, best_token, threshold, chosen, *state_args,
             vocab, num_chunks, logits.stride(0), CHUNK=_CHUNK, HAS_FILTERS=filters is not None,
-            HAS_STATE=state is not None, num_warps=8, enable_fp_fusion=False,
+            HAS_STATE=state is not None, FAST_LOG=fast_log(), num_warps=8, enable_fp_fusion=False,
         )
     winner = best_score.argmax(dim=1, keepdim=True)  # first best chunk: lowest token id on ties
     return best_token.gather(1, winner).squeeze(1)
@@ -453,7 +457,7 @@ def _thresholds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
             *common, keys, counters, *state_args, chunk_stats, group_max, selected, candidates, candidate_tokens,
             threshold, chosen, wide, vocab, num_chunks, CHUNK=_CHUNK, GROUP=group, CHUNKS_P2=chunks_p2,
             GROUPS_P2=triton.next_power_of_2(num_groups), SELECT=_GATHERED // group, CANDIDATES=_CANDIDATES,
-            num_warps=_NUM_WARPS_ROW, **options,
+            FAST_LOG=fast_log(), num_warps=_NUM_WARPS_ROW, **options,
         )
         if rounds:
             draw_rounds(logits, temperature, keys, counters, filters.min_p, state_args, chosen, wide, rounds, _CHUNK,

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton.precompile import launcher
-from tokenmill.kernels.triton.sampling_rows import _chunk_draw, _row_state, _scores, _total
+from tokenmill.kernels.triton.sampling_rows import _chunk_draw, _row_state, _scores, _total, fast_log
 
 
 @triton.jit
@@ -104,6 +104,7 @@ def _round_draw_kernel(
     AFTER_FIRST: tl.constexpr,  # the previous round was round 1 (its verdict checks lo)
     DRAW: tl.constexpr,  # False: the last launch, (rows, 1) programs that only judge the last round
     HAS_STATE: tl.constexpr,
+    FAST_LOG: tl.constexpr,  # the noise's logs as the final draw takes them (``sampling_rows._ln``)
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -136,7 +137,8 @@ def _round_draw_kernel(
             else:
                 best, drawn = _chunk_draw(logits_ptr, stride_row, row, chunk, temperature, key_ptr, counter_ptr, floor,
                                           bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size,
-                                          words_per_row, repetition, frequency, presence, CHUNK, not FIRST, HAS_STATE)
+                                          words_per_row, repetition, frequency, presence, CHUNK, not FIRST, HAS_STATE,
+                                          FAST_LOG)
                 tl.store(score_ptr + out, best)
                 tl.store(token_ptr + out, drawn)
         elif done & (token >= 0):
@@ -206,7 +208,8 @@ def draw_rounds(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
         draw = r < rounds
         launcher(_round_draw_kernel, (rows, num_chunks if draw else 1), compile_only)(
             *row_scores, min_p, keys, counters, chosen, wide, scores[last], tokens[last], mass, scores[this],
-            tokens[this], vocab, num_chunks, FIRST=r == 0, AFTER_FIRST=r == 1, DRAW=draw, **options,
+            tokens[this], vocab, num_chunks, FIRST=r == 0, AFTER_FIRST=r == 1, DRAW=draw,
+            FAST_LOG=fast_log(), **options,
         )
         if draw:
             launcher(_round_weigh_kernel, (rows, num_chunks), compile_only)(

@@ -9,6 +9,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+_LN2 = tl.constexpr(0.6931471805599453)
+_SERIES_BELOW = tl.constexpr(0.0078125)  # 2^-7: under it -ln(1 - w) is its series to w^4 (error < w^3 / 5)
+
+
+def fast_log() -> bool:
+    """Whether kernels take the noise's logs by one PTX instruction (``_ln``): compiled ones only."""
+    return not triton.knobs.runtime.interpret
+
+
+@triton.jit
+def _ln(x, FAST_LOG: tl.constexpr):
+    """Natural log. FAST_LOG (compiled for the GPU; the interpreter runs no PTX): one MUFU
+    ``lg2.approx`` (absolute error < 2^-22 in log2) instead of libdevice's ~25-instruction logf."""
+    if FAST_LOG:
+        # .ftz: the noise never takes the log of a subnormal (its arguments are >= 2^-32).
+        log2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+        return log2 * _LN2
+    return tl.log(x)
+
+
+@triton.jit
+def _gumbel_noise(bits, FAST_LOG: tl.constexpr):
+    """Gumbel(0, 1) noise from 32 random bits: g = -ln(E), E = -ln(1 - w) ~ Exp(1), w uniform on the
+    midpoints (k + 1/2) 2^-31 of the bits' magnitude k < 2^31 (``tl.uint_to_uniform_float``'s k),
+    held below 1. A token wins the race with a small E, so E is taken from w's side, where floats
+    are fine (a series for w < 2^-7, not 1 - w rounded to 2^-24 steps): E is within ~1e-7 of
+    exact there and within 2e-5 elsewhere, and never 0 (g <= 22.2), so no token gets infinite noise."""
+    signed = bits.to(tl.int32, bitcast=True)
+    k = tl.where(signed < 0, -signed - 1, signed)
+    w = tl.minimum((k.to(tl.float32) + 0.5) * 4.656612873077393e-10, 0.99999994)
+    series = w * tl.fma(w, tl.fma(w, tl.fma(w, 0.25, 0.3333333333333333), 0.5), 1.0)
+    e = tl.where(w < _SERIES_BELOW, series, -_ln(1.0 - w, FAST_LOG))
+    return -_ln(e, FAST_LOG)
+
+
 @triton.jit
 def _row_state(row, bias_slot_ptr, penalty_slot_ptr, repetition_ptr, frequency_ptr, presence_ptr,
                HAS_STATE: tl.constexpr):
@@ -60,6 +96,7 @@ def _chunk_draw(
     logits_ptr, stride_row, row, chunk, temperature, key_ptr, counter_ptr, threshold,
     bias_slot, bias_ptr, penalty_slot, counts_ptr, prompt_bits_ptr, vocab_size, words_per_row,
     repetition, frequency, presence, CHUNK: tl.constexpr, STRICT: tl.constexpr, HAS_STATE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """One chunk of a row's Gumbel-max draw: the best score s + g among the chunk's candidates (s >=
     ``threshold``; s > it when STRICT; a greedy row scores s, every token) and the lowest token
@@ -83,12 +120,11 @@ def _chunk_draw(
         lane = lanes[None, :]
         bits = tl.where(lane == 0, r0[:, None],
                         tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-        uniform = tl.uint_to_uniform_float(bits)  # [0, 1); 0 gives -inf noise, never chosen
         if STRICT:
             candidate = s > threshold
         else:
             candidate = s >= threshold
-        score = tl.where(candidate, s - tl.log(-tl.log(uniform)), float("-inf"))
+        score = tl.where(candidate, s + _gumbel_noise(bits, FAST_LOG), float("-inf"))
     else:
         score = s
     score = tl.where(valid, score, float("-inf"))
