@@ -45,8 +45,8 @@ _case("sample_tokens_wide", "sample-tokens-wide-v5003-float16", dtype="float16",
 _case("sample_tokens_wide", "sample-tokens-wide-v9000-float32", dtype="float32", vocab=9000)
 # Wide top-p rows settled by argmax rounds (in round 1, 2 or 3) or left to the exact path after them,
 # mixed with rows of every other kind (seeds chosen so that every path is taken; the check asserts it).
-_case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float32", dtype="float32", vocab=9000, seed=2)
-_case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float16", dtype="float16", vocab=9000, seed=6)
+_case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float32", dtype="float32", vocab=9000, seed=5)
+_case("sample_tokens_rounds", "sample-tokens-rounds-v9000-float16", dtype="float16", vocab=9000, seed=5)
 # The sampled tokens' logprobs, ranks and top-1 in two passes (logprobs 0 / 1): a vocabulary under one
 # block, one over several with a partial last block, ties at the row's maximum and at the sampled token.
 for _dt in ("float32", "float16"):
