@@ -7,7 +7,8 @@ softmax's normaliser does not move an argmax). Written that way a draw needs no 
 probability tensor and no separate noise tensor: one read of the logits in their own dtype (bf16 on
 the GPU). The noise is counter-based: g for row r and token i comes from Philox-4x32-10 keyed by the
 row's 64-bit ``key``, with the counter (i // 4, counter_lo, counter_hi, 0); its four outputs serve
-the tokens 4 (i // 4) .. 4 (i // 4) + 3. The runner gives a seeded request's rows key = its seed
+the tokens 4 (i // 4) .. 4 (i // 4) + 3, each 32 bits made into g by ``sampling_rows._gumbel_noise``
+(two approximate logs on the GPU, a series where the race is decided). The runner gives a seeded request's rows key = its seed
 and counter = the output position being sampled, so its samples depend on nothing else in the batch
 and nothing in the engine's history; other rows get a fresh key per step. Rows with T == 0 take the
 plain argmax and draw nothing.
@@ -90,13 +91,13 @@ from tokenmill.kernels.triton.precompile import launcher
 from tokenmill.kernels.triton.sampling_rows import (
     _chunk_draw,
     _gumbel_noise,
-    fast_log,
     _largest_reaching,
     _row_filters,
     _row_state,
     _row_summary,
     _scores,
     _total,
+    fast_log,
 )
 from tokenmill.kernels.triton.sampling_rounds import draw_rounds
 from tokenmill.kernels.triton.sampling_wide import _wide_compact_kernel, _wide_histogram_kernel, _wide_threshold_kernel
@@ -271,8 +272,8 @@ def _threshold_kernel(
                 if ok & (threshold >= lo):
                     key = tl.load(key_ptr + row)
                     counter = tl.load(counter_ptr + row)
-                    score = tl.where((slot < count) & (values >= threshold), values + _gumbel(key, counter, ids, FAST_LOG),
-                                     float("-inf"))
+                    noise = _gumbel(key, counter, ids, FAST_LOG)
+                    score = tl.where((slot < count) & (values >= threshold), values + noise, float("-inf"))
                     best = tl.max(score, axis=0)
                     chosen = tl.min(tl.where(score == best, ids, vocab_size), axis=0)
                     chosen = tl.where(chosen < vocab_size, chosen, -1)  # a NaN score: leave it to the draw kernel
