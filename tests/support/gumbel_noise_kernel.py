@@ -9,11 +9,12 @@ import triton.language as tl
 
 from tokenmill.kernels.triton.sampling_rows import _gumbel_noise
 
-# Bits at the ends of the range: magnitudes 0 (both signs), 1, 2^24 +- 1, 2^-7's neighbourhood
-# (the series' edge), and the largest (the midpoint clamped below 1).
-EDGE_BITS = [0, 0xFFFFFFFF, 1, 0xFFFFFFFE, 2**24 - 1, 2**24, 2**24 + 1, 2**24 - 1 + 2**31, 0x00FFFFFF ^ 0xFFFFFFFF,
-             2**24 - 3, 2**31 - 1, 2**31, 2**31 - 64, 2**31 + 63, 16777215, 2**31 // 128 - 1, 2**31 // 128,
-             2**31 // 128 + 1]
+# 32-bit values (as unsigned) at the ends of w's range, each with its mirror of the other sign
+# (one's complement: the same magnitude k): k = 0 and 1 (w = 2^-32, the largest noise), k around
+# 2^24 (w around 2^-7, where the series hands over to the log), k = 2^31 - 2^24 (w about 1 - 2^-7),
+# and the largest k (w clamped just below 1, the smallest noise) with its neighbours.
+_MAGNITUDES = [0, 1, 2**24 - 1, 2**24, 2**24 + 1, 2**31 - 2**24, 2**31 - 64, 2**31 - 1]
+EDGE_BITS = [bits for k in _MAGNITUDES for bits in (k, 2**32 - 1 - k)]
 
 
 @triton.jit
