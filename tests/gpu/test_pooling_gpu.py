@@ -104,6 +104,20 @@ def test_bert_embedder_on_gpu_matches_sentence_transformers(tiny_bert_embedder_d
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
+
+def test_encode_outputs_are_not_pinned(tiny_bert_embedder_dir, random_sentences):
+    """`encode` hands out tensors that a caller may keep for the rest of the process: they lie in
+    pageable memory, not in the step's pinned buffer (which the next steps reuse), and hold what
+    `embed` returns for the same texts."""
+    llm = LLM(str(tiny_bert_embedder_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0, max_num_batched_tokens=256)
+    texts = random_sentences(30, seed=25, high=45)  # several steps at 256 tokens
+    for task in ("embed", "token_embed"):
+        outputs = llm.encode(texts, pooling_task=task, use_tqdm=False)
+        assert not any(o.outputs.data.is_pinned() for o in outputs), task
+    embedded = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    encoded = torch.stack([o.outputs.data for o in llm.encode(texts, pooling_task="embed", use_tqdm=False)])
+    torch.testing.assert_close(encoded, embedded, rtol=0, atol=0)
+
 def test_xlmr_embedder_on_gpu_matches_sentence_transformers(tmp_path_factory, random_sentences):
     """XLM-RoBERTa (positions after the padding id, mean pooling, normalised) on the packed GPU path,
     against sentence-transformers on the same GPU (the CPU twin: tests/test_roberta.py)."""

@@ -64,6 +64,10 @@ class LaunchedStep:
         (token_embed, token_classify) CPU float32 views of one host buffer."""
         if self.done is not None:
             self.done.synchronize()
+            # Out of pinned memory before handing out views: a caller holding `encode` outputs would
+            # otherwise keep every step's page-locked buffer, and torch's pinned cache keeps such
+            # memory for the process after they go. One host copy a step; the buffer is then reused.
+            self.output = torch.empty(self.output.shape, dtype=self.output.dtype).copy_(self.output)
         out: list[torch.Tensor | None] = [None] * self.num_requests
         for group in self.groups:
             rows = range(self.num_requests) if group.rows is None else group.rows
