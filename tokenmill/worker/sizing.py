@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +35,28 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 4 * 1024**3
 
+
+
+def cpu_spare_bytes(kv_pool_bytes: int, ranks: int = 1) -> int:
+    """Host memory one of ``ranks`` CPU ranks may still take for good: what the OS reports as
+    available, less every rank's KV pool (allocated untouched, so still counted as available) and
+    1 GiB of headroom, shared among the ranks; 0 where the OS does not say."""
+    available = _host_available_bytes()
+    return max(0, (available - ranks * kv_pool_bytes - 2**30) // ranks) if available else 0
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner", prompt_graph_tokens: int = 0) -> int:
     """``prompt_graph_tokens``: the largest prompt step the runner will capture graphs for (0: none);

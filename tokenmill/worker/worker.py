@@ -106,6 +106,19 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks)
         self._capture_graphs()
         self._warm_logits()
+        if self.device.type == "cpu":
+            self._pack_linear_weights()
+
+    def _pack_linear_weights(self) -> None:
+        """bf16 products on the CPU from weights packed once for oneDNN (models/layers/cpu_packed.py),
+        if the copies fit beside the KV pool."""
+        from tokenmill.models.layers.cpu_packed import pack_linear_weights
+        from tokenmill.worker.sizing import cpu_spare_bytes
+
+        spare = cpu_spare_bytes(self.num_blocks * self.runner.kv_bytes_per_block(), self.tp_size)
+        packed = pack_linear_weights(self.model, spare)
+        if packed and self.rank == 0:
+            logger.info("CPU linear weights pre-packed for oneDNN: %.2f GiB", packed / 2**30)
 
     @torch.inference_mode()
     def _warm_logits(self) -> None:
@@ -172,6 +185,10 @@ class Worker:
         self.runner.free_kv_cache()
         if self.offloader is not None:
             self.offloader.free_buffers()
+        if level == 2:
+            from tokenmill.models.layers.cpu_packed import drop_packed_copies
+
+            drop_packed_copies(self.model)  # rebuilt from the reloaded weights on first use
         self._stash = WeightStash(self.model, discard=level == 2)
         self.asleep = {"weights", "kv_cache"}
         if self.device.type == "cuda":

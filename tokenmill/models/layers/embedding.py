@@ -58,13 +58,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
     matmul = staticmethod(F.linear)  # as in UnquantizedLinearMethod (linear.py)
+    cpu_packed: Any = None  # a PackedWeight of the weight on a bf16 CPU (cpu_packed.pack_linear_weights)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits: call compute_logits(hidden)")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model's dtype (the sampler upcasts where it computes)."""
-        logits = self.matmul(hidden, self.weight)
+        packed = self.cpu_packed
+        logits = self.matmul(hidden, self.weight) if packed is None else packed.linear(hidden, self.weight, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits.contiguous(), group=self.tp_group)

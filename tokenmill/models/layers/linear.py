@@ -144,6 +144,9 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = getattr(layer, "cpu_packed", None)  # bf16 on the CPU: the weight pre-packed (cpu_packed.py)
+        if packed is not None:
+            return packed.linear(x, layer.weight, bias)
         return self.matmul(x, layer.weight, bias)
 
 
@@ -151,6 +154,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along its output dim; each rank returns its slice of y."""
 
     lora: Any = None  # with LoRA adapters, the update added to y (tokenmill/lora/layers.py)
+    cpu_packed: Any = None  # a PackedWeight of the weight on a bf16 CPU (cpu_packed.pack_linear_weights)
 
     def __init__(
         self,
@@ -272,6 +276,7 @@ class RowParallelLinear(nn.Module):
     """
 
     lora: Any = None  # with LoRA adapters, the update added to the partial sums (tokenmill/lora/layers.py)
+    cpu_packed: Any = None  # as ColumnParallelLinear's
 
     def __init__(
         self,
