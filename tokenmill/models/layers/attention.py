@@ -69,8 +69,13 @@ class Attention(nn.Module):
             return out.reshape(tokens, self.num_heads * self.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        step_cache = ctx.attn.backend_cache if ctx.attn is not None else None
         if q_norm is not None and k_norm is not None:
             q = q_norm(q.reshape(tokens, self.num_heads, self.head_dim)).reshape(tokens, q_size)
             k = k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)).reshape(tokens, kv_size)
-        q, k = rotary(positions, q.contiguous(), k.contiguous())
+        elif not qkv.is_cuda:
+            # q and k lie side by side in qkv: rotated as one tensor, half the small ops (the CPU's cost).
+            qk = rotary.rotate(positions, qkv[:, : q_size + kv_size], step_cache)
+            return self.forward(qk[:, :q_size], qk[:, q_size:], v, ctx)
+        q, k = rotary(positions, q.contiguous(), k.contiguous(), step_cache)
         return self.forward(q, k, v.contiguous(), ctx)

@@ -254,9 +254,11 @@ class RotaryEmbedding(nn.Module):
                    rope_params_from_config(config))
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step_cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq * D] and k [T, Hk * D] (or already [T, H, D]) -> same shapes."""
+        """positions [T]; q [T, Hq * D] and k [T, Hk * D] (or already [T, H, D]) -> same shapes.
+        ``step_cache``: a dict that lives for one forward (the attention metadata's), where the
+        positions' cos and sin are kept for the other layers (see ``rotate``)."""
         if q.is_cuda and q.is_contiguous() and k.is_contiguous():
             from tokenmill.kernels.triton.rotary import rotary_embedding_
 
@@ -264,14 +266,24 @@ class RotaryEmbedding(nn.Module):
             # In place, one kernel for q and k together (see RMSNorm.forward).
             rotary_embedding_(positions, q.view(tokens, -1, self.head_dim), k.view(tokens, -1, self.head_dim), self.cos_sin_cache)
             return q, k
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D / 2] each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self.rotate(positions, q, step_cache), self.rotate(positions, k, step_cache)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, step_cache: dict | None = None) -> torch.Tensor:
+        """x [T, H * D] (any row stride; q and k side by side are one x) -> a new contiguous tensor, rotated.
+
+        The positions' cos and sin, gathered from the table and cast to x's dtype, are the same
+        for every layer of a forward: with ``step_cache`` they are made once, not once a layer (on
+        the CPU each is a few small ops, which the whole of a decode step is made of)."""
+        key = f"rotary {id(self)} {x.dtype}"
+        cos_sin = step_cache.get(key) if step_cache is not None else None
+        if cos_sin is None:
+            cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D / 2] each
+            cos_sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+            if step_cache is not None:
+                step_cache[key] = cos_sin
+        cos, sin = cos_sin
         shape = x.shape
         x = x.view(shape[0], -1, self.head_dim)
-        cos = cos.to(x.dtype).unsqueeze(1)
-        sin = sin.to(x.dtype).unsqueeze(1)
         x1, x2 = x.chunk(2, dim=-1)
         # Same products in the same order as HF's q * cos + rotate_half(q) * sin.
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
