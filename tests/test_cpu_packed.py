@@ -1,6 +1,7 @@
-"""bf16 linear weights pre-packed for oneDNN on the CPU (models/layers/cpu_packed.py): the packed
-product gives F.linear's bits, follows the weight when it changes, is only taken when the copies
-fit, and leaves an engine's tokens and logprobs exactly as they were."""
+"""Linear weights pre-packed for oneDNN on the CPU (models/layers/cpu_packed.py): the packed bf16
+product gives F.linear's bits (fp32: within a few ulps), follows the weight when it changes (in
+place, through load_weights / update_weights, through .data in apply_model), is only taken when the
+copies fit, and leaves a bf16 engine's tokens and logprobs exactly as they were."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch.nn.functional as F
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.layers import cpu_packed
 from tokenmill.models.layers.embedding import ParallelLMHead
-from tokenmill.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tokenmill.models.layers.linear import ColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
 from tokenmill.models.layers.cpu_packed import PackedWeight, pack_linear_weights
 
-pytestmark = pytest.mark.skipif(not cpu_packed.supported(), reason="oneDNN has no bf16 products on this CPU")
+pytestmark = pytest.mark.skipif(not cpu_packed.supported(torch.bfloat16), reason="oneDNN has no bf16 products on this CPU")
 
 BF16 = torch.bfloat16
 
@@ -32,6 +33,17 @@ def test_packed_product_equals_f_linear_bit_for_bit(n, k):
             assert torch.equal(packed.linear(x, weight, bias), F.linear(x, weight, bias)), rows
             strided = torch.randn(k, rows, generator=gen).to(BF16).t()  # falls back to F.linear itself
             assert torch.equal(packed.linear(strided, weight, None), F.linear(strided, weight)), rows
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (53, 37), (1792, 4096)])
+def test_packed_fp32_product_is_f_linears_within_rounding(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = PackedWeight(weight)
+    with torch.inference_mode():
+        for rows in (1, 32, 300):
+            x = torch.randn(rows, k, generator=gen)
+            torch.testing.assert_close(packed.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def test_packed_copy_follows_the_weight():
@@ -70,7 +82,7 @@ def test_engine_packs_and_keeps_its_tokens_and_logprobs(tiny_llama_dir, monkeypa
     assert _packed_layers(packed) == packed.apply_model(lambda model: sum(isinstance(m, linears) for m in model.modules()))[0]
     got = run(packed)
     del packed
-    monkeypatch.setattr(cpu_packed, "supported", lambda: False)
+    monkeypatch.setattr(cpu_packed, "supported", lambda dtype: False)
     plain = _llm(tiny_llama_dir)
     assert _packed_layers(plain) == 0
     assert run(plain) == got
@@ -100,3 +112,37 @@ def test_level_2_sleep_drops_the_copies_and_reload_rebuilds_them(tiny_llama_dir)
     llm.collective_rpc("reload_weights")
     llm.wake_up(tags=["kv_cache"])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == before
+
+
+def test_updated_weights_reach_the_packed_products(tiny_llama_dir, monkeypatch):
+    """update_weights (through load_weights) and a write through .data in apply_model change a
+    packed bf16 engine's tokens exactly as they change those of an engine without packing."""
+    from safetensors.torch import load_file
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["hello there", "one two three"]
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    scrambled = {name: t.flip(0) if t.dim() == 2 else t for name, t in tensors.items()}
+
+    def write_through_data(model):
+        for module in model.modules():
+            if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
+                module.weight.data.copy_(module.weight.data.flip(1))
+
+    def run(llm: LLM) -> list:
+        tokens = lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]  # noqa: E731
+        seen = [tokens()]
+        llm.update_weights({"update_info": {"names": list(scrambled), "tensors": list(scrambled.values())}})
+        seen.append(tokens())
+        llm.apply_model(write_through_data)
+        llm.reset_prefix_cache()
+        seen.append(tokens())
+        return seen
+
+    packed = _llm(tiny_llama_dir)
+    assert _packed_layers(packed) > 0
+    got = run(packed)
+    assert got[0] != got[1] != got[2]
+    del packed
+    monkeypatch.setattr(cpu_packed, "supported", lambda dtype: False)
+    assert run(_llm(tiny_llama_dir)) == got

@@ -86,6 +86,9 @@ def load_hf_weights(
             loader(param, tensor, shard_id)
         except ValueError as exc:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from exc
+        # Loaders write through param.data, which has a version counter of its own: mark the
+        # parameter changed, so what was derived from it (a CPU packed copy) is made again.
+        torch.autograd.graph.increment_version(param)
         loaded.add(local)
     missing = [] if partial else sorted(expected - loaded)
     if missing or unexpected:

@@ -186,9 +186,7 @@ class Worker:
         if self.offloader is not None:
             self.offloader.free_buffers()
         if level == 2:
-            from tokenmill.models.layers.cpu_packed import drop_packed_copies
-
-            drop_packed_copies(self.model)  # rebuilt from the reloaded weights on first use
+            self._drop_packed_weights()  # freed with the weights they copy
         self._stash = WeightStash(self.model, discard=level == 2)
         self.asleep = {"weights", "kv_cache"}
         if self.device.type == "cuda":
@@ -296,13 +294,33 @@ class Worker:
 
     def apply_model(self, func: Callable[[torch.nn.Module], _R]) -> _R:
         """func(this rank's model): LLM.apply_model."""
-        return func(self.model)
+        try:
+            return func(self.model)
+        finally:
+            self._drop_packed_weights()
 
     def execute_method(self, method: str | Callable[..., _R], args: tuple = (), kwargs: dict | None = None) -> Any:
         """One rank's part of collective_rpc: a Worker method by name, or method(worker, ...)."""
         if isinstance(method, str):
-            return getattr(self, method)(*args, **(kwargs or {}))
-        return method(self, *args, **(kwargs or {}))
+            try:
+                return getattr(self, method)(*args, **(kwargs or {}))
+            finally:
+                if not hasattr(Worker, method):  # a worker extension's method
+                    self._drop_packed_weights()
+        try:
+            return method(self, *args, **(kwargs or {}))
+        finally:
+            self._drop_packed_weights()
+
+    def _drop_packed_weights(self) -> None:
+        """On the CPU, free the linear weights' packed copies; each is made again on first use. After
+        code we do not know ran against the model (apply_model, a function or a worker extension's
+        method through collective_rpc): it may have written weights through ``.data``, which no
+        version counter sees."""
+        if self.device.type == "cpu":
+            from tokenmill.models.layers.cpu_packed import drop_packed_copies
+
+            drop_packed_copies(self.model)
 
 
 def worker_class(extension: str | type = "") -> type[Worker]:

@@ -1,21 +1,25 @@
-"""bf16 linear weights kept pre-packed in oneDNN's blocked layout on the CPU.
+"""Linear weights kept pre-packed in oneDNN's blocked layout on the CPU (bf16 and fp32).
 
-``F.linear`` on bf16 CPU tensors runs oneDNN's matmul, which first reorders the [N, K] weight
-into its blocked layout, on every call: at decode sizes that copy costs about as much as the
-product. A step of C1 (SmolLM2-135M, 32 rows; 121 products) took 43.5 ms of products on the
-2-core AVX512-BF16 dev machine, 28 ms with the weights reordered once (docs/perf.md 103). The
-packed call runs the same kernel on the same blocked weight, so its results are the same bits as
-``F.linear``'s (checked at every layer shape the tests use; ``tests/test_cpu_packed.py``).
+``F.linear`` on bf16 CPU tensors runs oneDNN's matmul, which first reorders the [N, K] weight into
+its blocked layout, on every call: at decode sizes that copy costs about as much as the product.
+Reordering once and calling the packed primitive runs the same kernel on the same blocked weight,
+so bf16 results are ``F.linear``'s bits (checked at the tests' layer shapes). fp32 ``F.linear``
+runs MKL's sgemm instead; the packed oneDNN product sums in another order (a few ulps apart; the
+tests against transformers' fp32 hold) and is ~2x faster at decode sizes. C1 on the 2-core
+AVX512-BF16 dev machine: a step's 121 products 43.5 -> ~28 ms in bf16 (docs/perf.md 103).
 
 The packed copy sits beside the weight, which the embedding (tied heads), weight updates, LoRA
-and ``apply_model`` keep reading: it doubles the linear weights' memory, so the worker packs
-only when that fits beside the KV pool (``pack_linear_weights``). A copy is rebuilt on first use
-after its weight changed (``update_weights``, a reload after sleep: the tensor's version moves).
+and ``apply_model`` keep reading: it doubles the linear weights' memory, so the worker packs only
+when that fits beside the KV pool (``pack_linear_weights``). A copy is made again on its first use
+after its weight changed: ``load_weights`` (checkpoint loads, ``update_weights``) and in-place ops
+move the weight's version counter; a write through ``.data`` does not, so the worker drops every
+copy after code it does not know ran against the model (``Worker._drop_packed_weights``).
 """
 
 from __future__ import annotations
 
 import logging
+import platform
 from typing import Iterator
 
 import torch
@@ -55,7 +59,7 @@ class PackedWeight:
         self._packed = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``, bit for bit, from the packed copy where it applies."""
+        """``F.linear(x, weight, bias)`` from the packed copy where it applies (bit for bit in bf16)."""
         packed = None
         # A strided input takes another oneDNN path in F.linear (its bits differ at K = 4,096).
         if x.dtype == weight.dtype and x.device.type == "cpu" and x.is_contiguous() and not torch.is_grad_enabled():
@@ -66,8 +70,8 @@ class PackedWeight:
 
 
 def _packable(model: nn.Module) -> Iterator[nn.Module]:
-    """Layers whose product is a plain ``F.linear`` of a bf16 CPU weight: the unquantized linear
-    layers and the LM head (deterministic mode's batch-invariant products are left as they are)."""
+    """Layers whose product is a plain ``F.linear`` of a CPU weight oneDNN can pack: the unquantized
+    linear layers and the LM head (deterministic mode's batch-invariant products are left as they are)."""
     from tokenmill.models.layers.embedding import ParallelLMHead
     from tokenmill.models.layers.linear import UnquantizedLinearMethod
 
@@ -76,20 +80,21 @@ def _packable(model: nn.Module) -> Iterator[nn.Module]:
         plain = (isinstance(method, UnquantizedLinearMethod) and method.matmul is F.linear) or \
             (isinstance(module, ParallelLMHead) and module.matmul is F.linear)
         weight = getattr(module, "weight", None)
-        if plain and isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        if plain and isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and supported(weight.dtype):
             yield module
 
 
-def supported() -> bool:
-    """oneDNN's bf16 products run on this CPU (AVX512-BF16 or AMX; not on ARM or older x86)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def supported(dtype: torch.dtype) -> bool:
+    """oneDNN's packed products for ``dtype`` on this CPU: x86 (measured there only), with
+    AVX512-BF16 or AMX for bf16."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_weights(model: nn.Module, spare_bytes: int) -> int:
     """Give each packable layer of ``model`` a packed copy of its weight, if all of them fit in
     ``spare_bytes``; returns the bytes packed (0: none, and the products stay ``F.linear``)."""
-    if not supported():
-        return 0
     layers = list(_packable(model))
     total = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
     if not layers or total > spare_bytes:
@@ -103,7 +108,7 @@ def pack_linear_weights(model: nn.Module, spare_bytes: int) -> int:
 
 
 def drop_packed_copies(model: nn.Module) -> None:
-    """Free every packed copy of ``model`` (their weights are being discarded)."""
+    """Free every packed copy of ``model`` (their weights are discarded, or may have changed unseen)."""
     for module in model.modules():
         packed = getattr(module, "cpu_packed", None)
         if packed is not None:
