@@ -60,6 +60,26 @@ def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embed
         assert records[i]["embedding"] is None and message in records[i]["error"]
 
 
+
+def test_embed_rows_are_tokenized_together_as_each_alone(tmp_path, bert_embedder_llm, texts, monkeypatch):
+    """The job's texts go through the tokenizer's batch path, a few calls for many rows, and each
+    row gets the tokens the tokenizer gives its text alone; a row that truncates is tokenized alone."""
+    tokenizer = bert_embedder_llm.llm_engine.tokenizer
+    words = texts(40, seed=3)
+    alone = [tokenizer(t)["input_ids"] for t in words]
+    calls = []
+    made = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, *a, **k: calls.append(text) or made(self, text, *a, **k))
+    rows = [{"id": i, "prompt": t} for i, t in enumerate(words)]
+    rows[5]["pooling_params"] = {"truncate_prompt_tokens": 4}
+    summary = job(tmp_path, bert_embedder_llm, rows, "embed")
+    assert summary.exit_code == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    assert [records[i]["prompt_tokens"] for i in range(len(rows)) if i != 5] == [len(ids) for i, ids in enumerate(alone) if i != 5]
+    assert records[5]["prompt_tokens"] == 4
+    assert len(calls) < len(rows) / 4, len(calls)
+    assert sum(isinstance(c, list) for c in calls) >= 1 and words[5] in calls  # the batch, and the truncating row alone
+
 def test_parquet_pooling_params_nulls_mean_not_set(tmp_path, bert_embedder_llm, texts):
     words = texts(2)
     rows = [{"prompt": words[0], "pooling_params": {"normalize": False, "dimensions": None}},

@@ -182,7 +182,7 @@ class JobLoop:
 
     def _prepare(self, raws: list[RawRow]) -> dict[int, tuple[RowRequest, Any]]:
         if self.pooling is not None:
-            return {}
+            return self.pooling.prepare(raws, self.fmt == "openai", self._row_errors)
         return prepare_rows(raws, self._row_request, self.tokenizer, self.config.chat_template, self._row_errors)
 
     def _row_request(self, raw: RawRow) -> RowRequest:
@@ -198,7 +198,9 @@ class JobLoop:
             if raw.error is not None:
                 raise RowError(raw.error)
             if self.pooling is not None:
-                request, parts = self.pooling.build_openai(raw) if self.fmt == "openai" else self.pooling.build(raw)
+                if built is None:
+                    built = self.pooling.build_openai(raw) if self.fmt == "openai" else self.pooling.build(raw)
+                request, parts = built
                 row_id = request.row_id
             else:
                 request, prompt = built if built is not None else (self._row_request(raw), None)
