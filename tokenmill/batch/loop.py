@@ -402,14 +402,20 @@ class JobLoop:
         if not self.pending:
             return
         lines: list[bytes] = []
+        try:  # every row's lines in one call: their vectors are formatted together (writers.float32_json)
+            lines.append(encode_lines([record for result, _ in self.pending for record in self._records(result)]))
+        except Exception:  # noqa: BLE001  (then row by row, below: a row that cannot be written fails alone)
+            lines = []
+        together = bool(lines)
         rows, failed, prompt_tokens, completion_tokens = [], [], 0, 0
         for position, (result, flight) in enumerate(self.pending):
-            try:
-                lines.append(encode_lines(self._records(result)))
-            except Exception as error:  # noqa: BLE001  (one row's records: it is written failed, the rest go on)
-                result = self._unwritable(result.index, result.row_id, flight, error, result.openai)
-                self.pending[position] = (result, flight)
-                lines.append(encode_lines(self._records(result)))
+            if not together:
+                try:
+                    lines.append(encode_lines(self._records(result)))
+                except Exception as error:  # noqa: BLE001  (one row's records: it is written failed, the rest go on)
+                    result = self._unwritable(result.index, result.row_id, flight, error, result.openai)
+                    self.pending[position] = (result, flight)
+                    lines.append(encode_lines(self._records(result)))
             rows.append(result.index)
             if result.failed:
                 failed.append(result.index)

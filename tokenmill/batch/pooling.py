@@ -152,7 +152,7 @@ class PoolingRows:
                              pooled=pooled)
         data = outputs[0].outputs.data
         if self.task == "embed":
-            pooled: dict[str, Any] = {"embedding": data.tolist()}
+            pooled: dict[str, Any] = {"embedding": data.numpy()}  # written by writers.float32_json
         elif self.task == "classify":
             probs = data.tolist()
             pooled = {"label": self.labels[int(data.argmax())] if self.labels else None, "probs": probs}

@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
+
 _PARQUET_CHUNK_ROWS = 8192
 
 
@@ -71,16 +73,56 @@ def describe_file_error(error: OSError, input_path: str, output: str) -> str:
 
 
 def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
-    """Records as UTF-8 JSON lines. Text that cannot be UTF-8 (lone surrogates) is escaped, not lost."""
+    """Records as UTF-8 JSON lines. Text that cannot be UTF-8 (lone surrogates) is escaped, not lost.
+    A field holding a float32 numpy vector (an embedding) is written last, as ``float32_json`` makes
+    it (the vectors of every record given, in one pass)."""
+    records = list(records)
+    vectors = _vector_json(records)
     parts = []
-    for record in records:
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    for i, record in enumerate(records):
+        keys = [key for key in record if (i, key) in vectors]
+        plain = {k: v for k, v in record.items() if k not in keys} if keys else record
         try:
-            parts.append(line.encode("utf-8"))
+            line = json.dumps(plain, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         except UnicodeEncodeError:
-            parts.append(json.dumps(record, separators=(",", ":")).encode("ascii"))
+            line = json.dumps(plain, separators=(",", ":")).encode("ascii")
+        if keys:
+            fields = ",".join(f"{json.dumps(key)}:{vectors[i, key]}" for key in keys)
+            line = line[:-1] + (b"," if plain else b"") + fields.encode("ascii") + b"}"
+        parts.append(line)
         parts.append(b"\n")
     return b"".join(parts)
+
+
+def _vector_json(records: list[dict[str, Any]]) -> dict[tuple[int, str], str]:
+    places = [(i, key) for i, record in enumerate(records) for key, value in record.items() if isinstance(value, np.ndarray)]
+    return dict(zip(places, float32_json([records[i][key] for i, key in places])))
+
+
+def float32_json(vectors: list["np.ndarray"]) -> list[str]:
+    """Each float32 vector as a JSON array of its values' shortest decimals that read back as the same
+    float32s, made by Arrow for all the vectors at once: ~3x faster than json.dumps of their Python
+    floats, whose float64 decimals run to 17 digits, and 40% fewer bytes (docs/perf.md 106). Exact
+    integers keep a ".0" (JSON readers see floats); a vector with NaN or infinities is written as
+    json.dumps writes it."""
+    if not vectors:
+        return []
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    flat = [np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in vectors]
+    finite = [bool(np.isfinite(v).all()) for v in flat]
+    kept = [v for v, ok in zip(flat, finite) if ok]
+    joined: list[str] = []
+    if kept:
+        values = np.concatenate(kept)
+        text = pc.cast(pa.array(values), pa.string())
+        if (values == np.trunc(values)).any():  # Arrow writes 1.0 as "1"
+            text = pc.if_else(pc.match_substring_regex(text, r"^-?[0-9]+$"), pc.binary_join_element_wise(text, ".0", ""), text)
+        offsets = pa.array(np.cumsum([0] + [len(v) for v in kept]), pa.int64())
+        joined = pc.binary_join(pa.LargeListArray.from_arrays(offsets, text), ",").to_pylist()
+    made = iter(joined)
+    return ["[" + next(made) + "]" if ok else json.dumps(v.tolist(), separators=(",", ":")) for v, ok in zip(flat, finite)]
 
 
 class AppendFile:
