@@ -62,7 +62,8 @@ def test_packed_copy_follows_the_weight():
 
 
 def _llm(path, **kwargs) -> LLM:
-    return LLM(str(path), dtype="bfloat16", device="cpu", seed=0, max_model_len=128, **kwargs)
+    # A small KV pool: packing waits for the copies to fit beside it (and 1 GiB of headroom).
+    return LLM(str(path), dtype="bfloat16", device="cpu", seed=0, max_model_len=128, kv_cache_memory_bytes=2**26, **kwargs)
 
 
 def _packed_layers(llm: LLM) -> int:

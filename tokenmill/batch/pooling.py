@@ -63,8 +63,8 @@ class PoolingRows:
 
     def prepare(self, raws: list["RawRow"], openai: bool, row_errors: tuple[type[BaseException], ...]) -> dict[int, tuple[RowRequest, Parts]]:
         """The rows' requests and engine requests (``build`` / ``build_openai``), their texts tokenized
-        together: one call of the tokenizer's batch path instead of one a text (~300 us a row on the
-        dev CPU, most of a row's host time; docs/perf.md 106). A row that fails to build is left out
+        together: one call of the tokenizer's batch path instead of one a text (the largest part of a
+        row's host time on the dev CPU before; docs/perf.md 106). A row that fails to build is left out
         (`JobLoop._submit` builds it again and reports it), as are texts that are cut to
         truncate_prompt_tokens (the tokenizer cuts those itself, keeping its special tokens)."""
         from tokenmill.inputs import tokenize_prompts

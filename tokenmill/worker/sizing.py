@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 4 * 1024**3
 
 
-
 def cpu_spare_bytes(kv_pool_bytes: int, ranks: int = 1) -> int:
     """Host memory one of ``ranks`` CPU ranks may still take for good: what the OS reports as
     available, less every rank's KV pool (allocated untouched, so still counted as available) and
@@ -57,6 +56,7 @@ def _host_available_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+
 
 def choose_num_blocks(config: "EngineConfig", runner: "ModelRunner", prompt_graph_tokens: int = 0) -> int:
     """``prompt_graph_tokens``: the largest prompt step the runner will capture graphs for (0: none);

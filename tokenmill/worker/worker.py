@@ -110,8 +110,8 @@ class Worker:
             self._pack_linear_weights()
 
     def _pack_linear_weights(self) -> None:
-        """bf16 products on the CPU from weights packed once for oneDNN (models/layers/cpu_packed.py),
-        if the copies fit beside the KV pool."""
+        """The CPU's linear products (bf16, fp32) from weights packed once for oneDNN
+        (models/layers/cpu_packed.py), if the copies fit beside the KV pool."""
         from tokenmill.models.layers.cpu_packed import pack_linear_weights
         from tokenmill.worker.sizing import cpu_spare_bytes
 

@@ -55,7 +55,7 @@ class PackedWeight:
         return self._packed
 
     def drop(self) -> None:
-        """Free the copy (its weight was discarded: a level-2 sleep); the next use rebuilds it."""
+        """Free the copy (its weight is discarded, or may have changed unseen); the next use makes it again."""
         self._packed = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

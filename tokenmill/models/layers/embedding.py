@@ -58,7 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
     matmul = staticmethod(F.linear)  # as in UnquantizedLinearMethod (linear.py)
-    cpu_packed: Any = None  # a PackedWeight of the weight on a bf16 CPU (cpu_packed.pack_linear_weights)
+    cpu_packed: Any = None  # on the CPU, a PackedWeight of the weight (cpu_packed.pack_linear_weights)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits: call compute_logits(hidden)")

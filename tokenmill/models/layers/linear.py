@@ -144,7 +144,7 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = getattr(layer, "cpu_packed", None)  # bf16 on the CPU: the weight pre-packed (cpu_packed.py)
+        packed = getattr(layer, "cpu_packed", None)  # on the CPU: the weight pre-packed for oneDNN (cpu_packed.py)
         if packed is not None:
             return packed.linear(x, layer.weight, bias)
         return self.matmul(x, layer.weight, bias)
@@ -154,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along its output dim; each rank returns its slice of y."""
 
     lora: Any = None  # with LoRA adapters, the update added to y (tokenmill/lora/layers.py)
-    cpu_packed: Any = None  # a PackedWeight of the weight on a bf16 CPU (cpu_packed.pack_linear_weights)
+    cpu_packed: Any = None  # on the CPU, a PackedWeight of the weight (cpu_packed.pack_linear_weights)
 
     def __init__(
         self,
