@@ -52,7 +52,7 @@ def test_packed_copy_follows_the_weight():
     packed = PackedWeight(weight)
     x = torch.randn(5, 48, generator=gen).to(BF16)
     with torch.no_grad():
-        weight.mul_(2)  # in place, as update_weights and reload_weights write
+        weight.mul_(2)  # in place: the version moves (load_weights marks its .data writes so too)
     with torch.inference_mode():
         assert torch.equal(packed.linear(x, weight, None), F.linear(x, weight))
     weight.data = torch.randn(64, 48, generator=gen).to(BF16)  # new storage, as after a level-2 sleep
