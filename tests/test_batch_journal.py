@@ -222,21 +222,24 @@ def test_encode_lines_survives_lone_surrogates():
 
 
 def test_float32_vectors_are_written_as_the_shortest_decimals_that_read_back_exactly():
-    """Embedding vectors (float32 numpy arrays) are written by Arrow: every value reads back as the
-    same float32 (Python's json and a float32 cast), exact integers stay floats, NaN and infinities are
-    written as json.dumps writes them, and the other fields are untouched (the vector goes last)."""
+    """Embedding vectors (float32 numpy arrays, at any depth of a record) are written by Arrow: every
+    value reads back as the same float32 (Python's json and a float32 cast), exact integers stay
+    floats, NaN and infinities are written as json.dumps writes them, and the other fields (text that
+    looks like the writer's placeholder among them) are untouched, in their order."""
     import numpy as np
 
     gen = np.random.default_rng(0)
     wide = (gen.standard_normal(2000) * 10.0 ** gen.integers(-40, 38, 2000)).astype(np.float32)
     edges = np.array([0.0, -0.0, 1.0, -3.0, 16777216.0, 1e-45, -1e-38, 3.4028235e38, 0.1, 123456789.0], dtype=np.float32)
     vectors = [wide, edges, np.array([0.5, np.nan, np.inf, -np.inf], dtype=np.float32), np.zeros(0, dtype=np.float32)]
-    records = [{"row": i, "id": f"é{i}", "embedding": v, "error": None} for i, v in enumerate(vectors)]
+    records = [{"row": i, "id": f"é\x00{i}:0", "embedding": v, "error": None} for i, v in enumerate(vectors)]
+    records.append({"response": {"body": {"data": [{"index": 0, "embedding": edges}]}}, "error": None})  # an OpenAI line
     lines = encode_lines(records).decode("utf-8").splitlines()
-    assert len(lines) == 4
-    for line, vector in zip(lines, vectors):
+    assert len(lines) == 5
+    assert json.loads(lines[4])["response"]["body"]["data"][0]["embedding"] == json.loads(lines[1])["embedding"]
+    for i, (line, vector) in enumerate(zip(lines, vectors)):
         back = json.loads(line)
-        assert list(back) == ["row", "id", "error", "embedding"]
+        assert list(back) == ["row", "id", "embedding", "error"] and back["id"] == f"é\x00{i}:0"
         assert all(isinstance(x, float) for x in back["embedding"])
         np.testing.assert_array_equal(np.array(back["embedding"], dtype=np.float32), vector)
         assert np.array_equal(np.signbit(np.array(back["embedding"], dtype=np.float32)), np.signbit(vector))

@@ -19,9 +19,9 @@ reads each pair as one input; an embedding model embeds each text once and score
 from __future__ import annotations
 
 import base64
-import sys
-from array import array
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from tokenmill.batch.openai_lines import EMBEDDINGS_URL, RERANK_URLS, open_line, stable_id
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest
@@ -148,9 +148,6 @@ def pooling_body(result: "RowResult", meta: OpenAIMeta, model: str, created: int
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)], "usage": usage}
 
 
-def _base64_floats(values: list[float]) -> str:
+def _base64_floats(values: Any) -> str:
     """A vector as OpenAI's base64 encoding sends it: float32, little-endian, base64."""
-    floats = array("f", values)
-    if sys.byteorder != "little":
-        floats.byteswap()
-    return base64.b64encode(floats.tobytes()).decode("ascii")
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.batch.requests import PromptSettings, RowError, RowRequest, build_row_request, row_id_of
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tokenmill.batch.readers import RawRow
     from tokenmill.batch.results import RowResult
     from tokenmill.outputs import PoolingRequestOutput
@@ -142,17 +144,16 @@ class PoolingRows:
     def result(self, request: RowRequest, outputs: list["PoolingRequestOutput"]) -> "RowResult":
         """The row's result from its finished engine outputs (in the order of its parts)."""
         from tokenmill.batch.results import RowResult
-        from tokenmill.outputs import EmbeddingOutput
 
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         if request.openai is not None:  # an OpenAI line: each input's vector, or each pair's score
-            pooled = ({"embeddings": [EmbeddingOutput.from_base(o.outputs).embedding for o in outputs]} if self.task == "embed"
+            pooled = ({"embeddings": [_vector(o.outputs) for o in outputs]} if self.task == "embed"
                       else {"scores": self._pair_scores(outputs, request.openai.queries)})
             return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, openai=request.openai,
                              pooled=pooled)
         data = outputs[0].outputs.data
         if self.task == "embed":
-            pooled: dict[str, Any] = {"embedding": data.numpy()}  # written by writers.float32_json
+            pooled: dict[str, Any] = {"embedding": _vector(outputs[0].outputs)}
         elif self.task == "classify":
             probs = data.tolist()
             pooled = {"label": self.labels[int(data.argmax())] if self.labels else None, "probs": probs}
@@ -222,3 +223,10 @@ def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
         found = "missing" if name not in record else f"a {type(value).__name__}" if not isinstance(value, str) else "empty"
         raise RowError(f"{where}: --task score needs a non-empty string in '{name}' (got {found}; fields: {sorted(record)[:12]})", row_id)
     return value
+
+
+def _vector(output: Any) -> "np.ndarray":
+    """An embedding as a float32 array, which the writer formats (writers.float32_json)."""
+    if output.data.ndim != 1:
+        raise ValueError(f"an embedding must be one vector, got a tensor of shape {tuple(output.data.shape)}")
+    return output.data.numpy()

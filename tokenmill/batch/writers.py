@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import secrets
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -74,29 +76,33 @@ def describe_file_error(error: OSError, input_path: str, output: str) -> str:
 
 def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
     """Records as UTF-8 JSON lines. Text that cannot be UTF-8 (lone surrogates) is escaped, not lost.
-    A field holding a float32 numpy vector (an embedding) is written last, as ``float32_json`` makes
-    it (the vectors of every record given, in one pass)."""
-    records = list(records)
-    vectors = _vector_json(records)
-    parts = []
-    for i, record in enumerate(records):
-        keys = [key for key in record if (i, key) in vectors]
-        plain = {k: v for k, v in record.items() if k not in keys} if keys else record
+    A float32 numpy vector anywhere in a record (an embedding) is written as ``float32_json`` makes
+    it, the vectors of every record given in one pass: json.dumps leaves a placeholder for each
+    (its ``default``), a string no input can hold (a fresh random nonce), replaced afterwards."""
+    nonce = secrets.token_hex(8)
+    vectors: list[np.ndarray] = []
+
+    def placeholder(value: Any) -> str:
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+        vectors.append(value)
+        return f"\x00{nonce}:{len(vectors) - 1}"
+
+    lines: list[tuple[str, bool]] = []  # (line, whether it holds a placeholder)
+    for record in records:
+        seen = len(vectors)
         try:
-            line = json.dumps(plain, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=placeholder)
+            line.encode("utf-8")
         except UnicodeEncodeError:
-            line = json.dumps(plain, separators=(",", ":")).encode("ascii")
-        if keys:
-            fields = ",".join(f"{json.dumps(key)}:{vectors[i, key]}" for key in keys)
-            line = line[:-1] + (b"," if plain else b"") + fields.encode("ascii") + b"}"
-        parts.append(line)
-        parts.append(b"\n")
-    return b"".join(parts)
-
-
-def _vector_json(records: list[dict[str, Any]]) -> dict[tuple[int, str], str]:
-    places = [(i, key) for i, record in enumerate(records) for key, value in record.items() if isinstance(value, np.ndarray)]
-    return dict(zip(places, float32_json([records[i][key] for i, key in places])))
+            del vectors[seen:]
+            line = json.dumps(record, separators=(",", ":"), default=placeholder)
+        lines.append((line, len(vectors) > seen))
+    if vectors:
+        texts = float32_json(vectors)
+        marker = re.compile(f'"\\\\u0000{nonce}:([0-9]+)"')
+        lines = [(marker.sub(lambda m: texts[int(m.group(1))], line) if held else line, held) for line, held in lines]
+    return b"".join(line.encode("utf-8") + b"\n" for line, _ in lines)
 
 
 def float32_json(vectors: list["np.ndarray"]) -> list[str]:
