@@ -10,7 +10,8 @@ There is no KV cache and no sampler, and nothing in a step is done per request o
   offsets; requests that want the same post-processing (task, dimensions, normalize,
   activation) form one group, usually the whole step, handled by a few tensor operations; every
   group's results are laid end to end in one fp32 tensor that returns in one copy into pinned
-  memory, and the host cuts it into per-request views in bulk.
+  memory, is copied once more into pageable memory when it has landed (a caller may keep `encode`
+  outputs for good), and the host cuts it into per-request views in bulk.
 `launch` enqueues all of that and returns at once (no host sync on the GPU), so the engine can
 prepare the next step while this one runs; `LaunchedStep.results` waits for it.
 """
@@ -56,7 +57,7 @@ class LaunchedStep:
     num_requests: int
     lens: list[int]
     groups: list[_Group]
-    output: torch.Tensor  # fp32, flat: every group's results end to end (pinned host memory on a GPU)
+    output: torch.Tensor  # fp32, flat: every group's results end to end (pinned host memory on a GPU until `results`)
     done: "torch.cuda.Event | None"
 
     def results(self) -> list[torch.Tensor]:
