@@ -168,10 +168,15 @@ class PoolingRequestOutput:
     finished: bool
 
 
-def _one_vector(output: PoolingOutput, what: str) -> list[float]:
+def one_vector(output: PoolingOutput, what: str) -> "torch.Tensor":
+    """``output.data``, which must be one vector (``what`` names it in the error)."""
     if output.data.ndim != 1:
         raise ValueError(f"{what} must be one vector, got a tensor of shape {tuple(output.data.shape)}")
-    return output.data.tolist()
+    return output.data
+
+
+def _one_vector(output: PoolingOutput, what: str) -> list[float]:
+    return one_vector(output, what).tolist()
 
 
 @dataclass

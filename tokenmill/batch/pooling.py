@@ -227,6 +227,6 @@ def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
 
 def _vector(output: Any) -> "np.ndarray":
     """An embedding as a float32 array, which the writer formats (writers.float32_json)."""
-    if output.data.ndim != 1:
-        raise ValueError(f"an embedding must be one vector, got a tensor of shape {tuple(output.data.shape)}")
-    return output.data.numpy()
+    from tokenmill.outputs import one_vector
+
+    return one_vector(output, "an embedding").numpy()

@@ -88,21 +88,20 @@ def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
         vectors.append(value)
         return f"\x00{nonce}:{len(vectors) - 1}"
 
-    lines: list[tuple[str, bool]] = []  # (line, whether it holds a placeholder)
+    lines: list[tuple[bytes, bool]] = []  # (line, whether it holds a placeholder)
     for record in records:
         seen = len(vectors)
         try:
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=placeholder)
-            line.encode("utf-8")
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=placeholder).encode("utf-8")
         except UnicodeEncodeError:
             del vectors[seen:]
-            line = json.dumps(record, separators=(",", ":"), default=placeholder)
+            line = json.dumps(record, separators=(",", ":"), default=placeholder).encode("ascii")
         lines.append((line, len(vectors) > seen))
     if vectors:
-        texts = float32_json(vectors)
-        marker = re.compile(f'"\\\\u0000{nonce}:([0-9]+)"')
+        texts = [text.encode("ascii") for text in float32_json(vectors)]
+        marker = re.compile(f'"\\\\u0000{nonce}:([0-9]+)"'.encode("ascii"))
         lines = [(marker.sub(lambda m: texts[int(m.group(1))], line) if held else line, held) for line, held in lines]
-    return b"".join(line.encode("utf-8") + b"\n" for line, _ in lines)
+    return b"".join(line + b"\n" for line, _ in lines)
 
 
 def float32_json(vectors: list["np.ndarray"]) -> list[str]:

@@ -301,16 +301,13 @@ class Worker:
 
     def execute_method(self, method: str | Callable[..., _R], args: tuple = (), kwargs: dict | None = None) -> Any:
         """One rank's part of collective_rpc: a Worker method by name, or method(worker, ...)."""
-        if isinstance(method, str):
-            try:
-                return getattr(self, method)(*args, **(kwargs or {}))
-            finally:
-                if not hasattr(Worker, method):  # a worker extension's method
-                    self._drop_packed_weights()
         try:
+            if isinstance(method, str):
+                return getattr(self, method)(*args, **(kwargs or {}))
             return method(self, *args, **(kwargs or {}))
         finally:
-            self._drop_packed_weights()
+            if not isinstance(method, str) or not hasattr(Worker, method):  # a function, or an extension's method
+                self._drop_packed_weights()
 
     def _drop_packed_weights(self) -> None:
         """On the CPU, free the linear weights' packed copies; each is made again on first use. After
