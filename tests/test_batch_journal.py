@@ -246,6 +246,34 @@ def test_float32_vectors_are_written_as_the_shortest_decimals_that_read_back_exa
     assert len(lines[0]) < len(json.dumps(wide.tolist())) * 0.75  # shorter than float64's 17 digits
     assert "NaN,Infinity,-Infinity" in lines[2]
 
+
+def test_many_vectors_cast_in_slices_on_threads_read_back_in_order(monkeypatch):
+    """A commit's many vectors go to Arrow in slices of whole vectors on several threads: every
+    vector comes back in its place, exact (integers in one slice only, NaN and empty vectors
+    between), as the one-thread pass writes it."""
+    import numpy as np
+
+    from tokenmill.batch import writers
+
+    gen = np.random.default_rng(1)
+    vectors = [(gen.standard_normal(int(gen.integers(0, 40))) / 7).astype(np.float32) for _ in range(300)]
+    vectors[5] = np.array([2.0, -7.0, 0.25], dtype=np.float32)
+    vectors[17] = np.array([np.nan, 1.5], dtype=np.float32)
+    vectors[250] = np.zeros(0, dtype=np.float32)
+    slices: list[int] = []
+    arrow_json = writers._arrow_json
+    monkeypatch.setattr(writers, "_arrow_json", lambda part: slices.append(len(part)) or arrow_json(part))
+    monkeypatch.setattr(writers.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(writers, "_VALUES_A_THREAD", 64)
+    sliced = writers.float32_json(vectors)
+    assert len(slices) == 4 and sum(slices) == len(vectors) - 1  # the NaN vector is json.dumps'
+    monkeypatch.setattr(writers, "_MOST_THREADS", 1)
+    assert sliced == writers.float32_json(vectors) and len(slices) == 5
+    for text, vector in zip(sliced, vectors):
+        back = np.array(json.loads(text), dtype=np.float32)
+        np.testing.assert_array_equal(back, vector)
+    assert sliced[5] == b"[2.0,-7.0,0.25]" and sliced[250] == b"[]"
+
 def test_parquet_finalization(tmp_path):
     staging = str(tmp_path / "staging.jsonl")
     records = [

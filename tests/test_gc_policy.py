@@ -27,13 +27,15 @@ def prompts(llm):
 
 
 class _Collections:
-    """A gc.callbacks hook: the generation of every collection that ran while installed."""
+    """A gc.callbacks hook: the generation of every collection that ran while installed (with
+    ``paused_only``, of those that ran while automatic collection was off: the ones asked for)."""
 
-    def __init__(self) -> None:
+    def __init__(self, paused_only: bool = False) -> None:
         self.generations: list[int] = []
+        self.paused_only = paused_only
 
     def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
+        if phase == "start" and not (self.paused_only and gc.isenabled()):
             self.generations.append(info["generation"])
 
     def __enter__(self) -> "_Collections":
@@ -125,6 +127,36 @@ def test_a_batch_job_runs_young_collections_and_a_timed_full_one(llm, prompts, f
     short = dict(config, sampling=dict(temperature=1.0, max_tokens=4, ignore_eos=True))  # each full one walks the heap
     run_job(JobConfig(output=str(tmp_path / "b.jsonl"), **short), llm=llm)
     assert set(seen.generations) == {2} and len(seen.generations) >= 4
+
+
+def test_a_pooling_job_runs_only_the_timed_full_collection(bert_embedder_llm, frequent_collections, tmp_path,
+                                                           monkeypatch):
+    """An embedding job's loop runs no user code and makes no cycles: no young collections between
+    its steps (they were ~10% of its host time a row), only the full one once its interval passed."""
+    import json
+
+    from tokenmill.batch import loop
+    from tokenmill.batch.job import JobConfig, run_job
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"a sentence about rivers, number {i}"}) + "\n" for i in range(40)))
+    config = dict(input=str(rows), task="embed", progress=False, model="tiny", max_inflight=4)  # ten steps at least
+    steps, seen = [], _Collections(paused_only=True)  # not the automatic ones after the loop turned it on again
+    loop_run, loop_step = loop.JobLoop.run, loop.JobLoop._step
+
+    def run_watched(self, rows):
+        with seen:
+            return loop_run(self, rows)
+
+    monkeypatch.setattr(loop.JobLoop, "run", run_watched)
+    monkeypatch.setattr(loop.JobLoop, "_step", lambda self: steps.append(1) or loop_step(self))
+    assert run_job(JobConfig(output=str(tmp_path / "a.jsonl"), **config), llm=bert_embedder_llm).failed == 0
+    assert len(steps) >= 10 and seen.generations == [] and gc.isenabled()
+    assert sum(1 for _ in open(tmp_path / "a.jsonl")) == 40
+    monkeypatch.setattr(loop, "_FULL_COLLECTION_S", 0.0)  # the interval always passed: a full one each step
+    steps.clear()
+    run_job(JobConfig(output=str(tmp_path / "b.jsonl"), **config), llm=bert_embedder_llm)
+    assert set(seen.generations) == {2} and len(seen.generations) == len(steps) >= 10
 
 
 def test_the_collector_is_on_again_after_a_failed_call(llm, prompts):

@@ -1,7 +1,8 @@
 """What LLM's blocking generation calls (generate, chat, beam_search, wait_for_completion) and the
 batch job's loop ask of Python's cyclic garbage collector: young collections only, at step
-boundaries (docs/perf.md 62; the job also a full one every few minutes, 70); and the collector
-paused while a call makes its prompts in bulk, and through the pooling calls (`collections_paused`).
+boundaries (docs/perf.md 62; the job also a full one every few minutes, 70, and for pooling rows
+only that, 107); and the collector paused while a call makes its prompts in bulk, and through the
+pooling calls (`collections_paused`).
 
 Why. A call keeps every finished request's output until it returns, and with logprobs that is a
 dict and one or two `Logprob` objects per generated token: 273,681 tokens of a 1,024-request chat
@@ -73,10 +74,25 @@ def young_collections_only(full_every_s: float | None = None) -> Iterator[Callab
         yield _nothing
         return
     with collections_paused():
-        yield _collect_young if full_every_s is None else _young_and_timed_full(full_every_s)
+        yield _collect_young if full_every_s is None else _timed_full(full_every_s, between=_collect_young)
 
 
-def _young_and_timed_full(every_s: float) -> Callable[[], None]:
+@contextlib.contextmanager
+def timed_full_collections_only(every_s: float) -> Iterator[Callable[[], None]]:
+    """Automatic collection off for the block; yields the function to call at each step boundary,
+    which runs a full collection when ``every_s`` has passed since the last one and nothing in
+    between: for a loop that runs no user code and makes no cycles of its own, as the pooling calls
+    (which pause the collector outright), but that runs for hours (the batch job's pooling rows: its
+    young collections were ~10% of an embedding job's host time a row, docs/perf.md 107), so that
+    what cyclic garbage there is (a bad row's exception) is still freed within that time."""
+    if not gc.isenabled():
+        yield _nothing
+        return
+    with collections_paused():
+        yield _timed_full(every_s, between=_nothing)
+
+
+def _timed_full(every_s: float, between: Callable[[], None]) -> Callable[[], None]:
     last = time.monotonic()
 
     def collect() -> None:
@@ -85,7 +101,7 @@ def _young_and_timed_full(every_s: float) -> Callable[[], None]:
             gc.collect()
             last = time.monotonic()
         else:
-            _collect_young()
+            between()
 
     return collect
 

@@ -35,7 +35,7 @@ from tokenmill.batch.rows_ahead import RowsAhead
 from tokenmill.batch.writers import encode_lines
 from tokenmill.distributed import cleanup_dist_env_and_memory
 from tokenmill.fatal_errors import drop_tracebacks, is_device_failure, is_engine_stopped
-from tokenmill.gc_policy import young_collections_only
+from tokenmill.gc_policy import timed_full_collections_only, young_collections_only
 
 if TYPE_CHECKING:
     from tokenmill.batch.journal import Journal
@@ -117,8 +117,11 @@ class JobLoop:
         """Feed the engine until every row is written; False when stopped early by ``should_stop``.
         Python's collector walks only young objects between steps, and the whole heap every few
         minutes (`gc_policy`): left automatic, a full collection paused the host, and the GPU with
-        it, for ~0.1 s at a time (docs/perf.md 70)."""
-        with young_collections_only(full_every_s=_FULL_COLLECTION_S) as collect:
+        it, for ~0.1 s at a time (docs/perf.md 70). Pooling rows run no user code a step (no logits
+        processors, no callbacks) and make no cycles: only the timed full collection (107)."""
+        collections = (young_collections_only(full_every_s=_FULL_COLLECTION_S) if self.pooling is None
+                       else timed_full_collections_only(_FULL_COLLECTION_S))
+        with collections as collect:
             return self._feed(rows, collect)
 
     def _feed(self, rows: Any, collect: Callable[[], None]) -> bool:

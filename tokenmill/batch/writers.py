@@ -98,36 +98,58 @@ def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
             line = json.dumps(record, separators=(",", ":"), default=placeholder).encode("ascii")
         lines.append((line, len(vectors) > seen))
     if vectors:
-        texts = [text.encode("ascii") for text in float32_json(vectors)]
+        texts = float32_json(vectors)
         marker = re.compile(f'"\\\\u0000{nonce}:([0-9]+)"'.encode("ascii"))
         lines = [(marker.sub(lambda m: texts[int(m.group(1))], line) if held else line, held) for line, held in lines]
     return b"".join(line + b"\n" for line, _ in lines)
 
 
-def float32_json(vectors: list["np.ndarray"]) -> list[str]:
+def float32_json(vectors: list["np.ndarray"]) -> list[bytes]:
     """Each float32 vector as a JSON array of its values' shortest decimals that read back as the same
     float32s, made by Arrow for all the vectors at once: ~3x faster than json.dumps of their Python
     floats, whose float64 decimals run to 17 digits, and 40% fewer bytes (docs/perf.md 106). Exact
     integers keep a ".0" (JSON readers see floats); a vector with NaN or infinities is written as
-    json.dumps writes it."""
+    json.dumps writes it. Many vectors are cast in slices on several threads (Arrow releases the
+    GIL; one thread's cast was ~30% of an embedding job's host time a row: docs/perf.md 107)."""
+    flat = [np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in vectors]
+    if flat and np.isfinite(np.concatenate(flat)).all():
+        finite = [True] * len(flat)
+    else:
+        finite = [bool(np.isfinite(v).all()) for v in flat]
+    kept = [v for v, ok in zip(flat, finite) if ok]
+    values = sum(len(v) for v in kept)
+    threads = min(os.cpu_count() or 1, _MOST_THREADS, values // _VALUES_A_THREAD, len(kept))
+    if threads <= 1:
+        arrays = _arrow_json(kept)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        bounds = np.linspace(0, len(kept), threads + 1).astype(int)  # slices of whole vectors, in order
+        with ThreadPoolExecutor(threads) as pool:
+            arrays = [text for part in pool.map(_arrow_json, [kept[a:b] for a, b in zip(bounds, bounds[1:])]) for text in part]
+    made = iter(arrays)
+    return [next(made) if ok else json.dumps(v.tolist(), separators=(",", ":")).encode("ascii") for v, ok in zip(flat, finite)]
+
+
+_VALUES_A_THREAD = 1 << 16  # ~2-4 ms of Arrow's cast: worth a thread of its own
+_MOST_THREADS = 8
+
+
+def _arrow_json(vectors: list["np.ndarray"]) -> list[bytes]:
+    """Finite float32 vectors as JSON arrays, in one Arrow pass (made as bytes: no text decoded)."""
     if not vectors:
         return []
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    flat = [np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in vectors]
-    finite = [bool(np.isfinite(v).all()) for v in flat]
-    kept = [v for v, ok in zip(flat, finite) if ok]
-    joined: list[str] = []
-    if kept:
-        values = np.concatenate(kept)
-        text = pc.cast(pa.array(values), pa.string())
-        if (values == np.trunc(values)).any():  # Arrow writes 1.0 as "1"
-            text = pc.if_else(pc.match_substring_regex(text, r"^-?[0-9]+$"), pc.binary_join_element_wise(text, ".0", ""), text)
-        offsets = pa.array(np.cumsum([0] + [len(v) for v in kept]), pa.int64())
-        joined = pc.binary_join(pa.LargeListArray.from_arrays(offsets, text), ",").to_pylist()
-    made = iter(joined)
-    return ["[" + next(made) + "]" if ok else json.dumps(v.tolist(), separators=(",", ":")) for v, ok in zip(flat, finite)]
+    values = np.concatenate(vectors)
+    text = pc.cast(pa.array(values), pa.string())
+    if (values == np.trunc(values)).any():  # Arrow writes 1.0 as "1"
+        text = pc.if_else(pc.match_substring_regex(text, r"^-?[0-9]+$"), pc.binary_join_element_wise(text, ".0", ""), text)
+    offsets = pa.array(np.cumsum([0] + [len(v) for v in vectors]), pa.int64())
+    raw = pa.large_binary()
+    joined = pc.binary_join(pa.LargeListArray.from_arrays(offsets, text.cast(raw)), pa.scalar(b",", raw))
+    return pc.binary_join_element_wise(pa.scalar(b"[", raw), joined, pa.scalar(b"]", raw), pa.scalar(b"", raw)).to_pylist()
 
 
 class AppendFile:
