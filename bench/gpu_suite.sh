@@ -4,7 +4,7 @@
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p1p5] [p4] [p5] [p6] [p6-calls] [p6-calls-ab-old] [throughput-fp8]
 #   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
-#   [sampler] [sampler-ab-old] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [job-embed] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
+#   [sampler] [sampler-ab-old] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [job-embed] [job-embed-ab-old] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
@@ -289,6 +289,18 @@ for part in $parts; do
     job-embed)  # P6's inputs through an embedding job (tokenmill run --task embed's loop) beside LLM.embed, alternating (perf.md 106)
       RESULTS="$OUT/job.raw" timeout 500 python3 bench/embed_job_bench.py ${JOB_EMBED_SHAPES:-} ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 \
         | grep -E '^\{'
+      tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
+    job-embed-ab-old)  # job-embed on an older engine in .old/ (carried: .old/tokenmill is enough) and on this tree, old
+                       # then new, AB_ROUNDS times (default 1; each run alternates job and embed JOB_ROUNDS times); rows carry "tree"
+      [ -d .old/tokenmill ] || { echo "job-embed-ab-old: no .old/ tree carried"; continue; }
+      for round in $(seq "${AB_ROUNDS:-1}"); do
+        for tree in old new; do
+          path=$PWD; [ $tree = old ] && path=$PWD/.old
+          RESULTS="$OUT/job.raw" PYTHONPATH="$path:$PYTHONPATH" timeout 300 python3 bench/embed_job_bench.py ${JOB_EMBED_SHAPES:-} \
+            ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 | grep -E '^\{'
+          mark_tree "$tree" "$OUT/job.raw"
+        done
+      done
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
     profile)
       timeout 150 python3 bench/profile_step.py qwen3-0.6b nano > "$OUT/profile_p1.txt" 2>&1; head -45 "$OUT/profile_p1.txt" ;;
