@@ -7,9 +7,11 @@ row (reading it, tokenizing, building the request, turning the vector into a JSO
 decides how an embedding job compares with ``LLM.embed``. Runs on the CPU with the tiny BERT of
 ``pooling_host_bench.py`` (MiniLM's width, 384, and its real tokenizer): a warm-up job of 2,000
 rows, then the measured job of ``--rows`` texts of U[6, 100] words into JSONL, both in this process.
-``--profile`` prints cProfile's top functions of the measured job.
+``--ids`` writes token-id rows of U[8, 128] tokens instead (P6's BERT inputs, as
+``embed_job_bench.py`` feeds them on a GPU: no tokenizer in the row's cost). ``--profile`` prints
+cProfile's top functions of the measured job.
 
-    python bench/embed_job_host.py [--rows 20000] [--profile]
+    python bench/embed_job_host.py [--rows 20000] [--ids] [--profile]
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def _stub_the_forward() -> None:
     runner.PoolingRunner.__init__ = init
 
 
-def _run(folder: Path, rows: Path, out: Path) -> None:
+def _run(folder: Path, rows: Path, out: Path, ids: bool) -> None:
     from tokenmill.cli import main
 
-    args = ["run", str(rows), "--text-field", "text", "-o", str(out), "--task", "embed", "--model", str(folder), "--device", "cpu",
-            "--load-format", "dummy", "--dtype", "float32", "--max-num-batched-tokens", "65536", "--max-num-seqs", "65536"]
+    args = ["run", str(rows), *([] if ids else ["--text-field", "text"]), "-o", str(out), "--task", "embed", "--model", str(folder),
+            "--device", "cpu", "--load-format", "dummy", "--dtype", "float32", "--max-num-batched-tokens", "65536",
+            "--max-num-seqs", "65536"]
     try:
         main(args)
     except SystemExit as done:
@@ -65,6 +68,7 @@ def _run(folder: Path, rows: Path, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=20000)
+    parser.add_argument("--ids", action="store_true", help="token-id rows of U[8, 128] tokens instead of texts")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -78,14 +82,17 @@ def main() -> None:
         for name, count in (("warm", 2000), ("rows", args.rows)):
             with open(folder / f"{name}.jsonl", "w") as f:
                 for i in range(count):
-                    text = " ".join(words[randint(0, len(words) - 1)] for _ in range(randint(6, 100)))
-                    f.write(json.dumps({"id": i, "text": text}) + "\n")
-        _run(folder, folder / "warm.jsonl", folder / "warm.out.jsonl")
+                    if args.ids:
+                        row = {"id": i, "prompt_token_ids": [randint(2, 10000) for _ in range(randint(8, 128))]}
+                    else:
+                        row = {"id": i, "text": " ".join(words[randint(0, len(words) - 1)] for _ in range(randint(6, 100)))}
+                    f.write(json.dumps(row) + "\n")
+        _run(folder, folder / "warm.jsonl", folder / "warm.out.jsonl", args.ids)
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
             profiler.enable()
         start = time.perf_counter()
-        _run(folder, folder / "rows.jsonl", folder / "rows.out.jsonl")
+        _run(folder, folder / "rows.jsonl", folder / "rows.out.jsonl", args.ids)
         seconds = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
@@ -93,7 +100,7 @@ def main() -> None:
         size = (folder / "rows.out.jsonl").stat().st_size
     print(json.dumps({"bench": "embed_job_host", "rows": args.rows, "hidden": config["hidden_size"], "seconds": round(seconds, 3),
                       "us_per_row": round(seconds / args.rows * 1e6, 1), "output_bytes_per_row": round(size / args.rows),
-                      "profiled": args.profile}))
+                      "rows_of": "token ids" if args.ids else "texts", "profiled": args.profile}))
 
 
 if __name__ == "__main__":
