@@ -4,6 +4,8 @@ alone, Parquet output has a typed schema, and an interrupted job resumes with ev
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -184,6 +186,10 @@ def test_cli_classify_job(tmp_path, tiny_bert_classifier_dir, bert_classifier_ll
     expected = bert_classifier_llm.classify(words, PoolingParams(use_activation=False), use_tqdm=False)
     for i, out in enumerate(expected):
         assert records[i]["probs"] == pytest.approx(out.outputs.probs, abs=1e-6)  # raw logits, as asked
+    # Written as the embeddings are: each float32's shortest decimal (at most 9 digits), not float64's 17.
+    written = [v for probs in re.findall(r'"probs":\[([^\]]*)\]', (tmp_path / "out.jsonl").read_text()) for v in probs.split(",")]
+    assert len(written) == 3 * len(words)
+    assert all(len(v.lstrip("-").split("e")[0].replace(".", "").lstrip("0")) <= 9 for v in written), written
 
 
 def openai_line(custom_id, body, url="/v1/embeddings"):

@@ -151,12 +151,11 @@ class PoolingRows:
                       else {"scores": self._pair_scores(outputs, request.openai.queries)})
             return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, openai=request.openai,
                              pooled=pooled)
-        data = outputs[0].outputs.data
         if self.task == "embed":
             pooled: dict[str, Any] = {"embedding": _vector(outputs[0].outputs)}
         elif self.task == "classify":
-            probs = data.tolist()
-            pooled = {"label": self.labels[int(data.argmax())] if self.labels else None, "probs": probs}
+            probs = _vector(outputs[0].outputs, "a row's class probabilities")
+            pooled = {"label": self.labels[int(probs.argmax())] if self.labels else None, "probs": probs}
         else:  # a row is one pair: one output of a cross-encoder, or the two texts' embeddings
             pooled = {"score": self._pair_scores(outputs, 1)[0]}
         return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, pooled=pooled)
@@ -225,8 +224,9 @@ def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
     return value
 
 
-def _vector(output: Any) -> "np.ndarray":
-    """An embedding as a float32 array, which the writer formats (writers.float32_json)."""
+def _vector(output: Any, what: str = "an embedding") -> "np.ndarray":
+    """An embedding (or a row's class probabilities) as a float32 array, which the writer formats
+    (writers.float32_json: each value's shortest decimal that reads back as the same float32)."""
     from tokenmill.outputs import one_vector
 
-    return one_vector(output, "an embedding").numpy()
+    return one_vector(output, what).float().numpy()
