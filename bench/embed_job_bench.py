@@ -27,9 +27,13 @@ from embed_bench import SHAPES, model_dir  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    # No choices= here: argparse checks a nargs="*" default against them as one value and refuses it.
+    parser.add_argument("shapes", nargs="*", default=list(SHAPES), help=f"any of {', '.join(SHAPES)} (default: all)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    unknown = sorted(set(args.shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
     from tokenmill import LLM
 
     for shape in args.shapes:
