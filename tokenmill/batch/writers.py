@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import secrets
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -88,7 +87,8 @@ def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
         vectors.append(value)
         return f"\x00{nonce}:{len(vectors) - 1}"
 
-    lines: list[tuple[bytes, bool]] = []  # (line, whether it holds a placeholder)
+    lines: list[bytes] = []
+    held: list[tuple[int, int, int]] = []  # (line, its first vector, the vector after its last)
     for record in records:
         seen = len(vectors)
         try:
@@ -96,12 +96,18 @@ def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
         except UnicodeEncodeError:
             del vectors[seen:]
             line = json.dumps(record, separators=(",", ":"), default=placeholder).encode("ascii")
-        lines.append((line, len(vectors) > seen))
+        if len(vectors) > seen:
+            held.append((len(lines), seen, len(vectors)))
+        lines.append(line)
     if vectors:
         texts = float32_json(vectors)
-        marker = re.compile(f'"\\\\u0000{nonce}:([0-9]+)"'.encode("ascii"))
-        lines = [(marker.sub(lambda m: texts[int(m.group(1))], line) if held else line, held) for line, held in lines]
-    return b"".join(line + b"\n" for line, _ in lines)
+        marker = f'"\\u0000{nonce}:'.encode("ascii")  # as json.dumps escapes the placeholder's NUL
+        for at, first, end in held:
+            line = lines[at]
+            for i in range(first, end):
+                line = line.replace(marker + b"%d\"" % i, texts[i], 1)
+            lines[at] = line
+    return b"\n".join(lines) + b"\n" if lines else b""
 
 
 def float32_json(vectors: list["np.ndarray"]) -> list[bytes]:
