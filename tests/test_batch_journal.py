@@ -274,6 +274,7 @@ def test_many_vectors_cast_in_slices_on_threads_read_back_in_order(monkeypatch):
         np.testing.assert_array_equal(back, vector)
     assert sliced[5] == b"[2.0,-7.0,0.25]" and sliced[250] == b"[]"
 
+
 def test_parquet_finalization(tmp_path):
     staging = str(tmp_path / "staging.jsonl")
     records = [

@@ -152,7 +152,7 @@ def test_a_pooling_job_runs_only_the_timed_full_collection(bert_embedder_llm, fr
     monkeypatch.setattr(loop.JobLoop, "_step", lambda self: steps.append(1) or loop_step(self))
     assert run_job(JobConfig(output=str(tmp_path / "a.jsonl"), **config), llm=bert_embedder_llm).failed == 0
     assert len(steps) >= 10 and seen.generations == [] and gc.isenabled()
-    assert sum(1 for _ in open(tmp_path / "a.jsonl")) == 40
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 40
     monkeypatch.setattr(loop, "_FULL_COLLECTION_S", 0.0)  # the interval always passed: a full one each step
     steps.clear()
     run_job(JobConfig(output=str(tmp_path / "b.jsonl"), **config), llm=bert_embedder_llm)
