@@ -287,8 +287,9 @@ for part in $parts; do
         ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 | grep -E '^\{'
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
     job-embed)  # P6's inputs through an embedding job (tokenmill run --task embed's loop) beside LLM.embed, alternating (perf.md 106)
+      # Rows and any error line: a run that died at once printed nothing here before (perf.md 107).
       RESULTS="$OUT/job.raw" timeout 500 python3 bench/embed_job_bench.py ${JOB_EMBED_SHAPES:-} ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 \
-        | grep -E '^\{'
+        | grep -E '^\{|rror'
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
     job-embed-ab-old)  # job-embed on an older engine in .old/ (carried: .old/tokenmill is enough) and on this tree, old
                        # then new, AB_ROUNDS times (default 1; each run alternates job and embed JOB_ROUNDS times); rows carry "tree"
@@ -297,8 +298,8 @@ for part in $parts; do
         for tree in old new; do
           path=$PWD; [ $tree = old ] && path=$PWD/.old
           RESULTS="$OUT/job.raw" PYTHONPATH="$path:$PYTHONPATH" timeout 300 python3 bench/embed_job_bench.py ${JOB_EMBED_SHAPES:-} \
-            ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 | grep -E '^\{'
-          mark_tree "$tree" "$OUT/job.raw"
+            ${JOB_ROUNDS:+--rounds $JOB_ROUNDS} 2>&1 | grep -E '^\{|rror'
+          [ -f "$OUT/job.raw" ] && mark_tree "$tree" "$OUT/job.raw"
         done
       done
       tag "$OUT/job.raw" "$OUT/throughput.jsonl"; : > "$OUT/job.raw" ;;
