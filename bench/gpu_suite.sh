@@ -30,7 +30,8 @@ commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
 echo "commit $commit, $(date -u +%FT%TZ), $gpu, torch $(python3 -c 'import torch,triton;print(torch.__version__, "triton", triton.__version__)')" | tee "$OUT/suite.log"
 
-tag() {  # append rows of $1 to $2 with commit/date/gpu
+tag() {  # append rows of $1 to $2 with commit/date/gpu (nothing when a part's runs wrote no $1)
+  [ -f "$1" ] || return 0
   python3 - "$1" "$2" "$commit" "$gpu" <<'PY'
 import json, sys, datetime
 src, dst, commit, gpu = sys.argv[1:]
