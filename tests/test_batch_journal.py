@@ -263,7 +263,7 @@ def test_many_vectors_cast_in_slices_on_threads_read_back_in_order(monkeypatch):
     slices: list[int] = []
     arrow_json = writers._arrow_json
     monkeypatch.setattr(writers, "_arrow_json", lambda part: slices.append(len(part)) or arrow_json(part))
-    monkeypatch.setattr(writers, "_usable_cores", lambda: 4)
+    monkeypatch.setattr(writers, "usable_cpus", lambda: 4)
     monkeypatch.setattr(writers, "_VALUES_A_THREAD", 64)
     sliced = writers.float32_json(vectors)
     assert len(slices) == 4 and sum(slices) == len(vectors) - 1  # the NaN vector is json.dumps'

@@ -13,7 +13,6 @@ another would take longer than the GPU's whole decode step.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -205,8 +204,9 @@ def matcher_threads() -> int:
     other half keeps the engine's own thread and the tokenizer's free). Not xgrammar's "auto",
     which halves the host's hardware threads: in a container or a job allocation limited to 16 of
     a host's 192 CPUs that is 96 threads contending for 16."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, usable // 2)
+    from tokenmill.host_cpus import usable_cpus
+
+    return max(1, usable_cpus() // 2)
 
 
 def _reason(exc: Exception) -> str:

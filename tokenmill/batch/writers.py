@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.host_cpus import usable_cpus
+
 _PARQUET_CHUNK_ROWS = 8192
 
 
@@ -124,7 +126,7 @@ def float32_json(vectors: list["np.ndarray"]) -> list[bytes]:
         finite = [bool(np.isfinite(v).all()) for v in flat]
     kept = [v for v, ok in zip(flat, finite) if ok]
     values = sum(len(v) for v in kept)
-    threads = min(_usable_cores(), _MOST_THREADS, values // _VALUES_A_THREAD, len(kept))
+    threads = min(usable_cpus(), _MOST_THREADS, values // _VALUES_A_THREAD, len(kept))
     if threads <= 1:
         arrays = _arrow_json(kept)
     else:
@@ -139,11 +141,6 @@ def float32_json(vectors: list["np.ndarray"]) -> list[bytes]:
 
 _VALUES_A_THREAD = 1 << 16  # ~2-4 ms of Arrow's cast: worth a thread of its own
 _MOST_THREADS = 8
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (a container's or taskset's share, not the machine's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _arrow_json(vectors: list["np.ndarray"]) -> list[bytes]:
