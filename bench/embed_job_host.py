@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import tempfile
@@ -96,7 +97,7 @@ def main() -> None:
         seconds = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
-            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(20)
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "20")))
         size = (folder / "rows.out.jsonl").stat().st_size
     print(json.dumps({"bench": "embed_job_host", "rows": args.rows, "hidden": config["hidden_size"], "seconds": round(seconds, 3),
                       "us_per_row": round(seconds / args.rows * 1e6, 1), "output_bytes_per_row": round(size / args.rows),

@@ -64,7 +64,7 @@ def main() -> None:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     # The warm-up over ids no call uses (moved_ids' last shift), so that no call finds its first
     # prompts in the prefix cache; the protocols' own warm-up shares nothing with them either.
-    llm.generate([{"prompt_token_ids": moved_ids(p, 12)} for p in prompts[:4]], params[:4], use_tqdm=False)
+    llm.generate([{"prompt_token_ids": moved_ids(p, WARM_UP_CALL)} for p in prompts[:4]], params[:4], use_tqdm=False)
     if on_gpu:
         profile_device(llm, inputs, params)
         return
@@ -94,16 +94,18 @@ def main() -> None:
     print(out.getvalue())
 
 
-# The protocols' token ids are below 10,001 and every shape's vocabulary above 128,000: ids moved by
-# this much, up to 12 times, stay inside it and meet none of the earlier calls' ids.
+# The protocols' token ids are below 10,001 and every shape's vocabulary at least 128,256: ids moved by
+# this much, up to 11 times (the last ending at 120,084), stay inside it and meet none of the earlier
+# calls' ids (12 shifts ran Llama-3-8B's warm-up past its vocabulary).
 ID_SHIFT = 10_007
+WARM_UP_CALL = 11
 
 
 def moved_ids(ids: list[int], call: int) -> list[int]:
     """A prompt's token ids for repeat ``call`` (1, 2, ...) of the same requests: shifted past all the
     earlier calls' ids."""
-    if not 0 < call <= 12 or max(ids) >= ID_SHIFT:  # 12 is the warm-up's
-        raise ValueError(f"moved_ids: call {call} (1-12 allowed) of ids up to {max(ids)} (below {ID_SHIFT} allowed)")
+    if not 0 < call <= WARM_UP_CALL or max(ids) >= ID_SHIFT:  # the last shift is the warm-up's
+        raise ValueError(f"moved_ids: call {call} (1-{WARM_UP_CALL} allowed) of ids up to {max(ids)} (below {ID_SHIFT} allowed)")
     return [t + call * ID_SHIFT for t in ids]
 
 
