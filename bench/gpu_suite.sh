@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [kernels-coresident] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [ws-probe] [kernels-coresident] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -461,6 +461,18 @@ for part in $parts; do
         timeout 120 python3 bench/pooling_host_bench.py $shape >> "$OUT/pooling_host.raw" 2>>"$OUT/suite.log"
       done
       tag "$OUT/pooling_host.raw" "$OUT/kernels.jsonl"; cat "$OUT/pooling_host.raw"; : > "$OUT/pooling_host.raw" ;;
+    ws-probe)  # causal prefill attention with Triton 3.6's Hopper warp specialisation (a probe kernel over contiguous K/V)
+      # beside the same kernel without it, the engine's paged prefill and torch's SDPA back ends (docs/perf.md 109)
+      # Each warp-specialised probe in its own process under a short timeout: on an H100 (BQ) none of them returned.
+      for probe in 0 1 2; do
+        timeout 40 python3 bench/ws_attention_probe.py --shapes 8x2048 --probes $probe --no-others >> "$OUT/ws_probe.raw" 2>&1 \
+          || echo "warp-specialised probe $probe: no result within 40 s"
+      done
+      timeout 200 python3 bench/ws_attention_probe.py --probes 34 >> "$OUT/ws_probe.raw" 2>&1
+      grep -E '^\{' "$OUT/ws_probe.raw" | python3 -c "import json, sys
+for line in sys.stdin:
+    r = json.loads(line); print(r['case'], r['seqs'], r['seq_len'], r.get('us'), r.get('tflops'), r.get('error', ''))"
+      tag "$OUT/ws_probe.raw" "$OUT/kernels.jsonl" ;;
     varlen-sweep)  # varlen attention tile variants on both P6 steps (the default launch rows come with kernels)
       timeout 240 python3 bench/varlen_bench.py --sweep > "$OUT/varlen.raw" 2>>"$OUT/suite.log"
       tag "$OUT/varlen.raw" "$OUT/kernels.jsonl"; cat "$OUT/varlen.raw" ;;
