@@ -189,7 +189,9 @@ def test_replica_that_cannot_load_its_model_is_a_usage_error(tmp_path):
 
 
 def test_plan_replicas_splits_cores_and_gpus(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    # The process's own CPUs (a container's or taskset's share), not the host's count.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 96)
     plans = plan_replicas({"device": "cpu", "max_num_seqs": 4}, 3)
     assert [p.num_threads for p in plans] == [2, 2, 2] and all(p.engine["device"] == "cpu" for p in plans)
     assert plans[0].engine["max_num_seqs"] == 4

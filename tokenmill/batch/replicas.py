@@ -42,6 +42,7 @@ from tokenmill.batch.replica_messages import (
 )
 from tokenmill.distributed.child_process import STOP_GRACE_S, describe_exit, start_module, stop_children
 from tokenmill.distributed.messages import receive, send
+from tokenmill.host_cpus import usable_cpus
 
 if TYPE_CHECKING:
     from tokenmill.batch.config import JobConfig
@@ -71,7 +72,7 @@ def plan_replicas(engine: dict[str, Any], count: int) -> list[ReplicaPlan]:
         raise ValueError(f"--replicas={count!r} is invalid: must be an integer >= 1")
     device = str(engine.get("device") or "auto")
     if device == "cpu" or (device == "auto" and not _cuda_available()):
-        threads = max(1, (os.cpu_count() or 1) // count)
+        threads = max(1, usable_cpus() // count)  # this process's CPUs (its container's or taskset's), not the host's
         return [ReplicaPlan({**engine, "device": "cpu"}, {}, threads) for _ in range(count)]
     if device not in ("auto", "cuda"):
         raise ValueError(f"--replicas gives each replica its own GPUs, so --device {device} cannot apply; "

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import triton
+
+from tokenmill.host_cpus import usable_cpus
 
 # The kernels compiled by compile-only launches inside ``parallel_compile`` (None outside it).
 _compiled: ContextVar[list[Any] | None] = ContextVar("tokenmill_precompiled", default=None)
@@ -47,7 +48,7 @@ def _compile(kernel: triton.JITFunction, grid: tuple[int, ...], *args: Any, **kw
 def parallel_compile(max_workers: int | None = None) -> Iterator[None]:
     """Compile-only launches inside this block compile concurrently; on exit every one is done
     and loaded, ready to launch."""
-    workers = max_workers or min(16, os.cpu_count() or 1)
+    workers = max_workers or min(16, usable_cpus())
     compiled: list[Any] = []
     token = _compiled.set(compiled)
     try:
