@@ -9,7 +9,8 @@ decides how an embedding job compares with ``LLM.embed``. Runs on the CPU with t
 rows, then the measured job of ``--rows`` texts of U[6, 100] words into JSONL, both in this process.
 ``--ids`` writes token-id rows of U[8, 128] tokens instead (P6's BERT inputs, as
 ``embed_job_bench.py`` feeds them on a GPU: no tokenizer in the row's cost). ``--profile`` prints
-cProfile's top functions of the measured job.
+cProfile's top functions of the measured job (``SORT=cumtime TOP=70`` in the environment: another
+order, more rows; default tottime, 20).
 
     python bench/embed_job_host.py [--rows 20000] [--ids] [--profile]
 """
