@@ -43,7 +43,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _probe_kernel(q_desc, k_desc, v_desc, o_ptr, seq_len, scale_log2, stride_o, GROUP: tl.constexpr, HEADS: tl.constexpr,
-                  WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                  WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr):
     q_block = tl.program_id(0)
     head = tl.program_id(1) % HEADS
     row0 = (tl.program_id(1) // HEADS) * seq_len
@@ -53,11 +53,13 @@ def _probe_kernel(q_desc, k_desc, v_desc, o_ptr, seq_len, scale_log2, stride_o, 
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     col = (head // GROUP) * D
-    for tile in tl.range(0, (q_block + 1) * (BM // BN), warp_specialize=WS):
+    tiles = (q_block + 1) * (BM // BN) if CAUSAL else seq_len // BN
+    for tile in tl.range(0, tiles, warp_specialize=WS):
         k = k_desc.load([row0 + tile * BN, col])
         qk = tl.dot(q, k.T)
-        keys = tile * BN + tl.arange(0, BN)
-        qk = tl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
+        if CAUSAL:
+            keys = tile * BN + tl.arange(0, BN)
+            qk = tl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk * scale_log2 - m_new[:, None])
@@ -71,7 +73,7 @@ def _probe_kernel(q_desc, k_desc, v_desc, o_ptr, seq_len, scale_log2, stride_o, 
 
 
 def probe_attention(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_heads: int, dim: int, *, ws: bool,
-                    num_warps: int, num_stages: int, block_m: int = 128, block_n: int = 64) -> torch.Tensor:
+                    num_warps: int, num_stages: int, block_m: int = 128, block_n: int = 64, causal: bool = True) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     tokens = seqs * seq_len
@@ -82,11 +84,12 @@ def probe_attention(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_h
     v = TensorDescriptor(qkv[:, (heads + kv_heads) * dim:], [tokens, kv_heads * dim], [stride, 1], [block_n, dim])
     grid = (seq_len // block_m, seqs * heads)
     _probe_kernel[grid](q, k, v, out, seq_len, dim**-0.5 * _LOG2E, out.stride(0), GROUP=heads // kv_heads, HEADS=heads,
-                        WS=ws, BM=block_m, BN=block_n, D=dim, num_warps=num_warps, num_stages=num_stages)
+                        WS=ws, BM=block_m, BN=block_n, D=dim, CAUSAL=causal, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def sdpa(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_heads: int, dim: int, backend: Any = None) -> torch.Tensor:
+def sdpa(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_heads: int, dim: int, backend: Any = None,
+         causal: bool = True) -> torch.Tensor:
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
@@ -95,10 +98,10 @@ def sdpa(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_heads: int, 
 
     q, k, v = split(0, heads), split(heads, kv_heads), split(heads + kv_heads, kv_heads)
     if backend is None:
-        out = scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True).to(qkv.dtype)
+        out = scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True).to(qkv.dtype)
     else:
         with sdpa_kernel(backend):
-            out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     return out.transpose(1, 2).reshape(seqs * seq_len, heads * dim)
 
 
@@ -131,8 +134,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["8x2048", "16x1024", "4x4096"], help="SEQSxTOKENS, tokens a multiple of 128")
     parser.add_argument("--probes", default="01234", help="which probe rows to run (indices into the list below)")
     parser.add_argument("--no-others", action="store_true", help="the probe rows only (not the engine's kernel or SDPA)")
+    parser.add_argument("--full", action="store_true", help="attention without the causal mask (every key of the sequence)")
     parser.add_argument("--interpret", action="store_true", help="the probe kernels' logic on the CPU, fp16, one small shape")
     args = parser.parse_args()
+    causal = not args.full
     heads, kv_heads, dim = 16, 8, 128
     probes = [(True, 4, 3, 64), (True, 4, 2, 128), (True, 4, 2, 64), (False, 8, 3, 64), (False, 4, 3, 64)]
     if args.interpret:
@@ -144,9 +149,10 @@ def main() -> None:
         heads, kv_heads, dim = 4, 2, 32
         torch.manual_seed(0)
         qkv = torch.randn(2 * 256, (heads + 2 * kv_heads) * dim, dtype=torch.float16)
-        want = sdpa(qkv, 2, 256, heads, kv_heads, dim)
+        want = sdpa(qkv, 2, 256, heads, kv_heads, dim, causal=causal)
         for ws, warps, stages, block_n in probes:
-            got = probe_attention(qkv, 2, 256, heads, kv_heads, dim, ws=ws, num_warps=warps, num_stages=stages, block_n=block_n)
+            got = probe_attention(qkv, 2, 256, heads, kv_heads, dim, ws=ws, num_warps=warps, num_stages=stages, block_n=block_n,
+                                  causal=causal)
             print(json.dumps({"probe": [ws, warps, stages, block_n], "max_abs_err": (got.float() - want.float()).abs().max().item()}))
         return
     from gpu_timing import _provenance, _time_graph
@@ -156,21 +162,23 @@ def main() -> None:
         seqs, seq_len = (int(x) for x in shape.split("x"))
         torch.manual_seed(0)
         qkv = torch.randn(seqs * seq_len, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda")
-        want = sdpa(qkv, seqs, seq_len, heads, kv_heads, dim)
-        flops = 4 * seqs * heads * dim * seq_len * (seq_len + 1) / 2
+        want = sdpa(qkv, seqs, seq_len, heads, kv_heads, dim, causal=causal)
+        flops = 4 * seqs * heads * dim * seq_len * ((seq_len + 1) / 2 if causal else seq_len)
         runs: list[tuple[str, dict[str, Any], Any]] = [
             (f"probe ws={ws} warps={w} stages={s} block_n={n}", {"ws": ws, "num_warps": w, "num_stages": s, "block_n": n},
              lambda ws=ws, w=w, s=s, n=n: probe_attention(qkv, seqs, seq_len, heads, kv_heads, dim, ws=ws, num_warps=w,
-                                                           num_stages=s, block_n=n))
+                                                           num_stages=s, block_n=n, causal=causal))
             for i, (ws, w, s, n) in enumerate(probes) if str(i) in args.probes
         ]
         if not args.no_others:
-            runs.append(("engine paged prefill", {}, engine_prefill(qkv, seqs, seq_len, heads, kv_heads, dim)))
+            if causal:  # the engine's prefill is causal only
+                runs.append(("engine paged prefill", {}, engine_prefill(qkv, seqs, seq_len, heads, kv_heads, dim)))
             for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
                 backend = getattr(SDPBackend, name)
-                runs.append((f"sdpa {name.lower()}", {}, lambda b=backend: sdpa(qkv, seqs, seq_len, heads, kv_heads, dim, b)))
+                runs.append((f"sdpa {name.lower()}", {}, lambda b=backend: sdpa(qkv, seqs, seq_len, heads, kv_heads, dim, b, causal)))
         for label, knobs, fn in runs:
-            row: dict[str, Any] = {**_provenance("ws_attention_probe", label), "seqs": seqs, "seq_len": seq_len, **knobs}
+            row: dict[str, Any] = {**_provenance("ws_attention_probe", label), "seqs": seqs, "seq_len": seq_len, "causal": causal,
+                                   **knobs}
             try:
                 row["max_abs_err"] = round((fn().float() - want.float()).abs().max().item(), 5)
                 median, best = _time_graph(fn)
