@@ -468,7 +468,7 @@ for part in $parts; do
         timeout 40 python3 bench/ws_attention_probe.py --shapes 8x2048 --probes $probe --no-others >> "$OUT/ws_probe.raw" 2>&1 \
           || echo "warp-specialised probe $probe: no result within 40 s"
       done
-      timeout 200 python3 bench/ws_attention_probe.py --probes 34 >> "$OUT/ws_probe.raw" 2>&1
+      timeout 200 python3 bench/ws_attention_probe.py --probes 345 >> "$OUT/ws_probe.raw" 2>&1
       grep -E '^\{' "$OUT/ws_probe.raw" | python3 -c "import json, sys
 for line in sys.stdin:
     r = json.loads(line); print(r['case'], r['seqs'], r['seq_len'], r.get('us'), r.get('tflops'), r.get('error', ''))"

@@ -11,7 +11,10 @@ so the probe masks every tile. The engine's prefill reads keys token by token th
 table, which TMA cannot; this probe reads contiguous K and V (a whole prompt's own keys, as in a
 step whose prompts are not continued chunks) to price the idea before building it. On an H100
 (lease BQ) the warp-specialised rows never returned (each under a 40 s timeout), the probe without
-it ran 1.13-1.22x the engine's kernel and cuDNN's SDPA 1.7-1.8x.
+it ran 1.13-1.22x the engine's kernel and cuDNN's SDPA 1.7-1.8x. The ``longest_first`` row
+launches every sequence's last query block first (the most keys under the causal mask): whether
+the order of the triangle's uneven programs costs the causal step part of its rate (``--full``, no
+mask, ran 445 TFLOP/s where the causal step ran 344).
 
 Causal attention of B sequences of S tokens, Qwen3-0.6B's heads (16 query heads, 8 kv, 128 wide)
 as slices of one qkv output. Rows: the probe kernel with and without warp specialisation, the
@@ -19,7 +22,7 @@ engine's paged kernel on the same problem (block 16, contiguous blocks) and torc
 (flash and cuDNN back ends where present), each checked against SDPA's math back end first.
 ``--interpret`` runs the probe kernels' logic on the CPU (TRITON_INTERPRET=1, fp16, small).
 
-    python bench/ws_attention_probe.py [--shapes 8x2048 16x1024 4x4096]
+    python bench/ws_attention_probe.py [--shapes 8x2048 16x1024 4x4096] [--probes 012345] [--no-others] [--full]
 """
 
 from __future__ import annotations
@@ -43,10 +46,18 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _probe_kernel(q_desc, k_desc, v_desc, o_ptr, seq_len, scale_log2, stride_o, GROUP: tl.constexpr, HEADS: tl.constexpr,
-                  WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr):
-    q_block = tl.program_id(0)
-    head = tl.program_id(1) % HEADS
-    row0 = (tl.program_id(1) // HEADS) * seq_len
+                  WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                  LONGEST_FIRST: tl.constexpr):
+    q_blocks = seq_len // BM
+    groups = tl.num_programs(0) // q_blocks  # (sequence, head) pairs
+    if LONGEST_FIRST:  # every pair's last query block (the most keys under the mask), then the one before, ...
+        q_block = q_blocks - 1 - tl.program_id(0) // groups
+        group = tl.program_id(0) % groups
+    else:  # a pair's blocks one after the other, first to last
+        q_block = tl.program_id(0) % q_blocks
+        group = tl.program_id(0) // q_blocks
+    head = group % HEADS
+    row0 = (group // HEADS) * seq_len
     q = q_desc.load([row0 + q_block * BM, head * D])
     rows = q_block * BM + tl.arange(0, BM)
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -73,7 +84,8 @@ def _probe_kernel(q_desc, k_desc, v_desc, o_ptr, seq_len, scale_log2, stride_o, 
 
 
 def probe_attention(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_heads: int, dim: int, *, ws: bool,
-                    num_warps: int, num_stages: int, block_m: int = 128, block_n: int = 64, causal: bool = True) -> torch.Tensor:
+                    num_warps: int, num_stages: int, block_m: int = 128, block_n: int = 64, causal: bool = True,
+                    longest_first: bool = False) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     tokens = seqs * seq_len
@@ -82,9 +94,10 @@ def probe_attention(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_h
     q = TensorDescriptor(qkv, [tokens, heads * dim], [stride, 1], [block_m, dim])
     k = TensorDescriptor(qkv[:, heads * dim:], [tokens, kv_heads * dim], [stride, 1], [block_n, dim])
     v = TensorDescriptor(qkv[:, (heads + kv_heads) * dim:], [tokens, kv_heads * dim], [stride, 1], [block_n, dim])
-    grid = (seq_len // block_m, seqs * heads)
+    grid = (seq_len // block_m * seqs * heads,)
     _probe_kernel[grid](q, k, v, out, seq_len, dim**-0.5 * _LOG2E, out.stride(0), GROUP=heads // kv_heads, HEADS=heads,
-                        WS=ws, BM=block_m, BN=block_n, D=dim, CAUSAL=causal, num_warps=num_warps, num_stages=num_stages)
+                        WS=ws, BM=block_m, BN=block_n, D=dim, CAUSAL=causal, LONGEST_FIRST=longest_first,
+                        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -132,14 +145,16 @@ def engine_prefill(qkv: torch.Tensor, seqs: int, seq_len: int, heads: int, kv_he
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=["8x2048", "16x1024", "4x4096"], help="SEQSxTOKENS, tokens a multiple of 128")
-    parser.add_argument("--probes", default="01234", help="which probe rows to run (indices into the list below)")
+    parser.add_argument("--probes", default="012345", help="which probe rows to run (indices into the list below)")
     parser.add_argument("--no-others", action="store_true", help="the probe rows only (not the engine's kernel or SDPA)")
     parser.add_argument("--full", action="store_true", help="attention without the causal mask (every key of the sequence)")
     parser.add_argument("--interpret", action="store_true", help="the probe kernels' logic on the CPU, fp16, one small shape")
     args = parser.parse_args()
     causal = not args.full
     heads, kv_heads, dim = 16, 8, 128
-    probes = [(True, 4, 3, 64), (True, 4, 2, 128), (True, 4, 2, 64), (False, 8, 3, 64), (False, 4, 3, 64)]
+    # (warp specialised, warps, stages, key tile, longest query blocks first)
+    probes = [(True, 4, 3, 64, False), (True, 4, 2, 128, False), (True, 4, 2, 64, False), (False, 8, 3, 64, False),
+              (False, 4, 3, 64, False), (False, 8, 3, 64, True)]
     if args.interpret:
         assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
         sys.path.insert(0, str(ROOT / "tests"))
@@ -150,10 +165,11 @@ def main() -> None:
         torch.manual_seed(0)
         qkv = torch.randn(2 * 256, (heads + 2 * kv_heads) * dim, dtype=torch.float16)
         want = sdpa(qkv, 2, 256, heads, kv_heads, dim, causal=causal)
-        for ws, warps, stages, block_n in probes:
+        for ws, warps, stages, block_n, longest_first in probes:
             got = probe_attention(qkv, 2, 256, heads, kv_heads, dim, ws=ws, num_warps=warps, num_stages=stages, block_n=block_n,
-                                  causal=causal)
-            print(json.dumps({"probe": [ws, warps, stages, block_n], "max_abs_err": (got.float() - want.float()).abs().max().item()}))
+                                  causal=causal, longest_first=longest_first)
+            print(json.dumps({"probe": [ws, warps, stages, block_n, longest_first],
+                              "max_abs_err": (got.float() - want.float()).abs().max().item()}))
         return
     from gpu_timing import _provenance, _time_graph
     from torch.nn.attention import SDPBackend
@@ -165,10 +181,11 @@ def main() -> None:
         want = sdpa(qkv, seqs, seq_len, heads, kv_heads, dim, causal=causal)
         flops = 4 * seqs * heads * dim * seq_len * ((seq_len + 1) / 2 if causal else seq_len)
         runs: list[tuple[str, dict[str, Any], Any]] = [
-            (f"probe ws={ws} warps={w} stages={s} block_n={n}", {"ws": ws, "num_warps": w, "num_stages": s, "block_n": n},
-             lambda ws=ws, w=w, s=s, n=n: probe_attention(qkv, seqs, seq_len, heads, kv_heads, dim, ws=ws, num_warps=w,
-                                                           num_stages=s, block_n=n, causal=causal))
-            for i, (ws, w, s, n) in enumerate(probes) if str(i) in args.probes
+            (f"probe ws={ws} warps={w} stages={s} block_n={n}" + (" longest_first" if lf else ""),
+             {"ws": ws, "num_warps": w, "num_stages": s, "block_n": n, "longest_first": lf},
+             lambda ws=ws, w=w, s=s, n=n, lf=lf: probe_attention(qkv, seqs, seq_len, heads, kv_heads, dim, ws=ws, num_warps=w,
+                                                                 num_stages=s, block_n=n, causal=causal, longest_first=lf))
+            for i, (ws, w, s, n, lf) in enumerate(probes) if str(i) in args.probes
         ]
         if not args.no_others:
             if causal:  # the engine's prefill is causal only
