@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [ws-probe] [kernels-coresident] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [prefill-ab-old] [ws-probe] [kernels-coresident] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -473,6 +473,26 @@ for part in $parts; do
 for line in sys.stdin:
     r = json.loads(line); print(r['case'], r['seqs'], r['seq_len'], r.get('us'), r.get('tflops'), r.get('error', ''))"
       tag "$OUT/ws_probe.raw" "$OUT/kernels.jsonl" ;;
+    prefill-ab-old)  # P5's attention steps (prefill_step_bench.py, bf16 then fp8 cache) and the probe's engine and SDPA rows on
+                     # an older engine in .old/ (carried whole: its bench/ and tests/ run its kernels) and on this tree, old then
+                     # new, AB_ROUNDS times (default 2); rows carry "tree" (docs/perf.md 110)
+      [ -d .old/bench ] || { echo "prefill-ab-old: no .old/ tree carried with its bench/"; continue; }
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for tree in old new; do
+          root=$PWD; [ $tree = old ] && root=$PWD/.old
+          for cache in "" --fp8-cache; do
+            PYTHONPATH="$root:$PYTHONPATH" timeout 150 python3 "$root/bench/prefill_step_bench.py" $cache 2>>"$OUT/suite.log" \
+              | sed "s/^{/{\"tree\": \"$tree\", /" >> "$OUT/prefill_ab.raw"
+          done
+          PYTHONPATH="$root:$PYTHONPATH" timeout 150 python3 "$root/bench/ws_attention_probe.py" --probes "" 2>>"$OUT/suite.log" \
+            | sed "s/^{/{\"tree\": \"$tree\", /" >> "$OUT/prefill_ab.raw"
+        done
+      done
+      grep -E '^\{' "$OUT/prefill_ab.raw" | python3 -c "import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r['tree'], r['case'], r.get('cache_dtype', ''), r.get('seqs', ''), r.get('seq_len', ''), r.get('us', r.get('us_median')), r.get('tflops', r.get('prefill_tflops', '')), r.get('error', ''))"
+      tag "$OUT/prefill_ab.raw" "$OUT/kernels.jsonl"; : > "$OUT/prefill_ab.raw" ;;
     varlen-sweep)  # varlen attention tile variants on both P6 steps (the default launch rows come with kernels)
       timeout 240 python3 bench/varlen_bench.py --sweep > "$OUT/varlen.raw" 2>>"$OUT/suite.log"
       tag "$OUT/varlen.raw" "$OUT/kernels.jsonl"; cat "$OUT/varlen.raw" ;;

@@ -53,7 +53,15 @@ def _locate_rows(
         first_block = q_start
     else:
         first_block = q_start // BLOCK_Q + seq
-    q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
+    if BLOCK_Q == 1:
+        q_first = block_id - first_block
+    else:
+        # A sequence's last query block first: under the causal mask it has the most key tiles, and
+        # the GPU starts programs in grid order, so launching the longest early leaves a tail of
+        # short programs to fill the SMs at the end instead of a few long ones running alone.
+        blocks = tl.cdiv(query_len, BLOCK_Q)
+        slot = block_id - first_block
+        q_first = tl.where(slot < blocks, (blocks - 1 - slot) * BLOCK_Q, query_len)  # past the end: spare
     cached_len = tl.load(seq_lens_ptr + seq) - query_len  # keys that were in the cache before this step
     rows = tl.arange(0, BLOCK_M)
     row_tok = q_first + rows // GROUP_P
