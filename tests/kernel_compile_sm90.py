@@ -41,6 +41,8 @@ _COMPILE_ATTENTION = {
 }
 for _name in _COMPILE_ATTENTION:
     _case("compile_sm90", f"sm90-attn-{_name}", kernel="attention", shape=_name)
+# Attention launches whose occupancy is two programs an SM (checked below: registers x threads).
+_TWO_PROGRAMS_AN_SM = ("prefill-bf16-d128-g2", "prefill-fp16-d64-g1-bs32")
 _COMPILE_VARLEN = {
     # name: (dtype, heads, kv_heads, head_dim, causal); q, k, v strided views of one qkv output
     "qwen3-embed-causal-bf16-d128-g2": ("bfloat16", 16, 8, 128, True),
@@ -418,6 +420,12 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         if entry["kernel"] in ("_paged_attention_kernel", "_paged_attention_fixed_split_kernel", "_varlen_attention_kernel",
                                "_queue_decode_kernel") and entry["float_inputs"]:
             assert entry["wgmma"] or entry["mma_sync"], "bf16/fp16 attention dots are not on tensor cores"
+        if (entry["kernel"] == "_paged_attention_kernel" and p.get("shape") in _TWO_PROGRAMS_AN_SM
+                and "cache_dtype" not in p and not p.get("deterministic")):
+            # The 16-bit prefill tiles (8 warps) run two programs an SM only at <= 128 registers a thread:
+            # at 130 one fits, and P5's prefill attention step took 1.5x as long (docs/perf.md 110).
+            assert entry["registers"] * entry["options"]["num_warps"] * 32 * 2 <= 65536, (
+                f"the prefill tile needs {entry['registers']} registers a thread: one program an SM, not two")
         if entry["kernel"] == "_w4a16_kernel" and p["m"] <= SWAPPED_MAX_M:
             # Decode sizes: the dequantized weight is the wgmma's register operand, made from words
             # that stream in asynchronously; it never goes through shared memory (the reshape of the
