@@ -63,7 +63,6 @@ from tokenmill.kernels.triton.paged_attention_tiles import (
     _attend_tiles,
     _dot_query,
     _load_rows,
-    _is_spare,
     _locate_rows,
     _store_normalised,
     _store_partial,
@@ -123,10 +122,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK,
-        LONGEST_FIRST=BLOCK_Q > 1,
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
     )
-    if _is_spare(q_first, query_len, LONGEST_FIRST=BLOCK_Q > 1):
+    if q_first >= query_len:
         return  # a spare program of the static grid
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
     q = _dot_query(q, scale_log2, FP16_DOTS)

@@ -15,7 +15,6 @@ from tokenmill.kernels.triton.paged_attention_tiles import (
     _dot_query,
     _find_sequence,
     _load_rows,
-    _is_spare,
     _locate_rows,
     _store_normalised,
     _store_partial,
@@ -102,10 +101,9 @@ def _paged_attention_fixed_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq, q_first, query_len, _, token, row_head, row_valid, row_pos, kv_end = _locate_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK,
-        LONGEST_FIRST=False,  # fixed key parts: the programs' lengths are even, and the order costs registers here
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, block_id, kv_head, GROUP, GROUP_P, BLOCK_Q, BLOCK_M, SEARCH_BLOCK
     )
-    if _is_spare(q_first, query_len, LONGEST_FIRST=False):
+    if q_first >= query_len:
         return  # a spare program of the static grid
     q = _load_rows(q_ptr, token, row_head, row_valid, stride_q_tok, stride_q_head, HEAD_DIM)
     q = _dot_query(q, scale_log2, FP16_DOTS)

@@ -40,16 +40,11 @@ def _locate_rows(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
 ):
     """The sequence, query rows and key range of one program's query block.
 
-    LONGEST_FIRST numbers a sequence's query blocks from its last: under the causal mask the last
-    has the most key tiles, and the GPU starts programs in grid order, so the long ones start early
-    and the short ones fill the SMs at the end instead of a few long ones running alone.
-
     Row r of the score tile is query token ``q_first + r // GROUP_P``, head ``r % GROUP_P`` of the
-    group. The caller returns at once when ``_is_spare`` (a spare program of the grid).
+    group. The caller returns at once when ``q_first >= query_len`` (a spare program of the grid).
     """
     seq = _find_sequence(query_start_loc_ptr, num_seqs, block_id, BLOCK_Q, SEARCH_BLOCK)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -58,13 +53,7 @@ def _locate_rows(
         first_block = q_start
     else:
         first_block = q_start // BLOCK_Q + seq
-    if LONGEST_FIRST and BLOCK_Q > 1:
-        # Counted from the end of the sequence's grid slots ((q_start + query_len) // BLOCK_Q -
-        # q_start // BLOCK_Q + 1 of them): a slot past its last block maps past query_len, and a
-        # spare past the last sequence's slots (a launch from first_seq > 0 has one) below 0.
-        q_first = ((q_start + query_len) // BLOCK_Q - q_start // BLOCK_Q - (block_id - first_block)) * BLOCK_Q
-    else:
-        q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
+    q_first = (block_id - first_block) * BLOCK_Q  # first query of this block, within the sequence
     cached_len = tl.load(seq_lens_ptr + seq) - query_len  # keys that were in the cache before this step
     rows = tl.arange(0, BLOCK_M)
     row_tok = q_first + rows // GROUP_P
@@ -75,19 +64,6 @@ def _locate_rows(
     # Keys this block needs: up to its last real query's position.
     kv_end = cached_len + tl.minimum(q_first + BLOCK_Q, query_len)
     return seq, q_first, query_len, cached_len, token, row_head, row_valid, row_pos, kv_end
-
-
-@triton.jit
-def _is_spare(q_first, query_len, LONGEST_FIRST: tl.constexpr):
-    """Whether a program of the static grid has no query block (``_locate_rows``'s q_first outside
-    [0, query_len)). Counted from the end, q_first can fall below 0: one unsigned comparison, where
-    a second test cost the prefill tile two registers and with them its second program an SM
-    (docs/perf.md 110). Counted from the start it never does, and the plain test keeps the
-    registers as they were."""
-    if LONGEST_FIRST:
-        return q_first.to(tl.uint32) >= query_len.to(tl.uint32)
-    else:
-        return q_first >= query_len
 
 
 @triton.jit
