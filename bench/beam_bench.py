@@ -22,6 +22,7 @@ from pathlib import Path
 from random import randint, seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_usage import check_usage  # noqa: E402
 from peer_bench import model_dir  # noqa: E402
 from result_row import emit  # noqa: E402
 
@@ -34,6 +35,7 @@ def beam_workload() -> list[list[int]]:
 
 
 def main() -> None:
+    check_usage(__doc__, 2)
     engine, shape, widths = sys.argv[1], sys.argv[2], [int(w) for w in sys.argv[3:]] or [4]
     module = importlib.import_module(engine)
     start = time.time()

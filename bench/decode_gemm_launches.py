@@ -13,6 +13,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from script_usage import check_usage  # noqa: E402
 from tokenmill.kernels.triton import fp8_gemm, w4a16_gemm  # noqa: E402
 from tokenmill.kernels.triton.sm_count import num_sms  # noqa: E402
 from tokenmill.quantization.fp8 import quantize_rows  # noqa: E402
@@ -21,6 +22,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def main() -> None:
+    check_usage(__doc__, 3)
     kind, name, m = sys.argv[1], sys.argv[2], int(sys.argv[3])
     n, k = SHAPES[name]
     sms = num_sms(torch.device("cuda"))

@@ -18,6 +18,7 @@ import time
 from random import randint, seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_usage import check_usage  # noqa: E402
 from embed_bench import SHAPES, model_dir  # noqa: E402  (the protocol's own shapes and model folders)
 from result_row import emit  # noqa: E402
 
@@ -25,6 +26,7 @@ ID_SHIFT = 10_007  # P6's ids are below 10,001; two shifts stay below BERT's 30,
 
 
 def main() -> None:
+    check_usage(__doc__, 2)
     engine, shape = sys.argv[1], sys.argv[2]
     calls = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     if not 1 <= calls <= 3:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_usage import check_usage  # noqa: E402
 import peer_bench  # noqa: E402
 
 RANK = 16
@@ -59,6 +60,7 @@ def adapter_dir(shape: str, index: int) -> str:
 
 
 def main() -> None:
+    check_usage(__doc__, 3)
     engine, shape, mode, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     mod = importlib.import_module(engine)
     LoRARequest = importlib.import_module(f"{engine}.lora.request").LoRARequest

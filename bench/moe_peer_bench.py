@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_usage import check_usage  # noqa: E402
 import peer_bench  # noqa: E402
 
 peer_bench.CONFIGS["qwen3-30b-a3b"] = dict(
@@ -36,4 +37,5 @@ peer_bench.CONFIGS["mixtral-8x7b"] = dict(
 )
 
 if __name__ == "__main__":
+    check_usage(__doc__, 2)
     peer_bench.main()

@@ -17,6 +17,7 @@ from pathlib import Path
 from random import randint, seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_usage import check_usage  # noqa: E402
 from peer_bench import CONFIGS, model_dir  # noqa: E402
 from result_row import emit  # noqa: E402
 
@@ -34,6 +35,7 @@ def weight_bytes(shape: str) -> int:
 
 
 def main() -> None:
+    check_usage(__doc__, 2)
     shape, fraction = sys.argv[1], float(sys.argv[2])
     from tokenmill import LLM, SamplingParams, __version__
 

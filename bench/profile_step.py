@@ -27,6 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from script_usage import check_usage  # noqa: E402
 from moe_peer_bench import peer_bench  # noqa: E402  (peer_bench's table with the mixture-of-experts shapes added)
 from refill_bench import refill_workload  # noqa: E402
 from workload_bench import chat_settings, chat_workload  # noqa: E402
@@ -41,6 +42,7 @@ def flag_values(name: str) -> list[str]:
 
 
 def main() -> None:
+    check_usage(__doc__, 2)
     shape, name = sys.argv[1], sys.argv[2]
     on_gpu = "--gpu" in sys.argv[3:]
     from tokenmill import LLM, SamplingParams

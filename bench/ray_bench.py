@@ -17,11 +17,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_usage import check_usage  # noqa: E402
 from peer_bench import model_dir, workload  # noqa: E402
 from result_row import emit  # noqa: E402
 
 
 def main() -> None:
+    check_usage(__doc__, 0)
     args = sys.argv[1:]
     replicas = 1
     if args[:1] == ["--replicas"]:

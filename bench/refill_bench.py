@@ -26,6 +26,7 @@ from pathlib import Path
 from random import randint, seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_usage import check_usage  # noqa: E402
 from peer_bench import model_dir  # noqa: E402
 from result_row import emit  # noqa: E402
 
@@ -48,6 +49,7 @@ def refill_workload(name: str) -> tuple[list[list[int]], list[int], dict]:
 
 
 def main() -> None:
+    check_usage(__doc__, 2)
     engine, shape, names = sys.argv[1], sys.argv[2], sys.argv[3:] or list(WORKLOADS)
     module = importlib.import_module(engine)
     start = time.time()

@@ -52,6 +52,7 @@ import time
 from random import randint, seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_usage import check_usage  # noqa: E402
 from peer_bench import model_dir  # noqa: E402
 from result_row import emit  # noqa: E402
 
@@ -181,6 +182,7 @@ def _alloc_retries() -> int | None:
 
 
 def main() -> None:
+    check_usage(__doc__, 2)
     args = [arg for arg in sys.argv[1:] if arg != "--matched-vocab"]
     matched = len(args) < len(sys.argv) - 1
     engine, shape = args[0], args[1]
