@@ -234,9 +234,14 @@ def test_float32_vectors_are_written_as_the_shortest_decimals_that_read_back_exa
     vectors = [wide, edges, np.array([0.5, np.nan, np.inf, -np.inf], dtype=np.float32), np.zeros(0, dtype=np.float32)]
     records = [{"row": i, "id": f"é\x00{i}:0", "embedding": v, "error": None} for i, v in enumerate(vectors)]
     records.append({"response": {"body": {"data": [{"index": 0, "embedding": edges}]}}, "error": None})  # an OpenAI line
+    # An OpenAI line of several inputs: its vectors, each in its own place.
+    records.append({"response": {"body": {"data": [{"index": k, "embedding": v} for k, v in enumerate(vectors)]}}})
     lines = encode_lines(records).decode("utf-8").splitlines()
-    assert len(lines) == 5
+    assert len(lines) == 6
     assert json.loads(lines[4])["response"]["body"]["data"][0]["embedding"] == json.loads(lines[1])["embedding"]
+    several = json.loads(lines[5])["response"]["body"]["data"]
+    assert [d["index"] for d in several] == [0, 1, 2, 3]
+    assert [d["embedding"] for d in several] == [json.loads(line)["embedding"] for line in lines[:4]]
     for i, (line, vector) in enumerate(zip(lines, vectors)):
         back = json.loads(line)
         assert list(back) == ["row", "id", "embedding", "error"] and back["id"] == f"é\x00{i}:0"

@@ -105,10 +105,12 @@ def encode_lines(records: Iterable[dict[str, Any]]) -> bytes:
         texts = float32_json(vectors)
         marker = f'"\\u0000{nonce}:'.encode("ascii")  # as json.dumps escapes the placeholder's NUL
         for at, first, end in held:
-            line = lines[at]
-            for i in range(first, end):
-                line = line.replace(marker + b"%d\"" % i, texts[i], 1)
-            lines[at] = line
+            # One split a line, its placeholders in the order json.dumps met them: a replace a vector
+            # rescanned the whole line each time (an OpenAI embeddings line of 2,000 vectors: 10.7 s).
+            pieces = lines[at].split(marker)
+            for k, i in enumerate(range(first, end), start=1):
+                pieces[k] = texts[i] + pieces[k][len(b"%d\"" % i):]
+            lines[at] = b"".join(pieces)
     return b"\n".join(lines) + b"\n" if lines else b""
 
 
