@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.host_cpus import usable_cpus
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -204,8 +205,6 @@ def matcher_threads() -> int:
     other half keeps the engine's own thread and the tokenizer's free). Not xgrammar's "auto",
     which halves the host's hardware threads: in a container or a job allocation limited to 16 of
     a host's 192 CPUs that is 96 threads contending for 16."""
-    from tokenmill.host_cpus import usable_cpus
-
     return max(1, usable_cpus() // 2)
 
 
