@@ -15,7 +15,8 @@ mixed step runs a whole "model" of ``--layers`` layers on its own partition:
 Rows (bench "sm_partition", microseconds a layer, CUDA events around 10 repeats): the engine's way
 (one stream, all SMs, the GEMMs over decodes and prompt rows together, then both attentions), each
 half alone on the full device, and for every split each half alone on its partition and both side by
-side. The split pays where "both" beats the engine's row. Usage:
+side (the GEMMs told their partition's SM count, and not). The split pays where "both" beats the
+engine's row. Usage:
     python bench/sm_partition_probe.py [--prompt-tokens 8192] [--decodes 256] [--layers 8]
 """
 
@@ -139,7 +140,6 @@ def main() -> None:
     from tokenmill.kernels.triton import paged_attention as pa
     from tokenmill.kernels.triton.paged_attention_queue import decode_order, launch_shape, new_queue, queued_decode_attention
 
-    torch.backends.cuda.preferred_blas_library("cublaslt")  # the SM count target is a cuBLASLt attribute
     dtype = getattr(torch, args.dtype)
     total_sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = args.head_dim**-0.5
@@ -198,8 +198,11 @@ def main() -> None:
     base = {**_provenance("sm_partition", ""), "prompt_tokens": args.prompt_tokens, "decodes": len(decode_lens),
             "decode_ctx_mean": round(sum(decode_lens) / len(decode_lens), 1), "layers": layers, "sms": total_sms,
             "decode_kv_gb_a_layer": round(sum(decode_lens) * args.kv_heads * args.head_dim * 2 * dec.kv_cache.element_size() / 1e9, 3)}
-    engine_us = time_us(engine, layers)
+    engine_us = time_us(engine, layers)  # cuBLAS, as the engine runs
     print(json.dumps({**base, "case": "engine", "us_a_layer": round(engine_us, 1)}), flush=True)
+    # The SM count target is a cuBLASLt attribute: the rest runs on cuBLASLt, its engine row first.
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    print(json.dumps({**base, "case": "engine-cublaslt", "us_a_layer": round(time_us(engine, layers), 1)}), flush=True)
     full = {name: time_us(half(part, None), layers) for name, part in (("decodes", decodes), ("prompts", prompts))}
     print(json.dumps({**base, "case": "halves-full-device", "decodes_us": round(full["decodes"], 1),
                       "prompts_us": round(full["prompts"], 1), "sum_us": round(sum(full.values()), 1)}), flush=True)
@@ -219,10 +222,14 @@ def main() -> None:
             alone_dec = time_us(lambda: on_streams([(dec_stream, run_dec)]), layers)
             alone_pre = time_us(lambda: on_streams([(pre_stream, run_pre)]), layers)
             both = time_us(lambda: on_streams([(dec_stream, run_dec), (pre_stream, run_pre)]), layers)
+            # The GEMMs sized for the whole device (no SM count target): waves cut short on a partition.
+            run_dec_full, run_pre_full = half(decodes, None), half(prompts, None)
+            both_untold = time_us(lambda: on_streams([(dec_stream, run_dec_full), (pre_stream, run_pre_full)]), layers)
             decode_attention()  # the partitioned runs' results, checked once more on the full device
             torch.cuda.synchronize()
             row = {"decodes_alone_us": round(alone_dec, 1), "prompts_alone_us": round(alone_pre, 1),
                    "both_us": round(both, 1), "vs_engine": round(both / engine_us, 3),
+                   "both_gemms_untold_us": round(both_untold, 1),
                    "overlap_loss": round(both / max(alone_dec, alone_pre), 3)}
         except Exception as exc:  # noqa: BLE001  (a launch a green stream refuses: report it, go on)
             row = {"error": repr(exc)[:300]}
