@@ -3,9 +3,8 @@ two run side by side on disjoint sets of SMs (green contexts)? Issue 15's P5 que
 
 Two streams running free (docs/perf.md 17) time-shared the SMs: a cuBLAS GEMM's CTAs hold whole
 SMs and the attention launch's programs fill every SM, so neither could use what the other left.
-Here the device's SMs are split into two green contexts (CUDA driver, through ctypes: torch's
-``GreenContext.create`` always takes the first SMs, so two of them would overlap) and each half of a
-mixed step runs a whole "model" of ``--layers`` layers on its own partition:
+Here the device's SMs are split into two green contexts (``tokenmill/worker/sm_partition.py``) and
+each half of a mixed step runs a whole "model" of ``--layers`` layers on its own partition:
 
 - decodes (``--decodes`` sequences at P5's contexts): per layer the four Qwen3-0.6B GEMMs at
   M = decodes and the item-queue decode attention, its grid sized to the partition;
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import random
 import statistics
@@ -40,42 +38,9 @@ from gpu_timing import _provenance  # noqa: E402
 from kernels_bench import attention_arguments, decode_batch, protocol_contexts  # noqa: E402
 from prefill_step_bench import checked_rel_err, p5_step, step_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
+from tokenmill.worker.sm_partition import split_device  # noqa: E402
 
 HIDDEN, INTER, QKV_OUT, ATTN_OUT = 1024, 3072, 4096, 2048  # Qwen3-0.6B: 16 + 2 x 8 heads of 128
-_CU_DEV_RESOURCE_TYPE_SM = 1
-_CU_STREAM_NON_BLOCKING = 1
-_RESOURCE_BYTES = 4096  # a CUdevResource is 144-160 bytes across CUDA 12.4-13.x; room to spare
-_SM_COUNT_OFFSET = 96  # CUdevResource: type (4 bytes), 92 bytes of padding, then sm.smCount
-
-
-def green_streams(first_sms: int) -> tuple[list[torch.cuda.ExternalStream], list[int]]:
-    """Two streams on disjoint SM partitions: ``first_sms`` SMs (rounded up by the driver to its
-    granularity) and the rest. Returns the streams and each partition's actual SM count."""
-    lib = ctypes.CDLL("libcuda.so.1")
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            raise RuntimeError(f"{what} failed: CUresult {result}")
-
-    lib.cuGreenCtxCreate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-    lib.cuGreenCtxStreamCreate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
-    device = ctypes.c_int()
-    check(lib.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()), "cuDeviceGet")
-    full, group, rest = (ctypes.create_string_buffer(_RESOURCE_BYTES) for _ in range(3))
-    check(lib.cuDeviceGetDevResource(device, full, _CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
-    groups = ctypes.c_uint(1)
-    check(lib.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), full, rest, 0, first_sms),
-          "cuDevSmResourceSplitByCount")
-    streams, counts = [], []
-    for resource in (group, rest):
-        desc, context, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        check(lib.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1), "cuDevResourceGenerateDesc")
-        check(lib.cuGreenCtxCreate(ctypes.byref(context), desc, device, 1), "cuGreenCtxCreate")
-        check(lib.cuGreenCtxStreamCreate(ctypes.byref(stream), context, _CU_STREAM_NON_BLOCKING, 0),
-              "cuGreenCtxStreamCreate")
-        streams.append(torch.cuda.ExternalStream(stream.value))
-        counts.append(ctypes.c_uint.from_buffer(resource, _SM_COUNT_OFFSET).value)
-    return streams, counts
 
 
 @contextlib.contextmanager
@@ -212,7 +177,8 @@ def main() -> None:
                       "vs_engine": round(both_plain / engine_us, 3)}), flush=True)
     for split in (int(s) for s in args.splits.split(",")):
         try:
-            (dec_stream, pre_stream), (dec_sms, pre_sms) = green_streams(split)
+            partition = split_device(split, torch.device("cuda", torch.cuda.current_device()))
+            (dec_stream, pre_stream), (dec_sms, pre_sms) = partition.streams, partition.sms
         except (RuntimeError, OSError, AttributeError) as exc:
             print(json.dumps({**base, "case": "split", "decode_sms": split, "error": repr(exc)[:300]}), flush=True)
             break
