@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [prefill-ab-old] [ws-probe] [kernels-coresident] [sm-partition] [p5-partition] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [prefill-ab-old] [ws-probe] [kernels-coresident] [sm-partition] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -441,22 +441,11 @@ for part in $parts; do
     kernels-coresident)  # a mixed P5 step's queued decodes beside its prefill launch on two streams (docs/perf.md 80)
       timeout 150 python3 bench/prefill_step_bench.py --coresident > "$OUT/kernels_coresident.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_coresident.raw" "$OUT/kernels.jsonl"
       cat "$OUT/kernels_coresident.raw"; : > "$OUT/kernels_coresident.raw" ;;
-    sm-partition)  # a P5-like mixed step's decodes and prompt chunks side by side on disjoint SM partitions (green contexts), by split;
-      # then the engine test of the partitioned micro-batches
-      timeout 120 python3 -m pytest -q -x tests/gpu/test_engine_gpu.py -k sm_partitions 2>&1 | tail -3
+    sm-partition)  # a P5-like mixed step's decodes and prompt chunks side by side on disjoint SM partitions (green contexts), by split (perf.md 113)
       for shape in "8192 256" "4096 256"; do set -- $shape
         timeout 150 python3 bench/sm_partition_probe.py --prompt-tokens $1 --decodes $2 >> "$OUT/sm_partition.raw" 2>>"$OUT/suite.log"
       done
       tag "$OUT/sm_partition.raw" "$OUT/kernels.jsonl"; cat "$OUT/sm_partition.raw"; : > "$OUT/sm_partition.raw" ;;
-    p5-partition)  # P5 with a mixed step's decodes and prompt chunks on disjoint SM partitions (perf.md 113), by the
-      # decodes' SMs (0: the plain engine) and the token budget (0: the default), plain runs first and last
-      for run in "0 0" "40 0" "0 4096" "40 4096" "40 8192" "24 4096" "0 0"; do set -- $run
-        RESULTS="$OUT/partition.raw" TOKENMILL_OVERLAP=$([ "$1" = 0 ] || echo mixed) TOKENMILL_DECODE_SMS=$1 \
-          TOKENMILL_MAX_BATCHED=$([ "$2" = 0 ] || echo "$2") PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 150 \
-          python3 bench/peer_bench.py tokenmill_partition qwen3-0.6b prefill 2>&1 | grep -v "^\s*$" | tail -2
-        [ -f "$OUT/partition.raw" ] && sed -i "\$ {/decode_sms/! s/\"engine\": \"tokenmill_partition\",/\"engine\": \"tokenmill_partition\", \"decode_sms\": $1, \"max_batched\": $2,/}" "$OUT/partition.raw"
-      done
-      tag "$OUT/partition.raw" "$OUT/throughput.jsonl"; cat "$OUT/partition.raw"; : > "$OUT/partition.raw" ;;
     side-decodes)  # P5 with the mixed steps' decodes on a side stream (SIDE_DECODES programs an SM, default 2: the best kernel row of perf.md 80) against the default, alternating
       for engine in tokenmill tokenmill_side_decodes tokenmill tokenmill_side_decodes; do
         RESULTS="$OUT/side.raw" TOKENMILL_SIDE_DECODES=${SIDE_DECODES:-2} PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 170 python3 bench/peer_bench.py $engine qwen3-0.6b prefill 2>&1 | grep -v "^\s*$" | tail -2

@@ -3,7 +3,7 @@ two run side by side on disjoint sets of SMs (green contexts)? Issue 15's P5 que
 
 Two streams running free (docs/perf.md 17) time-shared the SMs: a cuBLAS GEMM's CTAs hold whole
 SMs and the attention launch's programs fill every SM, so neither could use what the other left.
-Here the device's SMs are split into two green contexts (``tokenmill/worker/sm_partition.py``) and
+Here the device's SMs are split into two green contexts (``bench/sm_partition.py``) and
 each half of a mixed step runs a whole "model" of ``--layers`` layers on its own partition:
 
 - decodes (``--decodes`` sequences at P5's contexts): per layer the four Qwen3-0.6B GEMMs at
@@ -38,7 +38,7 @@ from gpu_timing import _provenance  # noqa: E402
 from kernels_bench import attention_arguments, decode_batch, protocol_contexts  # noqa: E402
 from prefill_step_bench import checked_rel_err, p5_step, step_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
-from tokenmill.worker.sm_partition import split_device  # noqa: E402
+from sm_partition import split_device  # noqa: E402
 
 HIDDEN, INTER, QKV_OUT, ATTN_OUT = 1024, 3072, 4096, 2048  # Qwen3-0.6B: 16 + 2 x 8 heads of 128
 

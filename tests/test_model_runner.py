@@ -268,22 +268,3 @@ def test_split_metadata_of_a_padded_decode_graph_batch():
     # Real rows past the cut: B's starts are rebased on the device.
     meta.query_start_loc.copy_(torch.arange(7, dtype=torch.int32))
     assert split_metadata(meta, 3)[2].query_start_loc.tolist() == [0, 1, 2, 3]
-
-
-def test_overlap_settings_from_the_environment(monkeypatch):
-    """TOKENMILL_DECODE_SMS gives the mixed steps' decodes their own SMs; a value that is not a
-    whole number, or one without the mixed steps cut, is refused with the variable and value named."""
-    from tokenmill.worker.micro_batches import Overlap
-
-    monkeypatch.setenv("TOKENMILL_OVERLAP", "mixed")
-    monkeypatch.setenv("TOKENMILL_DECODE_SMS", "40")
-    assert Overlap.from_env() == Overlap(mixed=True, decode_sms=40)
-    monkeypatch.setenv("TOKENMILL_DECODE_SMS", "forty")
-    with pytest.raises(ValueError, match="TOKENMILL_DECODE_SMS='forty'"):
-        Overlap.from_env()
-    monkeypatch.setenv("TOKENMILL_OVERLAP", "decode")
-    monkeypatch.setenv("TOKENMILL_DECODE_SMS", "40")
-    with pytest.raises(ValueError, match="only with TOKENMILL_OVERLAP=mixed"):
-        Overlap.from_env()
-    monkeypatch.delenv("TOKENMILL_DECODE_SMS")
-    assert Overlap.from_env() == Overlap(decode=True)

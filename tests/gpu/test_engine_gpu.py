@@ -145,26 +145,6 @@ def test_two_micro_batches_equal_one_batch_on_gpu(gpu_models, monkeypatch):
         assert got == expected
 
 
-def test_micro_batches_on_sm_partitions_equal_one_batch_on_gpu(gpu_models, monkeypatch):
-    """TOKENMILL_DECODE_SMS: a mixed step's decodes on 16 SMs of their own and its prompt chunks on
-    the rest (two green contexts, disjoint) give the one-batch engine's tokens (fp32), greedy and seeded."""
-    path = gpu_models["llama"]
-    inputs = [{"prompt_token_ids": p} for p in _prompts(90, seed=17)]
-    options = dict(skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=96, max_num_batched_tokens=700,
-                   gpu_memory_utilization=0.3, dtype="float32")
-    one = LLM(path, **options)
-    monkeypatch.setenv("TOKENMILL_OVERLAP", "mixed")
-    monkeypatch.setenv("TOKENMILL_DECODE_SMS", "16")
-    two = LLM(path, **options)
-    runner = two.llm_engine.executor.runner
-    assert runner._side_stream is not None and runner._b_stream is not None
-    for params in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, detokenize=False),
-                   SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True, detokenize=False)):
-        expected = [o.outputs[0].token_ids for o in one.generate(inputs, params, use_tqdm=False)]
-        got = [o.outputs[0].token_ids for o in two.generate(inputs, params, use_tqdm=False)]
-        assert got == expected
-
-
 def test_async_scheduling_equals_synchronous_on_gpu(gpu_models):
     """Step N+1 runs on the GPU while the host reads step N back: same tokens as reading every
     step back first (fp32, so batch-shape changes cannot flip ties), with sequences stopping

@@ -1,8 +1,6 @@
 """Two micro-batches on two CUDA streams (NanoFlow's overlap): an experiment, off unless
 ``TOKENMILL_OVERLAP`` names where to use it (comma-separated: ``decode`` for the captured decode
-graphs, ``mixed`` for steps that hold both decodes and prompt chunks). ``TOKENMILL_DECODE_SMS`` (with
-``mixed``): run a mixed step's decodes on that many SMs and its prompt chunks on the rest, two green
-contexts (sm_partition.py), instead of two streams that share every SM.
+graphs, ``mixed`` for steps that hold both decodes and prompt chunks).
 
 Why: inside one forward every kernel waits for the one before, so a step costs its memory-bound
 attention plus its compute-bound GEMMs. Cut the batch at a sequence boundary into A and B and run
@@ -34,7 +32,6 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionBackend, AttentionMetadata, ForwardContext
 
 OVERLAP_ENV = "TOKENMILL_OVERLAP"
-DECODE_SMS_ENV = "TOKENMILL_DECODE_SMS"
 _PLACES = ("decode", "mixed")
 
 
@@ -44,7 +41,6 @@ class Overlap:
 
     decode: bool = False  # decode graphs of batches >= MIN_DECODE_BATCH, cut in halves
     mixed: bool = False  # eager steps with decodes in front of prompt chunks, cut between them
-    decode_sms: int = 0  # with ``mixed``: the decodes' own SMs (the chunks get the rest); 0 shares them all
 
     # A decode graph of fewer rows has too little work per half to hide anything.
     MIN_DECODE_BATCH = 64
@@ -56,10 +52,7 @@ class Overlap:
         unknown = places - set(_PLACES)
         if unknown:
             raise ValueError(f"{OVERLAP_ENV}={value!r}: unknown place(s) {sorted(unknown)}; allowed: {list(_PLACES)}")
-        sms = os.environ.get(DECODE_SMS_ENV, "0").strip() or "0"
-        if not sms.isdigit() or (int(sms) and "mixed" not in places):
-            raise ValueError(f"{DECODE_SMS_ENV}={sms!r}: allowed is a whole number of SMs, and only with {OVERLAP_ENV}=mixed")
-        return cls(decode="decode" in places, mixed="mixed" in places, decode_sms=int(sms))
+        return cls(decode="decode" in places, mixed="mixed" in places)
 
 
 def split_metadata(meta: AttentionMetadata, split: int) -> tuple[int, AttentionMetadata, AttentionMetadata]:
@@ -105,11 +98,10 @@ def forward_micro_batches(
     backend: AttentionBackend,
     split: int,
     side_stream: "torch.cuda.Stream | None",
-    b_stream: "torch.cuda.Stream | None" = None,
 ) -> torch.Tensor:  # [T, hidden], as model(input_ids, positions, ...) would return
     """The model's forward of the step as micro-batches A (sequences before ``split``, on
-    ``side_stream``) and B (the rest, on ``b_stream``, else the current stream), joined.
-    ``side_stream`` None (the CPU): one after the other."""
+    ``side_stream``) and B (the rest, on the current stream), joined. ``side_stream`` None (the
+    CPU): one after the other."""
     if not 0 < split < len(meta.query_lens_host):
         raise ValueError(f"split must cut the step's {len(meta.query_lens_host)} sequences in two, got {split}")
     tokens_a, meta_a, meta_b = split_metadata(meta, split)
@@ -125,14 +117,8 @@ def forward_micro_batches(
     side_stream.wait_stream(main)
     with torch.cuda.stream(side_stream):
         hidden_a = model(input_ids[:tokens_a], positions[:tokens_a], ctx_a)
-    if b_stream is None:
-        hidden_b = model(ids_b, positions_b, ctx_b)
-    else:
-        b_stream.wait_stream(main)
-        with torch.cuda.stream(b_stream):
-            hidden_b = model(ids_b, positions_b, ctx_b)
-        main.wait_stream(b_stream)
-    # Join. What A and B read stays valid until here: the step's tensors are freed on the host only
+    hidden_b = model(ids_b, positions_b, ctx_b)
+    # Join. What A read stays valid until here: the step's tensors are freed on the host only
     # after this, and whatever reuses them is queued on the main stream behind the join.
     main.wait_stream(side_stream)
     return torch.cat([hidden_a, hidden_b])

@@ -90,14 +90,7 @@ class ModelRunner:
         self._new_sampling_state()
         # Two micro-batches on two streams (an experiment, off by default: micro_batches.py).
         self.overlap = overlap
-        self._side_stream = self._b_stream = None
-        if overlap.mixed and device.type == "cuda":
-            if overlap.decode_sms:  # the decodes (A) and the chunks (B) each on their own SMs
-                from tokenmill.worker.sm_partition import split_device
-
-                self._side_stream, self._b_stream = split_device(overlap.decode_sms, device).streams
-            else:
-                self._side_stream = torch.cuda.Stream(device)
+        self._side_stream = torch.cuda.Stream(device) if overlap.mixed and device.type == "cuda" else None
 
     def _new_sampling_state(self) -> None:
         """Per-sequence sampling state on the device (penalties, logit bias, bad words, logprob ids), released
@@ -238,7 +231,7 @@ class ModelRunner:
             # The decodes (memory-bound attention) beside the prompt chunks (compute-bound GEMMs).
             hidden = forward_micro_batches(
                 self.model, input_ids, positions, meta, self.kv_caches, self.backend, meta.num_leading_decodes,
-                self._side_stream, self._b_stream,
+                self._side_stream,
             )
         elif self.prompt_graphs is not None and input_ids.shape[0] <= self.prompt_graphs.max_tokens:
             hidden = self.prompt_graphs.run(input_ids, positions, meta, lora_slots)

@@ -1,15 +1,15 @@
-"""The GPU's SMs split into two disjoint groups, a CUDA stream on each (green contexts; an experiment,
-used by micro_batches.py when ``TOKENMILL_DECODE_SMS`` is set, and by bench/sm_partition_probe.py).
+"""The GPU's SMs split into two disjoint groups, a CUDA stream on each (green contexts), for
+bench/sm_partition_probe.py (docs/perf.md 113; the engine wiring it was measured with, a mixed step's
+decodes and prompt chunks each on their own partition, is at commit 50616bf and was not kept).
 
 Two plain streams share every SM: a cuBLAS GEMM's CTAs hold whole SMs and an attention launch fills
 every SM it can, so two concurrent forwards mostly take turns (docs/perf.md 17). A green context owns
-a fixed set of SMs; work on its streams runs there and nowhere else, so a memory-bound half can
-stream keys and values on a few SMs while a compute-bound half keeps the rest busy (perf.md 113).
+a fixed set of SMs; work on its streams runs there and nowhere else.
 
 torch's ``GreenContext.create(num_sms=...)`` splits the device afresh each time and keeps the first
 group, so two of them cover the same SMs. Here one split makes the group and the remainder, and each
-becomes a green context, through the CUDA driver's API (ctypes; the driver ships it from CUDA 12.4).
-The contexts live as long as the process (nothing here destroys them: the engine keeps its streams).
+becomes a green context, through the CUDA driver's API (ctypes; the driver has it from CUDA 12.4).
+The contexts live as long as the process.
 """
 
 from __future__ import annotations
