@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -34,7 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
-from gpu_timing import _provenance  # noqa: E402
+from gpu_timing import _provenance, _time_events  # noqa: E402
 from kernels_bench import attention_arguments, decode_batch, protocol_contexts  # noqa: E402
 from prefill_step_bench import checked_rel_err, p5_step, step_batch  # noqa: E402
 from tokenmill.kernels.reference import paged_attention_ref  # noqa: E402
@@ -67,20 +66,9 @@ class Layers:
             torch.mm(self.inputs[name], weight.t(), out=self.outputs[name])
 
 
-def time_us(fn: Callable[[], None], layers: int, repeats: int = 10) -> float:
-    """Median microseconds a layer of ``fn`` (which runs all layers), CUDA events on the current stream."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
+def time_us(fn: Callable[[], None], layers: int) -> float:
+    """Median microseconds a layer of ``fn`` (which runs all layers): CUDA events on the current stream."""
+    return _time_events(fn, calls=1)[0] / layers
 
 
 def on_streams(parts: list[tuple[torch.cuda.Stream, Callable[[], None]]]) -> None:
