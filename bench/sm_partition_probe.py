@@ -124,10 +124,10 @@ def main() -> None:
     decode_attention()
     prompt_attention()
     torch.cuda.synchronize()
-    checked_rel_err(dec_out, paged_attention_ref(dec_q, dec.kv_cache, dec.query_start_loc, dec.seq_lens,
-                                                 dec.block_tables, scale), "decode attention")
-    checked_rel_err(pre_out, paged_attention_ref(pre.q, pre.kv_cache, pre.query_start_loc, pre.seq_lens,
-                                                 pre.block_tables, scale), "prompt attention")
+    want_dec = paged_attention_ref(dec_q, dec.kv_cache, dec.query_start_loc, dec.seq_lens, dec.block_tables, scale)
+    want_pre = paged_attention_ref(pre.q, pre.kv_cache, pre.query_start_loc, pre.seq_lens, pre.block_tables, scale)
+    checked_rel_err(dec_out, want_dec, "decode attention")
+    checked_rel_err(pre_out, want_pre, "prompt attention")
 
     decodes = Layers(len(decode_lens), decode_attention, weights)
     prompts = Layers(args.prompt_tokens, prompt_attention, weights)
@@ -179,8 +179,12 @@ def main() -> None:
             # The GEMMs sized for the whole device (no SM count target): waves cut short on a partition.
             run_dec_full, run_pre_full = half(decodes, None), half(prompts, None)
             both_untold = time_us(lambda: on_streams([(dec_stream, run_dec_full), (pre_stream, run_pre_full)]), layers)
-            decode_attention()  # the partitioned runs' results, checked once more on the full device
+            torch.cuda.synchronize()  # what the last partitioned run wrote, checked (a wrong result stops the probe)
+            dec_out.fill_(float("nan")), pre_out.fill_(float("nan"))
+            on_streams([(dec_stream, run_dec), (pre_stream, run_pre)])
             torch.cuda.synchronize()
+            checked_rel_err(dec_out, want_dec, f"decode attention on {dec_sms} SMs")
+            checked_rel_err(pre_out, want_pre, f"prompt attention on {pre_sms} SMs")
             row = {"decodes_alone_us": round(alone_dec, 1), "prompts_alone_us": round(alone_pre, 1),
                    "both_us": round(both, 1), "vs_engine": round(both / engine_us, 3),
                    "both_gemms_untold_us": round(both_untold, 1),
