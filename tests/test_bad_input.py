@@ -85,6 +85,14 @@ def test_unknown_llm_keyword_is_an_error(tiny_llama_dir):
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5"),
         ({"load_format": "pt"}, r"load_format='pt'"),
         ({"max_model_len": 10**9}, r"max_model_len=1000000000 is larger than the model's max_position_embeddings"),
+        # Values read from the environment or a YAML file arrive as strings: named, not compared.
+        ({"max_model_len": "2048"}, r"LLM\(max_model_len='2048'\) is invalid: must be None or an integer >= 1"),
+        ({"max_num_seqs": 2.5}, r"LLM\(max_num_seqs=2.5\) is invalid: must be None or an integer"),
+        ({"gpu_memory_utilization": "0.9"}, r"LLM\(gpu_memory_utilization='0.9'\) is invalid: must be a number in \(0, 1\]"),
+        # "false" is a true string: it must not turn trust_remote_code on.
+        ({"trust_remote_code": "false"}, r"LLM\(trust_remote_code='false'\) is invalid: must be True or False"),
+        ({"enable_prefix_caching": 1}, r"LLM\(enable_prefix_caching=1\) is invalid: must be True or False \(or None\)"),
+        ({"device": None}, r"LLM\(device=None\) is invalid: must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ],
 )
 def test_invalid_engine_arguments(tiny_llama_dir, kwargs, message):

@@ -58,6 +58,10 @@ _STRUCTURED_OUTPUTS_FIELDS = {
     "reasoning_parser_plugin": ("",),
     "enable_in_reasoning": (False,),
 }
+# The on/off arguments, checked to be bools (those that may also be None: "decide for me").
+_OPTIONAL_BOOL_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling")
+_BOOL_FIELDS = ("enforce_eager", "skip_tokenizer_init", "trust_remote_code", "disable_log_stats", "deterministic",
+                "disable_sliding_window", "enable_lora", *_OPTIONAL_BOOL_FIELDS)
 # backend "nccl" is vLLM's default: a torch.distributed group (NCCL between GPUs, gloo on CPUs).
 _WEIGHT_TRANSFER_FIELDS = {"backend": ("nccl",)}
 
@@ -180,24 +184,19 @@ class EngineArgs(_VllmOnlyArguments):
         _check(self.logprobs_mode in _LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, f"one of {_LOGPROBS_MODES}")
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
         _check(_is_int(self.seed), "seed", self.seed, "an integer (vLLM's default is 0)")
-        _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an integer >= 1")
+        for name in _BOOL_FIELDS:  # a string such as "false" would count as True
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or (value is None and name in _OPTIONAL_BOOL_FIELDS), name, value,
+                   "True or False" + (" (or None)" if name in _OPTIONAL_BOOL_FIELDS else ""))
         _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
                "block_size", self.block_size, "a power of two (or None: 16)")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
-        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
-        _check(
-            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            self.max_num_batched_tokens,
-            ">= 1",
-        )
-        _check(
-            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-            "kv_cache_memory_bytes",
-            self.kv_cache_memory_bytes,
-            "> 0",
-        )
-        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "a number in (0, 1]")
+        _check(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")),
+               "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N' (a string)")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _check(self.tokenizer_mode in _TOKENIZER_MODES, "tokenizer_mode", self.tokenizer_mode,
                "'auto' or 'hf' (the Hugging Face tokenizer), or 'slow' (its Python version where the model has one)")
@@ -215,7 +214,6 @@ class EngineArgs(_VllmOnlyArguments):
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1 (the number of GPUs, or CPU processes)",
         )
-        _check(isinstance(self.deterministic, bool), "deterministic", self.deterministic, "True or False")
         _check(
             not self.deterministic or self.tensor_parallel_size == 1, "deterministic", self.deterministic,
             "False with tensor_parallel_size > 1 (an all-reduce's summation order depends on its size)",
@@ -223,8 +221,6 @@ class EngineArgs(_VllmOnlyArguments):
 
     def _validate_engine_controls(self) -> None:
         """The arguments tokenmill added for vLLM's engine controls and config sections."""
-        _check(self.enable_prefix_caching in (None, True, False), "enable_prefix_caching", self.enable_prefix_caching, "None, True or False")
-        _check(self.enable_chunked_prefill in (None, True, False), "enable_chunked_prefill", self.enable_chunked_prefill, "None, True or False")
         _check(_is_number(self.cpu_offload_gb) and self.cpu_offload_gb >= 0, "cpu_offload_gb", self.cpu_offload_gb,
                "a number of GiB >= 0")
         _check(self.num_gpu_blocks_override is None or (_is_int(self.num_gpu_blocks_override) and self.num_gpu_blocks_override >= 2),
