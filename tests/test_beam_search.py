@@ -439,4 +439,7 @@ def test_bad_beam_search_calls_are_refused_and_leave_nothing_running(llama, prom
         llama.beam_search(as_inputs(prompts), BeamSearchParams(300, 4))
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         llama.beam_search([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": []}], params)
+    # Run a chunk at a time, the bad prompt is still named by its index in the whole list.
+    with pytest.raises(ValueError, match=r"prompts\[2\] is empty"):
+        llama.beam_search([*as_inputs(prompts[:2]), {"prompt_token_ids": []}], params, concurrency_limit=2)
     assert_cache_released(llama)

@@ -103,6 +103,13 @@ def test_imap_refuses_a_bad_max_in_flight(llm, limit):
         llm.imap([[5, 6, 7]], GREEDY, max_in_flight=limit)
 
 
+def test_imap_names_a_bad_prompt_by_its_index_in_the_input(llm):
+    stream = llm.imap([[5, 6, 7], [8, 9], [], [4]], GREEDY, max_in_flight=1)
+    with pytest.raises(ValueError, match=r"prompts\[2\] is empty"):
+        list(stream)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_imap_stopped_early_leaves_nothing_running(llm):
     stream = llm.imap(({"prompt_token_ids": [5, 6, i % 50 + 3]} for i in range(1000)), GREEDY, max_in_flight=32)
     next(stream)

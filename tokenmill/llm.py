@@ -168,7 +168,7 @@ class LLM(PoolingMethods, EngineControlMethods):
         outputs: list[RequestOutput] = []
         for start in range(0, len(prompts), chunk):
             part = prompts[start : start + chunk]
-            outputs += self._run(part, [params] * len(part), use_tqdm, adapters[start : start + chunk])
+            outputs += self._run(part, [params] * len(part), use_tqdm, adapters[start : start + chunk], first_index=start)
         return [beam_search_output(output, params, self.get_tokenizer()) for output in outputs]
 
     # ---- the queue: submit now, collect later --------------------------------------------
@@ -246,18 +246,18 @@ class LLM(PoolingMethods, EngineControlMethods):
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
         # One prompt, as generate() takes it: iterating it would run each character (or dict key) as a prompt.
-        source = iter([prompts] if is_one_prompt(prompts) else prompts)
+        source = enumerate([prompts] if is_one_prompt(prompts) else prompts)
         mine: set[str] = set()
         box: dict[str, RequestOutput] = {}
         exhausted = False
         try:
             while True:
                 while not exhausted and len(mine) < limit:
-                    prompt = next(source, _END)
+                    index, prompt = next(source, (None, _END))
                     if prompt is _END:
                         exhausted = True
                         break
-                    self._watch(self._submit([prompt], [params]), mine, box)
+                    self._watch(self._submit([prompt], [params], first_index=index), mine, box)
                 if not mine:
                     return
                 yield from self._deliver(mine, box, finished_only=True)
@@ -348,10 +348,11 @@ class LLM(PoolingMethods, EngineControlMethods):
     def _submit(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, adapters: Sequence[Any] | None = None,
-        priorities: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None, first_index: int = 0,
     ) -> list[str]:
         """Add every request to the engine, or none: one invalid prompt rejects the whole call.
-        ``adapters``: each prompt's LoRARequest or None; ``priorities``: each prompt's priority.
+        ``adapters``: each prompt's LoRARequest or None; ``priorities``: each prompt's priority;
+        ``first_index``: the first prompt's index in the caller's list (errors name ``prompts[i]``).
 
         Like vLLM's LLM, the batch methods collect final outputs only, whatever output_kind says.
         """
@@ -368,7 +369,7 @@ class LLM(PoolingMethods, EngineControlMethods):
                     sp = copies[id(sp)]
                 lora = adapters[index] if adapters is not None else None
                 priority = priorities[index] if priorities is not None else 0
-                engine.add_request(request_id, prompt, sp, lora_request=lora, priority=priority, index=index)
+                engine.add_request(request_id, prompt, sp, lora_request=lora, priority=priority, index=first_index + index)
         except Exception:
             engine.abort_request(ids)
             raise
@@ -377,12 +378,13 @@ class LLM(PoolingMethods, EngineControlMethods):
     def _run(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None, priorities: Sequence[int] | None = None,
+        first_index: int = 0,
     ) -> list[Any]:
         # Young collections only, at step boundaries, for the whole call (intake included): its
         # outputs pile up until it returns and full collections would walk them again and again
         # (tokenmill/gc_policy.py says why that is safe; docs/perf.md 62).
         with young_collections_only() as collect_young:
-            return self._collect(self._submit(prompts, params, adapters=adapters, priorities=priorities), use_tqdm,
+            return self._collect(self._submit(prompts, params, adapters=adapters, priorities=priorities, first_index=first_index), use_tqdm,
                                  collect_young=collect_young)
 
     def _step(self, finished_only: bool = False) -> list[RequestOutput]:
