@@ -66,6 +66,36 @@ def test_bad_sampling_params_type(llm):
     assert_engine_idle(llm)
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n", 0, r"prompts\[1\]: SamplingParams.n=0 is invalid"),  # hung the call before
+        ("max_tokens", "5", r"prompts\[1\]: SamplingParams.max_tokens='5' is invalid"),
+        ("repetition_penalty", 0.0, r"prompts\[1\]: SamplingParams.repetition_penalty=0.0 is invalid"),
+        ("top_p", 2.0, r"prompts\[1\]: SamplingParams.top_p=2.0 is invalid"),
+        ("stop_token_ids", "12", r"prompts\[1\]: SamplingParams.stop_token_ids='12' is invalid"),
+    ],
+)
+def test_a_field_set_after_construction_is_checked(llm, field, value, message):
+    """vLLM's examples set fields on get_default_sampling_params()'s object: a bad value is refused
+    as the constructor refuses it, before any work, and a good one is used."""
+    params = llm.get_default_sampling_params()
+    setattr(params, field, value)
+    steps_before = llm.llm_engine.stats.num_steps
+    with pytest.raises(ValueError, match=message + r".*set after the SamplingParams was made"):
+        llm.generate(as_inputs([[5, 6, 7], [8, 9]]), [GREEDY, params], use_tqdm=False)
+    assert llm.llm_engine.stats.num_steps == steps_before
+    assert_engine_idle(llm)
+
+
+def test_a_good_field_set_after_construction_is_used(llm):
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=2, ignore_eos=True)
+    params.max_tokens = 5
+    assert len(llm.generate(as_inputs([[5, 6, 7]]), params, use_tqdm=False)[0].outputs[0].token_ids) == 5
+    params.n = 2
+    assert len(llm.generate(as_inputs([[5, 6, 7]]), params, use_tqdm=False)[0].outputs) == 2
+
+
 @pytest.mark.parametrize("prompts", [5, None, 2.5, b"bytes"])
 def test_prompts_of_no_prompt_type_name_the_argument(llm, prompts):
     with pytest.raises(ValueError, match=r"prompts must be a prompt \(text, token ids or a prompt dict\) or a list of them, got"):

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -24,7 +23,7 @@ from tokenmill.pooling.llm_methods import PoolingMethods
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.request_progress import ProgressOption, RequestProgress
 from tokenmill.outputs import BeamSearchOutput, RequestOutput
-from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, for_call
 
 
 class LLM(PoolingMethods, EngineControlMethods):
@@ -358,15 +357,16 @@ class LLM(PoolingMethods, EngineControlMethods):
         """
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in prompts]
-        # One copy of each distinct params object (most calls pass one for every prompt): the
-        # engine never changes a request's params in place, so the requests may share it.
+        # One copy of each distinct params object (most calls pass one for every prompt), checked
+        # once: the engine never changes a request's params in place, so the requests may share it.
         copies: dict[int, SamplingParams] = {}
         try:
             for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params)):
-                if isinstance(sp, SamplingParams) and sp.output_kind is not kind:
-                    if id(sp) not in copies:
-                        copies[id(sp)] = sp.clone(output_kind=kind)
-                    sp = copies[id(sp)]
+                if isinstance(sp, SamplingParams):
+                    made = copies.get(id(sp))
+                    if made is None:
+                        made = copies[id(sp)] = for_call(sp, kind, f"prompts[{first_index + index}]")
+                    sp = made
                 lora = adapters[index] if adapters is not None else None
                 priority = priorities[index] if priorities is not None else 0
                 engine.add_request(request_id, prompt, sp, lora_request=lora, priority=priority, index=first_index + index)

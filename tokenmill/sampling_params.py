@@ -6,6 +6,7 @@ import copy
 import functools
 import logging
 import math
+import operator
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Any, Callable
@@ -193,6 +194,15 @@ class SamplingParams:
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
+        self._checked = self._user_fields()  # what these checks saw (changed_since_checked)
+
+    def _user_fields(self) -> tuple:
+        return _checked_fields(self)
+
+    def changed_since_checked(self) -> bool:
+        """Whether a field was set after the checks ran (vLLM's examples set fields on the object
+        ``get_default_sampling_params()`` returns); a list changed in place goes unseen."""
+        return getattr(self, "_checked", None) != self._user_fields()
 
     def _validate(self) -> None:
         # Types as strict as vLLM's request models: a bool is not an integer, a string is not a
@@ -383,6 +393,24 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known - ENGINE_FILLED_FIELDS)}")
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+# The fields a user sets (the engine's own and output_kind, which LLM's calls set on a copy, left out).
+_checked_fields = operator.attrgetter(
+    *(f.name for f in fields(SamplingParams) if f.name not in ENGINE_FILLED_FIELDS | {"output_kind"}))
+
+
+def for_call(params: SamplingParams, kind: RequestOutputKind, where: str) -> SamplingParams:
+    """``params`` as one LLM call's requests take it: with the call's output kind, and made again if
+    a field was set after construction (vLLM's examples set fields on ``get_default_sampling_params()``),
+    so that the field gets construction's checks (n = 0 would hang the call, a string max_tokens fail
+    deep in the engine). ``where``: the prompt an error names."""
+    if params.changed_since_checked():
+        try:
+            params = replace(params)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc} (a field set after the SamplingParams was made)") from exc
+    return params if params.output_kind is kind else params.clone(output_kind=kind)
 
 
 @dataclass
