@@ -228,16 +228,17 @@ def render_chat_prompts(
     """`render_chat_prompt` for many conversations at once: each rendered, then tokenized
     ``TOKENIZE_CHUNK`` a call (the tokenizer's batch path: on the dev CPU 132 -> 69 us a short
     conversation). A conversation that fails the checks raises naming its ``wheres`` entry; one
-    that breaks the template raises the template's own error (the first such conversation's, as
-    rendering it alone raises it)."""
+    that breaks the template raises a ValueError naming it, with the template's own error (the
+    first such conversation's, as rendering it alone raises it) as its message and cause."""
     options, template = _chat_options(tokenizer, chat_template, add_generation_prompt, continue_final_message, tools,
                                       chat_template_kwargs)
     fmt = resolve_content_format(content_format, template)
     checked = [_checked_messages(messages, where, fmt) for messages, where in zip(conversations, wheres)]
     rendered = _render_in_chunks(tokenizer, checked, options)
-    error = next((ids for ids in rendered if isinstance(ids, Exception)), None)
-    if error is not None:
-        raise error
+    failed = next((i for i, ids in enumerate(rendered) if isinstance(ids, Exception)), None)
+    if failed is not None:
+        error = rendered[failed]
+        raise ValueError(f"{wheres[failed]}: the chat template refused it: {type(error).__name__}: {error}") from error
     return rendered  # type: ignore[return-value]  (no error among them)
 
 

@@ -84,7 +84,7 @@ def check_chat_template(tokenizer: Any, template: str | None, prompt: "PromptSet
         return
     try:  # a one-turn conversation: the smallest test that the template compiles
         render_chat_prompt(tokenizer, [{"role": "user", "content": "hi"}], chat_template=template)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
-    except Exception:  # noqa: BLE001  (it compiles; a row's own conversation decides whether it renders)
-        pass
+    except Exception as e:  # noqa: BLE001  (if it compiles, a row's own conversation decides whether it renders)
+        syntax = e if isinstance(e, TemplateSyntaxError) else e.__cause__  # render_chat_prompt names the conversation
+        if isinstance(syntax, TemplateSyntaxError):
+            raise ValueError(f"--chat-template is not a valid Jinja template: {syntax.message} (line {syntax.lineno})") from None
