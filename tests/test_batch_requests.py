@@ -162,6 +162,9 @@ def test_openai_chat_and_completion_requests():
     assert req.overrides == {"max_tokens": 5, "temperature": 0}
     req = build_openai_request(openai_line(url="/v1/completions", body={"prompt": "Once", "max_completion_tokens": 3, "n": 2}))
     assert req.prompt == "Once" and req.overrides == {"max_tokens": 3, "n": 2}
+    for body in ({"max_completion_tokens": 2, "max_tokens": 5}, {"max_tokens": 5, "max_completion_tokens": 2}):
+        # The newer name wins, whichever comes last in the line (as OpenAI and vLLM's server take it).
+        assert build_openai_request(openai_line(body={"messages": [{"role": "user", "content": "x"}], **body})).overrides["max_tokens"] == 2
     req = build_openai_request(openai_line(url="/v1/completions", body={"prompt": [[1, 2, 3]]}))
     assert req.prompt_token_ids == [1, 2, 3]
     req = build_openai_request(openai_line(body={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}))

@@ -59,6 +59,8 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     if unknown:
         raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill yet (supported: {sorted(allowed)})", custom_id)
     overrides = {_COMMON[k]: v for k, v in body.items() if k in _COMMON and v is not None}
+    if body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins over max_tokens (as vLLM's server)
+        overrides["max_tokens"] = body["max_completion_tokens"]
     model = body.get("model")
     # The adapter, if the job has one of that name (lora_modules.JobAdapters.for_row); a name that is
     # not a string matches nothing.
