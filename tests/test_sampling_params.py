@@ -48,6 +48,9 @@ def test_single_stop_string_becomes_a_list_and_top_k_minus_one_means_off():
         ({"logprobs": 2, "logprob_token_ids": [1, 2, 3]}, "logprob_token_ids", "as long as logprobs (2)"),
         ({"logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids", "as long as logprobs (1)"),
         ({"flat_logprobs": "yes"}, "flat_logprobs", "True or False"),
+        ({"logit_bias": {1.5: 1.0}}, "logit_bias", "integer token ids"),  # was taken as token 1
+        ({"logits_processors": print}, "logits_processors", "a list of callables"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs", "keys among ['json', 'regex'"),
     ],
 )
 def test_invalid_values_name_field_and_range(kwargs, field, allowed):

@@ -208,6 +208,9 @@ def test_vllms_other_structured_output_options(tiny):
         StructuredOutputsParams(regex="a+", whitespace_pattern="[ ]*")
     with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object, structural_tag"):
         StructuredOutputsParams(regex="a", structural_tag="{}")
+    # An empty schema is a schema: beside a regex it is two constraints (the regex was dropped silently).
+    with pytest.raises(ValueError, match=r"exactly one of .*; got \['json', 'regex'\]"):
+        StructuredOutputsParams(json={}, regex="[0-9]+")
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"structures": [{"begin": "<f>"}]}'))
     with pytest.raises(ValueError, match=r"prompts\[0\]: structured_outputs\.structural_tag does not compile"):
         tiny.generate(["a"], bad, use_tqdm=False)

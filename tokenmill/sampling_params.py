@@ -162,6 +162,9 @@ class SamplingParams:
             from tokenmill.structured_outputs import StructuredOutputsParams
 
             if isinstance(self.structured_outputs, dict):  # from a JSON row of a batch file
+                allowed = [f.name for f in fields(StructuredOutputsParams)]
+                _check(set(self.structured_outputs) <= set(allowed), "structured_outputs", self.structured_outputs,
+                       f"a StructuredOutputsParams, or a dict with keys among {allowed}")
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    self.structured_outputs, "a StructuredOutputsParams")
@@ -177,10 +180,11 @@ class SamplingParams:
             _check(False, "output_kind", self.output_kind, f"one of {[k.name for k in RequestOutputKind]}")
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "a dict of token id -> bias")
-            try:  # JSON rows carry the ids as strings
-                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:  # JSON rows carry the ids as strings; 1.5 is no token id (int() would make it 1)
+                bias = {int(k): float(v) for k, v in self.logit_bias.items() if isinstance(k, (int, str)) or _whole(k)}
             except (TypeError, ValueError):
                 bias = {0: math.nan}
+            _check(len(bias) == len(self.logit_bias), "logit_bias", self.logit_bias, "a dict of integer token ids -> finite numbers")
             _check(all(math.isfinite(v) for v in bias.values()), "logit_bias", self.logit_bias,
                    "a dict of integer token ids -> finite numbers")
             self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in bias.items()}
@@ -293,7 +297,8 @@ class SamplingParams:
         )
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args, "None or a dict")
         _check(
-            self.logits_processors is None or all(callable(f) for f in self.logits_processors),
+            self.logits_processors is None
+            or (isinstance(self.logits_processors, (list, tuple)) and all(callable(f) for f in self.logits_processors)),
             "logits_processors",
             self.logits_processors,
             "None or a list of callables (output_ids, logits) -> logits",
@@ -398,6 +403,11 @@ class SamplingParams:
 # The fields a user sets (the engine's own and output_kind, which LLM's calls set on a copy, left out).
 _checked_fields = operator.attrgetter(
     *(f.name for f in fields(SamplingParams) if f.name not in ENGINE_FILLED_FIELDS | {"output_kind"}))
+
+
+def _whole(key: Any) -> bool:
+    """A number key that is a whole number (JSON may carry 5.0 for 5); raises on what is no number."""
+    return float(key) == int(float(key))
 
 
 def for_call(params: SamplingParams, kind: RequestOutputKind, where: str) -> SamplingParams:

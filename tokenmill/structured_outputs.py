@@ -48,7 +48,8 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in _CONSTRAINTS if getattr(self, name)]
+        # Set means not None (json={} is a schema, not "none"); json_object=False asks for nothing.
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(given) != 1:
             raise ValueError(f"StructuredOutputsParams needs exactly one of {', '.join(_CONSTRAINTS)}; got {given or 'none'}")
         if self.choice is not None and not (
