@@ -215,6 +215,9 @@ def test_score_pairing_rules(bert_embedder_llm):
         bert_embedder_llm.score(["a", "b"], ["c", "d", "e"])
     with pytest.raises(ValueError, match="at least one text"):
         bert_embedder_llm.score([], ["c"])
+    for bad in (None, 5):  # were a bare "object is not iterable"
+        with pytest.raises(ValueError, match=rf"score data_2={bad} is invalid: must be a text, a prompt dict or a list of them"):
+            bert_embedder_llm.score("a", bad)
     one_to_n = bert_embedder_llm.score("the cat", ["a dog", "the cat", "red sun"], use_tqdm=False)
     assert len(one_to_n) == 3 and one_to_n[1].outputs.score == pytest.approx(1.0, abs=1e-5)
     n_to_n = bert_embedder_llm.score(["a dog", "the cat"], ["the cat", "the cat"], use_tqdm=False)

@@ -14,7 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from tokenmill.gc_policy import collections_paused, young_collections_only
-from tokenmill.inputs import TOKENIZE_CHUNK, one_per_prompt, prompt_list, tokenize_prompts
+from tokenmill.inputs import TOKENIZE_CHUNK, one_per_prompt, prompt_list, short_repr, tokenize_prompts
 from tokenmill.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -193,6 +193,9 @@ class PoolingMethods:
         if chat_template is not None and engine.pooling.head == "embed":
             raise ValueError("score(chat_template=...) applies to cross-encoders: an embedding model scores the cosine "
                              "of each text's own embedding (vLLM ignores the template there); leave chat_template None")
+        for name, data in (("data_1", data_1), ("data_2", data_2)):
+            if not isinstance(data, (str, dict, list, tuple)):
+                raise ValueError(f"score {name}={short_repr(data)} is invalid: must be a text, a prompt dict or a list of them")
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         for name, items in (("data_1", first), ("data_2", second)):
