@@ -309,12 +309,14 @@ def test_an_empty_input_says_so(tmp_path, llm):
     assert summary.rows_done == 0 and "no rows" in summary.report()
 
 
-@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "jsonl"])
 def test_a_missing_column_fails_before_the_model_loads(tmp_path, fmt):
     rows = [{"title": "a"}, {"title": "b"}]
     path = tmp_path / f"in.{fmt}"
     if fmt == "csv":
         path.write_text("title\na\nb\n")
+    elif fmt == "jsonl":  # no schema: a field none of the first rows has (a bad line among them is no row)
+        path.write_text('{"title": "a"}\nnot json\n{"title": "b"}\n')
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)
     base = dict(input=str(path), output=str(tmp_path / "out.jsonl"), model="/nonexistent/model", progress=False)

@@ -19,7 +19,7 @@ from tokenmill.batch.lora_modules import check_lora_modules
 from tokenmill.batch.openai_batch import OpenAIRecordReader
 from tokenmill.batch.pooling import pooling_parquet_schema
 from tokenmill.batch.progress import Progress, tell
-from tokenmill.batch.readers import detect_format, input_columns, read_rows, scan_input
+from tokenmill.batch.readers import JSONL_SAMPLE_ROWS, detect_format, input_columns, read_rows, scan_input
 from tokenmill.batch.stall_watchdog import StallWatchdog
 from tokenmill.batch.requests import check_columns
 from tokenmill.batch.results import read_result_record
@@ -100,7 +100,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
     config = check_lora_modules(config)  # the adapter folders exist: before the model loads
     columns = input_columns(input_path, fmt)
     if columns is not None and info.rows:  # fail fast, before the model loads
-        _check_columns(columns, config, input_path)
+        _check_columns(columns, config, input_path if fmt != "jsonl" else f"{input_path} (its first {JSONL_SAMPLE_ROWS} rows)")
     settings = job_settings(config, fmt, info, shape)
     data_path = output if out_fmt == "jsonl" else os.path.join(sidecar_dir(output), "staging.jsonl")
     # The record reader is Journal.open's alone: an OpenAI output's, once it has rebuilt a lost journal,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -266,12 +267,23 @@ def _raise_field_limit() -> None:
     csv.field_size_limit(1 << 30)
 
 
+# JSONL has no schema: the keys of its first rows stand for one (a field none of them has is a typo).
+JSONL_SAMPLE_ROWS = 100
+
+
 def input_columns(path: str, fmt: str) -> list[str] | None:
-    """The columns every row has (the CSV header, the Parquet schema); None for JSONL, which has no schema."""
+    """The columns every row has (the CSV header, the Parquet schema); for JSONL the keys its first
+    ``JSONL_SAMPLE_ROWS`` rows have between them (None if none of them is an object); None for
+    OpenAI batch files, whose lines are requests."""
     if fmt in ("csv", "tsv"):
         return _csv_header(path, fmt)
     if fmt == "parquet":
         return list(_parquet_file(path).schema_arrow.names)
+    if fmt == "jsonl":
+        keys: dict[str, None] = {}
+        for raw in itertools.islice(_jsonl_rows(path), JSONL_SAMPLE_ROWS):
+            keys.update(dict.fromkeys(raw.record or ()))
+        return list(keys) if keys else None
     return None
 
 
