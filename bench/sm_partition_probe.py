@@ -21,7 +21,6 @@ engine's row. Usage:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random

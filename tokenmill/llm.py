@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence

@@ -184,9 +184,8 @@ class SamplingParams:
                 bias = {int(k): float(v) for k, v in self.logit_bias.items() if isinstance(k, (int, str)) or _whole(k)}
             except (TypeError, ValueError):
                 bias = {0: math.nan}
-            _check(len(bias) == len(self.logit_bias), "logit_bias", self.logit_bias, "a dict of integer token ids -> finite numbers")
-            _check(all(math.isfinite(v) for v in bias.values()), "logit_bias", self.logit_bias,
-                   "a dict of integer token ids -> finite numbers")
+            _check(len(bias) == len(self.logit_bias) and all(math.isfinite(v) for v in bias.values()), "logit_bias",
+                   self.logit_bias, "a dict of integer token ids -> finite numbers")
             self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in bias.items()}
         self._validate()
         if 0.0 < self.temperature < _MIN_TEMPERATURE:
@@ -198,15 +197,12 @@ class SamplingParams:
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
-        self._checked = self._user_fields()  # what these checks saw (changed_since_checked)
-
-    def _user_fields(self) -> tuple:
-        return _checked_fields(self)
+        self._checked = _checked_fields(self)  # what these checks saw (changed_since_checked)
 
     def changed_since_checked(self) -> bool:
         """Whether a field was set after the checks ran (vLLM's examples set fields on the object
         ``get_default_sampling_params()`` returns); a list changed in place goes unseen."""
-        return getattr(self, "_checked", None) != self._user_fields()
+        return getattr(self, "_checked", None) != _checked_fields(self)
 
     def _validate(self) -> None:
         # Types as strict as vLLM's request models: a bool is not an integer, a string is not a
