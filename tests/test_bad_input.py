@@ -167,3 +167,26 @@ def test_allowed_token_ids_stop_at_the_tokenizers_vocabulary(padded_llm):
     # logit_bias may name any id of the model, as in vLLM.
     biased = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logit_bias={size: 100.0})
     assert padded_llm.generate(as_inputs([[5, 6]]), biased, use_tqdm=False)[0].outputs[0].token_ids == [size, size]
+
+
+def test_bad_generation_config_values_name_their_file(tiny_llama_dir, tmp_path):
+    """The defaults a generation_config.json gives are checked as SamplingParams, and a bad one names
+    the file it came from (a call without SamplingParams has nothing else to blame)."""
+    import json
+
+    from tokenmill.generation_defaults import default_sampling_params
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5, "do_sample": True}))
+    folder_llm = make_llm(tiny_llama_dir, max_model_len=64, generation_config=str(tmp_path))
+    path = str(tmp_path / "generation_config.json")
+    with pytest.raises(ValueError, match=rf"default sampling settings from {path} are invalid: SamplingParams.top_p=1.5"):
+        folder_llm.generate(as_inputs([[5, 6]]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"from the model's generation_config.json with override_generation_config are "
+                                         r"invalid: SamplingParams.max_tokens='8' is invalid"):
+        default_sampling_params("auto", {"temperature": 0.5}, {"max_new_tokens": "8"})
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"generation_config=.*holds a JSON list, not an object"):
+        default_sampling_params(str(tmp_path), {}, None)
+    # Good values are used, override over file.
+    params = default_sampling_params("auto", {"temperature": 0.5, "top_k": 20, "max_new_tokens": 9}, {"top_k": 5})
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.5, 5, 9)

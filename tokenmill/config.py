@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
 from tokenmill.engine_args_table import VLLM_ARGUMENTS, Handling, check_value, unimplemented_fields
+from tokenmill.generation_defaults import GENERATION_CONFIG_FIELDS
 
 if TYPE_CHECKING:
     import argparse
@@ -38,16 +39,6 @@ _DEFAULT_BLOCK_SIZE = 16
 # "slow" asks transformers for the Python tokenizer (use_fast=False; where a model has none,
 # transformers gives the fast one); "auto" and "hf" load the default one.
 _TOKENIZER_MODES = ("auto", "hf", "slow")
-# generation_config.json keys that map onto SamplingParams fields (vLLM's generation_config="auto"
-# and override_generation_config).
-GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 # Sections of vLLM's config objects tokenmill reads: field -> the values it implements (the
 # first is vLLM's default). Anything else is refused by name.
 _STRUCTURED_OUTPUTS_FIELDS = {

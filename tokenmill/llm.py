@@ -12,10 +12,11 @@ import gc
 import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from tokenmill.config import GENERATION_CONFIG_FIELDS, EngineArgs
+from tokenmill.config import EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
 from tokenmill.engine_factory import create_engine
 from tokenmill.gc_policy import collections_paused, young_collections_only
+from tokenmill.generation_defaults import default_sampling_params
 from tokenmill.inputs import (
     PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompts, tokenize_prompts,
 )
@@ -77,16 +78,8 @@ class LLM(PoolingMethods, EngineControlMethods):
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams carrying the model's generation_config.json defaults (vLLM's 'auto'), with
         ``override_generation_config`` laid over them."""
-        found: dict[str, Any] = {}
-        if self.args.generation_config == "auto":
-            found = dict(self.llm_engine.source.generation_config)
-        elif self.args.generation_config != "vllm":  # a folder holding generation_config.json
-            found = _read_generation_config(self.args.generation_config)
-        found.update(self.args.override_generation_config or {})
-        # As vLLM: the sampling fields only. do_sample is transformers' switch; a generation_config
-        # with do_sample false and a temperature still samples at that temperature in vLLM.
-        overrides = {field: found[key] for key, field in GENERATION_CONFIG_FIELDS.items() if found.get(key) is not None}
-        return SamplingParams(**overrides)
+        return default_sampling_params(self.args.generation_config, self.llm_engine.source.generation_config,
+                                       self.args.override_generation_config)
 
     # ---- generation -----------------------------------------------------------------------
     def generate(
@@ -476,17 +469,6 @@ class LLM(PoolingMethods, EngineControlMethods):
 
 
 _END = object()
-
-
-def _read_generation_config(folder: str) -> dict:
-    import json
-    from pathlib import Path
-
-    path = Path(folder) / "generation_config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"generation_config={folder!r}: cannot read {path}: {exc}") from exc
 
 
 def _adapters(lora_request: Any, count: int) -> list[Any]:
