@@ -8,7 +8,7 @@
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
 #   [tp2] [vllm-tp2]   (two GPUs, nvidia-h200-x2: tensor parallelism over NCCL)
-#   [kernels-p5] [prefill-ab-old] [ws-probe] [kernels-coresident] [sm-partition] [side-decodes] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
+#   [kernels-p5] [prefill-ab-old] [ws-probe] [kernels-coresident] [sm-partition] [side-decodes] [p1-overlap] [p5-overlap] [p3-overlap] [batch-sweep] [order-sweep] [queue-sweep] [queue-throughput] [queue-throughput-fp8kv] [gc-throughput] [ncu-w4a16] [ncu-fp8]
 #   (default: tests kernels throughput). P4-P6: ../shared/bench/protocols.md; bench/peer_bench.py and
 #   bench/embed_bench.py are unchanged copies of the shared scripts. vllm*: the bundle's parts must be in
 #   .vllmchunk/ or already unpacked in /tmp/vllm-site (vllm-unpack joins and unpacks them). chat*: the chat
@@ -455,8 +455,12 @@ for part in $parts; do
       timeout 240 python3 bench/prefill_step_bench.py --sweep > "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"
       timeout 240 python3 bench/prefill_step_bench.py --sweep --fp8-cache >> "$OUT/kernels_p5.raw" 2>>"$OUT/suite.log"; tag "$OUT/kernels_p5.raw" "$OUT/kernels.jsonl"
       cat "$OUT/kernels_p5.raw"; : > "$OUT/kernels_p5.raw" ;;
-    p3-overlap|p5-overlap)  # two micro-batches on two streams (TOKENMILL_OVERLAP): the run without, then with
-      [ "$part" = p3-overlap ] && run="llama3-8b nano" places=decode || run="qwen3-0.6b prefill" places=mixed
+    p1-overlap|p3-overlap|p5-overlap)  # two micro-batches on two streams (TOKENMILL_OVERLAP): the run without, then with
+      case $part in
+        p1-overlap) run="qwen3-0.6b nano" places=decode ;;
+        p3-overlap) run="llama3-8b nano" places=decode ;;
+        *) run="qwen3-0.6b prefill" places=mixed ;;
+      esac
       RESULTS="$OUT/overlap.raw" timeout 200 python3 bench/peer_bench.py tokenmill $run 2>&1 | grep -v "^\s*$" | tail -2
       RESULTS="$OUT/overlap.raw" TOKENMILL_OVERLAP=$places PYTHONPATH="$PWD/bench:$PYTHONPATH" timeout 200 \
         python3 bench/peer_bench.py tokenmill_overlap $run 2>&1 | grep -v "^\s*$" | tail -2
