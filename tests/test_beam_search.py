@@ -443,3 +443,15 @@ def test_bad_beam_search_calls_are_refused_and_leave_nothing_running(llama, prom
     with pytest.raises(ValueError, match=r"prompts\[2\] is empty"):
         llama.beam_search([*as_inputs(prompts[:2]), {"prompt_token_ids": []}], params, concurrency_limit=2)
     assert_cache_released(llama)
+
+
+@pytest.mark.parametrize("field, value, allowed", [("beam_width", 0, "an integer >= 1"), ("length_penalty", None, "a finite number"),
+                                                   ("max_tokens", "4", "an integer >= 1")])
+def test_a_beam_search_field_set_after_construction_is_checked(llama, prompts, field, value, allowed):
+    """As SamplingParams' (test_bad_input.py): beam_width=0 failed an assert inside the engine, a None
+    length_penalty a bare TypeError after the search, a string max_tokens was named as SamplingParams'."""
+    params = BeamSearchParams(2, 4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=rf"prompts\[0\]: BeamSearchParams.{field}={value!r} is invalid: must be {allowed}"):
+        llama.beam_search(as_inputs(prompts[:2]), params)
+    assert_cache_released(llama)

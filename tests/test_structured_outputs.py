@@ -156,6 +156,20 @@ def test_a_dict_from_a_batch_row_becomes_structured_outputs_params():
     assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("regex", None, r"needs exactly one of .*; got none"),  # compiled an any-JSON-object grammar before
+    ("choice", ["yes", "no"], r"needs exactly one of .*; got \['regex', 'choice'\]"),  # the regex alone was used
+    ("disable_any_whitespace", "no", r"disable_any_whitespace='no' is invalid: must be True or False"),
+])
+def test_a_constraint_changed_after_construction_is_checked_again(tiny, field, value, message):
+    structured = StructuredOutputsParams(regex="[0-9]+")
+    setattr(structured, field, value)
+    params = SamplingParams(max_tokens=4, structured_outputs=structured)
+    with pytest.raises(ValueError, match=rf"prompts\[1\]: StructuredOutputsParams.*{message}"):
+        tiny.generate(["fine", "changed"], [SamplingParams(max_tokens=4), params], use_tqdm=False)
+    assert not tiny.llm_engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"json": {"type": "object"}, "regex": "a"}, {"choice": []}])
 def test_malformed_structured_outputs_params(kwargs):
     with pytest.raises(ValueError, match="StructuredOutputsParams"):

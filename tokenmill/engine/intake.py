@@ -141,6 +141,9 @@ class Intake:
             self.grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
             self._on_grammars(self.grammars)
         try:
+            # A field set after construction gets construction's checks (clearing the one constraint
+            # compiled a JSON-object grammar, two set compiled the first).
+            params.structured_outputs.__post_init__()
             return [self.grammars.matcher(params.structured_outputs) for _ in range(params.num_samples)]
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
@@ -221,6 +224,10 @@ class Intake:
                              f"(logprobs_mode={mode!r}); use 'raw_logprobs' or 'processed_logprobs'")
 
     def _beam_sampling_params(self, params: BeamSearchParams, where: str) -> SamplingParams:
+        try:  # a field set after construction gets construction's checks (beam_width=0 failed an assert)
+            params.__post_init__()
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
         self._refuse_logits_mode("a beam search", where)
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(
