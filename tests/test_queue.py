@@ -146,3 +146,10 @@ def test_enqueued_requests_finishing_during_another_call_are_kept(tiny_llama_dir
     assert [o.request_id for o in done] == ids
     expected = llm.generate(as_inputs([[5, 6, 7], [8, 9]]), short, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in done] == [o.outputs[0].token_ids for o in expected]
+
+
+@pytest.mark.parametrize("prompts", [None, 5, b"bytes"])
+def test_imap_refuses_what_is_no_prompt_when_called(llm, prompts):
+    """As generate does, and at the call: iterating None failed at the first next() with a bare TypeError."""
+    with pytest.raises(ValueError, match=r"prompts must be a prompt \(text, token ids or a prompt dict\) or a list of them, got"):
+        llm.imap(prompts, GREEDY)

@@ -52,10 +52,15 @@ def prompt_list(prompts: Any) -> list:
     of token ids; any other list (or iterable) holds several prompts."""
     if is_one_prompt(prompts):
         return [prompts]
+    check_prompts_iterable(prompts)
+    return list(prompts)
+
+
+def check_prompts_iterable(prompts: Any) -> None:
+    """Refuse what is neither one prompt nor an iterable of prompts (None, a number, bytes)."""
     if isinstance(prompts, (bytes, int, float)) or prompts is None or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a prompt (text, token ids or a prompt dict) or a list of them, "
                          f"got {type(prompts).__name__} {short_repr(prompts)}")
-    return list(prompts)
 
 
 def is_one_prompt(prompts: Any) -> bool:

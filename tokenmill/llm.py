@@ -18,7 +18,8 @@ from tokenmill.engine_factory import create_engine
 from tokenmill.gc_policy import collections_paused, young_collections_only
 from tokenmill.generation_defaults import default_sampling_params
 from tokenmill.inputs import (
-    PromptType, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompts, tokenize_prompts,
+    PromptType, check_prompts_iterable, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompts,
+    tokenize_prompts,
 )
 from tokenmill.llm_controls import EngineControlMethods
 from tokenmill.pooling.llm_methods import PoolingMethods
@@ -231,6 +232,8 @@ class LLM(PoolingMethods, EngineControlMethods):
             not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
         ):
             raise ValueError(f"max_in_flight={max_in_flight!r} is invalid: must be None or an integer >= 1")
+        if not is_one_prompt(prompts):
+            check_prompts_iterable(prompts)  # here too: iterating None failed at the first next() with a bare TypeError
         return self._imap(prompts, sampling_params, max_in_flight)
 
     def _imap(
