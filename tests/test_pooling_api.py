@@ -255,6 +255,15 @@ def test_abort_leaves_the_other_requests_running(bert_classifier_llm):
     assert all(o.finished and abs(sum(o.outputs.data.tolist()) - 1) < 1e-5 for o in done)
 
 
+def test_add_and_abort_request_arguments_are_checked_as_the_generation_engines(bert_classifier_llm):
+    engine = bert_classifier_llm.llm_engine
+    with pytest.raises(ValueError, match=r"arrival_time='x' is invalid: must be None or a finite number"):
+        engine.add_request("b0", "the cat", PoolingParams(), arrival_time="x")
+    with pytest.raises(TypeError, match="request_ids must be a request id .* or a list of them, got NoneType"):
+        engine.abort_request(None)  # iterating None failed with a bare TypeError
+    assert not engine.has_unfinished_requests()
+
+
 def test_truncation_of_text_and_token_ids(bert_classifier_llm, bert_embedder_llm):
     tok = bert_classifier_llm.get_tokenizer()
     text = "the quick brown fox jumps over the lazy dog and the cat"

@@ -294,6 +294,13 @@ def test_llm_engine_add_request_keywords_of_vllm(llm, caplog):
         engine.add_request("kw-3", text, GREEDY, priority=1.5)
     with pytest.raises(ValueError, match="lora_request=.* needs an engine started with enable_lora=True"):
         engine.add_request("kw-3", text, GREEDY, lora_request=object())
+    for arrival in ("abc", float("nan"), True):  # float("abc") failed without the keyword named
+        with pytest.raises(ValueError, match=r"arrival_time=.* is invalid: must be None or a finite number"):
+            engine.add_request("kw-3", text, GREEDY, arrival_time=arrival)
+    engine.abort_request("no-such-request")  # as vLLM: an unknown id is no error
+    for ids in (None, 5):  # iterating them failed with a bare "'NoneType' object is not iterable"
+        with pytest.raises(TypeError, match="request_ids must be a request id .* or a list of them, got"):
+            engine.abort_request(ids)
     assert not engine.has_unfinished_requests()
     assert engine.get_supported_tasks() == ("generate",)
     assert engine.apply_model(lambda model: type(model).__name__) == ["LlamaForCausalLM"]

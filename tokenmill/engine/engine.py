@@ -28,7 +28,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.executor import Executor
 from tokenmill.engine.controls import EngineControls
 from tokenmill.engine.intake import Intake
-from tokenmill.engine.protocol import check_add_request_keywords
+from tokenmill.engine.protocol import check_add_request_keywords, request_id_list
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, Sequence
@@ -133,7 +133,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.asleep))} freed by sleep()); "
                                "call wake_up() before adding requests")
-        check_add_request_keywords(request_id, priority)
+        check_add_request_keywords(request_id, priority, arrival_time)
         if tokenization_kwargs:
             (prompt,) = tokenize_prompts([prompt], self.tokenizer, tokenization_kwargs)
         request = self.intake.make_request(request_id, prompt, params, index, self.requests, seed)
@@ -160,7 +160,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
 
     def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
         """Forget these requests (``internal``: vLLM's flag for its own aborts; no difference here)."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = request_id_list(request_ids)
         if self._undelivered:  # their outputs from a failed step, if any, go too
             gone = set(ids)
             self._undelivered = [o for o in self._undelivered if o.request_id not in gone]

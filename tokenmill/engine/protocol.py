@@ -5,6 +5,8 @@ this small protocol, which `LLM` and the batch job drive; everything else is par
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 if TYPE_CHECKING:
@@ -46,9 +48,23 @@ class Engine(Protocol):
     ) -> list[Any]: ...
 
 
-def check_add_request_keywords(request_id: Any, priority: Any) -> None:
+def check_add_request_keywords(request_id: Any, priority: Any, arrival_time: Any = None) -> None:
     """vLLM's add_request keywords that both engines check the same way (``lora_request``: each its own)."""
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+    if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
+                                     or not math.isfinite(arrival_time)):
+        raise ValueError(f"arrival_time={arrival_time!r:.100} is invalid: must be None or a finite number "
+                         "(wall-clock seconds, as time.time() gives)")
+
+
+def request_id_list(request_ids: Any) -> list[str]:
+    """abort_request's argument as a list: one request id, or an iterable of them (vLLM's list)."""
+    if isinstance(request_ids, str):
+        return [request_ids]
+    if request_ids is None or isinstance(request_ids, (bytes, int, float)) or not hasattr(request_ids, "__iter__"):
+        raise TypeError(f"request_ids must be a request id (a string) or a list of them, got "
+                        f"{type(request_ids).__name__} {request_ids!r:.100}")
+    return list(request_ids)

@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.protocol import check_add_request_keywords
+from tokenmill.engine.protocol import check_add_request_keywords, request_id_list
 from tokenmill.inputs import PromptType, parse_prompt, tokenize_prompts, validate_prompt_ids
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
@@ -78,7 +78,7 @@ class PoolingEngine:
         must be None (adapters apply to generation only).
         """
         where = f"prompts[{index}]" if index is not None else "prompt"
-        check_add_request_keywords(request_id, priority)
+        check_add_request_keywords(request_id, priority, arrival_time)
         refuse_lora(lora_request)
         if params is None:
             params = PoolingParams()
@@ -139,7 +139,7 @@ class PoolingEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Forget these requests: a queued one is skipped when its turn comes, the result of one in
         flight is dropped when it comes back."""
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        for request_id in request_id_list(request_ids):
             self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
