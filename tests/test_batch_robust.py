@@ -201,6 +201,7 @@ BAD_VALUES = [
     ('{"seed": 1.5}', "SamplingParams.seed=1.5"),
     ('{"max_tokens": 1e12}', "SamplingParams.max_tokens=1000000000000.0"),
     ('{"max_tokens": 1000000000000}', "max_model_len (128)"),
+    ('{"truncate_prompt_tokens": 500}', "SamplingParams.truncate_prompt_tokens=500 is invalid: must be -1 or at most max_model_len (128)"),
     ('{"n": 1000000, "temperature": 1.0}', "max_num_seqs (4)"),  # (sampled: n > 1 is refused under greedy)
     ('{"n": 2, "best_of": 1000, "temperature": 1.0}', "max_num_seqs (4)"),
     ('{"skip_special_tokens": 0}', "SamplingParams.skip_special_tokens=0"),
@@ -222,6 +223,9 @@ def test_job_wide_values_past_the_engine_are_refused_before_any_row(tmp_path, ll
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:2]])
     with pytest.raises(ValueError, match=r"--max-tokens.*max_model_len \(128\)"):
         job(tmp_path, llm, path, sampling={**GREEDY, "max_tokens": 1000})
+    # Every row would fail with it (vLLM refuses a cut longer than max_model_len).
+    with pytest.raises(ValueError, match=r"--truncate-prompt-tokens 500 is more than this engine's max_model_len \(128\)"):
+        job(tmp_path, llm, path, sampling={**GREEDY, "truncate_prompt_tokens": 500})
     assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").stat().st_size == 0
 
 

@@ -62,6 +62,13 @@ def test_embed_rows_match_llm_embed_and_bad_rows_fail_alone(tmp_path, bert_embed
         assert records[i]["embedding"] is None and message in records[i]["error"]
 
 
+def test_a_job_wide_cut_past_max_model_len_is_refused_before_any_row(tmp_path, bert_embedder_llm):
+    """Every row failed with it, one error row each; now a usage error, as for generation."""
+    with pytest.raises(ValueError, match=r"--truncate-prompt-tokens 100 is more than this engine's max_model_len \(48\)"):
+        job(tmp_path, bert_embedder_llm, [{"prompt": "the cat"}], "embed", pooling={"truncate_prompt_tokens": 100})
+    assert not (tmp_path / "out.jsonl").exists() or not read_jsonl(tmp_path / "out.jsonl")
+
+
 
 def test_embed_rows_are_tokenized_together_as_each_alone(tmp_path, bert_embedder_llm, texts, monkeypatch):
     """The job's texts go through the tokenizer's batch path, a few calls for many rows, and each

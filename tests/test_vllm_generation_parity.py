@@ -266,3 +266,14 @@ def test_truncate_prompt_tokens_in_tokenization_kwargs_is_refused_not_ignored(ll
     tokenizer = llm.get_tokenizer()
     ids = tokenizer(PROMPTS[2])["input_ids"]
     assert generate_one(llm, PROMPTS[2], GREEDY.clone(truncate_prompt_tokens=3)).prompt_token_ids == ids[-3:]
+
+
+def test_truncate_prompt_tokens_past_max_model_len_is_refused(llm):
+    """As vLLM 0.26 refuses it (a cut that cannot make a prompt fit), whatever the prompt's length: a
+    short prompt ran, a long one was refused as too long, naming max_model_len but not the cut."""
+    most = llm.llm_engine.config.max_model_len
+    for prompt in (PROMPTS[0], "word " * (most + 10)):
+        with pytest.raises(ValueError, match=rf"prompts\[0\]: SamplingParams.truncate_prompt_tokens={most + 1} is "
+                                             rf"invalid: must be -1 or at most max_model_len \({most}\)"):
+            llm.generate(prompt, GREEDY.clone(truncate_prompt_tokens=most + 1), use_tqdm=False)
+    assert len(generate_one(llm, "word " * (most + 10), GREEDY.clone(truncate_prompt_tokens=most)).prompt_token_ids) == most

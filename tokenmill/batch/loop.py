@@ -158,7 +158,8 @@ class JobLoop:
 
     def _check_job_limits(self) -> None:
         """Job-wide values no row could run with are a usage error, before any row runs."""
-        limits = {"max_tokens": (self.max_model_len, "max_model_len"), "n": (self.engine.config.max_num_seqs, "max_num_seqs")}
+        limits = {"max_tokens": (self.max_model_len, "max_model_len"), "n": (self.engine.config.max_num_seqs, "max_num_seqs"),
+                  "truncate_prompt_tokens": (self.max_model_len, "max_model_len")}
         for name, (limit, what) in limits.items():
             value = self.config.sampling.get(name)
             if value is not None and value > limit:

@@ -59,6 +59,10 @@ class PoolingRows:
         # classify and embed need that head; score takes a cross-encoder or an embedding model.
         if (task == "score" and "score" not in engine.pooling.tasks and head != "embed") or (task != "score" and head != task):
             raise ValueError(f"--task {task}: {engine.unsupported(task)}")
+        keep, most = self.job_params.get("truncate_prompt_tokens"), engine.config.max_model_len
+        if keep is not None and keep > most:  # every row would fail with it: a usage error, as for generation
+            raise ValueError(f"--truncate-prompt-tokens {keep} is more than this engine's max_model_len ({most}); "
+                             "lower it, or raise --max-model-len")
         self.cross_encoder = task == "score" and head == "classify"
         self.labels = engine.pooling.labels or ()
         self._shared_params: dict[str, "PoolingParams"] = {}  # per task: the params of rows without overrides

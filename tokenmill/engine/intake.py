@@ -71,6 +71,9 @@ class Intake:
         processed = parse_prompt(prompt, self.tokenizer, index)
         if params.truncate_prompt_tokens is not None:
             keep = config.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > config.max_model_len:  # as vLLM: a cut that could leave a prompt too long is refused
+                raise ValueError(f"{where}: SamplingParams.truncate_prompt_tokens={keep} is invalid: must be -1 or at "
+                                 f"most max_model_len ({config.max_model_len})")
             processed.token_ids = processed.token_ids[-keep:]
         validate_prompt_ids(processed.token_ids, config.vocab_size, config.max_model_len, where)
         self._check_fits_cache(processed.token_ids, params, where)
