@@ -1,10 +1,12 @@
-"""A step that raises midway (a request's own logits processor, an engine bug, Ctrl-C) fails the
-call that was stepping, and only that call: the engine is left as a finished call leaves it, and
-requests of other callers (enqueued ones) run on to the outputs a fresh engine gives them."""
+"""A step that raises midway (an engine bug, Ctrl-C) fails the call that was stepping, and only that
+call: the engine is left as a finished call leaves it, and requests of other callers (enqueued ones)
+run on to the outputs a fresh engine gives them. A request's own logits processor that raises ends
+that request alone, with finish_reason "error"."""
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -115,3 +117,25 @@ def test_a_beam_group_interrupted_before_it_moves_on_reports_again(tiny_llama_di
     reference = run(e)
     fail_on_call(monkeypatch, BeamSearch, "advance", 2, KeyboardInterrupt())
     assert run(e) == reference
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_whose_logits_processor_raises_ends_alone(tiny_llama_dir, expected, async_scheduling):
+    """Before, the processor's error failed the whole call (the other requests' results lost) and,
+    driving LLMEngine.step, every later step too, without naming the request."""
+    calls = itertools.count()
+
+    def breaks_on_third_call(output_ids, logits):
+        if next(calls) == 2:
+            raise ZeroDivisionError("bad row")
+        return logits
+
+    llm = engine(tiny_llama_dir, async_scheduling)
+    broken = GREEDY.clone(logits_processors=[breaks_on_third_call])
+    outputs = llm.generate([*PROMPTS, PROMPTS[0]], [*PARAMS, broken], use_tqdm=False)
+    assert completions(outputs[:-1]) == expected
+    failed = outputs[-1]
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and len(failed.outputs[0].token_ids) == 2
+    assert re.fullmatch(r"SamplingParams.logits_processors\[0\] \(.*breaks_on_third_call\) raised ZeroDivisionError: "
+                        "bad row", failed.error)
+    assert_idle(llm)

@@ -33,7 +33,8 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, Sequence
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.step import SchedulerOutput, StepResult
+from tokenmill.engine.step import RequestCodeError, SchedulerOutput, StepResult
+from tokenmill.fatal_errors import is_device_failure
 from tokenmill.inputs import PromptType, tokenize_prompts
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -194,18 +195,38 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         """Run one engine step; return the outputs of the requests it advanced (or only finished ones).
 
         With asynchronous scheduling the outputs are those of the step launched by the previous call.
-        A step that raises (a request's logits processor, a bug, Ctrl-C) first puts the engine back
-        in order (`_recover`): the requests left run on, and the outputs it had built come with the
-        next step's.
+        A step that raises (a bug, Ctrl-C) first puts the engine back in order (`_recover`): the
+        requests left run on, and the outputs it had built come with the next step's. When a
+        request's own logits processor raised, that request alone ends, with finish_reason "error"
+        and the reason in its output's ``error``, and the step returns as one that did not raise.
         """
         outputs, self._undelivered = self._undelivered, []
         try:
             self._step(outputs, finished_only)
-        except BaseException:
+        except BaseException as error:
             self._undelivered = outputs
             self._recover()
-            raise
+            culprit = self._culprit(error)
+            if culprit is None:
+                raise
+            logger.error("request %s ends with finish_reason 'error': %s", culprit.request_id, error)
+            self._undelivered.append(self._end_with_error(culprit, str(error), time.monotonic()))
+            outputs, self._undelivered = self._undelivered, []
         return outputs
+
+    def _culprit(self, error: BaseException) -> Request | None:
+        """The request whose own code raised ``error``, if one did (not the device failing under it)."""
+        if not isinstance(error, RequestCodeError) or is_device_failure(error.__cause__ or error):
+            return None
+        return next((r for r in self.requests.values() if any(s.seq_id == error.seq_id for s in r.sequences)), None)
+
+    def _end_with_error(self, request: Request, message: str, now: float) -> RequestOutput:
+        """End an unfinished request with finish_reason "error"; its last output, which says why."""
+        request.error = message
+        self.scheduler.abort(request, reason="error")
+        if request.beam is not None:
+            request.beam.done = True
+        return self._finish(request, now)
 
     def _step(self, outputs: list[RequestOutput], finished_only: bool) -> None:
         """One step, its outputs appended to ``outputs`` as they are built (so a failure keeps them)."""
@@ -295,14 +316,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         failed = [r for r in self.requests.values() if r.adapter is not None and r.adapter.uid == spec.uid]
         logger.error("%s; its %d request(s) end with finish_reason 'error'", error, len(failed))
         now = time.monotonic()
-        outputs = []
-        for request in failed:
-            request.error = str(error)
-            self.scheduler.abort(request, reason="error")
-            if request.beam is not None:
-                request.beam.done = True
-            outputs.append(self._finish(request, now))
-        return outputs
+        return [self._end_with_error(request, str(error), now) for request in failed]
 
     def _launch(self, plan: SchedulerOutput[Sequence]) -> StepResult[Sequence]:
         result = self.executor.execute_model(plan)

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 NULL_BLOCK = 0  # never handed out: padding in block tables and slot mappings points here
 
 
+class RequestCodeError(RuntimeError):
+    """A request's own code raised in a step (a function of its SamplingParams.logits_processors):
+    that request is to blame, and `LLMEngine.step` ends it alone with finish_reason "error"."""
+
+    def __init__(self, seq_id: int, message: str):
+        super().__init__(message)
+        self.seq_id = seq_id
+
+
 class StepRequest(Protocol):
     """The request fields the runner reads (prompt logprobs are scored once per request)."""
 

@@ -444,7 +444,7 @@ class ModelRunner:
                       for token in seq.params.all_stop_token_ids]
             batch.banned = self._tensor(list(zip(*banned)), torch.int64) if banned else None
         if needs & SamplerNeeds.PROCESSORS:
-            batch.processors = [(row, s.params.logits_processors, s.prompt_token_ids, s.output_token_ids)
+            batch.processors = [(row, s.seq_id, s.params.logits_processors, s.prompt_token_ids, s.output_token_ids)
                                 for row, s in enumerate(seqs) if s.params.logits_processors]
         if self.logits_processors is not None:
             self.logits_processors.update(seqs)

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from tokenmill.engine.step import SamplerOutput
+from tokenmill.engine.step import RequestCodeError, SamplerOutput
 from tokenmill.kernels.sampling_args import Filters, RowState, counts_width
 from tokenmill.worker.sampling_state import (
     BadWordState, LogprobIdsState, StepRows, apply_bias, apply_penalties, gather_ids,
@@ -77,8 +77,8 @@ class SamplingBatch:
     max_num_logprobs: int = -1  # -1: no row wants logprobs; else the most top logprobs a row wants
     # The rows with logprob_token_ids and the device state holding their ids.
     logprob_ids: tuple[LogprobIdsState, StepRows] | None = None
-    # vLLM-style logits processors per row: (row, callables, prompt ids, output ids so far).
-    processors: list[tuple[int, list, list[int], list[int]]] | None = None
+    # vLLM-style logits processors per row: (row, its sequence's id, callables, prompt ids, output ids so far).
+    processors: list[tuple[int, int, list, list[int], list[int]]] | None = None
     # Structured outputs: xgrammar's packed allowed-token bitmask and the function applying it.
     grammar_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32
     apply_grammar: Callable[[torch.Tensor, torch.Tensor], None] | None = None
@@ -138,12 +138,17 @@ class Sampler:
             batch.apply_grammar(logits, batch.grammar_bitmask)
         if batch.bad_words is not None:
             batch.bad_words[0].apply(logits, batch.bad_words[1])
-        for row, functions, prompt_ids, output_ids in batch.processors or ():
-            for fn in functions:
-                # vLLM's two forms: fn(output_ids, logits) or fn(prompt_ids, output_ids, logits).
-                takes_prompt = len(inspect.signature(fn).parameters) == 3
-                args = (prompt_ids, list(output_ids), logits[row]) if takes_prompt else (list(output_ids), logits[row])
-                logits[row] = fn(*args)
+        for row, seq_id, functions, prompt_ids, output_ids in batch.processors or ():
+            for i, fn in enumerate(functions):
+                try:
+                    # vLLM's two forms: fn(output_ids, logits) or fn(prompt_ids, output_ids, logits).
+                    takes_prompt = len(inspect.signature(fn).parameters) == 3
+                    args = (prompt_ids, list(output_ids), logits[row]) if takes_prompt else (list(output_ids), logits[row])
+                    logits[row] = fn(*args)
+                except Exception as exc:  # the request's own code: it fails alone (LLMEngine.step)
+                    name = getattr(fn, "__qualname__", type(fn).__name__)
+                    raise RequestCodeError(seq_id, f"SamplingParams.logits_processors[{i}] ({name}) raised "
+                                                   f"{type(exc).__name__}: {exc}") from exc
         if batch.batch_processors is not None:
             logits = batch.batch_processors(logits)
         if batch.banned is not None:
