@@ -225,9 +225,17 @@ def test_score_pairing_rules(bert_embedder_llm):
     assert n_to_n[0].outputs.score == pytest.approx(one_to_n[0].outputs.score, abs=1e-6)
 
 
+@pytest.mark.parametrize("data_1, data_2, where", [(["a", None], ["b", "c"], r"data_1\[1\]=None"),
+                                                   ("a", [5], r"data_2\[0\]=5")])
+def test_a_cross_encoder_names_an_input_that_is_no_text(cross_encoder_llm, data_1, data_2, where):
+    """vLLM's cross-encoders take texts only; this was a TypeError naming neither the argument nor its index."""
+    with pytest.raises(ValueError, match=rf"score {where}.* is invalid: a cross-encoder scores text pairs, so it must be a string"):
+        cross_encoder_llm.score(data_1, data_2, use_tqdm=False)
+
+
 def test_cross_encoder_takes_text_pairs(cross_encoder_llm):
     llm = cross_encoder_llm
-    with pytest.raises(TypeError, match="text_2 is a dict"):
+    with pytest.raises(ValueError, match=r"score data_2\[0\]=\{'prompt_token_ids': \[5, 6\]\} is invalid: .*must be a string"):
         llm.score("the cat", [{"prompt_token_ids": [5, 6]}])
     assert not llm.llm_engine.has_unfinished_requests()
 

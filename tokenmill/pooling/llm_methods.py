@@ -199,10 +199,13 @@ class PoolingMethods:
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         for name, items in (("data_1", first), ("data_2", second)):
-            for item in items:
+            for i, item in enumerate(items):
                 if isinstance(item, dict) and "content" in item:
                     raise ValueError(f"score {name}: a multi-modal input ({{'content': [...]}}) is not supported for "
                                      f"{engine.pooling.architecture}: tokenmill serves text-only models; give strings")
+                if engine.pooling.head != "embed" and not isinstance(item, str):  # as vLLM: texts only
+                    raise ValueError(f"score {name}[{i}]={short_repr(item)} is invalid: a cross-encoder scores text "
+                                     "pairs, so it must be a string")
         if not first or not second:
             raise ValueError("score needs at least one text in data_1 and in data_2")
         if len(first) > 1 and len(first) != len(second):
