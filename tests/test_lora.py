@@ -169,6 +169,8 @@ def test_lora_request_fields_equality_and_checks(tmp_path):
         LoRARequest("sql", -2, str(tmp_path))
     with pytest.raises(ValueError, match="lora_path"):
         LoRARequest("sql", 1, "")
+    with pytest.raises(ValueError, match=r"lora_path=5 is invalid for LoRA adapter 'sql': must be the adapter's folder"):
+        LoRARequest("sql", 1, 5)  # was a bare TypeError once the adapter was read
 
 
 # --- outputs against HF + PEFT ------------------------------------------------------------------

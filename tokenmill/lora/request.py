@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,9 @@ class LoRARequest:
             raise ValueError(f"lora_int_id={self.lora_int_id!r} is invalid: must be an integer > 0")
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name={self.lora_name!r} is invalid: must be a non-empty string")
+        if not isinstance(self.lora_path, (str, os.PathLike)):  # was a bare TypeError when the adapter was read
+            raise ValueError(f"lora_path={self.lora_path!r:.100} is invalid for LoRA adapter {self.lora_name!r}: must be "
+                             "the adapter's folder, a string")
         if not self.lora_path:
             raise ValueError(f"lora_path is empty for LoRA adapter {self.lora_name!r}: give the adapter's folder")
         if self.tensorizer_config_dict is not None:
