@@ -29,6 +29,33 @@ def test_enqueue_then_wait_returns_outputs_in_enqueue_order(llm):
     assert llm.wait_for_completion(use_tqdm=False) == []
 
 
+def test_an_interrupted_wait_keeps_what_finished_and_the_next_wait_goes_on(llm, monkeypatch):
+    """Ctrl-C (or an error) during wait_for_completion loses nothing: the finished outputs are kept
+    and the unfinished requests stay queued, so calling it again returns every output, in enqueue
+    order, as an uninterrupted run gives them."""
+    prompts = random_prompts(llm.llm_engine.config.vocab_size, [4, 30, 9, 17], seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12)]
+    expected = token_ids(llm.generate(as_inputs(prompts), params, use_tqdm=False))
+    ids = llm.enqueue(as_inputs(prompts), params)
+    real_step, steps = llm.llm_engine.step, []
+
+    def interrupted(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 6:  # after the 2- and 3-token requests finished, before the 12-token ones
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.llm_engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.wait_for_completion(use_tqdm=False)
+    monkeypatch.setattr(llm.llm_engine, "step", real_step)
+    assert sorted(llm._queued_done) == [ids[0], ids[2]] and llm.llm_engine.get_num_unfinished_requests() == 2
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids
+    assert token_ids(outputs) == expected
+    assert llm.wait_for_completion(use_tqdm=False) == [] and not llm.llm_engine.has_unfinished_requests()
+
+
 def test_enqueue_rejects_the_whole_call_on_a_bad_prompt(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         llm.enqueue([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], GREEDY)

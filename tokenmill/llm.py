@@ -208,11 +208,18 @@ class LLM(PoolingMethods, EngineControlMethods):
 
     def wait_for_completion(self, output_type: Any = None, *, use_tqdm: ProgressOption = True) -> list[RequestOutput]:
         """Run until every enqueued request is done; outputs in the order they were enqueued, less those
-        aborted meanwhile, e.g. by sleep() (``output_type``: vLLM's filter; every output here is a RequestOutput)."""
+        aborted meanwhile, e.g. by sleep() (``output_type``: vLLM's filter; every output here is a RequestOutput).
+        If the call is stopped (Ctrl-C) or fails, the requests stay queued and the outputs that finished
+        are kept: calling it again goes on where it stopped."""
         ids, self._queued = list(self._queued), {}
         done, self._queued_done = self._queued_done, {}
+
+        def requeue(finished: dict[str, RequestOutput]) -> None:  # the call failed (Ctrl-C, an error):
+            # what finished and what still runs wait for the next wait_for_completion(), not lost.
+            self._queued, self._queued_done = dict.fromkeys(ids), finished
+
         with young_collections_only() as collect_young:
-            return self._collect(ids, use_tqdm, done, collect_young)
+            return self._collect(ids, use_tqdm, done, collect_young, requeue=requeue)
 
     def imap(
         self,
@@ -434,14 +441,15 @@ class LLM(PoolingMethods, EngineControlMethods):
     def _collect(
         self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None,
         collect_young: Callable[[], None] | None = None, feed: Callable[[], bool] | None = None,
-        finish: Callable[[Any], Any] | None = None,
+        finish: Callable[[Any], Any] | None = None, requeue: Callable[[dict[str, Any]], None] | None = None,
     ) -> list[Any]:
         """Step the engine until the requests ``ids`` finish; their outputs in the order of ``ids``
         (``done``: outputs of some of them that already finished; aborted ones are left out).
         ``collect_young``: called after each step (`gc_policy.young_collections_only`). ``feed``:
         called before each step to add more of the requests, False once all are in (an error it
         raises aborts every one of ``ids``). ``finish``: applied to each output as it arrives, so
-        that work overlaps the device's next step."""
+        that work overlaps the device's next step. ``requeue``: if the call fails, it gets the
+        outputs that finished, and the requests are left in the engine, not aborted."""
         engine = self.llm_engine
         order = {request_id: i for i, request_id in enumerate(ids)}
         results: list[Any] = [None] * len(ids)
@@ -463,7 +471,10 @@ class LLM(PoolingMethods, EngineControlMethods):
                 if collect_young is not None:
                     collect_young()
         except BaseException:
-            engine.abort_request(ids)  # leave the engine clean for the next call (e.g. after Ctrl-C)
+            if requeue is None:
+                engine.abort_request(ids)  # leave the engine clean for the next call (e.g. after Ctrl-C)
+            else:
+                requeue({request_id: results[i] for request_id, i in order.items() if results[i] is not None})
             raise
         finally:
             progress.close()
