@@ -170,9 +170,16 @@ def test_a_constraint_changed_after_construction_is_checked_again(tiny, field, v
     assert not tiny.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"json": {"type": "object"}, "regex": "a"}, {"choice": []}])
-def test_malformed_structured_outputs_params(kwargs):
-    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one of"), ({"json": {"type": "object"}, "regex": "a"}, "exactly one of"),
+    ({"choice": []}, r"choice=\[\] is invalid"),
+    # Types: each was taken and failed later (xgrammar's message) or ran as something else ("yes" as True).
+    ({"regex": 5}, "regex=5 is invalid: must be a string"), ({"grammar": ["root ::= 'a'"]}, "grammar=.* must be a string"),
+    ({"json": [1]}, r"json=\[1\] is invalid: must be a JSON schema: a dict or a JSON string"),
+    ({"json_object": "yes"}, "json_object='yes' is invalid: must be None, True or False"),
+])
+def test_malformed_structured_outputs_params(kwargs, message):
+    with pytest.raises(ValueError, match=f"StructuredOutputsParams.*{message}"):
         StructuredOutputsParams(**kwargs)
 
 

@@ -61,6 +61,13 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError(f"StructuredOutputsParams.whitespace_pattern={self.whitespace_pattern!r} is not supported: "
                              "tokenmill's grammars (xgrammar) write compact JSON; leave it None")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"StructuredOutputsParams.{name}={getattr(self, name)!r:.100} is invalid: must be a string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"StructuredOutputsParams.json={self.json!r:.100} is invalid: must be a JSON schema: a dict or a JSON string")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"StructuredOutputsParams.json_object={self.json_object!r:.100} is invalid: must be None, True or False")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"StructuredOutputsParams.{name}={getattr(self, name)!r} is invalid: must be True or False")
