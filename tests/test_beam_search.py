@@ -439,9 +439,12 @@ def test_bad_beam_search_calls_are_refused_and_leave_nothing_running(llama, prom
         llama.beam_search(as_inputs(prompts), BeamSearchParams(300, 4))
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         llama.beam_search([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": []}], params)
-    # Run a chunk at a time, the bad prompt is still named by its index in the whole list.
+    # Run a chunk at a time, the bad prompt is still named by its index in the whole list, and it is
+    # found before the first chunk's search runs (which it would otherwise throw away).
+    steps = llama.llm_engine.stats.num_steps
     with pytest.raises(ValueError, match=r"prompts\[2\] is empty"):
         llama.beam_search([*as_inputs(prompts[:2]), {"prompt_token_ids": []}], params, concurrency_limit=2)
+    assert llama.llm_engine.stats.num_steps == steps
     assert_cache_released(llama)
 
 

@@ -159,10 +159,13 @@ class LLM(PoolingMethods, EngineControlMethods):
         prompts = prompt_list(prompts)
         adapters = _adapters(lora_request, len(prompts))
         chunk = concurrency_limit or max(1, len(prompts))
+        parts = [(start, prompts[start : start + chunk], adapters[start : start + chunk]) for start in range(0, len(prompts), chunk)]
+        for start, part, part_adapters in parts[1:]:  # checked before any search runs: a bad prompt in a
+            # later chunk would otherwise raise after the searches before it, dropping them
+            self.llm_engine.abort_request(self._submit(part, [params] * len(part), adapters=part_adapters, first_index=start))
         outputs: list[RequestOutput] = []
-        for start in range(0, len(prompts), chunk):
-            part = prompts[start : start + chunk]
-            outputs += self._run(part, [params] * len(part), use_tqdm, adapters[start : start + chunk], first_index=start)
+        for start, part, part_adapters in parts:
+            outputs += self._run(part, [params] * len(part), use_tqdm, part_adapters, first_index=start)
         return [beam_search_output(output, params, self.get_tokenizer()) for output in outputs]
 
     # ---- the queue: submit now, collect later --------------------------------------------
