@@ -334,6 +334,12 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
         engine.update_weights({"update_info": {"names": [first[0], "model.no_such.weight", fused],
                                                "tensors": [first[1], torch.zeros(1), torch.zeros(1)]}})
     assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == target
+    # A tensor that is not floating point is refused by name before any is replaced (it was cast in).
+    lm_head = dict(_checkpoint(tiny_llama_dir))["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has dtype torch.int64: must be a floating-point dtype.*nothing"):
+        engine.update_weights({"update_info": {"names": [first[0], "lm_head.weight"], "tensors": [first[1], lm_head.long()]}})
+    assert engine.get_weight_version() == 40
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == target
     # A tensor that fails while loading leaves those before it replaced: the prefix cache is forgotten.
     with pytest.raises(ValueError, match=r"shape mismatch: checkpoint tensor has shape \(1,\)"):
         engine.update_weights({"update_info": {"names": [first[0], "lm_head.weight"], "tensors": [first[1], torch.zeros(1)]}})

@@ -70,6 +70,7 @@ def load_hf_weights(
         if unknown:
             raise ValueError(f"update_weights: {type(model).__name__} has no tensors {_summary(unknown)}; nothing was "
                              "replaced (names are the checkpoint's, e.g. q_proj / k_proj / v_proj, not the fused qkv_proj)")
+        _check_update(params, weights, stacked, rename)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -96,6 +97,22 @@ def load_hf_weights(
             f"checkpoint does not match {type(model).__name__}: "
             f"missing tensors {_summary(missing)}; unexpected tensors {_summary(sorted(unexpected))}"
         )
+
+
+def _check_update(params: dict[str, nn.Parameter], weights: Sequence[tuple[str, Any]], stacked: Stacked,
+                  rename: Callable[[str], str | None]) -> None:
+    """Refuse, before any tensor of the update is replaced, a tensor that is not floating point for a
+    floating-point weight (it would be cast into it silently). Shapes are checked by each loader as
+    it goes: loaders may write into their layer (fp8 codes and scales), so none is run on the side."""
+    for name, tensor in weights:
+        local = rename(name)
+        if local is None:
+            continue
+        param = params[stacked_param(local, stacked)[0]]
+        dtype = getattr(tensor, "dtype", None)
+        if isinstance(dtype, torch.dtype) and param.dtype.is_floating_point and not dtype.is_floating_point:
+            raise ValueError(f"update_weights: tensor {name!r} has dtype {dtype}: must be a floating-point dtype "
+                             f"(the model's is {param.dtype}); nothing was replaced")
 
 
 def _summary(names: list[str], limit: int = 12) -> str:
