@@ -145,6 +145,14 @@ def test_sleep_waits_for_enqueued_requests_or_aborts_them(llm):
         llm.sleep(level=1, mode="keep")
     with pytest.raises(ValueError, match="unknown tags \\['weight'\\]"):
         llm.wake_up(tags=["weight"])
+    with pytest.raises(ValueError, match="sleep\\(level=True\\) is invalid"):
+        llm.sleep(level=True)
+    with pytest.raises(ValueError, match=r"wake_up\(tags=5\) is invalid: must be None \(everything\) or a list of"):
+        llm.wake_up(tags=5)
+    llm.sleep(level=1)
+    llm.wake_up(tags="weights")  # one tag as a string: vLLM's allocator reads it so too
+    assert llm.llm_engine.asleep == {"kv_cache"}
+    llm.wake_up()
     llm.sleep(level=1)
     llm.wake_up(tags=["weights", "scheduling"])  # vLLM's third tag: scheduling is never paused here
     llm.wake_up(tags=["kv_cache"])
@@ -354,6 +362,22 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
     for method in ("sleep", "wake_up"):  # the engine keeps the books on sleep: only its own methods may
         with pytest.raises(ValueError, match=rf"collective_rpc\(method='{method}'\).*call LLM.{method}\(\)"):
             engine.collective_rpc(method, args=(1,))
+    # The engine's own step and start-up methods would leave its block tables wrong (a KV cache of 3 blocks).
+    with pytest.raises(ValueError, match=r"collective_rpc\(method='initialize_cache'\).*the engine calls it itself"):
+        engine.collective_rpc("initialize_cache", args=(3,))
+    with pytest.raises(ValueError, match=r"args=5 is invalid: must be a tuple"):
+        engine.collective_rpc("reload_weights", args=5)
+    with pytest.raises(ValueError, match=r"kwargs=\[1\] is invalid: must be a dict"):
+        engine.collective_rpc(lambda worker: 1, kwargs=[1])
+    with pytest.raises(ValueError, match=r"apply_model\(func=5\) is invalid: must be a function"):
+        engine.apply_model(5)
+    with pytest.raises(ZeroDivisionError):  # a function that raises: the caller sees its error, the engine runs on
+        engine.apply_model(lambda model: 1 / 0)
+    with pytest.raises(ValueError, match=r"update_weight_version\(version='3'\) is invalid: must be an int"):
+        engine.update_weight_version("3")
+    with pytest.raises(ValueError, match=r"init_info\['master_port'\]='x' is invalid: must be an int"):
+        engine.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": "x",
+                                                          "rank_offset": 1, "world_size": 2}})
     assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_tokens(tiny_llama_dir)
 
 

@@ -109,4 +109,6 @@ class EngineControlMethods:
 
     def apply_model(self, func: Callable[[Any], _R]) -> list[_R]:
         """``func(model)`` on every rank's model (its shard under tensor parallelism), in rank order."""
+        if not callable(func):
+            raise ValueError(f"apply_model(func={func!r:.100}) is invalid: must be a function called as func(model)")
         return self.collective_rpc("apply_model", args=(func,))

@@ -69,9 +69,9 @@ class WeightReceiver:
         missing = [name for name in _INIT_FIELDS if name not in init_info]
         if missing:
             raise ValueError(f"init_weight_transfer_engine: init_info lacks {missing} (needs {list(_INIT_FIELDS)})")
-        world_size = int(init_info["world_size"])
-        rank = int(init_info["rank_offset"]) + tp_rank
-        store = dist.TCPStore(str(init_info["master_address"]), int(init_info["master_port"]), world_size,
+        port, rank_offset, world_size = (_int_field(init_info, name) for name in _INIT_FIELDS[1:])
+        rank = rank_offset + tp_rank
+        store = dist.TCPStore(str(init_info["master_address"]), port, world_size,
                               is_master=False, timeout=COLLECTIVE_TIMEOUT)
         self.group = create_group(store, rank, world_size, device)
         self.device = device
@@ -82,6 +82,14 @@ class WeightReceiver:
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
             self.group.broadcast(tensor, 0).wait()
             yield name, tensor
+
+
+def _int_field(init_info: dict[str, Any], name: str) -> int:
+    value = init_info[name]
+    try:
+        return int(value) if not isinstance(value, (bool, float)) else int("bad")
+    except (TypeError, ValueError):
+        raise ValueError(f"init_weight_transfer_engine: init_info[{name!r}]={value!r} is invalid: must be an int") from None
 
 
 def named_tensors(update_info: dict[str, Any], receiver: WeightReceiver | None) -> Iterable[tuple[str, torch.Tensor]]:

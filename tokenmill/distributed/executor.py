@@ -107,7 +107,11 @@ class Executor:
         rank's own calls, not mirrored). ``timeout`` bounds the wait for the other ranks after
         rank 0's part has returned (TimeoutError).
         """
-        kwargs = dict(kwargs or {})
+        if not isinstance(args, (tuple, list)):
+            raise ValueError(f"collective_rpc: args={args!r:.100} is invalid: must be a tuple of positional arguments")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"collective_rpc: kwargs={kwargs!r:.100} is invalid: must be a dict of keyword arguments or None")
+        args, kwargs = tuple(args), dict(kwargs or {})
         if isinstance(method, str):
             if not callable(getattr(self.driver, method, None)) or method.startswith("_"):
                 raise ValueError(f"collective_rpc: method={method!r} is not a Worker method")

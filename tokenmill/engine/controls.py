@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.param_checks import is_int
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.distributed.executor import Executor
@@ -52,7 +54,7 @@ class EngineControls:
         """Free the KV cache on every rank; level 1 keeps the weights in pinned CPU memory, level 2
         discards them. ``mode``: "abort" the unfinished requests, or "wait" for them (their outputs
         are dropped; `LLM.sleep` keeps them). The prefix cache is forgotten with the KV cache."""
-        if level not in SLEEP_LEVELS:
+        if not is_int(level) or level not in SLEEP_LEVELS:
             raise ValueError(f"sleep(level={level!r}) is invalid: must be 1 (weights to CPU memory) or 2 (weights discarded)")
         if mode not in SLEEP_MODES:
             raise ValueError(f"sleep(mode={mode!r}) is not supported by tokenmill: supported: {' or '.join(map(repr, SLEEP_MODES))}")
@@ -72,11 +74,16 @@ class EngineControls:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back the weights and/or the KV cache (every rank); None: both. vLLM's third tag,
         "scheduling" (waking from a level-0 pause), is accepted: tokenmill never pauses scheduling."""
+        known = [*SLEEP_TAGS, "scheduling"]
+        if isinstance(tags, str):  # one tag (vLLM's allocator tests `tag in tags`, so a string works there)
+            tags = [tags]
         if tags is not None:
+            if not isinstance(tags, (list, tuple, set)):
+                raise ValueError(f"wake_up(tags={tags!r}) is invalid: must be None (everything) or a list of {known}")
             tags = [t for t in tags if t != "scheduling"]
             unknown = [t for t in tags if t not in SLEEP_TAGS]
             if unknown:
-                raise ValueError(f"wake_up(tags={tags!r}): unknown tags {unknown}; known: {[*SLEEP_TAGS, 'scheduling']}")
+                raise ValueError(f"wake_up(tags={tags!r}): unknown tags {unknown}; known: {known}")
         self.executor.collective_rpc("wake_up", args=(tags,))
         # Waking captures the decode graphs again on every rank; under tensor parallelism rank 0's
         # new graphs must announce their replays to the workers like the first ones did.
@@ -179,6 +186,8 @@ class EngineControls:
         self.executor.collective_rpc("finish_weight_update")
 
     def update_weight_version(self, version: int) -> None:
+        if not is_int(version):
+            raise ValueError(f"update_weight_version(version={version!r}) is invalid: must be an int")
         self.weight_version = version
 
     def get_weight_version(self) -> int:

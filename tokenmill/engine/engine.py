@@ -47,8 +47,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0
-# Worker methods collective_rpc refuses: the engine must know of them (LLM.sleep / wake_up).
-ENGINE_KEPT_METHODS = ("sleep", "wake_up")
+# Worker methods collective_rpc refuses: the engine keeps their books (call the method named
+# instead), or runs them itself at start-up or in a step (None): called by hand they would leave
+# the engine's books wrong (initialize_cache reallocates the KV cache under its block tables).
+ENGINE_KEPT_METHODS: dict[str, str | None] = {
+    "sleep": "LLM.sleep()", "wake_up": "LLM.wake_up()", "start_profile": "LLM.start_profile()",
+    "stop_profile": "LLM.stop_profile()", "cache_lora": "LLMEngine.add_lora()", "drop_lora": "LLMEngine.remove_lora()",
+    "pin_lora": "LLMEngine.pin_lora()", "load_lora": None, "initialize_cache": None, "execute_model": None,
+    "use_grammars": None,
+}
 # Worker methods that replace weights: the cached prefix blocks then hold stale keys and values.
 WEIGHT_WRITING_METHODS = ("reload_weights", "update_weights")
 
@@ -366,9 +373,10 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         cache, computed with the old weights, is forgotten (a function that changes weights itself
         should be followed by reset_prefix_cache()).
         """
-        if method in ENGINE_KEPT_METHODS:
-            raise ValueError(f"collective_rpc(method={method!r}) would leave the engine unaware of it; "
-                             f"call LLM.{method}() (or LLMEngine.{method}()) instead")
+        if isinstance(method, str) and method in ENGINE_KEPT_METHODS:
+            instead = ENGINE_KEPT_METHODS[method]
+            raise ValueError(f"collective_rpc(method={method!r}) would leave the engine unaware of it; " + (
+                f"call {instead} instead" if instead else "the engine calls it itself (at start-up or in a step)"))
         if method not in WEIGHT_WRITING_METHODS:
             return self.executor.collective_rpc(method, timeout, args, kwargs)
         try:
