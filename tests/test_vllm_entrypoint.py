@@ -241,6 +241,25 @@ def test_chat_template_given_as_long_text_or_a_path(llm, tmp_path):
         llm.chat(messages, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE, chat_template_kwargs={"tokenize": False})
 
 
+def test_chat_arguments_of_the_wrong_kind_are_refused_by_name(llm):
+    """Each was blamed on the conversation (the template's TypeError), ran as True, or raised a bare
+    TypeError; a tuple of messages is one conversation, as in vLLM."""
+    messages = [{"role": "user", "content": "the cat"}]
+    want = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE)[0].prompt_token_ids
+    assert llm.chat(tuple(messages), GREEDY, use_tqdm=False, chat_template=BOS_TEMPLATE)[0].prompt_token_ids == want
+    wrong = [
+        (dict(chat_template_kwargs={1: True}), r"chat_template_kwargs keys must be strings .*got \[1\]"),
+        (dict(chat_template_kwargs={"messages": []}), r"chat_template_kwargs may not set \['messages'\]"),
+        (dict(tools="get_weather"), r"tools='get_weather' is invalid: must be None or a list of tools"),
+        (dict(add_generation_prompt="no"), r"add_generation_prompt='no' is invalid: must be True or False"),
+        (dict(continue_final_message=1), r"continue_final_message=1 is invalid: must be True or False"),
+        (dict(chat_template=5), r"chat_template=5 is invalid: must be a Jinja template or the path"),
+    ]
+    for kwargs, message in wrong:
+        with pytest.raises(ValueError, match=message):
+            llm.chat(messages, GREEDY, use_tqdm=False, **{"chat_template": BOS_TEMPLATE, **kwargs})
+
+
 def test_generate_keywords_of_vllm(llm):
     tokenizer = llm.get_tokenizer()
     text = "the weather is fine today"

@@ -171,6 +171,8 @@ def load_chat_template(value: str | os.PathLike | None) -> str | None:
         return None
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"chat_template={short_repr(value)} is invalid: must be a Jinja template or the path of a file holding one")
     try:
         if Path(value).expanduser().is_file():
             return Path(value).expanduser().read_text(encoding="utf-8")
@@ -280,17 +282,26 @@ def _chat_options(
     tools: list[dict] | None, chat_template_kwargs: dict[str, Any] | None,
 ) -> tuple[dict[str, Any], str]:
     """apply_chat_template's keywords for a call's settings, and the template they name."""
+    for name, flag in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={short_repr(flag)} is invalid: must be True or False")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) or callable(t) for t in tools)):
+        raise ValueError(f"tools={short_repr(tools)} is invalid: must be None or a list of tools, each a JSON schema dict "
+                         "({'type': 'function', 'function': {...}})")
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(
             "the tokenizer has no chat template; pass chat_template= or use generate() with plain prompts"
         )
-    reserved = sorted({"tokenize", "return_dict", "chat_template"} & set(chat_template_kwargs or {}))
+    not_names = [key for key in chat_template_kwargs or {} if not isinstance(key, str)]
+    if not_names:
+        raise ValueError(f"chat_template_kwargs keys must be strings (template variable names), got {short_repr(not_names)}")
+    reserved = sorted({"tokenize", "return_dict", "chat_template", "messages", "conversation"} & set(chat_template_kwargs or {}))
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {reserved}: the engine tokenizes the rendered prompt, "
-                         "and the template itself is chat_template=")
+                         "the template itself is chat_template=, and the messages are the conversation's")
     # As vLLM merges them: the template variables, with the call's own arguments (those not None) on top.
     explicit = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools)
     options = {**(chat_template_kwargs or {}), **{k: v for k, v in explicit.items() if v is not None},
@@ -322,6 +333,8 @@ def _render_halving(tokenizer: Any, conversations: list[list[dict]], options: di
 
 
 def _checked_messages(messages: Any, where: str, content_format: str) -> list[dict]:
+    if isinstance(messages, tuple):  # vLLM takes a tuple of messages as one conversation
+        messages = list(messages)
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
     for i, message in enumerate(messages):
