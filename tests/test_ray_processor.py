@@ -318,6 +318,38 @@ def test_replica_udf_a_row_whose_output_cannot_become_columns_fails_alone(tiny_l
     assert [r["num_generated_tokens"] for r in (out[0], out[2])] == [4, 4]
 
 
+def test_a_row_that_preprocess_or_postprocess_raises_for_fails_alone(tiny_llama_dir):
+    """With should_continue_on_error, preprocess raising for one row makes it an error row that the
+    replica passes by, and postprocess raising keeps the row's results with the error (both failed
+    the whole dataset); with should_continue_on_error=False they raise as before."""
+    from tokenmill.ray.processor import _MergePreprocess, _Postprocess
+
+    def preprocess(row):
+        if row["text"] == "bad":
+            raise KeyError("missing")
+        return {"prompt": row["text"], "sampling_params": GREEDY}
+
+    merge = _MergePreprocess(preprocess)
+    rows = [merge({"text": t}) for t in ("the cat sat", "bad", "wind blew")]
+    assert rows[1] == {"text": "bad", "__inference_error__": "preprocess raised KeyError: 'missing'"}
+    assert _MergePreprocess(lambda row: [1])({"text": "x"})["__inference_error__"].startswith(
+        "preprocess raised TypeError: preprocess must return a dict of columns, got list")
+    with pytest.raises(KeyError):
+        _MergePreprocess(preprocess, continue_on_error=False)({"text": "bad"})
+    columns = ("text", "prompt", "sampling_params", "__inference_error__")
+    out = _call(_replica(tiny_llama_dir, "generate", **ENGINE), [{name: row.get(name) for name in columns} for row in rows])
+    assert out[1]["__inference_error__"] == "preprocess raised KeyError: 'missing'" and out[1]["generated_tokens"] == []
+    assert [r["__inference_error__"] for r in (out[0], out[2])] == ["", ""]
+    assert [r["num_generated_tokens"] for r in (out[0], out[2])] == [4, 4]
+
+    post = _Postprocess(lambda row: {"answer": row["generated_text"][100]}, keep_error_column=True)
+    kept = post(out[0])
+    assert kept["__inference_error__"].startswith("postprocess raised IndexError")
+    assert kept["generated_tokens"] == out[0]["generated_tokens"]  # the result is kept
+    with pytest.raises(IndexError):
+        _Postprocess(post.fn, keep_error_column=False)(out[0])
+
+
 def test_replica_udf_classify_and_score(tiny_bert_classifier_dir, bert_classifier_llm, tiny_cross_encoder_dir,
                                         cross_encoder_llm):
     out = _call(_replica(tiny_bert_classifier_dir, "classify"), [{"prompt": "the cat sat"}, {"prompt": ""}, {"prompt": None}])
@@ -350,6 +382,18 @@ def test_config_takes_vllm_fields_and_refuses_mistakes():
         TokenmillProcessorConfig(model_source="m", has_image=True)
     with pytest.raises(ValueError, match="batch_size=0"):
         TokenmillProcessorConfig(model_source="m", batch_size=0)
+    for field, value, allowed in (("max_pending_requests", "x", "None or an integer >= 1"),
+                                  ("apply_chat_template", "no", "True or False"),
+                                  ("should_continue_on_error", "no", "True or False"),
+                                  ("chat_template", 5, "None or a Jinja template"),
+                                  ("experimental", None, "a dict"),
+                                  ("runtime_env", "x", "None or a Ray runtime_env dict")):
+        with pytest.raises(ValueError, match=f"{field}={value!r} is invalid: must be {allowed}"):
+            TokenmillProcessorConfig(model_source="m", **{field: value})
+    from tokenmill.ray.processor import Processor
+
+    with pytest.raises(TypeError, match="preprocess_map_kwargs must be a dict"):
+        Processor(TokenmillProcessorConfig(model_source="m"), preprocess_map_kwargs=[1])
 
 
 def test_importing_tokenmill_ray_does_not_import_ray():

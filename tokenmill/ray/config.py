@@ -81,15 +81,34 @@ class TokenmillProcessorConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"{name}={value!r} is invalid: must be a number >= 0")
+        for name, value, ok, allowed in (
+            ("max_pending_requests", self.max_pending_requests, _positive_int, "None or an integer >= 1"),
+            ("max_tasks_in_flight_per_actor", self.max_tasks_in_flight_per_actor, _positive_int, "None or an integer >= 1"),
+            ("chat_template", self.chat_template, lambda v: isinstance(v, str), "None or a Jinja template (a string)"),
+            ("accelerator_type", self.accelerator_type, lambda v: isinstance(v, str), "None or a GPU type such as 'H100'"),
+            ("dynamic_lora_loading_path", self.dynamic_lora_loading_path, lambda v: isinstance(v, str), "None or a folder"),
+            ("resources_per_bundle", self.resources_per_bundle, lambda v: isinstance(v, dict), "None or a dict of Ray resources"),
+            ("runtime_env", self.runtime_env, lambda v: isinstance(v, dict), "None or a Ray runtime_env dict"),
+            ("experimental", self.experimental, lambda v: isinstance(v, dict), "a dict"),
+            ("apply_chat_template", self.apply_chat_template, lambda v: isinstance(v, bool), "True or False"),
+            ("should_continue_on_error", self.should_continue_on_error, lambda v: isinstance(v, bool), "True or False"),
+        ):
+            if (value is not None or name == "experimental") and not ok(value):
+                raise ValueError(f"{name}={value!r:.100} is invalid: must be {allowed}")
         if self.has_image or self.prepare_multimodal_stage:
             raise NotImplementedError("has_image / prepare_multimodal_stage: tokenmill runs text models only")
         stage = self.chat_template_stage
         if stage is False or (isinstance(stage, dict) and stage.get("enabled") is False):
             self.apply_chat_template = False
         if isinstance(stage, dict) and stage.get("chat_template"):
+            if not isinstance(stage["chat_template"], str):
+                raise ValueError(f"chat_template_stage chat_template={stage['chat_template']!r:.100} is invalid: must be a Jinja template (a string)")
             self.chat_template = stage["chat_template"]
         if "max_tasks_in_flight_per_actor" in self.experimental and self.max_tasks_in_flight_per_actor is None:
             self.max_tasks_in_flight_per_actor = self.experimental["max_tasks_in_flight_per_actor"]
+            if not _positive_int(self.max_tasks_in_flight_per_actor):
+                raise ValueError(f"experimental max_tasks_in_flight_per_actor={self.max_tasks_in_flight_per_actor!r} "
+                                 "is invalid: must be an integer >= 1")
 
     def _resolve_task(self) -> str:
         given = {name: value for name, value in (("task", self.task), ("task_type", self.task_type)) if value is not None}

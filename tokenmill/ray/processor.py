@@ -33,6 +33,9 @@ class Processor:
         for name, fn in (("preprocess", preprocess), ("postprocess", postprocess)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a function of a row (dict) returning a dict, got {type(fn).__name__}")
+        for name, kwargs in (("preprocess_map_kwargs", preprocess_map_kwargs), ("postprocess_map_kwargs", postprocess_map_kwargs)):
+            if kwargs is not None and not isinstance(kwargs, dict):
+                raise TypeError(f"{name} must be a dict of Dataset.map keyword arguments, got {type(kwargs).__name__}")
         self.config = config
         self.preprocess, self.postprocess = preprocess, postprocess
         self.preprocess_map_kwargs = dict(preprocess_map_kwargs or {})
@@ -40,7 +43,8 @@ class Processor:
 
     def __call__(self, dataset: Any) -> Any:
         if self.preprocess is not None:
-            dataset = dataset.map(_MergePreprocess(self.preprocess), **self.preprocess_map_kwargs)
+            dataset = dataset.map(_MergePreprocess(self.preprocess, self.config.should_continue_on_error),
+                                  **self.preprocess_map_kwargs)
         dataset = dataset.map_batches(**replica_map_kwargs(self.config))
         wait_for_replicas(dataset)
         if self.postprocess is not None:
@@ -132,15 +136,22 @@ def wait_for_replicas(dataset: Any, seconds: int = 600) -> None:
 
 
 class _MergePreprocess:
-    """The row with what ``preprocess`` returned merged in (its values win)."""
+    """The row with what ``preprocess`` returned merged in (its values win). With should_continue_on_error,
+    a row that ``preprocess`` raises for (or returns no dict for) becomes an error row that the replicas
+    pass by, so one bad row does not fail the dataset."""
 
-    def __init__(self, fn: Callable[[Row], Row]):
-        self.fn = fn
+    def __init__(self, fn: Callable[[Row], Row], continue_on_error: bool = True):
+        self.fn, self.continue_on_error = fn, continue_on_error
 
     def __call__(self, row: Row) -> Row:
-        out = self.fn(row)
-        if not isinstance(out, dict):
-            raise TypeError(f"preprocess must return a dict of columns, got {type(out).__name__}")
+        try:
+            out = self.fn(row)
+            if not isinstance(out, dict):
+                raise TypeError(f"preprocess must return a dict of columns, got {type(out).__name__}")
+        except Exception as e:
+            if not self.continue_on_error:
+                raise
+            return {**row, ERROR_COLUMN: f"preprocess raised {type(e).__name__}: {e}"}
         return {**row, **out}
 
 
@@ -153,9 +164,15 @@ class _Postprocess:
     def __call__(self, row: Row) -> Row:
         if row.get(ERROR_COLUMN):
             return row
-        out = self.fn(row)
-        if not isinstance(out, dict):
-            raise TypeError(f"postprocess must return a dict of columns, got {type(out).__name__}")
+        try:
+            out = self.fn(row)
+            if not isinstance(out, dict):
+                raise TypeError(f"postprocess must return a dict of columns, got {type(out).__name__}")
+        except Exception as e:
+            if not self.keep_error_column:
+                raise
+            # The row's result is kept: it comes out as a failed row, with every column, as error rows do.
+            return {**row, ERROR_COLUMN: f"postprocess raised {type(e).__name__}: {e}"}
         if self.keep_error_column:
             out = {**out, ERROR_COLUMN: ""}  # one schema for good and failed rows
         return out

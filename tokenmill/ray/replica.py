@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.ray.rows import AdapterNames, RowJob, RowProblem, column_types, generation_parts, pooling_job, result_columns
+from tokenmill.ray.rows import ERROR_COLUMN, AdapterNames, RowJob, RowProblem, column_types, generation_parts, pooling_job, result_columns
 
 
 @dataclass
@@ -172,6 +172,8 @@ class TokenmillReplica:
     def _job(self, row: dict[str, Any], position: int, prefix: str) -> RowJob:
         from tokenmill.sampling_params import RequestOutputKind
 
+        if row.get(ERROR_COLUMN):  # failed before the engine (preprocess raised): it passes by as it is
+            return RowJob(position, error=row[ERROR_COLUMN], prompt_text=row.get("prompt") if isinstance(row.get("prompt"), str) else None)
         try:
             if self.pooling_rows is not None:
                 return pooling_job(self.pooling_rows, row, position, prefix)
