@@ -69,7 +69,7 @@ class WeightReceiver:
         missing = [name for name in _INIT_FIELDS if name not in init_info]
         if missing:
             raise ValueError(f"init_weight_transfer_engine: init_info lacks {missing} (needs {list(_INIT_FIELDS)})")
-        port, rank_offset, world_size = (_int_field(init_info, name) for name in _INIT_FIELDS[1:])
+        port, rank_offset, world_size = (_int_field(init_info, name) for name in ("master_port", "rank_offset", "world_size"))
         rank = rank_offset + tp_rank
         store = dist.TCPStore(str(init_info["master_address"]), port, world_size,
                               is_master=False, timeout=COLLECTIVE_TIMEOUT)
@@ -85,11 +85,14 @@ class WeightReceiver:
 
 
 def _int_field(init_info: dict[str, Any], name: str) -> int:
+    """An integer field of init_info (an int, or a string of one); True or 2.5 is refused, not cut."""
     value = init_info[name]
-    try:
-        return int(value) if not isinstance(value, (bool, float)) else int("bad")
-    except (TypeError, ValueError):
-        raise ValueError(f"init_weight_transfer_engine: init_info[{name!r}]={value!r} is invalid: must be an int") from None
+    if not isinstance(value, (bool, float)):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"init_weight_transfer_engine: init_info[{name!r}]={value!r} is invalid: must be an int")
 
 
 def named_tensors(update_info: dict[str, Any], receiver: WeightReceiver | None) -> Iterable[tuple[str, torch.Tensor]]:
