@@ -144,15 +144,8 @@ class _MergePreprocess:
         self.fn, self.continue_on_error = fn, continue_on_error
 
     def __call__(self, row: Row) -> Row:
-        try:
-            out = self.fn(row)
-            if not isinstance(out, dict):
-                raise TypeError(f"preprocess must return a dict of columns, got {type(out).__name__}")
-        except Exception as e:
-            if not self.continue_on_error:
-                raise
-            return {**row, ERROR_COLUMN: f"preprocess raised {type(e).__name__}: {e}"}
-        return {**row, **out}
+        out = _row_function("preprocess", self.fn, row, self.continue_on_error)
+        return {**row, ERROR_COLUMN: out} if isinstance(out, str) else {**row, **out}
 
 
 class _Postprocess:
@@ -164,15 +157,23 @@ class _Postprocess:
     def __call__(self, row: Row) -> Row:
         if row.get(ERROR_COLUMN):
             return row
-        try:
-            out = self.fn(row)
-            if not isinstance(out, dict):
-                raise TypeError(f"postprocess must return a dict of columns, got {type(out).__name__}")
-        except Exception as e:
-            if not self.keep_error_column:
-                raise
-            # The row's result is kept: it comes out as a failed row, with every column, as error rows do.
-            return {**row, ERROR_COLUMN: f"postprocess raised {type(e).__name__}: {e}"}
+        out = _row_function("postprocess", self.fn, row, self.keep_error_column)
+        if isinstance(out, str):  # the row's result is kept: it comes out as a failed row, with every column
+            return {**row, ERROR_COLUMN: out}
         if self.keep_error_column:
             out = {**out, ERROR_COLUMN: ""}  # one schema for good and failed rows
         return out
+
+
+def _row_function(name: str, fn: Callable[[Row], Row], row: Row, continue_on_error: bool) -> Row | str:
+    """``fn(row)``, which must return a dict of columns; with ``continue_on_error``, what it raised as
+    the row's error message instead of failing the dataset."""
+    try:
+        out = fn(row)
+        if not isinstance(out, dict):
+            raise TypeError(f"{name} must return a dict of columns, got {type(out).__name__}")
+    except Exception as e:
+        if not continue_on_error:
+            raise
+        return f"{name} raised {type(e).__name__}: {e}"
+    return out
