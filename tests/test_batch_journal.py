@@ -152,6 +152,56 @@ def test_a_row_journaled_twice_in_the_data_stops_the_read_back(tmp_path):
         assert read_rows(out) == [0]
 
 
+@pytest.mark.parametrize("edit", ["output-line-deleted", "output-line-shortened", "first-output-line-deleted",
+                                  "journal-line-deleted", "journal-line-repeated"])
+def test_an_output_or_journal_edited_by_hand_is_read_back_from_the_output(tmp_path, edit):
+    """Edits that leave the journal's offsets pointing elsewhere: the output decides what is done, so
+    a deleted row runs again, and no row is lost, written twice or left with a torn line."""
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        for row in range(4):
+            j.commit(samples(row, 1), [row], [], 5, 2)
+    data = open(out, "rb").read().splitlines(keepends=True)
+    entries = open(journal_path_of(out), "rb").read().splitlines(keepends=True)
+    if edit == "output-line-deleted":
+        del data[1]
+    elif edit == "first-output-line-deleted":  # every line as long as the others: the offsets still fall between lines
+        del data[0]
+    elif edit == "output-line-shortened":
+        data[1] = data[1].replace(b'"t1.0"', b'"x"')
+    elif edit == "journal-line-deleted":
+        del entries[1]
+    else:
+        entries.insert(2, entries[1])
+    open(out, "wb").write(b"".join(data))
+    open(journal_path_of(out), "wb").write(b"".join(entries))
+    kept = {"output-line-deleted": [0, 2, 3], "first-output-line-deleted": [1, 2, 3]}.get(edit, [0, 1, 2, 3])
+    with Journal.open(out, out, SETTINGS, read_record=read_result_record) as j:
+        assert [i for i in range(5) if j.is_done(i)] == kept
+        assert j.repaired_bytes == 0 and j.rebuilt_rows
+        missing = [i for i in range(5) if not j.is_done(i)]
+        j.commit(b"".join(samples(i, 1) for i in missing), missing, [], 5, 2)
+    assert sorted(read_rows(out)) == [0, 1, 2, 3, 4]
+
+
+def test_an_openai_output_edited_by_hand_is_read_back(tmp_path):
+    from tokenmill.batch.openai_batch import OpenAIRecordReader
+    from tokenmill.batch.openai_lines import stable_id
+
+    def openai_lines(rows):
+        return encode_lines({"id": stable_id("batch_req_", "job", r), "custom_id": f"c{r}", "error": None,
+                             "response": {"status_code": 200, "body": {"usage": {}}}} for r in rows)
+
+    out = str(tmp_path / "out.jsonl")
+    with Journal.open(out, out, SETTINGS, read_record=OpenAIRecordReader("job", 4)) as j:
+        for row in range(3):
+            j.commit(openai_lines([row]), [row], [], 0, 0)
+    data = open(out, "rb").read().splitlines(keepends=True)
+    open(out, "wb").write(data[1] + data[2])  # the first line deleted; the lines are all as long
+    with Journal.open(out, out, SETTINGS, read_record=OpenAIRecordReader("job", 4)) as j:
+        assert [i for i in range(4) if j.is_done(i)] == [1, 2]
+
+
 def test_changed_settings_refuse_to_resume(tmp_path):
     out = str(tmp_path / "out.jsonl")
     with Journal.open(out, out, SETTINGS) as j:

@@ -5,14 +5,18 @@ Beside OUTPUT lives a sidecar folder ``OUTPUT.tokenmill/``:
     state.json     written once, atomically, before any result: the settings fingerprint (model,
                    sampling values, prompt settings, a digest of the input file...), the settings
                    themselves (to say what changed), and at the end ``complete`` plus the summary.
-    journal.jsonl  one line per commit: {"end": <committed length of the data file>, "rows": [...],
-                   "failed": [...], "ptok": n, "gtok": n}.
+    journal.jsonl  one line per commit: {"start": <where its lines begin>, "end": <committed length of
+                   the data file>, "rows": [...], "failed": [...], "ptok": n, "gtok": n}.
     staging.jsonl  the data file of a Parquet output (a JSONL output is its own data file).
     lock           flock'ed while a run writes, so two runs never interleave.
 
 A commit appends the results' lines to the data file, then one journal line naming the new end.
 On resume the journal is replayed up to its last complete line whose ``end`` the data file
-reaches. Past that end, the data file's complete lines are read back (each names its row): lines a
+reaches and whose ``start`` is where the line before it ended (a line deleted from the journal by
+hand breaks the chain there). The data file's line that ends where the replay ended must be a
+record of the last row replayed; if it is not, the output was edited (lines deleted or changed in
+length) and the journal no longer describes it, so every row is read back from the output instead,
+as for a lost journal. Past that end, the data file's complete lines are read back (each names its row): lines a
 crash wrote before their journal entry, or everything after a journal line that was damaged, and
 all of it when the journal was deleted or emptied. The first line that does not read as a result
 (a half-written line, bytes lost to a power failure) ends what is trusted; the row whose lines come
@@ -145,7 +149,7 @@ class Journal:
     def _replay(self, read_record: RecordReader | None = None) -> None:
         journal_path = os.path.join(self.dir, "journal.jsonl")
         data_size = os.path.getsize(self.data_path) if os.path.exists(self.data_path) else 0
-        committed_end, journal_end = 0, 0
+        committed_end, journal_end, last_row = 0, 0, -1
         if os.path.exists(journal_path):
             with open(journal_path, "rb") as f:
                 for line in f:
@@ -154,14 +158,22 @@ class Journal:
                     try:
                         entry = json.loads(line)
                         end, rows, failed = int(entry["end"]), entry["rows"], entry["failed"]
+                        start = int(entry.get("start", committed_end))  # journals of older versions have none
                     except (ValueError, KeyError, TypeError):
                         break
                     if end > data_size or end < committed_end:
                         break  # the data never reached the disk (power loss): stop trusting here
+                    if start != committed_end or not rows:
+                        break  # a line was removed or repeated (edited by hand): the rest is read back
                     for index in rows:
                         self._mark(index)
                     self.previous.add(len(rows), len(failed), int(entry.get("ptok", 0)), int(entry.get("gtok", 0)))
-                    committed_end, journal_end = end, journal_end + len(line)
+                    committed_end, journal_end, last_row = end, journal_end + len(line), rows[-1]
+        if committed_end and read_record is not None and not self._ends_with_row(read_record, committed_end, last_row):
+            # The output was edited (lines deleted, or changed in length): the journal's offsets point
+            # elsewhere now, and trusting them would lose rows or run them twice. The output decides.
+            self._done, self.previous = bytearray(), Tally()
+            committed_end = journal_end = 0
         if read_record is not None and data_size > committed_end:
             self._read_back(read_record, committed_end, journal_end, data_size, journal_lost=journal_end == 0)
             return
@@ -207,11 +219,26 @@ class Journal:
         if found:
             assert self._journal is not None
             tally = Tally(len(found), sum(bool(r[1]) for r in found), sum(r[2] for r in found), sum(r[3] for r in found))
-            entry = {"end": end, "rows": [r[0] for r in found], "failed": [r[0] for r in found if r[1]],
+            entry = {"start": start, "end": end, "rows": [r[0] for r in found], "failed": [r[0] for r in found if r[1]],
                      "ptok": tally.prompt_tokens, "gtok": tally.completion_tokens}
             self._journal.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
             self._journal.sync()
             self.previous.add(**asdict(tally))
+
+    def _ends_with_row(self, read_record: RecordReader, end: int, row: int) -> bool:
+        """Whether the data file's line that ends at ``end`` is a record of ``row``."""
+        line = _line_before(self.data_path, end)
+        try:
+            record = json.loads(line) if line is not None else None
+            if not isinstance(record, dict):
+                return False
+            is_row = getattr(read_record, "is_row", None)  # a reader that checks without reading the row
+            if is_row is not None:
+                return bool(is_row(record, row))
+            found = read_record(record)
+        except (ValueError, KeyError, TypeError):
+            return False
+        return found is not None and found[0] == row
 
     def _open_files(self, data_end: int, journal_end: int) -> None:
         self._data = AppendFile(self.data_path, data_end)
@@ -253,11 +280,12 @@ class Journal:
         assert self._data is not None and self._journal is not None, "the journal is complete or closed"
         if not rows:
             return
+        start = self._data.size
         self._data.write(data)
         due = time.monotonic() - self._last_sync >= self.fsync_interval
         if due:
             self._data.sync()
-        entry = {"end": self._data.size, "rows": rows, "failed": failed, "ptok": prompt_tokens, "gtok": completion_tokens}
+        entry = {"start": start, "end": self._data.size, "rows": rows, "failed": failed, "ptok": prompt_tokens, "gtok": completion_tokens}
         self._journal.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
         if due:
             self._journal.sync()
@@ -311,6 +339,26 @@ def _lock(folder: str, output: str) -> int:
         os.close(fd)
         raise ResumeError(f"another tokenmill run is writing {output} right now") from None
     return fd
+
+
+def _line_before(path: str, end: int) -> bytes | None:
+    """The line of ``path`` that ends (with its newline) at byte ``end``; None if no line ends there."""
+    with open(path, "rb") as f:
+        f.seek(end - 1)
+        if f.read(1) != b"\n":
+            return None
+        chunks, pos = [], end - 1
+        while pos > 0:
+            size = min(1 << 16, pos)
+            f.seek(pos - size)
+            chunk = f.read(size)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                chunks.append(chunk[newline + 1:])
+                break
+            chunks.append(chunk)
+            pos -= size
+        return b"".join(reversed(chunks))
 
 
 def _read_state(path: str) -> dict[str, Any]:

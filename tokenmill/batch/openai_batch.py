@@ -169,6 +169,10 @@ class OpenAIRecordReader:
         failed = line.get("error") is not None or response.get("status_code") != 200
         return index, failed, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
+    def is_row(self, line: dict[str, Any], row: int) -> bool:
+        """Whether ``line`` is the output line of ``row`` (checked on every resume: no id table)."""
+        return line.get("id") == stable_id("batch_req_", self.job_key, row)
+
 
 def _chat_choice(sample: Any, meta: OpenAIMeta) -> dict[str, Any]:
     logprobs = None
