@@ -404,15 +404,21 @@ def _same_settings(state: dict[str, Any], settings: dict[str, Any]) -> bool:
     return state.get("version") == STATE_VERSION and state.get("fingerprint") == fingerprint(settings)
 
 
+_INPUT_KEYS = ("input_digest", "input_size")  # job.job_settings' record of the input file
+
+
 def _check_same_settings(output: str, state: dict[str, Any], settings: dict[str, Any]) -> None:
     if _same_settings(state, settings):
         return
     before = state.get("settings") or {}
-    changed = [
-        f"{key}: {before.get(key)!r} -> {settings.get(key)!r}"
-        for key in sorted(set(before) | set(settings))
-        if json.dumps(before.get(key), default=str, sort_keys=True) != json.dumps(settings.get(key), default=str, sort_keys=True)
-    ] or ["the resume state was written by another tokenmill version"]
+    differs = [key for key in sorted(set(before) | set(settings))
+               if json.dumps(before.get(key), default=str, sort_keys=True) != json.dumps(settings.get(key), default=str, sort_keys=True)]
+    changed = [f"{key}: {before.get(key)!r} -> {settings.get(key)!r}" for key in differs if key not in _INPUT_KEYS]
+    if any(key in _INPUT_KEYS for key in differs):  # a digest pair says nothing: say what it means
+        changed.insert(0, f"the input file is not the one the earlier attempt read ({before.get('input_size')} -> "
+                          f"{settings.get('input_size')} bytes; rows are matched to the output by their position, so rows "
+                          "added, removed, reordered or edited would mix results)")
+    changed = changed or ["the resume state was written by another tokenmill version"]
     raise ResumeError(
         f"{output} was started with other settings, so resuming would mix results: "
         + "; ".join(changed[:8])
