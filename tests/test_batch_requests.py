@@ -188,6 +188,8 @@ def test_openai_chat_and_completion_requests():
         ({"body": {"max_tokens": 3}}, "body.messages is required"),
         ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}}, r"body\.stream='yes' is not supported"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": 1}}, r"body\.stream=1 is not supported"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": True}},
          r"body\.top_logprobs=True is invalid: must be an integer in \[0, 20\]"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}},
@@ -201,6 +203,16 @@ def test_openai_bad_requests(overrides, message):
         build_openai_request(openai_line(**overrides))
     if overrides.get("custom_id", "req-1") is not None:
         assert info.value.row_id == "req-1"
+
+
+def test_openai_fields_set_to_null_are_not_set():
+    """A body dumped from a typed request object carries every field, unsupported ones as null."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": False, "tools": None,
+            "tool_choice": None, "response_format": None, "logit_bias": None, "temperature": None}
+    req = build_openai_request(openai_line(body=body))
+    assert req.overrides == {"max_tokens": 3}
+    with pytest.raises(RowError, match=r"\['tools'\] are not supported"):
+        build_openai_request(openai_line(body={**body, "tools": []}))
 
 
 def test_openai_output_shapes():

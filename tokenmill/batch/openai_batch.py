@@ -52,10 +52,13 @@ _IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "s
 def build_openai_request(raw: "RawRow") -> RowRequest:
     """Translate one OpenAI batch line; raises RowError (carrying the custom_id) for a bad request."""
     where, custom_id, url, body = open_line(raw, "generate")
-    if body.get("stream") is True:
-        raise RowError(f"{where}: body.stream=true is not supported in a batch", custom_id)
+    stream = body.get("stream")
+    if stream is not None and stream is not False:  # "yes" or 1 would have run as if it were false
+        raise RowError(f"{where}: body.stream={stream!r} is not supported in a batch (each answer is written whole): "
+                       "leave it out, or false", custom_id)
     allowed = set(_COMMON) | _IGNORED | ({"messages", "logprobs", "top_logprobs"} if url == CHAT_URL else {"prompt", "logprobs"})
-    unknown = sorted(set(body) - allowed)
+    # A null is "not set" (bodies dumped from typed request objects carry every field, most of them null).
+    unknown = sorted(key for key, value in body.items() if key not in allowed and value is not None)
     if unknown:
         raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill yet (supported: {sorted(allowed)})", custom_id)
     overrides = {_COMMON[k]: v for k, v in body.items() if k in _COMMON and v is not None}
