@@ -190,3 +190,19 @@ def test_a_damaged_state_file_is_named_with_what_to_do(tmp_path, llm, damage):
     with pytest.raises(ResumeError, match=r"state\.json.*--overwrite"):
         job(tmp_path, llm, path)
     assert job(tmp_path, llm, path, overwrite=True).exit_code == 0
+
+
+def test_a_second_ctrl_c_during_the_final_fsync_keeps_the_summary(tmp_path, llm, monkeypatch):
+    """The tidy stop's last fsync can take a while; a second Ctrl-C there (measured: the usual place
+    for a quick double press) used to end the command without its summary."""
+    from tokenmill.batch import journal as journal_module
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+
+    def second_ctrl_c(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(journal_module.Journal, "sync", second_ctrl_c)
+    summary = job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(6))
+    assert summary.interrupted and summary.exit_code == 130 and 0 < summary.rows_done < len(TEXTS)
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == summary.rows_done

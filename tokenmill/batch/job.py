@@ -155,7 +155,9 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                 jsonl_to_parquet(data_path, output, schema)
             journal.mark_complete()
         else:
-            journal.sync()
+            # A second Ctrl-C while a stopped job fsyncs skips the fsync (the lines reached the OS), not the summary.
+            with contextlib.suppress(KeyboardInterrupt):
+                journal.sync()
         total = journal.total()
         return JobSummary(
             output=output, rows_total=info.rows, rows_done=total.rows, failed=total.failed,
