@@ -16,9 +16,9 @@ reaches and whose ``start`` is where the line before it ended (a line deleted fr
 hand breaks the chain there). The data file's line that ends where the replay ended must be a
 record of the last row replayed; if it is not, the output was edited (lines deleted or changed in
 length) and the journal no longer describes it, so every row is read back from the output instead,
-as for a lost journal. Past that end, the data file's complete lines are read back (each names its row): lines a
-crash wrote before their journal entry, or everything after a journal line that was damaged, and
-all of it when the journal was deleted or emptied. The first line that does not read as a result
+as for a lost journal. Past that end, the data file's complete lines are read back (each names its
+row): lines a crash wrote before their journal entry, or everything after a journal line that was
+damaged, and all of it when the journal was deleted or emptied. The first line that does not read as a result
 (a half-written line, bytes lost to a power failure) ends what is trusted; the row whose lines come
 just before it is dropped too (a row with n > 1 samples may be cut between them), and the file is
 cut there. So every row is in the output exactly once, and a finished row is never lost to a
