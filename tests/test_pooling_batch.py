@@ -135,6 +135,33 @@ def test_score_rows_match_llm_score(tmp_path, request, model, texts):
     assert records[5]["score"] is None and "'text_2'" in records[5]["error"]
 
 
+@pytest.mark.parametrize("model", ["cross_encoder_llm", "bert_embedder_llm"])
+def test_score_rows_cut_by_extra_kwargs_as_llm_score_and_other_tasks_refuse_them(tmp_path, request, model):
+    """A row's pooling_params.extra_kwargs were accepted and never read (uncut texts: a silent wrong
+    score); a score row now cuts its texts as LLM.score does, and an embed row refuses them."""
+    llm = request.getfixturevalue(model)
+    cuts = {"max_tokens_per_query": 2, "max_tokens_per_doc": 3}
+    first, second = "the cat sat on the mat today", "a dog ran in the park all day"
+    rows = [{"text_1": first, "text_2": second, "pooling_params": {"extra_kwargs": cuts}},
+            {"text_1": first, "text_2": second, "pooling_params": {"extra_kwargs": {"max_tokens_per_doc": -1}}},
+            {"text_1": first, "text_2": second}]
+    summary = job(tmp_path, llm, rows, "score")
+    assert summary.failed == 1
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    want = llm.score(first, second, pooling_params=PoolingParams(extra_kwargs=cuts), use_tqdm=False)[0]
+    assert records[0]["score"] == pytest.approx(want.outputs.score, abs=1e-6)
+    assert records[0]["prompt_tokens"] == len(want.prompt_token_ids) < records[2]["prompt_tokens"]
+    assert records[1]["score"] is None and "extra_kwargs['max_tokens_per_doc']" in records[1]["error"]
+    if model == "bert_embedder_llm":
+        embed_rows = [{"prompt": first, "pooling_params": {"extra_kwargs": cuts}}, {"prompt": first, "pooling_params": {"task": "x"}},
+                      {"prompt": first}]
+        summary = job(tmp_path, llm, embed_rows, "embed", output="embed.jsonl")
+        records = by_row(read_jsonl(tmp_path / "embed.jsonl"))
+        assert summary.failed == 2 and records[2]["error"] is None
+        assert "applies to --task score only" in records[0]["error"] and "not --task embed" in records[0]["error"]
+        assert "unknown pooling parameter(s) ['task']" in records[1]["error"] and "'truncate_prompt_tokens'" in records[1]["error"]
+
+
 def interrupted_embed_job(tmp_path, llm, rows):
     """An embed job over ``rows`` stopped after its third poll, part done: (its config, its summary)."""
     source = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -3,7 +3,8 @@
 A row's text comes from the same places as for generation (``--prompt-template``, ``--text-field``,
 the row's ``prompt`` or ``prompt_token_ids``); a score row carries the pair in ``text_1`` and
 ``text_2``. A row may set PoolingParams fields (``dimensions``, ``normalize``, ``use_activation``,
-``truncate_prompt_tokens``) in a ``pooling_params`` object.
+``truncate_prompt_tokens``; a score row also ``extra_kwargs``, vLLM's ``max_tokens_per_query`` /
+``max_tokens_per_doc``, which cut its texts as LLM.score does) in a ``pooling_params`` object.
 
 Output records (besides ``row``, ``id``, ``prompt_tokens`` and ``error``):
 
@@ -23,6 +24,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.requests import PromptSettings, RowError, RowRequest, build_row_request, row_id_of
+from tokenmill.inputs import short_repr
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,6 +41,8 @@ TASK_FIELDS: dict[str, tuple[str, ...]] = {"embed": ("embedding",), "classify": 
 Parts = list[tuple[str, Any, "PoolingParams"]]
 # An embedding's L2 normalisation: vLLM 0.26 calls it use_activation, older vLLM normalize.
 _NORMALISATION = {"normalize", "use_activation"}
+# What a row's pooling_params may set (besides vLLM's older names and fields without effect here).
+ROW_POOLING_FIELDS = ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens", "extra_kwargs")
 
 
 class PoolingRows:
@@ -101,6 +105,7 @@ class PoolingRows:
             request = RowRequest(index=raw.index, row_id=row_id_of(record, raw.index, self.settings.id_field, where))
             text_1, text_2 = (_text(record, name, where, request.row_id) for name in ("text_1", "text_2"))
             params = self._params(record, where, request.row_id, "score" if self.cross_encoder else "embed")
+            text_1, text_2 = self._cut_pair(text_1, text_2, params, where, request.row_id)
             if self.cross_encoder:
                 try:
                     return request, [(f"row-{raw.index}", self.engine.pair_prompt(text_1, text_2, params.truncate_prompt_tokens), params)]
@@ -117,7 +122,24 @@ class PoolingRows:
             raise RowError(f"{where}: 'lora'={request.adapter!r} names a LoRA adapter; --task {self.task} runs a pooling "
                            "model, which takes none", request.row_id)
         prompt: Any = {"prompt_token_ids": request.prompt_token_ids} if request.prompt_token_ids is not None else request.prompt
-        return request, [(f"row-{raw.index}", prompt, self._params(record, where, request.row_id, self.task))]
+        params = self._params(record, where, request.row_id, self.task)
+        if params.extra_kwargs:  # the engine never reads them: accepting them would be a silent no-op
+            raise RowError(f"{where}: pooling_params.extra_kwargs={short_repr(params.extra_kwargs)} applies to --task score "
+                           f"only (max_tokens_per_query / max_tokens_per_doc cut a pair's texts), not --task {self.task}; "
+                           "use truncate_prompt_tokens", request.row_id)
+        return request, [(f"row-{raw.index}", prompt, params)]
+
+    def _cut_pair(self, text_1: str, text_2: str, params: "PoolingParams", where: str, row_id: Any) -> tuple[str, str]:
+        """A score row's texts cut by its pooling_params.extra_kwargs (vLLM's max_tokens_per_query /
+        max_tokens_per_doc), as LLM.score cuts them."""
+        from tokenmill.pooling.llm_methods import cut_texts
+
+        cuts = params.extra_kwargs or {}
+        try:
+            return (cut_texts(self.engine, [text_1], cuts.get("max_tokens_per_query", 0), "max_tokens_per_query")[0],
+                    cut_texts(self.engine, [text_2], cuts.get("max_tokens_per_doc", 0), "max_tokens_per_doc")[0])
+        except ValueError as e:
+            raise RowError(f"{where}: {e}", row_id) from None
 
     def build_openai(self, raw: "RawRow") -> tuple[RowRequest, Parts]:
         """An OpenAI batch line (``/v1/embeddings`` under embed, ``/v1/score`` or ``/v1/rerank`` under
@@ -194,7 +216,8 @@ class PoolingRows:
             return shared
         unknown = sorted(set(overrides) - PoolingParams.field_names())
         if unknown:
-            raise RowError(f"{where}: unknown pooling parameter(s) {unknown} in pooling_params", row_id)
+            raise RowError(f"{where}: unknown pooling parameter(s) {unknown} in pooling_params; a row may set "
+                           f"{list(ROW_POOLING_FIELDS)}", row_id)
         job = self.job_params
         if task in ("embed", "token_embed") and overrides.keys() & _NORMALISATION:
             job = {k: v for k, v in job.items() if k not in _NORMALISATION}  # the row's word, under either name
