@@ -245,12 +245,13 @@ def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_pat
         openai_line("empty", {"input": []}),
         openai_line("mixed", {"input": [words[0], ids]}),
         openai_line("format", {"input": words[0], "encoding_format": "bytes"}),
+        openai_line("format0", {"input": words[0], "encoding_format": ""}),  # was read as "float"
         openai_line("field", {"input": words[0], "temperature": 0.5}),
         openai_line("long", {"input": " ".join(["cat"] * 60)}),  # over max_model_len=48: the engine refuses it
         openai_line("cut", {"input": " ".join(["cat"] * 60), "truncate_prompt_tokens": 16}),
     ]
     summary = job(tmp_path, bert_embedder_llm, lines, "embed")
-    assert summary.rows_done == len(lines) and summary.failed == 6
+    assert summary.rows_done == len(lines) and summary.failed == 7
     out = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
     assert sorted(out) == sorted(line["custom_id"] for line in lines)
 
@@ -283,7 +284,8 @@ def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_pat
     (cut,), usage = vectors("cut")
     assert usage["prompt_tokens"] == 16
     for custom_id, message in (("chat", "is answered under --task generate, and this job runs --task embed"), ("empty", "body.input must be"),
-                               ("mixed", "not mixed"), ("format", "encoding_format='bytes'"), ("field", "['temperature']")):
+                               ("mixed", "not mixed"), ("format", "encoding_format='bytes'"), ("format0", "encoding_format='' is not supported"),
+                               ("field", "['temperature']")):
         assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]
     refused = out["long"]["response"]
     assert refused["status_code"] == 400 and "max_model_len=48" in refused["body"]["error"]["message"]

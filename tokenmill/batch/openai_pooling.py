@@ -46,7 +46,8 @@ def build_openai_embedding(raw: "RawRow") -> tuple[RowRequest, list[Any], dict[s
     request each) and the PoolingParams fields it sets; raises RowError for a bad line."""
     where, custom_id, url, body = open_line(raw, "embed")
     _check_fields(body, {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "use_activation"}, where, url, custom_id)
-    encoding = body.get("encoding_format") or "float"
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding  # null: not set; 0, "" or false are not "float"
     if encoding not in _ENCODINGS:
         raise RowError(f"{where}: body.encoding_format={short_repr(encoding)} is not supported; use one of {list(_ENCODINGS)}", custom_id)
     inputs = _embedding_inputs(body.get("input"), where, custom_id)
