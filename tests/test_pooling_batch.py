@@ -336,13 +336,14 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
         openai_line("no-docs", {"query": queries[0], "documents": []}, url="/v1/rerank"),
         openai_line("two-queries", {"query": queries[:2], "documents": docs}, url="/v1/rerank"),
         openai_line("top", {"query": queries[0], "documents": docs, "top_n": -1}, url="/v1/rerank"),
+        openai_line("top-false", {"query": queries[0], "documents": docs, "top_n": False}, url="/v1/rerank"),  # was read as 0
         openai_line("field", {"queries": queries[0], "documents": docs, "instruction": "x"}, url="/v1/score"),
         openai_line("half", {"text_1": queries[0]}, url="/v1/score"),
         openai_line("cut", {"queries": queries[0], "documents": docs, "max_tokens_per_doc": 2}, url="/v1/score"),
         openai_line("embed", {"input": "a cat"}),
     ]
     summary = job(tmp_path, llm, lines, "score")
-    assert summary.rows_done == len(lines) and summary.failed == 7
+    assert summary.rows_done == len(lines) and summary.failed == 8
     out = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
 
     def body(custom_id):
@@ -371,7 +372,7 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
             assert result["relevance_score"] == pytest.approx(want[result["index"]], abs=1e-6)
         assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] > len(docs)
     for custom_id, message in (("lengths", "has 2 texts and body.data_2 4"), ("no-docs", "body.documents must be a non-empty"),
-                               ("two-queries", "body.query must be one text, got 2"), ("top", "body.top_n=-1 is invalid"),
+                               ("two-queries", "body.query must be one text, got 2"), ("top", "body.top_n=-1 is invalid"), ("top-false", "body.top_n=False is invalid"),
                                ("field", "['instruction'] are not supported"), ("half", "body.text_2 must be a non-empty"),
                                ("embed", "answered under --task embed")):
         assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]

@@ -80,7 +80,8 @@ def build_openai_scoring(raw: "RawRow") -> tuple[RowRequest, list[str], list[str
     if len(first) > 1 and len(first) != len(second):
         raise RowError(f"{where}: body.{names[0]} has {len(first)} texts and body.{names[1]} {len(second)}: give one "
                        f"{names[0]} text for any number of {names[1]} (1-to-N), or as many of each (N-to-N)", custom_id)
-    top_n = body.get("top_n") or 0
+    top_n = body.get("top_n")
+    top_n = 0 if top_n is None else top_n  # null: not set; "" or false are not 0
     if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
         raise RowError(f"{where}: body.top_n={short_repr(top_n)} is invalid: must be an integer >= 0 (0: all)", custom_id)
     request = RowRequest(index=raw.index, row_id=custom_id, where=where)
