@@ -69,7 +69,6 @@ def test_a_job_wide_cut_past_max_model_len_is_refused_before_any_row(tmp_path, b
     assert not (tmp_path / "out.jsonl").exists() or not read_jsonl(tmp_path / "out.jsonl")
 
 
-
 def test_embed_rows_are_tokenized_together_as_each_alone(tmp_path, bert_embedder_llm, texts, monkeypatch):
     """The job's texts go through the tokenizer's batch path, a few calls for many rows, and each
     row gets the tokens the tokenizer gives its text alone; a row that truncates is tokenized alone."""
