@@ -99,6 +99,10 @@ def embedding_architecture_of(arch: str) -> str | None:
 def architecture_of(config: "PretrainedConfig") -> str:
     """``architectures[0]``, or the architecture implied by ``model_type`` when the list is absent."""
     archs = getattr(config, "architectures", None) or []
+    if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
+        # A bare string would give its first letter as the architecture.
+        raise ValueError(f"config field architectures={archs!r} is invalid: must be a list of names, e.g. "
+                         f"[\"LlamaForCausalLM\"]; supported architectures: {supported_architectures()}")
     if archs:
         return archs[0]
     model_type = getattr(config, "model_type", None)

@@ -82,9 +82,38 @@ def apply_hf_overrides(source: ModelSource, overrides: Any) -> ModelSource:
     config = copy.deepcopy(source.hf_config)
     if callable(overrides):
         config = overrides(config)
+        if not hasattr(config, "to_dict"):  # e.g. a function that edits in place and returns nothing
+            raise ValueError(f"hf_overrides={overrides!r} returned {type(config).__name__ if config is not None else None}: "
+                             "it must return the config (a transformers PretrainedConfig)")
     else:
         _update_config(config, overrides)
+    check_config_sizes(config, "hf_overrides")
     return dataclasses.replace(source, hf_config=config)
+
+
+# The config's sizes our models build tensors from (those in the second group may be unset). A
+# string, float, null or 0 there reached torch as a tensor size: a TypeError or IndexError from
+# deep inside a model's constructor, naming neither the field nor the file.
+_CONFIG_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                 "max_position_embeddings")
+_OPTIONAL_CONFIG_SIZES = ("num_key_value_heads", "head_dim")
+_ALL_SIZES = (*_CONFIG_SIZES, *_OPTIONAL_CONFIG_SIZES)
+
+
+def check_config_sizes(config: Any, origin: str | None) -> None:
+    """Refuse a size field of ``config`` (a config, or config.json's dict) that is not a positive
+    integer; ``origin`` names where it came from (its config.json, or hf_overrides; None: the caller
+    names it). Fields the config does not have are skipped."""
+    fields = config if isinstance(config, dict) else {n: getattr(config, n) for n in _ALL_SIZES if hasattr(config, n)}
+    for name in _ALL_SIZES:
+        if name not in fields:
+            continue
+        value = fields[name]
+        if value is None and name in _OPTIONAL_CONFIG_SIZES:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            where = f"{origin}: " if origin else ""
+            raise ValueError(f"{where}{name}={value!r} is invalid: must be an integer >= 1")
 
 
 def _update_config(config: Any, overrides: dict[str, Any]) -> None:
@@ -130,8 +159,9 @@ _FOLDER_WEIGHTS = (("model.safetensors.index.json", "safetensors"), ("model.safe
 def _hf_folder_source(name: str, folder: Path, tokenizer: str | None, trust_remote_code: bool) -> ModelSource:
     try:
         config = _read_folder_config(folder, trust_remote_code)
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # OSError, JSON errors, transformers' config validators (StrictDataclassError), ...
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    check_config_sizes(config, str(folder / "config.json"))
     # safetensors first; PyTorch's pickled checkpoints (older models ship only those) otherwise.
     weights, fmt = next(((folder / candidate, fmt) for candidate, fmt in _FOLDER_WEIGHTS if (folder / candidate).is_file()),
                         (None, "safetensors"))
@@ -166,6 +196,10 @@ _FIELDS_READ_DIRECTLY: dict[str, tuple[str, ...]] = {
 
 def _read_folder_config(folder: Path, trust_remote_code: bool) -> "PretrainedConfig":
     raw = json.loads((folder / "config.json").read_text())
+    if not isinstance(raw, dict):  # transformers would only say it has no model_type
+        raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object of config fields")
+    # Before transformers reads it: its validators fail on some of these with a TypeError of their own.
+    check_config_sizes(raw, None)  # the caller names the file
     needed = _FIELDS_READ_DIRECTLY.get(raw.get("model_type")) if isinstance(raw, dict) else None
     has_rope = isinstance(raw, dict) and ("rope_parameters" in raw or "rope_theta" in raw)
     if needed and has_rope and "auto_map" not in raw and all(f in raw for f in needed):
@@ -217,6 +251,7 @@ def _gguf_source(
 
     if config_dir is not None:
         config = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
+        check_config_sizes(config, str(config_dir / "config.json"))
     else:
         reader = open_gguf(gguf_path)  # outside the try: its refusal of a file we cannot load keeps its own message
         try:

@@ -1,0 +1,80 @@
+"""A model given as broken local files, or with bad loading arguments: a clear error that names the
+file or the field, the value and what is allowed; never a bare TypeError from deep inside a loader,
+and never a weight silently cast or left unset. (tests/test_loader.py has the first such cases:
+truncated and missing files, missing, unexpected and misshapen tensors.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tokenmill.models.loader import load_model
+from tokenmill.models.source import ModelSource, apply_hf_overrides, resolve_model
+
+CPU = torch.device("cpu")
+
+
+def _load(source: ModelSource) -> torch.nn.Module:
+    return load_model(source, torch.float32, CPU)
+
+
+def _copy(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*skip))
+    return dst
+
+
+def _edit_config(folder: Path, **fields: Any) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# --- config.json --------------------------------------------------------------------------------
+
+
+def test_config_that_is_not_an_object_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json.*holds a JSON list, not an object"):
+        resolve_model(str(folder))
+
+
+def test_architectures_given_as_a_string_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # Read as a list, "LlamaForCausalLM"[0] made the error name architecture 'L'.
+    folder = _edit_config(_copy(tiny_llama_dir, tmp_path / "m"), architectures="LlamaForCausalLM")
+    with pytest.raises(ValueError, match=r"architectures='LlamaForCausalLM' .*must be a list of names"):
+        _load(resolve_model(str(folder)))
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("hidden_size", "64", "an integer >= 1"),
+        ("vocab_size", None, "an integer >= 1"),
+        ("num_hidden_layers", 0, "an integer >= 1"),
+        ("num_hidden_layers", 2.0, "an integer >= 1"),
+        ("intermediate_size", -5, "an integer >= 1"),
+        ("max_position_embeddings", "256", "an integer >= 1"),
+    ],
+)
+def test_config_size_of_the_wrong_type_is_named(tiny_llama_dir: Path, tmp_path: Path, field: str, value: Any,
+                                                allowed: str) -> None:
+    """These reached torch as tensor sizes: TypeError, IndexError or RuntimeError from inside the model."""
+    folder = _edit_config(_copy(tiny_llama_dir, tmp_path / "m"), **{field: value})
+    with pytest.raises(ValueError, match=rf"config\.json.*{field}={value!r} is invalid: must be {allowed}"):
+        resolve_model(str(folder))
+
+
+def test_hf_overrides_are_checked_as_config_json_is(tiny_llama_dir: Path) -> None:
+    source = resolve_model(str(tiny_llama_dir))
+    with pytest.raises(ValueError, match=r"hf_overrides.*hidden_size='x' is invalid: must be an integer >= 1"):
+        apply_hf_overrides(source, {"hidden_size": "x"})
+    with pytest.raises(ValueError, match=r"hf_overrides=.*returned None: it must return the config"):
+        apply_hf_overrides(source, lambda config: None)  # a function that edits in place and forgets to return
+    assert apply_hf_overrides(source, {"num_hidden_layers": 1}).hf_config.num_hidden_layers == 1
