@@ -78,3 +78,31 @@ def test_hf_overrides_are_checked_as_config_json_is(tiny_llama_dir: Path) -> Non
     with pytest.raises(ValueError, match=r"hf_overrides=.*returned None: it must return the config"):
         apply_hf_overrides(source, lambda config: None)  # a function that edits in place and forgets to return
     assert apply_hf_overrides(source, {"num_hidden_layers": 1}).hf_config.num_hidden_layers == 1
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["model-00001-of-00004.safetensors"]},
+                                   {"weight_map": {"model.norm.weight": 3}}, [1]])
+def test_malformed_checkpoint_index_is_named(tiny_llama_sharded_dir: Path, tmp_path: Path, index: Any) -> None:
+    folder = _copy(tiny_llama_sharded_dir, tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"checkpoint index .*model\.safetensors\.index\.json is not valid"):
+        _load(resolve_model(str(folder)))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_bert_embedder_dir"])  # lazy CheckpointTensors, plain tensors
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.int64])
+def test_integer_tensor_for_a_float_weight_is_refused(fixture: str, dtype: torch.dtype, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    """It was cast into the weight silently (int8 codes without their scales, a bool norm of 0s and 1s)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(request.getfixturevalue(fixture), tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("dense.weight") or n.endswith("up_proj.weight"))
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor {name!r} has dtype {dtype}: must be a floating-point dtype"):
+        _load(resolve_model(str(folder)))

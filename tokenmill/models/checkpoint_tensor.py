@@ -15,6 +15,14 @@ from typing import Any
 import torch
 
 
+# safetensors' dtype names -> torch's (those a checkpoint of ours may hold; the rest are None).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
 class CheckpointTensor:
     """One named tensor of an open ``safe_open`` file; valid only while that file is open."""
 
@@ -22,6 +30,9 @@ class CheckpointTensor:
         self._slice = file_slice  # safetensors' PySafeSlice: indexing reads only the indexed part
         self.name = name
         self.shape = torch.Size(file_slice.get_shape())
+        # The file's dtype ("F32", "I8", ...), so a loader can refuse integers for a float weight
+        # without reading the data; None for a name torch has no dtype for.
+        self.dtype: torch.dtype | None = _SAFETENSORS_DTYPES.get(file_slice.get_dtype())
 
     @property
     def ndim(self) -> int:
@@ -48,6 +59,7 @@ class RowSlice:
     def __init__(self, tensor: "CheckpointTensor", start: int, length: int):
         self._tensor, self._start = tensor, start
         self.shape = torch.Size((length, *tensor.shape[1:]))
+        self.dtype = tensor.dtype
         self.name = f"{tensor.name}[{start}:{start + length}]"
 
     @property
@@ -80,6 +92,7 @@ class HeadPermuted:
             raise ValueError(f"{tensor!r} has {tensor.shape[0]} rows, not whole heads of {head_dim}")
         self._tensor, self._head_dim, self._perm = tensor, head_dim, perm
         self.shape = tensor.shape
+        self.dtype = getattr(tensor, "dtype", None)
         self.name = getattr(tensor, "name", "tensor")
 
     @property

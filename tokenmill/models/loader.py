@@ -155,6 +155,9 @@ def checkpoint_files(weights_path: Path) -> list[Path]:
             weight_map = json.loads(weights_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"checkpoint index {weights_path} is not valid: {exc}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise ValueError(f"checkpoint index {weights_path} is not valid: its weight_map must map tensor names to "
+                             f"shard file names, got {str(weight_map)[:200]}")
         files = [weights_path.parent / f for f in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -82,6 +82,9 @@ def load_hf_weights(
         if param is None or local not in expected:
             unexpected.append(name)
             continue
+        problem = _dtype_problem(name, tensor, param)
+        if problem:
+            raise ValueError(f"cannot load checkpoint tensor {name!r}: {problem}")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             loader(param, tensor, shard_id)
@@ -108,11 +111,19 @@ def _check_update(params: dict[str, nn.Parameter], weights: Sequence[tuple[str, 
         local = rename(name)
         if local is None:
             continue
-        param = params[stacked_param(local, stacked)[0]]
-        dtype = getattr(tensor, "dtype", None)
-        if isinstance(dtype, torch.dtype) and param.dtype.is_floating_point and not dtype.is_floating_point:
-            raise ValueError(f"update_weights: tensor {name!r} has dtype {dtype}: must be a floating-point dtype "
-                             f"(the model's is {param.dtype}); nothing was replaced")
+        problem = _dtype_problem(name, tensor, params[stacked_param(local, stacked)[0]])
+        if problem:
+            raise ValueError(f"update_weights: {problem}; nothing was replaced")
+
+
+def _dtype_problem(name: str, tensor: Any, param: nn.Parameter) -> str | None:
+    """Why ``tensor`` cannot fill ``param``, or None: integer or bool values for a floating-point
+    weight would be cast into it silently (int8 codes without their scales, a norm of 0s and 1s).
+    Quantized layers' integer parameters take integer tensors."""
+    dtype = getattr(tensor, "dtype", None)  # CheckpointTensors carry the file's dtype too
+    if isinstance(dtype, torch.dtype) and param.dtype.is_floating_point and not dtype.is_floating_point:
+        return f"tensor {name!r} has dtype {dtype}: must be a floating-point dtype (the model's is {param.dtype})"
+    return None
 
 
 def _summary(names: list[str], limit: int = 12) -> str:
