@@ -106,3 +106,30 @@ def test_integer_tensor_for_a_float_weight_is_refused(fixture: str, dtype: torch
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"tensor {name!r} has dtype {dtype}: must be a floating-point dtype"):
         _load(resolve_model(str(folder)))
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+
+def _write_gguf(path: Path, arch: str) -> Path:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["foo", "mamba", "gpt2"])
+@pytest.mark.parametrize("load_format", ["auto", "gguf"])
+def test_gguf_of_an_unsupported_architecture_lists_the_supported(arch: str, load_format: str, tmp_path: Path) -> None:
+    """transformers' own refusal ("architecture foo is not supported yet", no file named) or an
+    AttributeError came first, before any list of what loads."""
+    path = _write_gguf(tmp_path / "model.gguf", arch)
+    with pytest.raises(ValueError, match=rf"{path}.*general\.architecture='{arch}'.*supported: \[.*'llama'.*'qwen3'"):
+        resolve_model(str(path), load_format=load_format)

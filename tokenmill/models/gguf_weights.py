@@ -45,6 +45,8 @@ _FUSED_BLOCK = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_u
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp architectures whose merged experts we split (and whose configs gguf_config fixes up).
 MOE_ARCHS = ("qwen2moe", "qwen3moe")
+# Every llama.cpp architecture a GGUF file of ours may have (gguf_config.py reads their configs).
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "granite", "smollm3", *MOE_ARCHS)
 # A dense MLP block inside a MoE architecture (Qwen3-MoE's ``mlp_only_layers``): gguf's table
 # for these architectures has no dense FFN names, so they get the dense models' names.
 _DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
@@ -59,9 +61,21 @@ def open_gguf(path: Path) -> Any:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises assorted errors on bad files
         raise ValueError(f"cannot read GGUF file {path}: {type(exc).__name__}: {exc}") from exc
+    refuse_unsupported_architecture(reader, path)
     refuse_split_file(reader, path)
     refuse_unloadable_experts(reader, path)
     return reader
+
+
+def refuse_unsupported_architecture(reader: Any, path: Path) -> None:
+    """Refuse a file whose architecture we have no model for before transformers reads its config:
+    transformers' own refusal names neither the file nor what loads ("GGUF model with architecture
+    foo is not supported yet"), and for architectures it does read the failure comes later and
+    deeper (an AttributeError of its config class)."""
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF file {path} has general.architecture={arch!r}, which tokenmill cannot load; "
+                         f"supported: {list(GGUF_ARCHS)}")
 
 
 def refuse_split_file(reader: Any, path: Path) -> None:
