@@ -133,3 +133,36 @@ def test_gguf_of_an_unsupported_architecture_lists_the_supported(arch: str, load
     path = _write_gguf(tmp_path / "model.gguf", arch)
     with pytest.raises(ValueError, match=rf"{path}.*general\.architecture='{arch}'.*supported: \[.*'llama'.*'qwen3'"):
         resolve_model(str(path), load_format=load_format)
+
+
+# --- arguments and the tokenizer ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tokenizer": ""}, r"LLM\(tokenizer=''\) is invalid: must be None or a non-empty string"),
+        ({"tokenizer": 5}, r"LLM\(tokenizer=5\) is invalid: must be None or a non-empty string"),
+        ({"revision": 5}, r"LLM\(revision=5\) is invalid: must be None or a non-empty string"),
+        ({"tokenizer_revision": ["main"]}, r"LLM\(tokenizer_revision=\['main'\]\) is invalid"),
+        ({"gguf_file": 1}, r"LLM\(gguf_file=1\) is invalid"),
+    ],
+)
+def test_bad_path_arguments_are_named(tiny_llama_dir: Path, kwargs: dict, message: str) -> None:
+    from tokenmill.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs.from_kwargs(str(tiny_llama_dir), **kwargs)
+
+
+def test_folder_without_tokenizer_says_so(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """transformers' own message blamed a missing sentencepiece; skip_tokenizer_init and tokenizer= still load."""
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine_inputs import load_tokenizer
+
+    folder = _copy(tiny_llama_dir, tmp_path / "m", skip=("tokenizer*",))
+    source = resolve_model(str(folder))
+    with pytest.raises(ValueError, match=rf"{folder} has no tokenizer files .*tokenizer=.*skip_tokenizer_init=True"):
+        load_tokenizer(source, EngineArgs(model=str(folder)))
+    other = resolve_model(str(folder), tokenizer=str(tiny_llama_dir))
+    assert load_tokenizer(other, EngineArgs(model=str(folder))).eos_token_id == 2

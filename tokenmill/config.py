@@ -178,6 +178,10 @@ class EngineArgs(_VllmOnlyArguments):
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an integer >= 1")
+        for name in ("tokenizer", "revision", "tokenizer_revision", "gguf_file"):
+            # Path("") is the current folder, and a number fails inside pathlib or huggingface_hub.
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and bool(value.strip())), name, value, "None or a non-empty string")
         for name in _BOOL_FIELDS:  # a string such as "false" would count as True
             value = getattr(self, name)
             _check(isinstance(value, bool) or (value is None and name in _OPTIONAL_BOOL_FIELDS), name, value,

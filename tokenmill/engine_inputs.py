@@ -66,4 +66,22 @@ def load_tokenizer(source: "ModelSource", args: "EngineArgs") -> Any:
         cls = tokenizer_class(path, kwargs)
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except Exception as exc:  # transformers raises many types; the user needs the path
+        if "gguf_file" not in kwargs and _has_no_tokenizer_files(path):
+            # transformers' message then blames a missing sentencepiece or tiktoken.
+            raise ValueError(
+                f"{path} has no tokenizer files (none of {list(_TOKENIZER_FILES)}): give tokenizer= (a folder or "
+                "cached hub id that has them), or skip_tokenizer_init=True to pass and get token ids only"
+            ) from exc
         raise ValueError(f"could not load the tokenizer from {path!r}: {exc}") from exc
+
+
+# The files transformers builds a tokenizer from (fast, SentencePiece, BPE, WordPiece, tiktoken).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken")
+
+
+def _has_no_tokenizer_files(path: str) -> bool:
+    from pathlib import Path
+
+    folder = Path(path)
+    return folder.is_dir() and not any(next(folder.glob(pattern), None) for pattern in _TOKENIZER_FILES)
