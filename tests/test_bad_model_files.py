@@ -108,6 +108,20 @@ def test_integer_tensor_for_a_float_weight_is_refused(fixture: str, dtype: torch
         _load(resolve_model(str(folder)))
 
 
+def test_tensor_held_by_two_shards_is_refused(tiny_llama_sharded_dir: Path, tmp_path: Path) -> None:
+    """Each shard's tensors are read whatever the index says: the later copy silently won."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(tiny_llama_sharded_dir, tmp_path / "m")
+    first, second = sorted(folder.glob("model-*.safetensors"))[:2]
+    name = sorted(load_file(first))[0]
+    tensors = load_file(second)
+    tensors[name] = torch.zeros_like(load_file(first)[name])
+    save_file(tensors, second, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {name!r} appears twice"):
+        _load(resolve_model(str(folder)))
+
+
 # --- GGUF ---------------------------------------------------------------------------------------
 
 

@@ -82,6 +82,10 @@ def load_hf_weights(
         if param is None or local not in expected:
             unexpected.append(name)
             continue
+        if local in loaded and not partial:
+            # Two shard files hold it (each file's tensors are read, whatever the index says), or
+            # two checkpoint names map to it: the later copy would silently win.
+            raise ValueError(f"checkpoint tensor {name!r} appears twice (in two shard files, or under two names)")
         problem = _dtype_problem(name, tensor, param)
         if problem:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {problem}")
