@@ -66,7 +66,9 @@ def describe_file_error(error: OSError, input_path: str, output: str) -> str:
     detail = error.strerror or str(error)
     if path is not None and ours and os.path.abspath(path) != os.path.abspath(output):
         detail += f" ({path})"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(error, FileChangedError):
+        advice = "rerun the same command: the rows the file lost run again"
+    elif error.errno in (errno.ENOSPC, errno.EDQUOT):
         advice = "free some space, then rerun the same command: it continues where this one stopped"
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         advice = "choose an output in a folder you can write to" if ours and not reading else "check its permissions"
@@ -162,32 +164,69 @@ def _arrow_json(vectors: list["np.ndarray"]) -> list[bytes]:
     return pc.binary_join_element_wise(pa.scalar(b"[", raw), joined, pa.scalar(b"]", raw), pa.scalar(b"", raw)).to_pylist()
 
 
+class FileChangedError(OSError):
+    """A file the job appends to was cut, extended, removed or replaced by another process."""
+
+
 class AppendFile:
-    """A file opened for appending at a known length; `sync` is fsync."""
+    """A file opened for appending at a known length; `sync` is fsync.
+
+    An OSError from a write or an fsync names the file (the data file's or the journal's: the
+    message says which). Before each write and fsync the file at ``path`` must still be the one
+    opened, at the length this process wrote: another process that cut it would leave a hole of
+    NULs where the rows were, one that removed or renamed it would leave the rows written on where
+    nobody reads them, and the journal would still say they are there. One stat a call, beside a
+    commit's writes."""
 
     def __init__(self, path: str, expected_size: int):
         self.path = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        size = os.fstat(fd).st_size
-        if size != expected_size:
+        stat = os.fstat(fd)
+        if stat.st_size != expected_size:
             os.ftruncate(fd, expected_size)  # cut a torn or uncommitted tail
         os.lseek(fd, expected_size, os.SEEK_SET)
         self._file = os.fdopen(fd, "wb", buffering=0)
+        self._identity = (stat.st_dev, stat.st_ino)
         self.size = expected_size
 
     def write(self, data: bytes) -> None:
+        self._check_unchanged()
         view = memoryview(data)
-        while view:  # an unbuffered write may be short
-            written = self._file.write(view)
-            view = view[written:]
+        try:
+            while view:  # an unbuffered write may be short
+                written = self._file.write(view)
+                view = view[written:]
+        except OSError as e:
+            raise _naming(e, self.path) from None
         self.size += len(data)
 
     def sync(self) -> None:
-        os.fsync(self._file.fileno())
+        self._check_unchanged()
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise _naming(e, self.path) from None
+
+    def _check_unchanged(self) -> None:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            raise FileChangedError(None, "another process removed it while the job ran", self.path) from None
+        if (stat.st_dev, stat.st_ino) != self._identity:
+            raise FileChangedError(None, "another process replaced it (renamed another file over it) while the job "
+                                         "ran", self.path)
+        if stat.st_size != self.size:
+            raise FileChangedError(None, f"another process changed its length while the job ran ({stat.st_size} "
+                                         f"bytes, where the job had written {self.size})", self.path)
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def _naming(error: OSError, path: str) -> OSError:
+    """``error`` with ``path`` as its file: a write to a descriptor names none."""
+    return error if error.filename is not None else OSError(error.errno, error.strerror or str(error), path)
 
 
 def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:

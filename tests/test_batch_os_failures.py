@@ -1,0 +1,145 @@
+"""`tokenmill run` when the operating system fails it mid-run, on a tiny random Llama: a write, flush
+or fsync of the output or the journal that fails (a full disk, an I/O error), an output truncated,
+removed or replaced by another process, an input appended to or cut while it is read. Each stops
+the job with a message naming the file, or leaves it unaffected; a rerun then loses no row and
+writes none twice. (Signals: test_batch_cli.py; the lock: test_batch_journal.py.)"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from tokenmill.batch import journal as journal_module
+from tokenmill.batch import writers
+
+from support.jsonl import read_jsonl, write_jsonl
+from test_batch_e2e import engine_left_clean, llm  # noqa: F401 (fixtures)
+from test_batch_robust import TEXTS, job
+
+
+def rows_of(path) -> list[tuple[int, int]]:
+    """Every (row, sample) of an output, in file order, repeats kept: a row written twice shows."""
+    return sorted((r["row"], r["sample_index"] or 0) for r in read_jsonl(path))
+
+
+def after_commits(monkeypatch, count: int, action) -> list[int]:
+    """Run ``action(journal)`` once, right after the job's ``count``-th commit."""
+    real_commit, calls = journal_module.Journal.commit, []
+
+    def commit(self, *args, **kwargs):
+        real_commit(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == count:
+            action(self)
+
+    monkeypatch.setattr(journal_module.Journal, "commit", commit)
+    return calls
+
+
+# --- a write, flush or fsync that fails -----------------------------------------------------------
+
+
+class FillingDisk:
+    """An open file on a disk that fills up at its ``full_at``-th write: that write is short (half of
+    it written), the next one fails with ENOSPC, as write(2) does."""
+
+    def __init__(self, file, full_at: int):
+        self.file, self.full_at, self.writes = file, full_at, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes > self.full_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data[: len(data) // 2] if self.writes == self.full_at else data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+@pytest.mark.parametrize("where", ["out.jsonl", "journal.jsonl", "fsync"])
+def test_a_write_that_fails_midway_stops_the_job_and_a_rerun_finishes(tmp_path, llm, monkeypatch, where):
+    """A full disk cuts a write short (part of a line written, then ENOSPC), in the output or in the
+    journal; an fsync fails with EIO. The job stops with the file and the error named; the rerun
+    cuts what was torn and writes every row exactly once."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    init, fsync, fsyncs = writers.AppendFile.__init__, os.fsync, []
+
+    def on_a_filling_disk(self, file_path, expected_size):
+        init(self, file_path, expected_size)
+        if os.path.basename(file_path) == where:
+            self._file = FillingDisk(self._file, full_at=3)  # two commits go through
+
+    def fsync_fails(fd):
+        fsyncs.append(fd)
+        if len(fsyncs) == 6:  # state.json's two, then two commits' data and journal; then the third's data
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(fd)
+
+    if where == "fsync":
+        monkeypatch.setattr(os, "fsync", fsync_fails)
+    else:
+        monkeypatch.setattr(writers.AppendFile, "__init__", on_a_filling_disk)
+    with pytest.raises(ValueError) as info:
+        job(tmp_path, llm, path, max_inflight=2, fsync_interval=0)
+    message = str(info.value)
+    assert ("Input/output error" if where == "fsync" else "No space left on device") in message, message
+    assert f"cannot write {tmp_path / 'out.jsonl'}" in message and "rerun the same command" in message, message
+    if where == "journal.jsonl":
+        assert "out.jsonl.tokenmill/journal.jsonl" in message, message  # which of the job's files failed
+    monkeypatch.undo()
+    again = job(tmp_path, llm, path)
+    assert again.exit_code == 0 and again.resumed_rows > 0 and again.rows_done == len(TEXTS)
+    assert rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(len(TEXTS))]
+
+
+# --- the output changed by another process --------------------------------------------------------
+
+
+def _truncate(journal):
+    os.truncate(journal.output, 0)
+
+
+def _remove(journal):
+    os.remove(journal.output)
+
+
+def _replace_with_a_copy(journal):  # as an editor or `sed -i` saves a file: a new file renamed over it
+    with open(journal.output, "rb") as f:
+        data = f.read()
+    with open(journal.output + ".new", "wb") as f:
+        f.write(data)
+    os.replace(journal.output + ".new", journal.output)
+
+
+def _append(journal):
+    with open(journal.output, "ab") as f:
+        f.write(b'{"note": "somebody else"}\n')
+
+
+@pytest.mark.parametrize("change", [_truncate, _remove, _replace_with_a_copy, _append])
+def test_an_output_changed_by_another_process_stops_the_job(tmp_path, llm, monkeypatch, change):
+    """Writing on into a file that was cut (a hole of NULs where the rows were), removed or renamed
+    away (the rows go nowhere anyone reads) would lose finished rows and still mark the job
+    complete. The job notices at its next write, stops naming the file, and the rerun runs the
+    rows that went missing."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    after_commits(monkeypatch, 2, change)
+    with pytest.raises(ValueError, match=r"out\.jsonl: another process (changed|removed|replaced) it.*rerun the same command"):
+        job(tmp_path, llm, path, max_inflight=2)
+    monkeypatch.undo()
+    again = job(tmp_path, llm, path)
+    assert again.exit_code == 0 and again.rows_done == len(TEXTS)
+    assert b"\0" not in (tmp_path / "out.jsonl").read_bytes()
+    assert rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(len(TEXTS))]
+
+
+def test_a_journal_cut_by_another_process_stops_the_job(tmp_path, llm, monkeypatch):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    after_commits(monkeypatch, 2, lambda journal: os.truncate(os.path.join(journal.dir, "journal.jsonl"), 0))
+    with pytest.raises(ValueError, match=r"another process changed .*journal\.jsonl"):
+        job(tmp_path, llm, path, max_inflight=2)
+    monkeypatch.undo()
+    again = job(tmp_path, llm, path)
+    assert again.exit_code == 0 and rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(len(TEXTS))]
