@@ -7,6 +7,7 @@ writes none twice. (Signals: test_batch_cli.py; the lock: test_batch_journal.py.
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -143,3 +144,55 @@ def test_a_journal_cut_by_another_process_stops_the_job(tmp_path, llm, monkeypat
     monkeypatch.undo()
     again = job(tmp_path, llm, path)
     assert again.exit_code == 0 and rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(len(TEXTS))]
+# --- the input changed while it is read -----------------------------------------------------------
+
+PAD = "x" * 3000  # rows larger than the reader's buffer: a change lands where the job has not read yet
+ROWS = 24
+
+
+def _padded_input(tmp_path, fmt: str):
+    rows = [(TEXTS[i % len(TEXTS)], PAD) for i in range(ROWS)]
+    if fmt == "csv":
+        path = tmp_path / "in.csv"
+        path.write_text("prompt,pad\n" + "".join(f"{text},{pad}\n" for text, pad in rows))
+        return path
+    return write_jsonl(tmp_path / "in.jsonl", [{"prompt": text, "pad": pad} for text, pad in rows])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_rows_appended_to_the_input_while_it_runs_are_not_its_rows(tmp_path, llm, monkeypatch, capsys, fmt):
+    """The job runs the input it scanned (the rows it counted, the bytes its resume digest covers):
+    rows a producer appends meanwhile, and a line it has half written, are left for another job
+    (a half line read as a bad row would be written as failed for good), and the job says so."""
+    path = _padded_input(tmp_path, fmt)
+    scanned = path.read_bytes()
+    more = f"new row,{PAD}\nhalf a ro" if fmt == "csv" else json.dumps({"prompt": "new row", "pad": PAD}) + '\n{"prompt": "half a ro'
+
+    def append(journal):
+        with open(path, "ab") as f:
+            f.write(more.encode())
+
+    after_commits(monkeypatch, 1, append)
+    summary = job(tmp_path, llm, path, max_inflight=2)
+    assert summary.complete and summary.failed == 0 and summary.rows_done == ROWS
+    assert rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(ROWS)]
+    assert path.read_bytes().startswith(scanned)
+    assert f"in.{fmt} grew while the job ran; only the rows it held when the job started were run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_an_input_cut_while_it_runs_stops_the_job_and_fails_no_row(tmp_path, llm, monkeypatch, fmt):
+    """An input cut in the middle of a line: that half line is no bad row of the input (written as
+    failed, a rerun on the restored input would never run it), the job stops saying the input
+    changed, and the rerun on the restored input runs every row once."""
+    path = _padded_input(tmp_path, fmt)
+    whole = path.read_bytes()
+    after_commits(monkeypatch, 1, lambda journal: os.truncate(path, len(whole) * 2 // 3 + 100))
+    with pytest.raises(ValueError, match=rf"in\.{fmt} is shorter .* than when the job started.*restore the input"):
+        job(tmp_path, llm, path, max_inflight=2)
+    monkeypatch.undo()
+    assert all(r["error"] is None for r in read_jsonl(tmp_path / "out.jsonl"))
+    path.write_bytes(whole)
+    again = job(tmp_path, llm, path)
+    assert again.exit_code == 0 and again.failed == 0
+    assert rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(ROWS)]

@@ -379,7 +379,7 @@ def test_rows_missing_at_the_end_are_not_marked_complete(tmp_path, llm, monkeypa
 
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:4]])
     real_read_rows = job_module.read_rows
-    monkeypatch.setattr(job_module, "read_rows", lambda p, fmt: (r for r in real_read_rows(p, fmt) if r.index < 2))
+    monkeypatch.setattr(job_module, "read_rows", lambda p, fmt, size: (r for r in real_read_rows(p, fmt, size) if r.index < 2))
     with pytest.raises(ValueError, match=r"gave 2 rows where the scan before the run counted 4.*rerun"):
         job(tmp_path, llm, path)
     monkeypatch.setattr(job_module, "read_rows", real_read_rows)

@@ -119,7 +119,8 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             if config.replicas > 1 or config.ray_address is not None:
                 if llm is not None:
                     raise ValueError("replicas load their own models: pass no llm with replicas or ray_address")
-                loop: Any = _parallel_loop(config, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
+                loop: Any = _parallel_loop(config, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr,
+                                           info.size)
             else:
                 try:
                     loop = _engine_loop(config, llm, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
@@ -130,7 +131,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             if loop is not None:
                 try:
                     with watchdog or contextlib.nullcontext():
-                        interrupted = not loop.run(read_rows(input_path, fmt))
+                        interrupted = not loop.run(read_rows(input_path, fmt, info.size))
                 except KeyboardInterrupt:
                     interrupted = True
                 except BaseException:
@@ -142,6 +143,7 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                     loop.abort()
                 errors = loop.errors
         progress.close()
+        _tell_if_grown(input_path, fmt, info.size, stderr)
         if not interrupted and info.rows is not None and journal.total().rows < info.rows:
             journal.sync()  # what finished stays; a rerun runs the rest
             raise ValueError(
@@ -181,6 +183,14 @@ def _engine_loop(config: JobConfig, llm: Any, journal: Journal, progress: Progre
                    notice=lambda message: tell(message, stderr or sys.stderr), watchdog=watchdog)
 
 
+def _tell_if_grown(input_path: str, fmt: str, scanned: int, stderr: TextIO | None) -> None:
+    """Rows appended to the input while the job ran were not run (`readers.ScannedInput`): say so."""
+    with contextlib.suppress(OSError):
+        if fmt != "parquet" and os.path.getsize(input_path) > scanned:
+            tell(f"tokenmill run: {input_path} grew while the job ran; only the rows it held when the job started "
+                 "were run (the rows added since are another job's)", stderr or sys.stderr)
+
+
 def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:
     """A deterministic run resumed without saying so stays deterministic: the journal recorded
     ``deterministic`` among its engine settings, and the rows written before and after a resume
@@ -213,7 +223,7 @@ def _record_reader(shape: str, job_key: str, rows: int | None) -> RecordReader:
 
 
 def _parallel_loop(config: JobConfig, journal: Journal, progress: Progress, fmt: str, shape: str, job_key: str,
-                   should_stop: Callable[[], bool] | None, stderr: TextIO | None) -> Any:
+                   should_stop: Callable[[], bool] | None, stderr: TextIO | None, input_size: int) -> Any:
     """The job loop spread over several engines: replica processes on this host, or a Ray cluster.
     Either has `JobLoop`'s interface (run, abort, errors) and commits through the same journal."""
     if config.ray_address is not None:
@@ -222,7 +232,7 @@ def _parallel_loop(config: JobConfig, journal: Journal, progress: Progress, fmt:
         return RayJobLoop(config, journal, progress, fmt, shape, job_key, should_stop)
     from tokenmill.batch.replicas import ReplicaPool
 
-    return ReplicaPool(config, journal, progress, fmt, shape, job_key, should_stop, stderr)
+    return ReplicaPool(config, journal, progress, fmt, shape, job_key, should_stop, stderr, input_size)
 
 
 __all__ = ["JobConfig", "JobSummary", "EngineFailure", "OutputError", "ResumeError", "run_job", "DEFAULT_MODEL"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -118,30 +119,70 @@ def _refuse_json_array(path: str) -> None:
                          f"e.g. jq -c '.[]' {path} > rows.jsonl")
 
 
-def read_rows(path: str, fmt: str) -> Iterator[RawRow]:
-    """Yield every row of the input, in file order, decoding one row at a time."""
+def read_rows(path: str, fmt: str, size: int | None = None) -> Iterator[RawRow]:
+    """Yield every row of the input, in file order, decoding one row at a time. With ``size`` (the
+    scan's, `InputInfo.size`), a JSONL or CSV input is read up to that byte only (`ScannedInput`)."""
     if fmt == "jsonl":
-        return _jsonl_rows(path)
+        return _jsonl_rows(path, size)
     if fmt == "openai":
-        return _unique_custom_ids(_numbered_jsonl_rows(path))
+        return _unique_custom_ids(_numbered_jsonl_rows(path, size))
     if fmt in ("csv", "tsv"):
-        return _csv_rows(path, fmt)
+        return _csv_rows(path, fmt, size)
     if fmt == "parquet":
         return _parquet_rows(path)
     raise ValueError(f"input format {fmt!r} is not supported; choose one of {INPUT_FORMATS[1:]}")
 
 
+class ScannedInput(io.RawIOBase):
+    """The input's first ``size`` bytes: those the scan before the run counted and digested.
+
+    The job runs the input it scanned. Rows a producer appends while it runs are not counted, and
+    the resume digest does not cover them; the line it is halfway through writing would be read as
+    a bad row and written as failed for good. So reading stops at ``size``. An input that ends
+    before it was cut while the job ran: that raises, before the line cut in two is read as a row
+    (written as failed, a rerun on the restored input would never run it again)."""
+
+    def __init__(self, path: str, size: int):
+        super().__init__()
+        self._file = open(path, "rb", buffering=0)
+        self._path, self._size, self._left = path, size, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._left <= 0:
+            return 0
+        count = self._file.readinto(memoryview(buffer).cast("B")[: self._left])
+        if not count:
+            now = os.fstat(self._file.fileno()).st_size
+            raise ValueError(f"{self._path} is shorter ({now} bytes) than when the job started ({self._size} bytes): "
+                             "it was changed while the job ran. The finished rows are kept; restore the input and "
+                             "rerun the same command to run the rest")
+        self._left -= count
+        return count
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _open_input(path: str, size: int | None) -> Any:
+    """The input as a buffered binary file: all of it, or its first ``size`` bytes (`ScannedInput`)."""
+    return open(path, "rb") if size is None else io.BufferedReader(ScannedInput(path, size))
+
+
 # --- JSONL -------------------------------------------------------------------------------------
 
 
-def _jsonl_rows(path: str) -> Iterator[RawRow]:
-    return (raw for _, raw in _numbered_jsonl_rows(path))
+def _jsonl_rows(path: str, size: int | None = None) -> Iterator[RawRow]:
+    return (raw for _, raw in _numbered_jsonl_rows(path, size))
 
 
-def _numbered_jsonl_rows(path: str) -> Iterator[tuple[int, RawRow]]:
+def _numbered_jsonl_rows(path: str, size: int | None = None) -> Iterator[tuple[int, RawRow]]:
     """Each row with its line number."""
     index = 0
-    with open(path, "rb") as f:
+    with _open_input(path, size) as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue  # blank lines separate nothing and are not rows
@@ -221,7 +262,7 @@ class _Lines:
         self._again.extend(reversed(lines))
 
 
-def _csv_records(path: str, fmt: str) -> Iterator[tuple[int, list[str] | None, str | None]]:
+def _csv_records(path: str, fmt: str, size: int | None = None) -> Iterator[tuple[int, list[str] | None, str | None]]:
     """Raw CSV records after the header: (line number, fields or None, error or None).
 
     A record that is not valid CSV is an error on its first line, and the lines after that one are
@@ -229,7 +270,7 @@ def _csv_records(path: str, fmt: str) -> Iterator[tuple[int, list[str] | None, s
     up to the next quote (or the end of the file) into one bad record, and those rows would vanish.
     """
     # Undecodable bytes survive as surrogates so that one bad row does not stop the file.
-    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+    with io.TextIOWrapper(_open_input(path, size), encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         lines = _Lines(f)
         reader = csv.reader(lines, delimiter="\t" if fmt == "tsv" else ",", strict=True)
         _raise_field_limit()
@@ -302,9 +343,9 @@ def _csv_header(path: str, fmt: str) -> list[str]:
     return header
 
 
-def _csv_rows(path: str, fmt: str) -> Iterator[RawRow]:
+def _csv_rows(path: str, fmt: str, size: int | None = None) -> Iterator[RawRow]:
     header = _csv_header(path, fmt)
-    for index, (line_no, fields, error) in enumerate(_csv_records(path, fmt)):
+    for index, (line_no, fields, error) in enumerate(_csv_records(path, fmt, size)):
         where = f"line {line_no}"
         if error is not None:
             yield RawRow(index, None, error, where)

@@ -40,6 +40,7 @@ class ReplicaSetup:
     done: bytes  # the journal's bitmap of finished rows when this replica started
     num_threads: int | None  # torch threads of a CPU replica (None: torch's default)
     sys_path: list[str]  # the parent's, so the same modules import
+    input_size: int | None = None  # the input's bytes when the job scanned it: the rows a replica reads
 
 
 @dataclass(frozen=True)

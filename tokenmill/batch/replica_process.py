@@ -105,7 +105,7 @@ def run_replica(conn: Connection, setup: ReplicaSetup) -> int:
                      setup.job_key, link.should_stop, new_llm=lambda: load_llm(config), watchdog=watchdog)
         del llm  # the loop's alone: a replaced engine's memory must be freeable
         with watchdog or contextlib.nullcontext():
-            complete = loop.run(shard_rows(read_rows(config.input, setup.input_format), setup.shard, setup.shards))
+            complete = loop.run(shard_rows(read_rows(config.input, setup.input_format, setup.input_size), setup.shard, setup.shards))
         if not complete:
             loop.abort()
         link.flush()

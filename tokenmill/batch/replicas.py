@@ -117,11 +117,12 @@ class ReplicaPool:
 
     def __init__(self, config: "JobConfig", journal: "Journal", progress: "Progress", input_format: str,
                  output_shape: str, job_key: str, should_stop: Callable[[], bool] | None = None,
-                 stderr: TextIO | None = None):
+                 stderr: TextIO | None = None, input_size: int | None = None):
         self.config, self.journal, self.progress = config, journal, progress
         self.input_format, self.output_shape, self.job_key = input_format, output_shape, job_key
         self.should_stop = should_stop or (lambda: False)
         self.stderr = stderr if stderr is not None else sys.stderr
+        self.input_size = input_size  # the scan's: replicas read that much of the input (readers.ScannedInput)
         plans = plan_replicas(config.engine, config.replicas)
         self.replicas = [_Replica(shard, plan) for shard, plan in enumerate(plans)]
         self.errors: list[str] = []
@@ -158,7 +159,7 @@ class ReplicaPool:
         send(replica.conn, ReplicaSetup(
             config=config, shard=replica.shard, shards=len(self.replicas), input_format=self.input_format,
             output_shape=self.output_shape, job_key=self.job_key, done=self.journal.done_bitmap(),
-            num_threads=replica.plan.num_threads, sys_path=list(sys.path),
+            num_threads=replica.plan.num_threads, sys_path=list(sys.path), input_size=self.input_size,
         ))
 
     def _receive(self, replica: _Replica) -> None:
