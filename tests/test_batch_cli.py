@@ -225,12 +225,15 @@ def test_run_stops_a_hung_engine_after_600_s_by_default(tmp_path, monkeypatch):
     assert JobConfig(input="in.jsonl", output="o.jsonl").stall_timeout == 0.0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_while_the_model_loads_stops_at_once(tmp_path, monkeypatch, capsys, tiny_llama_dir, signum):
-    """The first SIGTERM or Ctrl-C before the job runs a row stops it at once (a model load can take
+    """The first SIGTERM, Ctrl-C or SIGHUP before the job runs a row stops it at once (a model load can take
     minutes, and a second SIGTERM, unlike a second Ctrl-C, did nothing): exit code 130, nothing
     written but the resume state, and the same command then runs every row."""
     import time
+
+    if signal.getsignal(signum) is signal.SIG_IGN and signum == signal.SIGHUP:
+        pytest.skip("SIGHUP is ignored here (nohup), and the job leaves it so")
 
     from tokenmill.batch import job
 
@@ -259,3 +262,66 @@ def test_a_stop_while_the_model_loads_stops_at_once(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(job, "load_llm", real_load)
     assert main(argv) == 0
     assert sorted(r["row"] for r in map(json.loads, open(output))) == [0, 1, 2]
+
+
+def _signal_after_first_commit(monkeypatch, signum, seen=None):
+    """Send ``signum`` to this process once the job has committed its first rows (and note, in
+    ``seen``, the handler that was in place then)."""
+    from tokenmill.batch import journal
+
+    real_commit, calls = journal.Journal.commit, []
+
+    def commit(self, *args, **kwargs):
+        real_commit(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            if seen is not None:
+                seen.append(signal.getsignal(signum))
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(journal.Journal, "commit", commit)
+
+
+def test_sighup_stops_the_job_after_its_step_as_sigterm_does(tmp_path, monkeypatch, capsys, tiny_llama_dir):
+    """SIGHUP (the terminal that started the job closed, or a supervisor stopping it) left to its
+    default killed the job mid-write: no summary, the next run repairing what it tore. It stops it
+    as SIGTERM does: after the step, finished rows committed, exit code 130, the rerun finishes."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(8)))
+    output = tmp_path / "o.jsonl"
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
+            "--no-progress", "--max-inflight", "2", *tiny_flags(tiny_llama_dir)]
+    hangups = []
+
+    def not_the_tests_death(signum, frame):  # what SIGHUP's default would do to pytest, it records
+        hangups.append(signum)
+
+    previous = signal.signal(signal.SIGHUP, not_the_tests_death)
+    try:
+        _signal_after_first_commit(monkeypatch, signal.SIGHUP)
+        code = main(argv)
+        assert signal.getsignal(signal.SIGHUP) is not_the_tests_death  # restored after the run
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    err = capsys.readouterr().err
+    assert code == 130 and not hangups and "stopping after this step" in err, err
+    done = [r["row"] for r in map(json.loads, open(output))]
+    assert 0 < len(done) < 8 and len(set(done)) == len(done) and f"{len(done)}/8 rows" in err, err
+    assert "repaired" not in err
+    monkeypatch.undo()
+    assert main(argv) == 0
+    assert sorted(r["row"] for r in map(json.loads, open(output))) == list(range(8))
+
+
+def test_sighup_stays_ignored_under_nohup(tmp_path, monkeypatch, capsys, tiny_llama_dir):
+    """`nohup tokenmill run ...` ignores SIGHUP so that the job outlives the terminal: it must."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(4)))
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "2",
+            "--temperature", "0", "--no-progress", "--max-inflight", "2", *tiny_flags(tiny_llama_dir)]
+    previous, seen = signal.signal(signal.SIGHUP, signal.SIG_IGN), []
+    try:
+        _signal_after_first_commit(monkeypatch, signal.SIGHUP, seen)
+        assert main(argv) == 0
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert "4/4 rows" in capsys.readouterr().err

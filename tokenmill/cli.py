@@ -59,7 +59,7 @@ def load_llm(args: argparse.Namespace) -> Any:
 
 
 class _StopRequests:
-    """SIGINT/SIGTERM ask the job to stop after the current step; a second Ctrl-C stops at once.
+    """SIGINT/SIGTERM/SIGHUP ask the job to stop after the current step; a second Ctrl-C stops at once.
 
     Stopping between steps keeps every finished row; an immediate stop is as safe as a kill
     (the next run repairs whatever a half-done write left). Until the job's loop first asks
@@ -88,8 +88,13 @@ class _StopRequests:
         tell("\ntokenmill run: stopping after this step (Ctrl-C again to stop now); rerun to continue", sys.stderr)
 
     def install(self) -> dict[int, Any]:
-        """Install the handlers; returns the previous ones (for `restore`)."""
-        return {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        """Install the handlers; returns the previous ones (for `restore`). SIGHUP (the terminal
+        closed, a supervisor stopping the job) stops it as SIGTERM does, rather than killing it
+        mid-write, unless it is ignored: under `nohup` the job is meant to outlive the terminal."""
+        signals = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signals.append(signal.SIGHUP)
+        return {sig: signal.signal(sig, self.handle) for sig in signals}
 
     @staticmethod
     def restore(previous: dict[int, Any]) -> None:
