@@ -259,3 +259,63 @@ def test_a_stop_while_replicas_load_their_models_stops_them_at_once(tmp_path, mo
             proc.kill()
         for sock in kept:
             sock.close()
+
+
+def test_replicas_killed_by_the_stop_signal_are_not_replaced(tmp_path, monkeypatch):
+    """A batch scheduler's stop reaches every process of the job at once (Slurm signals them all):
+    the replicas die of the SIGTERM as the parent is told to stop. Their deaths are the stop, not
+    crashes to recover from: no replacement is started (before, each was, then stopped again)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    from multiprocessing.connection import Connection
+
+    from tokenmill.batch import replicas as replicas_module
+    from tokenmill.batch.config import JobConfig
+
+    started = []
+
+    def running(module, env=None):  # a replica at work: its end of the pipe closes when it dies
+        mine, theirs = socket.socketpair()
+        with theirs:
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=(theirs.fileno(),))
+        started.append(proc)
+        return proc, Connection(mine.detach())
+
+    class Journal:
+        def done_bitmap(self) -> bytes:
+            return b""
+
+    class Progress:
+        rows: dict = {}
+
+        def maybe_draw(self) -> None:
+            pass
+
+    monkeypatch.setattr(replicas_module, "start_module", running)
+    monkeypatch.setattr(replicas_module, "send", lambda conn, message: None)  # no replica reads its set-up here
+    config = JobConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out.jsonl"), replicas=2,
+                       engine={"device": "cpu"})
+    stop = []
+    pool = replicas_module.ReplicaPool(config, Journal(), Progress(), "jsonl", "generic", "key",
+                                       should_stop=lambda: bool(stop))
+    result = []
+    runner = threading.Thread(target=lambda: result.append(pool.run()), daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the pool waits on their pipes
+        stop.append(True)  # the parent's handler ran...
+        for proc in started[:2]:
+            proc.send_signal(signal.SIGTERM)  # ...and the replicas got theirs
+        runner.join(timeout=20)
+        assert result == [False] and len(started) == 2, f"{len(started) - 2} replacement(s) started"
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()

@@ -140,7 +140,8 @@ class ReplicaPool:
                     self._stop_all()
                 live = {r.conn: r for r in self.replicas if not r.finished and r.conn is not None}
                 for conn in wait(list(live), timeout=_POLL_S):
-                    self._receive(live[conn])  # type: ignore[index]
+                    if live[conn].conn is conn:  # not closed meanwhile (a stop met while reading this turn's)
+                        self._receive(live[conn])  # type: ignore[index]
                 self.progress.maybe_draw()
             return not self._stopping
         finally:
@@ -200,6 +201,10 @@ class ReplicaPool:
         shards = len(self.replicas)  # its rows in flight left with it: their work is left again
         for key in [key for key in self.progress.rows if key % shards == replica.shard]:
             self.progress.on_dropped(key)
+        if not self._stopping and self.should_stop():
+            # A stop signal sent to every process of the job (Slurm signals them all) killed it before
+            # the parent's own was looked at: that is the stop, not a crash to recover from.
+            self._stop_all()
         if self._stopping:
             replica.finished = True  # its unfinished rows run in the next attempt
             return
