@@ -209,14 +209,16 @@ class AppendFile:
 
     def _check_unchanged(self) -> None:
         try:
-            stat = os.stat(self.path)
+            named = os.stat(self.path)
         except FileNotFoundError:
             raise FileChangedError(None, "another process removed it while the job ran", self.path) from None
-        if (stat.st_dev, stat.st_ino) != self._identity:
+        if (named.st_dev, named.st_ino) != self._identity:
             raise FileChangedError(None, "another process replaced it (renamed another file over it) while the job "
                                          "ran", self.path)
-        if stat.st_size != self.size:
-            raise FileChangedError(None, f"another process changed its length while the job ran ({stat.st_size} "
+        # The length through our own descriptor: the file we write, not a name's possibly cached attributes.
+        size = os.fstat(self._file.fileno()).st_size
+        if size != self.size:
+            raise FileChangedError(None, f"another process changed its length while the job ran ({size} "
                                          f"bytes, where the job had written {self.size})", self.path)
 
     def close(self) -> None:
