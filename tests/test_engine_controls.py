@@ -369,6 +369,10 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
         engine.collective_rpc("reload_weights", args=5)
     with pytest.raises(ValueError, match=r"kwargs=\[1\] is invalid: must be a dict"):
         engine.collective_rpc(lambda worker: 1, kwargs=[1])
+    for timeout in ("x", 0, -1.5, True):  # one rank never waits: a bad timeout would pass unseen until TP > 1
+        with pytest.raises(ValueError, match=rf"timeout={timeout!r} is invalid: must be None or a number of seconds > 0"):
+            engine.collective_rpc(lambda worker: 1, timeout=timeout)
+    assert engine.collective_rpc(lambda worker: 1, timeout=2.5) == [1]
     with pytest.raises(ValueError, match=r"apply_model\(func=5\) is invalid: must be a function"):
         engine.apply_model(5)
     with pytest.raises(ZeroDivisionError):  # a function that raises: the caller sees its error, the engine runs on

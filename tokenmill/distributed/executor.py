@@ -111,6 +111,9 @@ class Executor:
             raise ValueError(f"collective_rpc: args={args!r:.100} is invalid: must be a tuple of positional arguments")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"collective_rpc: kwargs={kwargs!r:.100} is invalid: must be a dict of keyword arguments or None")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            # Checked here, not where the wait uses it: a one-rank engine never waits, and would ignore it.
+            raise ValueError(f"collective_rpc: timeout={timeout!r:.100} is invalid: must be None or a number of seconds > 0")
         args, kwargs = tuple(args), dict(kwargs or {})
         if isinstance(method, str):
             if not callable(getattr(self.driver, method, None)) or method.startswith("_"):
