@@ -43,3 +43,28 @@ def test_completion_text_is_what_the_tokens_add_to_the_prompt(tokenizer):
     for name, (prompt, out) in cases.items():
         assert stream_text(tokenizer, prompt, out) == added_text(tokenizer, prompt, out), name
     assert stream_text(tokenizer, cafe[:split], cafe[split:]).startswith("é")  # completed across the boundary
+
+
+def stop_after_min_tokens(tokenizer, text: str, stop: list[str], min_tokens: int) -> tuple[str, str | None]:
+    """The stream of ``text``'s tokens with stop strings counted only past the first ``min_tokens``
+    tokens (the scheduler's check_stop passes num_out > min_tokens)."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=stop, include_stop_str_in_output=False)
+    for num_out, token in enumerate(tokenizer.encode(text, add_special_tokens=False), start=1):
+        found = detok.add_token(token, check_stop=num_out > min_tokens)
+        if found is not None:
+            return detok.text, found
+    return detok.text, None
+
+
+def test_a_stop_string_wholly_below_min_tokens_does_not_count(tokenizer):
+    """vLLM (check_stop_strings, its tests/detokenizer/test_min_tokens.py): text made by the first
+    min_tokens tokens is not searched; a stop string counts only where it ends in later text. Each
+    stop string is searched from its own length back, so a short one ("c") lying wholly in the
+    unchecked text is not found because a longer one ("xyz") is also given."""
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("abcdefgh", add_special_tokens=False)) == list("abcdefgh")
+    assert stop_after_min_tokens(tokenizer, "abcdefgh", ["c"], 3) == ("abcdefgh", None)
+    assert stop_after_min_tokens(tokenizer, "abcdefgh", ["c", "xyz"], 3) == ("abcdefgh", None)
+    assert stop_after_min_tokens(tokenizer, "abcdefgh", ["xyz", "bc"], 3) == ("abcdefgh", None)
+    # A stop string that starts in the unchecked text and ends past it counts.
+    assert stop_after_min_tokens(tokenizer, "abcdefgh", ["cd", "xyz"], 3) == ("ab", "cd")
+    assert stop_after_min_tokens(tokenizer, "abcdefgh", ["c", "xyz"], 2) == ("ab", "c")

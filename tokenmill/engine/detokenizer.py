@@ -93,11 +93,11 @@ class IncrementalDetokenizer:
             self._last_added = content is not None
         if not chunk:
             return None
-        searched_from = max(0, len(self.text) - self._max_stop_len + 1)
+        old_len = len(self.text)
         self.text += chunk
         if not self._stop or not check_stop:
             return None
-        return self._cut_at_stop(searched_from)
+        return self._cut_at_stop(old_len)
 
     def _restart(self, exc: Exception, token_id: int) -> str | None:
         """A fresh stream from ``token_id`` on, as vLLM 0.26 recovers (its issue 17448). A byte-fallback
@@ -119,10 +119,14 @@ class IncrementalDetokenizer:
             return self.text
         return self.text[: max(0, len(self.text) - self._max_stop_len + 1)]
 
-    def _cut_at_stop(self, start: int) -> str | None:
+    def _cut_at_stop(self, old_len: int) -> str | None:
+        """Cut at the stop string that starts earliest among those ending in the new chunk (the text
+        past ``old_len``). Each stop string is searched from its own length back (vLLM's check_stop_strings), not the
+        longest one's: text below min_tokens was never checked, and a short stop string lying wholly
+        in it (before the new chunk) must not count, as in vLLM."""
         best: tuple[int, str] | None = None
         for stop in self._stop:
-            at = self.text.find(stop, start)
+            at = self.text.find(stop, max(0, old_len - len(stop) + 1))
             if at != -1 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:
