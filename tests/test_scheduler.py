@@ -269,6 +269,10 @@ def test_finished_and_preempted_ids_reach_the_next_plan_once():
     [
         (EOS, {}, 4, ("stop", None)),  # the model's eos: no stop_reason (vLLM)
         (5, {"stop_token_ids": [5]}, 4, ("stop", 5)),
+        # vLLM's check_stop tests the tokenizer's eos first: listed in stop_token_ids too, no stop_reason;
+        # with ignore_eos only the listing ends it, with the id as stop_reason.
+        (EOS, {"stop_token_ids": [EOS, 5]}, 4, ("stop", None)),
+        (EOS, {"stop_token_ids": [EOS], "ignore_eos": True}, 4, ("stop", EOS)),
         (EOS, {"min_tokens": 3}, 4, (None, None)),  # too early to stop
         (EOS, {"ignore_eos": True}, 4, (None, None)),
         (9, {"max_tokens": 2}, 4, ("length", None)),

@@ -78,7 +78,9 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None
         seq.finish_reason, seq.stop_reason = "stop", stop_string
     elif stop_id:
         seq.finish_reason = "stop"
-        seq.stop_reason = None if token in eos_token_ids and token not in params.stop_token_ids else token
+        # vLLM tests the tokenizer's eos before stop_token_ids: eos ends with no stop_reason even when
+        # listed there too, unless ignore_eos leaves only the listing to end it.
+        seq.stop_reason = None if token in eos_token_ids and not params.ignore_eos else token
     elif num_out >= seq.request.max_output_tokens:
         seq.finish_reason = "length"
     elif num_out >= params.min_tokens and params.repetition_detection is not None:  # one attribute read for everyone else
