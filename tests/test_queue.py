@@ -78,7 +78,7 @@ def test_enqueue_chat_takes_vllms_positional_order(llm):
     templated = llm.generate(["hello there and more"], GREEDY, use_tqdm=False)
     assert token_ids(llm.wait_for_completion(use_tqdm=False)) == token_ids(templated)
     assert len(ids) == 1
-    with pytest.raises(ValueError, match="priority must be a list of 1 integers"):
+    with pytest.raises(ValueError, match="priority must be an integer or a list of 1 integers"):
         llm.enqueue_chat([conversation], GREEDY, priority=[1, 2])
 
 

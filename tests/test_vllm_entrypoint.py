@@ -43,10 +43,15 @@ def test_priority_and_lora_request_as_vllm_checks_them(llm):
     assert len(llm.generate(PROMPTS, None, use_tqdm=False, priority=None, lora_request=None)) == len(PROMPTS)
     assert len(llm.generate(PROMPTS, None, use_tqdm=False, priority=[0] * len(PROMPTS))) == len(PROMPTS)
     assert len(llm.generate(PROMPTS[0], None, use_tqdm=False, priority=[0])) == 1  # one text prompt is one request
-    for wrong in ([0] * (len(PROMPTS) - 1), [], [0.5] * len(PROMPTS)):
-        with pytest.raises(ValueError, match=f"priority must be a list of {len(PROMPTS)} integers"):
+    # One int is every prompt's priority (vLLM's test_multiple_priority / test_single_prompt_priority).
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=1)) == len(PROMPTS)
+    assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, priority=1)) == 1
+    for wrong in ([0] * (len(PROMPTS) - 1), [], [0.5] * len(PROMPTS), True, "1"):
+        with pytest.raises(ValueError, match=f"priority must be an integer or a list of {len(PROMPTS)} integers"):
             llm.generate(PROMPTS, None, use_tqdm=False, priority=wrong)
     assert len(llm.enqueue(PROMPTS, GREEDY, lora_request=None, priority=[3] * len(PROMPTS))) == len(PROMPTS)
+    assert len(llm.wait_for_completion(use_tqdm=False)) == len(PROMPTS)
+    assert len(llm.enqueue(PROMPTS, GREEDY, priority=2)) == len(PROMPTS)
     assert len(llm.wait_for_completion(use_tqdm=False)) == len(PROMPTS)
 
 
@@ -267,7 +272,7 @@ def test_generate_keywords_of_vllm(llm):
                        priority=[0])[0]
     assert out.prompt_token_ids == tokenizer(text, truncation=True, max_length=3)["input_ids"]
     assert len(out.prompt_token_ids) == 3
-    with pytest.raises(ValueError, match="priority must be a list of 2 integers"):
+    with pytest.raises(ValueError, match="priority must be an integer or a list of 2 integers"):
         llm.generate([text, text], GREEDY, use_tqdm=False, priority=[1])
     with pytest.raises(ValueError, match="lora_request=.* needs an engine started with enable_lora=True"):
         llm.generate([text], GREEDY, use_tqdm=False, lora_request=object())

@@ -81,6 +81,19 @@ def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
     return values
 
 
+def priority_per_prompt(priority: int | Sequence[int] | None, count: int) -> list[int] | None:
+    """vLLM's ``priority``: None, one int for every prompt, or a list of exactly one int per prompt."""
+    if priority is None:
+        return None
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        return [priority] * count
+    if (not isinstance(priority, (list, tuple)) or len(priority) != count
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)):
+        raise ValueError(f"priority must be an integer or a list of {count} integers, one per prompt; "
+                         f"got {priority!r:.100}")
+    return list(priority)
+
+
 def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> ProcessedPrompt:
     """Accepts vLLM's prompt forms: "text", [token ids], {"prompt": "text"}, {"prompt_token_ids": [...]}."""
     where = f"prompts[{index}]" if index is not None else "prompt"

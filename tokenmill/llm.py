@@ -18,8 +18,8 @@ from tokenmill.engine_factory import create_engine
 from tokenmill.gc_policy import collections_paused, young_collections_only
 from tokenmill.generation_defaults import default_sampling_params
 from tokenmill.inputs import (
-    PromptType, check_prompts_iterable, is_one_prompt, load_chat_template, one_per_prompt, prompt_list, render_chat_prompts,
-    tokenize_prompts,
+    PromptType, check_prompts_iterable, is_one_prompt, load_chat_template, one_per_prompt, priority_per_prompt, prompt_list,
+    render_chat_prompts, tokenize_prompts,
 )
 from tokenmill.llm_controls import EngineControlMethods
 from tokenmill.pooling.llm_methods import PoolingMethods
@@ -90,7 +90,7 @@ class LLM(PoolingMethods, EngineControlMethods):
         use_tqdm: ProgressOption = True,
         *,
         lora_request: Any = None,
-        priority: list[int] | None = None,
+        priority: int | list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
@@ -98,9 +98,9 @@ class LLM(PoolingMethods, EngineControlMethods):
 
         vLLM's keywords: ``lora_request``: a `LoRARequest` for every prompt, or one (or None) per
         prompt (needs ``LLM(enable_lora=True)``); ``tokenization_kwargs`` go to the tokenizer for
-        text prompts; ``priority`` (one int per prompt, lower first) orders the requests under
-        ``LLM(scheduling_policy="priority")`` and, as in vLLM under first-come-first-served
-        scheduling, has no effect otherwise; ``mm_processor_kwargs`` must be None (text only).
+        text prompts; ``priority`` (one int per prompt, or one for every prompt; lower first) orders
+        the requests under ``LLM(scheduling_policy="priority")`` and, as in vLLM under
+        first-come-first-served scheduling, has no effect otherwise; ``mm_processor_kwargs`` must be None (text only).
         """
         self._refuse_pooling_model("generate")
         prompts = self._prepared(prompt_list(prompts), priority, tokenization_kwargs, mm_processor_kwargs)
@@ -174,7 +174,7 @@ class LLM(PoolingMethods, EngineControlMethods):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: Any = None,
-        priority: list[int] | None = None,
+        priority: int | list[int] | None = None,
         use_tqdm: ProgressOption = True,
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
@@ -192,7 +192,7 @@ class LLM(PoolingMethods, EngineControlMethods):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: ProgressOption = True,
         lora_request: Any = None,
-        priority: list[int] | None = None,
+        priority: int | list[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -327,17 +327,13 @@ class LLM(PoolingMethods, EngineControlMethods):
             return [{"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)} for ids in rendered]
 
     def _prepared(
-        self, prompts: list[PromptType], priority: list[int] | None,
+        self, prompts: list[PromptType], priority: int | list[int] | None,
         tokenization_kwargs: dict[str, Any] | None, mm_processor_kwargs: dict[str, Any] | None,
     ) -> list[PromptType]:
         """Check vLLM's per-call keywords and apply ``tokenization_kwargs`` to text prompts."""
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs is not supported: tokenmill serves text-only models")
-        if priority is not None and (
-            not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)
-            or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)
-        ):
-            raise ValueError(f"priority must be a list of {len(prompts)} integers, one per prompt; got {priority!r:.100}")
+        priority_per_prompt(priority, len(prompts))  # checked before any prompt is tokenized
         tokenizer = self.get_tokenizer()
         if tokenization_kwargs or tokenizer is not None:  # all text prompts in one tokenizer call
             with collections_paused():  # before _run's young collections: a call's prompts in bulk
@@ -354,16 +350,17 @@ class LLM(PoolingMethods, EngineControlMethods):
     def _submit(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, adapters: Sequence[Any] | None = None,
-        priorities: Sequence[int] | None = None, first_index: int = 0,
+        priorities: int | Sequence[int] | None = None, first_index: int = 0,
     ) -> list[str]:
         """Add every request to the engine, or none: one invalid prompt rejects the whole call.
-        ``adapters``: each prompt's LoRARequest or None; ``priorities``: each prompt's priority;
+        ``adapters``: each prompt's LoRARequest or None; ``priorities``: each prompt's priority, or one for all;
         ``first_index``: the first prompt's index in the caller's list (errors name ``prompts[i]``).
 
         Like vLLM's LLM, the batch methods collect final outputs only, whatever output_kind says.
         """
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in prompts]
+        per_prompt = priority_per_prompt(priorities, len(prompts))  # one int stands for every prompt
         # One copy of each distinct params object (most calls pass one for every prompt), checked
         # once: the engine never changes a request's params in place, so the requests may share it.
         copies: dict[int, SamplingParams] = {}
@@ -375,7 +372,7 @@ class LLM(PoolingMethods, EngineControlMethods):
                         made = copies[id(sp)] = for_call(sp, kind, f"prompts[{first_index + index}]")
                     sp = made
                 lora = adapters[index] if adapters is not None else None
-                priority = priorities[index] if priorities is not None else 0
+                priority = per_prompt[index] if per_prompt is not None else 0
                 engine.add_request(request_id, prompt, sp, lora_request=lora, priority=priority, index=first_index + index)
         except Exception:
             engine.abort_request(ids)
@@ -384,7 +381,7 @@ class LLM(PoolingMethods, EngineControlMethods):
 
     def _run(
         self, prompts: Sequence[PromptType], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
-        use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None, priorities: Sequence[int] | None = None,
+        use_tqdm: ProgressOption, adapters: Sequence[Any] | None = None, priorities: int | Sequence[int] | None = None,
         first_index: int = 0,
     ) -> list[Any]:
         # Young collections only, at step boundaries, for the whole call (intake included): its
