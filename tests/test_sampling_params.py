@@ -100,6 +100,11 @@ def test_greedy_normalises_filters():
 
 def test_from_optional_rejects_unknown_fields():
     assert SamplingParams.from_optional(max_tokens=5, seed=None).max_tokens == 5
+    # As vLLM's from_optional: None is the default for the other fields, but max_tokens=None is no cap
+    # (up to max_model_len), not the default 16.
+    given = SamplingParams.from_optional(n=None, temperature=None, top_p=None, max_tokens=None)
+    assert (given.n, given.temperature, given.top_p, given.max_tokens) == (1, 1.0, 1.0, None)
+    assert SamplingParams.from_optional().max_tokens == 16
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_optional(max_token=5)
 

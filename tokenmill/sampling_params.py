@@ -388,12 +388,13 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> "SamplingParams":
-        """Build from keyword arguments, dropping the ones that are None (e.g. from a CLI or JSON row)."""
+        """Build from keyword arguments, dropping the ones that are None (e.g. from a CLI or JSON row),
+        except ``max_tokens``: as in vLLM's from_optional, None there means no cap (up to max_model_len)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known - ENGINE_FILLED_FIELDS)}")
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
 
 
 # The fields a user sets (the engine's own and output_kind, which LLM's calls set on a copy, left out).
