@@ -166,6 +166,18 @@ def test_token_classify(bert_classifier_llm, tiny_bert_classifier_dir):
     assert torch.allclose(raw[0].outputs.data, logits, atol=1e-4)
 
 
+def test_reward_is_token_classify(bert_classifier_llm, bert_embedder_llm):
+    """vLLM's LLM.reward (tests/entrypoints/llm/test_reward.py): encode(pooling_task="token_classify"),
+    the activation on by default and off with use_activation=False (softmax=False, its older name)."""
+    expected = bert_classifier_llm.encode(PROMPT, pooling_task="token_classify", use_tqdm=False)[0].outputs.data
+    (out,) = bert_classifier_llm.reward([PROMPT], use_tqdm=False)
+    assert isinstance(out, PoolingRequestOutput) and torch.allclose(out.outputs.data, expected)
+    raw = bert_classifier_llm.reward(PROMPT, pooling_params=PoolingParams(softmax=False), use_tqdm=False)[0].outputs.data
+    assert torch.allclose(raw.softmax(-1), expected, atol=1e-5) and not torch.allclose(raw, expected, atol=1e-2)
+    with pytest.raises(ValueError, match="token_classify"):
+        bert_embedder_llm.reward(PROMPT, use_tqdm=False)
+
+
 def test_pooler_config_task_token_classify(tiny_bert_classifier_dir):
     llm = LLM(str(tiny_bert_classifier_dir), pooler_config=PoolerConfig(task="token_classify"), **ENGINE)
     ids = _ids(tiny_bert_classifier_dir, PROMPT)

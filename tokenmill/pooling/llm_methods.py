@@ -164,6 +164,23 @@ class PoolingMethods:
                           tokenization_kwargs, ClassificationRequestOutput.from_base)
 
     @_gc_paused
+    def reward(
+        self,
+        prompts: "PromptType | Sequence[PromptType]",
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: ProgressOption = True,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.reward: `encode` with ``pooling_task="token_classify"`` (the head's scores on every
+        token). Process reward models' STEP pooling is not implemented."""
+        self._pooling_engine("reward")
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, "token_classify",
+                          tokenization_kwargs)
+
+    @_gc_paused
     def score(
         self,
         data_1: "PromptType | Sequence[PromptType]",
