@@ -422,6 +422,8 @@ def test_model_config_is_the_engines(llm):
     """vLLM's LLM.model_config (its scripts read max_model_len from it)."""
     assert llm.model_config is llm.llm_engine.model_config
     assert llm.model_config.max_model_len == llm.llm_engine.config.max_model_len
+    # vLLM's test_all_logprobs sizes logprobs=-1 with model_config.get_vocab_size().
+    assert llm.llm_engine.model_config.get_vocab_size() == 289
 
 
 def test_outputs_take_vllms_positional_order():

@@ -299,6 +299,10 @@ class EngineConfig:
     logits_processors: tuple[type, ...] = ()
     lora: "LoRAConfig | None" = None  # LLM(enable_lora=True): adapters per request (tokenmill/lora/)
 
+    def get_vocab_size(self) -> int:
+        """vLLM's ModelConfig.get_vocab_size(): scripts size logprobs=-1 or token-id checks with it."""
+        return self.vocab_size
+
 
 def resolve_device(device: str) -> "torch.device":
     import torch
