@@ -273,6 +273,9 @@ def test_logits_processors_in_both_vllm_forms(llm, hf, prompts):
     [
         (dict(logit_bias={10**7: 1.0}), "logit_bias"),
         (dict(allowed_token_ids=[3, 10**7]), "allowed_token_ids"),
+        # vLLM refuses stop ids outside the vocabulary too; with min_tokens (which masks them) the step failed.
+        (dict(stop_token_ids=[3, 10**7]), "stop_token_ids"),
+        (dict(stop_token_ids=[10**7], min_tokens=2), "stop_token_ids"),
     ],
 )
 def test_logit_controls_outside_the_vocabulary_are_refused(llm, prompts, controls, field):

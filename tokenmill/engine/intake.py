@@ -152,15 +152,17 @@ class Intake:
             raise ValueError(f"{where}: {exc}") from exc
 
     def _with_logit_controls(self, params: SamplingParams, where: str) -> SamplingParams:
-        """Check token ids (logit controls, logprob_token_ids) against the vocabulary and tokenize
-        bad_words (vLLM: each word as is and with a leading space, since both spellings occur mid-text)."""
+        """Check token ids (logit controls, logprob_token_ids, stop_token_ids: min_tokens masks those in
+        the logits) against the vocabulary, as vLLM does, and tokenize bad_words (vLLM: each word as is
+        and with a leading space, since both spellings occur mid-text)."""
         vocab = self.config.vocab_size
         # vLLM bounds allowed_token_ids by the tokenizer: a model's ids past it (an lm_head padded to a
         # round size) have no text, and allowing only those would generate nothing but them.
         allowed = min(vocab, len(self.tokenizer)) if params.allowed_token_ids and self.tokenizer is not None else vocab
         for name, ids, limit in (("logit_bias", list(params.logit_bias or {}), vocab),
                                  ("allowed_token_ids", params.allowed_token_ids or [], allowed),
-                                 ("logprob_token_ids", params.logprob_token_ids or [], vocab)):
+                                 ("logprob_token_ids", params.logprob_token_ids or [], vocab),
+                                 ("stop_token_ids", params.stop_token_ids, vocab)):
             bad = [t for t in ids if not 0 <= t < limit]
             if bad:
                 what = "the vocabulary" if limit == vocab else "the tokenizer's vocabulary"
