@@ -207,6 +207,22 @@ def test_plan_replicas_splits_cores_and_gpus(monkeypatch):
         plan_replicas({"device": "cpu"}, 0)
 
 
+class _NoJournal:
+    """The journal a ReplicaPool asks for at a replica's start: nothing done yet."""
+
+    def done_bitmap(self) -> bytes:
+        return b""
+
+
+class _NoProgress:
+    """A ReplicaPool's progress line, drawing nothing."""
+
+    rows: dict = {}
+
+    def maybe_draw(self) -> None:
+        pass
+
+
 def test_a_stop_while_replicas_load_their_models_stops_them_at_once(tmp_path, monkeypatch):
     """A replica that has not said Ready has run no row, so a stop request ends it at once instead of
     waiting for a model load that can take minutes (before, the pool waited for every load)."""
@@ -229,21 +245,11 @@ def test_a_stop_while_replicas_load_their_models_stops_them_at_once(tmp_path, mo
         started.append(proc)
         return proc, Connection(mine.detach())
 
-    class Journal:
-        def done_bitmap(self) -> bytes:
-            return b""
-
-    class Progress:
-        rows: dict = {}
-
-        def maybe_draw(self) -> None:
-            pass
-
     monkeypatch.setattr(replicas_module, "start_module", loading_forever)
     config = JobConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out.jsonl"), replicas=2,
                        engine={"device": "cpu"})
     polls = []
-    pool = replicas_module.ReplicaPool(config, Journal(), Progress(), "jsonl", "generic", "key",
+    pool = replicas_module.ReplicaPool(config, _NoJournal(), _NoProgress(), "jsonl", "generic", "key",
                                        should_stop=lambda: bool(polls.append(1)) or len(polls) > 1)
     result = []
     runner = threading.Thread(target=lambda: result.append(pool.run()), daemon=True)
@@ -285,22 +291,12 @@ def test_replicas_killed_by_the_stop_signal_are_not_replaced(tmp_path, monkeypat
         started.append(proc)
         return proc, Connection(mine.detach())
 
-    class Journal:
-        def done_bitmap(self) -> bytes:
-            return b""
-
-    class Progress:
-        rows: dict = {}
-
-        def maybe_draw(self) -> None:
-            pass
-
     monkeypatch.setattr(replicas_module, "start_module", running)
     monkeypatch.setattr(replicas_module, "send", lambda conn, message: None)  # no replica reads its set-up here
     config = JobConfig(input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out.jsonl"), replicas=2,
                        engine={"device": "cpu"})
     stop = []
-    pool = replicas_module.ReplicaPool(config, Journal(), Progress(), "jsonl", "generic", "key",
+    pool = replicas_module.ReplicaPool(config, _NoJournal(), _NoProgress(), "jsonl", "generic", "key",
                                        should_stop=lambda: bool(stop))
     result = []
     runner = threading.Thread(target=lambda: result.append(pool.run()), daemon=True)
