@@ -12,13 +12,16 @@ by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 # Part types that carry text, and the key holding it (vLLM's text-like parts).
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+# Parts vLLM leaves out when their text is missing or null, rather than refusing them.
+_SKIPPED_WITHOUT_TEXT = ("text", "refusal")
 
 
 def resolve_content_format(content_format: str, template: str) -> str:
@@ -47,7 +50,9 @@ def template_loops_over_content(template: str) -> bool:
     for assign in tree.find_all(nodes.Assign):
         if isinstance(assign.target, nodes.Name) and _reads_content(assign.node, holders):
             holders.add(assign.target.name)
-    return any(_reads_content(loop.iter, holders) for loop in tree.find_all(nodes.For))
+    # A loop over a variable named ``content`` counts too (a macro's argument, as in Qwen3.5's
+    # template): vLLM's detection counts it since vllm-project/vllm#42660.
+    return any(_reads_content(loop.iter, holders | {"content"}) for loop in tree.find_all(nodes.For))
 
 
 def _reads_content(node: Any, holders: set[str]) -> bool:
@@ -64,49 +69,86 @@ def _reads_content(node: Any, holders: set[str]) -> bool:
 
 def formatted_messages(messages: list[dict], content_format: str, where: str) -> list[dict]:
     """Copies of the messages as a chat template expects them, as vLLM prepares them: list contents in
-    ``content_format`` ("string" or "openai"), a null or missing content empty ("" or []), and an
-    assistant's tool-call arguments given as a JSON string (the OpenAI form) parsed to the object
-    that tool-use templates render. Messages needing none of it are passed through."""
+    ``content_format`` ("string" or "openai"), a null or missing content empty ("" or []), a tool's
+    result always a string (tool turns' templates print it), and an assistant's tool calls as
+    tool-use templates render them (`_tool_calls`). Messages needing none of it are passed through."""
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
+        # vLLM hands a tool's result to the template as a string whatever the format (its text parts
+        # joined): clients send results as parts, and most templates print a tool's content.
+        parts = content_format == "openai" and message.get("role") != "tool"
         if content is None:
-            message = {**message, "content": "" if content_format == "string" else []}
-        elif content_format == "openai" and isinstance(content, str):
+            message = {**message, "content": [] if parts else ""}
+        elif parts and isinstance(content, str):
             message = {**message, "content": [{"type": "text", "text": content}]}
         elif isinstance(content, list):
             texts = [_part_text(part, f"{where}[{i}].content[{j}]") for j, part in enumerate(content)]
-            joined: Any = "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
+            texts = [t for t in texts if t is not None]
+            if content_format == "string":
+                texts = [t for t in texts if t]  # as vLLM joins them: an empty text adds no blank line
+            joined: Any = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
             message = {**message, "content": joined}
         if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
-            message = {**message, "tool_calls": [_tool_call(call, f"{where}[{i}].tool_calls[{j}]")
-                                                 for j, call in enumerate(message["tool_calls"])]}
+            message = _tool_calls(message)
         out.append(message)
     return out
 
 
-def _tool_call(call: Any, where: str) -> Any:
-    """A tool call whose ``function.arguments`` is a JSON string (or empty) with them as an object."""
+def developer_as_system(messages: list[dict], template: str) -> list[dict]:
+    """The conversation with its "developer" messages (OpenAI's newer name for the system prompt) as
+    vLLM renders them for a template that never names that role: as system messages, all of them
+    merged into one first message (templates take a system prompt first, some raise on a later one).
+    Contents are formatted already; a merged one is a string, its parts' texts joined by newlines."""
+    if not any(m.get("role") == "developer" for m in messages) or _names_developer(template):
+        return messages
+    converted = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer" else m
+                 for m in messages]
+    systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
+    if systems == [0]:
+        return converted
+    texts = [_joined_text(converted[i].get("content")) for i in systems]
+    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
+    return [merged, *(m for m in converted if m.get("role") != "system")]
+
+
+@functools.lru_cache(maxsize=16)
+def _names_developer(template: str) -> bool:
+    return '"developer"' in template or "'developer'" in template
+
+
+def _joined_text(content: Any) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    return "\n".join(p if isinstance(p, str) else p["text"] for p in content if isinstance(p, str) or "text" in p)
+
+
+def _tool_calls(message: dict) -> dict:
+    """An assistant message with its tool calls as vLLM hands them to the template: an empty list
+    left out (Llama 3.1's template tests ``'tool_calls' in message`` and raises on none), each call's
+    ``function.arguments`` given as a JSON string (the OpenAI form) parsed to the object templates
+    render, and arguments that are no JSON object (a model's malformed call, replayed) as ``{}``."""
+    if not message["tool_calls"]:
+        return {key: value for key, value in message.items() if key != "tool_calls"}
+    return {**message, "tool_calls": [_tool_call(call) for call in message["tool_calls"]]}
+
+
+def _tool_call(call: Any) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
     arguments = function.get("arguments")
     if isinstance(arguments, (dict, list)):
         return call
-    if arguments in (None, ""):
-        parsed: Any = {}
-    elif isinstance(arguments, str):
-        try:
+    parsed: Any = {}
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # vLLM renders unparsable arguments as {}, not an error
             parsed = json.loads(arguments)
-        except ValueError as e:
-            raise ValueError(f"{where}.function.arguments must be JSON (the OpenAI form) or an object: {e}; "
-                             f"got {arguments[:60]!r}") from None
-    else:
-        raise ValueError(f"{where}.function.arguments must be a JSON string or an object, got {type(arguments).__name__}")
     return {**call, "function": {**function, "arguments": parsed}}
 
 
-def _part_text(part: Any, where: str) -> str:
+def _part_text(part: Any, where: str) -> str | None:
+    """A part's text; None for a text or refusal part without one (vLLM leaves those out)."""
     if isinstance(part, str):
         return part
     if not isinstance(part, dict):
@@ -117,6 +159,8 @@ def _part_text(part: Any, where: str) -> str:
         raise ValueError(f"{where} has type {kind!r}: tokenmill serves text-only models, so a message part must be "
                          f"one of {sorted(_TEXT_PARTS)}")
     text = part.get(key)
+    if text is None and kind in _SKIPPED_WITHOUT_TEXT:
+        return None
     if not isinstance(text, str):
         raise ValueError(f"{where}.{key} must be a string, got {type(text).__name__}")
     return text
