@@ -431,10 +431,10 @@ def test_a_conversation_error_names_the_line_a_person_finds(tmp_path, llm):
     path.write_text("\n" + "\n".join(json.dumps(r) for r in [
         {"prompt": TEXTS[0]},
         {"messages": [{"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+                      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
         {"messages": [{"role": "user", "content": None}]}]) + "\n")
     summary = job(tmp_path, llm, path, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
     records = by_row(read_jsonl(tmp_path / "out.jsonl"))
     assert summary.failed == 1
-    assert "line 3 messages[1].content[0] has type 'image_url'" in records[(1, None)]["error"]
+    assert "line 3 messages[1].tool_calls[0].function.arguments must be JSON" in records[(1, None)]["error"]
     assert records[(2, 0)]["error"] is None

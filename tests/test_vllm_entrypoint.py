@@ -220,11 +220,10 @@ def test_tool_call_histories_reach_the_template_as_vllm_prepares_them(llm):
     ids = render_chat_prompt(tokenizer, messages, chat_template=TOOL_TEMPLATE)
     assert ids == tokenizer.encode(_rendered_by_jinja(TOOL_TEMPLATE, prepared, tokenizer.bos_token), add_special_tokens=False)
     assert messages[1]["content"] is None and isinstance(messages[1]["tool_calls"][0]["function"]["arguments"], str)  # not mutated
-    # Arguments that are no JSON (a model's malformed call, replayed) render as {}, as vLLM renders them.
     bad = [messages[0], {"role": "assistant", "content": None,
                          "tool_calls": [{"function": {"name": "get", "arguments": "{city: Paris"}}]}]
-    assert tokenizer.decode(render_chat_prompt(tokenizer, bad, chat_template=TOOL_TEMPLATE)).endswith(
-        "<call>get {}</call><|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match=r"messages\[0\]\[1\].tool_calls\[0\].function.arguments must be JSON"):
+        llm.chat(bad, GREEDY, use_tqdm=False, chat_template=TOOL_TEMPLATE)
     assert llm.chat([{"role": "user", "content": None}], GREEDY, use_tqdm=False, chat_template=TOOL_TEMPLATE)[0].outputs
 
 

@@ -12,7 +12,6 @@ by name.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from typing import Any
@@ -90,60 +89,41 @@ def formatted_messages(messages: list[dict], content_format: str, where: str) ->
             joined: Any = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
             message = {**message, "content": joined}
         if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
-            message = _tool_calls(message)
+            message = _tool_calls(message, f"{where}[{i}]")
         out.append(message)
     return out
 
 
-def developer_as_system(messages: list[dict], template: str) -> list[dict]:
-    """The conversation with its "developer" messages (OpenAI's newer name for the system prompt) as
-    vLLM renders them for a template that never names that role: as system messages, all of them
-    merged into one first message (templates take a system prompt first, some raise on a later one).
-    Contents are formatted already; a merged one is a string, its parts' texts joined by newlines."""
-    if not any(m.get("role") == "developer" for m in messages) or _names_developer(template):
-        return messages
-    converted = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer" else m
-                 for m in messages]
-    systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
-    if systems == [0]:
-        return converted
-    texts = [_joined_text(converted[i].get("content")) for i in systems]
-    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
-    return [merged, *(m for m in converted if m.get("role") != "system")]
-
-
-@functools.lru_cache(maxsize=16)
-def _names_developer(template: str) -> bool:
-    return '"developer"' in template or "'developer'" in template
-
-
-def _joined_text(content: Any) -> str:
-    if not isinstance(content, list):
-        return content or ""
-    return "\n".join(p if isinstance(p, str) else p["text"] for p in content if isinstance(p, str) or "text" in p)
-
-
-def _tool_calls(message: dict) -> dict:
+def _tool_calls(message: dict, where: str) -> dict:
     """An assistant message with its tool calls as vLLM hands them to the template: an empty list
-    left out (Llama 3.1's template tests ``'tool_calls' in message`` and raises on none), each call's
-    ``function.arguments`` given as a JSON string (the OpenAI form) parsed to the object templates
-    render, and arguments that are no JSON object (a model's malformed call, replayed) as ``{}``."""
+    left out (Llama 3.1's template tests ``'tool_calls' in message`` and raises on none), and each
+    call's ``function.arguments`` given as a JSON string (the OpenAI form) parsed to the object
+    templates render."""
     if not message["tool_calls"]:
         return {key: value for key, value in message.items() if key != "tool_calls"}
-    return {**message, "tool_calls": [_tool_call(call) for call in message["tool_calls"]]}
+    return {**message, "tool_calls": [_tool_call(call, f"{where}.tool_calls[{j}]")
+                                      for j, call in enumerate(message["tool_calls"])]}
 
 
-def _tool_call(call: Any) -> Any:
+def _tool_call(call: Any, where: str) -> Any:
+    """A tool call whose ``function.arguments`` is a JSON string (or empty) with them as an object.
+    Arguments that are no JSON are refused by name (vLLM's json.loads fails on them too)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
     arguments = function.get("arguments")
     if isinstance(arguments, (dict, list)):
         return call
-    parsed: Any = {}
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # vLLM renders unparsable arguments as {}, not an error
+    if arguments in (None, ""):
+        parsed: Any = {}
+    elif isinstance(arguments, str):
+        try:
             parsed = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(f"{where}.function.arguments must be JSON (the OpenAI form) or an object: {e}; "
+                             f"got {arguments[:60]!r}") from None
+    else:
+        raise ValueError(f"{where}.function.arguments must be a JSON string or an object, got {type(arguments).__name__}")
     return {**call, "function": {**function, "arguments": parsed}}
 
 

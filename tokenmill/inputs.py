@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, Sequence, TypedDict
 
-from tokenmill.chat_content import developer_as_system, formatted_messages, resolve_content_format
+from tokenmill.chat_content import formatted_messages, resolve_content_format
 
 
 class TextPrompt(TypedDict):
@@ -253,7 +253,7 @@ def render_chat_prompts(
     options, template = _chat_options(tokenizer, chat_template, add_generation_prompt, continue_final_message, tools,
                                       chat_template_kwargs)
     fmt = resolve_content_format(content_format, template)
-    checked = [_checked_messages(messages, where, fmt, template) for messages, where in zip(conversations, wheres)]
+    checked = [_checked_messages(messages, where, fmt) for messages, where in zip(conversations, wheres)]
     rendered = _render_in_chunks(tokenizer, checked, options)
     failed = next((i for i, ids in enumerate(rendered) if isinstance(ids, Exception)), None)
     if failed is not None:
@@ -280,7 +280,7 @@ def render_chat_prompts_each(
     checked, places = [], []
     for messages, where in zip(conversations, wheres):
         try:
-            checked.append(_checked_messages(messages, where, fmt, template))
+            checked.append(_checked_messages(messages, where, fmt))
             places.append(len(results))
             results.append([])
         except (ValueError, TypeError) as error:
@@ -345,7 +345,7 @@ def _render_halving(tokenizer: Any, conversations: list[list[dict]], options: di
         return _render_halving(tokenizer, conversations[:half], options) + _render_halving(tokenizer, conversations[half:], options)
 
 
-def _checked_messages(messages: Any, where: str, content_format: str, template: str) -> list[dict]:
+def _checked_messages(messages: Any, where: str, content_format: str) -> list[dict]:
     if isinstance(messages, tuple):  # vLLM takes a tuple of messages as one conversation
         messages = list(messages)
     if not isinstance(messages, list) or not messages:
@@ -356,7 +356,7 @@ def _checked_messages(messages: Any, where: str, content_format: str, template: 
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise ValueError(f"{where}[{i}].content must be a string or a list of parts, got {type(content).__name__}")
-    return developer_as_system(formatted_messages(messages, content_format, where), template)
+    return formatted_messages(messages, content_format, where)
 
 
 def is_token_list(ids: Any) -> bool:
