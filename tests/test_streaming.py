@@ -205,3 +205,19 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, prompts):
 def test_bad_kind_or_truncation_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**{field: value})
+
+
+def test_best_of_is_refused_for_delta_outputs(llm, prompts):
+    """best_of > n returns the n samples of highest cumulative logprob, known only once all have
+    finished; a delta stream would have given index 0 the new tokens of whichever sample led at each
+    step (found by tests/test_engine_differential.py's fuzz). As vLLM V0: best_of must equal n there."""
+    params = SamplingParams(temperature=1.0, seed=3, n=1, best_of=3, max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"best_of=3 .*DELTA"):
+        list(llm.stream(as_inputs(prompts[:1]), params))
+    with pytest.raises(ValueError, match=r"best_of=3 .*DELTA"):
+        llm.llm_engine.add_request("best-of-delta", {"prompt_token_ids": prompts[0]},
+                                   params.clone(output_kind=RequestOutputKind.DELTA))
+    assert not llm.llm_engine.has_unfinished_requests()
+    # best_of == n streams (the samples keep their indexes), and generate is unaffected.
+    llm.generate(as_inputs(prompts[:1]), params, use_tqdm=False)
+    assert sum(1 for _ in llm.stream(as_inputs(prompts[:1]), params.clone(n=2, best_of=2))) > 1

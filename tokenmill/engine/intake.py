@@ -18,7 +18,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, Sequence, max_output_tokens
 from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
 from tokenmill.logprobs import create_prompt_logprobs, create_sample_logprobs
-from tokenmill.sampling_params import BeamSearchParams, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -62,6 +62,11 @@ class Intake:
             params = self._check_logprobs(params, where)
             if params.best_of is not None and params.best_of > params.n:
                 self._refuse_logits_mode(f"best_of={params.best_of}", where)
+                if params.output_kind is RequestOutputKind.DELTA:
+                    # Which n samples it returns is known only once all have finished: a delta
+                    # stream would hand index 0 the new tokens of whichever sample led that step.
+                    raise ValueError(f"{where}: SamplingParams.best_of={params.best_of} with n={params.n} is "
+                                     "refused for output_kind=DELTA (LLM.stream): best_of must equal n there, as in vLLM")
         for processor in self.config.logits_processors:  # vLLM's validate_params, where a class has it
             try:
                 getattr(processor, "validate_params", lambda params: None)(params)
