@@ -151,6 +151,46 @@ def test_refusals_say_what_is_wrong_with_the_constraint(tiny, constraint, reason
     assert "Check failed" not in str(raised.value)
 
 
+@pytest.mark.parametrize("schema, where, what", [
+    ({"type": "number", "multipleOf": 0.5}, "#", "multipleOf"),  # xgrammar enforces it on integers only
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}, "#", "uniqueItems"),
+    ({"type": "array", "contains": {"type": "integer"}}, "#", "contains"),  # xgrammar took [] and refused [1]
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a", "not"),
+    ({"type": "string", "if": {"maxLength": 1}, "then": {"pattern": "^a$"}}, "#", "if"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}, "#", "dependentRequired"),
+    ({"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "#/items", "maxLength"),
+    ({"type": "string", "format": "colour"}, "#", "format"),
+    ({"type": "object", "properties": {"b": {"type": "integer"}}, "propertyNames": {"pattern": "^a"}}, "#", "propertyNames"),
+    ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "maximum": 4}, "#", "maximum"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, "#", "required"),
+], ids=["multipleOf", "uniqueItems", "contains", "not", "if", "dependentRequired", "pattern-and-length", "format",
+        "propertyNames", "ref-sibling", "required-unknown"])
+def test_json_schema_keywords_xgrammar_would_ignore_are_refused(tiny, schema, where, what):
+    """xgrammar compiles these schemas without a word but does not hold outputs to the keyword (the
+    grammar is the one it makes without it), so a "stop" output could break its own schema; as
+    vLLM's xgrammar backend (has_xgrammar_unsupported_json_features), they are refused up front."""
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match=rf"prompts\[0\]: structured_outputs\.json is not supported: at {where}, "
+                                         rf"{what}\b.*xgrammar"):
+        tiny.generate(["x"], bad, use_tqdm=False)
+    assert not tiny.llm_engine.has_unfinished_requests()
+
+
+def test_json_schema_keywords_xgrammar_enforces_still_run(tiny):
+    """Names that look like the refused keywords where they are data, and the forms xgrammar holds to."""
+    schemas = [
+        {"type": "object", "properties": {"not": {"type": "integer"}, "format": {"enum": ["if"]}}, "required": ["not", "format"]},
+        {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 99},
+        {"type": "string", "format": "date"}, {"type": "string", "maxLength": 3},
+        {"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "description": "a number"},
+        {"type": "array", "items": {"type": "boolean"}, "uniqueItems": False, "maxItems": 2},
+    ]
+    for schema in schemas:
+        for out in constrained(tiny, ["a"], StructuredOutputsParams(json=schema), n=2, max_tokens=40):
+            if out.finish_reason == "stop":
+                jsonschema.validate(json.loads(out.text, strict=False), schema)
+
+
 def test_a_dict_from_a_batch_row_becomes_structured_outputs_params():
     params = SamplingParams.from_optional(structured_outputs={"choice": ["a", "b"]})
     assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
