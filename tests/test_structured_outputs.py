@@ -132,8 +132,12 @@ def test_compiled_grammars_are_kept_within_a_bound(tiny):
 def test_a_constraint_that_does_not_compile_names_its_request_and_the_reason(tiny):
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
     good = SamplingParams(max_tokens=4)
-    with pytest.raises(ValueError, match=r"prompts\[1\]: structured_outputs\.regex does not compile: Regex parsing error .*parenthesis"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: structured_outputs\.regex does not compile: Regex parsing error .*parenthesis"
+                                         r".*\(regex='\(unclosed'\)$"):  # the value too: a job's rows each bring their own
         tiny.generate(["fine", "broken"], [good, bad], use_tqdm=False)
+    grammar = SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= "a" | '))
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar does not compile: .*\(grammar='root ::= \"a\" \| '\)$"):
+        tiny.generate(["broken"], grammar, use_tqdm=False)
     assert tiny.generate(["fine"], good, use_tqdm=False)[0].outputs[0].token_ids  # the engine is unharmed
 
 

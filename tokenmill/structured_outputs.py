@@ -154,7 +154,9 @@ class GrammarCache:
                 return self._compile_structural_tag(spec)
             return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)  # an object, as vLLM
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses with the reason
-            raise ValueError(f"structured_outputs.{kind} does not compile: {_reason(exc)}") from exc
+            # The value too (a batch job's rows may each bring their own), cut short: a schema can be long.
+            value = params.json_object if kind == "json_object" else params.choice if kind == "choice" else spec
+            raise ValueError(f"structured_outputs.{kind} does not compile: {_reason(exc)} ({kind}={value!r:.200})") from exc
 
     def _compile_structural_tag(self, spec: str) -> Any:
         try:
