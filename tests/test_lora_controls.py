@@ -130,12 +130,32 @@ def _bad_adapter(case: str, root: Path, base: Path, good: Path) -> tuple[Path, l
             other = AutoModelForCausalLM.from_config(LlamaConfig(**tiny_config_kwargs(hidden_size=48, tie_word_embeddings=False)))
             make_adapter(other, out, seed=27)
         return out, [r"layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj"]
+    if case in CONFIG_CASES:  # adapter_config.json's text replaced, or some of its fields
+        change = CONFIG_CASES[case]
+        if isinstance(change[0], dict):
+            return copy_adapter(good, out, config_changes=change[0]), change[1]
+        copy_adapter(good, out)
+        (out / "adapter_config.json").write_bytes(change[0])
+        return out, change[1]
     raise AssertionError(case)
 
 
+# Case -> (fields replaced, or the file's bytes; patterns the message must hold). Each once escaped the
+# checks as a TypeError / AttributeError / re.error (or ran with use_rslora="false" read as true).
+CONFIG_CASES: dict[str, tuple] = {
+    "config_not_an_object": (b"[]", ["adapter_config.json", "JSON object"]),
+    "config_not_utf8": (b"\xff\xfe{}", ["adapter_config.json", "UTF-8"]),
+    "lora_alpha_null": ({"lora_alpha": None}, ["lora_alpha=None", "number"]),
+    "lora_alpha_text": ({"lora_alpha": "16"}, ["lora_alpha='16'", "number"]),
+    "r_not_an_int": ({"r": 8.5}, [r"r=8\.5", "integer"]),
+    "alpha_pattern_not_a_dict": ({"alpha_pattern": ["q_proj"]}, ["alpha_pattern", "q_proj"]),
+    "alpha_pattern_bad_regex": ({"alpha_pattern": {"q_proj(": 4}}, ["alpha_pattern", r"q_proj\("]),
+    "rank_pattern_bad_value": ({"rank_pattern": {"q_proj": "4"}}, ["rank_pattern", "'4'"]),
+    "use_rslora_text": ({"use_rslora": "false"}, ["use_rslora='false'", "true or false"]),
+}
 BAD_CASES = ["missing_folder", "no_adapter_config", "rank_over_max_lora_rank", "dora", "bias", "modules_to_save",
              "embed_tokens", "lm_head", "embed_tokens_lora_only", "lm_head_lora_only", "one_tensor_misshapen",
-             "other_hidden_size"]
+             "other_hidden_size", *CONFIG_CASES]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

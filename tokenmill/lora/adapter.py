@@ -65,10 +65,7 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
     if not config_file.is_file():
         raise ValueError(f"{where}: no adapter_config.json in lora_path={request.lora_path!r} (a PEFT LoRA folder "
                          "holds adapter_config.json and adapter_model.safetensors; adapters are read from local folders)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: adapter_config.json is not valid JSON ({exc})") from exc
+    config = _read_config(config_file, where)
     _check_config(config, where)
     weights_file = _weights_file(folder, where)
     shapes = _tensor_shapes(weights_file, where)
@@ -123,7 +120,62 @@ def read_adapter(spec: AdapterSpec, dtype: "torch.dtype") -> dict[str, tuple["to
     return out
 
 
+def _read_config(config_file: Path, where: str) -> dict[str, Any]:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:  # a ValueError, but its own message names no file
+        raise ValueError(f"{where}: adapter_config.json is not UTF-8 text ({exc})") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: adapter_config.json is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: adapter_config.json holds a JSON {type(config).__name__}; it must be a JSON object "
+                         "of PEFT LoraConfig fields")
+    return config
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _pattern_problem(value: Any, valid: Any) -> str | None:
+    """What is wrong with a PEFT pattern field (``alpha_pattern``, ``rank_pattern``), None if nothing."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "not an object"
+    for key, item in value.items():
+        try:
+            re.compile(key)
+        except re.error as exc:
+            return f"its key {key!r} is not a regular expression ({exc})"
+        if not valid(item):
+            return f"its value {item!r} for {key!r} is not allowed"
+    return None
+
+
+# The fields that set the update's scaling (lora_alpha / r): checked, since a wrong type would
+# fail a step, or worse run (use_rslora="false" is truthy). Missing fields take PEFT's defaults.
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "r": (_is_rank, "an integer >= 1"),
+    "lora_alpha": (_is_number, "a number"),
+    "use_rslora": (lambda v: v is None or isinstance(v, bool), "true or false"),
+}
+_PATTERNS: dict[str, tuple[Any, str]] = {
+    "alpha_pattern": (_is_number, "an object of module-name regular expressions to numbers"),
+    "rank_pattern": (_is_rank, "an object of module-name regular expressions to integers >= 1"),
+}
+
+
 def _check_config(config: dict[str, Any], where: str) -> None:
+    for key, (valid, allowed) in {**_FIELDS, **_PATTERNS}.items():
+        why = _pattern_problem(config.get(key), valid) if key in _PATTERNS else None
+        if key in config and (why is not None if key in _PATTERNS else not valid(config[key])):
+            raise ValueError(f"{where}: adapter_config.json has {key}={config[key]!r:.200}"
+                             + (f" ({why})" if why else "") + f"; it must be {allowed}")
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise ValueError(f"{where}: peft_type={peft_type!r} is not supported; supported: ['LORA']")
