@@ -130,6 +130,12 @@ def _bad_adapter(case: str, root: Path, base: Path, good: Path) -> tuple[Path, l
             other = AutoModelForCausalLM.from_config(LlamaConfig(**tiny_config_kwargs(hidden_size=48, tie_word_embeddings=False)))
             make_adapter(other, out, seed=27)
         return out, [r"layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj"]
+    if case == "rank_zero":  # was a ZeroDivisionError
+        tensors = adapter_tensors(good)
+        name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        a, b = tensors[name], tensors[name.replace("lora_A", "lora_B")]
+        changes = {name: a[:0], name.replace("lora_A", "lora_B"): b[:, :0]}
+        return copy_adapter(good, out, tensor_changes=changes), [r"layers\.0\.self_attn\.q_proj", r"rank 0\b"]
     if case in CONFIG_CASES:  # adapter_config.json's text replaced, or some of its fields
         change = CONFIG_CASES[case]
         if isinstance(change[0], dict):
@@ -152,10 +158,12 @@ CONFIG_CASES: dict[str, tuple] = {
     "alpha_pattern_bad_regex": ({"alpha_pattern": {"q_proj(": 4}}, ["alpha_pattern", r"q_proj\("]),
     "rank_pattern_bad_value": ({"rank_pattern": {"q_proj": "4"}}, ["rank_pattern", "'4'"]),
     "use_rslora_text": ({"use_rslora": "false"}, ["use_rslora='false'", "true or false"]),
+    # PEFT cannot load it (its r sizes the tensors); it ran with lora_alpha / 16, vLLM's is lora_alpha / 8.
+    "r_disagrees_with_the_tensors": ({"r": 8}, [r"\br=8\b", r"\b16\b", r"layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj"]),
 }
 BAD_CASES = ["missing_folder", "no_adapter_config", "rank_over_max_lora_rank", "dora", "bias", "modules_to_save",
              "embed_tokens", "lm_head", "embed_tokens_lora_only", "lm_head_lora_only", "one_tensor_misshapen",
-             "other_hidden_size", *CONFIG_CASES]
+             "other_hidden_size", "rank_zero", *CONFIG_CASES]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

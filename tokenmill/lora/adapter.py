@@ -90,6 +90,13 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
             raise ValueError(f"{where}: {key!r} has shape {list(shape)} and {b_key!r} {list(shapes[b_key])}; "
                              f"{module!r} of this model needs [r, {in_features}] and [{out_features}, r] "
                              "(was the adapter made for another base model?)")
+        # PEFT sizes a module's tensors by its r (rank_pattern, else r: 8 if missing) and scales by
+        # lora_alpha / that r, as vLLM does: tensors of another rank are an adapter PEFT cannot load,
+        # whose scaling would be anyone's guess.
+        config_rank = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
+        if rank != config_rank:
+            raise ValueError(f"{where}: {key!r} has rank {rank}, but adapter_config.json gives {module!r} "
+                             f"r={config_rank} (r, or its rank_pattern entry); the file and the tensors disagree")
         if rank > max_rank:
             raise ValueError(f"{where}: {module!r} has rank {rank}, above max_lora_rank={max_rank}; "
                              f"start the LLM with max_lora_rank >= {rank} (one of {list(MAX_LORA_RANKS)})")
