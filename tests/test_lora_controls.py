@@ -136,6 +136,9 @@ def _bad_adapter(case: str, root: Path, base: Path, good: Path) -> tuple[Path, l
         a, b = tensors[name], tensors[name.replace("lora_A", "lora_B")]
         changes = {name: a[:0], name.replace("lora_A", "lora_B"): b[:, :0]}
         return copy_adapter(good, out, tensor_changes=changes), [r"layers\.0\.self_attn\.q_proj", r"rank 0\b"]
+    if case == "integer_tensors":  # were cast to the model's dtype and run
+        changes = {"base_model.model.model.layers.1.mlp.up_proj.lora_A.weight": torch.ones(16, 64, dtype=torch.int8)}
+        return copy_adapter(good, out, tensor_changes=changes), [r"layers\.1\.mlp\.up_proj\.lora_A", "I8", "floating"]
     if case in CONFIG_CASES:  # adapter_config.json's text replaced, or some of its fields
         change = CONFIG_CASES[case]
         if isinstance(change[0], dict):
@@ -163,7 +166,7 @@ CONFIG_CASES: dict[str, tuple] = {
 }
 BAD_CASES = ["missing_folder", "no_adapter_config", "rank_over_max_lora_rank", "dora", "bias", "modules_to_save",
              "embed_tokens", "lm_head", "embed_tokens_lora_only", "lm_head_lora_only", "one_tensor_misshapen",
-             "other_hidden_size", "rank_zero", *CONFIG_CASES]
+             "other_hidden_size", "rank_zero", "integer_tensors", *CONFIG_CASES]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -208,15 +208,25 @@ def _weights_file(folder: Path, where: str) -> Path:
 
 
 def _tensor_shapes(weights_file: Path, where: str) -> dict[str, list[int]]:
+    """Each tensor's shape; a tensor not of a floating-point dtype is refused (cast to the model's
+    dtype, integer or boolean weights would run as if they were the adapter's values)."""
     try:
         if weights_file.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(weights_file), framework="pt") as f:
-                return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
-        return {key: list(t.shape) for key, t in _load_tensors(weights_file).items()}
+                slices = {key: f.get_slice(key) for key in f.keys()}
+                found = {key: (list(t.get_shape()), t.get_dtype()) for key, t in slices.items()}
+        else:
+            found = {key: (list(t.shape), str(t.dtype).removeprefix("torch."))
+                     for key, t in _load_tensors(weights_file).items()}
     except Exception as exc:  # noqa: BLE001  (any unreadable file: one message naming it)
         raise ValueError(f"{where}: cannot read {weights_file.name} ({exc})") from exc
+    for key, (_shape, dtype) in found.items():
+        if not dtype.startswith(("F", "BF", "float", "bfloat")):  # safetensors' names, torch's for .bin
+            raise ValueError(f"{where}: tensor {key!r} in {weights_file.name} has dtype {dtype}; LoRA weights must be "
+                             "floating point (F16, BF16, F32, F64)")
+    return {key: shape for key, (shape, _dtype) in found.items()}
 
 
 def _load_tensors(weights_file: Path) -> dict[str, "torch.Tensor"]:
