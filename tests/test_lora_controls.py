@@ -161,6 +161,10 @@ CONFIG_CASES: dict[str, tuple] = {
     "alpha_pattern_bad_regex": ({"alpha_pattern": {"q_proj(": 4}}, ["alpha_pattern", r"q_proj\("]),
     "rank_pattern_bad_value": ({"rank_pattern": {"q_proj": "4"}}, ["rank_pattern", "'4'"]),
     "use_rslora_text": ({"use_rslora": "false"}, ["use_rslora='false'", "true or false"]),
+    # LoRA variants with the usual tensors, whose forward is not plain LoRA's: they ran as plain LoRA.
+    "alora": ({"alora_invocation_tokens": [5, 6]}, ["alora_invocation_tokens=\\[5, 6\\]", "aLoRA"]),
+    "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, ["layer_replication", "replicate"]),
+    "bdlora": ({"use_bdlora": {"nblocks": 2}}, ["use_bdlora", "not supported"]),
     # PEFT cannot load it (its r sizes the tensors); it ran with lora_alpha / 16, vLLM's is lora_alpha / 8.
     "r_disagrees_with_the_tensors": ({"r": 8}, [r"\br=8\b", r"\b16\b", r"layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj"]),
 }

@@ -194,6 +194,18 @@ def _check_config(config: dict[str, Any], where: str) -> None:
         "modules_to_save": (config.get("modules_to_save"),
                             "fully trained modules (modules_to_save) are not supported; supported: none"),
         "fan_in_fan_out": (config.get("fan_in_fan_out"), "transposed (Conv1D) weights are not supported"),
+        # Variants whose tensors look like plain LoRA's but whose forward is not: run as plain LoRA they
+        # would give other outputs than PEFT's, silently (VeLoRA changes training only: accepted).
+        "alora_invocation_tokens": (config.get("alora_invocation_tokens"), "activated LoRA (aLoRA: the adapter applies "
+                                    "only after its invocation tokens) is not supported; supported: plain LoRA"),
+        "layer_replication": (config.get("layer_replication"),
+                              "adapters that replicate decoder layers are not supported; supported: plain LoRA"),
+        **{key: (config.get(key), f"the LoRA variant {key} is not supported; supported: plain LoRA and rsLoRA")
+           for key in ("use_bdlora", "arrow_config", "monteclora_config", "kasa_config", "mica", "use_qalora")},
+        "target_parameters": (config.get("target_parameters"), "LoRA on parameters (target_parameters) is not "
+                              "supported; supported: LoRA on linear modules (target_modules)"),
+        "trainable_token_indices": (config.get("trainable_token_indices"),
+                                    "trainable token embeddings are not supported"),
     }
     for key, (value, why) in refused.items():
         if value:
