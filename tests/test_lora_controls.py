@@ -248,6 +248,34 @@ def _fail_and_recover(llm, tiny_llama_dir: Path, folder: Path, b, tmp_path: Path
     assert len(beams[1].sequences) == 2 and all(s.finish_reason in ("stop", "length") for s in beams[1].sequences)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_adapter_with_non_finite_weights_fails_only_its_own_requests(llama, tiny_llama_dir, adapter, lora_root, requests,
+                                                                        value):
+    """One NaN or inf in an adapter's tensor (headers fine, so found when the tensors are read): its
+    requests end with finish_reason "error" naming the tensor, and the requests beside it, of another
+    adapter and of the base model, still give HF + PEFT's outputs. In a device slot it made every token
+    of every step with an adapter NaN (the one-hot mask multiplies, 0 * NaN is NaN), and stayed there.
+    add_lora refuses it with a ValueError, leaving it unlisted."""
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    good = adapter(tiny_llama_dir, "all")
+    broken = adapter_tensors(good)[name].clone()
+    broken[3, 2] = value
+    folder = copy_adapter(good, lora_root / f"non_finite_{value}", tensor_changes={name: broken})
+    bad = lora_request(f"non-finite-{value}", 120 + int(value != value), folder)
+    prompts = random_prompts(VOCAB, [8, 5, 11], seed=31)
+    per_prompt = [requests["A"], bad, None]
+    outputs = llama.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=per_prompt)
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert name in outputs[1].error and "finite" in outputs[1].error, outputs[1].error
+    assert_matches_peft(tiny_llama_dir, [outputs[0], outputs[2]], [prompts[0], prompts[2]], [per_prompt[0], None])
+    assert bad.lora_int_id not in llama.llm_engine.list_loras()
+    with pytest.raises(ValueError, match=re.escape(f"LoRA adapter {bad.lora_name!r} ({folder}): tensor {name!r}")):
+        llama.llm_engine.add_lora(bad)
+    assert bad.lora_int_id not in llama.llm_engine.list_loras()
+    outputs = llama.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=[requests["B"], requests["A"], None])
+    assert_matches_peft(tiny_llama_dir, outputs, prompts, [requests["B"], requests["A"], None])
+
+
 def test_only_the_adapters_own_load_errors_fail_its_requests():
     """AdapterBook.place names the adapter whose load raised (AdapterLoadError, which fails only its
     requests); the device running out of memory and dead tensor-parallel workers are no adapter's

@@ -116,7 +116,11 @@ class EngineControls:
         if self.adapters is None:
             raise ValueError("add_lora needs an engine started with enable_lora=True")
         spec = self.adapters.register(lora_request)
-        self.executor.collective_rpc("cache_lora", args=(spec,))
+        try:
+            self.executor.collective_rpc("cache_lora", args=(spec,))
+        except Exception:  # tensors that cannot be read or are not finite: not an adapter the engine knows
+            self.adapters.forget(spec)
+            raise
         return True
 
     def remove_lora(self, lora_id: int) -> bool:

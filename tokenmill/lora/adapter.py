@@ -115,15 +115,24 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
 
 
 def read_adapter(spec: AdapterSpec, dtype: "torch.dtype") -> dict[str, tuple["torch.Tensor", "torch.Tensor"]]:
-    """Per module: (A [r, in], B [out, r] times the scaling), in ``dtype`` on the CPU."""
+    """Per module: (A [r, in], B [out, r] times the scaling), in ``dtype`` on the CPU. A ValueError
+    names a tensor with NaN or infinite values (as read, or once scaled and cast to ``dtype``): in a
+    device slot it would make every token of a step NaN, whatever its adapter (the one-hot mask
+    multiplies: 0 * NaN is NaN), so the adapter fails its own requests instead (`AdapterLoadError`)."""
     import torch
 
     tensors = _load_tensors(Path(spec.weights_file))
     out = {}
     for module, (_rank, scaling) in spec.modules.items():
-        a = tensors[_PREFIX + module + _A]
-        b = tensors[_PREFIX + module + _B]
-        out[module] = (a.to(dtype), (b.to(torch.float32) * scaling).to(dtype))
+        a = tensors[_PREFIX + module + _A].to(dtype)
+        b = (tensors[_PREFIX + module + _B].to(torch.float32) * scaling).to(dtype)
+        for key, tensor in ((_PREFIX + module + _A, a), (_PREFIX + module + _B, b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"LoRA adapter {spec.name!r} ({spec.path}): tensor {key!r} of "
+                                 f"{Path(spec.weights_file).name} holds NaN or infinite values (in "
+                                 f"{str(dtype).removeprefix('torch.')}, lora_B scaled by {scaling:g}); LoRA weights "
+                                 "must be finite")
+        out[module] = (a, b)
     return out
 
 
