@@ -83,8 +83,8 @@ def test_ray_job_streams_its_input_and_survives_a_killed_replica(ray_cluster, tm
     read: list[int] = []
     real_read_rows, real_commit = job_module.read_rows, Journal.commit
 
-    def counted_rows(path, fmt):
-        for raw in real_read_rows(path, fmt):
+    def counted_rows(path, fmt, size=None):
+        for raw in real_read_rows(path, fmt, size):
             read.append(raw.index)
             yield raw
 
