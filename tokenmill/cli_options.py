@@ -119,7 +119,9 @@ def _add_prompt_options(parser: argparse.ArgumentParser, with_rows: bool) -> Non
     if with_rows:
         group.add_argument("--prompt-template", metavar="TEMPLATE",
                            help="build each prompt from row fields, e.g. 'Describe {name} for {audience}.'")
-        group.add_argument("--text-field", metavar="FIELD", help="take the prompt text from this field (default: prompt)")
+        group.add_argument("--text-field", metavar="FIELD",
+                           help="take the prompt text from this field (default: the row's messages, prompt or "
+                           "prompt_token_ids, the first not null)")
         group.add_argument("--id-field", metavar="FIELD", help="the row id to carry into the output (default: id, else the row index)")
         group.add_argument("--truncate-prompt-tokens", type=int, metavar="K",
                            help="cut longer prompts to K tokens (-1: max_model_len) instead of failing the row")
@@ -179,7 +181,9 @@ def _add_engine_options(parser: argparse.ArgumentParser, default_model: str | No
     g.add_argument("--tokenizer", metavar="NAME_OR_PATH")
     g.add_argument("--revision", metavar="REV")
     g.add_argument("--load-format", metavar="FORMAT", help="auto, safetensors, pt (PyTorch .bin), gguf or dummy (random weights)")
-    g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="let transformers run the model folder's own code to read its config (the model still runs "
+                   "tokenmill's classes)")
     g.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
                    help="config.json fields to replace, as a JSON object (vLLM's flag), e.g. to score with a causal "
                    "LM's token logits: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
