@@ -53,6 +53,25 @@ def test_job_state_folders_are_ignored_by_git_and_dtype_help_says_what_auto_does
     assert "bf16 on CPUs with native bf16" in " ".join(help_text.split()) and "fp32 on CPU," not in help_text
 
 
+def test_docs_and_the_parser_name_the_same_flags():
+    """Every flag of every subcommand is in the docs, and every flag the docs name exists (from-vllm.md
+    is left out: it quotes vLLM's parser)."""
+    import argparse
+    import re
+
+    from tokenmill.cli_options import build_parser
+
+    docs = "\n".join((REPO / name).read_text() for name in ("README.md", "docs/batch.md", "docs/scale-out.md"))
+    named = set(re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", docs))
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    actions = [a for command in commands.values() for a in command._actions if a.option_strings and a.dest != "help"]
+    undocumented = {a.option_strings[0] for a in actions if not named & set(a.option_strings)}
+    assert not undocumented, f"flags the docs never mention: {sorted(undocumented)}"
+    flags = {flag for a in actions for flag in a.option_strings}
+    unknown = {flag for flag in named if flag.startswith("--") and flag not in flags}
+    assert not unknown, f"flags the docs name that no subcommand has: {sorted(unknown)}"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
