@@ -203,6 +203,15 @@ def test_chat_streams_replies_and_keeps_history(monkeypatch, capsys, tiny_llm, t
     assert capsys.readouterr().out == f"{first}\n{second}\n{after_reset}\n"
 
 
+def test_chat_help_states_the_max_tokens_chat_uses(capsys):
+    from tokenmill.cli_options import CHAT_MAX_TOKENS
+
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    max_tokens = " ".join(capsys.readouterr().out.split("--max-tokens N", 2)[2].split("--", 1)[0].split())
+    assert f"default: {CHAT_MAX_TOKENS}" in max_tokens and "16" not in max_tokens
+
+
 def test_chat_streams_text_deltas(tiny_llm):
     from tokenmill.cli import stream_reply
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from tokenmill.batch.config import DEFAULT_MODEL  # stdlib-only imports: keeps the CLI light
 from tokenmill.batch.pooling import DEFAULT_EMBEDDING_MODEL
 from tokenmill.cli_options import (  # the argument tables and what the flags become
+    CHAT_MAX_TOKENS,
     UsageError,
     build_parser,
     check_task_flags,
@@ -32,7 +33,6 @@ from tokenmill.cli_options import (  # the argument tables and what the flags be
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1  # the job could not go on (the engine fails every row, a replica kept dying); a rerun continues
-_CHAT_MAX_TOKENS = 256
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from tokenmill.sampling_params import SamplingParams
 
     values = sampling_values(args)
-    values.setdefault("max_tokens", _CHAT_MAX_TOKENS)
+    values.setdefault("max_tokens", CHAT_MAX_TOKENS)
     template = read_chat_template(args.chat_template)
     llm = load_llm(args)
     params = SamplingParams(**{**_defaults(llm), **values})

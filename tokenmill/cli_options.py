@@ -31,6 +31,7 @@ _ENGINE_FLAGS = (
     "load_format", "trust_remote_code", "kv_cache_dtype", "deterministic", "hf_overrides", "max_logprobs",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_target_modules",
 )
+CHAT_MAX_TOKENS = 256  # `tokenmill chat`'s max_tokens unless --max-tokens says otherwise
 # flag dests of LoRA adapters (generation only)
 _LORA_FLAGS = ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_target_modules")
 
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(or Ctrl-D). Ctrl-C stops the current answer.")
     chat.add_argument("--system", metavar="TEXT", help="system message")
     chat.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template instead of the model's")
-    _add_sampling_options(chat)
+    _add_sampling_options(chat, max_tokens_default=f"default: {CHAT_MAX_TOKENS}")
     _add_engine_options(chat)
 
     sub.add_parser("models", help="list the built-in models and where local models are looked up")
@@ -127,9 +128,9 @@ def _add_prompt_options(parser: argparse.ArgumentParser, with_rows: bool) -> Non
                            help="cut longer prompts to K tokens (-1: max_model_len) instead of failing the row")
 
 
-def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+def _add_sampling_options(parser: argparse.ArgumentParser, max_tokens_default: str = "vLLM default: 16") -> None:
     g = parser.add_argument_group("sampling (defaults: the model's generation_config, else vLLM's)")
-    g.add_argument("--max-tokens", type=int, metavar="N", help="tokens to generate at most (vLLM default: 16)")
+    g.add_argument("--max-tokens", type=int, metavar="N", help=f"tokens to generate at most ({max_tokens_default})")
     g.add_argument("--temperature", type=float, metavar="T", help="0 is greedy")
     g.add_argument("--top-p", type=float, metavar="P")
     g.add_argument("--top-k", type=int, metavar="K")
