@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # all 25 example products, 48 tokens each, on the built-in model
+@pytest.mark.slow  # all 24 example products, 48 tokens each, on the built-in model
 def test_readme_python_example_runs(monkeypatch, capsys):
     text = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(import json.*?)```", text, re.S).group(1)
