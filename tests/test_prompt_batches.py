@@ -93,3 +93,35 @@ def test_prompts_tokenized_in_chunks_across_their_edges(llm, tokenizer_calls, mo
     tokenizer_calls.clear()
     assert [o.prompt_token_ids for o in llm.chat(conversations, PARAMS, use_tqdm=False)] == alone
     assert tokenizer_calls == [2, 2, 1]
+
+
+@pytest.fixture(scope="module")
+def bos_llm(tmp_path_factory):
+    """A tiny Llama whose tokenizer adds BOS (the SentencePiece layout of tests/support/spm_tokenizers.py)."""
+    from transformers import LlamaConfig
+
+    from support.spm_tokenizers import build_spm_tokenizer
+    from support.tiny_models import save_tiny_model, tiny_config_kwargs
+
+    config = LlamaConfig(**tiny_config_kwargs(vocab_size=400), architectures=["LlamaForCausalLM"])
+    folder = save_tiny_model(tmp_path_factory.mktemp("bos"), "llama", config, seed=1)
+    build_spm_tokenizer().save_pretrained(folder)
+    return LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, seed=0)
+
+
+def test_truncated_text_prompt_keeps_bos_as_vllm(bos_llm):
+    """vLLM cuts a text prompt in the tokenizer (truncation=True, max_length=k, its generate
+    tokenizer's truncation_side "left"): BOS and the last k-1 tokens; token ids are sliced."""
+    text = "one two three four"
+    ids = bos_llm.get_tokenizer()(text)["input_ids"]
+    assert ids[0] == 1 and len(ids) > 4
+    cut = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=3)
+    texts = bos_llm.generate([text, {"prompt": text}], cut, use_tqdm=False)
+    assert [o.prompt_token_ids for o in texts] == [[1, *ids[-2:]]] * 2
+    assert texts[0].prompt == text
+    given = bos_llm.generate([ids, {"prompt": text, "prompt_token_ids": ids}], cut, use_tqdm=False)
+    assert [o.prompt_token_ids for o in given] == [ids[-3:]] * 2
+    # The tokenizer's own truncation, asked through tokenization_kwargs, cuts on the left as in vLLM.
+    (out,) = bos_llm.generate(text, PARAMS, use_tqdm=False, tokenization_kwargs={"truncation": True, "max_length": 3})
+    assert out.prompt_token_ids == [1, *ids[-2:]]
+    assert bos_llm.get_tokenizer().truncation_side == "left"

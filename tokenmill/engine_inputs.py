@@ -31,6 +31,10 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
     from_tokens = classifier_tokens(source.hf_config)  # sets num_labels before the pooling settings read it
     config = resolve_config(args, source)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args)
+    if tokenizer is not None and config.pooling is None:
+        # As vLLM loads a generation model's tokenizer: text cut in the tokenizer (truncation=True,
+        # SamplingParams.truncate_prompt_tokens) keeps its last tokens.
+        tokenizer.truncation_side = "left"
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int) and not isinstance(eos, bool):  # as vLLM: the tokenizer's eos ends a sequence too
         config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids | {eos}, primary_eos_token_id=eos)

@@ -45,6 +45,14 @@ class ProcessedPrompt:
     prompt: str | None  # the text, when the user gave text
     token_ids: list[int]
     cache_salt: str | None = None
+    # The tokenizer arguments that made token_ids from the text, when tokenmill tokenized it (None for
+    # ids the user gave): a cut then re-tokenizes, as vLLM cuts text in the tokenizer (`truncated_ids`).
+    encode_kwargs: dict[str, Any] | None = None
+
+
+# The key under which `tokenize_prompts` leaves, in the prompt dicts it makes, the tokenizer
+# arguments that made their ids (so a cut text prompt is not taken for a token prompt).
+TOKENIZED_WITH = "_tokenmill_tokenized_with"
 
 
 def prompt_list(prompts: Any) -> list:
@@ -98,7 +106,7 @@ def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> Proce
     """Accepts vLLM's prompt forms: "text", [token ids], {"prompt": "text"}, {"prompt_token_ids": [...]}."""
     where = f"prompts[{index}]" if index is not None else "prompt"
     if isinstance(prompt, str):
-        return ProcessedPrompt(prompt, _tokenize(prompt, tokenizer, where))
+        return ProcessedPrompt(prompt, _tokenize(prompt, tokenizer, where), encode_kwargs={})
     if isinstance(prompt, list):
         if not is_token_list(prompt):
             raise ValueError(f"{where} is a list, so it must be token ids (integers), got {short_repr(prompt)}")
@@ -109,12 +117,12 @@ def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> Proce
             ids = prompt["prompt_token_ids"]
             if not is_token_list(ids):
                 raise ValueError(f"{where}.prompt_token_ids must be a list of integers, got {short_repr(ids)}")
-            return ProcessedPrompt(prompt.get("prompt"), list(ids), salt)
+            return ProcessedPrompt(prompt.get("prompt"), list(ids), salt, prompt.get(TOKENIZED_WITH))
         if "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
                 raise ValueError(f"{where}.prompt must be a string, got {type(text).__name__}")
-            return ProcessedPrompt(text, _tokenize(text, tokenizer, where), salt)
+            return ProcessedPrompt(text, _tokenize(text, tokenizer, where), salt, {})
         raise ValueError(f"{where} is a dict without 'prompt' or 'prompt_token_ids' (keys: {sorted(prompt)})")
     raise ValueError(
         f"{where} has type {type(prompt).__name__}; expected a string, a list of token ids, "
@@ -174,7 +182,8 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs
         for i, text, row in zip(places[start : start + chunk], texts[start : start + chunk], ids):
             prompt = prompts[i]
             found[i] = {**(prompt if isinstance(prompt, dict) else {}), "prompt": text,
-                        "prompt_token_ids": row if isinstance(row, list) else list(row)}
+                        "prompt_token_ids": row if isinstance(row, list) else list(row),
+                        TOKENIZED_WITH: tokenization_kwargs}
     return found
 
 
@@ -194,6 +203,20 @@ def load_chat_template(value: str | os.PathLike | None) -> str | None:
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"chat_template={value!r} is neither a file nor a Jinja template")
     return value
+
+
+def truncated_ids(processed: ProcessedPrompt, keep: int, tokenizer: Any) -> list[int]:
+    """The prompt's ids cut to its last ``keep`` tokens, as vLLM cuts: token ids given are sliced;
+    text is tokenized again with truncation=True, max_length=keep, so that the tokenizer keeps its
+    special tokens (BOS and the last keep-1 tokens) and cuts on its truncation side ("left" for
+    generation, as vLLM loads the tokenizer)."""
+    ids = processed.token_ids
+    if len(ids) <= keep:
+        return ids
+    if processed.encode_kwargs is None or processed.prompt is None or tokenizer is None or keep < 1:
+        return ids[-keep:] if keep > 0 else []
+    kwargs = {**processed.encode_kwargs, "truncation": True, "max_length": keep}
+    return list(tokenizer([processed.prompt], **kwargs)["input_ids"][0])
 
 
 def validate_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int, where: str) -> None:

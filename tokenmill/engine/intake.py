@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container
 from tokenmill.engine.beam_search import BeamSearch, beam_sampling_params
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, Sequence, max_output_tokens
-from tokenmill.inputs import PromptType, parse_prompt, validate_prompt_ids
+from tokenmill.inputs import PromptType, parse_prompt, truncated_ids, validate_prompt_ids
 from tokenmill.logprobs import create_prompt_logprobs, create_sample_logprobs
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -79,7 +79,7 @@ class Intake:
             if keep > config.max_model_len:  # as vLLM: a cut that could leave a prompt too long is refused
                 raise ValueError(f"{where}: SamplingParams.truncate_prompt_tokens={keep} is invalid: must be -1 or at "
                                  f"most max_model_len ({config.max_model_len})")
-            processed.token_ids = processed.token_ids[-keep:]
+            processed.token_ids = truncated_ids(processed, keep, self.tokenizer)
         validate_prompt_ids(processed.token_ids, config.vocab_size, config.max_model_len, where)
         self._check_fits_cache(processed.token_ids, params, where)
         params = self._with_stop_ids(params)
