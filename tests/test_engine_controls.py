@@ -181,16 +181,17 @@ def test_metrics_count_tokens_requests_latencies_and_cache_hits(tiny_llama_dir):
     value = lambda name: metrics[name][0].value  # noqa: E731
     assert all(m.labels["model_name"] == "tiny" and m.labels["engine"] == "0" for ms in metrics.values() for m in ms)
     assert isinstance(metrics["vllm:prompt_tokens"][0], Counter)
-    assert value("vllm:prompt_tokens") == sum(len(p["prompt_token_ids"]) for p in prompts)
+    # vLLM counts each of the n=2 samples as a child request, with its own prompt and first token
+    assert value("vllm:prompt_tokens") == sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs)
     assert value("vllm:generation_tokens") == sum(len(c.token_ids) for c in completions)
     by_reason = {m.labels["finished_reason"]: m.value for m in metrics["vllm:request_success"]}
     assert by_reason == {"stop": sum(c.finish_reason == "stop" for c in completions),
                          "length": sum(c.finish_reason == "length" for c in completions), "abort": 0, "repetition": 0, "error": 0}
     ttft = metrics["vllm:time_to_first_token_seconds"][0]
-    assert isinstance(ttft, Histogram) and ttft.count == len(prompts) and ttft.buckets["+Inf"] == ttft.count
+    assert isinstance(ttft, Histogram) and ttft.count == len(completions) and ttft.buckets["+Inf"] == ttft.count
     itl = metrics["vllm:inter_token_latency_seconds"][0]
     assert itl.count == sum(len(c.token_ids) - 1 for c in completions) and itl.sum > 0
-    assert metrics["vllm:e2e_request_latency_seconds"][0].count == len(prompts)
+    assert metrics["vllm:e2e_request_latency_seconds"][0].count == len(completions)
     assert isinstance(metrics["vllm:kv_cache_usage_perc"][0], Gauge)
     assert value("vllm:kv_cache_usage_perc") == 0.0  # everything finished and freed its blocks
 
@@ -211,6 +212,26 @@ def test_metrics_count_tokens_requests_latencies_and_cache_hits(tiny_llama_dir):
     aborted = {m.labels["finished_reason"]: m.value for m in _by_name(fresh.get_metrics())["vllm:request_success"]}
     assert aborted["abort"] == 1
 
+
+
+def test_metrics_count_each_sample_of_an_n_request_as_vllms_child_requests(tiny_llama_dir):
+    # vLLM fans n>1 out into n child requests, each with its own first token, prompt tokens and
+    # finished-request observations; a DELTA stream's last output holds only its last tokens.
+    from tokenmill.sampling_params import RequestOutputKind
+
+    fresh = LLM(str(tiny_llama_dir), disable_log_stats=False, **OPTIONS)
+    sampled = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, ignore_eos=True)
+    fresh.generate([{"prompt_token_ids": [5, 6, 7]}], sampled, use_tqdm=False)
+    fresh.llm_engine.add_request("d", {"prompt_token_ids": [8, 9]}, sampled.clone(output_kind=RequestOutputKind.DELTA))
+    while fresh.llm_engine.has_unfinished_requests():
+        fresh.llm_engine.step()
+    metrics = _by_name(fresh.get_metrics())
+    assert metrics["vllm:prompt_tokens"][0].value == 2 * 3 + 2 * 2
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+        assert metrics[name][0].count == 4, name
+    prompt, generated = metrics["vllm:request_prompt_tokens"][0], metrics["vllm:request_generation_tokens"][0]
+    assert (prompt.count, prompt.sum) == (4, 2 * 3 + 2 * 2)
+    assert (generated.count, generated.sum) == (4, 4 * 4)
 
 
 def test_do_log_stats_logs_the_counters_only_when_stats_are_on(llm, tiny_llama_dir, caplog):

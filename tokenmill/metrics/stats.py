@@ -21,6 +21,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.metrics.reader import Metric, get_metrics_snapshot
+from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request, Sequence
@@ -114,27 +115,32 @@ class EngineMetrics:
         self.generation_tokens.inc(len(sequences))
         for seq in sequences:
             request = seq.request
-            if request in self._awaiting_first:
+            if request in self._awaiting_first:  # the prompt was looked up once, for its first sample
                 self._awaiting_first.discard(request)
-                self.ttft.observe(now - request.arrival_time)
-                self.prompt_tokens.inc(len(request.prompt_token_ids))
                 self.prefix_queries.inc(len(request.prompt_token_ids))
                 self.prefix_hits.inc(request.num_cached_tokens)
+            if len(seq.output_token_ids) == 1:  # a sample's first token (not a beam forked with its parent's)
+                # vLLM runs each of n samples as a child request: each has a first token and a prompt.
+                self.ttft.observe(now - request.arrival_time)
+                self.prompt_tokens.inc(len(request.prompt_token_ids))
             last = self._last_token.get(seq)
             if last is not None:
                 self.itl.observe(now - last)
             self._last_token[seq] = now
 
     def request_finished(self, request: "Request", output: "RequestOutput", now: float) -> None:
-        for completion in output.outputs:
-            reason = completion.finish_reason
-            if reason in self.success:
-                self.success[reason].inc()
-        self.e2e.observe(now - request.arrival_time)
-        if request.first_scheduled_time is not None:
-            self.queue.observe(request.first_scheduled_time - request.arrival_time)
-        self.request_prompt.observe(len(request.prompt_token_ids))
-        self.request_generation.observe(sum(len(c.token_ids) for c in output.outputs))
+        """One observation per completion, as vLLM's per-child finished requests."""
+        tokens = [len(c.token_ids) for c in output.outputs]
+        if request.params.output_kind is RequestOutputKind.DELTA and len(request.sequences) == len(tokens):
+            tokens = [len(seq.output_token_ids) for seq in request.sequences]  # a DELTA output holds the last tokens only
+        for completion, generated in zip(output.outputs, tokens):
+            if completion.finish_reason in self.success:
+                self.success[completion.finish_reason].inc()
+            self.e2e.observe(now - request.arrival_time)
+            if request.first_scheduled_time is not None:
+                self.queue.observe(request.first_scheduled_time - request.arrival_time)
+            self.request_prompt.observe(len(request.prompt_token_ids))
+            self.request_generation.observe(generated)
 
     def request_aborted(self) -> None:
         self.success["abort"].inc()
