@@ -234,6 +234,22 @@ def test_metrics_count_each_sample_of_an_n_request_as_vllms_child_requests(tiny_
     assert (generated.count, generated.sum) == (4, 4 * 4)
 
 
+def test_prefix_cache_metrics_count_only_lookups_in_the_prefix_cache(tiny_llama_dir):
+    # vLLM records a query only where it looks the prompt up: not with the prefix cache off, nor for
+    # a request that skips reading it (prompt logprobs, skip_reading_prefix_cache).
+    prompt = [{"prompt_token_ids": list(range(3, 12))}]
+    nocache = LLM(str(tiny_llama_dir), disable_log_stats=False, enable_prefix_caching=False, **OPTIONS)
+    nocache.generate(prompt * 2, GREEDY, use_tqdm=False)
+    metrics = _by_name(nocache.get_metrics())
+    assert (metrics["vllm:prefix_cache_queries"][0].value, metrics["vllm:prefix_cache_hits"][0].value) == (0, 0)
+    cached = LLM(str(tiny_llama_dir), disable_log_stats=False, **OPTIONS)
+    cached.generate(prompt, GREEDY.clone(prompt_logprobs=1), use_tqdm=False)
+    cached.generate(prompt, GREEDY.clone(skip_reading_prefix_cache=True), use_tqdm=False)
+    assert _by_name(cached.get_metrics())["vllm:prefix_cache_queries"][0].value == 0
+    cached.generate(prompt, GREEDY, use_tqdm=False)
+    assert _by_name(cached.get_metrics())["vllm:prefix_cache_queries"][0].value == 9
+
+
 def test_do_log_stats_logs_the_counters_only_when_stats_are_on(llm, tiny_llama_dir, caplog):
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     with caplog.at_level("INFO", logger="tokenmill.engine.engine"):

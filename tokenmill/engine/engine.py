@@ -427,7 +427,7 @@ def _start_metrics(config: EngineConfig) -> "EngineMetrics | None":
         return None
     from tokenmill.metrics.stats import EngineMetrics
 
-    return EngineMetrics(config.served_model_name, config.max_model_len)
+    return EngineMetrics(config.served_model_name, config.max_model_len, config.enable_prefix_caching)
 
 
 class EngineStats:

@@ -51,13 +51,14 @@ def token_count_buckets(limit: int) -> list[int]:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int):
+    def __init__(self, model_name: str, max_model_len: int, prefix_caching: bool = True):
         from prometheus_client import CollectorRegistry
         from prometheus_client import Counter as PromCounter
         from prometheus_client import Gauge as PromGauge
         from prometheus_client import Histogram as PromHistogram
 
         self.registry = CollectorRegistry()
+        self.prefix_caching = prefix_caching  # off: no lookups to count, as in vLLM
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
 
@@ -117,8 +118,10 @@ class EngineMetrics:
             request = seq.request
             if request in self._awaiting_first:  # the prompt was looked up once, for its first sample
                 self._awaiting_first.discard(request)
-                self.prefix_queries.inc(len(request.prompt_token_ids))
-                self.prefix_hits.inc(request.num_cached_tokens)
+                params = request.params  # prompt logprobs need every position computed: no lookup
+                if self.prefix_caching and params.prompt_logprobs is None and not params.skip_reading_prefix_cache:
+                    self.prefix_queries.inc(len(request.prompt_token_ids))  # vLLM counts only real lookups
+                    self.prefix_hits.inc(request.num_cached_tokens)
             if len(seq.output_token_ids) == 1:  # a sample's first token (not a beam forked with its parent's)
                 # vLLM runs each of n samples as a child request: each has a first token and a prompt.
                 self.ttft.observe(now - request.arrival_time)
