@@ -85,6 +85,14 @@ def test_sleep_level_1_frees_the_kv_cache_and_waking_gives_the_same_outputs(llm,
     assert state == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
 
 
+def test_reset_prefix_cache_refuses_flags_that_are_not_bools(llm):
+    with pytest.raises(ValueError, match=r"reset_prefix_cache\(reset_running_requests='yes'\).*True or False"):
+        llm.reset_prefix_cache(reset_running_requests="yes")
+    with pytest.raises(ValueError, match=r"reset_connector=1\b"):
+        llm.reset_prefix_cache(reset_connector=1)
+    assert llm.reset_prefix_cache() is True
+
+
 def test_sleep_forgets_the_prefix_cache(llm):
     prompt = [{"prompt_token_ids": list(range(3, 40))}]
     llm.generate(prompt, GREEDY, use_tqdm=False)

@@ -100,6 +100,9 @@ class EngineControls:
         """Forget every cached prefix. Blocks in use cannot be forgotten, so this returns False while
         requests run, unless ``reset_running_requests`` preempts them first (they are recomputed).
         ``reset_connector``: there is no KV connector, nothing to reset."""
+        for name, flag in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(flag, bool):  # a truthy string would preempt every running request
+                raise ValueError(f"reset_prefix_cache({name}={flag!r}) is invalid: must be True or False")
         if reset_running_requests:
             self.scheduler.preempt_all()
         return self.kv.pool.reset_prefix_cache()
