@@ -257,7 +257,6 @@ def jsonl_to_parquet(staging: str, output: str, schema: Any = None) -> int:
     ``schema`` defaults to the generic (generation) one. ``id`` is stored as a string (ids may be
     ints in one row and strings in another).
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     schema = schema if schema is not None else generic_parquet_schema()
