@@ -58,9 +58,12 @@ def _save_reference(model: torch.nn.Module, weights: dict[str, torch.Tensor], fo
 
 
 def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama", seed: int = 0,
-                                  group_size: int | None = None) -> tuple[Path, Path]:
-    """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC), its
-    4-bit groups of ``group_size`` features when given (the presets use 128)."""
+                                  group_size: int | None = None, ignore: tuple[str, ...] = ("lm_head",),
+                                  more_groups: tuple[tuple[str, list[str]], ...] = ()) -> tuple[Path, Path]:
+    """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC) for
+    every Linear not in ``ignore``, its 4-bit groups of ``group_size`` features when given (the presets
+    use 128); ``more_groups``: further (preset, targets) groups after it, which compressed-tensors
+    lets win over "Linear" for the modules their names or regexes match."""
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
@@ -72,11 +75,14 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if group_size is not None:
         scheme.weights.group_size = group_size
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
-                              show_progress=False)
+    groups = {"group_0": scheme}
+    groups.update({f"group_{i + 1}": preset_name_to_scheme(p, targets) for i, (p, targets) in enumerate(more_groups)})
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=list(ignore)), show_progress=False)
+    schemes = {}
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
+        schemes[name] = module.quantization_scheme
         weight, args = module.weight.data, module.quantization_scheme.weights
         if args.strategy == "group":
             grouped = weight.unflatten(-1, (-1, args.group_size))
@@ -96,7 +102,9 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
             module.input_scale.data.fill_(input_peaks[name] / fp8_max)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
-    folder = root / f"ct-{preset.lower()}-{family}-seed{seed}-g{group_size}"
+    variant = f"-ignore{len(ignore)}" if ignore != ("lm_head",) else ""
+    variant += "".join(f"-{p.lower()}" for p, _ in more_groups)
+    folder = root / f"ct-{preset.lower()}-{family}-seed{seed}-g{group_size}{variant}"
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
     build_tiny_tokenizer().save_pretrained(folder)
@@ -104,10 +112,9 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
     # The reference: compressed-tensors' decompression of the tensors as written to the file.
     stored = load_file(folder / "model.safetensors")
     quant_config = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
-    group = quant_config.config_groups["group_0"]
-    decompressor = BaseCompressor.get_value_from_registry(group.format or quant_config.format)
     weights: dict[str, torch.Tensor] = {}
-    for name in {n.rsplit(".", 1)[0] for n in stored if n.rsplit(".", 2)[-2] in PROJECTIONS}:
+    for name, group in schemes.items():  # the ignored modules keep their full-precision weights
+        decompressor = BaseCompressor.get_value_from_registry(group.format or quant_config.format)
         local = {n[len(name) + 1 :]: t for n, t in stored.items() if n.startswith(name + ".")}
         weights[f"{name}.weight"] = decompressor.decompress(local, group)["weight"].float()
     return folder, _save_reference(random_model(tiny_config(family), seed), weights, root / f"{folder.name}-reference")
@@ -137,14 +144,17 @@ def _calibrate_input_peaks(model: torch.nn.Module, prompts: int = 32, length: in
     return peaks
 
 
-def _draw_int4(weight: torch.Tensor, group_size: int, symmetric: bool, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """Codes [N, K], zeros [N, G] and fp16 scales [N, G] near the weight's magnitude, and the reference weight."""
+def _draw_int4(weight: torch.Tensor, group_size: int, symmetric: bool, gen: torch.Generator,
+               scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+    """Codes [N, K], zeros [N, G] and scales [N, G] near the weight's magnitude (in ``scale_dtype``,
+    fp16 as GPTQ and AWQ write them), and the reference weight; group_size -1: one group per row."""
     n, k = weight.shape
+    group_size = k if group_size == -1 else group_size
     groups = k // group_size
     codes = torch.randint(0, 16, (n, k), generator=gen)
     zeros = torch.full((n, groups), 8) if symmetric else torch.randint(1, 16, (n, groups), generator=gen)
     scales = (weight.abs().unflatten(1, (groups, group_size)).amax(-1) / 8 * (0.5 + torch.rand(n, groups, generator=gen)))
-    scales = scales.to(torch.float16)
+    scales = scales.to(scale_dtype)
     expanded = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
     reference = (codes - expanded(zeros)).float() * expanded(scales).float()
     return codes, zeros, scales, reference
@@ -158,8 +168,10 @@ def _pack(codes: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "llama", group_size: int = 128,
-                        seed: int = 0) -> tuple[Path, Path]:
-    """A GPTQ (v1 format, desc_act=False) or AWQ (GEMM) folder; see the module docstring."""
+                        seed: int = 0, scale_dtype: torch.dtype = torch.float16,
+                        gptq_format: str = "gptq") -> tuple[Path, Path]:
+    """A GPTQ (desc_act=False; ``gptq_format`` "gptq" stores zeros minus one, "gptq_v2" as they are)
+    or AWQ (GEMM) folder; see the module docstring. group_size -1: per output channel."""
     from safetensors.torch import save_file
 
     config = tiny_config(family)
@@ -172,23 +184,25 @@ def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "ll
         if module.rsplit(".", 1)[-1] not in PROJECTIONS or kind != "weight":
             tensors[name] = param.detach().clone()
             continue
-        codes, zeros, scales, weights[name] = _draw_int4(param.detach(), group_size, symmetric, gen)
+        codes, zeros, scales, weights[name] = _draw_int4(param.detach(), group_size, symmetric, gen, scale_dtype)
         k = codes.shape[1]
         if fmt == "gptq":
             tensors[f"{module}.qweight"] = _pack(codes.t(), 0)  # [K/8, N]
-            tensors[f"{module}.qzeros"] = _pack(zeros.t() - 1, 1)  # [G, N/8], stored minus one
-            tensors[f"{module}.g_idx"] = (torch.arange(k) // group_size).to(torch.int32)
+            # [G, N/8]; v1 stores them minus one
+            tensors[f"{module}.qzeros"] = _pack(zeros.t() - int(gptq_format == "gptq"), 1)
+            tensors[f"{module}.g_idx"] = (torch.arange(k) // (k if group_size == -1 else group_size)).to(torch.int32)
         else:
             order = torch.tensor(AWQ_ORDER)
             in_awq_order = lambda t: t.unflatten(1, (-1, 8))[..., order].flatten(1)  # noqa: E731
             tensors[f"{module}.qweight"] = _pack(in_awq_order(codes.t()), 1)  # [K, N/8]
             tensors[f"{module}.qzeros"] = _pack(in_awq_order(zeros.t()), 1)  # [G, N/8]
         tensors[f"{module}.scales"] = scales.t().contiguous()  # [G, N]
-    folder = root / f"{fmt}-{'sym' if symmetric else 'asym'}-{family}-seed{seed}-g{group_size}"
+    dtype_name = str(scale_dtype).removeprefix("torch.")
+    folder = root / f"{fmt}-{'sym' if symmetric else 'asym'}-{family}-seed{seed}-g{group_size}-{dtype_name}-{gptq_format}"
     folder.mkdir(parents=True)
     save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     quant = ({"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
-              "checkpoint_format": "gptq"} if fmt == "gptq" else
+              "checkpoint_format": gptq_format} if fmt == "gptq" else
              {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": not symmetric, "version": "gemm"})
     config.quantization_config = quant
     config.save_pretrained(folder)

@@ -49,6 +49,28 @@ def test_compressed_tensors_checkpoint_matches_hf_on_its_decompressed_weights(ro
     assert llm.llm_engine.config.quantization.method == "compressed-tensors"
 
 
+@pytest.mark.parametrize("ignore, more_groups", [
+    (("lm_head", r"re:.*layers\.0\.mlp\.down_proj$"), ()),  # one layer kept in full precision
+    (("lm_head",), (("FP8_DYNAMIC", ["re:.*down_proj$"]),)),  # a regex group wins over "Linear" (mixed-precision)
+])
+def test_compressed_tensors_ignore_lists_and_target_precedence(root, ignore, more_groups):
+    """compressed-tensors gives a module the group whose target names it exactly, else by regex, else by
+    class ("Linear"), whatever their order in config_groups; ignored modules keep full-precision weights."""
+    folder, reference = compressed_tensors_checkpoint(root, "W4A16_ASYM", "llama", seed=7, ignore=ignore,
+                                                      more_groups=more_groups)
+    _check_against_hf(folder, reference)
+
+
+def test_compressed_tensors_targets_name_modules_exactly():
+    """A bare name target matches the full module name only (compressed-tensors' match_name), not a suffix."""
+    from tokenmill.quantization.config import Fp8Scheme, Int4Scheme, QuantizationConfig
+
+    int4, fp8 = Int4Scheme("compressed-tensors", 128, True), Fp8Scheme("channel", "dynamic")
+    config = QuantizationConfig("compressed-tensors", ((("Linear",), int4), (("o_proj", "model.layers.1.mlp.up_proj"), fp8)))
+    assert config.scheme_for(["model.layers.0.self_attn.o_proj"]) == int4
+    assert config.scheme_for(["model.layers.1.mlp.up_proj"]) == fp8
+
+
 @pytest.mark.parametrize("fmt, symmetric", [("gptq", True), ("gptq", False), ("awq", False)])
 def test_gptq_and_awq_checkpoints_match_hf_on_the_dequantized_integers(root, fmt, symmetric):
     folder, reference = gptq_awq_checkpoint(root, fmt, symmetric)

@@ -50,7 +50,9 @@ Scheme = Fp8Scheme | Int4Scheme
 @dataclass(frozen=True)
 class QuantizationConfig:
     method: str  # one of SUPPORTED_METHODS
-    # (targets, scheme) in config order: a layer takes the first group that names it ("Linear" names all).
+    # (targets, scheme) in config order. A layer takes the group whose target is its full name, else
+    # the one whose "re:" regex matches it, else the one targeting "Linear" (all layers): compressed-
+    # tensors' precedence, so a mixed-precision checkpoint's specific groups win over its catch-all.
     groups: tuple[tuple[tuple[str, ...], Scheme], ...]
     ignore: tuple[str, ...] = ()  # module names, "re:<regex>" patterns or suffixes kept in full precision
 
@@ -75,9 +77,10 @@ class QuantizationConfig:
     def _scheme_of(self, name: str) -> Scheme | None:
         if any(_matches(pattern, name) for pattern in self.ignore):
             return None
-        for targets, scheme in self.groups:
-            if any(target == "Linear" or _matches(target, name) for target in targets):
-                return scheme
+        for matches in (lambda t: t == name, lambda t: t.startswith("re:") and _matches(t, name), lambda t: t == "Linear"):
+            for targets, scheme in self.groups:
+                if any(matches(target) for target in targets):
+                    return scheme
         return None
 
     def describe(self) -> str:
