@@ -109,6 +109,22 @@ def test_fp8_checkpoint_with_quant_method_fp8(root):
     assert _check_against_hf(folder, reference).llm_engine.config.quantization.method == "fp8"
 
 
+def test_fp8_checkpoint_weight_that_is_not_float8_is_refused(root):
+    """A full-precision weight under an fp8 quantization_config (its scales kept, or a dequantized export)
+    would be cast to fp8 and multiplied by the scale again: silent wrong weights. Refused by name and dtype."""
+    from safetensors.torch import load_file, save_file
+
+    ct_folder, _ = compressed_tensors_checkpoint(root, "FP8", "llama", seed=3)
+    folder = root / "fp8-bf16-weight"
+    shutil.copytree(ct_folder, folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj"
+    tensors[f"{name}.weight"] = (tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"].float()).bfloat16()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}.weight.*torch.bfloat16.*float8_e4m3fn"):
+        LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
+
+
 @pytest.mark.parametrize("kind", ["ct-asym", "gptq"])
 def test_tensor_parallel_ranks_hold_their_slices_of_packed_weights(root, kind):
     """Each of two ranks dequantizes exactly its rows (column parallel) or columns (row parallel)

@@ -127,6 +127,12 @@ def _dtype_problem(name: str, tensor: Any, param: nn.Parameter) -> str | None:
     dtype = getattr(tensor, "dtype", None)  # CheckpointTensors carry the file's dtype too
     if isinstance(dtype, torch.dtype) and param.dtype.is_floating_point and not dtype.is_floating_point:
         return f"tensor {name!r} has dtype {dtype}: must be a floating-point dtype (the model's is {param.dtype})"
+    # A quantized parameter whose values only mean something in the stored dtype (fp8 codes, which
+    # their scale multiplies): a full-precision tensor would be cast into it and scaled twice.
+    required = getattr(param, "checkpoint_dtype", None)
+    if required is not None and dtype != required:
+        return (f"tensor {name!r} has dtype {dtype}, but the quantization_config says it holds {required} values "
+                "(full-precision weights under a quantized config?)")
     return None
 
 

@@ -86,6 +86,7 @@ class Fp8LinearMethod:
             layer.weight.place = lambda param, loaded, where: _quantize_into(layer, loaded, where)  # type: ignore[attr-defined]
             layer.weight.dummy_init = lambda data, generator: fill_random_fp8(data, layer.weight_scale, generator)  # type: ignore[attr-defined]
             return
+        layer.weight.checkpoint_dtype = torch.float8_e4m3fn  # type: ignore[attr-defined]  # codes, not values
         layer.weight_scale = new_param((output_size,), loader, None, dtype=torch.float32)
         layer.weight_scale.place = _place_weight_scale  # type: ignore[attr-defined]
         layer.weight_scale.dummy_init = lambda data, generator: data.fill_(1.0)  # type: ignore[attr-defined]
