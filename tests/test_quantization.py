@@ -78,6 +78,17 @@ def test_gptq_and_awq_checkpoints_match_hf_on_the_dequantized_integers(root, fmt
     assert llm.llm_engine.config.quantization.method == fmt
 
 
+@pytest.mark.parametrize("fmt, symmetric, group_size, scale_dtype, gptq_format", [
+    ("gptq", False, -1, torch.float16, "gptq"), ("gptq", True, 32, torch.bfloat16, "gptq"),
+    ("gptq", False, 64, torch.float32, "gptq_v2"), ("awq", False, 64, torch.bfloat16, "gptq"),
+])
+def test_gptq_and_awq_group_sizes_scale_dtypes_and_v2_format(root, fmt, symmetric, group_size, scale_dtype, gptq_format):
+    """Per-channel (-1) and small groups, bf16 / fp32 scales, GPTQ's v2 format (zero points stored as they are)."""
+    folder, reference = gptq_awq_checkpoint(root, fmt, symmetric, group_size=group_size, seed=2, scale_dtype=scale_dtype,
+                                            gptq_format=gptq_format)
+    _check_against_hf(folder, reference)
+
+
 def test_quantization_fp8_quantizes_a_full_precision_checkpoint_while_loading(root, tiny_llama_dir):
     reference = fp8_fake_quantized_reference(root, tiny_llama_dir)
     _check_against_hf(tiny_llama_dir, reference, quantization="fp8")
