@@ -89,6 +89,27 @@ def test_gptq_and_awq_group_sizes_scale_dtypes_and_v2_format(root, fmt, symmetri
     _check_against_hf(folder, reference)
 
 
+def test_gptq_act_order_with_static_groups_loads_and_a_permuted_g_idx_is_refused(root):
+    """desc_act=True with static_groups=True: groups were fixed before the reordering, so g_idx is the
+    plain order (AutoGPTQ / GPTQModel write perm // g then un-permute it) and the weights load as usual.
+    A g_idx that is really permuted is still refused, by name."""
+    from safetensors.torch import load_file, save_file
+
+    built, reference = gptq_awq_checkpoint(root, "gptq", False, seed=4)
+    folder = root / "gptq-static-groups"
+    shutil.copytree(built, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update({"desc_act": True, "static_groups": True})
+    (folder / "config.json").write_text(json.dumps(config))
+    _check_against_hf(folder, reference)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}.*not the plain group order"):
+        LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
+
+
 def test_quantization_fp8_quantizes_a_full_precision_checkpoint_while_loading(root, tiny_llama_dir):
     reference = fp8_fake_quantized_reference(root, tiny_llama_dir)
     _check_against_hf(tiny_llama_dir, reference, quantization="fp8")

@@ -6,7 +6,8 @@ Two kinds of weights are supported, each with the checkpoint layouts that carry 
   checkpoints with ``quant_method: "fp8"`` (per-tensor scales), and ``quantization="fp8"`` on a
   bf16/fp16/fp32 checkpoint (per-channel scales computed while loading).
 - W4A16 (4-bit integer weights in groups along the input features, 16-bit activations):
-  compressed-tensors ``pack-quantized``, GPTQ (``desc_act=False``) and AWQ (GEMM layout).
+  compressed-tensors ``pack-quantized``, GPTQ (``desc_act=False``, or with ``static_groups``) and AWQ
+  (GEMM layout).
 
 Everything else is refused here with the field, the value and what is supported, before any
 weight is read. ``QuantizationConfig`` is frozen and plain data: it travels to tensor-parallel
@@ -200,8 +201,12 @@ def _check_group(where: str, group_size: int) -> int:
 def _gptq(cfg: dict) -> QuantizationConfig:
     if cfg.get("bits", 4) != 4:
         raise _refuse("bits", cfg.get("bits"), "4")
-    if cfg.get("desc_act"):
-        raise _refuse("desc_act", cfg["desc_act"], "false (activation-order checkpoints permute the input features)")
+    # With static_groups the groups were fixed before the act-order reordering, and g_idx (written as
+    # perm // g, then un-permuted) is the plain order: such weights load as desc_act=False ones. The
+    # loader still checks every g_idx (w4a16.py), so a permuted one is refused there.
+    if cfg.get("desc_act") and not cfg.get("static_groups"):
+        raise _refuse("desc_act", cfg["desc_act"], "false, or true with static_groups=true "
+                      "(activation-order checkpoints permute the input features)")
     if cfg.get("dynamic"):
         raise _refuse("dynamic", cfg["dynamic"], "empty (one scheme for every layer)")
     fmt = cfg.get("checkpoint_format", "gptq")
