@@ -233,6 +233,21 @@ def test_unsupported_compressed_tensors_scheme_is_refused(root):
         resolve_quantization(None, config)
 
 
+def test_a_quantized_lm_head_is_refused(root):
+    """The LM head stays in the model's dtype. GPTQ's lm_head=true is refused by the field; a compressed-tensors
+    checkpoint whose lm_head was quantized (not in ignore) by the loader, naming its packed tensors (vLLM loads
+    its LM head unquantized whatever the config says, so the config alone does not prove the tensors packed)."""
+    from tokenmill.quantization.config import resolve_quantization
+
+    config = tiny_config()
+    config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "lm_head": True}
+    with pytest.raises(ValueError, match=r"quantization_config.lm_head=True is not supported; supported: false"):
+        resolve_quantization(None, config)
+    folder, _ = compressed_tensors_checkpoint(root, "W4A16", "llama", seed=8, ignore=())
+    with pytest.raises(ValueError, match=r"missing tensors \(1\) lm_head.weight; unexpected tensors .*lm_head.weight_packed"):
+        LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
+
+
 def test_w4a16_tiles_follow_the_measured_rule():
     """choose_config on Llama-3-8B's projections at 132 SMs (the H200): two warpgroups with 256 outputs a
     program only for the wide gate_up from 32 tokens, where the sweep measured it 6-24% faster

@@ -209,6 +209,8 @@ def _gptq(cfg: dict) -> QuantizationConfig:
                       "(activation-order checkpoints permute the input features)")
     if cfg.get("dynamic"):
         raise _refuse("dynamic", cfg["dynamic"], "empty (one scheme for every layer)")
+    if cfg.get("lm_head"):  # GPTQModel saved the LM head packed too; ours loads only full-precision weights
+        raise _refuse("lm_head", cfg["lm_head"], "false (the LM head in full precision)")
     fmt = cfg.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("checkpoint_format", fmt, "'gptq' or 'gptq_v2'")
