@@ -248,6 +248,20 @@ def test_a_quantized_lm_head_is_refused(root):
         LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
 
 
+def test_a_missing_or_non_integer_group_size_is_refused_by_name():
+    from tokenmill.quantization.config import resolve_quantization
+
+    config = tiny_config()
+    w4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": None}
+    for quant, where in (({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "config_groups": {"g": {"targets": ["Linear"], "weights": w4}}}, "config_groups.g.weights.group_size"),
+                         ({"quant_method": "gptq", "bits": 4, "group_size": None}, "group_size"),
+                         ({"quant_method": "awq", "bits": 4, "group_size": "128"}, "group_size")):
+        config.quantization_config = quant
+        with pytest.raises(ValueError, match=rf"quantization_config.{where}=.* is not supported; supported: -1"):
+            resolve_quantization(None, config)
+
+
 def test_w4a16_tiles_follow_the_measured_rule():
     """choose_config on Llama-3-8B's projections at 132 SMs (the H200): two warpgroups with 256 outputs a
     program only for the wide gate_up from 32 tokens, where the sweep measured it 6-24% faster

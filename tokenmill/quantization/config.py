@@ -185,15 +185,17 @@ def _compressed_tensors_scheme(where: str, group: dict, default_format: str | No
             raise _refuse(f"{where}.weights.strategy", strategy, "'group' or 'channel' for 4-bit weights")
         if weights.get("actorder") not in (None, False, "static"):
             raise _refuse(f"{where}.weights.actorder", weights["actorder"], "null or 'static' (no g_idx permutation)")
-        group_size = int(weights["group_size"]) if strategy == "group" else -1
+        group_size = weights.get("group_size") if strategy == "group" else -1
         return Int4Scheme("compressed-tensors", _check_group(f"{where}.weights.group_size", group_size),
                           bool(weights.get("symmetric", True)))
     raise _refuse(f"{where}.weights", weights, supported)
 
 
-def _check_group(where: str, group_size: int) -> int:
-    # The W4A16 kernel walks K in tiles of 32-128 features that must stay inside one group.
-    if group_size != -1 and (group_size <= 0 or group_size % 32 != 0):
+def _check_group(where: str, group_size: Any) -> int:
+    # The W4A16 kernel walks K in tiles of 32-128 features that must stay inside one group. The value
+    # is the config's as written: null or a string is refused by name, not a TypeError from int().
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or (
+            group_size != -1 and (group_size <= 0 or group_size % 32 != 0)):
         raise _refuse(where, group_size, "-1 (per channel) or a multiple of 32 (128 is usual)")
     return group_size
 
@@ -214,7 +216,7 @@ def _gptq(cfg: dict) -> QuantizationConfig:
     fmt = cfg.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("checkpoint_format", fmt, "'gptq' or 'gptq_v2'")
-    scheme = Int4Scheme("gptq", _check_group("group_size", int(cfg.get("group_size", 128))), bool(cfg.get("sym", True)),
+    scheme = Int4Scheme("gptq", _check_group("group_size", cfg.get("group_size", 128)), bool(cfg.get("sym", True)),
                         gptq_zeros_minus_one=fmt == "gptq")
     return QuantizationConfig("gptq", ((("Linear",), scheme),), tuple(cfg.get("modules_to_not_convert") or ()))
 
@@ -226,7 +228,7 @@ def _awq(cfg: dict) -> QuantizationConfig:
     version = str(cfg.get("version", "gemm")).lower()
     if version != "gemm":
         raise _refuse("version", cfg.get("version"), "'gemm' (the layout AutoAWQ writes by default)")
-    group_size = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
+    group_size = cfg.get("group_size", cfg.get("q_group_size", 128))
     scheme = Int4Scheme("awq", _check_group("group_size", group_size), not cfg.get("zero_point", True))
     return QuantizationConfig("awq", ((("Linear",), scheme),), tuple(cfg.get("modules_to_not_convert") or ()))
 
