@@ -71,6 +71,18 @@ def test_compressed_tensors_targets_name_modules_exactly():
     assert config.scheme_for(["model.layers.1.mlp.up_proj"]) == fp8
 
 
+def test_compressed_tensors_config_under_its_older_compression_config_key(root):
+    """Older compressed-tensors (sparseml) checkpoints name the section compression_config; vLLM reads it
+    when quantization_config is absent. Without it the packed tensors would only meet a loader error."""
+    built, reference = compressed_tensors_checkpoint(root, "W4A16", "llama", seed=9)
+    folder = root / "ct-compression-config"
+    shutil.copytree(built, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    assert _check_against_hf(folder, reference).llm_engine.config.quantization.method == "compressed-tensors"
+
+
 @pytest.mark.parametrize("fmt, symmetric", [("gptq", True), ("gptq", False), ("awq", False)])
 def test_gptq_and_awq_checkpoints_match_hf_on_the_dequantized_integers(root, fmt, symmetric):
     folder, reference = gptq_awq_checkpoint(root, fmt, symmetric)

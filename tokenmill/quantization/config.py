@@ -112,6 +112,10 @@ def resolve_quantization(quantization: str | None, hf_config: Any) -> Quantizati
             )
         quantization = _ALIASES.get(quantization, quantization)
     stored = getattr(hf_config, "quantization_config", None)
+    if stored is None:
+        # Older compressed-tensors (sparseml) checkpoints write the same section under this name;
+        # vLLM reads it too. Unread, their packed tensors would only meet a loader error.
+        stored = getattr(hf_config, "compression_config", None)
     if stored is not None and not isinstance(stored, dict):
         stored = stored.to_dict()  # a transformers QuantizationConfigMixin
     if not stored:
