@@ -62,8 +62,8 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
                                   more_groups: tuple[tuple[str, list[str]], ...] = ()) -> tuple[Path, Path]:
     """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC) for
     every Linear not in ``ignore``, its 4-bit groups of ``group_size`` features when given (the presets
-    use 128); ``more_groups``: further (preset, targets) groups after it, which compressed-tensors
-    lets win over "Linear" for the modules their names or regexes match."""
+    use 128; -1: per channel); ``more_groups``: further (preset, targets) groups after it, which
+    compressed-tensors lets win over "Linear" for the modules their names or regexes match."""
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
@@ -73,7 +73,9 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
     model = random_model(config, seed)
     input_peaks = _calibrate_input_peaks(model)
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    if group_size is not None:
+    if group_size == -1:  # one scale per output channel
+        scheme.weights.strategy, scheme.weights.group_size = "channel", None
+    elif group_size is not None:
         scheme.weights.group_size = group_size
     groups = {"group_0": scheme}
     groups.update({f"group_{i + 1}": preset_name_to_scheme(p, targets) for i, (p, targets) in enumerate(more_groups)})

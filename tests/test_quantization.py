@@ -41,10 +41,12 @@ def _check_against_hf(folder: Path, reference: Path, **llm_kwargs) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("preset, family", [("W4A16", "llama"), ("W4A16_ASYM", "qwen2"), ("FP8", "llama"),
-                                            ("FP8_DYNAMIC", "qwen2")])
-def test_compressed_tensors_checkpoint_matches_hf_on_its_decompressed_weights(root, preset, family):
-    folder, reference = compressed_tensors_checkpoint(root, preset, family)
+@pytest.mark.parametrize("preset, family, group_size", [
+    ("W4A16", "llama", None), ("W4A16_ASYM", "qwen2", None), ("FP8", "llama", None), ("FP8_DYNAMIC", "qwen2", None),
+    ("W4A16", "llama", -1), ("W4A16_ASYM", "qwen2", 32),  # per-channel and small groups
+])
+def test_compressed_tensors_checkpoint_matches_hf_on_its_decompressed_weights(root, preset, family, group_size):
+    folder, reference = compressed_tensors_checkpoint(root, preset, family, group_size=group_size)
     llm = _check_against_hf(folder, reference)
     assert llm.llm_engine.config.quantization.method == "compressed-tensors"
 
@@ -151,6 +153,27 @@ def test_fp8_checkpoint_with_quant_method_fp8(root):
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
     (folder / "config.json").write_text(json.dumps(config))
     assert _check_against_hf(folder, reference).llm_engine.config.quantization.method == "fp8"
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_checkpoint_scales_in_half_precision_dequantize_exactly(root, scale_dtype):
+    """weight_scale / input_scale stored in bf16 or fp16 (the model dtype of the export): weight = fp8 * scale."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.quantization.config import resolve_quantization
+
+    built, _ = compressed_tensors_checkpoint(root, "FP8", "llama", seed=3)
+    folder = root / f"fp8-scales-{scale_dtype}"
+    shutil.copytree(built, folder)
+    tensors = {n: t.to(scale_dtype) if n.endswith("_scale") else t for n, t in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    source = resolve_model(str(folder))
+    model = load_model(source, torch.float32, torch.device("cpu"), quantization=resolve_quantization(None, source.hf_config))
+    name = "model.layers.0.mlp.down_proj"
+    expected = tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"].float()
+    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight, expected, rtol=0, atol=0)
 
 
 def test_fp8_checkpoint_weight_that_is_not_float8_is_refused(root):
