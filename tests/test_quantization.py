@@ -124,6 +124,19 @@ def test_gptq_act_order_with_static_groups_loads_and_a_permuted_g_idx_is_refused
         LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
 
 
+def test_gptq_checkpoint_without_g_idx_loads(root):
+    """g_idx only matters for act-order; desc_act=False exports that leave it out load in the plain order
+    (vLLM's GPTQ layers do not require it either)."""
+    from safetensors.torch import load_file, save_file
+
+    built, reference = gptq_awq_checkpoint(root, "gptq", True, seed=6)
+    folder = root / "gptq-no-g-idx"
+    shutil.copytree(built, folder)
+    tensors = {n: t for n, t in load_file(folder / "model.safetensors").items() if not n.endswith(".g_idx")}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    _check_against_hf(folder, reference)
+
+
 def test_quantization_fp8_quantizes_a_full_precision_checkpoint_while_loading(root, tiny_llama_dir):
     reference = fp8_fake_quantized_reference(root, tiny_llama_dir)
     _check_against_hf(tiny_llama_dir, reference, quantization="fp8")

@@ -98,7 +98,9 @@ def load_hf_weights(
         # parameter changed, so what was derived from it (a CPU packed copy) is made again.
         torch.autograd.graph.increment_version(param)
         loaded.add(local)
-    missing = [] if partial else sorted(expected - loaded)
+    # A parameter marked checkpoint_optional (GPTQ's g_idx, only checked when present) may be absent.
+    missing = [] if partial else sorted(name for name in expected - loaded
+                                        if not getattr(params.get(stacked_param(name, stacked)[0]), "checkpoint_optional", False))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match {type(model).__name__}: "

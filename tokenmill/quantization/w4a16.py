@@ -61,6 +61,8 @@ class W4A16LinearMethod:
             layer.weight_shape = _checked_param((2,), torch.int64, loader, _place_weight_shape)
         elif layout == "gptq":
             layer.g_idx = _checked_param((k,), torch.int32, loader, self._place_g_idx)
+            # Some desc_act=False exports leave g_idx out: the plain order it would have to be anyway.
+            layer.g_idx.checkpoint_optional = True  # type: ignore[attr-defined]
 
     def _place_g_idx(self, param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
         # desc_act=False checkpoints still save g_idx; it must be the plain order feature // group.
