@@ -196,3 +196,21 @@ def test_an_input_cut_while_it_runs_stops_the_job_and_fails_no_row(tmp_path, llm
     again = job(tmp_path, llm, path)
     assert again.exit_code == 0 and again.failed == 0
     assert rows_of(tmp_path / "out.jsonl") == [(i, 0) for i in range(ROWS)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_the_scan_counts_and_digests_only_the_bytes_the_run_reads(tmp_path, monkeypatch, fmt):
+    """A producer appending while the scan runs: the row count and the resume digest cover the input
+    as it was when the scan measured it, the bytes the run will read (`readers.ScannedInput`)."""
+    from tokenmill.batch import readers
+
+    lines = [json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(10)] if fmt == "jsonl" else \
+        ["prompt\n"] + [f"row {i}\n" for i in range(10)]
+    head = "".join(lines[: 7 if fmt == "csv" else 6]).encode()
+    grown, first = tmp_path / f"grown.{fmt}", tmp_path / f"first.{fmt}"
+    grown.write_bytes("".join(lines).encode())
+    first.write_bytes(head)
+    want = readers.scan_input(str(first), fmt)
+    monkeypatch.setattr(readers.os.path, "getsize", lambda path: len(head))  # measured before the rest arrived
+    got = readers.scan_input(str(grown), fmt)
+    assert (got.rows, got.size, got.digest) == (want.rows, want.size, want.digest) == (6, len(head), want.digest)

@@ -91,21 +91,24 @@ def scan_input(path: str, fmt: str) -> InputInfo:
     size = os.path.getsize(path)
     digest = hashlib.blake2b(digest_size=16)
     rows: int | None = 0
+    # The count and digest cover the first ``size`` bytes only, as the run reads them (`ScannedInput`):
+    # a producer appending meanwhile would make them describe rows the run never reads.
+    scanned = None if fmt == "parquet" else size
     if fmt in ("jsonl", "openai"):
         _refuse_json_array(path)
-        with open(path, "rb") as f:
+        with _open_input(path, scanned) as f:
             for line in f:
                 digest.update(line)
                 if line.strip():
                     rows += 1  # type: ignore[operator]
     else:
-        with open(path, "rb") as f:
+        with _open_input(path, scanned) as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
         if fmt == "parquet":
             rows = _parquet_file(path).metadata.num_rows
         else:
-            rows = sum(1 for _ in _csv_records(path, fmt))
+            rows = sum(1 for _ in _csv_records(path, fmt, scanned))
     return InputInfo(format=fmt, rows=rows, size=size, digest=digest.hexdigest())
 
 
