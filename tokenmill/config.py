@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tokenmill.engine_args_table import VLLM_ARGUMENTS, Handling, check_value, unimplemented_fields
 from tokenmill.generation_defaults import GENERATION_CONFIG_FIELDS
+from tokenmill.param_checks import is_int, is_number
 
 if TYPE_CHECKING:
     import argparse
@@ -174,10 +175,10 @@ class EngineArgs(_VllmOnlyArguments):
                f"one of {_SCHEDULING_POLICIES}")
         _check(self.logprobs_mode in _LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, f"one of {_LOGPROBS_MODES}")
         _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {_KV_CACHE_DTYPES}")
-        _check(_is_int(self.seed), "seed", self.seed, "an integer (vLLM's default is 0)")
+        _check(is_int(self.seed), "seed", self.seed, "an integer (vLLM's default is 0)")
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an integer >= 1")
+            _check(value is None or (is_int(value) and value >= 1), name, value, "None or an integer >= 1")
         for name in ("tokenizer", "revision", "tokenizer_revision", "gguf_file"):
             # Path("") is the current folder, and a number fails inside pathlib or huggingface_hub.
             value = getattr(self, name)
@@ -186,16 +187,16 @@ class EngineArgs(_VllmOnlyArguments):
             value = getattr(self, name)
             _check(isinstance(value, bool) or (value is None and name in _OPTIONAL_BOOL_FIELDS), name, value,
                    "True or False" + (" (or None)" if name in _OPTIONAL_BOOL_FIELDS else ""))
-        _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
+        _check(self.block_size is None or (is_int(self.block_size) and self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0),
                "block_size", self.block_size, "a power of two (or None: 16)")
-        _check(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+        _check(is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "a number in (0, 1]")
         _check(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")),
                "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N' (a string)")
         _check(self.generation_config in ("auto", "vllm") or bool(self.generation_config), "generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _check(self.tokenizer_mode in _TOKENIZER_MODES, "tokenizer_mode", self.tokenizer_mode,
                "'auto' or 'hf' (the Hugging Face tokenizer), or 'slow' (its Python version where the model has one)")
-        _check(_is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, ">= 0, or -1 for the whole vocabulary")
+        _check(is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, ">= 0, or -1 for the whole vocabulary")
         self._validate_engine_controls()
         for name, argument in VLLM_ARGUMENTS.items():
             if argument.handling is not Handling.IMPLEMENTED:
@@ -216,9 +217,9 @@ class EngineArgs(_VllmOnlyArguments):
 
     def _validate_engine_controls(self) -> None:
         """The arguments tokenmill added for vLLM's engine controls and config sections."""
-        _check(_is_number(self.cpu_offload_gb) and self.cpu_offload_gb >= 0, "cpu_offload_gb", self.cpu_offload_gb,
+        _check(is_number(self.cpu_offload_gb) and self.cpu_offload_gb >= 0, "cpu_offload_gb", self.cpu_offload_gb,
                "a number of GiB >= 0")
-        _check(self.num_gpu_blocks_override is None or (_is_int(self.num_gpu_blocks_override) and self.num_gpu_blocks_override >= 2),
+        _check(self.num_gpu_blocks_override is None or (is_int(self.num_gpu_blocks_override) and self.num_gpu_blocks_override >= 2),
                "num_gpu_blocks_override", self.num_gpu_blocks_override, "None or an integer >= 2")
         _check(self.hf_overrides is None or isinstance(self.hf_overrides, dict) or callable(self.hf_overrides),
                "hf_overrides", self.hf_overrides, "None, a dict of config.json fields or a function config -> config")
@@ -476,14 +477,6 @@ def config_section(name: str, value: Any, implemented: dict[str, tuple]) -> dict
             raise ValueError(f"LLM({name}={{{field_name!r}: {field_value!r}}}) is not supported by tokenmill: "
                              f"supported: {' or '.join(repr(v) for v in allowed)}")
     return dict(given)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

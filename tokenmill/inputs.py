@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, NotRequired, Sequence, TypedDict
 
 from tokenmill.chat_content import formatted_messages, resolve_content_format
+from tokenmill.param_checks import is_int
 
 
 class TextPrompt(TypedDict):
@@ -93,10 +94,9 @@ def priority_per_prompt(priority: int | Sequence[int] | None, count: int) -> lis
     """vLLM's ``priority``: None, one int for every prompt, or a list of exactly one int per prompt."""
     if priority is None:
         return None
-    if isinstance(priority, int) and not isinstance(priority, bool):
+    if is_int(priority):
         return [priority] * count
-    if (not isinstance(priority, (list, tuple)) or len(priority) != count
-            or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)):
+    if not isinstance(priority, (list, tuple)) or len(priority) != count or not all(map(is_int, priority)):
         raise ValueError(f"priority must be an integer or a list of {count} integers, one per prompt; "
                          f"got {priority!r:.100}")
     return list(priority)

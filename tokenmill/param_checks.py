@@ -11,6 +11,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value: Any) -> bool:
+    """An int or a float, and not a bool (NaN and infinities included: callers bound the range)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check(ok: bool, name: str, value: Any, allowed: str, owner: str) -> None:
     if not ok:
         raise ValueError(f"{owner}.{name}={value!r} is invalid: must be {allowed}")

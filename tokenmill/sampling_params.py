@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 # vLLM's import path: vllm.sampling_params.RepetitionDetectionParams.
 from tokenmill.repetition_detection import RepetitionDetectionParams
-from tokenmill.param_checks import check, is_int as _is_int
+from tokenmill.param_checks import check, is_int as _is_int, is_number as _is_number
 
 if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputsParams
@@ -469,5 +469,3 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from tokenmill.param_checks import is_number
 from tokenmill.worker.worker import Worker, worker_class
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class Executor:
             raise ValueError(f"collective_rpc: args={args!r:.100} is invalid: must be a tuple of positional arguments")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"collective_rpc: kwargs={kwargs!r:.100} is invalid: must be a dict of keyword arguments or None")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        if timeout is not None and not (is_number(timeout) and timeout > 0):
             # Checked here, not where the wait uses it: a one-rank engine never waits, and would ignore it.
             raise ValueError(f"collective_rpc: timeout={timeout!r:.100} is invalid: must be None or a number of seconds > 0")
         args, kwargs = tuple(args), dict(kwargs or {})

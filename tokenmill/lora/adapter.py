@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.param_checks import is_int, is_number
+
 if TYPE_CHECKING:
     import torch
 
@@ -149,12 +151,12 @@ def _read_config(config_file: Path, where: str) -> dict[str, Any]:
     return config
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _is_finite(value: Any) -> bool:
+    return is_number(value) and math.isfinite(value)
 
 
 def _is_rank(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def _pattern_problem(value: Any, valid: Any) -> str | None:
@@ -177,11 +179,11 @@ def _pattern_problem(value: Any, valid: Any) -> str | None:
 # fail a step, or worse run (use_rslora="false" is truthy). Missing fields take PEFT's defaults.
 _FIELDS: dict[str, tuple[Any, str]] = {
     "r": (_is_rank, "an integer >= 1"),
-    "lora_alpha": (_is_number, "a number"),
+    "lora_alpha": (_is_finite, "a number"),
     "use_rslora": (lambda v: v is None or isinstance(v, bool), "true or false"),
 }
 _PATTERNS: dict[str, tuple[Any, str]] = {
-    "alpha_pattern": (_is_number, "an object of module-name regular expressions to numbers"),
+    "alpha_pattern": (_is_finite, "an object of module-name regular expressions to numbers"),
     "rank_pattern": (_is_rank, "an object of module-name regular expressions to integers >= 1"),
 }
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenmill.models.builtin import BUILTIN_MODELS, ensure_builtin, ensure_gguf_converted, find_builtin, stored_dtype
+from tokenmill.param_checks import is_int
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -111,7 +112,7 @@ def check_config_sizes(config: Any, origin: str | None) -> None:
         value = fields[name]
         if value is None and name in _OPTIONAL_CONFIG_SIZES:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             where = f"{origin}: " if origin else ""
             raise ValueError(f"{where}{name}={value!r} is invalid: must be an integer >= 1")
 

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokenmill.param_checks import is_int
+
 # vLLM's names for the methods we run; vLLM's kernel-specific spellings load the same checkpoints.
 SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 _ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
@@ -198,8 +200,7 @@ def _compressed_tensors_scheme(where: str, group: dict, default_format: str | No
 def _check_group(where: str, group_size: Any) -> int:
     # The W4A16 kernel walks K in tiles of 32-128 features that must stay inside one group. The value
     # is the config's as written: null or a string is refused by name, not a TypeError from int().
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or (
-            group_size != -1 and (group_size <= 0 or group_size % 32 != 0)):
+    if not is_int(group_size) or (group_size != -1 and (group_size <= 0 or group_size % 32 != 0)):
         raise _refuse(where, group_size, "-1 (per channel) or a multiple of 32 (128 is usual)")
     return group_size
 
