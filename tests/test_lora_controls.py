@@ -254,7 +254,8 @@ def test_an_adapter_with_non_finite_weights_fails_only_its_own_requests(llama, t
     """One NaN or inf in an adapter's tensor (headers fine, so found when the tensors are read): its
     requests end with finish_reason "error" naming the tensor, and the requests beside it, of another
     adapter and of the base model, still give HF + PEFT's outputs. In a device slot it made every token
-    of every step with an adapter NaN (the one-hot mask multiplies, 0 * NaN is NaN), and stayed there.
+    of every step with an adapter NaN (the expand multiplies every token's zeroed columns by B, 0 * NaN
+    is NaN), and stayed there.
     add_lora refuses it with a ValueError, leaving it unlisted."""
     name = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
     good = adapter(tiny_llama_dir, "all")
@@ -274,6 +275,33 @@ def test_an_adapter_with_non_finite_weights_fails_only_its_own_requests(llama, t
     assert bad.lora_int_id not in llama.llm_engine.list_loras()
     outputs = llama.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=[requests["B"], requests["A"], None])
     assert_matches_peft(tiny_llama_dir, outputs, prompts, [requests["B"], requests["A"], None])
+
+
+def test_an_adapter_overflowing_fp16_leaves_the_other_tokens_of_its_steps_alone(tiny_llama_dir, adapter, lora_root,
+                                                                                 requests):
+    """Finite adapter weights so large that x A^T overflows fp16 (lora_A of one module at 3e4, lora_B
+    at its usual size): the check at load passes them, and the step's shrink gives inf in that
+    adapter's columns for every token. With the one-hot mask multiplied in, inf * 0 made every other
+    token of the step NaN, whatever its adapter; the mask now selects instead. In an fp16 engine the
+    requests beside the overflowing adapter's (another adapter's, the base model's) give the tokens
+    and logprobs they give in a batch without it."""
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    good = adapter(tiny_llama_dir, "all")
+    huge = torch.full_like(adapter_tensors(good)[name], 3e4)
+    folder = copy_adapter(good, lora_root / "overflowing_fp16", tensor_changes={name: huge})
+    big = lora_request("overflowing", 130, folder)
+    prompts = random_prompts(VOCAB, [8, 5, 11], seed=33)
+    llm = make_llm(tiny_llama_dir, dtype="float16", max_loras=2)
+    try:
+        alone = llm.generate(as_inputs([prompts[0], prompts[2]]), GREEDY, use_tqdm=False,
+                             lora_request=[requests["A"], None])
+        beside = llm.generate(as_inputs(prompts), GREEDY, use_tqdm=False, lora_request=[requests["A"], big, None])
+    finally:
+        llm.llm_engine.executor.shutdown()
+    for want, got in zip(alone, [beside[0], beside[2]]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert [next(iter(step.values())).logprob for step in got.outputs[0].logprobs] == \
+            [next(iter(step.values())).logprob for step in want.outputs[0].logprobs]
 
 
 def test_only_the_adapters_own_load_errors_fail_its_requests():

@@ -119,8 +119,10 @@ def inspect_adapter(request: "LoRARequest", targets: dict[str, tuple[int, int]],
 def read_adapter(spec: AdapterSpec, dtype: "torch.dtype") -> dict[str, tuple["torch.Tensor", "torch.Tensor"]]:
     """Per module: (A [r, in], B [out, r] times the scaling), in ``dtype`` on the CPU. A ValueError
     names a tensor with NaN or infinite values (as read, or once scaled and cast to ``dtype``): in a
-    device slot it would make every token of a step NaN, whatever its adapter (the one-hot mask
-    multiplies: 0 * NaN is NaN), so the adapter fails its own requests instead (`AdapterLoadError`)."""
+    device slot it would make every token of a step NaN, whatever its adapter (the expand GEMM
+    multiplies every token's zeroed columns by B: 0 * NaN is NaN), so the adapter fails its own
+    requests instead (`AdapterLoadError`). Finite weights whose products overflow the dtype stay with
+    their own requests (`LoRAUpdate` selects each token's columns)."""
     import torch
 
     tensors = _load_tensors(Path(spec.weights_file))

@@ -4,8 +4,10 @@ Each adapted layer keeps every device slot's adapter side by side: A of slot s (
 or v of a stacked q/k/v, gate or up of gate/up) in rows [(j S + s) R, ... + R) of ``a``, and B,
 times the adapter's scaling, in the same columns of ``b``, in its sublayer's output rows (zeros
 elsewhere; ranks below R padded with zeros). A step then costs two small GEMMs whatever its mix of
-adapters: ``t = x a^T`` ([T, J S R]), each token's columns of slots other than its own zeroed by a
-one-hot mask, and ``y += t b^T``. With S R a few dozen against thousands of features that is a few
+adapters: ``t = x a^T`` ([T, J S R]), each token's columns of slots other than its own set to zero
+by a one-hot mask, and ``y += t b^T``. The mask selects (``where``) rather than multiplies: an
+adapter whose finite weights overflow fp16 gives inf in its columns for every token, and inf * 0
+would make every token of the step NaN; selected, the overflow stays with its own requests. With S R a few dozen against thousands of features that is a few
 percent of the layer's own work; there are no per-adapter shapes, so CUDA graphs capture it as is.
 
 Under tensor parallelism the layer's own split applies: a column-parallel layer keeps all of A and
@@ -20,8 +22,8 @@ import torch.nn.functional as F
 
 
 class LoRABatch:
-    """This step's adapter slot per token, as the one-hot mask every layer reads ([T, S] in the
-    model dtype; None when no token of the step has an adapter). One per model, set at the start of
+    """This step's adapter slot per token, as the one-hot mask every layer reads ([T, S] bool; None
+    when no token of the step has an adapter). One per model, set at the start of
     each forward from the forward context (``begin``)."""
 
     def __init__(self, num_slots: int, device: torch.device):
@@ -29,9 +31,9 @@ class LoRABatch:
         self._slot_ids = torch.arange(num_slots, dtype=torch.int32, device=device)
         self.mask: torch.Tensor | None = None
 
-    def begin(self, token_slots: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def begin(self, token_slots: torch.Tensor | None) -> None:
         """``token_slots``: [T] int32, each token's slot (-1: the base model), or None."""
-        self.mask = None if token_slots is None else (token_slots[:, None] == self._slot_ids[None, :]).to(dtype)
+        self.mask = None if token_slots is None else token_slots[:, None] == self._slot_ids[None, :]
 
 
 class LoRAUpdate:
@@ -55,7 +57,7 @@ class LoRAUpdate:
             return y
         tokens = x.shape[0]
         t = self.matmul(x, self.a).view(tokens, self.num_sublayers, self.batch.num_slots, self.max_rank)
-        t = (t * mask[:, None, :, None]).view(tokens, -1)
+        t = torch.where(mask[:, None, :, None], t, 0).view(tokens, -1)
         if self.matmul is F.linear:
             return torch.addmm(y, t, self.b.t())
         return y + self.matmul(t, self.b)

@@ -104,7 +104,7 @@ class ModelLoRA:
 
     def _begin(self, model: nn.Module, args: tuple) -> None:
         ctx = args[2]
-        self.batch.begin(getattr(ctx, "lora_slots", None), self.dtype)
+        self.batch.begin(getattr(ctx, "lora_slots", None))
 
     # ---- adapters in slots ------------------------------------------------------------------------
     def cache(self, spec: "AdapterSpec") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
