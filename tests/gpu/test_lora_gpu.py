@@ -147,7 +147,7 @@ def test_lora_update_matches_per_token_torch(tokens):
     x = torch.randn(tokens, in_features, generator=gen).bfloat16()
     y = torch.randn(tokens, sum(parts), generator=gen).bfloat16()
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
-    batch.begin(token_slots.cuda(), torch.bfloat16)
+    batch.begin(token_slots.cuda())
     got = update(x.cuda(), y.cuda()).float().cpu()
     want = y.float().clone()
     for t, slot in enumerate(token_slots.tolist()):
