@@ -51,7 +51,9 @@ def test_metrics_count_tokens_requests_latencies_and_cache_hits(tiny_llama_dir):
     again = fresh.generate(long_prompt, GREEDY, use_tqdm=False)[0]
     metrics = _by_name(fresh.get_metrics())
     assert again.num_cached_tokens > first.num_cached_tokens  # the first shares a prefix with PROMPTS[2]
-    assert value("vllm:prefix_cache_queries") == sum(len(p["prompt_token_ids"]) for p in prompts) + 2 * 57
+    # each of the n=2 samples looks the prompt up (a child request of vLLM's); its sibling's
+    # 3-token prompt has no full block to find
+    assert value("vllm:prefix_cache_queries") == sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs) + 2 * 57
     hits = sum(o.num_cached_tokens for o in [*outputs, first, again])
     assert value("vllm:prefix_cache_hits") == hits
 
@@ -147,3 +149,32 @@ def test_the_reader_turns_a_prometheus_registry_into_vllms_shapes():
     assert found["vllm:prompt_tokens"] == Counter("vllm:prompt_tokens", {"engine": "0"}, 7)
     assert found["vllm:e2e_request_latency_seconds"] == Histogram(
         "vllm:e2e_request_latency_seconds", {"engine": "0"}, 3, 6.1, {"0.5": 1, "2.0": 2, "+Inf": 3})
+
+
+def _fresh(tiny_llama_dir, **extra) -> LLM:
+    return LLM(str(tiny_llama_dir), disable_log_stats=False, **{**OPTIONS, **extra})
+
+
+def test_prefix_cache_metrics_count_each_sample_as_a_vllm_child_looking_up_its_prompt(tiny_llama_dir):
+    # vLLM runs each of n samples as a child request that looks its prompt up when first scheduled
+    # (KVCacheManager.get_computed_blocks): queries += prompt length; hits += the cached full blocks,
+    # at most prompt length - 1. Child 0 caches its prompt's blocks as it is scheduled, so each later
+    # child finds all of them: (P - 1) // block_size full blocks.
+    block, prompt_len, n = 4, 11, 3
+    fresh = _fresh(tiny_llama_dir, block_size=block)
+    prompt = [{"prompt_token_ids": list(range(3, 3 + prompt_len))}]
+    fresh.generate(prompt, GREEDY.clone(n=n, temperature=1.0, seed=2), use_tqdm=False)
+    sibling_hits = (prompt_len - 1) // block * block
+    metrics = _by_name(fresh.get_metrics())
+    assert metrics["vllm:prefix_cache_queries"][0].value == n * prompt_len
+    assert metrics["vllm:prefix_cache_hits"][0].value == (n - 1) * sibling_hits
+    fresh.generate(prompt, GREEDY, use_tqdm=False)  # n = 1, the same prompt: its full blocks are cached
+    metrics = _by_name(fresh.get_metrics())
+    assert metrics["vllm:prefix_cache_queries"][0].value == (n + 1) * prompt_len
+    assert metrics["vllm:prefix_cache_hits"][0].value == n * sibling_hits
+    # no child reads the prefix cache when the request skips it (nor with prompt logprobs)
+    fresh.generate(prompt, GREEDY.clone(n=2, temperature=1.0, seed=3, skip_reading_prefix_cache=True), use_tqdm=False)
+    fresh.generate(prompt, GREEDY.clone(n=2, temperature=1.0, seed=3, prompt_logprobs=0), use_tqdm=False)
+    metrics = _by_name(fresh.get_metrics())
+    assert metrics["vllm:prefix_cache_queries"][0].value == (n + 1) * prompt_len
+

@@ -156,8 +156,6 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         if prompt_text is not None and request.prompt is None:
             request.prompt = prompt_text
         self.requests[request_id] = request
-        if self.metrics is not None:
-            self.metrics.request_added(request)
         if request.needs_sync:
             self._history_readers.add(request_id)
         self.scheduler.add(request)
@@ -263,6 +261,7 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         if not overlap and self._in_flight is not None:
             self._read_back(self._take_in_flight(), finished_only, outputs)
         if self.metrics is not None:
+            self.metrics.prefix_cache_looked_up(*self.scheduler.take_prefix_cache_stats())
             self.metrics.engine_state(len(self.scheduler.running), len(self.scheduler.waiting),
                                       self.kv.num_usable_blocks - self.kv.num_free_blocks, self.kv.num_usable_blocks)
 
@@ -427,7 +426,7 @@ def _start_metrics(config: EngineConfig) -> "EngineMetrics | None":
         return None
     from tokenmill.metrics.stats import EngineMetrics
 
-    return EngineMetrics(config.served_model_name, config.max_model_len, config.enable_prefix_caching)
+    return EngineMetrics(config.served_model_name, config.max_model_len)
 
 
 class EngineStats:

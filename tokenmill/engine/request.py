@@ -60,6 +60,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prompt tokens its first admission counts as prefix-cache hits, as vLLM's child request of this
+    # sample would find them (0 where vLLM looks nothing up); for the metrics (Scheduler._count_lookup).
+    num_cached_tokens: int = 0
     best_of_logprob: float = 0.0  # sum of sampled-token logprobs, kept for best_of ranking
     grammar: Any = None  # xgrammar matcher when the request has structured_outputs
     # How much of the output earlier DELTA outputs already carried.

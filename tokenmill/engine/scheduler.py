@@ -133,6 +133,9 @@ class Scheduler:
         self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # vLLM's prefix-cache books (prompt tokens looked up, and found) since take_prefix_cache_stats.
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
         # Finished, aborted or preempted since the last plan (SchedulerOutput.finished_seq_ids).
         self._finished_seq_ids: set[int] = set()
         # The last plan's finished_seq_ids until it is launched: a step failing before the runner
@@ -347,6 +350,8 @@ class Scheduler:
                 seq.num_computed_tokens += copied
                 seq.copy_pending = (partial, seq.block_ids[len(prefix)])
                 copies.append(seq.copy_pending)
+            if not seq.num_preemptions and seq.fork_parent is None:  # its first admission (not a beam's fork)
+                self._count_lookup(seq, len(prefix) * self.kv.block_size)
             request = seq.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -362,6 +367,25 @@ class Scheduler:
             budget -= num
         self.waiting.extendleft(reversed(held_back))
         return budget
+
+    def _count_lookup(self, seq: Sequence, num_cached: int) -> None:
+        """Count a sample's prompt lookup as vLLM does: each sample is a child request looking its
+        prompt up when first scheduled, so sample k finds sample 0's full prompt blocks (shared here,
+        `_shareable_prefix`: the same tokens). vLLM looks nothing up with the prefix cache off, with
+        prompt logprobs or with skip_reading_prefix_cache."""
+        params = seq.params
+        if not self.kv.enable_prefix_caching or params.prompt_logprobs is not None or params.skip_reading_prefix_cache:
+            return
+        seq.num_cached_tokens = num_cached
+        self._prefix_cache_queries += seq.num_prompt_tokens
+        self._prefix_cache_hits += num_cached
+
+    def take_prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found) since the last call (vLLM's
+        KVCacheManager.make_prefix_cache_stats)."""
+        stats = (self._prefix_cache_queries, self._prefix_cache_hits)
+        self._prefix_cache_queries = self._prefix_cache_hits = 0
+        return stats
 
     def _has_no_room(self, seq: Sequence) -> bool:
         """No token may follow the ones already sampled (in flight included): it ends at length."""

@@ -51,14 +51,13 @@ def token_count_buckets(limit: int) -> list[int]:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int, prefix_caching: bool = True):
+    def __init__(self, model_name: str, max_model_len: int):
         from prometheus_client import CollectorRegistry
         from prometheus_client import Counter as PromCounter
         from prometheus_client import Gauge as PromGauge
         from prometheus_client import Histogram as PromHistogram
 
         self.registry = CollectorRegistry()
-        self.prefix_caching = prefix_caching  # off: no lookups to count, as in vLLM
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
 
@@ -94,18 +93,13 @@ class EngineMetrics:
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", token_buckets)
         self.request_generation = histogram("vllm:request_generation_tokens", "Generated tokens per request.", token_buckets)
         self.step_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", _STEP_TOKEN_BUCKETS)
-        # Requests still waiting for their first token, and each sequence's last token time:
-        # weak, so a request that is aborted or finishes leaves nothing behind.
-        self._awaiting_first: weakref.WeakSet[Request] = weakref.WeakSet()
+        # Each sequence's last token time: weak, so a request that is aborted or finishes leaves nothing behind.
         self._last_token: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
 
     def snapshot(self) -> list[Metric]:
         return get_metrics_snapshot(self.registry)
 
     # ---- what the engine reports ---------------------------------------------------------------
-    def request_added(self, request: "Request") -> None:
-        self._awaiting_first.add(request)
-
     def step_launched(self, plan: "SchedulerOutput") -> None:
         self.step_tokens.observe(plan.num_batched_tokens)
         if plan.num_preempted:
@@ -116,12 +110,6 @@ class EngineMetrics:
         self.generation_tokens.inc(len(sequences))
         for seq in sequences:
             request = seq.request
-            if request in self._awaiting_first:  # the prompt was looked up once, for its first sample
-                self._awaiting_first.discard(request)
-                params = request.params  # prompt logprobs need every position computed: no lookup
-                if self.prefix_caching and params.prompt_logprobs is None and not params.skip_reading_prefix_cache:
-                    self.prefix_queries.inc(len(request.prompt_token_ids))  # vLLM counts only real lookups
-                    self.prefix_hits.inc(request.num_cached_tokens)
             if len(seq.output_token_ids) == 1:  # a sample's first token (not a beam forked with its parent's)
                 # vLLM runs each of n samples as a child request: each has a first token and a prompt.
                 self.ttft.observe(now - request.arrival_time)
@@ -130,6 +118,12 @@ class EngineMetrics:
             if last is not None:
                 self.itl.observe(now - last)
             self._last_token[seq] = now
+
+    def prefix_cache_looked_up(self, queries: int, hits: int) -> None:
+        """Prompt tokens looked up in the prefix cache and found there (each sample's, as vLLM's
+        child requests: `Scheduler.take_prefix_cache_stats`)."""
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
 
     def request_finished(self, request: "Request", output: "RequestOutput", now: float) -> None:
         """One observation per completion, as vLLM's per-child finished requests."""
