@@ -178,3 +178,63 @@ def test_prefix_cache_metrics_count_each_sample_as_a_vllm_child_looking_up_its_p
     metrics = _by_name(fresh.get_metrics())
     assert metrics["vllm:prefix_cache_queries"][0].value == (n + 1) * prompt_len
 
+
+def test_request_parameter_histograms_count_each_request_as_vllms(tiny_llama_dir):
+    # vllm:request_params_n and vllm:request_max_num_generation_tokens: one observation per request
+    # once all its samples finished (ParentRequest.observe_finished_request); the max is over its
+    # samples' generated tokens. vllm:request_params_max_tokens: one per sample, max_tokens or, unset,
+    # max_model_len - prompt length (vLLM's input processor fills it in).
+    fresh = _fresh(tiny_llama_dir)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}, {"prompt_token_ids": list(range(3, 43))}]
+    params = [GREEDY.clone(n=2, temperature=1.0, seed=1, max_tokens=5), GREEDY.clone(max_tokens=3),
+              SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=None, ignore_eos=True)]
+    outputs = fresh.generate(prompts, params, use_tqdm=False)
+    metrics = _by_name(fresh.get_metrics())
+    n_hist = metrics["vllm:request_params_n"][0]
+    assert (n_hist.count, n_hist.sum) == (3, 2 + 1 + 3)
+    assert {le: n_hist.buckets[le] for le in ("1.0", "2.0", "5.0", "10.0", "20.0", "+Inf")} == {
+        "1.0": 1, "2.0": 2, "5.0": 3, "10.0": 3, "20.0": 3, "+Inf": 3}
+    longest = metrics["vllm:request_max_num_generation_tokens"][0]
+    assert (longest.count, longest.sum) == (3, sum(max(len(c.token_ids) for c in o.outputs) for o in outputs))
+    max_tokens = metrics["vllm:request_params_max_tokens"][0]
+    room = OPTIONS["max_model_len"] - 40
+    assert (max_tokens.count, max_tokens.sum) == (6, 2 * 5 + 3 + 3 * room)
+    assert list(max_tokens.buckets) == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"]  # 1-2-5 up to max_model_len
+
+
+def test_request_phase_times_as_vllms_finished_request_stats(tiny_llama_dir):
+    # Per finished sample: prefill = first token - first scheduled, decode = last token - first token,
+    # inference = last token - first scheduled (so inference = prefill + decode), and the mean time per
+    # output token = decode / (generated - 1), only for samples with more than one token.
+    fresh = _fresh(tiny_llama_dir)
+    params = [GREEDY.clone(n=2, temperature=1.0, seed=1, max_tokens=4), GREEDY.clone(max_tokens=1)]
+    outputs = fresh.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], params, use_tqdm=False)
+    completions = [c for o in outputs for c in o.outputs]
+    metrics = _by_name(fresh.get_metrics())
+    prefill, decode, inference = (metrics[f"vllm:request_{phase}_time_seconds"][0] for phase in ("prefill", "decode", "inference"))
+    assert prefill.count == decode.count == inference.count == len(completions)
+    assert inference.sum == pytest.approx(prefill.sum + decode.sum)
+    assert 0 < prefill.sum and 0 < decode.sum
+    tpot = metrics["vllm:request_time_per_output_token_seconds"][0]
+    assert tpot.count == sum(len(c.token_ids) > 1 for c in completions)
+
+
+def test_prompt_tokens_by_source_as_vllms_prompt_token_stats(tiny_llama_dir):
+    # vLLM's PromptTokenStats per sample's prefill: local_compute = P - cached, local_cache_hit =
+    # cached + recomputed, recomputed = 1 when cached = P - 1 (the last prompt token is computed again
+    # to sample); vllm:request_prefill_kv_computed_tokens observes P - cached per finished sample.
+    block, prompt_len = 4, 9  # (P - 1) % block == 0: a repeat finds all but the last token cached
+    fresh = _fresh(tiny_llama_dir, block_size=block)
+    prompt = [{"prompt_token_ids": list(range(3, 3 + prompt_len))}]
+    fresh.generate(prompt, GREEDY, use_tqdm=False)
+    fresh.generate(prompt, GREEDY, use_tqdm=False)
+    cached = (prompt_len - 1) // block * block
+    metrics = _by_name(fresh.get_metrics())
+    by_source = {m.labels["source"]: m.value for m in metrics["vllm:prompt_tokens_by_source"]}
+    assert by_source == {"local_compute": prompt_len + (prompt_len - cached), "local_cache_hit": cached + 1,
+                         "external_kv_transfer": 0}
+    assert metrics["vllm:prompt_tokens_cached"][0].value == cached
+    assert metrics["vllm:prompt_tokens_recomputed"][0].value == 1
+    assert metrics["vllm:prompt_tokens"][0].value == 2 * prompt_len
+    computed = metrics["vllm:request_prefill_kv_computed_tokens"][0]
+    assert (computed.count, computed.sum) == (2, prompt_len + (prompt_len - cached))
