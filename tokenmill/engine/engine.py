@@ -176,8 +176,6 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
                 self._history_readers.discard(request_id)
                 self.scheduler.abort(request)
                 request.release()  # no output is made for it: break Request <-> Sequence now
-                if self.metrics is not None:
-                    self.metrics.request_aborted()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -193,9 +193,6 @@ class EngineMetrics:
         self.request_n.observe(params.n)
         self.request_longest.observe(max(tokens, default=0))
 
-    def request_aborted(self) -> None:
-        self.success["abort"].inc()
-
     def _phases(self, request: "Request", seq: "Sequence | None", generated: int, now: float) -> None:
         """vLLM's finished-request times: queued (arrival to first scheduled), and for a sample with
         tokens prefill (to its first token), decode (first to last token), inference (first scheduled
