@@ -291,13 +291,17 @@ def render_chat_prompts_each(
     chat_template: str | None,
     wheres: Sequence[str],
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[int] | Exception]:
     """`render_chat_prompts` for callers that go on past a bad conversation (the batch job): each
     conversation's token ids, or the error it raises rendered alone (a failed check, the
     template's own). One bad conversation costs its chunk a few more calls (halves), not every
     conversation of the chunk rendered alone. Settings no conversation could render with (no
     template) raise."""
-    options, template = _chat_options(tokenizer, chat_template, add_generation_prompt, False, None, None)
+    options, template = _chat_options(tokenizer, chat_template, add_generation_prompt, continue_final_message, tools,
+                                      chat_template_kwargs)
     fmt = resolve_content_format("auto", template)
     results: list[list[int] | Exception] = []
     checked, places = [], []
