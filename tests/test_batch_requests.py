@@ -184,7 +184,8 @@ def test_openai_chat_and_completion_requests():
         ({"url": "/v1/rerank"}, "url '/v1/rerank' is answered under --task score"),
         ({"url": "/v1/audio/transcriptions"}, r"is not supported; use .*'/v1/score' / '/v1/rerank' \(--task score\)"),
         ({"body": "x"}, "'body' must be an object"),
-        ({"body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}, r"\['tools'\] are not supported"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}, r"body\.tools=\[\] is invalid: must be a non-empty list"),
+        ({"url": "/v1/completions", "body": {"prompt": "x", "tools": [{"function": {"name": "f"}}]}}, r"\['tools'\] are not supported"),
         ({"body": {"max_tokens": 3}}, "body.messages is required"),
         ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),
@@ -211,8 +212,8 @@ def test_openai_fields_set_to_null_are_not_set():
             "tool_choice": None, "response_format": None, "logit_bias": None, "temperature": None}
     req = build_openai_request(openai_line(body=body))
     assert req.overrides == {"max_tokens": 3}
-    with pytest.raises(RowError, match=r"\['tools'\] are not supported"):
-        build_openai_request(openai_line(body={**body, "tools": []}))
+    with pytest.raises(RowError, match=r"\['logprob_token_ids'\] are not supported"):
+        build_openai_request(openai_line(body={**body, "logprob_token_ids": [1]}))
 
 
 def test_openai_output_shapes():

@@ -19,11 +19,14 @@ OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) 
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.batch.openai_lines import CHAT_URL, POOLING_TASKS, open_line, stable_id
+from tokenmill.batch.chat_options import BODY_FIELDS, body_chat_options
+from tokenmill.batch.openai_lines import CHAT_URL, COMPLETIONS_URL, POOLING_TASKS, open_line, stable_id
 from tokenmill.batch.openai_pooling import pooling_body
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
+from tokenmill.inputs import short_repr
 
 if TYPE_CHECKING:
     from tokenmill.batch.readers import RawRow
@@ -44,9 +47,23 @@ _COMMON = {
     # vLLM's extension: the prompt's logprobs, answered as vLLM's server does (a completion choice's,
     # a chat response's "prompt_logprobs": per prompt position, null first, {token id: logprob, rank, text}).
     "prompt_logprobs": "prompt_logprobs",
+    # OpenAI's {"token id": bias} (the ids as JSON strings), and vLLM's extras.
+    "logit_bias": "logit_bias", "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
+    "spaces_between_special_tokens": "spaces_between_special_tokens", "truncate_prompt_tokens": "truncate_prompt_tokens",
+    # vLLM's constraint object ({"json": schema}, {"regex": ...}, {"choice": [...]}, ...); response_format sets it too.
+    "structured_outputs": "structured_outputs",
 }
-# Accepted and without effect offline ("model" selects a LoRA adapter when the job has some).
-_IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# Accepted and without effect offline ("model" selects a LoRA adapter when the job has some). vLLM
+# reads length_penalty for beam search only, request_id / session_id for its logs and ids.
+_IGNORED = {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls",
+            "length_penalty", "request_id", "session_id"}
+# Accepted at vLLM's default, which is what runs here (a body dumped from vLLM's request object
+# carries them); another value is refused: it asks for what this job does not do.
+_AT_DEFAULT = {"use_beam_search": False, "echo": False, "priority": 0, "include_reasoning": True,
+               "return_tokens_as_token_ids": False, "return_token_ids": False}
+# add_special_tokens: the chat template's text is tokenized without (its own BOS is the only one), a
+# completion's prompt with them (vLLM's defaults per url).
+_ADD_SPECIAL_TOKENS = {CHAT_URL: False, COMPLETIONS_URL: True}
 
 
 def build_openai_request(raw: "RawRow") -> RowRequest:
@@ -56,12 +73,19 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     if stream is not None and stream is not False:  # "yes" or 1 would have run as if it were false
         raise RowError(f"{where}: body.stream={stream!r} is not supported in a batch (each answer is written whole): "
                        "leave it out, or false", custom_id)
-    allowed = set(_COMMON) | _IGNORED | ({"messages", "logprobs", "top_logprobs"} if url == CHAT_URL else {"prompt", "logprobs"})
+    chat_fields = {"messages", "logprobs", "top_logprobs", *BODY_FIELDS}
+    allowed = set(_COMMON) | _IGNORED | set(_AT_DEFAULT) | {"response_format", "add_special_tokens"} | (
+        chat_fields if url == CHAT_URL else {"prompt", "logprobs"})
     # A null is "not set" (bodies dumped from typed request objects carry every field, most of them null).
     unknown = sorted(key for key, value in body.items() if key not in allowed and value is not None)
     if unknown:
         raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill yet (supported: {sorted(allowed)})", custom_id)
+    _check_at_default(body, {**_AT_DEFAULT, "add_special_tokens": _ADD_SPECIAL_TOKENS[url]}, where, custom_id)
     overrides = {_COMMON[k]: v for k, v in body.items() if k in _COMMON and v is not None}
+    constraint = response_format_constraint(body.get("response_format"), f"{where}: body.response_format", custom_id)
+    given = overrides.get("structured_outputs")
+    if constraint is not None and (given is None or isinstance(given, dict)):  # (a given non-object is refused by name)
+        overrides["structured_outputs"] = {**(given or {}), **constraint}  # over its keys, as vLLM merges them
     if body.get("max_completion_tokens") is not None:  # OpenAI's newer name wins over max_tokens (as vLLM's server)
         overrides["max_tokens"] = body["max_completion_tokens"]
     model = body.get("model")
@@ -74,6 +98,10 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
         if "messages" not in body:
             raise RowError(f"{where}: body.messages is required for {CHAT_URL}", custom_id)
         request.messages = parse_messages(body["messages"], f"{where}: body", custom_id, None)
+        try:
+            request.chat = body_chat_options(body, where)
+        except ValueError as e:
+            raise RowError(str(e), custom_id) from None
         asks = body.get("logprobs")
         if asks is not None and not isinstance(asks, bool):
             raise RowError(f"{where}: body.logprobs={asks!r} is invalid: must be true or false", custom_id)
@@ -91,6 +119,37 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
             overrides["logprobs"] = body["logprobs"]
     request.openai = OpenAIMeta(custom_id=custom_id, url=url, top_logprobs=top_logprobs)
     return request
+
+
+def response_format_constraint(response_format: Any, where: str, custom_id: str) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the structured-outputs constraint vLLM makes of it: ``text``
+    none, ``json_object`` any JSON object, ``json_schema`` its ``json_schema.schema``, and
+    ``structural_tag`` (vLLM's extension) the whole object as xgrammar's JSON."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
+            raise RowError(f"{where}.json_schema={short_repr(spec)} is invalid: must be "
+                           '{"name": "...", "schema": {a JSON schema object}} (OpenAI\'s form)', custom_id)
+        return {"json": spec["schema"]}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(response_format)}
+    raise RowError(f"{where}={short_repr(response_format)} is invalid: must be an object whose type is 'text', "
+                   "'json_object', 'json_schema' or 'structural_tag'", custom_id)
+
+
+def _check_at_default(body: dict[str, Any], defaults: dict[str, Any], where: str, custom_id: str) -> None:
+    for name, default in defaults.items():
+        value = body.get(name)
+        if value is not None and (value != default or type(value) is not type(default)):
+            raise RowError(f"{where}: body.{name}={short_repr(value)} is not supported by tokenmill: only vLLM's default "
+                           f"{json.dumps(default)} (what runs here) is accepted", custom_id)
 
 
 def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_id: str) -> None:

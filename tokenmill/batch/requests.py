@@ -9,6 +9,8 @@ Text becomes a chat turn with ``--chat`` (or ``--system``, which needs a chat). 
 sampling values in a ``sampling_params`` object (a JSON string in CSV); a null value there means
 "not set" (Parquet structs fill the keys a row did not set with nulls). A row's ``lora`` field names
 the LoRA adapter it runs with (``--lora-modules``; null or empty: the base model; see lora_modules.py).
+A row with ``messages`` may carry ``tools``, ``documents`` and ``chat_template_kwargs`` for its
+chat template (chat_options.py).
 
 Everything here is checked before the engine sees it; a problem raises `RowError`, which the job
 turns into an error row. The OpenAI batch format has its own translation in `openai_batch.py`.
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from string import Formatter
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.batch.chat_options import ChatOptions, row_chat_options
 from tokenmill.inputs import is_token_list, short_repr
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class RowRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    chat: ChatOptions | None = None  # how ``messages`` are rendered beyond the job's template (chat_options.py)
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling values set by the row
     openai: OpenAIMeta | None = None
     # The LoRA adapter the row names (a generic row's 'lora', an OpenAI line's body.model), None for
@@ -124,6 +128,10 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     # row every column, so a row with a prompt carries "messages": null and the reverse.
     elif record.get("messages") is not None:
         request.messages = parse_messages(record["messages"], where, row_id, settings.system)
+        try:
+            request.chat = row_chat_options(record, where)
+        except ValueError as e:
+            raise RowError(str(e), row_id) from None
         return request
     elif record.get("prompt") is not None:
         prompt = record["prompt"]

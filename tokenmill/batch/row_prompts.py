@@ -3,7 +3,8 @@
 A row's prompt is its token ids, its text, or its conversation rendered with the chat template
 (`requests.RowRequest`). Rows prepared together (a read-ahead batch, `rows_ahead.RowsAhead`, or a
 group run again apart) have their texts tokenized in one tokenizer call and their conversations
-rendered and tokenized in one ``apply_chat_template`` call (per ``TOKENIZE_CHUNK``): the
+rendered and tokenized in one ``apply_chat_template`` call (per ``TOKENIZE_CHUNK``; conversations
+with different chat options, `chat_options.ChatOptions`, in one call per options): the
 tokenizer's batch path crosses into Rust once, on its threads (docs/perf.md 70). A conversation
 that breaks the template costs its batch a few calls more (halves), and is left out; a row the
 batch cannot serve goes to `row_prompt` alone, which raises that row's own error.
@@ -24,7 +25,8 @@ def row_prompt(tokenizer: Any, request: "RowRequest", chat_template: str | None)
     if request.messages is not None:
         from tokenmill.inputs import render_chat_prompt
 
-        ids = render_chat_prompt(tokenizer, request.messages, chat_template=chat_template, where=request.messages_where)
+        keywords = request.chat.render_keywords(chat_template) if request.chat is not None else {"chat_template": chat_template}
+        ids = render_chat_prompt(tokenizer, request.messages, where=request.messages_where, **keywords)
         return {"prompt_token_ids": ids}
     if request.prompt_token_ids is not None:
         return {"prompt_token_ids": request.prompt_token_ids}
@@ -54,15 +56,21 @@ def batch_prompts(tokenizer: Any, requests: dict[int, "RowRequest"], chat_templa
 
     prompts = {i: row_prompt(tokenizer, r, chat_template) for i, r in requests.items() if r.prompt_token_ids is not None}
     texts = {i: r.prompt for i, r in requests.items() if r.messages is None and r.prompt_token_ids is None}
-    chats = {i: r.messages for i, r in requests.items() if r.messages is not None}
+    # Conversations rendered alike (the same chat options: most jobs' rows all have none) go together.
+    groups: dict[str, list[int]] = {}
+    for i, r in requests.items():
+        if r.messages is not None:
+            groups.setdefault(r.chat.key() if r.chat is not None else "", []).append(i)
     if texts:
         with contextlib.suppress(ValueError, TypeError):
             prompts.update(zip(texts, tokenize_prompts(list(texts.values()), tokenizer, {})))
-    if chats:
+    for rows in groups.values():
+        chat = requests[rows[0]].chat
+        keywords = chat.render_keywords(chat_template) if chat is not None else {"chat_template": chat_template}
         with contextlib.suppress(Exception):  # settings no row renders with (no template): each row fails alone
-            rendered = render_chat_prompts_each(tokenizer, list(chats.values()), chat_template,
-                                                [requests[i].messages_where for i in chats])
-            prompts.update((i, {"prompt_token_ids": ids}) for i, ids in zip(chats, rendered) if not isinstance(ids, Exception))
+            rendered = render_chat_prompts_each(tokenizer, [requests[i].messages for i in rows], wheres=[
+                requests[i].messages_where for i in rows], **keywords)
+            prompts.update((i, {"prompt_token_ids": ids}) for i, ids in zip(rows, rendered) if not isinstance(ids, Exception))
     return prompts
 
 
