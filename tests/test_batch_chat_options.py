@@ -21,6 +21,9 @@ from tokenmill.batch.requests import PromptSettings, RowError, build_row_request
 from tokenmill.batch.row_prompts import batch_prompts, row_prompt
 
 USER = [{"role": "user", "content": "2+2?"}]
+EFFORT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+          "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}"
+          "{% if reasoning_effort is defined %}[effort={{ reasoning_effort }}]{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,11 @@ CASES = [
     ({"chat_template": DOCUMENTS, "documents": [{"title": "A", "text": "a"}], "chat_template_kwargs": {"documents": []}},
      dict(template=DOCUMENTS, documents=[{"title": "A", "text": "a"}])),
     ({"chat_template": QWEN3, "add_generation_prompt": False}, dict(template=QWEN3, add_generation_prompt=False)),
+    # reasoning_effort is a variable and turns enable_thinking on (off for "none") unless the variables set it.
+    ({"chat_template": EFFORT, "reasoning_effort": "low"}, dict(template=EFFORT, reasoning_effort="low", enable_thinking=True)),
+    ({"chat_template": EFFORT, "reasoning_effort": "none"}, dict(template=EFFORT, reasoning_effort="none", enable_thinking=False)),
+    ({"chat_template": EFFORT, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "x"}},
+     dict(template=EFFORT, reasoning_effort="high", enable_thinking=False)),
     ({"add_generation_prompt": False, "continue_final_message": True,
       "messages": [*USER, {"role": "assistant", "content": "The answer is"}]},
      dict(template=None, add_generation_prompt=False, continue_final_message=True)),
@@ -135,6 +143,7 @@ def test_generic_rows_with_messages_take_tools_documents_and_template_variables(
         ({"documents": [{"title": "t", "page": 3}]}, r"body\.documents=.* is invalid"),
         ({"chat_template_kwargs": ["enable_thinking"]}, r"body\.chat_template_kwargs=\['enable_thinking'\] is invalid: must be an object"),
         ({"chat_template": 3}, r"body\.chat_template=3 is invalid: must be a Jinja chat template"),
+        ({"reasoning_effort": "extreme"}, r"body\.reasoning_effort='extreme' is invalid: must be one of 'none', 'minimal'"),
         ({"add_generation_prompt": "yes"}, r"body\.add_generation_prompt='yes' is invalid: must be true or false"),
         ({"continue_final_message": True}, r"body\.add_generation_prompt and body\.continue_final_message cannot both be true"),
         ({"response_format": {"type": "xml"}}, r"body\.response_format=\{'type': 'xml'\} is invalid: must be an object whose type is"),

@@ -2,8 +2,8 @@
 
 An OpenAI batch line's ``/v1/chat/completions`` body may carry what vLLM's ChatCompletionRequest
 hands its chat template: ``tools``, ``documents``, ``chat_template``, ``chat_template_kwargs``
-(e.g. ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt`` and
-``continue_final_message``; a generic row whose prompt is its own ``messages`` may carry
+(e.g. ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt``,
+``continue_final_message`` and ``reasoning_effort``; a generic row whose prompt is its own ``messages`` may carry
 ``tools``, ``documents`` and ``chat_template_kwargs`` beside them (in CSV, each a cell of JSON
 text). They are checked here, per row (a bad value is that row's error, naming the field), and
 reach the same rendering ``LLM.chat`` uses (`tokenmill.inputs.render_chat_prompt`).
@@ -25,7 +25,8 @@ from tokenmill.inputs import short_repr
 
 # Fields of a chat line's body (an OpenAI batch line) that set the rendering.
 BODY_FIELDS = ("tools", "tool_choice", "documents", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-               "continue_final_message")
+               "continue_final_message", "reasoning_effort")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
 # Fields of a generic row with ``messages`` that set it (Parquet and CSV give every row every column).
 ROW_FIELDS = ("tools", "documents", "chat_template_kwargs")
 _RENDERING_TOOL_CHOICES = ("none", "auto")
@@ -41,14 +42,20 @@ class ChatOptions:
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    reasoning_effort: str | None = None
 
     def render_keywords(self, job_template: str | None) -> dict[str, Any]:
-        """`render_chat_prompt`'s keywords: ``documents`` reach the template as apply_chat_template's
-        own argument, through the template variables (as vLLM merges them: the field over a
-        ``documents`` key of ``chat_template_kwargs``)."""
+        """`render_chat_prompt`'s keywords. As vLLM merges them, the fields go over the same keys of
+        ``chat_template_kwargs``: ``documents`` reach the template as apply_chat_template's own
+        argument, ``reasoning_effort`` as a variable, which also turns ``enable_thinking`` on (off
+        for "none") unless ``chat_template_kwargs`` sets it (templates such as Gemma's think only
+        when asked)."""
         variables = dict(self.chat_template_kwargs or {})
         if self.documents is not None:
             variables["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+            variables["reasoning_effort"] = self.reasoning_effort
         return {"chat_template": self.chat_template or job_template, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message, "tools": self.tools,
                 "chat_template_kwargs": variables or None}
@@ -71,12 +78,16 @@ def body_chat_options(body: dict[str, Any], where: str) -> ChatOptions | None:
         raise ValueError(f"{where}: body.add_generation_prompt and body.continue_final_message cannot both be true "
                          "(continue_final_message goes on with the last message, add_generation_prompt starts a new one); "
                          "set add_generation_prompt to false")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ValueError(f"{where}: body.reasoning_effort={short_repr(effort)} is invalid: must be one of "
+                         f"{', '.join(map(repr, REASONING_EFFORTS))}")
     template = body.get("chat_template")
     if template is not None and (not isinstance(template, str) or not template.strip()):
         raise ValueError(f"{where}: body.chat_template={short_repr(template)} is invalid: must be a Jinja chat template "
                          "(its text)")
     return ChatOptions(tools=tools, documents=_documents(body.get("documents"), f"{where}: body.documents"),
-                       chat_template=template,
+                       chat_template=template, reasoning_effort=effort,
                        chat_template_kwargs=_variables(body.get("chat_template_kwargs"), f"{where}: body.chat_template_kwargs"),
                        **flags)
 
