@@ -76,6 +76,20 @@ def test_openai_chat_fields_render_as_transformers(tiny, fields, expected):
         assert text.endswith("The answer is")
 
 
+def test_a_lines_tools_reach_the_template_as_vllms_server_dumps_them(tiny):
+    """vLLM's server validates a line's tools into its request model and hands the template their
+    dump: type first, a function's description and parameters null when not given, other keys
+    dropped (a tool template prints each tool with tojson, which keeps keys in order)."""
+    given = [{"function": {"name": "now", "extra": 1}, "type": "function"},
+             {"type": "function", "function": {"parameters": {"type": "object"}, "name": "add", "strict": True}}]
+    dumped = [{"type": "function", "function": {"name": "now", "description": None, "parameters": None}},
+              {"type": "function", "function": {"name": "add", "description": None, "parameters": {"type": "object"},
+                                                "strict": True}}]
+    request = build_openai_request(chat_line(chat_template=QWEN3, tools=given))
+    ids, text = reference(tiny, USER, QWEN3, tools=dumped)
+    assert ids_of(tiny, request) == ids and '{"type": "function", "function": {"name": "now", "description": null' in text
+
+
 def test_a_lines_template_goes_over_the_jobs(tiny):
     request = build_openai_request(chat_line(chat_template=QWEN3))
     assert ids_of(tiny, request, job_template=LLAMA3) == reference(tiny, USER, QWEN3)[0]
@@ -134,6 +148,7 @@ def test_generic_rows_with_messages_take_tools_documents_and_template_variables(
          r"body\.tools\[0\]=.* is invalid: a tool is \{\"type\": \"function\""),
         ({"tools": [{"type": "code_interpreter", "function": {"name": "f"}}]}, r"body\.tools\[0\]\.type='code_interpreter'"),
         ({"tools": [{"function": {"name": "f", "parameters": "x"}}]}, r"body\.tools\[0\]\.function\.parameters='x' is invalid"),
+        ({"tools": [{"function": {"name": "f", "description": 5}}]}, r"body\.tools\[0\]\.function\.description=5 is invalid"),
         ({"tools": TOOLS, "tool_choice": "required"}, r"body\.tool_choice='required' is not supported: .*'none', 'auto'"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
          r"body\.tool_choice=\{.*\} is not supported"),

@@ -71,6 +71,7 @@ def body_chat_options(body: dict[str, Any], where: str) -> ChatOptions | None:
     if all(body.get(name) is None for name in BODY_FIELDS):
         return None
     tools = _tools(body.get("tools"), f"{where}: body.tools")
+    tools = [_as_vllm_server_dumps_it(tool) for tool in tools] if tools is not None else None
     _check_tool_choice(body.get("tool_choice"), tools, f"{where}: body.tool_choice")
     flags = {name: _flag(body, name, default, where)
              for name, default in (("add_generation_prompt", True), ("continue_final_message", False))}
@@ -132,11 +133,33 @@ def _tools(tools: Any, where: str) -> list[dict[str, Any]] | None:
             raise ValueError(f"{where}[{i}]={short_repr(tool)} is invalid: a tool is {shape}")
         if tool.get("type", "function") != "function":
             raise ValueError(f"{where}[{i}].type={short_repr(tool['type'])} is invalid: must be 'function'")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"{where}[{i}].function.description={short_repr(description)} is invalid: must be a string")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise ValueError(f"{where}[{i}].function.parameters={short_repr(parameters)} is invalid: must be a JSON schema "
                              "object")
     return tools
+
+
+def _as_vllm_server_dumps_it(tool: dict[str, Any]) -> dict[str, Any]:
+    """A line's tool as vLLM's server hands it to the template (its request model, dumped): the
+    tool's type and function, the function's name, description and parameters (null when not
+    given), strict and defer_loading only when set, in that order (templates print tools with
+    ``tojson``, which keeps the order), other keys dropped. ``LLM.chat`` (and a generic row) hands
+    the tools over as given, as vLLM's ``LLM.chat`` does."""
+    function = tool["function"]
+    dumped = {"name": function["name"], "description": function.get("description"), "parameters": function.get("parameters")}
+    defer = function.get("defer_loading")
+    if defer is None:  # vLLM copies the tool's down to the function
+        defer = tool.get("defer_loading")
+    dumped.update((key, value) for key, value in (("strict", function.get("strict")), ("defer_loading", defer))
+                  if value is not None)
+    out = {"type": "function", "function": dumped}
+    if tool.get("defer_loading") is not None:
+        out["defer_loading"] = tool["defer_loading"]
+    return out
 
 
 def _check_tool_choice(choice: Any, tools: list | None, where: str) -> None:
