@@ -16,6 +16,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    from tokenmill.batch.chat_options import ChatOptions
     from tokenmill.batch.readers import RawRow
     from tokenmill.batch.requests import PromptSettings, RowRequest
 
@@ -25,8 +26,8 @@ def row_prompt(tokenizer: Any, request: "RowRequest", chat_template: str | None)
     if request.messages is not None:
         from tokenmill.inputs import render_chat_prompt
 
-        keywords = request.chat.render_keywords(chat_template) if request.chat is not None else {"chat_template": chat_template}
-        ids = render_chat_prompt(tokenizer, request.messages, where=request.messages_where, **keywords)
+        ids = render_chat_prompt(tokenizer, request.messages, where=request.messages_where,
+                                 **_chat_keywords(request.chat, chat_template))
         return {"prompt_token_ids": ids}
     if request.prompt_token_ids is not None:
         return {"prompt_token_ids": request.prompt_token_ids}
@@ -65,13 +66,17 @@ def batch_prompts(tokenizer: Any, requests: dict[int, "RowRequest"], chat_templa
         with contextlib.suppress(ValueError, TypeError):
             prompts.update(zip(texts, tokenize_prompts(list(texts.values()), tokenizer, {})))
     for rows in groups.values():
-        chat = requests[rows[0]].chat
-        keywords = chat.render_keywords(chat_template) if chat is not None else {"chat_template": chat_template}
         with contextlib.suppress(Exception):  # settings no row renders with (no template): each row fails alone
-            rendered = render_chat_prompts_each(tokenizer, [requests[i].messages for i in rows], wheres=[
-                requests[i].messages_where for i in rows], **keywords)
+            rendered = render_chat_prompts_each(tokenizer, [requests[i].messages for i in rows],
+                                                wheres=[requests[i].messages_where for i in rows],
+                                                **_chat_keywords(requests[rows[0]].chat, chat_template))
             prompts.update((i, {"prompt_token_ids": ids}) for i, ids in zip(rows, rendered) if not isinstance(ids, Exception))
     return prompts
+
+
+def _chat_keywords(chat: "ChatOptions | None", chat_template: str | None) -> dict[str, Any]:
+    """The rendering keywords of a row's chat options (none: the job's template, LLM.chat's defaults)."""
+    return chat.render_keywords(chat_template) if chat is not None else {"chat_template": chat_template}
 
 
 def check_chat_template(tokenizer: Any, template: str | None, prompt: "PromptSettings", fmt: str, model: str) -> None:
