@@ -274,7 +274,8 @@ def test_openai_batch_round_trip(tmp_path, llm):
     assert chat["status_code"] == 200 and out["chat-0"]["error"] is None
     body = chat["body"]
     assert body["object"] == "chat.completion" and body["model"] == "tiny"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": reference(llm, [texts[0]], chat=True, max_tokens=3)[0]}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": reference(llm, [texts[0]], chat=True, max_tokens=3)[0],
+                                             "refusal": None}
     assert body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
     # vLLM's extension: the prompt's logprobs, on the chat response's body (null first, then per position

@@ -224,7 +224,8 @@ def test_openai_output_shapes():
     body = rec["response"]["body"]
     assert rec["response"]["status_code"] == 200
     assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["created"] == 123
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello!", "refusal": None}, "logprobs": None,
+                                "finish_reason": "stop", "stop_reason": None}]
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
     assert openai_record(ok, "tiny", 999, "job")["id"] == rec["id"]  # stable across reruns
 

@@ -240,8 +240,9 @@ def _chat_choice(sample: Any, meta: OpenAIMeta) -> dict[str, Any]:
     logprobs = None
     if meta.top_logprobs is not None and sample.logprobs is not None:
         logprobs = {"content": [_chat_token_logprob(tok, pos, meta.top_logprobs) for tok, pos in zip(sample.token_ids, sample.logprobs)]}
-    return {"index": sample.index, "message": {"role": "assistant", "content": sample.text},
-            "logprobs": logprobs, "finish_reason": sample.finish_reason}
+    # "refusal" is part of OpenAI's message (null: the model did not refuse); "stop_reason" is vLLM's.
+    return {"index": sample.index, "message": {"role": "assistant", "content": sample.text, "refusal": None},
+            "logprobs": logprobs, "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
 
 
 def _chat_token_logprob(token_id: int, position: dict[int, Any], top: int) -> dict[str, Any]:
@@ -278,4 +279,5 @@ def _completion_choice(sample: Any) -> dict[str, Any]:
             offsets.append(offset)
             offset += len(text)
         logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-    return {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": sample.finish_reason}
+    return {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason}

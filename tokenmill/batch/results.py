@@ -43,6 +43,7 @@ class SampleResult:
     finish_reason: str | None
     cumulative_logprob: float | None = None
     logprobs: Any = None  # the engine's SampleLogprobs, when asked for
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (None: eos, length)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +81,7 @@ def result_from_output(index: int, row_id: Any, output: "RequestOutput", openai:
             finish_reason=c.finish_reason,
             cumulative_logprob=c.cumulative_logprob if keep_logprobs else None,
             logprobs=c.logprobs if keep_logprobs else None,
+            stop_reason=c.stop_reason,
         )
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]
