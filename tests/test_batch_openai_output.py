@@ -56,3 +56,57 @@ def test_a_chat_message_carries_openais_refusal_field(tmp_path, llm):
     _, out = job(tmp_path, llm, [chat("c", TEXTS[0], max_tokens=3)])
     message = out["c"]["response"]["body"]["choices"][0]["message"]
     assert message["role"] == "assistant" and message["refusal"] is None and isinstance(message["content"], str)
+
+
+# --- lines that failed for the engine's reasons ---------------------------------------------------
+
+
+def assert_server_error(line, says):
+    """OpenAI's shape of an HTTP 500 (vLLM's run-batch: status 500, InternalServerError)."""
+    assert line["error"] is None and line["response"]["status_code"] == 500
+    error = line["response"]["body"]["error"]
+    assert error["type"] == "server_error" and says in error["message"]
+
+
+def test_a_line_the_engine_ended_with_an_error_is_a_500(tmp_path, llm, monkeypatch):
+    """A request the engine ended unfinished (finish_reason "error", with its output's ``error``)
+    failed for the engine's reasons: vLLM's server answers 500, not 400."""
+    engine = llm.llm_engine
+    step = engine.step
+
+    def failing_one(*args, **kwargs):
+        outputs = step(*args, **kwargs)
+        for out in outputs:
+            if out.request_id == "row-1" and out.finished:
+                out.error = "its adapter's folder was deleted"
+                for c in out.outputs:
+                    c.finish_reason = "error"
+        return outputs
+
+    monkeypatch.setattr(engine, "step", failing_one)
+    summary, out = job(tmp_path, llm, [completion(f"c{i}", t, max_tokens=3) for i, t in enumerate(TEXTS[:3])])
+    monkeypatch.undo()
+    assert summary.failed == 1 and out["c0"]["response"]["status_code"] == out["c2"]["response"]["status_code"] == 200
+    assert_server_error(out["c1"], "its adapter's folder was deleted")
+
+
+def test_a_line_that_fails_inside_an_engine_step_is_a_500(tmp_path, llm, monkeypatch):
+    executor = llm.llm_engine.executor
+    execute = executor.execute_model
+
+    def poisoned(plan, *args, **kwargs):
+        if any(item.seq.request.request_id == "row-1" for item in plan.scheduled):
+            raise RuntimeError("selected index k out of range")
+        return execute(plan, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "execute_model", poisoned)
+    summary, out = job(tmp_path, llm, [chat(f"c{i}", t, max_tokens=3) for i, t in enumerate(TEXTS)])
+    monkeypatch.undo()
+    assert summary.failed == 1 and [out[f"c{i}"]["response"]["status_code"] for i in (0, 2, 3)] == [200] * 3
+    assert_server_error(out["c1"], "selected index k out of range")
+
+
+def test_a_line_whose_request_is_refused_stays_a_400(tmp_path, llm):
+    _, out = job(tmp_path, llm, [completion("long", "cat " * 400, max_tokens=3), completion("bad", TEXTS[0], top_p=2)])
+    for line in out.values():
+        assert line["response"]["status_code"] == 400 and line["response"]["body"]["error"]["type"] == "invalid_request_error"

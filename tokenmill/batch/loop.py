@@ -240,14 +240,18 @@ class JobLoop:
                 row_id = e.row_id
             self._fail(raw.index, row_id, _row_message(raw, e), request)
 
-    def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None, flight: _InFlight | None = None) -> None:
-        self.pending.append((self._error_result(index, row_id, message, request.openai if request is not None else None), flight))
+    def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None, flight: _InFlight | None = None,
+              engine_fault: bool = False) -> None:
+        openai = request.openai if request is not None else None
+        self.pending.append((self._error_result(index, row_id, message, openai, engine_fault), flight))
 
-    def _error_result(self, index: int, row_id: Any, message: str, openai: Any) -> RowResult:
-        """The failed row's result; its message is among the summary's first failures."""
+    def _error_result(self, index: int, row_id: Any, message: str, openai: Any, engine_fault: bool = False) -> RowResult:
+        """The failed row's result; its message is among the summary's first failures. ``engine_fault``:
+        the engine, not the request, failed (see `RowResult.engine_fault`)."""
         if len(self.errors) < _SHOWN_ERRORS:
             self.errors.append(message if message.startswith(_WHERE_PREFIXES) else f"row {index}: {message}")
-        return RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message, openai=openai)
+        return RowResult(index=index, row_id=row_id if row_id is not None else _fallback_id(self.fmt, index), error=message,
+                         openai=openai, engine_fault=engine_fault)
 
     def _unwritable(self, index: int, row_id: Any, flight: _InFlight | None, error: Exception, openai: Any) -> RowResult:
         """A finished row whose output could not become its output records (a bug that an odd output
@@ -255,7 +259,7 @@ class JobLoop:
         stopping the job (the other rows are not at fault)."""
         what = RuntimeError(f"the row finished but its output could not be written: {type(error).__name__}: {error}")
         message = _row_message(flight.raw, what) if flight is not None else f"row {index}: {what}"
-        return self._error_result(index, row_id, message, openai)
+        return self._error_result(index, row_id, message, openai, engine_fault=True)
 
     def _step(self) -> None:
         # Finished outputs only: an output for every running row every step (its token ids and text
@@ -277,7 +281,7 @@ class JobLoop:
             req = flight.request
             if out.error is not None:  # the engine ended it unfinished (its LoRA adapter could not be loaded)
                 message = _row_message(flight.raw, RuntimeError(f"the engine could not finish this row: {out.error}"))
-                self._fail(req.index, req.row_id, message, req, flight)
+                self._fail(req.index, req.row_id, message, req, flight, engine_fault=True)
                 continue
             try:
                 result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
@@ -361,7 +365,7 @@ class JobLoop:
         self.row_finished_on_engine = True
         self.restarts_without_progress = 0
         for flight, message in self.suspects:
-            self._fail(flight.raw.index, flight.request.row_id, message, flight.request)
+            self._fail(flight.raw.index, flight.request.row_id, message, flight.request, engine_fault=True)
         self.suspects = []
 
     def _settle_suspects_at_end(self) -> None:

@@ -62,6 +62,9 @@ class RowResult:
     lora: str | None = None  # the name of the LoRA adapter the row ran with (None: the base model)
     prompt_token_logprobs: list[float] | None = None  # when the row asked for prompt logprobs
     prompt_logprobs: Any = None  # OpenAI rows asking for them: the engine's positions, written whole
+    # The row failed for the engine's reasons, not its request's (the engine ended it unfinished, or
+    # failed on it, or its output could not be written): an OpenAI line's HTTP 500, not 400.
+    engine_fault: bool = False
 
     @property
     def failed(self) -> bool:
