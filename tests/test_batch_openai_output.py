@@ -5,6 +5,8 @@ engine's reasons rather than its own (vLLM: 500 ``InternalServerError``; OpenAI:
 
 from __future__ import annotations
 
+import math
+
 from tokenmill import SamplingParams
 from tokenmill.batch.job import JobConfig, run_job
 
@@ -110,3 +112,27 @@ def test_a_line_whose_request_is_refused_stays_a_400(tmp_path, llm):
     _, out = job(tmp_path, llm, [completion("long", "cat " * 400, max_tokens=3), completion("bad", TEXTS[0], top_p=2)])
     for line in out.values():
         assert line["response"]["status_code"] == 400 and line["response"]["body"]["error"]["type"] == "invalid_request_error"
+
+
+# --- logprobs JSON can hold ---------------------------------------------------------------------
+
+
+def test_logprobs_of_cut_tokens_are_written_as_vllms_minus_9999(tmp_path, tiny_llama_dir):
+    """An engine reporting processed logprobs gives the tokens top_k cut -inf, which JSON cannot
+    hold (json.dumps writes ``-Infinity``, which strict readers refuse): vLLM's server writes
+    max(logprob, -9999.0) for chat and completion logprobs alike."""
+    from tokenmill import LLM
+
+    processed = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_bytes=8 * 2**20,
+                    max_num_seqs=2, seed=0, logprobs_mode="processed_logprobs")
+    sampled = {"max_tokens": 3, "temperature": 1.0, "top_k": 2, "seed": 1}
+    _, out = job(tmp_path, processed, [completion("cmpl", TEXTS[0], **sampled, logprobs=4),
+                                       chat("chat", TEXTS[1], **sampled, logprobs=True, top_logprobs=4)])
+    raw = (tmp_path / "out.jsonl").read_text()
+    assert "Infinity" not in raw and "NaN" not in raw
+    cmpl = out["cmpl"]["response"]["body"]["choices"][0]["logprobs"]
+    tops = [value for position in cmpl["top_logprobs"] for value in position.values()]
+    assert -9999.0 in tops and all(math.isfinite(v) and v >= -9999.0 for v in tops + cmpl["token_logprobs"])
+    content = out["chat"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    tops = [entry["logprob"] for token in content for entry in token["top_logprobs"]]
+    assert -9999.0 in tops and all(math.isfinite(v) and v >= -9999.0 for v in tops)

@@ -167,6 +167,14 @@ def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_
 
 # --- output ------------------------------------------------------------------------------------
 
+# What vLLM's server writes for a logprob of -inf (a token a filter cut, in the engine's processed
+# logprobs modes): JSON has no infinity, and json.dumps's -Infinity is refused by strict readers.
+_LOWEST_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _LOWEST_LOGPROB)
+
 
 def openai_record(result: "RowResult", model: str, created: int, job_key: str) -> dict[str, Any]:
     """The output line for one row (ids derive from the job and row, so a rerun writes the same ones)."""
@@ -259,13 +267,15 @@ def _chat_token_logprob(token_id: int, position: dict[int, Any], top: int) -> di
 
 def _token_entry(token_id: int, lp: Any) -> dict[str, Any]:
     text = (lp.decoded_token if lp is not None else None) or ""
-    return {"token": text, "logprob": lp.logprob if lp is not None else None, "bytes": list(text.encode("utf-8", "replace"))}
+    return {"token": text, "logprob": _finite(lp.logprob) if lp is not None else None,
+            "bytes": list(text.encode("utf-8", "replace"))}
 
 
 def _prompt_positions(positions: Any) -> list[dict[str, dict[str, Any]] | None]:
     """The prompt's positions as vLLM's server writes them: null where nothing was scored (the
-    first token), else {token id: {"logprob", "rank", "decoded_token"}} (JSON keys are strings)."""
-    return [{str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+    first token), else {token id: {"logprob", "rank", "decoded_token"}} (JSON keys are strings;
+    -inf as -9999.0)."""
+    return [{str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
              for token_id, lp in position.items()} if position else None for position in positions]
 
 
@@ -277,8 +287,8 @@ def _completion_choice(sample: Any) -> dict[str, Any]:
             chosen = position.get(token_id)
             text = (chosen.decoded_token if chosen is not None else None) or ""
             tokens.append(text)
-            token_logprobs.append(chosen.logprob if chosen is not None else None)
-            tops.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
+            token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
+            tops.append({(lp.decoded_token or ""): _finite(lp.logprob) for lp in position.values()})
             offsets.append(offset)
             offset += len(text)
         logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
