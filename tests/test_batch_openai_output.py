@@ -136,3 +136,32 @@ def test_logprobs_of_cut_tokens_are_written_as_vllms_minus_9999(tmp_path, tiny_l
     content = out["chat"]["response"]["body"]["choices"][0]["logprobs"]["content"]
     tops = [entry["logprob"] for token in content for entry in token["top_logprobs"]]
     assert -9999.0 in tops and all(math.isfinite(v) and v >= -9999.0 for v in tops)
+
+
+# --- a bad request against a line that is no request --------------------------------------------
+
+
+def test_a_line_whose_body_is_refused_is_a_400_like_a_value_the_engine_refuses(tmp_path, llm):
+    """OpenAI answers a request with a bad or unsupported parameter with HTTP 400 and an
+    invalid_request_error body, whichever check finds it; only a line that is not a request at all
+    (no custom_id, not JSON, a url not served) goes to the error file's shape (response null)."""
+    lines = [chat("tools", TEXTS[0], tools=[{"type": "function", "function": {"name": "f"}}]),
+             chat("top", TEXTS[0], logprobs=True, top_logprobs=30),
+             chat("stream", TEXTS[0], stream=True),
+             chat("no-messages", TEXTS[0]),
+             completion("prompt", 5),
+             completion("top-p", TEXTS[0], top_p=2),  # refused by SamplingParams
+             {"custom_id": "url", "url": "/v1/images", "body": {}},
+             {"url": "/v1/completions", "body": {"prompt": "x"}}]
+    del lines[3]["body"]["messages"]
+    summary, out = job(tmp_path, llm, lines)
+    assert summary.failed == len(lines)
+    says = {"tools": "['tools']", "top": "top_logprobs=30", "stream": "body.stream=True", "no-messages": "body.messages",
+            "prompt": "body.prompt", "top-p": "top_p=2"}
+    for custom_id, words in says.items():
+        line = out[custom_id]
+        assert line["error"] is None and line["response"]["status_code"] == 400, custom_id
+        error = line["response"]["body"]["error"]
+        assert error["type"] == "invalid_request_error" and words in error["message"], custom_id
+    for custom_id in ("url", None):
+        assert out[custom_id]["response"] is None and out[custom_id]["error"]["code"] == "invalid_request"

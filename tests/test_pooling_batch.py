@@ -282,10 +282,12 @@ def test_openai_embedding_lines_match_llm_embed_and_bad_lines_fail_alone(tmp_pat
     assert usage["prompt_tokens"] == len(ids) + 3
     (cut,), usage = vectors("cut")
     assert usage["prompt_tokens"] == 16
-    for custom_id, message in (("chat", "is answered under --task generate, and this job runs --task embed"), ("empty", "body.input must be"),
-                               ("mixed", "not mixed"), ("format", "encoding_format='bytes'"),
+    # A line another task answers is not a request of this job (OpenAI's error-file shape); a bad body is a 400
+    assert out["chat"]["response"] is None
+    assert "is answered under --task generate, and this job runs --task embed" in out["chat"]["error"]["message"]
+    for custom_id, message in (("empty", "body.input must be"), ("mixed", "not mixed"), ("format", "encoding_format='bytes'"),
                                ("format0", "encoding_format='' is not supported"), ("field", "['temperature']")):
-        assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]
+        assert out[custom_id]["response"]["status_code"] == 400 and message in out[custom_id]["response"]["body"]["error"]["message"]
     refused = out["long"]["response"]
     assert refused["status_code"] == 400 and "max_model_len=48" in refused["body"]["error"]["message"]
 
@@ -373,6 +375,6 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
     for custom_id, message in (("lengths", "has 2 texts and body.data_2 4"), ("no-docs", "body.documents must be a non-empty"),
                                ("two-queries", "body.query must be one text, got 2"), ("top", "body.top_n=-1 is invalid"),
                                ("top-false", "body.top_n=False is invalid"),
-                               ("field", "['instruction'] are not supported"), ("half", "body.text_2 must be a non-empty"),
-                               ("embed", "answered under --task embed")):
-        assert out[custom_id]["response"] is None and message in out[custom_id]["error"]["message"]
+                               ("field", "['instruction'] are not supported"), ("half", "body.text_2 must be a non-empty")):
+        assert out[custom_id]["response"]["status_code"] == 400 and message in out[custom_id]["response"]["body"]["error"]["message"]
+    assert out["embed"]["response"] is None and "answered under --task embed" in out["embed"]["error"]["message"]

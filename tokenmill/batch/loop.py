@@ -24,10 +24,11 @@ from tokenmill.batch.config import JobConfig
 from tokenmill.batch.job_engine import base_sampling, max_num_seqs
 from tokenmill.batch.lora_modules import JobAdapters, no_adapters
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
+from tokenmill.batch.openai_lines import refused_request
 from tokenmill.batch.pooling import PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
 from tokenmill.batch.requests import (
-    RowError, RowRequest, build_row_request, check_engine_limits, row_seed, shared_sampling_params,
+    OpenAIMeta, RowError, RowRequest, build_row_request, check_engine_limits, row_seed, shared_sampling_params,
 )
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
 from tokenmill.batch.row_prompts import check_chat_template, prepare_rows, row_prompt
@@ -238,11 +239,11 @@ class JobLoop:
         except self._row_errors as e:
             if isinstance(e, RowError) and e.row_id is not None:
                 row_id = e.row_id
-            self._fail(raw.index, row_id, _row_message(raw, e), request)
+            openai = request.openai if request is not None else refused_request(raw, e) if self.fmt == "openai" else None
+            self._fail(raw.index, row_id, _row_message(raw, e), openai)
 
-    def _fail(self, index: int, row_id: Any, message: str, request: RowRequest | None, flight: _InFlight | None = None,
+    def _fail(self, index: int, row_id: Any, message: str, openai: OpenAIMeta | None, flight: _InFlight | None = None,
               engine_fault: bool = False) -> None:
-        openai = request.openai if request is not None else None
         self.pending.append((self._error_result(index, row_id, message, openai, engine_fault), flight))
 
     def _error_result(self, index: int, row_id: Any, message: str, openai: Any, engine_fault: bool = False) -> RowResult:
@@ -281,7 +282,7 @@ class JobLoop:
             req = flight.request
             if out.error is not None:  # the engine ended it unfinished (its LoRA adapter could not be loaded)
                 message = _row_message(flight.raw, RuntimeError(f"the engine could not finish this row: {out.error}"))
-                self._fail(req.index, req.row_id, message, req, flight, engine_fault=True)
+                self._fail(req.index, req.row_id, message, req.openai, flight, engine_fault=True)
                 continue
             try:
                 result = result_from_output(req.index, req.row_id, out, req.openai, self.keep_logprobs or _asks_logprobs(req.overrides))
@@ -365,7 +366,7 @@ class JobLoop:
         self.row_finished_on_engine = True
         self.restarts_without_progress = 0
         for flight, message in self.suspects:
-            self._fail(flight.raw.index, flight.request.row_id, message, flight.request, engine_fault=True)
+            self._fail(flight.raw.index, flight.request.row_id, message, flight.request.openai, engine_fault=True)
         self.suspects = []
 
     def _settle_suspects_at_end(self) -> None:

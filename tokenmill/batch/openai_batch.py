@@ -12,9 +12,10 @@ under ``--task score``) are read and answered by openai_pooling.py.
 With ``--lora-modules`` a line's ``body.model`` selects the adapter of that name (the base model's
 name, or no ``model``, runs without one) and the output's ``body.model`` names the adapter that ran,
 as vLLM's server answers; without adapters ``model`` is ignored (see lora_modules.py).
-A request the engine refuses (prompt too long, bad values) gets ``status_code`` 400 and an
-OpenAI error body; a line that is not a request at all (bad JSON, no custom_id) gets
-``response: null`` and a top-level ``error``, as OpenAI's error file does.
+A refused request (an unsupported field, bad values, a prompt too long) gets ``status_code`` 400 and
+an OpenAI error body, one the engine failed on a 500; a line that is not a request at all (bad JSON,
+no custom_id, see openai_lines.NotARequest) gets ``response: null`` and a top-level ``error``, as
+OpenAI's error file does.
 """
 
 from __future__ import annotations
