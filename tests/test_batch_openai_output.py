@@ -5,6 +5,7 @@ engine's reasons rather than its own (vLLM: 500 ``InternalServerError``; OpenAI:
 
 from __future__ import annotations
 
+import json
 import math
 
 from tokenmill import SamplingParams
@@ -165,3 +166,30 @@ def test_a_line_whose_body_is_refused_is_a_400_like_a_value_the_engine_refuses(t
         assert error["type"] == "invalid_request_error" and words in error["message"], custom_id
     for custom_id in ("url", None):
         assert out[custom_id]["response"] is None and out[custom_id]["error"]["code"] == "invalid_request"
+
+
+def test_a_nan_logprob_is_written_null_as_vllms_json_holds_it():
+    """A NaN logprob (a model whose logits overflowed) has no JSON spelling either: vLLM's server
+    dumps its response with pydantic, which writes NaN as null; json.dumps wrote NaN, which strict
+    readers refuse, and so the whole line was lost to them."""
+    from tokenmill.batch.openai_batch import build_openai_request, openai_record
+    from tokenmill.batch.readers import RawRow
+    from tokenmill.batch.results import RowResult, SampleResult
+    from tokenmill.batch.writers import encode_lines
+    from tokenmill.outputs import Logprob
+
+    nan = float("nan")
+    lines = {"chat": chat("chat", "x", logprobs=True, top_logprobs=1), "cmpl": completion("cmpl", "x", logprobs=1,
+                                                                                           prompt_logprobs=0)}
+    for custom_id, line in lines.items():
+        meta = build_openai_request(RawRow(0, {"method": "POST", **line}, None, "line 1")).openai
+        sample = SampleResult(0, "He", [5], "length", nan, [{5: Logprob(nan, 1, "He")}])
+        result = RowResult(0, custom_id, 2, [sample], openai=meta, prompt_logprobs=[None, {7: Logprob(nan, 1, "x")}])
+        text = encode_lines([openai_record(result, "m", 0, "j")]).decode()
+        assert "NaN" not in text
+        choice = json.loads(text)["response"]["body"]["choices"][0]
+        if custom_id == "chat":
+            assert choice["logprobs"]["content"][0]["logprob"] is None
+        else:
+            assert choice["logprobs"]["token_logprobs"] == [None] and choice["logprobs"]["top_logprobs"] == [{"He": None}]
+            assert choice["prompt_logprobs"] == [None, {"7": {"logprob": None, "rank": 1, "decoded_token": "x"}}]

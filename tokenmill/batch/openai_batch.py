@@ -21,6 +21,7 @@ OpenAI's error file does.
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.chat_options import BODY_FIELDS, body_chat_options
@@ -173,8 +174,10 @@ def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_
 _LOWEST_LOGPROB = -9999.0
 
 
-def _finite(logprob: float) -> float:
-    return max(logprob, _LOWEST_LOGPROB)
+def _finite(logprob: float) -> float | None:
+    """A logprob JSON can hold, as vLLM's server writes it: -inf as -9999.0, NaN (logits that
+    overflowed) as null, which is what pydantic's JSON makes of a NaN."""
+    return None if math.isnan(logprob) else max(logprob, _LOWEST_LOGPROB)
 
 
 def openai_record(result: "RowResult", model: str, created: int, job_key: str) -> dict[str, Any]:
