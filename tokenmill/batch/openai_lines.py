@@ -1,6 +1,7 @@
 """An OpenAI batch line's frame: the urls tokenmill answers and which ``--task`` runs each, the
-checks every line passes before its body is read (custom_id, method, url, body), and the ids of
-the output lines. Generation lines are read in openai_batch.py, a pooling model's in openai_pooling.py.
+checks every line passes before its body is read (custom_id, method, url, body; a line failing them
+is no request, `NotARequest`, while one refused for its body is a bad request), and the ids of the
+output lines. Generation lines are read in openai_batch.py, a pooling model's in openai_pooling.py.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def open_line(raw: "RawRow", task: str) -> tuple[str, str, str, dict[str, Any]]:
     runs = POOLING_TASKS.get(url, "generate" if url in (CHAT_URL, COMPLETIONS_URL) else None)
     if runs is None:
         raise NotARequest(f"{where}: url {url!r} is not supported; use {CHAT_URL!r} or {COMPLETIONS_URL!r} (--task generate), "
-                       f"{EMBEDDINGS_URL!r} (--task embed), or {SCORE_URLS[0]!r} / {RERANK_URLS[0]!r} (--task score)", custom_id)
+                          f"{EMBEDDINGS_URL!r} (--task embed), or {SCORE_URLS[0]!r} / {RERANK_URLS[0]!r} (--task score)", custom_id)
     if runs != task:
         raise NotARequest(f"{where}: url {url!r} is answered under --task {runs}, and this job runs --task {task}", custom_id)
     body = line.get("body")
