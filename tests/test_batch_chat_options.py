@@ -270,7 +270,9 @@ def test_openai_lines_chat_fields_and_constraints_take_effect(tmp_path, llm):
     choice = out["schema"]["body"]["choices"][0]  # the random model says "red" or "blue", as JSON, and stops
     assert json.loads(choice["message"]["content"]) in ("red", "blue") and choice["finish_reason"] == "stop"
     assert out["bias"]["body"]["choices"][0]["text"] == tokenizer.decode([token] * 4)
-    assert "line 4: body.tool_choice='required' is not supported" in lines_out["required"]["error"]["message"]
+    refused = lines_out["required"]["response"]  # a request with an unsupported value: OpenAI's 400
+    assert refused["status_code"] == 400
+    assert "line 4: body.tool_choice='required' is not supported" in refused["body"]["error"]["message"]
 
 
 def test_generic_rows_with_messages_and_tools_through_the_job(tmp_path, llm):

@@ -146,7 +146,7 @@ def test_a_line_whose_body_is_refused_is_a_400_like_a_value_the_engine_refuses(t
     """OpenAI answers a request with a bad or unsupported parameter with HTTP 400 and an
     invalid_request_error body, whichever check finds it; only a line that is not a request at all
     (no custom_id, not JSON, a url not served) goes to the error file's shape (response null)."""
-    lines = [chat("tools", TEXTS[0], tools=[{"type": "function", "function": {"name": "f"}}]),
+    lines = [chat("unknown", TEXTS[0], logprob_token_ids=[5]),
              chat("top", TEXTS[0], logprobs=True, top_logprobs=30),
              chat("stream", TEXTS[0], stream=True),
              chat("no-messages", TEXTS[0]),
@@ -157,7 +157,7 @@ def test_a_line_whose_body_is_refused_is_a_400_like_a_value_the_engine_refuses(t
     del lines[3]["body"]["messages"]
     summary, out = job(tmp_path, llm, lines)
     assert summary.failed == len(lines)
-    says = {"tools": "['tools']", "top": "top_logprobs=30", "stream": "body.stream=True", "no-messages": "body.messages",
+    says = {"unknown": "['logprob_token_ids']", "top": "top_logprobs=30", "stream": "body.stream=True", "no-messages": "body.messages",
             "prompt": "body.prompt", "top-p": "top_p=2"}
     for custom_id, words in says.items():
         line = out[custom_id]
