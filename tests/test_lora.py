@@ -188,6 +188,26 @@ def test_greedy_tokens_and_logprobs_match_peft(base_fixture, kind, request, adap
     assert_matches_peft(base, outputs, prompts, [req] * len(prompts))
 
 
+def test_numpy_integer_lora_ids_are_taken_as_vllm_takes_them(llama, tiny_llama_dir, adapter, prompts):
+    """vLLM's LoRARequest (a msgspec Struct, never type-checked at construction) takes an id read from
+    a numpy array or a DataFrame; tokenmill refused it. It runs as the Python int, against HF + PEFT;
+    numpy bools and floats, and ids below 1, are still refused."""
+    import numpy as np
+
+    from tokenmill.lora.request import LoRARequest
+
+    folder = str(adapter(tiny_llama_dir, "all"))
+    req = LoRARequest("numpy-id", np.int64(90), folder)
+    assert req.lora_int_id == 90 and type(req.lora_int_id) is int
+    assert LoRARequest("numpy-uint", np.uint8(10), folder).lora_int_id == 10
+    outputs = llama.generate(as_inputs(prompts[:2]), GREEDY, use_tqdm=False, lora_request=req)
+    assert_matches_peft(tiny_llama_dir, outputs, prompts[:2], [req] * 2)
+    assert 90 in llama.llm_engine.list_loras()
+    for bad in (np.int64(0), np.bool_(True), np.float64(2.0), 2.0, True):
+        with pytest.raises(ValueError, match=r"lora_int_id=.* is invalid: must be an integer > 0"):
+            LoRARequest("bad-id", bad, folder)
+
+
 @pytest.mark.parametrize("slots", [2, 1])
 def test_a_batch_mixing_adapters_and_the_base_model(slots, request, tiny_llama_dir, requests):
     """Prompts with adapter A, adapter B and none interleaved in one generate call: each output is its

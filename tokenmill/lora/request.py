@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,12 @@ class LoRARequest:
     load_inplace: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+        # vLLM's LoRARequest (a msgspec Struct) takes any integer, numpy's too (ids read from an array or a
+        # DataFrame); stored as a Python int, so list_loras() and the cache keys hold one kind of id.
+        lora_int_id = self.lora_int_id
+        if not isinstance(lora_int_id, numbers.Integral) or isinstance(lora_int_id, bool) or lora_int_id < 1:
             raise ValueError(f"lora_int_id={self.lora_int_id!r} is invalid: must be an integer > 0")
+        self.lora_int_id = int(lora_int_id)
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name={self.lora_name!r} is invalid: must be a non-empty string")
         if not isinstance(self.lora_path, (str, os.PathLike)):  # was a bare TypeError when the adapter was read
