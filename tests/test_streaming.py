@@ -109,6 +109,24 @@ def test_a_stream_whose_requests_sleep_aborted_ends(llm, prompts, monkeypatch):
     assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
 
 
+def test_stream_checks_its_arguments_at_the_call(llm, prompts):
+    """A bad argument raises from the stream() call itself, as from generate(), not at the first next()
+    far from it; nothing is left queued. A stream dropped unread aborts its requests."""
+    bad_calls = [
+        (SamplingParams(temperature=1.0, n=1, best_of=3), r"best_of=3 .*DELTA"),
+        ([SamplingParams(), SamplingParams()], r"sampling_params"),  # two params for three prompts
+        ("not params", r"sampling_params"),
+    ]
+    for params, match in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            llm.stream(as_inputs(prompts), params)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        llm.stream([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": [llm.llm_engine.config.vocab_size]}])
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
+    llm.stream(as_inputs(prompts), SamplingParams(max_tokens=8, ignore_eos=True))  # dropped unread
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
+
+
 @pytest.mark.parametrize("flat", [False, True])
 def test_request_output_add_folds_deltas_into_the_final_output(llm, prompts, flat):
     """vLLM's RequestOutput.add: DELTA outputs aggregated equal the FINAL_ONLY output (n=2, with

@@ -277,15 +277,20 @@ class LLM(PoolingMethods, EngineControlMethods):
     ) -> Iterator[RequestOutput]:
         """Token streaming for interactive use: yields a RequestOutput after every engine step that
         advanced a request, holding only what is new (``RequestOutputKind.DELTA``: the new token ids
-        and text, ``finished`` on the last one). Stopping early aborts what is still running. Steps
-        made by other calls between two items (generate, another stream) are folded into the next delta.
-        """
+        and text, ``finished`` on the last one). The call checks the arguments and queues the requests
+        (a bad value raises here, not at the first ``next()``); stopping early aborts what still runs.
+        Steps made by other calls between two items (generate, another stream) fold into the next delta."""
         prompts = prompt_list(prompts)
         ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)), RequestOutputKind.DELTA)
-        mine: set[str] = set()
-        box: dict[str, RequestOutput] = {}
+        mine, box = set[str](), dict[str, RequestOutput]()
         self._watch(ids, mine, box)
+        deltas = self._stream_deltas(mine, box)
+        next(deltas)  # into its try: a stream dropped or closed unread still aborts its requests
+        return deltas
+
+    def _stream_deltas(self, mine: set[str], box: dict[str, RequestOutput]) -> Iterator[RequestOutput | None]:
         try:
+            yield None  # the priming step `stream` takes; the caller sees the items after it
             while mine:
                 yield from self._deliver(mine, box, finished_only=False)
         finally:
