@@ -268,6 +268,24 @@ def test_truncate_prompt_tokens_in_tokenization_kwargs_is_refused_not_ignored(ll
     assert generate_one(llm, PROMPTS[2], GREEDY.clone(truncate_prompt_tokens=3)).prompt_token_ids == ids[-3:]
 
 
+@pytest.mark.parametrize("kwargs", [{"is_split_into_words": True}, {"add_special_token": False}, {"do_lower_case": True}])
+def test_unknown_tokenization_kwargs_are_refused_by_name(llm, kwargs):
+    """vLLM's renderer reads add_special_tokens, truncation, max_length and padding (and its own
+    truncate_prompt_tokens / truncation_side) and drops any other key with a warning; tokenmill handed
+    them to the tokenizer, where is_split_into_words changes the tokens and a misspelt key does nothing.
+    Refused instead, naming the key and the keys there are; nothing is left queued."""
+    (key, value), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"tokenization_kwargs\['{key}'\]={value} is not supported: the keys are "
+                                         r"add_special_tokens, truncation, max_length, padding \("):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, tokenization_kwargs=kwargs)
+    with pytest.raises(ValueError, match=rf"tokenization_kwargs\['{key}'\]"):
+        llm.llm_engine.add_request("unknown-key", PROMPTS[0], GREEDY, tokenization_kwargs=kwargs)
+    assert not llm.llm_engine.has_unfinished_requests()
+    ids = llm.get_tokenizer()(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    (out,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
+    assert out.prompt_token_ids == ids
+
+
 def test_truncate_prompt_tokens_past_max_model_len_is_refused(llm):
     """As vLLM 0.26 refuses it (a cut that cannot make a prompt fit), whatever the prompt's length: a
     short prompt ran, a long one was refused as too long, naming max_model_len but not the cut."""

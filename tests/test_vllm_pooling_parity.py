@@ -377,6 +377,18 @@ def test_truncation(bert_embedder_llm):
     assert out.prompt_token_ids == bert_embedder_llm.get_tokenizer()("a cat", add_special_tokens=False)["input_ids"]
 
 
+def test_unknown_tokenization_kwargs_are_refused_by_name(bert_embedder_llm, cross_encoder_llm):
+    """Keys vLLM's renderer does not read (it drops them with a warning) went to the tokenizer, where
+    stride or is_split_into_words may act and a misspelt key does nothing: refused, naming the keys."""
+    for kwargs in ({"is_split_into_words": True}, {"truncate_prompt_token": 3}):
+        with pytest.raises(ValueError, match=r"is not supported: the keys are add_special_tokens, truncation, "
+                                             r"max_length, padding, truncate_prompt_tokens, truncation_side"):
+            bert_embedder_llm.embed(["a cat", "a dog"], tokenization_kwargs=kwargs, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"tokenization_kwargs\['"):
+            cross_encoder_llm.score("a cat", "a dog", tokenization_kwargs=kwargs, use_tqdm=False)
+    assert not bert_embedder_llm.llm_engine.has_unfinished_requests()
+
+
 # ---- outputs, PoolingParams and the engine, as vLLM 0.26 spells them --------------------------------
 
 

@@ -147,20 +147,36 @@ def _cache_salt(prompt: dict, where: str) -> str | None:
 TOKENIZE_CHUNK = 1024
 
 
+# The tokenizer arguments of vLLM's tokenization_kwargs (its renderer's TokenizeParams.with_kwargs reads
+# these and its own truncate_prompt_tokens / truncation_side, and drops any other key with a warning).
+# Passed on to the tokenizer, another key could change the tokens (is_split_into_words) or do nothing.
+TOKENIZER_ARGUMENTS = ("add_special_tokens", "truncation", "max_length", "padding")
+
+
+def check_tokenization_kwargs(tokenization_kwargs: Any, also_allowed: tuple[str, ...] = ()) -> None:
+    """Refuse what is not a dict of `TOKENIZER_ARGUMENTS` (and ``also_allowed``), naming the key."""
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got {type(tokenization_kwargs).__name__}")
+    allowed = (*TOKENIZER_ARGUMENTS, *also_allowed)
+    for key, value in tokenization_kwargs.items():
+        if key not in allowed:
+            raise ValueError(f"tokenization_kwargs[{key!r}]={short_repr(value)} is not supported: the keys are "
+                             f"{', '.join(allowed)} (vLLM ignores any other key, with a warning)")
+
+
 def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, tokenization_kwargs: dict[str, Any]) -> list[Any]:
     """Text prompts tokenized with ``tokenizer(texts, **tokenization_kwargs)`` (vLLM's
     ``tokenization_kwargs``, e.g. ``{"add_special_tokens": False}`` or truncation), ``TOKENIZE_CHUNK``
     of them a call: the tokenizer's batch path crosses into Rust once, on its threads (2,048 short
     prompts on the dev CPU: 89 -> 51-64 us a prompt). A prompt that already has token ids, or whose
     text is not a string (`parse_prompt` says what is wrong with it), is left as it is."""
-    if not isinstance(tokenization_kwargs, dict):
-        raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got {type(tokenization_kwargs).__name__}")
     for key in ("truncate_prompt_tokens", "truncation_side"):
         # vLLM 0.26's renderer keys, not the tokenizer's (which would ignore them without a word).
-        if key in tokenization_kwargs:
+        if isinstance(tokenization_kwargs, dict) and key in tokenization_kwargs:
             raise ValueError(f"tokenization_kwargs[{key!r}]={tokenization_kwargs[key]!r} is not supported for generation: "
                              "use SamplingParams(truncate_prompt_tokens=k) (keeps the last k prompt tokens), or "
                              "tokenization_kwargs={'truncation': True, 'max_length': k} (the tokenizer's own side)")
+    check_tokenization_kwargs(tokenization_kwargs)
     found, texts, places = list(prompts), [], []
     for i, prompt in enumerate(prompts):
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None

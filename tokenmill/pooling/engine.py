@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.protocol import check_add_request_keywords, request_id_list
-from tokenmill.inputs import PromptType, parse_prompt, tokenize_prompts, validate_prompt_ids
+from tokenmill.inputs import PromptType, check_tokenization_kwargs, parse_prompt, tokenize_prompts, validate_prompt_ids
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput
 from tokenmill.pooling.config import TASK_METHODS, PoolingModelConfig
 from tokenmill.pooling.request import PoolingRequest
@@ -109,9 +109,7 @@ class PoolingEngine:
         """
         if tokenization_kwargs is None:
             return prompts, truncate_prompt_tokens
-        if not isinstance(tokenization_kwargs, dict):
-            raise ValueError(f"tokenization_kwargs must be a dict of tokenizer arguments, got "
-                             f"{type(tokenization_kwargs).__name__}")
+        check_tokenization_kwargs(tokenization_kwargs, ("truncate_prompt_tokens", "truncation_side"))
         rest = dict(tokenization_kwargs)
         truncate = rest.pop("truncate_prompt_tokens", None)
         if truncate is not None and truncate_prompt_tokens not in (None, truncate):
