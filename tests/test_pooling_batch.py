@@ -119,6 +119,25 @@ def test_classify_to_parquet_has_labels_and_probabilities(tmp_path, bert_classif
         assert records[i]["label"] == labels[max(range(3), key=out.outputs.probs.__getitem__)]
 
 
+def test_an_empty_text_runs_as_its_special_tokens_or_is_refused_when_it_has_none(tmp_path, bert_classifier_llm,
+                                                                                  tiny_qwen3_classifier_dir):
+    """A "" row runs as LLM.classify("") does (BERT: [CLS] [SEP]); with a tokenizer that adds no special
+    token it is refused as the engine refuses a zero-token prompt, alone (vLLM: the prompt cannot be empty)."""
+    from tokenmill import LLM
+
+    rows = [{"id": "empty", "prompt": ""}, {"id": "text", "prompt": "the cat"}]
+    assert job(tmp_path, bert_classifier_llm, rows, "classify").failed == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    (expected,) = bert_classifier_llm.classify("", use_tqdm=False)
+    assert records[0]["probs"] == pytest.approx(expected.outputs.probs, abs=1e-6)
+    assert records[0]["prompt_tokens"] == len(expected.prompt_token_ids) == 2
+    qwen3 = LLM(str(tiny_qwen3_classifier_dir), device="cpu", dtype="float32", max_model_len=64)
+    summary = job(tmp_path, qwen3, rows, "classify", output="qwen3.jsonl")
+    records = by_row(read_jsonl(tmp_path / "qwen3.jsonl"))
+    assert summary.failed == 1 and records[1]["error"] is None
+    assert records[0]["probs"] is None and "is empty: a prompt needs at least one token" in records[0]["error"]
+
+
 @pytest.mark.parametrize("model", ["cross_encoder_llm", "bert_embedder_llm"])
 def test_score_rows_match_llm_score(tmp_path, request, model, texts):
     llm = request.getfixturevalue(model)

@@ -162,3 +162,29 @@ def test_embed_job_rows_match_llm_embed(llm, minilm_dir, tmp_path, capsys):
     for i, out in enumerate(llm.embed(prompts, truncate_prompt_tokens=-1, use_tqdm=False)):
         assert records[i]["error"] is None and records[i]["prompt_tokens"] == len(out.prompt_token_ids)
         assert records[i]["embedding"] == pytest.approx(out.outputs.embedding, rel=1e-5, abs=1e-6)
+
+
+def test_empty_texts_in_embed_and_score_jobs_match_sentence_transformers(llm, reference, tmp_path):
+    """An empty text tokenizes to [CLS] [SEP] and sentence-transformers embeds it, as LLM.embed and vLLM
+    do: the jobs refused such rows ("the prompt is empty", "needs a non-empty string")."""
+    from tokenmill.batch.job import JobConfig, run_job
+
+    from support.jsonl import read_jsonl, write_jsonl
+
+    def run(task, rows):
+        source = write_jsonl(tmp_path / f"{task}.jsonl", rows)
+        config = JobConfig(input=str(source), output=str(tmp_path / f"{task}-out.jsonl"), model="minilm", task=task,
+                           progress=False)
+        assert run_job(config, llm=llm).failed == 0
+        return sorted(read_jsonl(tmp_path / f"{task}-out.jsonl"), key=lambda r: r["row"])
+
+    texts = ["", "A man is eating food.", ""]
+    expected = reference.encode(texts, convert_to_tensor=True)
+    records = run("embed", [{"prompt": t} for t in texts])
+    for record, ref in zip(records, expected):
+        assert torch.tensor(record["embedding"]) == pytest.approx(ref, abs=1e-5)
+    assert [r["prompt_tokens"] for r in records] == [2, 8, 2]
+    records = run("score", [{"text_1": texts[1], "text_2": ""}, {"text_1": "", "text_2": ""}])
+    cosine = F.cosine_similarity(expected[1:2], expected[0:1]).item()
+    assert [r["score"] for r in records] == pytest.approx([cosine, 1.0], abs=1e-5)
+

@@ -112,7 +112,7 @@ class PoolingRows:
                 except (TypeError, ValueError) as e:
                     raise RowError(f"{where}: {e}", request.row_id) from None
             return request, [(f"row-{raw.index}-1", text_1, params), (f"row-{raw.index}-2", text_2, params)]
-        request = build_row_request(raw, self.settings)
+        request = build_row_request(raw, self.settings, empty_text_ok=True)
         if request.messages is not None:
             raise RowError(f"{where}: --task {self.task} takes text ('prompt', --text-field or --prompt-template), "
                            "not chat 'messages'", request.row_id)
@@ -244,10 +244,11 @@ def pooling_parquet_schema(task: str) -> Any:
 
 
 def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
+    """A score row's text; "" too, as LLM.score and vLLM take it (the engine refuses one left with no token)."""
     value = record.get(name)
-    if not isinstance(value, str) or not value:
-        found = "missing" if name not in record else f"a {type(value).__name__}" if not isinstance(value, str) else "empty"
-        raise RowError(f"{where}: --task score needs a non-empty string in '{name}' (got {found}; fields: {sorted(record)[:12]})", row_id)
+    if not isinstance(value, str):
+        found = "missing" if name not in record else f"a {type(value).__name__}"
+        raise RowError(f"{where}: --task score needs a string in '{name}' (got {found}; fields: {sorted(record)[:12]})", row_id)
     return value
 
 

@@ -112,8 +112,10 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
-    """Translate one generic row; raises RowError naming the field at fault."""
+def build_row_request(raw: "RawRow", settings: PromptSettings, empty_text_ok: bool = False) -> RowRequest:
+    """Translate one generic row; raises RowError naming the field at fault. ``empty_text_ok``: a ""
+    prompt goes on to the engine (the pooling tasks: vLLM embeds "" as the tokenizer's special tokens,
+    BERT's [CLS] [SEP], and refuses it there by name when that leaves no token)."""
     record = raw.record
     assert record is not None
     where = raw.where or f"row {raw.index}"
@@ -156,7 +158,7 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
             f"null{null_note} (fields: {sorted(record)[:12]}); or pass --text-field or --prompt-template",
             row_id,
         )
-    if not text:
+    if not text and not empty_text_ok:
         raise RowError(f"{where}: the prompt is empty", row_id)
     if settings.chat or settings.system is not None:
         request.messages = _with_system([{"role": "user", "content": text}], settings.system)
