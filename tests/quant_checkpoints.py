@@ -171,9 +171,13 @@ def _pack(codes: torch.Tensor, dim: int) -> torch.Tensor:
 
 def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "llama", group_size: int = 128,
                         seed: int = 0, scale_dtype: torch.dtype = torch.float16,
-                        gptq_format: str = "gptq") -> tuple[Path, Path]:
+                        gptq_format: str = "gptq", full_precision: tuple[str, ...] = (),
+                        quant_fields: dict[str, Any] | None = None, tag: str = "") -> tuple[Path, Path]:
     """A GPTQ (desc_act=False; ``gptq_format`` "gptq" stores zeros minus one, "gptq_v2" as they are)
-    or AWQ (GEMM) folder; see the module docstring. group_size -1: per output channel."""
+    or AWQ (GEMM) folder; see the module docstring. group_size -1: per output channel.
+    ``full_precision``: projections (full module names) stored as plain weights, unquantized;
+    ``quant_fields``: more quantization_config fields (the lists that name those modules); ``tag``
+    tells such folders apart."""
     from safetensors.torch import save_file
 
     config = tiny_config(family)
@@ -183,7 +187,7 @@ def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "ll
     weights: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         module, _, kind = name.rpartition(".")
-        if module.rsplit(".", 1)[-1] not in PROJECTIONS or kind != "weight":
+        if module.rsplit(".", 1)[-1] not in PROJECTIONS or kind != "weight" or module in full_precision:
             tensors[name] = param.detach().clone()
             continue
         codes, zeros, scales, weights[name] = _draw_int4(param.detach(), group_size, symmetric, gen, scale_dtype)
@@ -200,13 +204,13 @@ def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "ll
             tensors[f"{module}.qzeros"] = _pack(in_awq_order(zeros.t()), 1)  # [G, N/8]
         tensors[f"{module}.scales"] = scales.t().contiguous()  # [G, N]
     dtype_name = str(scale_dtype).removeprefix("torch.")
-    folder = root / f"{fmt}-{'sym' if symmetric else 'asym'}-{family}-seed{seed}-g{group_size}-{dtype_name}-{gptq_format}"
+    folder = root / f"{fmt}-{'sym' if symmetric else 'asym'}-{family}-seed{seed}-g{group_size}-{dtype_name}-{gptq_format}{tag}"
     folder.mkdir(parents=True)
     save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     quant = ({"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
               "checkpoint_format": gptq_format} if fmt == "gptq" else
              {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": not symmetric, "version": "gemm"})
-    config.quantization_config = quant
+    config.quantization_config = {**quant, **(quant_fields or {})}
     config.save_pretrained(folder)
     build_tiny_tokenizer().save_pretrained(folder)
     return folder, _save_reference(random_model(tiny_config(family), seed), weights, root / f"{folder.name}-reference")

@@ -296,6 +296,53 @@ def test_a_quantized_lm_head_is_refused(root):
         LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
 
 
+def _projections(layers: tuple[int, ...], names: str) -> tuple[str, ...]:
+    """Full module names of the projections ``names`` ("qkvo" attention, "gud" MLP) in ``layers``."""
+    full = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "g": "mlp.gate_proj", "u": "mlp.up_proj", "d": "mlp.down_proj"}
+    return tuple(f"model.layers.{i}.{full[p]}" for i in layers for p in names)
+
+
+@pytest.mark.parametrize("fmt, fields, full_precision", [
+    ("awq", {"modules_to_not_convert": ["model.layers.0"]}, _projections((0,), "qkvogud")),  # a layer prefix
+    ("gptq", {"modules_to_not_convert": ["self_attn"]}, _projections((0, 1), "qkvo")),  # a module inside each layer
+    ("awq", {"modules_to_not_convert": ["lm_head", "layers.1.mlp"]}, _projections((1,), "gud")),
+    ("gptq", {"modules_in_block_to_quantize": [["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"],
+                                               ["self_attn.o_proj"]]}, _projections((0, 1), "gud")),
+])
+def test_gptq_awq_module_lists_keep_the_modules_vllm_keeps_in_full_precision(root, fmt, fields, full_precision):
+    """vLLM matches AWQ's modules_to_not_convert and GPTQ's modules_in_block_to_quantize anywhere in a
+    layer's name (is_layer_skipped's "substring" mode, is_layer_gptq_quantized), as AutoAWQ skipped
+    modules when it wrote them: a layer prefix or a module inside each layer names them too, not a
+    suffix only. The checkpoints keep exactly those projections as plain weights; against HF."""
+    folder, reference = gptq_awq_checkpoint(root, fmt, False, seed=5, full_precision=full_precision, quant_fields=fields,
+                                            tag=f"-{len(full_precision)}-{sorted(fields)[0]}")
+    _check_against_hf(folder, reference)
+
+
+def test_gptq_awq_module_lists_match_as_vllm_matches_them():
+    """vLLM's substring rule, module by module: "model.layers.1" names layers 10-19 too, "mlp.gate" the MoE
+    router and gate_proj; stacked gate/up named apart are refused (vLLM: "some but not all shards");
+    a list that is not of module names is refused by its field."""
+    from tokenmill.quantization.config import resolve_quantization
+
+    config = tiny_config()
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    config.quantization_config = {**awq, "modules_to_not_convert": ["model.layers.1", "mlp.gate", "lm_head"]}
+    quant = resolve_quantization(None, config)
+    kept = [name for name in ("model.layers.1.self_attn.q_proj", "model.layers.10.mlp.down_proj", "model.layers.3.mlp.gate",
+                              "model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj", "model.layers.2.self_attn.o_proj")
+            if quant.scheme_for([name]) is None]
+    assert kept == ["model.layers.1.self_attn.q_proj", "model.layers.10.mlp.down_proj", "model.layers.3.mlp.gate",
+                    "model.layers.3.mlp.gate_proj"]
+    with pytest.raises(ValueError, match="projections stacked into one matmul different schemes"):
+        quant.scheme_for(["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"])
+    for field, value in (("modules_to_not_convert", "lm_head"), ("modules_in_block_to_quantize", [["q_proj", 3]])):
+        config.quantization_config = {**awq, "quant_method": "gptq", field: value}
+        with pytest.raises(ValueError, match=rf"quantization_config.{field}=.* is not supported; supported: a list of module names"):
+            resolve_quantization(None, config)
+
+
 def test_a_missing_or_non_integer_group_size_is_refused_by_name():
     from tokenmill.quantization.config import resolve_quantization
 

@@ -223,7 +223,11 @@ def _gptq(cfg: dict) -> QuantizationConfig:
         raise _refuse("checkpoint_format", fmt, "'gptq' or 'gptq_v2'")
     scheme = Int4Scheme("gptq", _check_group("group_size", cfg.get("group_size", 128)), bool(cfg.get("sym", True)),
                         gptq_zeros_minus_one=fmt == "gptq")
-    return QuantizationConfig("gptq", ((("Linear",), scheme),), tuple(cfg.get("modules_to_not_convert") or ()))
+    # GPTQ's own list names what was quantized (vLLM reads it; transformers' GPTQConfig writes it as
+    # lists of a block's modules run together): every other layer keeps full-precision weights.
+    quantized = _module_names("modules_in_block_to_quantize", cfg.get("modules_in_block_to_quantize"), nested=True)
+    targets = _anywhere_in_the_name(quantized) if quantized else ("Linear",)
+    return QuantizationConfig("gptq", ((targets, scheme),), _not_converted(cfg))
 
 
 def _awq(cfg: dict) -> QuantizationConfig:
@@ -235,7 +239,31 @@ def _awq(cfg: dict) -> QuantizationConfig:
         raise _refuse("version", cfg.get("version"), "'gemm' (the layout AutoAWQ writes by default)")
     group_size = cfg.get("group_size", cfg.get("q_group_size", 128))
     scheme = Int4Scheme("awq", _check_group("group_size", group_size), not cfg.get("zero_point", True))
-    return QuantizationConfig("awq", ((("Linear",), scheme),), tuple(cfg.get("modules_to_not_convert") or ()))
+    return QuantizationConfig("awq", ((("Linear",), scheme),), _not_converted(cfg))
+
+
+def _not_converted(cfg: dict) -> tuple[str, ...]:
+    """GPTQ's / AWQ's modules_to_not_convert as ignore patterns."""
+    return _anywhere_in_the_name(_module_names("modules_to_not_convert", cfg.get("modules_to_not_convert")))
+
+
+def _module_names(where: str, value: Any, nested: bool = False) -> list[str]:
+    """A list of module names (or, ``nested``, of such lists, flattened); None stands for none."""
+    if value is None:
+        return []
+    names = value
+    if nested and isinstance(value, list):
+        names = [name for item in value for name in (item if isinstance(item, list) else [item])]
+    if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
+        raise _refuse(where, value, "a list of module names" + (" (or of lists of them)" if nested else ""))
+    return names
+
+
+def _anywhere_in_the_name(names: list[str]) -> tuple[str, ...]:
+    # vLLM matches GPTQ's and AWQ's module lists anywhere in a layer's name (is_layer_skipped's "substring"
+    # mode; AutoAWQ skipped modules by the same test): "mlp.gate" names the MoE router and gate_proj
+    # alike, "model.layers.1" layers 10-19 too, "lm_head" only the head. As "re:" patterns here.
+    return tuple(f"re:.*{re.escape(name)}" for name in names)
 
 
 def _fp8_checkpoint(cfg: dict) -> QuantizationConfig:
