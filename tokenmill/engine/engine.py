@@ -82,6 +82,16 @@ class LLMEngine(EngineControls):  # EngineControls: sleep, profiling, weight tra
         # Loads the model on every tensor-parallel rank and sizes and allocates the KV cache there;
         # the engine steps rank 0's runner (tokenmill/distributed/ when there are several ranks).
         self.executor = Executor(config, source, load_format)
+        try:
+            self._set_up(config)
+        except BaseException:
+            # Stopped here, not when the half-built engine is collected: the error's traceback holds
+            # it (and its workers, which keep their shards and KV caches) as long as the caller keeps the error.
+            self.executor.shutdown()
+            raise
+
+    def _set_up(self, config: EngineConfig) -> None:
+        """Everything the engine builds around its loaded executor: the KV books, the scheduler, the rest."""
         num_blocks = self.executor.num_blocks
         # The CPU's default pool becomes resident page by page: let it grow with the work (see kv_cache.py).
         grow = config.device.type == "cpu" and config.kv_cache_memory_bytes is None

@@ -1,0 +1,31 @@
+"""Tensor parallelism (two ranks over gloo on the CPU) when something goes wrong: the engine's own
+start-up failing after its workers started, a worker failing a step, stopping interrupted by a
+Ctrl-C. Each case must end in a clear error within seconds and leave no worker process behind.
+(Killed workers and the batch job's engine restarts: test_tensor_parallel.py,
+test_batch_engine_restart.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from support.processes import child_pids
+from tokenmill import LLM
+
+OPTIONS = dict(dtype="float32", device="cpu", max_model_len=128, kv_cache_memory_bytes=8 * 2**20, seed=0)
+
+
+def test_an_engine_failing_after_its_workers_started_stops_them(tiny_llama_dir, monkeypatch):
+    """LLMEngine.__init__ raising after the Executor started the workers (here its metrics) must stop
+    them before the error leaves: the error's traceback holds the half-built engine, so waiting for
+    it to be collected leaves the workers running as long as the caller keeps the error."""
+    from tokenmill.engine import engine
+
+    def broken_metrics(config):
+        raise RuntimeError("metrics could not start")
+
+    monkeypatch.setattr(engine, "_start_metrics", broken_metrics)
+    before = child_pids()
+    with pytest.raises(RuntimeError, match="metrics could not start") as raised:
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS)
+    assert raised.value.__traceback__ is not None  # still held, as a notebook's last error is
+    assert child_pids() - before == set()
