@@ -49,25 +49,34 @@ def start_module(module: str, env: dict[str, str] | None = None) -> tuple[subpro
 def stop_children(procs: Iterable[subprocess.Popen], conns: Iterable[Connection],
                   send_stop: Callable[[Connection], None] | None = None) -> None:
     """``send_stop`` on each pipe (when given) and a grace period, then SIGTERM, then SIGKILL;
-    every process is reaped and every pipe closed."""
+    every process is reaped and every pipe closed.
+
+    Interrupted while it waits (a Ctrl-C), it kills and reaps what is left before the interrupt goes
+    on: callers mark their children stopped first, so nobody would stop them later."""
     procs, conns = list(procs), list(conns)
-    if send_stop is not None:
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                send_stop(conn)
-    deadline = time.monotonic() + (STOP_GRACE_S if send_stop is not None else 0.0)
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
+    try:
+        if send_stop is not None:
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    send_stop(conn)
+        deadline = time.monotonic() + (STOP_GRACE_S if send_stop is not None else 0.0)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:  # only when interrupted: the loop above reaped every process
                 proc.kill()
                 proc.wait()
-    for conn in conns:
-        conn.close()
+        for conn in conns:
+            conn.close()
 
 
 def describe_exit(code: int | None) -> str:
