@@ -88,6 +88,14 @@ class Joining:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """A worker's last message before it exits: the mirrored call it failed, and why (its exception,
+    one line; the traceback goes to its stderr). Rank 0 adds it to the error of the failed step."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class Reply:
     """A worker's answer: to its start-up (call_id -1) or to an RpcCall."""
 

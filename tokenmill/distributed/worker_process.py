@@ -15,6 +15,7 @@ fails (the ranks are then out of step, so carrying on would only hang them).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import pickle
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from tokenmill.distributed.child_process import exit_with_parent
-from tokenmill.distributed.messages import Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
+from tokenmill.distributed.messages import Failed, Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
 from tokenmill.distributed.mirror import replay
 from tokenmill.distributed.process_group import connect_store, create_group, rank_device
 from tokenmill.worker.worker import Worker, worker_class
@@ -76,9 +77,11 @@ def serve(conn: Connection, worker: Worker, group: Any) -> int:
             continue
         try:
             replay(message, worker, group)
-        except Exception:
+        except Exception as error:
             traceback.print_exc()
             print(f"tokenmill: tensor-parallel worker rank {worker.rank} failed a mirrored call; exiting", file=sys.stderr)
+            with contextlib.suppress(OSError):  # rank 0 may be gone already
+                send(conn, Failed("".join(traceback.format_exception_only(error)).strip()))
             return 1
 
 

@@ -7,6 +7,8 @@ Failure handling, in one place:
 - a mirrored call that fails or is interrupted midway leaves the ranks out of step, so
   ``step_guard`` stops every worker and raises a RuntimeError naming the cause (a dead rank,
   when one died; gloo itself notices a dead peer's closed socket within milliseconds);
+- a worker that fails a mirrored call itself sends its exception (a `Failed` message) before it
+  exits, and the error rank 0 raises carries it: the worker's own traceback is only on its stderr;
 - stopping is idempotent and also runs when the owner is garbage-collected or the interpreter
   exits (weakref.finalize): a graceful Stop, then SIGTERM, then SIGKILL, and every process reaped.
 """
@@ -26,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from tokenmill.distributed.child_process import describe_exit, start_module, stop_children
-from tokenmill.distributed.messages import Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
+from tokenmill.distributed.messages import Failed, Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
 from tokenmill.distributed.process_group import abort_group, create_group, create_store
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class WorkerProcesses:
         self._shared = _Shared()
         self.procs, self.conns = self._shared.procs, self._shared.conns
         self._next_call_id = 0
+        self._last_words: dict[int, str] = {}  # rank -> the exception of the mirrored call it failed (`Failed`)
         self._finalizer = weakref.finalize(self, _stop_workers, self._shared)
         try:
             store = create_store(self.world_size)
@@ -126,7 +129,9 @@ class WorkerProcesses:
                     message = receive(conn)
                 except (EOFError, OSError):
                     self._raise_dead(rank, f"during {what}")
-                if accept(message):
+                if isinstance(message, Failed):  # it failed a mirrored call after rank 0's part of it ended
+                    self._last_words[rank] = message.error
+                elif accept(message):
                     found[rank] = message
                     del pending[conn]
         for rank, message in sorted(found.items()):
@@ -159,19 +164,39 @@ class WorkerProcesses:
                 raise
             if not isinstance(exc, KeyboardInterrupt):
                 self._wait_for_failure(DEATH_GRACE_S)  # a collective may fail before the exit is seen
-            reason = self.failure or (
-                "a tensor-parallel step was interrupted" if isinstance(exc, KeyboardInterrupt)
-                else f"a tensor-parallel step failed on rank 0: {exc!r}"
-            )
-            self._shared.failure = reason
-            self.stop(graceful=False)
+            if self.failure is None:
+                self._shared.failure = (
+                    "a tensor-parallel step was interrupted" if isinstance(exc, KeyboardInterrupt)
+                    else f"a tensor-parallel step failed on rank 0: {exc!r}"
+                )
+            error = self._stop_failed()
             if isinstance(exc, Exception):
-                raise WorkerDiedError(_dead_message(reason)) from exc
+                raise error from exc
             raise
+
+    def _stop_failed(self) -> WorkerDiedError:
+        """Stop every worker after a failure; returns the error that says why, with the exception of
+        any worker that failed a mirrored call (read before the pipes close)."""
+        if not self._shared.stopping.is_set():
+            self._read_last_words()
+        self.stop(graceful=False)
+        reason = self.failure or ""
+        for rank, error in sorted(self._last_words.items()):
+            reason += f"; rank {rank} failed a mirrored call with {error} (its traceback is on its stderr)"
+        return WorkerDiedError(_dead_message(reason))
+
+    def _read_last_words(self) -> None:
+        """Keep the `Failed` messages the workers sent before exiting (without waiting for any)."""
+        for rank, conn in enumerate(self.conns, start=1):
+            with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
+                while conn.poll():
+                    message = receive(conn)
+                    if isinstance(message, Failed):
+                        self._last_words[rank] = message.error
 
     def check_alive(self) -> None:
         if self.failure is not None:
-            raise WorkerDiedError(_dead_message(self.failure))
+            raise self._stop_failed()
 
     def _wait_for_failure(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -186,8 +211,7 @@ class WorkerProcesses:
             code = proc.returncode
             state = describe_exit(code) if code is not None else "its control pipe closed"
             self._shared.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died {when}: {state}"
-        self.stop(graceful=False)
-        raise WorkerDiedError(_dead_message(self.failure or ""))
+        raise self._stop_failed()
 
     # ---- shutdown -------------------------------------------------------------------------
     def stop(self, graceful: bool = True) -> None:
