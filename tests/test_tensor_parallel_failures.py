@@ -1,11 +1,13 @@
 """Tensor parallelism (two ranks over gloo on the CPU) when something goes wrong: the engine's own
-start-up failing after its workers started, a worker failing a step, stopping interrupted by a
-Ctrl-C. Each case must end in a clear error within seconds and leave no worker process behind.
+start-up failing after its workers started, a worker failing a step, a Ctrl-C inside a step.
+Each case must end in a clear error within seconds and leave no worker process behind.
 (Killed workers and the batch job's engine restarts: test_tensor_parallel.py,
 test_batch_engine_restart.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -58,3 +60,61 @@ def test_a_worker_failing_a_step_is_named_with_its_error(tiny_llama_dir):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
     assert time.monotonic() - started < 5.0
     assert child_pids() - before == set()
+
+
+def _interrupt_rank0_inside_its_forward(llm: LLM, interrupts: int) -> None:
+    """Rank 0's next forward sends this process ``interrupts`` SIGINTs (Ctrl-C) from inside the
+    mirrored call, where rank 1 is in the same forward, between the two ranks' collectives."""
+    layer = llm.llm_engine.executor.driver.model.model.layers[0].mlp
+    forward = layer.forward
+
+    def interrupted(*args, **kwargs):
+        del layer.forward  # once
+        for _ in range(interrupts):
+            os.kill(os.getpid(), signal.SIGINT)
+        return forward(*args, **kwargs)
+
+    layer.forward = interrupted
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler (SIG_IGN under `cmd &`), put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_inside_a_step_keeps_the_llm_usable(tiny_llama_dir, default_sigint):
+    """Ctrl-C lands while rank 0 is inside a mirrored forward (most of a step's time): it stops the
+    call as on one rank, and the same LLM then generates as Hugging Face does (the interrupt waited
+    for the ranks to finish the forward together, instead of leaving rank 1 in a collective and
+    the workers stopped for good)."""
+    from reference import hf_greedy, hf_model
+
+    before = child_pids()
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS)
+    try:
+        _interrupt_rank0_inside_its_forward(llm, interrupts=1)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+        tokens = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.llm_engine.executor.shutdown()
+    assert tokens == hf_greedy(hf_model(str(tiny_llama_dir)), [5, 6, 7], GREEDY.max_tokens)[0]
+    assert child_pids() - before == set()
+
+
+def test_a_second_ctrl_c_inside_a_step_stops_it_at_once(tiny_llama_dir, default_sigint):
+    """A step whose collective hangs stays interruptible: the second Ctrl-C is not held. The ranks
+    are then out of step, so the workers are stopped and the LLM says it cannot go on."""
+    from tokenmill.distributed.worker_processes import WorkerDiedError
+
+    before = child_pids()
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS)
+    _interrupt_rank0_inside_its_forward(llm, interrupts=2)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    assert child_pids() - before == set()
+    with pytest.raises(WorkerDiedError, match="a tensor-parallel step was interrupted.*cannot run more steps"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)

@@ -4,8 +4,10 @@ Failure handling, in one place:
 - a watchdog thread per worker waits for its process to end; an end nobody asked for is
   recorded (and, on NCCL, the group is aborted so a collective waiting on the dead rank returns);
 - every announcement checks that record first, so the call after a death fails at once;
-- a mirrored call that fails or is interrupted midway leaves the ranks out of step, so
-  ``step_guard`` stops every worker and raises a RuntimeError naming the cause (a dead rank,
+- a first Ctrl-C inside a mirrored call is held until the call ends (`held_interrupt`), so the
+  ranks stay in step and the engine recovers from it between calls, as on one rank;
+- a mirrored call that fails or is interrupted midway (a second Ctrl-C) leaves the ranks out of
+  step, so ``step_guard`` stops every worker and raises a RuntimeError naming the cause (a dead rank,
   when one died; gloo itself notices a dead peer's closed socket within milliseconds);
 - a worker that fails a mirrored call itself sends its exception (a `Failed` message) before it
   exits, and the error rank 0 raises carries it: the worker's own traceback is only on its stderr;
@@ -28,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from tokenmill.distributed.child_process import describe_exit, start_module, stop_children
+from tokenmill.distributed.held_interrupt import sigint_held
 from tokenmill.distributed.messages import Failed, Joining, Reply, RpcCall, Stop, WorkerSetup, dumps_value, receive, send
 from tokenmill.distributed.process_group import abort_group, create_group, create_store
 
@@ -155,24 +158,26 @@ class WorkerProcesses:
 
     @contextlib.contextmanager
     def step_guard(self) -> Iterator[None]:
-        """Around one mirrored call: if it fails or is interrupted midway, stop every worker."""
-        try:
-            yield
-        except BaseException as exc:
-            if isinstance(exc, WorkerDiedError):
-                self.stop(graceful=False)
+        """Around one mirrored call: a first Ctrl-C waits for its end (`sigint_held`); if it fails
+        or is interrupted midway (a second Ctrl-C), stop every worker."""
+        with sigint_held():
+            try:
+                yield
+            except BaseException as exc:
+                if isinstance(exc, WorkerDiedError):
+                    self.stop(graceful=False)
+                    raise
+                if not isinstance(exc, KeyboardInterrupt):
+                    self._wait_for_failure(DEATH_GRACE_S)  # a collective may fail before the exit is seen
+                if self.failure is None:
+                    self._shared.failure = (
+                        "a tensor-parallel step was interrupted" if isinstance(exc, KeyboardInterrupt)
+                        else f"a tensor-parallel step failed on rank 0: {exc!r}"
+                    )
+                error = self._stop_failed()
+                if isinstance(exc, Exception):
+                    raise error from exc
                 raise
-            if not isinstance(exc, KeyboardInterrupt):
-                self._wait_for_failure(DEATH_GRACE_S)  # a collective may fail before the exit is seen
-            if self.failure is None:
-                self._shared.failure = (
-                    "a tensor-parallel step was interrupted" if isinstance(exc, KeyboardInterrupt)
-                    else f"a tensor-parallel step failed on rank 0: {exc!r}"
-                )
-            error = self._stop_failed()
-            if isinstance(exc, Exception):
-                raise error from exc
-            raise
 
     def _stop_failed(self) -> WorkerDiedError:
         """Stop every worker after a failure; returns the error that says why, with the exception of
