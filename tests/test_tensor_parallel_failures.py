@@ -118,3 +118,65 @@ def test_a_second_ctrl_c_inside_a_step_stops_it_at_once(tiny_llama_dir, default_
     assert child_pids() - before == set()
     with pytest.raises(WorkerDiedError, match="a tensor-parallel step was interrupted.*cannot run more steps"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow  # a fresh interpreter loading two ranks, then a first committed row: ~15 s on 2 cores
+def test_sigterm_to_a_tensor_parallel_job_keeps_its_rows_and_leaves_no_worker(tmp_path, tiny_llama_dir):
+    """`tokenmill run --tensor-parallel-size 2` in its own process (a hang fails on the timeouts
+    here rather than hanging the suite): SIGTERM once a row is committed stops it after the step,
+    with exit code 130, the committed rows whole and each once, and its worker process gone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from support.jsonl import write_jsonl
+
+    rows = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the cat sat on mat {i}"} for i in range(200)])
+    output = tmp_path / "out.jsonl"
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "run", str(rows), "-o", str(output), "--model", str(tiny_llama_dir),
+           "--dtype", "float32", "--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes", str(8 * 2**20),
+           "--max-num-seqs", "2", "--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--no-progress",
+           "--fsync-interval", "0", "--tensor-parallel-size", "2"]
+    job = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(repo)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (output.exists() and output.read_bytes().endswith(b"\n")):
+            assert job.poll() is None and time.monotonic() < deadline, "the job committed no row"
+            time.sleep(0.02)
+        workers = _children(job.pid)
+        assert len(workers) == 1
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 130, err
+    assert "interrupted" in err and "rerun the same command" in err
+    deadline = time.monotonic() + 10
+    while any(_state(pid) not in "ZX" for pid in workers):  # reparented once the job exited: watched by pid
+        assert time.monotonic() < deadline, f"worker {workers} outlived its job"
+        time.sleep(0.05)
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert written and len({r["row"] for r in written}) == len(written) < 200
+    assert all(r["error"] is None and r["completion_tokens"] == 8 for r in written)
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _state(int(entry), parent=pid) not in "ZX":
+            found.append(int(entry))
+    return found
+
+
+def _state(pid: int, parent: int | None = None) -> str:
+    """The process's state letter; "X" when it is gone (or, with ``parent``, not that parent's child)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return "X"
+    return fields[0] if parent is None or int(fields[1]) == parent else "X"
