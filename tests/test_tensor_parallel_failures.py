@@ -1,6 +1,7 @@
 """Tensor parallelism (two ranks over gloo on the CPU) when something goes wrong: the engine's own
-start-up failing after its workers started, a worker failing a step, a Ctrl-C inside a step.
-Each case must end in a clear error within seconds and leave no worker process behind.
+start-up failing after its workers started, a worker failing or hanging in a step, a Ctrl-C
+inside a step, SIGTERM to a tensor-parallel batch job. Each case must end in a clear error within
+a bounded time and leave no worker process behind.
 (Killed workers and the batch job's engine restarts: test_tensor_parallel.py,
 test_batch_engine_restart.py.)"""
 
@@ -59,6 +60,35 @@ def test_a_worker_failing_a_step_is_named_with_its_error(tiny_llama_dir):
     with pytest.raises(WorkerDiedError, match=r"rank 1 .*exit code 1.*ValueError: layer 0 exploded on rank 1"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
     assert time.monotonic() - started < 5.0
+    assert child_pids() - before == set()
+
+
+def _hang_on_rank1(worker) -> None:
+    """A layer of rank 1 that sleeps for a minute: rank 0 waits for it inside the forward's all-reduce."""
+    if worker.rank == 1:
+        def hang(*args, **kwargs):
+            time.sleep(60)
+
+        worker.model.model.layers[0].mlp.forward = hang
+
+
+def test_a_worker_hung_inside_a_step_fails_it_after_the_collective_timeout(tiny_llama_dir, monkeypatch):
+    """A rank alive but stuck (here for a minute; a wedged driver, a deadlock) is not waited for
+    forever: rank 0's collective gives up after COLLECTIVE_TIMEOUT (5 minutes; 2 s here), the step
+    fails with an error saying so, and the stuck worker is stopped, not left behind."""
+    from datetime import timedelta
+
+    from tokenmill.distributed import process_group
+    from tokenmill.distributed.worker_processes import WorkerDiedError
+
+    monkeypatch.setattr(process_group, "COLLECTIVE_TIMEOUT", timedelta(seconds=2))  # rank 0's, which waits
+    before = child_pids()
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS)
+    llm.collective_rpc(_hang_on_rank1)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"(?i)tensor-parallel step failed on rank 0: .*timed out"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 15.0
     assert child_pids() - before == set()
 
 
