@@ -37,6 +37,37 @@ def test_an_engine_failing_after_its_workers_started_stops_them(tiny_llama_dir, 
     assert child_pids() - before == set()
 
 
+# In every fresh interpreter of the test (only the worker here): joining the process group fails,
+# after the worker told rank 0 it was about to join (as a GPU that cannot take one more CUDA context would).
+JOIN_FAILS = """
+import tokenmill.distributed.process_group as process_group
+
+def create_group(*args, **kwargs):
+    raise RuntimeError("CUDA error: out of memory (the worker's own error)")
+
+process_group.create_group = create_group
+"""
+
+
+def test_a_worker_failing_to_join_the_group_is_named_with_its_error(tiny_llama_dir, tmp_path, monkeypatch):
+    """Rank 0 is then inside its own join, which waits out the collective timeout (5 minutes; 2 s
+    here) for the missing rank; the error that follows must be the worker's, which it reported on
+    its pipe, not only the store's "wait timeout" that says nothing of why."""
+    from datetime import timedelta
+
+    from tokenmill.distributed import process_group
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(JOIN_FAILS)
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    monkeypatch.setattr(process_group, "COLLECTIVE_TIMEOUT", timedelta(seconds=2))
+    before = child_pids()
+    with pytest.raises(RuntimeError, match=r"(?s)start-up failed on tensor-parallel rank 1:.*the worker's own error"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS)
+    assert child_pids() - before == set()
+
+
 def _explode_on_rank1(worker) -> None:
     """A layer of rank 1 that raises: the worker fails the mirrored forward and exits."""
     if worker.rank == 1:

@@ -80,7 +80,15 @@ class WorkerProcesses:
             # Rank 0 joins last: joining blocks until every rank has, so a worker that failed
             # first must be noticed here, not after the collective timeout.
             self._receive_all("start-up", lambda message: isinstance(message, (Joining, Reply)))
-            self.group = self._shared.group = create_group(store, 0, self.world_size, device)
+            try:
+                self.group = self._shared.group = create_group(store, 0, self.world_size, device)
+            except Exception as exc:
+                # A worker that failed while joining leaves rank 0 waiting out the collective timeout
+                # for it; the store's "wait timeout" says nothing of why, the worker's pipe does.
+                reported = self._start_up_failure()
+                if reported is None:
+                    raise
+                raise RuntimeError(reported) from exc
         except BaseException:
             self.stop(graceful=False)
             raise
@@ -88,6 +96,18 @@ class WorkerProcesses:
     @property
     def failure(self) -> str | None:
         return self._shared.failure
+
+    def _start_up_failure(self) -> str | None:
+        """Why a worker could not start, as its pipe tells it without waiting: its error, or its death."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
+                while conn.poll():
+                    message = receive(conn)
+                    if isinstance(message, Reply) and not message.ok:
+                        return f"start-up failed on tensor-parallel rank {rank}:\n{message.error}"
+            if proc.poll() is not None:
+                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during start-up: {describe_exit(proc.returncode)}"
+        return None
 
     def _start(self, setup: WorkerSetup) -> None:
         proc, conn = start_module("tokenmill.distributed.worker_process")
