@@ -18,6 +18,9 @@ CPUs; vLLM's "nccl" backend, whose request fields these are):
     sender.send(named_tensors)
 
 `init_weight_transfer_engine` and `update_weights` block until the trainer's side joins, as in vLLM.
+An update is checked whole (names, dtypes, shapes) before any tensor is replaced; over the group, a
+refused one is still received to its end and dropped, so the trainer's send returns and the next
+update starts in step (`apply_update`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
+
+from tokenmill.param_checks import is_int
 
 if TYPE_CHECKING:
     from torch import nn
@@ -76,12 +81,12 @@ class WeightReceiver:
         self.group = create_group(store, rank, world_size, device)
         self.device = device
 
-    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor as the trainer broadcasts it from rank 0, in the order named."""
-        for name, dtype, shape in zip(names, dtypes, shapes):
+    def receive(self, dtypes: list[torch.dtype], shapes: list[torch.Size]) -> Iterator[torch.Tensor]:
+        """Each tensor as the trainer broadcasts it from rank 0, in the announced order."""
+        for dtype, shape in zip(dtypes, shapes):
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
             self.group.broadcast(tensor, 0).wait()
-            yield name, tensor
+            yield tensor
 
 
 def _int_field(init_info: dict[str, Any], name: str) -> int:
@@ -95,36 +100,120 @@ def _int_field(init_info: dict[str, Any], name: str) -> int:
     raise ValueError(f"init_weight_transfer_engine: init_info[{name!r}]={value!r} is invalid: must be an int")
 
 
-def named_tensors(update_info: dict[str, Any], receiver: WeightReceiver | None) -> Iterable[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs an ``update_info`` describes: its own tensors, or received over the group."""
-    names = update_info.get("names")
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise ValueError("update_weights: update_info['names'] must be a list of tensor names")
-    tensors = update_info.get("tensors")
-    if tensors is not None:
-        if len(tensors) != len(names) or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ValueError(f"update_weights: update_info['tensors'] must be {len(names)} tensors, one per name")
-        return list(zip(names, tensors))  # a list: the model checks every name before replacing any
-    dtype_names, shapes = update_info.get("dtype_names"), update_info.get("shapes")
-    if not isinstance(dtype_names, (list, tuple)) or not isinstance(shapes, (list, tuple)) \
-            or not len(dtype_names) == len(shapes) == len(names):
-        raise ValueError("update_weights: update_info needs 'tensors', or 'dtype_names' and 'shapes' as long as 'names'")
-    if update_info.get("packed"):
-        raise ValueError("update_weights: packed=True is not supported; tensors are broadcast one by one")
+def apply_update(model: "nn.Module", update_info: dict[str, Any], receiver: WeightReceiver | None,
+                 refusal: Exception | None = None) -> None:
+    """Check the whole update, then copy each tensor into the model's parameters in place (this
+    rank's slice of it). ``refusal``: the error to give for any update now (the caller's state).
+
+    Nothing is replaced unless every name, dtype and shape is one the model takes. Over the
+    trainer's group, a refused update (or one that fails part-way) still receives every announced
+    tensor, one at a time, and drops it: the trainer's send returns and the next update starts in
+    step. Every tensor-parallel rank runs the same checks against the full (unsliced) shapes, so
+    the ranks refuse alike."""
+    if update_info.get("tensors") is not None:
+        pairs = _tensors_in_hand(update_info)
+        _check(model, [(name, tensor.dtype, tensor.shape) for name, tensor in pairs], refusal)
+        _load(model, pairs, len(pairs))
+        return
     if receiver is None:
         raise ValueError("update_weights without tensors receives them over the trainer's group: "
                          "call init_weight_transfer_engine first")
-    return receiver.receive(list(names), [dtype_from_name(d) for d in dtype_names], [list(s) for s in shapes])
+    dtypes, shapes = _announced(update_info)
+    arriving = receiver.receive(dtypes, shapes)  # lazily: each tensor is received when it is asked for
+    try:
+        names = _names(update_info, len(shapes), "'dtype_names' and 'shapes'")
+        _check(model, list(zip(names, dtypes, shapes)), refusal)
+    except Exception as exc:
+        _drop(arriving)
+        if not isinstance(exc, (ValueError, RuntimeError)):
+            raise
+        raise type(exc)(f"{exc} (the {len(shapes)} tensors the trainer sent were received and dropped, so its send "
+                        "completes)") from None
+    _load(model, zip(names, arriving), len(names))
 
 
-def load_named_tensors(model: "nn.Module", tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy each tensor into the model's parameters in place (this rank's slice of it)."""
+def _names(update_info: dict[str, Any], count: int, given: str) -> list[str]:
+    names = update_info.get("names")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"update_weights: update_info['names']={names!r:.100} is invalid: must be a list of tensor "
+                         "names; nothing was replaced")
+    if len(names) != count:
+        raise ValueError(f"update_weights: update_info has {len(names)} names and {count} tensors in {given}: must be "
+                         "one per name; nothing was replaced")
+    return list(names)
+
+
+def _tensors_in_hand(update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    tensors = update_info["tensors"]
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"update_weights: update_info['tensors'] must be a list of tensors, one per name; got "
+                         f"{tensors!r:.100}; nothing was replaced")
+    return list(zip(_names(update_info, len(tensors), "'tensors'"), tensors))
+
+
+def _announced(update_info: dict[str, Any]) -> tuple[list[torch.dtype], list[torch.Size]]:
+    """The dtypes and shapes of the tensors the trainer broadcasts. Without valid ones nothing can be
+    received, so the trainer's send of this update is left unmatched: the error says so."""
+    unmatched = "; nothing was received or replaced (the trainer's broadcast of this update is left unmatched)"
+    if update_info.get("packed"):
+        raise ValueError("update_weights: packed=True is not supported; tensors are broadcast one by one" + unmatched)
+    dtype_names, shapes = update_info.get("dtype_names"), update_info.get("shapes")
+    if not isinstance(dtype_names, (list, tuple)) or not isinstance(shapes, (list, tuple)) or len(dtype_names) != len(shapes):
+        raise ValueError("update_weights: update_info needs 'tensors', or 'dtype_names' and 'shapes' (two lists, an "
+                         f"entry per tensor); got dtype_names={dtype_names!r:.100}, shapes={shapes!r:.100}" + unmatched)
+    for i, shape in enumerate(shapes):
+        if not isinstance(shape, (list, tuple)) or not all(is_int(size) and size >= 0 for size in shape):
+            raise ValueError(f"update_weights: update_info['shapes'][{i}]={shape!r:.100} is invalid: must be a list of "
+                             "sizes >= 0" + unmatched)
+    try:
+        dtypes = [dtype_from_name(name) for name in dtype_names]
+    except ValueError as exc:
+        raise ValueError(f"{exc}{unmatched}") from None
+    return dtypes, [torch.Size(shape) for shape in shapes]
+
+
+def _check(model: "nn.Module", announced: list[tuple[str, torch.dtype, torch.Size]], refusal: Exception | None) -> None:
+    """Refuse an update the model would not take whole: ``refusal``, a model without partial loads
+    (ValueError), or a name, dtype or shape it does not take (ValueError from ``weights.check_update``,
+    run on meta tensors: their dtype and shape, no data)."""
     import inspect
 
-    if "partial" not in inspect.signature(model.load_weights).parameters:
-        raise ValueError(f"update_weights is not supported for {type(model).__name__}")
-    with torch.no_grad():
-        model.load_weights(tensors, partial=True)
+    if refusal is None and "check_only" not in inspect.signature(model.load_weights).parameters:
+        refusal = ValueError(f"update_weights is not supported for {type(model).__name__}")
+    if refusal is not None:
+        raise type(refusal)(f"{refusal}; nothing was replaced")
+    meta = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in announced]
+    try:
+        model.load_weights(meta, partial=True, check_only=True)
+    except ValueError as exc:
+        raise ValueError(f"update_weights: {exc}; nothing was replaced") from None
+
+
+def _load(model: "nn.Module", pairs: Iterable[tuple[str, torch.Tensor]], count: int) -> None:
+    """Copy the checked tensors in. Should one still fail (out of memory, a lost trainer), the error
+    says how far it got; the group's tensors left are received and dropped."""
+    taken: list[str] = []
+    stream = iter(pairs)
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            taken.append(name)
+            yield name, tensor
+
+    try:
+        with torch.no_grad():
+            model.load_weights(counted(), partial=True)
+    except Exception as exc:
+        _drop(stream)
+        last = f" (the last {taken[-1]!r})" if taken else ""
+        raise RuntimeError(f"update_weights failed after {len(taken)} of {count} tensors were taken in{last}: those "
+                           f"before the failing one were replaced, the rest were not: {exc}") from exc
+
+
+def _drop(pairs: Iterable[Any]) -> None:
+    """Take in what is left of ``pairs`` (for the group's tensors: receive them) and keep none."""
+    for _ in pairs:
+        pass
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -168,17 +168,15 @@ class EngineControls:
         self.executor.collective_rpc("start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Replace the named tensors on every rank, bump the weight version, forget the prefix cache."""
-        if self.config.quantization is not None:
-            raise ValueError(f"update_weights on quantized weights ({self.config.quantization.describe()}) is not supported")
+        """Replace the named tensors on every rank, bump the weight version, forget the prefix cache.
+        Each rank refuses what it cannot take (quantized or sleeping weights, a bad tensor) itself,
+        after receiving what the trainer sends over its group (weight_transfer.apply_update)."""
         if not isinstance(update_info, dict):
             raise ValueError(f"update_weights: update_info must be a dict, got {type(update_info).__name__}")
-        if "weights" in self.asleep:
-            raise RuntimeError("update_weights while the weights sleep: wake_up(tags=['weights']) first")
         try:
             self.executor.collective_rpc("update_weights", kwargs={"update_info": update_info})
         except BaseException:
-            self._forget_prefix_cache("update_weights")  # the tensors before the one that failed are replaced
+            self._forget_prefix_cache("update_weights")  # one that failed part-way replaced the tensors before it
             raise
         self.weight_version += 1
         self._forget_prefix_cache("update_weights")

@@ -272,9 +272,11 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden_size] -> [N, vocab_size] in the model's dtype (the runner passes only rows it samples from)."""
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False,
+                     check_only: bool = False) -> None:
         """Copy Hugging Face-named tensors into this rank's parameters; every weight must be covered
-        once, unless ``partial`` (update_weights replaces some of them)."""
+        once, unless ``partial`` (update_weights replaces some of them). ``check_only``: replace
+        nothing, only refuse an update that would not load (``weights.check_update``)."""
 
         def rename(name: str) -> str | None:
             if name.endswith(IGNORED_SUFFIXES):
@@ -283,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
                 return None  # tied: the embedding is the head; HF ignores this copy too
             return name
 
-        load_hf_weights(self, qk_rows_for_rotary(weights, self.model), self.stacked, rename, partial=partial)
+        load_hf_weights(self, qk_rows_for_rotary(weights, self.model), self.stacked, rename, partial, check_only)
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""
@@ -332,7 +334,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return {fused.split(".")[1]: tuple((part.split(".")[1], rows) for part, rows in zip(parts, self._part_rows[fused]))
                 for fused, parts in self._FUSED.items()}
 
-    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointTensor"]], partial: bool = False,
+                     check_only: bool = False) -> None:
         from tokenmill.models.checkpoint_tensor import rows_of
 
         def unfused(name: str, tensor: Any) -> list[tuple[str, Any]]:
@@ -343,7 +346,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             return [(name[: -len(fused)] + part, rows_of(tensor, start, rows))
                     for part, start, rows in zip(self._FUSED[fused], starts, self._part_rows[fused])]
 
-        super().load_weights(each_weight(weights, unfused), partial)
+        super().load_weights(each_weight(weights, unfused), partial, check_only)
 
     def expected_weight_names(self) -> set[str]:
         names = set()

@@ -118,9 +118,11 @@ class MixtralForCausalLM(_MoeForCausalLM):
     def renormalize(self, config: "PretrainedConfig") -> bool:
         return True
 
-    def load_weights(self, weights: Iterable[tuple[str, "Any | CheckpointTensor"]], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, "Any | CheckpointTensor"]], partial: bool = False,
+                     check_only: bool = False) -> None:
         ours, theirs = self._OUR_BLOCK, self._CHECKPOINT_BLOCK
-        super().load_weights(each_weight(weights, lambda name, tensor: [(name.replace(theirs, ours), tensor)]), partial)
+        super().load_weights(each_weight(weights, lambda name, tensor: [(name.replace(theirs, ours), tensor)]), partial,
+                             check_only)
 
     def expected_weight_names(self) -> set[str]:
         return {name.replace(self._OUR_BLOCK, self._CHECKPOINT_BLOCK) for name in super().expected_weight_names()}

@@ -40,10 +40,8 @@ def hf_weight_names(model: nn.Module, stacked: Stacked) -> set[str]:
 def each_weight(
     weights: Iterable[tuple[str, Any]], fn: Callable[[str, Any], Iterable[tuple[str, Any]]]
 ) -> Iterable[tuple[str, Any]]:
-    """``fn(name, tensor)``'s pairs for every checkpoint tensor, in order. A list stays a list:
-    `load_hf_weights` checks an update's names before it replaces any tensor, which needs them all."""
-    pairs = (pair for name, tensor in weights for pair in fn(name, tensor))
-    return list(pairs) if isinstance(weights, Sequence) else pairs
+    """``fn(name, tensor)``'s pairs for every checkpoint tensor, in order, as they are asked for."""
+    return (pair for name, tensor in weights for pair in fn(name, tensor))
 
 
 def load_hf_weights(
@@ -52,25 +50,17 @@ def load_hf_weights(
     stacked: Stacked,
     rename: Callable[[str], str | None] = lambda name: name,
     partial: bool = False,
+    check_only: bool = False,
 ) -> None:
     """Copy checkpoint tensors into ``model``. ``rename`` maps a checkpoint name to the HF name this
     model uses (e.g. adds a prefix), or to None for a tensor it deliberately does not use.
-    ``partial``: tensors may be missing (an update of some weights); unknown ones are still an error."""
+    ``partial``: tensors may be missing (an update of some weights); unknown ones are still an error.
+    ``check_only``: write nothing, only refuse (ValueError) what would not load (`check_update`)."""
+    if check_only:
+        check_update(model, weights, stacked, rename)
+        return
     params = dict(model.named_parameters())
     expected = hf_weight_names(model, stacked)
-
-    def known(name: str) -> bool:
-        local = rename(name)
-        return local is None or (local in expected and stacked_param(local, stacked)[0] in params)
-
-    if partial and isinstance(weights, Sequence):
-        # An update (update_weights) with its tensors in hand: refuse unknown names before any
-        # tensor is replaced, so a typo does not leave the model half updated.
-        unknown = sorted(name for name, _ in weights if not known(name))
-        if unknown:
-            raise ValueError(f"update_weights: {type(model).__name__} has no tensors {_summary(unknown)}; nothing was "
-                             "replaced (names are the checkpoint's, e.g. q_proj / k_proj / v_proj, not the fused qkv_proj)")
-        _check_update(params, weights, stacked, rename)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -108,18 +98,48 @@ def load_hf_weights(
         )
 
 
-def _check_update(params: dict[str, nn.Parameter], weights: Sequence[tuple[str, Any]], stacked: Stacked,
-                  rename: Callable[[str], str | None]) -> None:
-    """Refuse, before any tensor of the update is replaced, a tensor that is not floating point for a
-    floating-point weight (it would be cast into it silently). Shapes are checked by each loader as
-    it goes: loaders may write into their layer (fp8 codes and scales), so none is run on the side."""
+def check_update(model: nn.Module, weights: Iterable[tuple[str, Any]], stacked: Stacked,
+                 rename: Callable[[str], str | None]) -> None:
+    """Refuse an update (update_weights) that would not load, before any of its tensors is replaced:
+    an unknown name, a tensor that is not floating point for a floating-point weight (it would be
+    cast in silently), or a shape the weight does not take. ``weights`` may be meta tensors (their
+    dtype and shape only): each parameter's own loader is run against a meta twin of it, so the
+    shape rules are the loaders' own and nothing is written."""
+    params = dict(model.named_parameters())
+    expected = hf_weight_names(model, stacked)
+    twins: dict[str, nn.Parameter] = {}
+    unknown: list[str] = []
     for name, tensor in weights:
         local = rename(name)
         if local is None:
             continue
-        problem = _dtype_problem(name, tensor, params[stacked_param(local, stacked)[0]])
+        target, shard_id = stacked_param(local, stacked)
+        param = params.get(target)
+        if param is None or local not in expected:
+            unknown.append(name)
+            continue
+        problem = _dtype_problem(name, tensor, param)
         if problem:
-            raise ValueError(f"update_weights: {problem}; nothing was replaced")
+            raise ValueError(problem)
+        twin = twins.get(target)
+        if twin is None:
+            twin = twins[target] = _meta_twin(param)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(twin, tensor, shard_id)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r} does not fit {type(model).__name__}: {exc}") from exc
+    if unknown:
+        raise ValueError(f"{type(model).__name__} has no tensors {_summary(sorted(unknown))} (names are the "
+                         "checkpoint's, e.g. q_proj / k_proj / v_proj, not the fused qkv_proj)")
+
+
+def _meta_twin(param: nn.Parameter) -> nn.Parameter:
+    """A parameter of ``param``'s shape and dtype that holds no data, with its attributes (the
+    weight loader, the feature layout): a loader writing into it checks shapes and writes nothing."""
+    twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+    twin.__dict__.update(param.__dict__)
+    return twin
 
 
 def _dtype_problem(name: str, tensor: Any, param: nn.Parameter) -> str | None:

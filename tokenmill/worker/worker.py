@@ -283,9 +283,17 @@ class Worker:
         """Nothing to prepare: updates are copied into the parameters in place."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        from tokenmill.weight_transfer import load_named_tensors, named_tensors
+        """Replace the named tensors in place, all or (refused up front) none. The refusals of this
+        rank's state are made here, not before the call: over the trainer's group the tensors are
+        on their way, and must be received (and dropped) for the trainer's send to return."""
+        from tokenmill.weight_transfer import apply_update
 
-        load_named_tensors(self.model, named_tensors(update_info, self._weight_receiver))
+        refusal: Exception | None = None
+        if self.config.quantization is not None:
+            refusal = ValueError(f"update_weights on quantized weights ({self.config.quantization.describe()}) is not supported")
+        elif "weights" in self.asleep:
+            refusal = RuntimeError("update_weights while the weights sleep: wake_up(tags=['weights']) first")
+        apply_update(self.model, update_info, self._weight_receiver, refusal)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
