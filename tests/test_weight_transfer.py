@@ -89,6 +89,24 @@ def test_a_bad_tensor_is_refused_before_any_is_replaced(family, request):
     assert not any(torch.equal(after[name], before[0][name]) for name in after)
 
 
+def test_a_fused_phi3_tensor_with_rows_left_over_is_refused(tiny_phi3_dir):
+    """Phi-3's qkv_proj is cut into q, k and v by rows: extra rows would be left over unseen."""
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+
+    model = load_model(resolve_model(str(tiny_phi3_dir)), torch.float32, torch.device("cpu"))
+    name, qkv = next((n, t) for n, t in _checkpoint(tiny_phi3_dir) if n.endswith("qkv_proj.weight"))
+    longer = torch.cat([qkv, qkv[:16]])
+    rows = qkv.shape[0]
+    with pytest.raises(ValueError, match=rf"'{name}': shape mismatch: it has {rows + 16} rows .*expected {rows}"):
+        model.load_weights([(name, longer)], partial=True)
+    engine = LLM(str(tiny_phi3_dir), **OPTIONS)
+    before = _params(engine)
+    with pytest.raises(ValueError, match=rf"'{name}': shape mismatch: it has {rows + 16} rows .*; {NOTHING}"):
+        engine.update_weights(_in_hand([(name, longer)]))
+    assert _same(_params(engine), before)
+
+
 def test_pooling_models_refuse_update_weights_by_name(tiny_bert_classifier_dir):
     engine = LLM(str(tiny_bert_classifier_dir), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match=r"LLM.update_weights\(\) is available for generative models"):

@@ -342,6 +342,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             fused = next((f for f in self._FUSED if name.endswith(f)), None)
             if fused is None:
                 return [(name, tensor)]
+            rows = sum(self._part_rows[fused])
+            if tensor.shape[0] != rows:  # the parts' own shape checks would not see rows left over
+                raise ValueError(f"cannot load checkpoint tensor {name!r}: shape mismatch: it has {tensor.shape[0]} rows "
+                                 f"(shape {tuple(tensor.shape)}), expected {rows} ({' + '.join(map(str, self._part_rows[fused]))})")
             starts = [sum(self._part_rows[fused][:i]) for i in range(len(self._part_rows[fused]))]
             return [(name[: -len(fused)] + part, rows_of(tensor, start, rows))
                     for part, start, rows in zip(self._FUSED[fused], starts, self._part_rows[fused])]
