@@ -195,6 +195,34 @@ def test_a_refused_update_over_the_group_is_received_to_its_end(tiny_llama_dir, 
     _refused_then_accepted(LLM(str(tiny_llama_dir), **OPTIONS), other_llama_dir)
 
 
+def test_an_update_failing_part_way_over_the_group_says_how_far_and_keeps_the_group_in_step(tiny_llama_dir, other_llama_dir):
+    """A failure the up-front check cannot see (here a loader that fails on the real parameter: a lost
+    device) stops the update part-way: the error says which tensors were replaced, the rest of the
+    update is received and dropped, and the next update works."""
+    from tokenmill.models.layers.linear import default_weight_loader
+
+    def lost_device(param, loaded, shard_id=None):
+        if not param.is_meta:  # the up-front check's meta twin passes
+            raise RuntimeError("device lost")
+        default_weight_loader(param, loaded, shard_id)
+
+    def norm(worker):
+        return worker.model.model.layers[1].input_layernorm.weight
+
+    engine = LLM(str(tiny_llama_dir), **OPTIONS)
+    sender = _connected(engine)
+    pairs = _checkpoint(other_llama_dir)
+    at = [n for n, _ in pairs].index("model.layers.1.input_layernorm.weight")
+    engine.collective_rpc(lambda worker: setattr(norm(worker), "weight_loader", lost_device))
+    failed = _send(engine, sender, pairs)
+    assert isinstance(failed, RuntimeError) and re.search(
+        rf"failed after {at + 1} of {len(pairs)} tensors were taken in \(the last 'model.layers.1.input_layernorm.weight'\): "
+        r"those before the failing one were replaced, the rest were not: device lost", str(failed)), failed
+    engine.collective_rpc(lambda worker: setattr(norm(worker), "weight_loader", default_weight_loader))
+    assert _send(engine, sender, pairs) is None
+    assert _tokens(engine) == _hf_tokens(other_llama_dir)
+
+
 @pytest.mark.slow
 def test_both_ranks_refuse_alike_and_stay_in_step(tiny_llama_dir, other_llama_dir):
     _refused_then_accepted(LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS), other_llama_dir)
