@@ -228,6 +228,19 @@ def test_both_ranks_refuse_alike_and_stay_in_step(tiny_llama_dir, other_llama_di
     _refused_then_accepted(LLM(str(tiny_llama_dir), tensor_parallel_size=2, **OPTIONS), other_llama_dir)
 
 
+def test_quantized_weights_refuse_an_update_over_the_group_after_receiving_it(tiny_llama_dir):
+    """The refusal of quantized weights is each rank's (it used to come before the ranks were asked,
+    with the trainer already broadcasting)."""
+    engine = LLM(str(tiny_llama_dir), quantization="fp8", **OPTIONS)
+    sender = _connected(engine)
+    pairs = _checkpoint(tiny_llama_dir)
+    refused = _send(engine, sender, pairs)
+    assert isinstance(refused, ValueError) and re.search(
+        rf"update_weights on quantized weights \(.*fp8.*\) is not supported; {NOTHING} \(the {len(pairs)} tensors the "
+        r"trainer sent were received and dropped", str(refused)), refused
+    assert _send(engine, sender, pairs[:1]) is not None  # the group is in step: the next send returns too
+
+
 def test_an_announcement_that_cannot_be_received_is_refused_by_its_field(tiny_llama_dir):
     """Without valid dtype_names and shapes nothing can be received: refused before anything is,
     by field; no trainer sends here (its send could not be matched)."""
