@@ -283,9 +283,14 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if self.tie_word_embeddings and name == "lm_head.weight":
                 return None  # tied: the embedding is the head; HF ignores this copy too
-            return name
+            return self.local_name(name)
 
         load_hf_weights(self, qk_rows_for_rotary(weights, self.model), self.stacked, rename, partial, check_only)
+
+    def local_name(self, name: str) -> str:
+        """The Hugging Face name this model gives a checkpoint tensor (Mixtral calls its MLP otherwise).
+        Renamed here, not before `load_hf_weights`, so its errors name the tensor as it was given."""
+        return name
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names this model loads (the loaders use it to read only those)."""
@@ -342,10 +347,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             fused = next((f for f in self._FUSED if name.endswith(f)), None)
             if fused is None:
                 return [(name, tensor)]
-            rows = sum(self._part_rows[fused])
-            if tensor.shape[0] != rows:  # the parts' own shape checks would not see rows left over
-                raise ValueError(f"cannot load checkpoint tensor {name!r}: shape mismatch: it has {tensor.shape[0]} rows "
-                                 f"(shape {tuple(tensor.shape)}), expected {rows} ({' + '.join(map(str, self._part_rows[fused]))})")
+            # Checked whole, by the name it was given: the parts' own checks would not see rows left over.
+            expected = (sum(self._part_rows[fused]), self.config.hidden_size)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"cannot load checkpoint tensor {name!r}: shape mismatch: checkpoint tensor has shape "
+                                 f"{tuple(tensor.shape)}, expected {expected} (rows: {' + '.join(map(str, self._part_rows[fused]))})")
             starts = [sum(self._part_rows[fused][:i]) for i in range(len(self._part_rows[fused]))]
             return [(name[: -len(fused)] + part, rows_of(tensor, start, rows))
                     for part, start, rows in zip(self._FUSED[fused], starts, self._part_rows[fused])]

@@ -14,20 +14,17 @@ the router and the LM head stay in the model's dtype. Pre-quantized MoE checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from tokenmill.models.layers.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock, expert_stacking
 from tokenmill.models.llama import STACKED, LlamaForCausalLM, LlamaMLP, TensorParallel, dense_mlp, require_silu
-from tokenmill.models.weights import each_weight
 from tokenmill.quantization.config import Fp8Scheme
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from tokenmill.models.checkpoint_tensor import CheckpointTensor
     from tokenmill.quantization.config import QuantizationConfig
 
 
@@ -118,11 +115,8 @@ class MixtralForCausalLM(_MoeForCausalLM):
     def renormalize(self, config: "PretrainedConfig") -> bool:
         return True
 
-    def load_weights(self, weights: Iterable[tuple[str, "Any | CheckpointTensor"]], partial: bool = False,
-                     check_only: bool = False) -> None:
-        ours, theirs = self._OUR_BLOCK, self._CHECKPOINT_BLOCK
-        super().load_weights(each_weight(weights, lambda name, tensor: [(name.replace(theirs, ours), tensor)]), partial,
-                             check_only)
+    def local_name(self, name: str) -> str:
+        return name.replace(self._CHECKPOINT_BLOCK, self._OUR_BLOCK)
 
     def expected_weight_names(self) -> set[str]:
         return {name.replace(self._OUR_BLOCK, self._CHECKPOINT_BLOCK) for name in super().expected_weight_names()}
