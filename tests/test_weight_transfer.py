@@ -1,7 +1,8 @@
 """update_weights refuses a bad update whole, before any tensor is replaced, for every model family
 and however the tensors come (in this process, or over the trainer's group); over the group a
 refused update is still received to its end, so the trainer's send returns and the next update
-works, on one rank and on two. The happy paths: tests/test_engine_controls.py."""
+works, on one rank and on two. The happy paths: tests/test_engine_controls.py; pooling models refuse by
+name: tests/test_vllm_entrypoint.py."""
 
 from __future__ import annotations
 
@@ -107,12 +108,6 @@ def test_a_fused_phi3_tensor_with_rows_left_over_is_refused(tiny_phi3_dir):
     with pytest.raises(ValueError, match=rf"{shape_error} .*; {NOTHING}"):
         engine.update_weights(_in_hand([(name, longer)]))
     assert _same(_params(engine), before)
-
-
-def test_pooling_models_refuse_update_weights_by_name(tiny_bert_classifier_dir):
-    engine = LLM(str(tiny_bert_classifier_dir), dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match=r"LLM.update_weights\(\) is available for generative models"):
-        engine.update_weights(_in_hand(_checkpoint(tiny_bert_classifier_dir)[:1]))
 
 
 # ---- over the trainer's group ------------------------------------------------------------------------
