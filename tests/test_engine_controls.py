@@ -254,10 +254,10 @@ def test_update_weights_from_this_process_gives_the_other_models_tokens(tiny_lla
         engine.update_weights({"update_info": {"names": [first[0], "lm_head.weight"], "tensors": [first[1], lm_head.long()]}})
     assert engine.get_weight_version() == 40
     assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == target
-    # A tensor that fails while loading leaves those before it replaced: the prefix cache is forgotten.
-    with pytest.raises(ValueError, match=r"shape mismatch: checkpoint tensor has shape \(1,\)"):
+    # A wrong shape too (tests/test_weight_transfer.py: every kind of refusal, every family, over the group).
+    with pytest.raises(ValueError, match=r"shape mismatch: checkpoint tensor has shape \(1,\).*nothing was replaced"):
         engine.update_weights({"update_info": {"names": [first[0], "lm_head.weight"], "tensors": [first[1], torch.zeros(1)]}})
-    assert engine.generate(PROMPTS[2:], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    assert token_ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == target
     with pytest.raises(ValueError, match="call init_weight_transfer_engine first"):
         engine.update_weights({"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]]}})
     # Back to the checkpoint through collective_rpc: the blocks cached under the other weights must go too.
