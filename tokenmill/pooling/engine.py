@@ -77,7 +77,6 @@ class PoolingEngine:
         are accepted (a pooling request has no metrics, tracing or priority queue); ``lora_request``
         must be None (adapters apply to generation only).
         """
-        where = f"prompts[{index}]" if index is not None else "prompt"
         check_add_request_keywords(request_id, priority, arrival_time)
         refuse_lora(lora_request)
         if params is None:
@@ -89,14 +88,23 @@ class PoolingEngine:
         if tokenization_kwargs:
             (prompt,), truncate = self.tokenized([prompt], tokenization_kwargs, params.truncate_prompt_tokens)
             params = params.clone(truncate_prompt_tokens=truncate)
-        params = self._resolve(params)
+        self.queue(self.make_request(request_id, prompt, self.resolve(params), index, prompt_text))
+        return request_id
+
+    def make_request(self, request_id: str, prompt: PromptType, params: PoolingParams, index: int | None = None,
+                     prompt_text: str | None = None) -> PoolingRequest:
+        """One prompt parsed, tokenized, cut and validated into a request (``params`` resolved), not
+        queued; a ValueError names ``prompts[index]`` (or "prompt") and what is wrong with it."""
+        where = f"prompts[{index}]" if index is not None else "prompt"
         text, ids, token_types = self._tokenize(prompt, params, index, where)
         validate_prompt_ids(ids, self.config.vocab_size, self.config.max_model_len, where)
-        request = PoolingRequest(request_id, text if text is not None else prompt_text, ids, params, token_types)
-        self.requests[request_id] = request
+        return PoolingRequest(request_id, text if text is not None else prompt_text, ids, params, token_types)
+
+    def queue(self, request: PoolingRequest) -> None:
+        """Queue a request `make_request` made (its id checked free by the caller); this cannot fail."""
+        self.requests[request.request_id] = request
         self.waiting.append(request)
-        self.queued_tokens += len(ids)
-        return request_id
+        self.queued_tokens += len(request.prompt_token_ids)
 
     def tokenized(self, prompts: list[PromptType], tokenization_kwargs: dict[str, Any] | None,
                   truncate_prompt_tokens: int | None) -> tuple[list[PromptType], int | None]:
@@ -288,18 +296,24 @@ class PoolingEngine:
             raise ValueError(f"{where}.token_type_ids must be {length} integers in [0, {limit}), one per prompt token")
         return list(types)
 
-    def _resolve(self, params: PoolingParams) -> PoolingParams:
+    def resolve(self, params: PoolingParams, index: int | None = None) -> PoolingParams:
         """The request's params for its task with the model's defaults filled in; checked, and
-        shared by every request that asks the same (the engine never modifies them)."""
+        shared by every request that asks the same (the engine never modifies them). An error
+        names ``pooling_params[index]`` when ``index`` is past the first prompt (a list's entry)."""
         key = (params.task, params.truncate_prompt_tokens, params.dimensions, params.normalize, params.use_activation)
         resolved = self._resolved.get(key)
         if resolved is None:
-            # vLLM's encode() needs a task; ours without one takes the PoolerConfig's, else the model's.
-            task = params.task or self.pooling.pooler.task or self.pooling.head
-            if task not in self.pooling.tasks:
-                raise ValueError(self.unsupported(task))
-            resolved = params.resolved(task, self.pooling.pooler)
-            self._check_dimensions(resolved)
+            try:
+                # vLLM's encode() needs a task; ours without one takes the PoolerConfig's, else the model's.
+                task = params.task or self.pooling.pooler.task or self.pooling.head
+                if task not in self.pooling.tasks:
+                    raise ValueError(self.unsupported(task))
+                resolved = params.resolved(task, self.pooling.pooler)
+                self._check_dimensions(resolved)
+            except ValueError as exc:
+                if index:
+                    raise ValueError(f"pooling_params[{index}]: {exc}") from None
+                raise
             self._resolved[key] = resolved
         return resolved
 

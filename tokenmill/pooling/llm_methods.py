@@ -14,7 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from tokenmill.gc_policy import collections_paused, young_collections_only
-from tokenmill.inputs import TOKENIZE_CHUNK, one_per_prompt, prompt_list, short_repr, tokenize_prompts
+from tokenmill.inputs import one_per_prompt, prompt_list, short_repr
 from tokenmill.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -23,6 +23,7 @@ from tokenmill.outputs import (
     ScoringRequestOutput,
 )
 from tokenmill.pooling.engine import PoolingEngine, refuse_lora
+from tokenmill.pooling.intake import CallIntake
 from tokenmill.pooling_params import POOLING_TASKS, PoolingParams
 from tokenmill.request_progress import ProgressOption
 
@@ -70,35 +71,25 @@ class PoolingMethods:
                      finish: Callable[[PoolingRequestOutput], Any] | None = None) -> list[Any]:
         """Every prompt's output in input order (``finish``: applied to each as it arrives).
 
-        The requests enter the engine a few steps ahead of it rather than all before its first
-        step: validating a request takes ~15-20 µs of host time (a text ~100 µs more to tokenize), and
-        with tens of thousands of short prompts doing it all first left the device idle for a good
-        part of the call (docs/perf.md 100), as did converting every output after the last step. An
-        invalid prompt still rejects the whole call: its error aborts the requests already in,
-        and what they computed is dropped.
+        Every prompt is checked before the first step (`CallIntake`: parsed, validated, texts
+        tokenized where their length needs it), so a bad one refuses the call before any request
+        runs, as in vLLM, rather than after the requests before it ran and were dropped. The
+        requests then enter the engine a few steps ahead of it rather than all before its first
+        step: queueing them and converting their outputs after the last step left the device idle
+        for a good part of a call of tens of thousands of short prompts (docs/perf.md 100).
         """
         engine = self.llm_engine
         assert isinstance(engine, PoolingEngine)
         ids = [str(next(self._request_counter)) for _ in prompts]
+        intake = CallIntake(engine, ids, prompts, params)
         ahead = _STEPS_QUEUED * engine.config.max_num_batched_tokens
-        pending = iter(range(len(ids)))
-        # Texts are tokenized TOKENIZE_CHUNK at a time as the feed reaches them (the tokenizer's batch
-        # path: ~1.5x faster than one call a text), unless a request cuts its prompt: the tokenizer
-        # then truncates each text itself, keeping its special tokens (PoolingEngine._tokenize).
-        prompts = list(prompts)
-        batched = engine.tokenizer is not None and all(p.truncate_prompt_tokens is None for p in params)
-        tokenized = 0  # prompts[:tokenized] have been through the batch path
 
         def feed() -> bool:
-            nonlocal tokenized
             while engine.queued_tokens < ahead:
-                index = next(pending, None)
-                if index is None:
+                request = intake.next_request()
+                if request is None:
                     return False
-                if batched and index >= tokenized:
-                    tokenized = min(index + TOKENIZE_CHUNK, len(prompts))
-                    prompts[index:tokenized] = tokenize_prompts(prompts[index:tokenized], engine.tokenizer, {})
-                engine.add_request(ids[index], prompts[index], params[index], index=index)
+                engine.queue(request)
             return True
 
         with young_collections_only() as collect_young:
