@@ -213,6 +213,7 @@ def test_the_token_bound_holds_where_it_is_given(minilm_dir, random_sentences):
     assert token_bound(nfc, len(nfc))("\U0001d160") == len(nfc("\U0001d160")["input_ids"]) == 12  # 4 bytes, 12 under NFC
     assert token_bound(minilm, len(minilm))("café") == sys.maxsize  # WordPiece: ASCII only
     assert token_bound(plain, len(plain) - 1) is None  # ids past the model's vocabulary: checked by tokenizing
+    assert token_bound(plain, len(plain)) is not None
     assert token_bound(_with_normalizer(plain, normalizers.NFKC()), len(plain)) is None  # NFKC expands more
     assert token_bound(_with_normalizer(plain, normalizers.Replace("a", "aaaa")), len(plain)) is None
 
@@ -250,8 +251,9 @@ def test_texts_the_bound_clears_are_tokenized_as_the_feed_reaches_them(tiny_qwen
     ids = [tokenizer(t)["input_ids"] for t in texts]
     assert [o.prompt_token_ids for o in got] == ids
     assert [o.outputs.probs for o in got] == [o.outputs.probs for o in llm.classify([{"prompt_token_ids": i} for i in ids], use_tqdm=False)]
+    assert [n for n, _ in calls].count("") == 1  # the bound's probe of the special tokens
     calls.clear()
     launched.clear()
     with pytest.raises(ValueError, match=r"prompts\[30\] has 65 tokens, more than max_model_len=64"):
         llm.classify(texts + ["x" * 65], use_tqdm=False)
-    assert launched == [] and [n for n, _ in calls if n != ""] == [1]  # only the long text, in the check
+    assert launched == [] and [n for n, _ in calls] == [1]  # only the long text, in the check; the bound kept

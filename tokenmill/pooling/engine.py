@@ -18,7 +18,7 @@ is numpy or the device (`runner.py`).
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.protocol import check_add_request_keywords, request_id_list
@@ -54,6 +54,7 @@ class PoolingEngine:
         self.in_flight: tuple[list[PoolingRequest], LaunchedStep] | None = None
         # Requests of one call share their PoolingParams object: resolve it once, not per request.
         self._resolved: dict[tuple, PoolingParams] = {}
+        self._text_bound: tuple[Any, Callable[[str], int] | None] | None = None  # (tokenizer, its token bound)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -105,6 +106,15 @@ class PoolingEngine:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.queued_tokens += len(request.prompt_token_ids)
+
+    def text_bound(self) -> Callable[[str], int] | None:
+        """`intake.token_bound` of this engine's tokenizer (a text -> at most how many tokens), worked
+        out once per tokenizer object: it reads the whole vocabulary."""
+        from tokenmill.pooling.intake import token_bound
+
+        if self._text_bound is None or self._text_bound[0] is not self.tokenizer:
+            self._text_bound = (self.tokenizer, token_bound(self.tokenizer, self.config.vocab_size))
+        return self._text_bound[1]
 
     def tokenized(self, prompts: list[PromptType], tokenization_kwargs: dict[str, Any] | None,
                   truncate_prompt_tokens: int | None) -> tuple[list[PromptType], int | None]:
