@@ -138,6 +138,18 @@ def test_pooling_params_validation_names_the_field(kwargs, message):
         PoolingParams(**kwargs)
 
 
+def test_pooling_params_take_numpy_integers_as_vllm_does():
+    """vLLM's PoolingParams (a msgspec Struct) checks no types at construction: numpy integers are
+    taken for truncate_prompt_tokens and dimensions; tokenmill stores the Python int they equal."""
+    import numpy as np
+
+    params = PoolingParams(truncate_prompt_tokens=np.int64(-1), dimensions=np.int32(8))
+    assert (params.truncate_prompt_tokens, params.dimensions) == (-1, 8)
+    assert type(params.truncate_prompt_tokens) is int and type(params.dimensions) is int
+    with pytest.raises(ValueError, match=r"PoolingParams.dimensions=0 is invalid"):
+        PoolingParams(dimensions=np.int64(0))
+
+
 def test_use_activation_is_an_embedders_normalisation_as_in_vllm_0_26(tiny_bert_embedder_dir, bert_embedder_llm):
     """vLLM 0.26 dropped ``normalize``: ``use_activation`` switches an embedder's L2 normalisation,
     per request and in pooler_config; the older name still works and must agree when both are set."""

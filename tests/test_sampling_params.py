@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from tokenmill import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import BeamSearchParams
 
 
 def test_defaults_match_vllm():
@@ -166,3 +168,46 @@ def test_clone_is_a_deep_copy_as_in_vllm():
     assert changed.max_tokens == 5 and changed.stop == original.stop
     with pytest.raises(ValueError, match="max_tokens"):
         original.clone(max_tokens=-1)
+
+
+# vLLM's SamplingParams is a msgspec Struct, whose constructor checks no types: a field its
+# _verify_args never isinstance-checks takes numpy's numbers (a budget, seed or id read from an array
+# or a DataFrame), while n, best_of, top_k and stop_token_ids are checked with isinstance(x, int),
+# which numpy's integers fail. tokenmill stores what it takes as the Python number it equals.
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 7), ("min_tokens", 2), ("logprobs", 3), ("prompt_logprobs", 0), ("seed", 1234),
+    ("truncate_prompt_tokens", 5), ("truncate_prompt_tokens", -1), ("routed_experts_prompt_start", 0),
+])
+@pytest.mark.parametrize("numpy_type", [np.int64, np.int32, np.int16])
+def test_numpy_integers_taken_where_vllm_checks_no_type(field, value, numpy_type):
+    got = getattr(SamplingParams(**{field: numpy_type(value)}), field)
+    assert got == value and type(got) is int
+
+
+def test_numpy_values_of_lists_and_floats_taken_as_python_numbers():
+    p = SamplingParams(seed=np.int64(-1), allowed_token_ids=[np.int64(3), 4], logprob_token_ids=np.array([5, 6]).tolist(),
+                       temperature=np.float32(0.5), top_p=np.float64(0.25), min_p=np.float16(0.5),
+                       presence_penalty=np.int64(1), frequency_penalty=np.float32(-0.5), repetition_penalty=np.float32(1.5))
+    assert p.seed is None  # vLLM: seed == -1 means no seed, a numpy -1 too
+    assert p.allowed_token_ids == [3, 4] and all(type(t) is int for t in p.allowed_token_ids)
+    assert [type(t) for t in SamplingParams(logprob_token_ids=[np.int32(5)]).logprob_token_ids] == [int]
+    numbers = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    assert numbers == (0.5, 0.25, 0.5, 1, -0.5, 1.5)
+    assert [type(x) for x in numbers] == [float, float, float, int, float, float]
+    beam = BeamSearchParams(np.int64(2), np.int32(8), temperature=np.float32(0.5), length_penalty=np.int64(1))
+    assert (beam.beam_width, beam.max_tokens, beam.temperature, beam.length_penalty) == (2, 8, 0.5, 1)
+    assert [type(x) for x in (beam.beam_width, beam.max_tokens, beam.temperature)] == [int, int, float]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", np.int64(2)), ("best_of", np.int64(2)), ("top_k", np.int64(5)), ("stop_token_ids", [np.int64(3)]),
+    ("allowed_token_ids", [np.float64(3.0)]), ("max_tokens", np.float64(5.0)), ("seed", np.bool_(True)),
+    ("temperature", np.str_("0.5")),
+])
+def test_numpy_values_refused_where_vllm_refuses_them(field, value):
+    """vLLM's isinstance(x, int) checks (n, best_of, top_k, stop_token_ids) refuse numpy integers;
+    a float is no integer and a numpy bool or string no number, whatever library made them."""
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=") as err:
+        SamplingParams(**{field: value})
+    if field in ("n", "best_of", "top_k", "stop_token_ids"):
+        assert "vLLM's isinstance(x, int) check refuses numpy integers here (pass int(x))" in str(err.value)

@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from tokenmill.param_checks import check, is_int as _is_int
+from tokenmill.param_checks import as_python_number, check, is_int as _is_int
 from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class PoolingParams:
                    f"left unset, or equal to use_activation ({self.use_activation}): it is its older name")
             self.use_activation = value
             setattr(self, old, None)
+        # vLLM's PoolingParams (a msgspec Struct) checks no types: numpy integers are taken, as Python ints.
+        self.truncate_prompt_tokens = as_python_number(self.truncate_prompt_tokens)
+        self.dimensions = as_python_number(self.dimensions)
         _check(
             self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
                                                     and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),

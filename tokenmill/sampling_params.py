@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 # vLLM's import path: vllm.sampling_params.RepetitionDetectionParams.
 from tokenmill.repetition_detection import RepetitionDetectionParams
-from tokenmill.param_checks import check, is_int as _is_int, is_number as _is_number
+from tokenmill.param_checks import as_python_number, check, is_foreign_int, is_int as _is_int, is_number as _is_number
 
 if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputsParams
@@ -33,6 +33,13 @@ _check = functools.partial(check, owner="SamplingParams")  # BeamSearchParams pa
 
 # The longest logprob_token_ids list (vLLM's limit and name).
 MAX_LOGPROB_TOKEN_IDS = 128
+# Fields vLLM's checks never isinstance-test, so it takes numpy's numbers there (param_checks.as_python_number).
+_NUMBER_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p",
+                  "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+                  "routed_experts_prompt_start")
+_NUMBER_LIST_FIELDS = ("allowed_token_ids", "logprob_token_ids")
+# Fields vLLM checks with isinstance(x, int), which numpy's integers fail.
+_PYTHON_INT_FIELDS = ("n", "best_of", "top_k", "stop_token_ids")
 
 
 class SamplingType(IntEnum):
@@ -134,6 +141,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        self._take_numpy_numbers()
         # vLLM's spellings: logprobs=True / prompt_logprobs=True mean 1, seed=-1 means no seed.
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is True:
@@ -198,6 +206,20 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
         self._checked = _checked_fields(self)  # what these checks saw (changed_since_checked)
+
+    def _take_numpy_numbers(self) -> None:
+        """numpy's numbers as vLLM takes them: as Python numbers where it checks no type, refused by
+        name where its isinstance(x, int) check refuses them."""
+        for name in _NUMBER_FIELDS:
+            setattr(self, name, as_python_number(getattr(self, name)))
+        for name in _NUMBER_LIST_FIELDS:
+            ids = getattr(self, name)
+            if isinstance(ids, (list, tuple)):  # a new list: the caller's stays as it was
+                setattr(self, name, [as_python_number(t) for t in ids])
+        for name in _PYTHON_INT_FIELDS:
+            value = getattr(self, name)
+            _check(not any(map(is_foreign_int, value if isinstance(value, (list, tuple)) else [value])), name, value,
+                   "Python int(s): vLLM's isinstance(x, int) check refuses numpy integers here (pass int(x))")
 
     def changed_since_checked(self) -> bool:
         """Whether a field was set after the checks ran (vLLM's examples set fields on the object
@@ -447,6 +469,8 @@ class BeamSearchParams:
 
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    self.structured_outputs, "None or a StructuredOutputsParams", owner="BeamSearchParams")
+        for name in ("beam_width", "max_tokens", "temperature", "length_penalty"):  # vLLM checks no types
+            setattr(self, name, as_python_number(getattr(self, name)))
         for name, value in vars(self).items():
             if name == "structured_outputs":
                 continue
