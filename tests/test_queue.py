@@ -130,6 +130,28 @@ def test_imap_refuses_a_bad_max_in_flight(llm, limit):
         llm.imap([[5, 6, 7]], GREEDY, max_in_flight=limit)
 
 
+def test_imap_checks_its_sampling_params_at_the_call(llm):
+    """As stream() and generate() do: a bad sampling_params raises from the imap() call itself, not
+    at the first next() far from it, and nothing is left queued; an imap dropped unread aborts what
+    it queued."""
+    changed = SamplingParams(max_tokens=4)
+    changed.n = 0  # set after construction, as vLLM's examples set fields of get_default_sampling_params()
+    too_many = llm.llm_engine.config.max_logprobs + 1
+    bad_calls = [
+        ("not params", r"sampling_params"),
+        ([GREEDY], r"sampling_params"),
+        (changed, r"SamplingParams.n=0 is invalid"),
+        (SamplingParams(logprobs=too_many), rf"logprobs={too_many}"),  # the engine's check, against the model
+    ]
+    for params, match in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            llm.imap(({"prompt_token_ids": [5, 6, i + 3]} for i in range(100)), params, max_in_flight=4)
+        assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
+    llm.imap([[5, 6, 7], [8, 9]], GREEDY)  # dropped unread
+    gc.collect()
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._mailboxes
+
+
 def test_imap_names_a_bad_prompt_by_its_index_in_the_input(llm):
     stream = llm.imap([[5, 6, 7], [8, 9], [], [4]], GREEDY, max_in_flight=1)
     with pytest.raises(ValueError, match=r"prompts\[2\] is empty"):

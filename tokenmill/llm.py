@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.beam_search import beam_search_output
@@ -18,10 +18,11 @@ from tokenmill.engine_factory import create_engine
 from tokenmill.gc_policy import collections_paused, young_collections_only
 from tokenmill.generation_defaults import default_sampling_params
 from tokenmill.inputs import (
-    PromptType, check_prompts_iterable, is_one_prompt, load_chat_template, one_per_prompt, priority_per_prompt, prompt_list,
+    PromptType, load_chat_template, one_per_prompt, priority_per_prompt, prompt_list,
     render_chat_prompts, tokenize_prompts,
 )
 from tokenmill.llm_controls import EngineControlMethods
+from tokenmill.llm_iterators import IteratorMethods
 from tokenmill.pooling.llm_methods import PoolingMethods
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.request_progress import ProgressOption, RequestProgress
@@ -29,9 +30,10 @@ from tokenmill.outputs import BeamSearchOutput, RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, for_call
 
 
-class LLM(PoolingMethods, EngineControlMethods):
+class LLM(PoolingMethods, EngineControlMethods, IteratorMethods):
     # PoolingMethods: encode / embed / classify / score for pooling models; EngineControlMethods: sleep,
-    # wake_up, profiling, metrics, weight transfer, collective_rpc (tokenmill/llm_controls.py).
+    # wake_up, profiling, metrics, weight transfer, collective_rpc (tokenmill/llm_controls.py);
+    # IteratorMethods: imap and stream (tokenmill/llm_iterators.py).
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any):
         self.args = EngineArgs.from_kwargs(model, **kwargs)
         # LLMEngine for a generative model, PoolingEngine for a pooling model (engine/protocol.py).
@@ -41,10 +43,7 @@ class LLM(PoolingMethods, EngineControlMethods):
         self._queued: dict[str, None] = {}
         # Enqueued requests that finished while another call (generate, imap, ...) stepped the engine.
         self._queued_done: dict[str, RequestOutput] = {}
-        # Requests of open imap() / stream() iterators -> that iterator's mailbox. Whoever steps the
-        # engine (the iterator itself, another iterator, a generate() made between two items) leaves
-        # their outputs there, so no iterator loses an output, or waits forever for one, that
-        # another call's step produced.
+        # Requests of open imap() / stream() iterators -> that iterator's mailbox (llm_iterators.py).
         self._mailboxes: dict[str, dict[str, RequestOutput]] = {}
         # Starting the engine leaves hundreds of thousands of new objects (modules, compiled kernels,
         # the tokenizer) that the interpreter would otherwise walk in a full collection early in the
@@ -224,78 +223,6 @@ class LLM(PoolingMethods, EngineControlMethods):
         with young_collections_only() as collect_young:
             return self._collect(ids, use_tqdm, done, collect_young, requeue=requeue)
 
-    def imap(
-        self,
-        prompts: PromptType | Iterable[PromptType],
-        sampling_params: SamplingParams | None = None,
-        max_in_flight: int | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Yield outputs as requests finish (completion order; match them by ``request_id``).
-
-        Reads ``prompts`` lazily and keeps at most ``max_in_flight`` requests in the engine
-        (default: twice max_num_seqs, enough to keep every batch full), so memory stays flat for
-        inputs of any length. A bad prompt raises when it is reached, after the outputs before it.
-        Other calls between two items (generate, another imap or stream) keep its outputs for it.
-        """
-        # Checked here, not at the first next(): a bad value would otherwise yield nothing (max_in_flight < 1).
-        if max_in_flight is not None and (
-            not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1
-        ):
-            raise ValueError(f"max_in_flight={max_in_flight!r} is invalid: must be None or an integer >= 1")
-        if not is_one_prompt(prompts):
-            check_prompts_iterable(prompts)  # here too: iterating None failed at the first next() with a bare TypeError
-        return self._imap(prompts, sampling_params, max_in_flight)
-
-    def _imap(
-        self, prompts: PromptType | Iterable[PromptType], sampling_params: SamplingParams | None, max_in_flight: int | None,
-    ) -> Iterator[RequestOutput]:
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        limit = max_in_flight or 2 * self.llm_engine.config.max_num_seqs
-        # One prompt, as generate() takes it: iterating it would run each character (or dict key) as a prompt.
-        source = enumerate([prompts] if is_one_prompt(prompts) else prompts)
-        mine: set[str] = set()
-        box: dict[str, RequestOutput] = {}
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and len(mine) < limit:
-                    index, prompt = next(source, (None, _END))
-                    if prompt is _END:
-                        exhausted = True
-                        break
-                    self._watch(self._submit([prompt], [params], first_index=index), mine, box)
-                if not mine:
-                    return
-                yield from self._deliver(mine, box, finished_only=True)
-        finally:
-            self._unwatch(mine)  # a caller that stops early leaves nothing running
-
-    def stream(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Token streaming for interactive use: yields a RequestOutput after every engine step that
-        advanced a request, holding only what is new (``RequestOutputKind.DELTA``: the new token ids
-        and text, ``finished`` on the last one). The call checks the arguments and queues the requests
-        (a bad value raises here, not at the first ``next()``); stopping early aborts what still runs.
-        Steps made by other calls between two items (generate, another stream) fold into the next delta."""
-        prompts = prompt_list(prompts)
-        ids = self._submit(prompts, self._params_per_prompt(sampling_params, len(prompts)), RequestOutputKind.DELTA)
-        mine, box = set[str](), dict[str, RequestOutput]()
-        self._watch(ids, mine, box)
-        deltas = self._stream_deltas(mine, box)
-        next(deltas)  # into its try: a stream dropped or closed unread still aborts its requests
-        return deltas
-
-    def _stream_deltas(self, mine: set[str], box: dict[str, RequestOutput]) -> Iterator[RequestOutput | None]:
-        try:
-            yield None  # the priming step `stream` takes; the caller sees the items after it
-            while mine:
-                yield from self._deliver(mine, box, finished_only=False)
-        finally:
-            self._unwatch(mine)
-
     # ---- internals ------------------------------------------------------------------------
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
@@ -403,45 +330,8 @@ class LLM(PoolingMethods, EngineControlMethods):
         if self._queued:
             self._queued_done.update((o.request_id, o) for o in outputs if o.finished and o.request_id in self._queued)
         if self._mailboxes:
-            for output in outputs:
-                box = self._mailboxes.get(output.request_id)
-                if box is None:
-                    continue
-                waiting = box.get(output.request_id)
-                if waiting is None:
-                    box[output.request_id] = output
-                else:  # a stream's deltas from several steps before its consumer came back: fold them
-                    waiting.add(output, aggregate=True)
+            self._to_mailboxes(outputs)
         return outputs
-
-    def _watch(self, ids: list[str], mine: set[str], box: dict[str, RequestOutput]) -> None:
-        """Make ``ids`` an iterator's requests: their outputs go to ``box`` (see _mailboxes)."""
-        mine.update(ids)
-        self._mailboxes.update(dict.fromkeys(ids, box))
-
-    def _unwatch(self, mine: set[str]) -> None:
-        """An iterator ends: abort its unfinished requests and close their mailboxes."""
-        self.llm_engine.abort_request(list(mine))
-        for request_id in mine:
-            self._mailboxes.pop(request_id, None)
-        mine.clear()
-
-    def _deliver(self, mine: set[str], box: dict[str, RequestOutput], finished_only: bool) -> Iterator[RequestOutput]:
-        """Step the engine once unless ``box`` already holds outputs (another call stepped it since),
-        then yield what ``box`` holds, oldest first, dropping finished requests from ``mine``."""
-        if not box:
-            self._step(finished_only=finished_only)
-            if not box and not self.llm_engine.has_unfinished_requests():
-                # Nothing left to run, yet some of ours never finished: they were aborted under the
-                # iterator (sleep(), llm_engine.abort_request). Like generate(), skip them, not wait forever.
-                self._unwatch(mine)
-                return
-        while box:  # the consumer may step the engine between two items: read box afresh each time
-            output = box.pop(next(iter(box)))
-            if output.finished:
-                mine.discard(output.request_id)
-                self._mailboxes.pop(output.request_id, None)
-            yield output
 
     def _collect(
         self, ids: list[str], use_tqdm: ProgressOption, done: dict[str, RequestOutput] | None = None,
@@ -485,9 +375,6 @@ class LLM(PoolingMethods, EngineControlMethods):
             progress.close()
         # A request aborted meanwhile (sleep(), llm_engine.abort_request) has no output: left out, as in vLLM.
         return [output for output in results if output is not None]
-
-
-_END = object()
 
 
 def _adapters(lora_request: Any, count: int) -> list[Any]:
