@@ -26,6 +26,13 @@ def test_prompt_precedence():
     assert build_row_request(row(no_messages), PromptSettings()).prompt == "P"
 
 
+def test_an_empty_text_goes_on_to_the_engine():
+    """As LLM.generate("") and vLLM take it: the tokenizer's BOS or the chat template may make tokens of
+    it; the engine refuses it by name when nothing does (tests/test_prompt_batches.py)."""
+    assert build_row_request(row({"prompt": ""}), PromptSettings()).prompt == ""
+    assert build_row_request(row({"prompt": ""}), PromptSettings(chat=True)).messages == [{"role": "user", "content": ""}]
+
+
 def test_chat_and_system():
     req = build_row_request(row({"prompt": "hi"}), PromptSettings(chat=True, system="be brief"))
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -57,7 +64,6 @@ def test_ids():
     [
         ({"text": "x"}, "has no prompt"),
         ({"prompt": 42}, r"'prompt' must be a string \(or a list of token ids\), got int 42"),
-        ({"prompt": ""}, "the prompt is empty"),
         ({"messages": "not json"}, "'messages' is not a JSON list"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"content": "no role"}]}, r"messages\[0\] must be an object with a string 'role'"),

@@ -125,3 +125,56 @@ def test_truncated_text_prompt_keeps_bos_as_vllm(bos_llm):
     (out,) = bos_llm.generate(text, PARAMS, use_tqdm=False, tokenization_kwargs={"truncation": True, "max_length": 3})
     assert out.prompt_token_ids == [1, *ids[-2:]]
     assert bos_llm.get_tokenizer().truncation_side == "left"
+
+
+def _run_rows(llm, rows, tmp_path, **config):
+    """A `tokenmill run` job over ``rows`` (greedy, 3 tokens); its records by row index."""
+    from tokenmill.batch.job import JobConfig, run_job
+
+    from support.jsonl import read_jsonl, write_jsonl
+
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    sampling = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+    summary = run_job(JobConfig(input=str(source), output=str(output), model="m", sampling=sampling, progress=False,
+                                overwrite=True, **config), llm=llm)
+    return summary, {r["row"]: r for r in read_jsonl(output)}
+
+
+def test_an_empty_text_row_runs_as_its_bos_as_generate_does(bos_llm, tmp_path):
+    """A "" row of a generation job is the tokenizer's BOS alone, as transformers tokenizes "" and as
+    vLLM's generate("") runs it (the job refused such rows: "the prompt is empty"); it continues that
+    BOS as the HF model does greedily, with the same cumulative logprob."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    bos = bos_llm.get_tokenizer()("")["input_ids"]
+    assert bos == [1]
+    rows = [{"prompt": "", "sampling_params": {"logprobs": 0}}, {"prompt": "one two"}]
+    summary, records = _run_rows(bos_llm, rows, tmp_path)
+    assert summary.failed == 0 and records[0]["prompt_tokens"] == 1 and records[0]["completion_tokens"] == 3
+    model = AutoModelForCausalLM.from_pretrained(bos_llm.llm_engine.config.model, dtype=torch.float32).eval()
+    ids, cumulative = list(bos), 0.0
+    with torch.no_grad():
+        for _ in range(3):
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], dim=-1)
+            ids.append(int(logprobs.argmax()))
+            cumulative += logprobs[ids[-1]].item()
+    assert records[0]["cumulative_logprob"] == pytest.approx(cumulative, abs=1e-4)
+    (generated,) = bos_llm.generate("", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert generated.outputs[0].token_ids == ids[1:]
+
+
+def test_an_empty_text_row_without_bos_fails_alone_and_a_chat_one_runs(llm, tmp_path):
+    """SmolLM2 adds no BOS: "" has no token, and its row fails alone with the engine's reason (vLLM
+    refuses an empty prompt); as a chat turn it renders to the template's tokens and runs."""
+    assert llm.get_tokenizer()("")["input_ids"] == []
+    summary, records = _run_rows(llm, [{"prompt": ""}, {"prompt": "x"}], tmp_path)
+    assert summary.failed == 1 and records[1]["error"] is None
+    assert "is empty: a prompt needs at least one token" in records[0]["error"]
+    from tokenmill.batch.requests import PromptSettings
+
+    summary, records = _run_rows(llm, [{"prompt": ""}], tmp_path, prompt=PromptSettings(chat=True))
+    turn = [{"role": "user", "content": ""}]
+    rendered = llm.get_tokenizer().apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert summary.failed == 0 and records[0]["prompt_tokens"] == len(rendered)

@@ -112,7 +112,7 @@ class PoolingRows:
                 except (TypeError, ValueError) as e:
                     raise RowError(f"{where}: {e}", request.row_id) from None
             return request, [(f"row-{raw.index}-1", text_1, params), (f"row-{raw.index}-2", text_2, params)]
-        request = build_row_request(raw, self.settings, empty_text_ok=True)
+        request = build_row_request(raw, self.settings)
         if request.messages is not None:
             raise RowError(f"{where}: --task {self.task} takes text ('prompt', --text-field or --prompt-template), "
                            "not chat 'messages'", request.row_id)

@@ -112,10 +112,11 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-def build_row_request(raw: "RawRow", settings: PromptSettings, empty_text_ok: bool = False) -> RowRequest:
-    """Translate one generic row; raises RowError naming the field at fault. ``empty_text_ok``: a ""
-    prompt goes on to the engine (the pooling tasks: vLLM embeds "" as the tokenizer's special tokens,
-    BERT's [CLS] [SEP], and refuses it there by name when that leaves no token)."""
+def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
+    """Translate one generic row; raises RowError naming the field at fault. A "" text goes on to the
+    engine, as LLM.generate and LLM.embed take it: it runs as the tokenizer's special tokens (a
+    Llama's BOS, BERT's [CLS] [SEP]) or the chat template's, and the engine refuses it by name when
+    that leaves no token (vLLM: the prompt cannot be empty)."""
     record = raw.record
     assert record is not None
     where = raw.where or f"row {raw.index}"
@@ -158,8 +159,6 @@ def build_row_request(raw: "RawRow", settings: PromptSettings, empty_text_ok: bo
             f"null{null_note} (fields: {sorted(record)[:12]}); or pass --text-field or --prompt-template",
             row_id,
         )
-    if not text and not empty_text_ok:
-        raise RowError(f"{where}: the prompt is empty", row_id)
     if settings.chat or settings.system is not None:
         request.messages = _with_system([{"role": "user", "content": text}], settings.system)
     else:
