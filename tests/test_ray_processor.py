@@ -250,6 +250,49 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
     assert "'messages' is not a JSON list of messages" in out[2]["__inference_error__"]
 
 
+def test_replica_udf_renders_a_rows_tools_and_chat_template_kwargs(tiny_llama_dir):
+    """A messages row's tools, documents and chat_template_kwargs reach its chat template as the batch
+    job's rows (batch/chat_options.py) and LLM.chat hand them over, so the prompt is the token ids
+    transformers' apply_chat_template makes of the same arguments; a bad value is that row's error,
+    naming the field, and a conversation the template refuses fails alone (it failed the batch). They
+    were dropped: every row rendered as if it had none."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.ray.replica import TokenmillReplica
+
+    template = ("{% if greeting %}{{ greeting }}\n{% endif %}{% for t in tools or [] %}tool {{ t.function.name }}\n"
+                "{% endfor %}{% for d in documents or [] %}doc {{ d.title }}\n{% endfor %}"
+                "{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    replica = TokenmillReplica(str(tiny_llama_dir), {"device": "cpu", **ENGINE}, "generate", template, True, None, None, True)
+    chat = [{"role": "user", "content": "the warm mat"}]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    documents = [{"title": "cats", "text": "they sit"}]
+    out = _call(replica, [
+        {"messages": chat, "tools": tools, "documents": documents, "chat_template_kwargs": {"greeting": "hello"},
+         "sampling_params": GREEDY},
+        {"messages": chat, "sampling_params": GREEDY},
+        {"messages": [{"role": "user", "content": "boom"}], "sampling_params": GREEDY},  # the template refuses it
+    ])
+    text_cells = _call(replica, [  # JSON text, as a CSV-made dataset holds them (one Arrow type per column)
+        {"messages": chat, "chat_template_kwargs": '{"greeting": "hi"}', "tools": None, "sampling_params": GREEDY},
+        {"messages": chat, "chat_template_kwargs": None, "tools": '"hammer"', "sampling_params": GREEDY},
+    ])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    def hf_ids(**keywords):
+        return tokenizer.apply_chat_template(chat, chat_template=template, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False, **keywords)
+
+    assert [r["__inference_error__"] for r in out[:2] + text_cells[:1]] == ["", "", ""]
+    assert "the chat template refused it" in out[2]["__inference_error__"] and "no boom" in out[2]["__inference_error__"]
+    assert out[0]["prompt_token_ids"] == hf_ids(tools=tools, documents=documents, greeting="hello")
+    assert out[1]["prompt_token_ids"] == hf_ids()
+    assert text_cells[0]["prompt_token_ids"] == hf_ids(greeting="hi")
+    assert "'tools'='hammer' is invalid: must be a non-empty list of tools" in text_cells[1]["__inference_error__"]
+
+
 def test_replica_udf_rows_pick_their_lora_adapter_by_model(tiny_llama_dir, tmp_path):
     """Ray's rule: a row's 'model' other than the base model names an adapter folder under
     dynamic_lora_loading_path; each row matches LLM.generate with that adapter (or none)."""

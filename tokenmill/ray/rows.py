@@ -1,7 +1,9 @@
 """One dataset row ↔ the engine: what a row asks for, and the columns its result adds.
 
-A generation row holds ``messages`` (chat, rendered with the model's template), ``prompt`` (text)
-or ``prompt_token_ids`` (``tokenized_prompt``, Ray's name, too), and optionally
+A generation row holds ``messages`` (chat, rendered with the model's template; with them, the
+row's ``tools``, ``documents`` and ``chat_template_kwargs`` reach the template as in the batch job,
+`tokenmill.batch.chat_options`), ``prompt`` (text) or ``prompt_token_ids`` (``tokenized_prompt``,
+Ray's name, too), and optionally
 ``sampling_params`` (a dict, a JSON object or a `SamplingParams`; without it the model's
 generation_config defaults, as `LLM.generate`) and ``model``: a LoRA adapter's name (Ray's rule:
 any value but the base model's names one; `AdapterNames`). Pooling rows hold ``prompt`` or
@@ -66,16 +68,18 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     _check_engine_limits(params, llm)
     messages = row.get("messages")
     if messages is not None and apply_chat_template:
-        from tokenmill.batch.requests import RowError, parse_messages
-        from tokenmill.inputs import render_chat_prompt
+        from tokenmill.batch.chat_options import row_chat_options
+        from tokenmill.batch.requests import RowRequest, parse_messages
+        from tokenmill.batch.row_prompts import row_prompt
 
         tokenizer = llm.get_tokenizer()
         if tokenizer is None:
             raise RowProblem("'messages' need the tokenizer, but the engine runs without one (skip_tokenizer_init)")
-        try:
-            ids = render_chat_prompt(tokenizer, parse_messages(messages, "row", None, None), chat_template,
-                                     where="messages")
-        except RowError as e:
+        try:  # the batch job's rendering of a messages row, with the row's tools, documents, chat_template_kwargs
+            request = RowRequest(0, None, messages=parse_messages(messages, "row", None, None),
+                                 chat=row_chat_options(row, "row"), where="row")
+            ids = row_prompt(tokenizer, request, chat_template)["prompt_token_ids"]
+        except ValueError as e:  # a bad field, or the template refused this conversation: this row's error
             raise RowProblem(str(e)) from None
         text = tokenizer.decode(ids)
         return [(request_id, {"prompt_token_ids": ids, "prompt": text}, params)], text
