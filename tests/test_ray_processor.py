@@ -293,6 +293,41 @@ def test_replica_udf_renders_a_rows_tools_and_chat_template_kwargs(tiny_llama_di
     assert "'tools'='hammer' is invalid: must be a non-empty list of tools" in text_cells[1]["__inference_error__"]
 
 
+def test_chat_template_stage_kwargs_reach_every_row_under_the_rows_own(tiny_llama_dir):
+    """Ray's ChatTemplateStageConfig has chat_template_kwargs: variables for every row's template
+    (they were accepted in chat_template_stage and dropped). A row's own chat_template_kwargs go
+    over them, key by key, as vLLM's server lays a request's over its defaults."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.ray.replica import TokenmillReplica
+
+    config = TokenmillProcessorConfig(model_source="m", chat_template_stage={"chat_template_kwargs": {"greeting": "hey"}})
+    assert config.chat_template_kwargs == {"greeting": "hey"}
+
+    class StageConfig:  # stands in for Ray's ChatTemplateStageConfig, a pydantic model
+        def model_dump(self):
+            return {"enabled": True, "chat_template": None, "chat_template_kwargs": {"tone": "calm"}}
+
+    assert TokenmillProcessorConfig(model_source="m", chat_template_stage=StageConfig()).chat_template_kwargs == {"tone": "calm"}
+    with pytest.raises(ValueError, match=r"chat_template_stage chat_template_kwargs='x' is invalid: must be a dict"):
+        TokenmillProcessorConfig(model_source="m", chat_template_stage={"chat_template_kwargs": "x"})
+    template = ("{{ greeting }} {{ tone }}\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}<|im_start|>assistant\n")
+    replica = TokenmillReplica(str(tiny_llama_dir), {"device": "cpu", **ENGINE}, "generate", template, True, None, None,
+                               True, chat_template_kwargs={"greeting": "hey", "tone": "calm"})
+    chat = [{"role": "user", "content": "the warm mat"}]
+    out = _call(replica, [{"messages": chat, "sampling_params": GREEDY, "chat_template_kwargs": None},
+                          {"messages": chat, "sampling_params": GREEDY, "chat_template_kwargs": {"greeting": "yo"}}])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    def hf_ids(**variables):
+        return tokenizer.apply_chat_template(chat, chat_template=template, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False, **variables)
+
+    assert out[0]["prompt_token_ids"] == hf_ids(greeting="hey", tone="calm")
+    assert out[1]["prompt_token_ids"] == hf_ids(greeting="yo", tone="calm")
+
+
 def test_replica_udf_rows_pick_their_lora_adapter_by_model(tiny_llama_dir, tmp_path):
     """Ray's rule: a row's 'model' other than the base model names an adapter folder under
     dynamic_lora_loading_path; each row matches LLM.generate with that adapter (or none)."""

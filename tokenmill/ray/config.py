@@ -46,6 +46,9 @@ class TokenmillProcessorConfig:
     runtime_env: dict[str, Any] | None = None
     apply_chat_template: bool = True  # render 'messages' with the model's chat template
     chat_template: str | None = None  # a template instead of the model's
+    # Variables for every row's template (Ray's ChatTemplateStageConfig field, set through
+    # chat_template_stage); a row's own chat_template_kwargs go over them.
+    chat_template_kwargs: dict[str, Any] | None = field(default=None, init=False)
     should_continue_on_error: bool = True  # a bad row becomes an error row (False: it fails the dataset)
     # LoRA (engine_kwargs enable_lora=True): a row's 'model' other than model_source names its adapter, the
     # folder dynamic_lora_loading_path/<model> (or the folder <model> itself when this is None), as in Ray's.
@@ -98,12 +101,19 @@ class TokenmillProcessorConfig:
         if self.has_image or self.prepare_multimodal_stage:
             raise NotImplementedError("has_image / prepare_multimodal_stage: tokenmill runs text models only")
         stage = self.chat_template_stage
+        if hasattr(stage, "model_dump"):  # Ray's ChatTemplateStageConfig (a pydantic model): read as its dict
+            stage = stage.model_dump()
         if stage is False or (isinstance(stage, dict) and stage.get("enabled") is False):
             self.apply_chat_template = False
         if isinstance(stage, dict) and stage.get("chat_template"):
             if not isinstance(stage["chat_template"], str):
                 raise ValueError(f"chat_template_stage chat_template={stage['chat_template']!r:.100} is invalid: must be a Jinja template (a string)")
             self.chat_template = stage["chat_template"]
+        if isinstance(stage, dict) and stage.get("chat_template_kwargs") is not None:
+            if not isinstance(stage["chat_template_kwargs"], dict):
+                raise ValueError(f"chat_template_stage chat_template_kwargs={stage['chat_template_kwargs']!r:.100} is "
+                                 'invalid: must be a dict of template variables, e.g. {"enable_thinking": False}')
+            self.chat_template_kwargs = dict(stage["chat_template_kwargs"])
         if "max_tasks_in_flight_per_actor" in self.experimental and self.max_tasks_in_flight_per_actor is None:
             self.max_tasks_in_flight_per_actor = self.experimental["max_tasks_in_flight_per_actor"]
             if not _positive_int(self.max_tasks_in_flight_per_actor):

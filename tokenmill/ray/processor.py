@@ -100,6 +100,7 @@ def replica_map_kwargs(config: TokenmillProcessorConfig) -> dict[str, Any]:
         fn_constructor_kwargs=dict(
             model_source=config.model_source, engine_kwargs=engine, task=config.task,
             chat_template=config.chat_template, apply_chat_template=config.apply_chat_template,
+            chat_template_kwargs=config.chat_template_kwargs,
             max_pending_requests=config.max_pending_requests,
             # A CPU replica's torch threads match its cores, so replicas do not oversubscribe the node.
             num_threads=max(1, int(num_cpus)) if num_gpus == 0 else None,

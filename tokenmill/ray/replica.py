@@ -125,7 +125,7 @@ class TokenmillReplica:
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task: str, chat_template: str | None,
                  apply_chat_template: bool, max_pending_requests: int | None, num_threads: int | None,
-                 continue_on_error: bool, lora_root: str | None = None):
+                 continue_on_error: bool, lora_root: str | None = None, chat_template_kwargs: dict[str, Any] | None = None):
         if num_threads is not None:
             import torch
 
@@ -135,6 +135,7 @@ class TokenmillReplica:
         self.llm = LLM(model_source, **engine_kwargs)
         self.task = task
         self.chat_template, self.apply_chat_template = chat_template, apply_chat_template
+        self.chat_template_kwargs = chat_template_kwargs
         self.continue_on_error = continue_on_error
         self.adapters = AdapterNames(model_source, lora_root)
         self.pooling_rows = None
@@ -177,7 +178,8 @@ class TokenmillReplica:
         try:
             if self.pooling_rows is not None:
                 return pooling_job(self.pooling_rows, row, position, prefix)
-            parts, text = generation_parts(row, f"{prefix}{position}", self.llm, self.chat_template, self.apply_chat_template)
+            parts, text = generation_parts(row, f"{prefix}{position}", self.llm, self.chat_template, self.apply_chat_template,
+                                           self.chat_template_kwargs)
             # One output per request, when it finishes (as LLM.generate asks for).
             parts = [(rid, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY)) for rid, prompt, params in parts]
             return RowJob(position, parts=parts, prompt_text=text, lora=self.adapters.adapter(row))

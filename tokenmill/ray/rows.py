@@ -25,6 +25,7 @@ Columns have fixed Arrow types, so every block of the output has the same schema
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,8 +60,10 @@ class RowJob:
 
 
 def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_template: str | None,
-                     apply_chat_template: bool) -> tuple[list[tuple[str, Any, Any]], str | None]:
-    """The engine request of a generation row, and its prompt text (None for token ids)."""
+                     apply_chat_template: bool, chat_template_kwargs: dict[str, Any] | None = None,
+                     ) -> tuple[list[tuple[str, Any, Any]], str | None]:
+    """The engine request of a generation row, and its prompt text (None for token ids).
+    ``chat_template_kwargs``: the chat template stage's variables, under the row's own."""
     params = _sampling_params(row.get("sampling_params"), llm)
     if params.n != 1 or (params.best_of or 1) != 1:
         raise RowProblem(f"sampling_params n={params.n} (best_of={params.best_of}): the processor writes one "
@@ -68,7 +71,7 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     _check_engine_limits(params, llm)
     messages = row.get("messages")
     if messages is not None and apply_chat_template:
-        from tokenmill.batch.chat_options import row_chat_options
+        from tokenmill.batch.chat_options import ChatOptions, row_chat_options
         from tokenmill.batch.requests import RowRequest, parse_messages
         from tokenmill.batch.row_prompts import row_prompt
 
@@ -76,8 +79,11 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
         if tokenizer is None:
             raise RowProblem("'messages' need the tokenizer, but the engine runs without one (skip_tokenizer_init)")
         try:  # the batch job's rendering of a messages row, with the row's tools, documents, chat_template_kwargs
-            request = RowRequest(0, None, messages=parse_messages(messages, "row", None, None),
-                                 chat=row_chat_options(row, "row"), where="row")
+            chat = row_chat_options(row, "row")
+            if chat_template_kwargs:
+                chat = dataclasses.replace(chat or ChatOptions(), chat_template_kwargs={
+                    **chat_template_kwargs, **((chat.chat_template_kwargs if chat else None) or {})})
+            request = RowRequest(0, None, messages=parse_messages(messages, "row", None, None), chat=chat, where="row")
             ids = row_prompt(tokenizer, request, chat_template)["prompt_token_ids"]
         except ValueError as e:  # a bad field, or the template refused this conversation: this row's error
             raise RowProblem(str(e)) from None
