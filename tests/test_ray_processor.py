@@ -434,7 +434,10 @@ def test_replica_udf_classify_and_score(tiny_bert_classifier_dir, bert_classifie
     ref = bert_classifier_llm.classify(["the cat sat"], use_tqdm=False)[0].outputs.probs
     assert out[0]["probs"] == pytest.approx(ref, abs=1e-6)
     assert out[0]["label"] == ["negative", "neutral", "positive"][max(range(3), key=ref.__getitem__)]
-    assert out[1]["__inference_error__"] and "no prompt" in out[2]["__inference_error__"]
+    # "" runs as LLM.classify("") runs it (BERT: [CLS] [SEP]), as the batch job's classify rows do since b09074c.
+    assert out[1]["__inference_error__"] == ""
+    assert out[1]["probs"] == pytest.approx(bert_classifier_llm.classify("", use_tqdm=False)[0].outputs.probs, abs=1e-6)
+    assert "no prompt" in out[2]["__inference_error__"]
     out = _call(_replica(tiny_cross_encoder_dir, "score"), [{"text_1": "a cat", "text_2": "the mat"}, {"text_1": "a cat", "text_2": None}])
     assert out[0]["score"] == pytest.approx(cross_encoder_llm.score("a cat", "the mat", use_tqdm=False)[0].outputs.score, abs=1e-6)
     assert "text_2" in out[1]["__inference_error__"] and out[1]["score"] is None
