@@ -115,6 +115,19 @@ def tiny_smollm3_dir(tiny_models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_bos_dir(tiny_models_root: Path) -> Path:
+    """A tiny Llama whose tokenizer adds BOS (the SentencePiece layout of tests/support/spm_tokenizers.py)."""
+    from transformers import LlamaConfig
+
+    from support.spm_tokenizers import build_spm_tokenizer
+
+    config = LlamaConfig(**tiny_config_kwargs(vocab_size=400), architectures=["LlamaForCausalLM"])
+    folder = save_tiny_model(tiny_models_root, "llama_bos", config, seed=1)
+    build_spm_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tiny_models_root: Path) -> Path:
     """Phi-3: q/k/v and gate/up fused in the checkpoint, tied embeddings, rotary on half of each
     head (as Phi-4-mini on three quarters); no sliding window (the architecture tests run sequences

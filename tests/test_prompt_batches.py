@@ -96,17 +96,9 @@ def test_prompts_tokenized_in_chunks_across_their_edges(llm, tokenizer_calls, mo
 
 
 @pytest.fixture(scope="module")
-def bos_llm(tmp_path_factory):
-    """A tiny Llama whose tokenizer adds BOS (the SentencePiece layout of tests/support/spm_tokenizers.py)."""
-    from transformers import LlamaConfig
-
-    from support.spm_tokenizers import build_spm_tokenizer
-    from support.tiny_models import save_tiny_model, tiny_config_kwargs
-
-    config = LlamaConfig(**tiny_config_kwargs(vocab_size=400), architectures=["LlamaForCausalLM"])
-    folder = save_tiny_model(tmp_path_factory.mktemp("bos"), "llama", config, seed=1)
-    build_spm_tokenizer().save_pretrained(folder)
-    return LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, seed=0)
+def bos_llm(tiny_llama_bos_dir):
+    """A tiny Llama whose tokenizer adds BOS."""
+    return LLM(str(tiny_llama_bos_dir), device="cpu", dtype="float32", max_model_len=64, seed=0)
 
 
 def test_truncated_text_prompt_keeps_bos_as_vllm(bos_llm):

@@ -328,6 +328,19 @@ def test_chat_template_stage_kwargs_reach_every_row_under_the_rows_own(tiny_llam
     assert out[1]["prompt_token_ids"] == hf_ids(greeting="yo", tone="calm")
 
 
+def test_replica_udf_an_empty_prompt_runs_as_generate_runs_it(tiny_llama_bos_dir, tiny_llama_dir):
+    """vLLM's LLM.generate("") runs a tokenizer's BOS (Llama) and refuses a prompt with no token:
+    a "" row does the same (it was refused as "'prompt' is empty" whatever the tokenizer), as the
+    batch job's rows do."""
+    bos = _replica(tiny_llama_bos_dir, "generate", max_model_len=64)
+    out = _call(bos, [{"prompt": "", "sampling_params": GREEDY}])
+    (ref,) = bos.llm.generate("", SamplingParams(**GREEDY), use_tqdm=False)
+    assert out[0]["__inference_error__"] == "" and out[0]["prompt_token_ids"] == ref.prompt_token_ids == [1]
+    assert out[0]["generated_tokens"] == ref.outputs[0].token_ids and out[0]["prompt"] == ""
+    out = _call(_replica(tiny_llama_dir, "generate", **ENGINE), [{"prompt": "", "sampling_params": GREEDY}])
+    assert "is empty: a prompt needs at least one token" in out[0]["__inference_error__"]
+
+
 def test_replica_udf_rows_pick_their_lora_adapter_by_model(tiny_llama_dir, tmp_path):
     """Ray's rule: a row's 'model' other than the base model names an adapter folder under
     dynamic_lora_loading_path; each row matches LLM.generate with that adapter (or none)."""

@@ -92,9 +92,7 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     if messages is not None:
         raise RowProblem("'messages' need the chat template, but apply_chat_template is off; give a 'prompt'")
     prompt = row.get("prompt")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RowProblem("'prompt' is empty")
+    if isinstance(prompt, str):  # "" too, as LLM.generate takes it: a BOS runs, no token at all the engine refuses
         return [(request_id, prompt, params)], prompt
     ids = row.get("prompt_token_ids", row.get("tokenized_prompt"))
     if ids is None and prompt is not None:
