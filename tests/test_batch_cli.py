@@ -43,6 +43,24 @@ def test_import_is_light_and_help_works():
         assert flag in help_text
 
 
+def test_run_help_lists_the_columns_a_row_may_carry(capsys):
+    """The columns the job reads (requests.py, chat_options.py, pooling.py) are named in --help, not
+    only in docs/batch.md: a row's tools, documents and chat_template_kwargs were in neither --help
+    nor any error a user would meet."""
+    from tokenmill.batch.chat_options import ROW_FIELDS
+    from tokenmill.batch.requests import ADAPTER_FIELD
+    from tokenmill.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a row's columns:" in help_text
+    columns = help_text.split("a row's columns:")[1]
+    for name in ("prompt", "messages", "prompt_token_ids", "id", "sampling_params", ADAPTER_FIELD, *ROW_FIELDS,
+                 "pooling_params", "text_1", "text_2"):
+        assert f"'{name}'" in columns, name
+
+
 def test_job_state_folders_are_ignored_by_git_and_dtype_help_says_what_auto_does():
     ignored = subprocess.run(["git", "check-ignore", "results.jsonl.tokenmill/state.json", "out/x.parquet.tokenmill/lock"],
                              cwd=REPO, capture_output=True, text=True)

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate for every row of INPUT and append each result to OUTPUT as it finishes. "
         "After a crash or kill, run the same command again to continue: finished rows are kept, "
         "the rest run once. Exit code 3 when some rows failed (their 'error' says why).",
+        epilog="a row's columns: its prompt is 'prompt' (text or token ids), 'messages' (a chat) or "
+        "'prompt_token_ids' (unless --prompt-template or --text-field say otherwise); with 'messages', 'tools', "
+        "'documents' and 'chat_template_kwargs' for its chat template; 'id' (see --id-field), 'sampling_params' "
+        "(an object of SamplingParams values over the job's), 'lora' (an adapter of --lora-modules). Pooling tasks: "
+        "'pooling_params'; score rows: 'text_1' and 'text_2'. OpenAI batch lines: 'custom_id', 'url', 'body'. "
+        "See docs/batch.md.",
     )
     run.add_argument("input", metavar="INPUT", help="input file: .jsonl (rows or OpenAI batch lines), .csv, .tsv or .parquet")
     run.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="output file: .jsonl or .parquet")
