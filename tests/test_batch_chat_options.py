@@ -283,3 +283,24 @@ def test_generic_rows_with_messages_and_tools_through_the_job(tmp_path, llm):
     records = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
     with_tools = reference(tokenizer, USER, SHORT, tools=TOOLS, enable_thinking=False)[0]
     assert records["t"]["prompt_tokens"] == len(with_tools) > records["p"]["prompt_tokens"] == len(reference(tokenizer, USER, SHORT)[0])
+
+
+def test_a_job_template_that_needs_tools_passes_the_up_front_check_and_renders_each_rows_tools(tmp_path, llm):
+    """--chat-template is checked before any row runs by rendering a one-turn conversation without
+    tools: a template that refuses a conversation without tools must still pass (the rows carry
+    them), each row rendering with its own tools as transformers renders them, and a row without
+    tools failing alone with the template's own message."""
+    needs_tools = ("{% if not tools %}{{ raise_exception('this template needs tools') }}{% endif %}" + SHORT)
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    rows = [{"id": "weather", "messages": USER, "tools": TOOLS}, {"id": "time", "messages": USER, "tools": other},
+            {"id": "none", "messages": USER}]
+    summary = job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", rows), chat_template=needs_tools)
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    tokenizer = llm.get_tokenizer()
+    for name, tools in (("weather", TOOLS), ("time", other)):
+        ids = reference(tokenizer, USER, needs_tools, tools=tools)[0]
+        want = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+        assert records[name]["error"] is None and records[name]["prompt_tokens"] == len(ids)
+        assert records[name]["text"] == want
+    assert summary.failed == 1 and "this template needs tools" in records["none"]["error"]
