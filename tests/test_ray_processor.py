@@ -293,6 +293,24 @@ def test_replica_udf_renders_a_rows_tools_and_chat_template_kwargs(tiny_llama_di
     assert "'tools'='hammer' is invalid: must be a non-empty list of tools" in text_cells[1]["__inference_error__"]
 
 
+def test_replica_udf_continues_an_assistant_prefill_as_rays_chat_template_stage(tiny_llama_dir):
+    """Ray's chat template stage adds the generation prompt only after a user message; a conversation
+    ending with an assistant message (a prefill) is continued (continue_final_message), so the
+    reply goes on from the prefill. Every row got a new assistant turn after it."""
+    from transformers import AutoTokenizer
+
+    replica = _replica(tiny_llama_dir, "generate", **ENGINE)
+    prefill = [{"role": "user", "content": "the warm mat"}, {"role": "assistant", "content": "The cat"}]
+    out = _call(replica, [{"messages": prefill, "sampling_params": GREEDY},
+                          {"messages": prefill[:1], "sampling_params": GREEDY}])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    continued = tokenizer.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True,
+                                              tokenize=True, return_dict=False)
+    assert out[0]["__inference_error__"] == "" and out[0]["prompt_token_ids"] == continued
+    assert out[1]["prompt_token_ids"] == tokenizer.apply_chat_template(prefill[:1], add_generation_prompt=True,
+                                                                       tokenize=True, return_dict=False)
+
+
 def test_chat_template_stage_kwargs_reach_every_row_under_the_rows_own(tiny_llama_dir):
     """Ray's ChatTemplateStageConfig has chat_template_kwargs: variables for every row's template
     (they were accepted in chat_template_stage and dropped). A row's own chat_template_kwargs go

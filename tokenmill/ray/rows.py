@@ -2,7 +2,8 @@
 
 A generation row holds ``messages`` (chat, rendered with the model's template; with them, the
 row's ``tools``, ``documents`` and ``chat_template_kwargs`` reach the template as in the batch job,
-`tokenmill.batch.chat_options`), ``prompt`` (text) or ``prompt_token_ids`` (``tokenized_prompt``,
+`tokenmill.batch.chat_options`; a conversation ending with an assistant message is continued, as
+Ray's stage continues it), ``prompt`` (text) or ``prompt_token_ids`` (``tokenized_prompt``,
 Ray's name, too), and optionally
 ``sampling_params`` (a dict, a JSON object or a `SamplingParams`; without it the model's
 generation_config defaults, as `LLM.generate`) and ``model``: a LoRA adapter's name (Ray's rule:
@@ -71,22 +72,10 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     _check_engine_limits(params, llm)
     messages = row.get("messages")
     if messages is not None and apply_chat_template:
-        from tokenmill.batch.chat_options import ChatOptions, row_chat_options
-        from tokenmill.batch.requests import RowRequest, parse_messages
-        from tokenmill.batch.row_prompts import row_prompt
-
         tokenizer = llm.get_tokenizer()
         if tokenizer is None:
             raise RowProblem("'messages' need the tokenizer, but the engine runs without one (skip_tokenizer_init)")
-        try:  # the batch job's rendering of a messages row, with the row's tools, documents, chat_template_kwargs
-            chat = row_chat_options(row, "row")
-            if chat_template_kwargs:
-                chat = dataclasses.replace(chat or ChatOptions(), chat_template_kwargs={
-                    **chat_template_kwargs, **((chat.chat_template_kwargs if chat else None) or {})})
-            request = RowRequest(0, None, messages=parse_messages(messages, "row", None, None), chat=chat, where="row")
-            ids = row_prompt(tokenizer, request, chat_template)["prompt_token_ids"]
-        except ValueError as e:  # a bad field, or the template refused this conversation: this row's error
-            raise RowProblem(str(e)) from None
+        ids = _chat_prompt_ids(row, tokenizer, chat_template, chat_template_kwargs)
         text = tokenizer.decode(ids)
         return [(request_id, {"prompt_token_ids": ids, "prompt": text}, params)], text
     if messages is not None:
@@ -103,6 +92,30 @@ def generation_parts(row: dict[str, Any], request_id: str, llm: Any, chat_templa
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise RowProblem("'prompt_token_ids' must be a list of integers")
     return [(request_id, {"prompt_token_ids": ids}, params)], None
+
+
+def _chat_prompt_ids(row: dict[str, Any], tokenizer: Any, chat_template: str | None,
+                     chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+    """A messages row rendered as the batch job renders one (its tools, documents and
+    chat_template_kwargs: `tokenmill.batch.chat_options`), with the stage's variables under the row's
+    own; a conversation ending with an assistant message (a prefill) is continued, as Ray's chat
+    template stage continues it, not given a new assistant turn."""
+    from tokenmill.batch.chat_options import ChatOptions, row_chat_options
+    from tokenmill.batch.requests import RowRequest, parse_messages
+    from tokenmill.batch.row_prompts import row_prompt
+
+    try:
+        conversation = parse_messages(row["messages"], "row", None, None)
+        chat = row_chat_options(row, "row")
+        if chat_template_kwargs:
+            own = chat.chat_template_kwargs if chat is not None else None
+            chat = dataclasses.replace(chat or ChatOptions(), chat_template_kwargs={**chat_template_kwargs, **(own or {})})
+        if conversation[-1]["role"] == "assistant":
+            chat = dataclasses.replace(chat or ChatOptions(), add_generation_prompt=False, continue_final_message=True)
+        return row_prompt(tokenizer, RowRequest(0, None, messages=conversation, chat=chat, where="row"),
+                          chat_template)["prompt_token_ids"]
+    except ValueError as e:  # a bad field, or the template refused this conversation: this row's error
+        raise RowProblem(str(e)) from None
 
 
 class AdapterNames:
