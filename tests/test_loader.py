@@ -299,6 +299,27 @@ def test_builtin_is_converted_once(smollm2_source: ModelSource, monkeypatch) -> 
     assert (again.config_dir / "model.safetensors").stat().st_mtime_ns == before
 
 
+def test_builtin_is_converted_again_after_a_conversion_fix(tmp_path: Path, monkeypatch) -> None:
+    """A fix to how GGUF files are read bumps GGUF_CONVERSION_VERSION: the built-in's folder from the
+    older conversion (a wrong tokenizer, say) must not be reused, as for a GGUF given by path."""
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    conversions: list[Path] = []
+
+    def fake_convert(gguf_path, target, extra_meta=None, dtype="float32", generation_defaults=None):
+        conversions.append(target)
+        target.mkdir(parents=True)
+        (target / builtin.COMPLETE_MARKER).write_text("{}")
+
+    monkeypatch.setattr(builtin, "convert_gguf_to_hf", fake_convert)
+    monkeypatch.setattr(builtin, "locate_gguf", lambda model, cache: tmp_path / "model.gguf")
+    entry = BUILTIN_MODELS["smollm2-135m-instruct"]
+    first = builtin.ensure_builtin(entry, dtype="float32")
+    assert builtin.ensure_builtin(entry, dtype="float32") == first and conversions == [first]
+    monkeypatch.setattr(builtin, "GGUF_CONVERSION_VERSION", builtin.GGUF_CONVERSION_VERSION + 1)
+    second = builtin.ensure_builtin(entry, dtype="float32")
+    assert second != first and conversions == [first, second]
+
+
 def test_interrupted_conversion_leaves_nothing(smollm2_gguf_path: Path, tmp_path: Path, monkeypatch) -> None:
     """A crash halfway through writing leaves no target folder and no temporary folder behind."""
     from transformers import LlamaConfig

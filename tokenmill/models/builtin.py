@@ -106,7 +106,8 @@ def stored_dtype(dtype: str = "auto", device: str = "auto") -> str:
 
 
 def converted_dir(model: BuiltinModel, dtype: str = "bfloat16", cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / "models" / f"{model.name}-{dtype}"
+    """Named by the conversion's version too, as a GGUF given by path is: a reading fix converts again."""
+    return (cache or cache_dir()) / "models" / f"{model.name}-gguf-v{GGUF_CONVERSION_VERSION}-{dtype}"
 
 
 def ensure_builtin(model: BuiltinModel, cache: Path | None = None, dtype: str = "bfloat16") -> Path:
