@@ -35,6 +35,31 @@ def test_greedy_matches_transformers_gguf_loading(llm, smollm2_hf_gguf):
         assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4
 
 
+# Text -> the tokens llama.cpp cuts it into with this file (tokenizer.ggml.pre "smollm": every digit
+# split apart first, then GPT-2's split; llama-vocab.cpp), which are also those of SmolLM2's own
+# tokenizer.json (Digits(individual_digits=True) before ByteLevel). GPT-2's split alone cuts the
+# spaces or newlines before a digit apart ("Ġ", "Ġ", "4" for "  4").
+DIGIT_TEXTS = {
+    "  42  ": ["ĠĠ", "4", "2", "ĠĠ"],
+    "\n\n7. Done": ["ĊĊ", "7", ".", "ĠDone"],
+    "x  = 10": ["x", "Ġ", "Ġ=", "Ġ", "1", "0"],
+    "year 2024": ["year", "Ġ", "2", "0", "2", "4"],
+}
+
+
+def test_digits_are_tokenized_as_llama_cpp_does(llm):
+    """The converted built-in and the GGUF read directly (load_format="gguf") alike."""
+    from tokenmill.models import builtin
+    from tokenmill.models.gguf_tokenizer import load_gguf_tokenizer
+
+    direct = load_gguf_tokenizer(builtin.locate_gguf(builtin.find_builtin("smollm2-135m-instruct"), builtin.cache_dir()))
+    for tokenizer in (llm.get_tokenizer(), direct):
+        got = {text: tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])
+               for text in DIGIT_TEXTS}
+        assert got == DIGIT_TEXTS
+        assert all(tokenizer.decode(tokenizer(text)["input_ids"]) == text for text in DIGIT_TEXTS)
+
+
 def test_chat_text_is_the_decoded_tokens_and_stops_at_end_of_turn(llm):
     outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], SamplingParams(temperature=0.0, max_tokens=60),
                        use_tqdm=False)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +68,11 @@ def load_tokenizer(source: "ModelSource", args: "EngineArgs") -> Any:
     if args.tokenizer_mode == "slow":
         kwargs["use_fast"] = False
     try:
+        if "gguf_file" in kwargs:  # load_format="gguf": the file's own tokenizer, as llama.cpp reads it
+            from tokenmill.models.gguf_tokenizer import load_gguf_tokenizer
+
+            rest = {k: v for k, v in kwargs.items() if k != "gguf_file"}
+            return load_gguf_tokenizer(Path(path) / kwargs["gguf_file"], trust_remote_code=args.trust_remote_code, **rest)
         cls = tokenizer_class(path, kwargs)
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except Exception as exc:  # transformers raises many types; the user needs the path
@@ -85,7 +91,5 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _has_no_tokenizer_files(path: str) -> bool:
-    from pathlib import Path
-
     folder = Path(path)
     return folder.is_dir() and not any(next(folder.glob(pattern), None) for pattern in _TOKENIZER_FILES)

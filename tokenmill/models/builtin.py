@@ -75,7 +75,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 COMPLETE_MARKER = "tokenmill_builtin.json"
 # The version of the GGUF conversion, part of a converted folder's name: a fix to how files are read
 # (the rope scaling, a family's layout) must not be hidden by a folder an older version converted.
-GGUF_CONVERSION_VERSION = 2
+GGUF_CONVERSION_VERSION = 3
 STORED_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -210,7 +210,8 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    from tokenmill.models.gguf_config import gguf_tokenizer_class, read_gguf_config
+    from tokenmill.models.gguf_config import read_gguf_config
+    from tokenmill.models.gguf_tokenizer import load_gguf_tokenizer
     from tokenmill.models.gguf_weights import iter_gguf_weights, open_gguf
     from tokenmill.models.registry import architecture_of
 
@@ -232,9 +233,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         config.save_pretrained(str(tmp))
-        tokenizer_cls = gguf_tokenizer_class(gguf_path, reader)
-        tokenizer = tokenizer_cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        _fix_tokenizer(tokenizer, reader)
+        tokenizer = load_gguf_tokenizer(gguf_path, reader)
         tokenizer.save_pretrained(str(tmp))
         generation = {**_special_token_ids(reader), **(generation_defaults or {})}
         if generation:
@@ -254,24 +253,6 @@ def _special_token_ids(reader: Any) -> dict[str, int]:
         if value is not None:
             ids[key] = int(value.contents())
     return ids
-
-
-def _fix_tokenizer(tokenizer: Any, reader: Any) -> None:
-    """Set bos/eos/pad/unk from the GGUF's token ids, and turn off WordPiece-style cleanup.
-
-    transformers' GGUF tokenizer conversion can pick the wrong eos (for SmolLM2 it reports
-    ``<|im_start|>``), which would make generation run past the end of every answer; and it
-    enables ``clean_up_tokenization_spaces``, which strips spaces before punctuation in BPE text.
-    """
-    tokenizer.clean_up_tokenization_spaces = False
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens_field is None:
-        return
-    tokens = tokens_field.contents()
-    for attr, role in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
-        value = reader.fields.get(f"tokenizer.ggml.{role}_token_id")
-        if value is not None and 0 <= int(value.contents()) < len(tokens):
-            setattr(tokenizer, attr, tokens[int(value.contents())])
 
 
 def _make_readable(folder: Path) -> None:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # so neither depends on a transformers version.
 _NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
 # Architectures whose config transformers cannot build from a GGUF: general.architecture -> model_type.
-_BUILT_HERE = {"granite": "granite", "smollm3": "smollm3"}
+CONFIG_BUILT_HERE = {"granite": "granite", "smollm3": "smollm3"}
 # Granite's multipliers: HF config field -> the key llama.cpp's converter writes it under.
 _GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                    "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
@@ -44,7 +44,7 @@ _GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multipl
 def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
     """The HF config of the model in the GGUF at ``gguf_path`` (``reader``: its open_gguf reader)."""
     arch = field(reader, "general.architecture")
-    if arch in _BUILT_HERE:
+    if arch in CONFIG_BUILT_HERE:
         config = _config_from_keys(reader, arch, gguf_path)
     else:
         from transformers import AutoConfig
@@ -53,25 +53,6 @@ def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
     fix_dense_config(config, reader, gguf_path)
     fix_moe_config(config, reader)
     return config
-
-
-def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
-    """The class to build this GGUF's tokenizer with (``from_pretrained(folder, gguf_file=...)``).
-    AutoTokenizer, except for the architectures whose config is built here: AutoTokenizer first asks
-    transformers for the file's config, which it refuses for them. transformers builds a GGUF's
-    tokenizer from its ``tokenizer.ggml.*`` keys whatever the architecture, so the generic fast
-    class gives the same tokenizer."""
-    if reader is None:
-        import gguf
-
-        reader = gguf.GGUFReader(str(gguf_path))
-    if field(reader, "general.architecture") in _BUILT_HERE:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer
 
 
 def _config_from_keys(reader: Any, arch: str, path: Path) -> "PretrainedConfig":
@@ -113,7 +94,7 @@ def _config_from_keys(reader: Any, arch: str, path: Path) -> "PretrainedConfig":
         for hf_name, gguf_name in _GRANITE_SCALES.items():
             value = key(gguf_name, required=False)
             fields[hf_name] = fp32_value(value) if value else 1.0
-    return AutoConfig.for_model(_BUILT_HERE[arch], **fields)
+    return AutoConfig.for_model(CONFIG_BUILT_HERE[arch], **fields)
 
 
 def fix_dense_config(config: "PretrainedConfig", reader: Any, path: Path) -> None:

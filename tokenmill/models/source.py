@@ -220,10 +220,6 @@ def tokenizer_class(path: str, kwargs: dict[str, Any]) -> Any:
     same class); anything else gets AutoTokenizer.
     """
     folder = Path(path)
-    if "gguf_file" in kwargs:  # a GGUF's own tokenizer (load_format="gguf")
-        from tokenmill.models.gguf_config import gguf_tokenizer_class
-
-        return gguf_tokenizer_class(folder / kwargs["gguf_file"])
     config_file = folder / "tokenizer_config.json"
     if not kwargs and config_file.is_file() and (folder / "tokenizer.json").is_file():
         try:

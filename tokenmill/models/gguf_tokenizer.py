@@ -1,0 +1,77 @@
+"""The tokenizer of a GGUF file: transformers' reading of its ``tokenizer.ggml.*`` keys, with what
+that reading gets wrong for the files we load set the way llama.cpp (which wrote and runs them)
+reads them.
+
+- The special tokens: bos/eos/pad/unk from the file's token ids (transformers can pick another
+  eos, which would make generation run past the end of every answer).
+- No WordPiece-style cleanup on decoding (``clean_up_tokenization_spaces`` strips the space
+  before punctuation in BPE text; llama.cpp's byte-level vocabularies never clean up).
+- The pre-tokenizer of llama.cpp's digit-splitting BPE vocabularies (``tokenizer.ggml.pre``
+  "smollm", "starcoder", "refact", ...): llama.cpp isolates every digit before GPT-2's split,
+  as the original tokenizer.json's ``Digits(individual_digits=True)`` does. transformers knows no
+  split for these names and keeps GPT-2's alone, so the spaces or newlines before a digit were cut
+  apart ("  42" as " ", " 4", "2" instead of "  ", "4", "2"): other tokens than the model was
+  trained on, for every number after a blank line or an indent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenmill.models.gguf_config import CONFIG_BUILT_HERE
+from tokenmill.models.gguf_weights import field
+
+# llama.cpp's pre-tokenizers that split every digit apart, then split the rest as GPT-2 does
+# (llama-vocab.cpp: one case for all of these names).
+_DIGITS_APART = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b")
+
+
+def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
+    """The class to build this GGUF's tokenizer with (``from_pretrained(folder, gguf_file=...)``).
+    AutoTokenizer, except for the architectures whose config is built here: AutoTokenizer first asks
+    transformers for the file's config, which it refuses for them. transformers builds a GGUF's
+    tokenizer from its ``tokenizer.ggml.*`` keys whatever the architecture, so the generic fast
+    class gives the same tokenizer."""
+    if reader is None:
+        import gguf
+
+        reader = gguf.GGUFReader(str(gguf_path))
+    if field(reader, "general.architecture") in CONFIG_BUILT_HERE:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
+def load_gguf_tokenizer(gguf_path: Path, reader: Any | None = None, **kwargs: Any) -> Any:
+    """The tokenizer of the GGUF at ``gguf_path`` (``reader``: its reader, if open), as llama.cpp
+    tokenizes; ``kwargs`` go to ``from_pretrained``."""
+    import gguf
+
+    reader = reader if reader is not None else gguf.GGUFReader(str(gguf_path))
+    cls = gguf_tokenizer_class(gguf_path, reader)
+    tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, **kwargs)
+    fix_gguf_tokenizer(tokenizer, reader)
+    return tokenizer
+
+
+def fix_gguf_tokenizer(tokenizer: Any, reader: Any) -> None:
+    """Set what transformers' reading of the file gets wrong (see the module docstring)."""
+    tokenizer.clean_up_tokenization_spaces = False
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        return
+    for attr, role in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
+        value = field(reader, f"tokenizer.ggml.{role}_token_id")
+        if value is not None and 0 <= int(value) < len(tokens):
+            setattr(tokenizer, attr, tokens[int(value)])
+    if field(reader, "tokenizer.ggml.model") == "gpt2" and field(reader, "tokenizer.ggml.pre") in _DIGITS_APART:
+        from tokenizers import Regex, pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ])
