@@ -131,6 +131,11 @@ REFUSED = {
         "rope_freqs.weight": _off_the_blend()}},
         r"tensor rope_freqs\.weight: no llama3 rope scaling reproduces the tensor within fp32 rounding; the closest "
         r"\(factor=4\.0, .*\) gives \S+ for pair \d, the tensor has \S+"),
+    # llama.cpp rotates only the first rope.dimension_count dims of each head (refuses it for "llama").
+    "partial-rotary-qwen3": ("tiny_qwen3_dir", {"metadata": {"{arch}.rope.dimension_count": 16}},
+                             r"qwen3\.rope\.dimension_count=16, but its heads have 32 dims"),
+    "partial-rotary-llama": ("tiny_llama_dir", {"metadata": {"{arch}.rope.dimension_count": 8}},
+                             r"llama\.rope\.dimension_count=8, but its heads have 16 dims"),
 }
 
 

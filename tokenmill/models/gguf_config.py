@@ -121,6 +121,10 @@ def fix_dense_config(config: "PretrainedConfig", reader: Any, path: Path) -> Non
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = dict(getattr(config, "rope_parameters", None) or {})
     partial = 1.0
+    if arch != "phi3":
+        # The file's head size: transformers reads a "llama" file's rope.dimension_count as head_dim.
+        file_head_dim = int(key("attention.key_length") or config.hidden_size // config.num_attention_heads)
+        _refuse_partial_rotary(key, arch, file_head_dim, path)
     if arch == "phi3":
         rotating = key("rope.dimension_count")
         if rotating and int(rotating) != head_dim:
@@ -136,6 +140,17 @@ def fix_dense_config(config: "PretrainedConfig", reader: Any, path: Path) -> Non
     if partial != 1.0 or "partial_rotary_factor" in rope:
         base["partial_rotary_factor"] = partial
     config.rope_parameters = {**base, **scaling}
+
+
+def _refuse_partial_rotary(key: Any, arch: str, head_dim: int, path: Path) -> None:
+    """llama.cpp rotates the first ``{arch}.rope.dimension_count`` dims of each head (it refuses a
+    "llama" file where that is not the whole head). Our other families rotate whole heads, as their
+    transformers classes do: a file rotating fewer would run with every head's other dims rotated."""
+    rotating = key("rope.dimension_count")
+    if rotating is not None and int(rotating) != head_dim:
+        raise ValueError(f"GGUF file {path} has {arch}.rope.dimension_count={int(rotating)}, but its heads have "
+                         f"{head_dim} dims: rotary over part of each head loads only for general.architecture "
+                         "'phi3'; supported: the key absent or equal to the head size")
 
 
 def fix_moe_config(config: "PretrainedConfig", reader: Any) -> None:
