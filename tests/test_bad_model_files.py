@@ -6,6 +6,7 @@ truncated and missing files, missing, unexpected and misshapen tensors.)"""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,42 @@ def test_gguf_of_an_unsupported_architecture_lists_the_supported(arch: str, load
     path = _write_gguf(tmp_path / "model.gguf", arch)
     with pytest.raises(ValueError, match=rf"{path}.*general\.architecture='{arch}'.*supported: \[.*'llama'.*'qwen3'"):
         resolve_model(str(path), load_format=load_format)
+
+
+# Metadata that loaded and then ran wrong (NaN rotations, an eos never sampled), failed deep in the
+# model (an IndexError, a bare reshape error) or with transformers' own non-ValueError: (keys, message).
+BAD_METADATA = {
+    "context-length-0": ({"{arch}.context_length": 0},
+                         r"llama\.context_length=0 \(max_position_embeddings\) is invalid: must be an integer >= 1"),
+    "kv-heads-not-dividing": ({"{arch}.attention.head_count_kv": 3},
+                              r"llama\.attention\.head_count_kv=3 does not divide llama\.attention\.head_count=4"),
+    "heads-not-dividing-the-width": ({"{arch}.attention.head_count": 3},
+                                     r"hidden size \(64\) is not a multiple of the "
+                                     r"number of attention heads \(3\)"),
+    "rope-base-negative": ({"{arch}.rope.freq_base": -1.0},
+                           r"llama\.rope\.freq_base=-1\.0 is invalid: must be a number > 0"),
+    "eos-outside-the-vocabulary": ({"eos_token_id": 5000},
+                                   r"tokenizer\.ggml\.eos_token_id=5000 is not a token of the file's vocabulary "
+                                   r"\(tokenizer\.ggml\.tokens: ids 0\.\.288\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_METADATA))
+@pytest.mark.parametrize("load_format", ["auto", "gguf"])
+def test_contradictory_gguf_metadata_is_refused_by_key(case: str, load_format: str, tiny_llama_dir: Path,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from support.gguf_writer import write_gguf
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    metadata, message = BAD_METADATA[case]
+    hf_dir = tiny_llama_dir
+    if "eos_token_id" in metadata:  # the writer takes the tokenizer's keys from the model's config
+        hf_dir = _edit_config(_copy(tiny_llama_dir, tmp_path / "hf"), **metadata)
+        metadata = {}
+    path = tmp_path / "model.gguf"
+    write_gguf(hf_dir, path, metadata=metadata)
+    with pytest.raises(ValueError, match=rf"(?s)GGUF file {re.escape(str(path))}\W.*{message}"):
+        _load(resolve_model(str(path), load_format=load_format, dtype="float32"))
 
 
 # --- arguments and the tokenizer ----------------------------------------------------------------

@@ -21,6 +21,7 @@ reading leaves out or gets wrong for the architectures we load, read the way lla
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,18 +42,56 @@ _GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multipl
                    "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 
 
+# The size fields of a config and the llama.cpp keys they are read from ({arch}.KEY).
+_SIZE_KEYS = {"max_position_embeddings": "context_length", "hidden_size": "embedding_length",
+              "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
+              "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+              "head_dim": "attention.key_length", "vocab_size": "vocab_size"}
+
+
 def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
     """The HF config of the model in the GGUF at ``gguf_path`` (``reader``: its open_gguf reader)."""
     arch = field(reader, "general.architecture")
-    if arch in CONFIG_BUILT_HERE:
-        config = _config_from_keys(reader, arch, gguf_path)
-    else:
-        from transformers import AutoConfig
+    try:
+        if arch in CONFIG_BUILT_HERE:
+            config = _config_from_keys(reader, arch, gguf_path)
+        else:
+            from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # transformers' readers and config validators raise assorted errors
+        raise ValueError(f"cannot read the model config from GGUF file {gguf_path}: {type(exc).__name__}: {exc}") from exc
+    check_gguf_config(config, reader, gguf_path)
     fix_dense_config(config, reader, gguf_path)
     fix_moe_config(config, reader)
     return config
+
+
+def check_gguf_config(config: "PretrainedConfig", reader: Any, path: Path) -> None:
+    """Refuse metadata that would load and then run wrong or fail deep in the model, naming the key:
+    a size that is not a positive integer, kv heads that do not divide the heads, a rope base that
+    is not a positive number (every rotation NaN), a bos/eos id outside the vocabulary (the eos never
+    sampled: generation would not stop)."""
+    from tokenmill.param_checks import is_int, is_number
+
+    arch = field(reader, "general.architecture")
+    for name, key in _SIZE_KEYS.items():
+        value = getattr(config, name, None)
+        if value is not None and not (is_int(value) and value >= 1):
+            raise ValueError(f"GGUF file {path}: {arch}.{key}={value!r} ({name}) is invalid: must be an integer >= 1")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % kv_heads:
+        raise ValueError(f"GGUF file {path}: {arch}.attention.head_count_kv={kv_heads} does not divide "
+                         f"{arch}.attention.head_count={heads}: each kv head serves a whole group of heads")
+    theta = field(reader, f"{arch}.rope.freq_base")
+    if theta is not None and not (is_number(theta) and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"GGUF file {path}: {arch}.rope.freq_base={theta!r} is invalid: must be a number > 0")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    for role in ("bos", "eos"):
+        token_id = field(reader, f"tokenizer.ggml.{role}_token_id")
+        if tokens is not None and token_id is not None and not 0 <= int(token_id) < len(tokens):
+            raise ValueError(f"GGUF file {path}: tokenizer.ggml.{role}_token_id={int(token_id)} is not a token of the "
+                             f"file's vocabulary (tokenizer.ggml.tokens: ids 0..{len(tokens) - 1})")
 
 
 def _config_from_keys(reader: Any, arch: str, path: Path) -> "PretrainedConfig":

@@ -250,11 +250,7 @@ def _gguf_source(
         config = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
         check_config_sizes(config, str(config_dir / "config.json"))
     else:
-        reader = open_gguf(gguf_path)  # outside the try: its refusal of a file we cannot load keeps its own message
-        try:
-            config = read_gguf_config(gguf_path, reader)
-        except Exception as exc:  # transformers raises assorted errors on unsupported/corrupt GGUF
-            raise ValueError(f"cannot read the model config from GGUF file {gguf_path}: {exc}") from exc
+        config = read_gguf_config(gguf_path, open_gguf(gguf_path))  # both name the file and what is wrong in it
     folder = config_dir or gguf_path.parent
     if tokenizer is not None:
         tok_path, tok_kwargs = _tokenizer_path(tokenizer, folder), {}
