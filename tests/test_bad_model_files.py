@@ -186,6 +186,24 @@ def test_contradictory_gguf_metadata_is_refused_by_key(case: str, load_format: s
         _load(resolve_model(str(path), load_format=load_format, dtype="float32"))
 
 
+def test_big_endian_gguf_is_refused(tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf's reader reads a big-endian file's metadata, but its dequantizer takes the tensors' bytes
+    as little-endian: with the config from a folder (config.json beside gguf_file=), every weight
+    loaded as garbage without an error (llama.cpp refuses such files on a little-endian machine)."""
+    import gguf
+
+    from support.gguf_writer import write_gguf
+
+    writer_init = gguf.GGUFWriter.__init__
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__", lambda self, path, arch, **kwargs: writer_init(
+        self, path, arch, endianess=gguf.GGUFEndian.BIG, **kwargs))
+    folder = _copy(tiny_llama_dir, tmp_path / "model", skip=("model.safetensors",))
+    write_gguf(tiny_llama_dir, folder / "big.gguf")
+    assert gguf.GGUFReader(str(folder / "big.gguf")).endianess == gguf.GGUFEndian.BIG
+    with pytest.raises(ValueError, match=rf"GGUF file {re.escape(str(folder / 'big.gguf'))} is big-endian"):
+        _load(resolve_model(str(folder), gguf_file="big.gguf"))
+
+
 # --- arguments and the tokenizer ----------------------------------------------------------------
 
 

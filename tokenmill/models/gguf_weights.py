@@ -18,6 +18,7 @@ converted folder has the same layout as the model's own safetensors folder.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,10 +62,21 @@ def open_gguf(path: Path) -> Any:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises assorted errors on bad files
         raise ValueError(f"cannot read GGUF file {path}: {type(exc).__name__}: {exc}") from exc
+    refuse_foreign_byte_order(reader, path)
     refuse_unsupported_architecture(reader, path)
     refuse_split_file(reader, path)
     refuse_unloadable_experts(reader, path)
     return reader
+
+
+def refuse_foreign_byte_order(reader: Any, path: Path) -> None:
+    """Refuse a GGUF of the other byte order (a big-endian file, written for s390x): gguf's reader
+    reads its metadata, but its dequantizer takes every tensor's bytes as this machine's order, so
+    each weight would load as garbage without an error (llama.cpp refuses such files too)."""
+    if reader.byte_order != "I":
+        raise ValueError(f"GGUF file {path} is {reader.endianess.name.lower()}-endian and this machine is "
+                         f"{sys.byteorder}-endian: its tensors cannot be read; convert it first "
+                         "(the gguf package's gguf_convert_endian script)")
 
 
 def refuse_unsupported_architecture(reader: Any, path: Path) -> None:
