@@ -186,3 +186,16 @@ def test_the_written_gguf_is_what_transformers_reads_as_llama_cpp_files(fixture:
         want = hf_model(str(hf_dir))(tokens).logits
         assert want.std() > 0.1
         torch.testing.assert_close(theirs(tokens).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("load_format", ["auto", "gguf"])
+def test_end_of_turn_and_end_of_message_ids_end_generation(load_format: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """llama.cpp ends generation at the file's eos and also at its ``tokenizer.ggml.eot_token_id`` /
+    ``eom_token_id`` (llama_vocab's end-of-generation set): only the eos did."""
+    from support.gguf_writer import write_gguf
+
+    path = tmp_path / "model.gguf"
+    write_gguf(tiny_llama_dir, path, metadata={"tokenizer.ggml.eot_token_id": 1, "tokenizer.ggml.eom_token_id": 0})
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_bytes=16 * 2**20,
+              load_format=load_format)
+    assert llm.llm_engine.config.eos_token_ids == {2, 1, 0}

@@ -211,7 +211,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
     from transformers import GenerationConfig
 
     from tokenmill.models.gguf_config import read_gguf_config
-    from tokenmill.models.gguf_tokenizer import load_gguf_tokenizer
+    from tokenmill.models.gguf_tokenizer import gguf_generation_ids, load_gguf_tokenizer
     from tokenmill.models.gguf_weights import iter_gguf_weights, open_gguf
     from tokenmill.models.registry import architecture_of
 
@@ -235,7 +235,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
         config.save_pretrained(str(tmp))
         tokenizer = load_gguf_tokenizer(gguf_path, reader)
         tokenizer.save_pretrained(str(tmp))
-        generation = {**_special_token_ids(reader), **(generation_defaults or {})}
+        generation = {**gguf_generation_ids(reader), **(generation_defaults or {})}
         if generation:
             GenerationConfig(**generation).save_pretrained(str(tmp))
         meta = {"source_gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size, "dtype": dtype, **(extra_meta or {})}
@@ -244,15 +244,6 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _special_token_ids(reader: Any) -> dict[str, int]:
-    ids = {}
-    for key, role in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        value = reader.fields.get(f"tokenizer.ggml.{role}_token_id")
-        if value is not None:
-            ids[key] = int(value.contents())
-    return ids
 
 
 def _make_readable(folder: Path) -> None:

@@ -2,6 +2,8 @@
 that reading gets wrong for the files we load set the way llama.cpp (which wrote and runs them)
 reads them.
 
+- The generation config's ids (``gguf_generation_ids``): the file's eos, end-of-turn and
+  end-of-message tokens all end generation, as in llama.cpp.
 - The special tokens: bos/eos/pad/unk from the file's token ids (transformers can pick another
   eos, which would make generation run past the end of every answer).
 - No WordPiece-style cleanup on decoding (``clean_up_tokenization_spaces`` strips the space
@@ -56,6 +58,21 @@ def load_gguf_tokenizer(gguf_path: Path, reader: Any | None = None, **kwargs: An
     tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, **kwargs)
     fix_gguf_tokenizer(tokenizer, reader)
     return tokenizer
+
+
+def gguf_generation_ids(reader: Any) -> dict[str, Any]:
+    """The generation config's bos/eos/pad ids from the file. The eos is a list when the file also
+    names an end-of-turn or end-of-message token: llama.cpp ends generation at any of the three."""
+    ids: dict[str, Any] = {}
+    for name, role in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = field(reader, f"tokenizer.ggml.{role}_token_id")
+        if value is not None:
+            ids[name] = int(value)
+    ends = [int(v) for v in (field(reader, f"tokenizer.ggml.{role}_token_id") for role in ("eos", "eot", "eom"))
+            if v is not None]
+    if len(set(ends)) > 1:
+        ids["eos_token_id"] = list(dict.fromkeys(ends))
+    return ids
 
 
 def fix_gguf_tokenizer(tokenizer: Any, reader: Any) -> None:

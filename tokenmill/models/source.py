@@ -246,12 +246,17 @@ def _gguf_source(
     from tokenmill.models.gguf_config import read_gguf_config
     from tokenmill.models.gguf_weights import open_gguf
 
+    from tokenmill.models.gguf_tokenizer import gguf_generation_ids
+
+    folder = config_dir or gguf_path.parent
+    generation = _generation_config(folder)
     if config_dir is not None:
         config = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
         check_config_sizes(config, str(config_dir / "config.json"))
     else:
-        config = read_gguf_config(gguf_path, open_gguf(gguf_path))  # both name the file and what is wrong in it
-    folder = config_dir or gguf_path.parent
+        reader = open_gguf(gguf_path)
+        config = read_gguf_config(gguf_path, reader)  # both name the file and what is wrong in it
+        generation = {**gguf_generation_ids(reader), **generation}  # as a conversion writes them
     if tokenizer is not None:
         tok_path, tok_kwargs = _tokenizer_path(tokenizer, folder), {}
     elif config_dir is not None and any((config_dir / f).is_file() for f in _TOKENIZER_FILES):
@@ -266,7 +271,7 @@ def _gguf_source(
         hf_config=config,
         tokenizer_path=tok_path,
         tokenizer_kwargs=tok_kwargs,
-        generation_config=_generation_config(folder),
+        generation_config=generation,
     )
 
 
