@@ -14,6 +14,9 @@ reads them.
   split for these names and keeps GPT-2's alone, so the spaces or newlines before a digit were cut
   apart ("  42" as " ", " 4", "2" instead of "  ", "4", "2"): other tokens than the model was
   trained on, for every number after a blank line or an indent.
+- Whole pieces before merges for the Llama 3 and Tekken vocabularies (``tokenizer.ggml.pre``
+  "llama-bpe", "tekken", ...): llama.cpp takes a piece that is a token of its own as that token
+  (``ignore_merges``, as the original tokenizer.json says); transformers applied the merges only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from tokenmill.models.gguf_weights import field
 # llama.cpp's pre-tokenizers that split every digit apart, then split the rest as GPT-2 does
 # (llama-vocab.cpp: one case for all of these names).
 _DIGITS_APART = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b")
+# llama.cpp's pre-tokenizers that take a piece found whole in the vocabulary as one token before any
+# merge (its tokenizer_ignore_merges; the originals' tokenizer.json: "ignore_merges": true).
+_WHOLE_PIECES_FIRST = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken")
 
 
 def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
@@ -85,7 +91,12 @@ def fix_gguf_tokenizer(tokenizer: Any, reader: Any) -> None:
         value = field(reader, f"tokenizer.ggml.{role}_token_id")
         if value is not None and 0 <= int(value) < len(tokens):
             setattr(tokenizer, attr, tokens[int(value)])
-    if field(reader, "tokenizer.ggml.model") == "gpt2" and field(reader, "tokenizer.ggml.pre") in _DIGITS_APART:
+    if field(reader, "tokenizer.ggml.model") != "gpt2":
+        return
+    pre = field(reader, "tokenizer.ggml.pre")
+    if pre in _WHOLE_PIECES_FIRST:
+        tokenizer.backend_tokenizer.model.ignore_merges = True
+    if pre in _DIGITS_APART:
         from tokenizers import Regex, pre_tokenizers
 
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([

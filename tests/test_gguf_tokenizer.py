@@ -1,0 +1,40 @@
+"""A GGUF's tokenizer as llama.cpp, which writes and runs these files, tokenizes with it
+(tokenmill/models/gguf_tokenizer.py), converted or read directly (load_format="gguf"). SmolLM2's
+digit splitting: test_smollm2.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from support.gguf_writer import write_gguf
+from tokenmill import LLM
+
+
+@pytest.mark.parametrize("load_format", ["auto", "gguf"])
+def test_llama3_vocabulary_takes_a_whole_piece_before_merges(load_format: str, tiny_llama_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp tokenizes a Llama 3 vocabulary (``tokenizer.ggml.pre`` "llama-bpe") with
+    ``ignore_merges``: a piece that is a token of its own stays whole, merges or not (the original
+    tokenizer.json says ``"ignore_merges": true``). transformers' reading applied the merges only,
+    so a token no chain of merges reaches was cut into bytes. Here "ll" is a token and its merge is
+    gone from the list: the piece "ll" is that token, the piece " all" is merged as before."""
+    import gguf
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_llama_dir, hf_dir)
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    data["model"]["merges"] = [m for m in data["model"]["merges"] if m not in (["l", "l"], "l l")]
+    (hf_dir / "tokenizer.json").write_text(json.dumps(data))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre", lambda self, _: self.add_string("tokenizer.ggml.pre", "llama-bpe"))
+    path = tmp_path / "gguf" / "model.gguf"
+    path.parent.mkdir()
+    write_gguf(hf_dir, path)
+    tokenizer = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_bytes=16 * 2**20,
+                    load_format=load_format).get_tokenizer()
+    ids = tokenizer("ll all", add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["ll", "Ġa", "l", "l"]  # "all" is no token: merges apply
