@@ -38,3 +38,23 @@ def test_llama3_vocabulary_takes_a_whole_piece_before_merges(load_format: str, t
                     load_format=load_format).get_tokenizer()
     ids = tokenizer("ll all", add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_ids_to_tokens(ids) == ["ll", "Ġa", "l", "l"]  # "all" is no token: merges apply
+
+
+@pytest.mark.parametrize("load_format", ["auto", "gguf"])
+def test_llama3_vocabulary_without_the_add_bos_key_adds_bos(load_format: str, tiny_llama_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp adds the BOS to every prompt of a Llama 3 / Tekken vocabulary unless the file's
+    ``tokenizer.ggml.add_bos_token`` says otherwise (files converted before the key was written have
+    none); transformers' reading added none, so those models ran without the BOS they were trained with."""
+    import gguf
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre", lambda self, _: self.add_string("tokenizer.ggml.pre", "llama-bpe"))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_add_bos_token", lambda self, _: None)  # no key
+    path = tmp_path / "model.gguf"
+    write_gguf(tiny_llama_dir, path)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_bytes=16 * 2**20,
+              load_format=load_format)
+    bos = llm.get_tokenizer().bos_token_id
+    assert bos == 0 and llm.get_tokenizer()("the cat")["input_ids"][0] == bos
+    assert llm.generate(["the cat"], use_tqdm=False)[0].prompt_token_ids[0] == bos

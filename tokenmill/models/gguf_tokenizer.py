@@ -17,6 +17,8 @@ reads them.
 - Whole pieces before merges for the Llama 3 and Tekken vocabularies (``tokenizer.ggml.pre``
   "llama-bpe", "tekken", ...): llama.cpp takes a piece that is a token of its own as that token
   (``ignore_merges``, as the original tokenizer.json says); transformers applied the merges only.
+  Those vocabularies also get the BOS when the file has no ``tokenizer.ggml.add_bos_token``
+  (converted before the key was written), as llama.cpp adds it; transformers added none.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ _DIGITS_APART = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exa
 # llama.cpp's pre-tokenizers that take a piece found whole in the vocabulary as one token before any
 # merge (its tokenizer_ignore_merges; the originals' tokenizer.json: "ignore_merges": true).
 _WHOLE_PIECES_FIRST = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken")
+# llama.cpp's pre-tokenizers that add the BOS when the file has no tokenizer.ggml.add_bos_token.
+_BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken", "chameleon")
 
 
 def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
@@ -96,6 +100,8 @@ def fix_gguf_tokenizer(tokenizer: Any, reader: Any) -> None:
     pre = field(reader, "tokenizer.ggml.pre")
     if pre in _WHOLE_PIECES_FIRST:
         tokenizer.backend_tokenizer.model.ignore_merges = True
+    if pre in _BOS_BY_DEFAULT and field(reader, "tokenizer.ggml.add_bos_token") is None:
+        tokenizer.add_bos_token = True
     if pre in _DIGITS_APART:
         from tokenizers import Regex, pre_tokenizers
 
