@@ -42,6 +42,9 @@ _GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multipl
                    "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 
 
+# Keys llama.cpp refuses a file of our families without ({arch}.KEY); transformers would take its
+# class defaults for them (Qwen2's 32768 positions, Llama's 1e-6 norm epsilon) and run another model.
+_REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "attention.layer_norm_rms_epsilon")
 # The size fields of a config and the llama.cpp keys they are read from ({arch}.KEY).
 _SIZE_KEYS = {"max_position_embeddings": "context_length", "hidden_size": "embedding_length",
               "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
@@ -69,12 +72,16 @@ def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
 
 def check_gguf_config(config: "PretrainedConfig", reader: Any, path: Path) -> None:
     """Refuse metadata that would load and then run wrong or fail deep in the model, naming the key:
-    a size that is not a positive integer, kv heads that do not divide the heads, a rope base that
+    a required key missing, a size that is not a positive integer, kv heads that do not divide the heads, a rope base that
     is not a positive number (every rotation NaN), a bos/eos id outside the vocabulary (the eos never
     sampled: generation would not stop)."""
     from tokenmill.param_checks import is_int, is_number
 
     arch = field(reader, "general.architecture")
+    missing = [f"{arch}.{key}" for key in _REQUIRED_KEYS if field(reader, f"{arch}.{key}") is None]
+    if missing:
+        raise ValueError(f"GGUF file {path} has no {', '.join(missing)}, which a {arch} model needs (llama.cpp "
+                         "refuses the file too)")
     for name, key in _SIZE_KEYS.items():
         value = getattr(config, name, None)
         if value is not None and not (is_int(value) and value >= 1):
