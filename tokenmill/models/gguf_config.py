@@ -72,9 +72,9 @@ def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
 
 def check_gguf_config(config: "PretrainedConfig", reader: Any, path: Path) -> None:
     """Refuse metadata that would load and then run wrong or fail deep in the model, naming the key:
-    a required key missing, a size that is not a positive integer, kv heads that do not divide the heads, a rope base that
-    is not a positive number (every rotation NaN), a bos/eos id outside the vocabulary (the eos never
-    sampled: generation would not stop)."""
+    a required key missing, a size that is not a positive integer, kv heads that do not divide the
+    heads, a rope base that is not a positive number (every rotation NaN), a bos/eos id outside the
+    vocabulary (the eos never sampled: generation would not stop)."""
     from tokenmill.param_checks import is_int, is_number
 
     arch = field(reader, "general.architecture")
@@ -167,10 +167,6 @@ def fix_dense_config(config: "PretrainedConfig", reader: Any, path: Path) -> Non
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = dict(getattr(config, "rope_parameters", None) or {})
     partial = 1.0
-    if arch != "phi3":
-        # The file's head size: transformers reads a "llama" file's rope.dimension_count as head_dim.
-        file_head_dim = int(key("attention.key_length") or config.hidden_size // config.num_attention_heads)
-        _refuse_partial_rotary(key, arch, file_head_dim, path)
     if arch == "phi3":
         rotating = key("rope.dimension_count")
         if rotating and int(rotating) != head_dim:
@@ -180,6 +176,10 @@ def fix_dense_config(config: "PretrainedConfig", reader: Any, path: Path) -> Non
         config.sliding_window = int(window) if window else None  # the converter writes 0 for none
         if key("rope.scaling.original_context_length"):
             config.original_max_position_embeddings = int(key("rope.scaling.original_context_length"))
+    else:
+        # The file's head size: transformers reads a "llama" file's rope.dimension_count as head_dim.
+        file_head_dim = int(key("attention.key_length") or config.hidden_size // config.num_attention_heads)
+        _refuse_partial_rotary(key, arch, file_head_dim, path)
     theta = float(rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
     scaling = rope_scaling_from_gguf(reader, path, theta, int(head_dim * partial), int(config.max_position_embeddings))
     base = {"rope_type": "default", "rope_theta": theta}
