@@ -16,4 +16,14 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 def read_jsonl(path: Path | str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        return [strict_loads(line) for line in f]
+
+
+def strict_loads(line: str | bytes) -> Any:
+    """A JSON value, read strictly: NaN, Infinity and -Infinity (which Python's json reads, but JSON
+    has not, so strict readers refuse the whole line) raise."""
+    return json.loads(line, parse_constant=_refuse_constant)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON: a strict reader refuses this line")
