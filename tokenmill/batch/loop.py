@@ -25,7 +25,7 @@ from tokenmill.batch.job_engine import base_sampling, max_num_seqs
 from tokenmill.batch.lora_modules import JobAdapters, no_adapters
 from tokenmill.batch.openai_batch import build_openai_request, openai_record
 from tokenmill.batch.openai_lines import refused_request
-from tokenmill.batch.pooling import PoolingRows, pooling_records
+from tokenmill.batch.pooling import NonFiniteOutput, PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
 from tokenmill.batch.requests import (
     OpenAIMeta, RowError, RowRequest, build_row_request, check_engine_limits, row_seed, shared_sampling_params,
@@ -319,6 +319,8 @@ class JobLoop:
             req = flight.request
             try:
                 result = self.pooling.result(req, [flight.outputs[i] for i in flight.part_ids])
+            except NonFiniteOutput as error:  # the model's output is no result: the row's error, the engine's fault
+                result = self._error_result(req.index, req.row_id, _row_message(flight.raw, error), req.openai, engine_fault=True)
             except Exception as error:  # noqa: BLE001  (this row's output, not the step: the row fails alone)
                 result = self._unwritable(req.index, req.row_id, flight, error, req.openai)
             self.pending.append((result, flight))

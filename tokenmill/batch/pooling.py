@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.requests import PromptSettings, RowError, RowRequest, build_row_request, row_id_of
@@ -43,6 +44,11 @@ Parts = list[tuple[str, Any, "PoolingParams"]]
 _NORMALISATION = {"normalize", "use_activation"}
 # What a row's pooling_params may set (besides vLLM's older names and fields without effect here).
 ROW_POOLING_FIELDS = ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens", "extra_kwargs")
+
+
+class NonFiniteOutput(ValueError):
+    """A row's vector or score held NaN or an infinity (an fp16 model whose activations overflowed):
+    no result, so the row fails instead of writing garbage (which JSON cannot even hold)."""
 
 
 class PoolingRows:
@@ -173,14 +179,15 @@ class PoolingRows:
 
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         if request.openai is not None:  # an OpenAI line: each input's vector, or each pair's score
-            pooled = ({"embeddings": [_vector(o.outputs) for o in outputs]} if self.task == "embed"
+            pooled = ({"embeddings": [_vector(o.outputs, f"the embedding of input {i}") for i, o in enumerate(outputs)]}
+                      if self.task == "embed"
                       else {"scores": self._pair_scores(outputs, request.openai.queries)})
             return RowResult(index=request.index, row_id=request.row_id, prompt_tokens=prompt_tokens, openai=request.openai,
                              pooled=pooled)
         if self.task == "embed":
             pooled: dict[str, Any] = {"embedding": _vector(outputs[0].outputs)}
         elif self.task == "classify":
-            probs = _vector(outputs[0].outputs, "a row's class probabilities")
+            probs = _vector(outputs[0].outputs, "the class probabilities")
             pooled = {"label": self.labels[int(probs.argmax())] if self.labels else None, "probs": probs}
         else:  # a row is one pair: one output of a cross-encoder, or the two texts' embeddings
             pooled = {"score": self._pair_scores(outputs, 1)[0]}
@@ -193,8 +200,13 @@ class PoolingRows:
         from tokenmill.pooling.llm_methods import embedding_score, score_pairs
 
         if self.cross_encoder:
-            return [ScoringOutput.from_base(o.outputs).score for o in outputs]
-        return [embedding_score(a, b).outputs.score for a, b in score_pairs(outputs[:queries], outputs[queries:])]
+            scores = [ScoringOutput.from_base(o.outputs).score for o in outputs]
+        else:
+            scores = [embedding_score(a, b).outputs.score for a, b in score_pairs(outputs[:queries], outputs[queries:])]
+        for i, score in enumerate(scores):
+            if not math.isfinite(score):
+                raise NonFiniteOutput(f"the model's output is not a number: the score of pair {i} is {score}{_OVERFLOW_HINT}")
+        return scores
 
     def _params(self, record: dict[str, Any], where: str, row_id: Any, task: str) -> "PoolingParams":
         from tokenmill.pooling_params import PoolingParams
@@ -252,9 +264,20 @@ def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
     return value
 
 
-def _vector(output: Any, what: str = "an embedding") -> "np.ndarray":
+_OVERFLOW_HINT = " (an fp16 model overflowing? try --dtype bfloat16 or float32); no result is written for the row"
+
+
+def _vector(output: Any, what: str = "the embedding") -> "np.ndarray":
     """An embedding (or a row's class probabilities) as a float32 array, which the writer formats
-    (writers.float32_json: each value's shortest decimal that reads back as the same float32)."""
+    (writers.float32_json: each value's shortest decimal that reads back as the same float32).
+    Raises NonFiniteOutput if it holds NaN or an infinity: one numpy pass, ~1 us a row."""
+    import numpy as np
+
     from tokenmill.outputs import one_vector
 
-    return one_vector(output, what).float().numpy()
+    values = one_vector(output, what).float().numpy()
+    finite = np.isfinite(values)
+    if not finite.all():
+        raise NonFiniteOutput(f"the model's output is not a number: {what} has {values.size - int(finite.sum())} NaN or "
+                              f"infinite value(s) of {values.size}{_OVERFLOW_HINT}")
+    return values
