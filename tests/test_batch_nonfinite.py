@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import tokenmill.batch.loop as loop_module
 from tokenmill.batch.job import JobConfig, run_job
 from tokenmill.batch.pooling import PoolingRows
 from tokenmill.outputs import PoolingOutput
@@ -97,6 +98,48 @@ def test_an_openai_rerank_line_with_a_nan_score_is_a_500(tmp_path, cross_encoder
     out = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
     assert [out[f"r{i}"]["response"]["status_code"] for i in range(len(TEXTS))] == [200, 200, 500, 200]
     assert "the score of pair 0 is nan" in out["r2"]["response"]["body"]["error"]["message"]
+
+
+def test_generation_logprobs_that_are_not_numbers_are_written_as_vllms_server_writes_them(tmp_path, llm, monkeypatch):
+    """-inf as -9999.0 and NaN as null (pydantic's JSON), as the OpenAI lines write them; the other
+    rows' values are untouched."""
+    real = loop_module.result_from_output
+
+    def overflowed(index, *args, **kwargs):
+        result = real(index, *args, **kwargs)
+        if index == BROKEN_ROW:
+            result.samples[0].cumulative_logprob = math.nan
+            result.prompt_token_logprobs = [-math.inf, math.nan, *result.prompt_token_logprobs[2:]]
+        return result
+
+    monkeypatch.setattr(loop_module, "result_from_output", overflowed)
+    summary = job(tmp_path, llm, [{"prompt": t} for t in TEXTS], sampling={**GREEDY, "logprobs": 1, "prompt_logprobs": 0})
+    assert summary.exit_code == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))  # strict: no NaN, no Infinity
+    broken = records[(BROKEN_ROW, 0)]
+    assert broken["cumulative_logprob"] is None and broken["prompt_token_logprobs"][:2] == [-9999.0, None]
+    assert broken["prompt_logprob"] is None  # the sum of a NaN
+    for i in range(len(TEXTS)):
+        if i != BROKEN_ROW:
+            record = records[(i, 0)]
+            assert record["cumulative_logprob"] < 0 and all(-9999.0 < lp <= 0 for lp in record["prompt_token_logprobs"])
+            assert record["prompt_logprob"] == pytest.approx(math.fsum(record["prompt_token_logprobs"]))
+
+
+def test_a_prompt_logprob_of_minus_infinity_is_summed_to_minus_9999(tmp_path, llm, monkeypatch):
+    real = loop_module.result_from_output
+
+    def cut(index, *args, **kwargs):
+        result = real(index, *args, **kwargs)
+        if index == BROKEN_ROW:
+            result.prompt_token_logprobs = [-math.inf, *result.prompt_token_logprobs[1:]]
+            result.samples[0].cumulative_logprob = -math.inf
+        return result
+
+    monkeypatch.setattr(loop_module, "result_from_output", cut)
+    job(tmp_path, llm, [{"prompt": t} for t in TEXTS], sampling={**GREEDY, "logprobs": 1, "prompt_logprobs": 0})
+    broken = by_row(read_jsonl(tmp_path / "out.jsonl"))[(BROKEN_ROW, 0)]
+    assert broken["prompt_logprob"] == broken["cumulative_logprob"] == broken["prompt_token_logprobs"][0] == -9999.0
 
 
 def test_every_value_kind_of_a_generic_record_is_strict_json(tmp_path, llm):

@@ -21,13 +21,13 @@ OpenAI's error file does.
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.batch.chat_options import BODY_FIELDS, body_chat_options
 from tokenmill.batch.openai_lines import CHAT_URL, COMPLETIONS_URL, POOLING_TASKS, open_line, stable_id
 from tokenmill.batch.openai_pooling import pooling_body
 from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
+from tokenmill.batch.results import json_logprob
 from tokenmill.inputs import short_repr
 
 if TYPE_CHECKING:
@@ -169,17 +169,6 @@ def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_
 
 # --- output ------------------------------------------------------------------------------------
 
-# What vLLM's server writes for a logprob of -inf (a token a filter cut, in the engine's processed
-# logprobs modes): JSON has no infinity, and json.dumps's -Infinity is refused by strict readers.
-_LOWEST_LOGPROB = -9999.0
-
-
-def _finite(logprob: float) -> float | None:
-    """A logprob JSON can hold, as vLLM's server writes it: -inf as -9999.0, NaN (logits that
-    overflowed) as null, which is what pydantic's JSON makes of a NaN."""
-    return None if math.isnan(logprob) else max(logprob, _LOWEST_LOGPROB)
-
-
 def openai_record(result: "RowResult", model: str, created: int, job_key: str) -> dict[str, Any]:
     """The output line for one row (ids derive from the job and row, so a rerun writes the same ones)."""
     meta = result.openai
@@ -271,7 +260,7 @@ def _chat_token_logprob(token_id: int, position: dict[int, Any], top: int) -> di
 
 def _token_entry(token_id: int, lp: Any) -> dict[str, Any]:
     text = (lp.decoded_token if lp is not None else None) or ""
-    return {"token": text, "logprob": _finite(lp.logprob) if lp is not None else None,
+    return {"token": text, "logprob": json_logprob(lp.logprob) if lp is not None else None,
             "bytes": list(text.encode("utf-8", "replace"))}
 
 
@@ -279,7 +268,7 @@ def _prompt_positions(positions: Any) -> list[dict[str, dict[str, Any]] | None]:
     """The prompt's positions as vLLM's server writes them: null where nothing was scored (the
     first token), else {token id: {"logprob", "rank", "decoded_token"}} (JSON keys are strings;
     -inf as -9999.0)."""
-    return [{str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [{str(token_id): {"logprob": json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
              for token_id, lp in position.items()} if position else None for position in positions]
 
 
@@ -291,8 +280,8 @@ def _completion_choice(sample: Any) -> dict[str, Any]:
             chosen = position.get(token_id)
             text = (chosen.decoded_token if chosen is not None else None) or ""
             tokens.append(text)
-            token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
-            tops.append({(lp.decoded_token or ""): _finite(lp.logprob) for lp in position.values()})
+            token_logprobs.append(json_logprob(chosen.logprob) if chosen is not None else None)
+            tops.append({(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in position.values()})
             offsets.append(offset)
             offset += len(text)
         logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -20,6 +20,8 @@ per sample (``n`` records for ``n > 1``), or one record with ``error`` set for a
     error               str     why the row failed, else null
     lora                str     only in jobs with LoRA adapters (--lora-modules): the adapter the row
                                 ran with, null for the base model and for an error row
+
+A logprob of -inf is written -9999.0 and a NaN null (`json_logprob`), as the OpenAI lines are.
 """
 
 from __future__ import annotations
@@ -110,6 +112,20 @@ def prompt_token_logprobs(output: "RequestOutput") -> list[float] | None:
     return [position[token_id].logprob for token_id, position in zip(token_ids[1:], positions[1:]) if position]
 
 
+# What vLLM's server writes for a logprob of -inf (a token a filter cut, in the engine's processed
+# logprobs modes): JSON has no infinity, and json.dumps's -Infinity is refused by strict readers.
+_LOWEST_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float | None) -> float | None:
+    """A logprob JSON can hold, as vLLM's server writes it: -inf as -9999.0, NaN (logits that
+    overflowed; +inf, which no logprob should be, alike) as null, which is what pydantic's JSON
+    makes of them."""
+    if logprob is None or math.isnan(logprob) or logprob == math.inf:
+        return None
+    return max(logprob, _LOWEST_LOGPROB)
+
+
 def generic_records(result: RowResult, with_lora: bool = False) -> list[dict[str, Any]]:
     """The row's records; ``with_lora`` (a job with adapters) adds the ``lora`` field, so the records of
     jobs without adapters keep their schema."""
@@ -119,11 +135,13 @@ def generic_records(result: RowResult, with_lora: bool = False) -> list[dict[str
                     "prompt_logprob": None, "prompt_token_logprobs": None, "error": result.error}]
     else:
         scored = result.prompt_token_logprobs
-        prompt_logprob = math.fsum(scored) if scored is not None else None
+        prompt_logprob = json_logprob(math.fsum(scored)) if scored is not None else None
+        if scored is not None and not all(map(math.isfinite, scored)):  # as the OpenAI lines write them
+            scored = [json_logprob(lp) for lp in scored]
         records = [
             {"row": result.index, "id": result.row_id, "sample_index": s.index, "text": s.text,
              "finish_reason": s.finish_reason, "prompt_tokens": result.prompt_tokens,
-             "completion_tokens": s.num_tokens, "cumulative_logprob": s.cumulative_logprob,
+             "completion_tokens": s.num_tokens, "cumulative_logprob": json_logprob(s.cumulative_logprob),
              "prompt_logprob": prompt_logprob, "prompt_token_logprobs": scored, "error": None}
             for s in result.samples
         ]
