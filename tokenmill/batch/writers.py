@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -120,8 +121,9 @@ def float32_json(vectors: list["np.ndarray"]) -> list[bytes]:
     """Each float32 vector as a JSON array of its values' shortest decimals that read back as the same
     float32s, made by Arrow for all the vectors at once: ~3x faster than json.dumps of their Python
     floats, whose float64 decimals run to 17 digits, and 40% fewer bytes (docs/perf.md 106). Exact
-    integers keep a ".0" (JSON readers see floats); a vector with NaN or infinities is written as
-    json.dumps writes it. Many vectors are cast in slices on several threads (Arrow releases the
+    integers keep a ".0" (JSON readers see floats); NaN and infinities, which JSON cannot hold, are
+    written null, as pydantic's JSON (vLLM's run-batch) writes them (the job never gets here with
+    one: such a row fails, batch/pooling.py). Many vectors are cast in slices on several threads (Arrow releases the
     GIL; one thread's cast was ~30% of an embedding job's host time a row: docs/perf.md 107)."""
     flat = [np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in vectors]
     if flat and np.isfinite(np.concatenate(flat)).all():
@@ -140,7 +142,12 @@ def float32_json(vectors: list["np.ndarray"]) -> list[bytes]:
         with ThreadPoolExecutor(threads) as pool:
             arrays = [text for part in pool.map(_arrow_json, [kept[a:b] for a, b in zip(bounds, bounds[1:])]) for text in part]
     made = iter(arrays)
-    return [next(made) if ok else json.dumps(v.tolist(), separators=(",", ":")).encode("ascii") for v, ok in zip(flat, finite)]
+    return [next(made) if ok else _with_nulls(v) for v, ok in zip(flat, finite)]
+
+
+def _with_nulls(vector: "np.ndarray") -> bytes:
+    """A vector holding NaN or infinities as JSON: those values null (rare: one Python float a value)."""
+    return json.dumps([x if math.isfinite(x) else None for x in vector.tolist()], separators=(",", ":")).encode("ascii")
 
 
 _VALUES_A_THREAD = 1 << 16  # ~2-4 ms of Arrow's cast: worth a thread of its own
