@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -316,6 +317,28 @@ def test_replica_udf_a_row_whose_output_cannot_become_columns_fails_alone(tiny_l
     assert "KeyError" in out[1]["__inference_error__"] and out[1]["generated_tokens"] == []
     assert [r["__inference_error__"] for r in (out[0], out[2])] == ["", ""]
     assert [r["num_generated_tokens"] for r in (out[0], out[2])] == [4, 4]
+
+
+def test_replica_udf_an_embedding_that_is_not_a_number_is_the_rows_error(tiny_bert_embedder_dir, monkeypatch):
+    """A NaN embedding (an fp16 model that overflowed; injected) is no result: the row's error says
+    so, as the batch job's does, not that its columns failed; the other rows keep their vectors."""
+    from tokenmill.batch.pooling import PoolingRows
+    from tokenmill.outputs import PoolingOutput
+
+    real = PoolingRows.result
+
+    def overflowed(self, request, outputs):
+        if request.index == 1:
+            data = outputs[0].outputs.data.clone()  # the engine's is an inference tensor
+            data[0] = float("nan")
+            outputs = [dataclasses.replace(outputs[0], outputs=PoolingOutput(data))]
+        return real(self, request, outputs)
+
+    monkeypatch.setattr(PoolingRows, "result", overflowed)
+    out = _call(_replica(tiny_bert_embedder_dir, "embed"), [{"prompt": p} for p in ("the cat sat", "the warm mat", "wind")])
+    assert out[1]["__inference_error__"].startswith("the model's output is not a number: the embedding has 1 NaN")
+    assert out[1]["embedding"] is None and [r["__inference_error__"] for r in (out[0], out[2])] == ["", ""]
+    assert all(len(r["embedding"]) > 0 for r in (out[0], out[2]))
 
 
 def test_a_row_that_preprocess_or_postprocess_raises_for_fails_alone(tiny_llama_dir):

@@ -167,7 +167,11 @@ class TokenmillReplica:
         try:
             return result_columns(self.task, job, self.pooling_rows)
         except Exception as e:  # noqa: BLE001  (this row's output, not the batch)
-            job.error = f"the row finished but its output could not become result columns: {type(e).__name__}: {e}"
+            from tokenmill.batch.pooling import NonFiniteOutput
+
+            # A vector or score that is not a number is no result (the model's doing, not a bug).
+            job.error = (str(e) if isinstance(e, NonFiniteOutput)
+                         else f"the row finished but its output could not become result columns: {type(e).__name__}: {e}")
             return result_columns(self.task, job, self.pooling_rows)
 
     def _job(self, row: dict[str, Any], position: int, prefix: str) -> RowJob:
