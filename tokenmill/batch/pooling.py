@@ -264,7 +264,7 @@ def _text(record: dict[str, Any], name: str, where: str, row_id: Any) -> str:
     return value
 
 
-_OVERFLOW_HINT = " (an fp16 model overflowing? try --dtype bfloat16 or float32); no result is written for the row"
+_OVERFLOW_HINT = " (an fp16 model overflowing? run it in bfloat16 or float32, --dtype); no result is written for the row"
 
 
 def _vector(output: Any, what: str = "the embedding") -> "np.ndarray":
