@@ -244,9 +244,8 @@ def _gguf_source(
     from transformers import AutoConfig
 
     from tokenmill.models.gguf_config import read_gguf_config
-    from tokenmill.models.gguf_weights import open_gguf
-
     from tokenmill.models.gguf_tokenizer import gguf_generation_ids
+    from tokenmill.models.gguf_weights import open_gguf
 
     folder = config_dir or gguf_path.parent
     generation = _generation_config(folder)
