@@ -79,6 +79,20 @@ def test_invalid_params_name_field_value_and_rule(kwargs, field, allowed):
         SamplingParams(repetition_detection=kwargs)  # the dict form, as a batch row carries it
 
 
+def test_numpy_integers_are_taken_as_vllms_dataclass_takes_them():
+    """vLLM's RepetitionDetectionParams is a plain dataclass (no type checks): numpy's integers, as a
+    DataFrame row carries them, pass; kept as Python ints for the scheduler and the JSON writers."""
+    import numpy as np
+
+    params = RepetitionDetectionParams(np.int64(3), np.int32(1), np.int64(2))
+    assert params == RepetitionDetectionParams(3, 1, 2)
+    assert all(type(getattr(params, f)) is int for f in ("max_pattern_size", "min_pattern_size", "min_count"))
+    dict_form = SamplingParams(repetition_detection={"max_pattern_size": np.int64(3), "min_count": np.int64(2)})
+    assert dict_form.repetition_detection == RepetitionDetectionParams(3, 0, 2)
+    with pytest.raises(ValueError, match=r"RepetitionDetectionParams.min_count=1 is invalid: must be >= 2"):
+        RepetitionDetectionParams(max_pattern_size=np.int64(2), min_count=np.int64(1))
+
+
 def test_sampling_params_takes_the_object_or_a_dict():
     p = SamplingParams(repetition_detection={"max_pattern_size": 3, "min_count": 2, "min_pattern_size": None})
     assert p.repetition_detection == RepetitionDetectionParams(3, 0, 2)  # None: not set (Arrow structs)

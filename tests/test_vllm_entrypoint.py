@@ -46,7 +46,13 @@ def test_priority_and_lora_request_as_vllm_checks_them(llm):
     # One int is every prompt's priority (vLLM's test_multiple_priority / test_single_prompt_priority).
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=1)) == len(PROMPTS)
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, priority=1)) == 1
-    for wrong in ([0] * (len(PROMPTS) - 1), [], [0.5] * len(PROMPTS), True, "1"):
+    # vLLM checks only the list's length: numpy's integers (a list, an array from a DataFrame) pass.
+    import numpy as np
+
+    for numpy_priority in ([np.int64(1)] * len(PROMPTS), np.arange(len(PROMPTS)), np.int64(1)):
+        assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=numpy_priority)) == len(PROMPTS)
+    for wrong in ([0] * (len(PROMPTS) - 1), [], [0.5] * len(PROMPTS), True, "1", [np.float64(1)] * len(PROMPTS),
+                  np.zeros((len(PROMPTS), 1), dtype=int)):
         with pytest.raises(ValueError, match=f"priority must be an integer or a list of {len(PROMPTS)} integers"):
             llm.generate(PROMPTS, None, use_tqdm=False, priority=wrong)
     assert len(llm.enqueue(PROMPTS, GREEDY, lora_request=None, priority=[3] * len(PROMPTS))) == len(PROMPTS)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, NotRequired, Sequence, TypedDict
 
 from tokenmill.chat_content import formatted_messages, resolve_content_format
-from tokenmill.param_checks import is_int
+from tokenmill.param_checks import is_integer
 
 
 class TextPrompt(TypedDict):
@@ -91,15 +91,18 @@ def one_per_prompt(given: Any, count: int, single: type, name: str) -> list:
 
 
 def priority_per_prompt(priority: int | Sequence[int] | None, count: int) -> list[int] | None:
-    """vLLM's ``priority``: None, one int for every prompt, or a list of exactly one int per prompt."""
+    """vLLM's ``priority``: None, one int for every prompt, or a list of exactly one int per prompt.
+    vLLM checks only the list's length, so numpy's integers (a list of them, or an array read from a
+    DataFrame) pass there; they are kept as the Python ints they equal."""
     if priority is None:
         return None
-    if is_int(priority):
-        return [priority] * count
-    if not isinstance(priority, (list, tuple)) or len(priority) != count or not all(map(is_int, priority)):
+    if is_integer(priority):
+        return [int(priority)] * count
+    is_list = isinstance(priority, (list, tuple)) or (type(priority).__name__ == "ndarray" and priority.ndim == 1)
+    if not is_list or len(priority) != count or not all(map(is_integer, priority)):
         raise ValueError(f"priority must be an integer or a list of {count} integers, one per prompt; "
                          f"got {priority!r:.100}")
-    return list(priority)
+    return [int(p) for p in priority]
 
 
 def parse_prompt(prompt: Any, tokenizer: Any, index: int | None = None) -> ProcessedPrompt:

@@ -12,6 +12,12 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_integer(value: Any) -> bool:
+    """An integer of Python's or another library's (numpy's), and not a bool: for the values vLLM
+    takes without an isinstance check, so numpy's integers pass there."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_number(value: Any) -> bool:
     """An int or a float, and not a bool (NaN and infinities included: callers bound the range)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

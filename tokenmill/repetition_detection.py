@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.param_checks import check, is_int
+from tokenmill.param_checks import as_python_number, check, is_int
 
 FINISH_REASON = "repetition"
 STOP_REASON = "repetition_detected"
@@ -41,7 +41,9 @@ class RepetitionDetectionParams:
 
     def __post_init__(self) -> None:
         for name in ("max_pattern_size", "min_pattern_size", "min_count"):
-            value = getattr(self, name)
+            # vLLM's dataclass checks no types, so numpy's integers pass; kept as Python ints.
+            value = as_python_number(getattr(self, name))
+            setattr(self, name, value)
             _check(is_int(value), name, value, "an integer")
         _check(self.max_pattern_size >= 0, "max_pattern_size", self.max_pattern_size, ">= 0 (0 turns detection off)")
         _check(self.min_pattern_size >= 0, "min_pattern_size", self.min_pattern_size, ">= 0 (0 means 1)")
