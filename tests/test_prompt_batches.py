@@ -170,3 +170,29 @@ def test_an_empty_text_row_without_bos_fails_alone_and_a_chat_one_runs(llm, tmp_
     turn = [{"role": "user", "content": ""}]
     rendered = llm.get_tokenizer().apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert summary.failed == 0 and records[0]["prompt_tokens"] == len(rendered)
+
+
+def test_an_openai_completion_line_with_an_empty_prompt_runs_as_vllms_server_runs_it(bos_llm, llm, tmp_path):
+    """vLLM's server (and OpenAI's API) take ``"prompt": ""`` on /v1/completions and tokenize it as
+    any text: a BOS-adding tokenizer makes one token of it and the line runs; with no token the
+    engine refuses it by name (a 400), the other lines unharmed. An empty list is no prompt."""
+    from support.jsonl import read_jsonl, write_jsonl
+    from tokenmill.batch.job import JobConfig, run_job
+
+    def lines_of(model, prompts):
+        source = write_jsonl(tmp_path / "in.jsonl", [
+            {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": prompt, "max_tokens": 2, "temperature": 0}} for i, prompt in enumerate(prompts)])
+        output = tmp_path / "out.jsonl"
+        run_job(JobConfig(input=str(source), output=str(output), model="m", sampling={}, progress=False,
+                          overwrite=True), llm=model)
+        return [line["response"] for line in sorted(read_jsonl(output), key=lambda line: line["custom_id"])]
+
+    bos = bos_llm.get_tokenizer()("")["input_ids"]
+    ran, batch_of_one = lines_of(bos_llm, ["", [""]])
+    for response in (ran, batch_of_one):
+        assert response["status_code"] == 200 and response["body"]["usage"]["prompt_tokens"] == len(bos) == 1
+    refused, other, no_prompt = lines_of(llm, ["", "x", []])
+    assert refused["status_code"] == 400 and other["status_code"] == 200
+    assert "is empty: a prompt needs at least one token" in refused["body"]["error"]["message"]
+    assert no_prompt["status_code"] == 400 and "body.prompt" in no_prompt["body"]["error"]["message"]

@@ -157,13 +157,15 @@ def _check_at_default(body: dict[str, Any], defaults: dict[str, Any], where: str
 def _set_completion_prompt(request: RowRequest, prompt: Any, where: str, custom_id: str) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, str):
+        # "" too, as vLLM's server and OpenAI take it: tokenized as any text (a BOS may make a token
+        # of it); with no token the engine refuses it by name, as vLLM's does.
         request.prompt = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         request.prompt_token_ids = list(prompt)
     else:
         raise RowError(
-            f"{where}: body.prompt must be a non-empty string or list of token ids (one prompt per batch line)", custom_id
+            f"{where}: body.prompt must be a string or a non-empty list of token ids (one prompt per batch line)", custom_id
         )
 
 
