@@ -166,9 +166,13 @@ def test_openai_lines_select_the_adapter_with_body_model(tmp_path, llm, adapters
         body = out[f"cmpl-{i}"]["response"]["body"]
         assert (body["choices"][0]["text"], body["usage"]["completion_tokens"]) == completions[i][:2]
         assert body["model"] == (model if model in NAMES else base)
+    # A model the job does not serve is a 404 (vLLM's server: NotFoundError, 404; OpenAI's API:
+    # invalid_request_error with code "model_not_found" and param "model"), not a 400.
     typo = out["typo"]["response"]
-    assert typo["status_code"] == 400
-    message = typo["body"]["error"]["message"]
+    assert typo["status_code"] == 404
+    error = typo["body"]["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "model_not_found", "model")
+    message = error["message"]
     assert "body.model='alpah' is not a LoRA adapter of this job" in message and "['alpha', 'beta']" in message
 
 

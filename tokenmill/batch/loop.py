@@ -240,7 +240,10 @@ class JobLoop:
             if isinstance(e, RowError) and e.row_id is not None:
                 row_id = e.row_id
             openai = request.openai if request is not None else refused_request(raw, e) if self.fmt == "openai" else None
-            self._fail(raw.index, row_id, _row_message(raw, e), openai)
+            result = self._error_result(raw.index, row_id, _row_message(raw, e), openai)
+            if isinstance(e, RowError):
+                result.error_status, result.error_param = e.status, e.param
+            self.pending.append((result, None))
 
     def _fail(self, index: int, row_id: Any, message: str, openai: OpenAIMeta | None, flight: _InFlight | None = None,
               engine_fault: bool = False) -> None:

@@ -139,7 +139,8 @@ class JobAdapters:
             shown = known[:_SHOWN_NAMES] + (["..."] if len(known) > _SHOWN_NAMES else [])
             base = f"the base model ({self.base_model!r}) or " if request.openai is not None else ""
             raise RowError(f"{where}: {field}={name!r} is not a LoRA adapter of this job; it must name {base}one of "
-                           f"{shown} ({OPTION})", request.row_id)
+                           f"{shown} ({OPTION})", request.row_id,
+                           **({"param": "model", "status": 404} if request.openai is not None else {}))
         return adapter
 
 

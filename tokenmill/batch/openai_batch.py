@@ -182,10 +182,12 @@ def openai_record(result: "RowResult", model: str, created: int, job_key: str) -
                 "error": {"code": "invalid_request", "message": result.error}}
     request_id = stable_id("req_", job_key, result.index)
     if result.error is not None:
-        # OpenAI's error bodies: a request at fault is a 400, the engine at fault a 500 (vLLM's server
-        # answers a request the engine ended with finish_reason "error" with a 500 too).
-        status, kind = (500, "server_error") if result.engine_fault else (400, "invalid_request_error")
-        body: dict[str, Any] = {"error": {"message": result.error, "type": kind, "param": None, "code": None}}
+        # OpenAI's error bodies: a request at fault is a 400 (a model the job does not serve a 404,
+        # code "model_not_found"), the engine at fault a 500 (vLLM's server answers a request the
+        # engine ended with finish_reason "error" with a 500 too).
+        status, kind = (500, "server_error") if result.engine_fault else (result.error_status, "invalid_request_error")
+        code = "model_not_found" if status == 404 else None
+        body: dict[str, Any] = {"error": {"message": result.error, "type": kind, "param": result.error_param, "code": code}}
         return {"id": line_id, "custom_id": custom_id,
                 "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
     assert meta is not None

@@ -39,11 +39,16 @@ ADAPTER_FIELD = "lora"  # a generic row's LoRA adapter name (--lora-modules)
 
 
 class RowError(ValueError):
-    """A row that cannot run, with the id it carries (when it has one) for its error row."""
+    """A row that cannot run, with the id it carries (when it has one) for its error row. For an
+    OpenAI line's error body: ``param``, the body field at fault where the raise knows it (others
+    are found from the message, see openai_lines.error_param), and ``status``, the HTTP status
+    (400; 404 for a model the job does not serve, as vLLM's server and OpenAI answer)."""
 
-    def __init__(self, message: str, row_id: Any = None):
+    def __init__(self, message: str, row_id: Any = None, *, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.row_id = row_id
+        self.param = param
+        self.status = status
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class RowResult:
     # The row failed for the engine's reasons, not its request's (the engine ended it unfinished, or
     # failed on it, or its output could not be written): an OpenAI line's HTTP 500, not 400.
     engine_fault: bool = False
+    # An OpenAI line refused for its request: the HTTP status (400, or 404 for an unknown model) and
+    # the body field at fault, when known (its error body's "param").
+    error_status: int = 400
+    error_param: str | None = None
 
     @property
     def failed(self) -> bool:
