@@ -423,3 +423,25 @@ def test_grammar_masks_in_the_logits_own_dtype_draw_as_a_float32_copy_would(tiny
     for completion in (c for o in own for c in o.outputs):
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), SCHEMAS[0])
+
+
+def test_a_stop_token_id_ends_a_constrained_output_only_where_the_constraint_is_complete(tiny):
+    """As vLLM's xgrammar backend (its issue 42403): the request's stop_token_ids and the model's eos
+    ids are the grammar's stop tokens, allowed only where the constraint may end. "b" is text to
+    xgrammar: it stayed allowed mid-way and ended outputs there ("stop" with "ab" of "[ab]{4}").
+    The reference: a matcher of xgrammar's own compiler told the same stop tokens. A stop id that
+    spells the constraint's last character ends it too (xgrammar takes it as both); its text stays
+    out of the output, as any stop id's (vLLM's detokenizer)."""
+    import xgrammar
+
+    tokenizer = tiny.get_tokenizer()
+    b, eos = tokenizer.encode("b", add_special_tokens=False)[0], tokenizer.eos_token_id
+    regex = "[ab]{4}"
+    params = SamplingParams(temperature=1.0, seed=1, n=6, max_tokens=10, stop_token_ids=[b],
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer)).compile_regex(regex)
+    for out in tiny.generate(["x"], params, use_tqdm=False)[0].outputs:
+        assert out.finish_reason == "stop" and out.stop_reason in (None, b), out
+        matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=[eos, b])
+        assert all(matcher.accept_token(t) for t in out.token_ids) and matcher.is_terminated(), out
+        assert out.text in ("aaaa", "aaa" if out.token_ids[-1] == b else None), out

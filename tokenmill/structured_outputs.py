@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from tokenmill.host_cpus import usable_cpus
@@ -128,9 +129,18 @@ class GrammarCache:
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads or matcher_threads())
         self._filled: Any = None  # the tokenizer-wide masks xgrammar fills, reused (bitmask)
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher for one sequence; ValueError with the compiler's message if it fails."""
-        return self._xgr.GrammarMatcher(self._compile(params))
+    def matcher(self, params: StructuredOutputsParams, stop_token_ids: Iterable[int] = ()) -> Any:
+        """A fresh matcher for one sequence; ValueError with the compiler's message if it fails.
+
+        ``stop_token_ids``: every id that ends the sequence (the model's eos ids, the request's
+        stop_token_ids). They become the grammar's stop tokens, allowed only where the constraint
+        is complete, as vLLM's xgrammar backend hands them over (``override_stop_tokens``).
+        Told nothing, xgrammar knows the tokenizer's eos only: any other stop id that is also text
+        (a quote, a digit, an end-of-turn token the generation_config lists) stayed allowed
+        mid-constraint and ended the output there, "stop" with half a JSON. Ids past the tokenizer's are
+        padding, which no grammar row draws (xgrammar refuses them)."""
+        stops = sorted({t for t in stop_token_ids if 0 <= t < self.grammar_vocab_size})
+        return self._xgr.GrammarMatcher(self._compile(params), override_stop_tokens=stops or None)
 
     def cache_size_bytes(self) -> int:
         return int(self._compiler.get_cache_size_bytes())

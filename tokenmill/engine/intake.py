@@ -152,7 +152,9 @@ class Intake:
             # A field set after construction gets construction's checks (clearing the one constraint
             # compiled a JSON-object grammar, two set compiled the first).
             params.structured_outputs.__post_init__()
-            return [self.grammars.matcher(params.structured_outputs) for _ in range(params.num_samples)]
+            # The eos ids even under ignore_eos: a completed constraint still ends on one (nothing else may follow).
+            stops = self.config.eos_token_ids | set(params.stop_token_ids)
+            return [self.grammars.matcher(params.structured_outputs, stops) for _ in range(params.num_samples)]
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
 
