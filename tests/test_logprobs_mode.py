@@ -135,3 +135,33 @@ def test_an_unknown_logprobs_mode_is_refused():
 
     with pytest.raises(ValueError, match="logprobs_mode='logits'.*'raw_logprobs'"):
         EngineArgs.from_kwargs("some-model", logprobs_mode="logits")
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_raw_values_of_a_constrained_request_are_those_its_grammar_leaves(tiny_llama_dir, hf, prompts, mode):
+    """vLLM's runner masks a grammar row's logits before its sampler reads them, so a constrained
+    request's raw logprobs are those of the distribution its grammar leaves (the allowed tokens'
+    summing to 1, the others -inf; vLLM's server writes those -9999.0), not the whole vocabulary's.
+    Reference: Hugging Face's fp32 logits masked by a matcher of xgrammar's own compiler."""
+    import xgrammar
+
+    from tokenmill import StructuredOutputsParams
+
+    regex = "[a-e]{2,6}"
+    llm = make_llm(tiny_llama_dir, logprobs_mode=mode)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=TOP,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(llm.get_tokenizer())).compile_regex(regex)
+    for prompt, out in zip(prompts, llm.generate(as_inputs(prompts), params, use_tqdm=False)):
+        completion = out.outputs[0]
+        matcher = xgrammar.GrammarMatcher(compiled)
+        for (_, logits), token, position in zip(_positions(hf, prompt, completion.token_ids), completion.token_ids,
+                                                completion.logprobs, strict=True):
+            mask = xgrammar.allocate_token_bitmask(1, logits.shape[-1])
+            matcher.fill_next_token_bitmask(mask)
+            xgrammar.apply_token_bitmask_inplace(logits, mask)
+            want = (torch.log_softmax(logits, dim=-1) if mode == "raw_logprobs" else logits)[0]
+            for t, entry in position.items():
+                assert entry.logprob == pytest.approx(want[t].item(), abs=ATOL), (t, completion.token_ids)
+            assert matcher.accept_token(token)
+        assert completion.finish_reason == "stop"

@@ -1,6 +1,7 @@
 """The sampler's raw logprobs where the controls write into the logits (bans, grammars): formed a few
 rows at a time from the raw values (``sampler.raw_outputs``), they must equal plain torch's answer from
-the whole [N, V] table of the untouched logits, at every row of every chunk."""
+the whole [N, V] table of the logits before the controls, at every row of every chunk: a grammar row's
+masked by its grammar (vLLM masks them before its sampler), a beam's ranked within its grammar not."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def _case(dtype: torch.dtype, controls: bool) -> tuple[torch.Tensor, SamplingBat
         max_num_logprobs=TOP, logprob_ids=(ids_state, StepRows(torch.tensor([1, 5, 9]), torch.tensor([0, 1, 0]))),
         banned=banned if controls else None,
         grammar_bitmask=torch.zeros((ROWS, 2), dtype=torch.int32) if controls else None,
-        apply_grammar=(lambda x, _bitmask: x.masked_fill_(~allowed, float("-inf"))) if controls else None,
+        # A row whose bitmask allows everything (-1) keeps its values, as xgrammar's apply does.
+        apply_grammar=(lambda x, bitmask: x.masked_fill_(~allowed & (bitmask[:, :1] != -1), float("-inf")))
+        if controls else None,
         rank_within_grammar=ranked_rows if controls else None,
     )
     return logits, batch, allowed, ranked_rows
@@ -45,6 +48,8 @@ def test_raw_logprobs_a_few_rows_at_a_time_equal_the_whole_table(monkeypatch, mo
     logits, batch, allowed, ranked_rows = _case(dtype, controls)
     batch.logprobs_mode = mode
     raw = logits.float().clone()
+    if controls:  # the grammar rows' raw values masked first; the beams' (odd rows) the vocabulary's
+        raw = raw.masked_fill(~ranked_rows[:, None] & ~allowed, float("-inf"))
     table = torch.log_softmax(raw, dim=-1) if mode == "raw_logprobs" else raw
     after = raw.masked_fill(~allowed, float("-inf")) if controls else raw.clone()
     if controls:

@@ -1,7 +1,8 @@
 """Turns the last-position logits of each sampling sequence into the next tokens.
 
 Order of operations (vLLM's): logprobs are taken from the raw logits (the top ones, or those of
-each row's logprob_token_ids, gathered by ids kept on the device); then the logit controls
+each row's logprob_token_ids, gathered by ids kept on the device; a structured-output row's logits
+masked by its grammar first, as vLLM's runner masks them before its sampler); then the logit controls
 (allowed_token_ids, logit_bias, bad_words, logits_processors), penalties, the min_tokens mask,
 greedy argmax for temperature 0; else temperature, top-k, top-p, min-p and a draw.
 
@@ -119,6 +120,8 @@ class Sampler:
             writes = (batch.grammar_bitmask is not None or batch.bad_words is not None or bool(batch.processors)
                       or batch.batch_processors is not None or batch.banned is not None)
             raw_values = logits.clone() if writes else logits
+            if batch.grammar_bitmask is not None:
+                _mask_by_grammar(raw_values, batch)
         state = batch.state
         bias_pending = batch.bias_rows is not None  # the logit bias is still to be added (a host fact)
         if batch.processors or batch.batch_processors:
@@ -250,6 +253,19 @@ def _ranked(logprobs: torch.Tensor | None, batch: SamplingBatch, logits: torch.T
         return logprobs
     forbidden = batch.rank_within_grammar[rows, None] & (logits[rows] == float("-inf"))
     return logprobs.masked_fill(forbidden, float("-inf"))
+
+
+def _mask_by_grammar(raw: torch.Tensor, batch: SamplingBatch) -> None:
+    """Mask the raw values of the rows under a grammar, in place, as vLLM's runner masks a grammar
+    row's logits before its sampler reads its raw logprobs: a constrained request's logprobs are
+    those of the distribution its grammar leaves (forbidden tokens at -inf, the allowed ones summing
+    to 1), not the whole vocabulary's. Beams ranked within their grammar keep the vocabulary's
+    (transformers' beam scores; `_ranked` drops their forbidden tokens from the top)."""
+    assert batch.grammar_bitmask is not None and batch.apply_grammar is not None
+    bitmask = batch.grammar_bitmask
+    if batch.rank_within_grammar is not None:
+        bitmask = bitmask.masked_fill(batch.rank_within_grammar.to(bitmask.device)[:, None], -1)
+    batch.apply_grammar(raw, bitmask)
 
 
 def raw_outputs(raw: torch.Tensor, as_logprobs: bool, token_ids: torch.Tensor, batch: SamplingBatch,
