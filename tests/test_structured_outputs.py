@@ -104,6 +104,21 @@ def test_a_token_the_grammar_rejects_ends_its_request_with_an_error(tiny):
     assert re.match(r"token \d+ at output position 1 breaks the structured_outputs constraint", failed.error)
 
 
+def test_a_grammar_that_leaves_nothing_gives_the_token_drawn_outside_it_a_logprob_of_minus_inf(tiny):
+    """After "a" the choice needs "b", a stop id the grammar holds back until the constraint is
+    complete: the grammar allows nothing, the request ends with "error", and the token drawn outside
+    it has the logprob the grammar's distribution gives it, -inf, not log(0 / 0) (a NaN, which
+    also made the cumulative logprob NaN)."""
+    b = tiny.get_tokenizer().encode("b", add_special_tokens=False)[0]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=0, max_tokens=8, logprobs=1, stop_token_ids=[b],
+                                structured_outputs=StructuredOutputsParams(choice=["abc"]))
+        out = tiny.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "error" and out.text.startswith("a") and len(out.token_ids) == 2, out
+        assert out.logprobs[0][out.token_ids[0]].logprob == 0.0  # the only token the grammar allowed
+        assert out.logprobs[1][out.token_ids[1]].logprob == float("-inf") and out.cumulative_logprob == float("-inf")
+
+
 def test_each_distinct_constraint_compiles_once(tiny):
     sizes = []
     for _ in range(2):

@@ -164,7 +164,7 @@ class Sampler:
             if mode == "processed_logits":
                 raw_logprobs = processed
             elif mode == "processed_logprobs":
-                raw_logprobs = torch.log_softmax(processed, dim=-1)
+                raw_logprobs = _log_softmax(processed, batch)
         else:
             token_ids = self._sample_on_gpu(logits, batch, state)
         if two_passes:
@@ -268,6 +268,16 @@ def _mask_by_grammar(raw: torch.Tensor, batch: SamplingBatch) -> None:
     batch.apply_grammar(raw, bitmask)
 
 
+def _log_softmax(values: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Log-softmax of each row. A grammar row whose grammar left nothing to draw (every token at
+    -inf: the draw took one outside it, and the request ends with "error") gets -inf, a token's
+    logprob where the grammar gives it no chance, rather than log(0 / 0), a NaN."""
+    logprobs = torch.log_softmax(values, dim=-1)
+    if batch.grammar_bitmask is not None:
+        logprobs.masked_fill_(logprobs.isnan(), float("-inf"))
+    return logprobs
+
+
 def raw_outputs(raw: torch.Tensor, as_logprobs: bool, token_ids: torch.Tensor, batch: SamplingBatch,
                 logits: torch.Tensor) -> SamplerOutput:
     """``with_logprobs`` (and the rows' logprob_token_ids) of the raw values ``raw`` [N, V]: their
@@ -282,7 +292,7 @@ def raw_outputs(raw: torch.Tensor, as_logprobs: bool, token_ids: torch.Tensor, b
     for start in range(0, max(raw.shape[0], 1), LOGPROB_TABLE_ROWS):  # one (empty) part for no rows
         chunk = slice(start, start + LOGPROB_TABLE_ROWS)
         table = raw[chunk].float()
-        table = torch.log_softmax(table, dim=-1) if as_logprobs else table
+        table = _log_softmax(table, batch) if as_logprobs else table
         part = with_logprobs(token_ids[chunk], table, k, _ranked(table, batch, logits, chunk))
         if ids_by_row is not None:
             part.requested_logprobs = gather_ids(table, ids_by_row[chunk], has_ids[chunk])
