@@ -115,6 +115,7 @@ def test_a_grammar_that_leaves_nothing_gives_the_token_drawn_outside_it_a_logpro
                                 structured_outputs=StructuredOutputsParams(choice=["abc"]))
         out = tiny.generate(["x"], params, use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "error" and out.text.startswith("a") and len(out.token_ids) == 2, out
+        assert "the constraint needed one of stop_token_ids there" in tiny.generate(["x"], params, use_tqdm=False)[0].error
         assert out.logprobs[0][out.token_ids[0]].logprob == 0.0  # the only token the grammar allowed
         assert out.logprobs[1][out.token_ids[1]].logprob == float("-inf") and out.cumulative_logprob == float("-inf")
 

@@ -90,7 +90,8 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> None
 
 def _end_on_rejected_token(seq: Sequence, token: int) -> None:
     """A token the sequence's grammar rejects: the grammar's mask left nothing to draw from (every
-    token it allows was banned), so the draw took a token outside it. As vLLM (FINISHED_ERROR),
+    token it allows was banned, or the constraint needed a stop id, which it holds back until the
+    constraint is complete), so the draw took a token outside it. As vLLM (FINISHED_ERROR),
     the sequence ends with finish_reason "error" rather than go on breaking its constraint; the
     request's error says why."""
     seq.finish_reason, seq.stop_reason = "error", None
@@ -98,7 +99,8 @@ def _end_on_rejected_token(seq: Sequence, token: int) -> None:
     seq.request.error = (
         f"{sample}token {token} at output position {len(seq.output_token_ids) - 1} breaks the structured_outputs "
         "constraint: every token the grammar allowed there was excluded (min_tokens holding back eos, "
-        "allowed_token_ids, bad_words or a logits processor)"
+        "allowed_token_ids, bad_words or a logits processor), or the constraint needed one of stop_token_ids "
+        "there (a stop id may only end it)"
     )
 
 
