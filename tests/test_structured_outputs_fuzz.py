@@ -20,8 +20,9 @@ And the differential part: the same seeds give the same tokens, texts, finish re
 on every engine (a request's draws depend on its seed and position only). Beside them: aborts and a
 constraint refused at intake mid-run, steps that fail midway, beam search, LoRA adapters taking turns.
 
-Bounded here (8 workloads of 10 requests on 5 engines, ~400 request runs); a wider run of the same
-workloads on 7 engines, seeds 100-299, found what this file's commits fixed and nothing else.
+Bounded here (8 workloads of 10 requests on 5 engines, ~400 request runs). A wider run of the same
+workloads on 7 engines (seeds 100-999, ~63,000 request runs) found a NaN logprob, since fixed, and
+the UTF-8 encoded surrogates below; a first scratch run found stop ids ending outputs mid-constraint.
 """
 
 from __future__ import annotations
