@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenmill.param_checks import is_integer
 
 
 @dataclass(eq=False)
@@ -29,10 +30,9 @@ class LoRARequest:
     def __post_init__(self) -> None:
         # vLLM's LoRARequest (a msgspec Struct) takes any integer, numpy's too (ids read from an array or a
         # DataFrame); stored as a Python int, so list_loras() and the cache keys hold one kind of id.
-        lora_int_id = self.lora_int_id
-        if not isinstance(lora_int_id, numbers.Integral) or isinstance(lora_int_id, bool) or lora_int_id < 1:
+        if not is_integer(self.lora_int_id) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id={self.lora_int_id!r} is invalid: must be an integer > 0")
-        self.lora_int_id = int(lora_int_id)
+        self.lora_int_id = int(self.lora_int_id)
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name={self.lora_name!r} is invalid: must be a non-empty string")
         if not isinstance(self.lora_path, (str, os.PathLike)):  # was a bare TypeError when the adapter was read
