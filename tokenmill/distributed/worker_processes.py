@@ -100,11 +100,9 @@ class WorkerProcesses:
     def _start_up_failure(self) -> str | None:
         """Why a worker could not start, as its pipe tells it without waiting: its error, or its death."""
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
-                while conn.poll():
-                    message = receive(conn)
-                    if isinstance(message, Reply) and not message.ok:
-                        return f"start-up failed on tensor-parallel rank {rank}:\n{message.error}"
+            for message in _messages_waiting(conn):
+                if isinstance(message, Reply) and not message.ok:
+                    return f"start-up failed on tensor-parallel rank {rank}:\n{message.error}"
             if proc.poll() is not None:
                 return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during start-up: {describe_exit(proc.returncode)}"
         return None
@@ -213,11 +211,9 @@ class WorkerProcesses:
     def _read_last_words(self) -> None:
         """Keep the `Failed` messages the workers sent before exiting (without waiting for any)."""
         for rank, conn in enumerate(self.conns, start=1):
-            with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
-                while conn.poll():
-                    message = receive(conn)
-                    if isinstance(message, Failed):
-                        self._last_words[rank] = message.error
+            for message in _messages_waiting(conn):
+                if isinstance(message, Failed):
+                    self._last_words[rank] = message.error
 
     def check_alive(self) -> None:
         if self.failure is not None:
@@ -263,6 +259,14 @@ def _stop_workers(shared: _Shared, graceful: bool = True) -> None:
         return
     shared.stopping.set()
     stop_children(shared.procs, shared.conns, (lambda conn: send(conn, Stop())) if graceful else None)
+
+
+def _messages_waiting(conn: Connection) -> Iterator[Any]:
+    """The messages already in a worker's pipe, without waiting for more; a pipe that breaks (the
+    worker died mid-message) ends them."""
+    with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
+        while conn.poll():
+            yield receive(conn)
 
 
 def _dead_message(reason: str) -> str:
