@@ -191,11 +191,12 @@ def test_custom_req_logits_processor_examples(tiny_llama_dir):
 
 def test_reproducibility_example(tiny_llama_dir):
     """examples/features/batch_invariance/reproducibility_offline.py @93e5a576: sampled outputs are the
-    same on every run, and so is the script's own random.randint after the LLM is made (vLLM seeds
-    the global generators with the engine's seed, 0 by default)."""
+    same on every run, and so are the script's own random, numpy and torch draws after the LLM is made
+    (vLLM seeds the global generators with the engine's seed, 0 by default; docs/from-vllm.md)."""
     import random
 
     import numpy
+    import torch
 
     from tokenmill import LLM, SamplingParams
 
@@ -203,10 +204,12 @@ def test_reproducibility_example(tiny_llama_dir):
     for _ in range(2):
         llm = LLM(str(tiny_llama_dir), **{k: v for k, v in ENGINE.items() if k != "seed"})
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)
-        runs.append(([o.outputs[0].text for o in outputs], random.randint(0, 100), float(numpy.random.rand())))
+        runs.append(([o.outputs[0].text for o in outputs], random.randint(0, 100), float(numpy.random.rand()),
+                     float(torch.rand(()))))
     random.seed(0)
     numpy.random.seed(0)
-    assert runs[0] == runs[1] and runs[0][1:] == (random.randint(0, 100), float(numpy.random.rand()))
+    torch.manual_seed(0)
+    assert runs[0] == runs[1] and runs[0][1:] == (random.randint(0, 100), float(numpy.random.rand()), float(torch.rand(())))
 
 
 def test_skip_loading_weights_in_engine_init_example(tiny_llama_dir):
