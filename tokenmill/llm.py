@@ -31,9 +31,16 @@ from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 
 class LLM(PoolingMethods, EngineControlMethods, IteratorMethods):
-    # PoolingMethods: encode / embed / classify / score for pooling models; EngineControlMethods: sleep,
-    # wake_up, profiling, metrics, weight transfer, collective_rpc (tokenmill/llm_controls.py);
-    # IteratorMethods: imap and stream (tokenmill/llm_iterators.py).
+    """A model and its engine, started once, with vLLM's offline API (``LLM(model, **engine_args)``:
+    `EngineArgs`' names and defaults).
+
+    A generative model answers `generate`, `chat`, `beam_search`, `enqueue` / `wait_for_completion`
+    (here), `imap` and `stream` (tokenmill/llm_iterators.py); a pooling model answers `encode`,
+    `embed`, `classify`, `score` and `reward` (tokenmill/pooling/llm_methods.py). The engine
+    controls (sleep, wake_up, profiling, metrics, weight transfer, collective_rpc) are in
+    tokenmill/llm_controls.py.
+    """
+
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any):
         self.args = EngineArgs.from_kwargs(model, **kwargs)
         # LLMEngine for a generative model, PoolingEngine for a pooling model (engine/protocol.py).

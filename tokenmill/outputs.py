@@ -144,7 +144,8 @@ class BeamSearchOutput:
 @dataclass
 class PoolingOutput:
     """What the pooler produced for one request: a CPU float32 tensor whose shape depends on the task
-    ([hidden] for embed, [num_tokens, hidden] for token_embed, [num_labels] for classify and score)."""
+    ([hidden], or [dimensions], for embed; [num_tokens, hidden] for token_embed; [num_labels] for classify
+    and score; [num_tokens, num_labels] for token_classify)."""
 
     data: "torch.Tensor"
 
