@@ -389,3 +389,32 @@ def test_config_missing_a_field_goes_through_autoconfig(tiny_qwen3_dir: Path, tm
     # transformers' class fills head_dim with its own default, not hidden_size // heads.
     assert type(config) is Qwen3Config
     assert config.head_dim == Qwen3Config().head_dim
+
+
+@pytest.mark.parametrize("fixture, rope_scaling", [
+    # Llama 3.1's config.json as the hub has it (transformers 4's layout: rope_theta beside rope_scaling)
+    ("tiny_llama_dir", {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64, "rope_type": "llama3"}),
+    # Qwen2.5's model card's YaRN snippet, which users paste into config.json
+    ("tiny_qwen2_dir", {"factor": 4.0, "original_max_position_embeddings": 64, "type": "yarn"}),
+])
+def test_config_with_rope_scaling_beside_rope_theta_is_read(fixture: str, rope_scaling: dict, tmp_path: Path,
+                                                            request: pytest.FixtureRequest) -> None:
+    """A plain PretrainedConfig failed on these ("cannot read config.json: 'PreTrainedConfig' object has
+    no attribute 'max_position_embeddings'"): every Llama 3.1 checkpoint. Read as transformers reads them."""
+    from transformers import AutoConfig
+
+    from tokenmill.max_model_len import model_max_len
+    from tokenmill.models.layers.rotary import rope_params_from_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(request.getfixturevalue(fixture), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+    raw["rope_scaling"] = rope_scaling
+    (folder / "config.json").write_text(json.dumps(raw))
+    ours, theirs = resolve_model(str(folder)).hf_config, AutoConfig.from_pretrained(str(folder))
+    assert rope_params_from_config(ours) == rope_params_from_config(theirs)
+    assert rope_params_from_config(ours).rope_type == rope_scaling.get("rope_type", rope_scaling.get("type"))
+    assert model_max_len(ours) == model_max_len(theirs)
+

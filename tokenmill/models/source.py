@@ -201,8 +201,11 @@ def _read_folder_config(folder: Path, trust_remote_code: bool) -> "PretrainedCon
         raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object of config fields")
     # Before transformers reads it: its validators fail on some of these with a TypeError of their own.
     check_config_sizes(raw, None)  # the caller names the file
-    needed = _FIELDS_READ_DIRECTLY.get(raw.get("model_type")) if isinstance(raw, dict) else None
-    has_rope = isinstance(raw, dict) and ("rope_parameters" in raw or "rope_theta" in raw)
+    needed = _FIELDS_READ_DIRECTLY.get(raw.get("model_type"))
+    # transformers 4's layout, a top-level rope_theta beside a rope_scaling dict (Llama 3.1's llama3,
+    # Qwen2.5's YaRN), needs the model's config class: a plain PretrainedConfig moves the dict to
+    # rope_parameters before it has max_position_embeddings, which llama3 and YaRN read (AttributeError).
+    has_rope = "rope_parameters" in raw or ("rope_theta" in raw and not raw.get("rope_scaling"))
     if needed and has_rope and "auto_map" not in raw and all(f in raw for f in needed):
         from transformers import PretrainedConfig
 
