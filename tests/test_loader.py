@@ -418,3 +418,19 @@ def test_config_with_rope_scaling_beside_rope_theta_is_read(fixture: str, rope_s
     assert rope_params_from_config(ours).rope_type == rope_scaling.get("rope_type", rope_scaling.get("type"))
     assert model_max_len(ours) == model_max_len(theirs)
 
+
+def test_qwen3_config_without_use_sliding_window_has_no_window(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """transformers' Qwen3Config defaults use_sliding_window to False, so a sliding_window in the file is
+    unused; read directly, it capped max_model_len at the window."""
+    from transformers import AutoConfig
+
+    from tokenmill.max_model_len import model_sliding_window
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["use_sliding_window"]
+    raw["sliding_window"] = 32
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert AutoConfig.from_pretrained(str(folder)).sliding_window is None
+    assert model_sliding_window(resolve_model(str(folder)).hf_config) is None

@@ -189,8 +189,9 @@ _COMMON_FIELDS = (
 )
 _FIELDS_READ_DIRECTLY: dict[str, tuple[str, ...]] = {
     "llama": _COMMON_FIELDS,
-    "qwen2": (*_COMMON_FIELDS, "use_sliding_window"),
-    "qwen3": (*_COMMON_FIELDS, "head_dim"),
+    # Qwen's windows: transformers' classes default to use_sliding_window False and a 4096 window.
+    "qwen2": (*_COMMON_FIELDS, "use_sliding_window", "sliding_window"),
+    "qwen3": (*_COMMON_FIELDS, "head_dim", "use_sliding_window", "sliding_window"),
     "mistral": (*_COMMON_FIELDS, "sliding_window"),
 }
 
