@@ -269,6 +269,33 @@ def test_a_yarn_model_runs_past_its_pretraining_length(tiny_llama_dir, tmp_path)
         LLM(str(folder), max_model_len=129, **ROPE_ENGINE)
 
 
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 4 for i in range(8)],
+     "long_factor": [4.0 + i for i in range(8)], "original_max_position_embeddings": 64},
+])
+def test_top_level_original_max_position_embeddings_wins_as_in_transformers(rope, tiny_llama_dir, tmp_path,
+                                                                            paged_cache) -> None:
+    """transformers' rotary takes a config's top-level original_max_position_embeddings (where Phi-3
+    keeps it) over the rope dict's for llama3, YaRN and LongRoPE; llama3 and LongRoPE took the dict's
+    here and rotated by another pretraining length (logits off by up to 0.6)."""
+    import json
+    import shutil
+
+    from reference import hf_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(rope_parameters=rope, original_max_position_embeddings=32)
+    (folder / "config.json").write_text(json.dumps(config))
+    tokens = _tokens(30, config["vocab_size"], seed=3)  # within 32: LongRoPE's short factors
+    (ours,) = paged_cache(_ours(folder)).step([(0, tokens)])
+    torch.testing.assert_close(ours, _hf_logits(hf_model(str(folder)), tokens), atol=ATOL, rtol=0)
+
+
 def test_rmsnorm_fused_residual() -> None:
     from tokenmill.models.layers.norm import RMSNorm
 

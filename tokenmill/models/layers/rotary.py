@@ -59,15 +59,17 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
         raise ValueError(f"partial_rotary_factor={partial} is invalid: must be in (0, 1]")
     if partial != 1.0:
         params["partial_rotary_factor"] = float(partial)
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # The pretraining length, by transformers' priority: the config's own field (where Phi-3 keeps
+        # it), then the rope dict's, then max_position_embeddings (LongRoPE must state it).
+        original = getattr(config, "original_max_position_embeddings", None) or params.get("original_max_position_embeddings")
+        if not original and rope_type == "longrope":
+            raise ValueError("rope_type='longrope' needs original_max_position_embeddings in the config")
+        params["original_max_position_embeddings"] = int(original or config.max_position_embeddings)
     if rope_type == "yarn":
         _yarn_defaults(params, config)
     if rope_type == "longrope":
-        original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
-        if not original:
-            raise ValueError("rope_type='longrope' needs original_max_position_embeddings in the config")
-        params["original_max_position_embeddings"] = int(original)
+        original = params["original_max_position_embeddings"]
         # transformers' rule: the scale of cos and sin, from the context extension factor.
         factor = params.get("factor") or config.max_position_embeddings / original
         if params.get("attention_factor") is None:
@@ -76,11 +78,9 @@ def rope_params_from_config(config: "PretrainedConfig") -> RopeParams:
 
 
 def _yarn_defaults(params: dict[str, Any], config: "PretrainedConfig") -> None:
-    """YaRN's settings as transformers completes them: the pretraining length (the config's own field
-    first), the factor (from the two lengths when absent, DeepSeek's way) and the attention factor."""
-    original = (getattr(config, "original_max_position_embeddings", None) or params.get("original_max_position_embeddings")
-                or config.max_position_embeddings)
-    params["original_max_position_embeddings"] = int(original)
+    """YaRN's settings as transformers completes them: the factor (from the two lengths when absent,
+    DeepSeek's way) and the attention factor."""
+    original = params["original_max_position_embeddings"]
     factor = float(params.get("factor") or config.max_position_embeddings / original)
     params["factor"] = factor
     if params.get("attention_factor") is None:
