@@ -72,6 +72,16 @@ def test_config_size_of_the_wrong_type_is_named(tiny_llama_dir: Path, tmp_path: 
         resolve_model(str(folder))
 
 
+
+def test_kv_heads_that_do_not_divide_the_heads_are_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """transformers reads this config; the model loaded and the first forward failed inside attention
+    ("Number of heads in key and value must divide the number of heads in query")."""
+    folder = _edit_config(_copy(tiny_llama_dir, tmp_path / "m"), num_attention_heads=6, num_key_value_heads=4,
+                          hidden_size=96, head_dim=16)
+    with pytest.raises(ValueError, match=r"config\.json: num_key_value_heads=4 is invalid: it must divide "
+                                         r"num_attention_heads=6"):
+        resolve_model(str(folder))
+
 def test_hf_overrides_are_checked_as_config_json_is(tiny_llama_dir: Path) -> None:
     source = resolve_model(str(tiny_llama_dir))
     with pytest.raises(ValueError, match=r"hf_overrides.*hidden_size='x' is invalid: must be an integer >= 1"):

@@ -103,9 +103,10 @@ _ALL_SIZES = (*_CONFIG_SIZES, *_OPTIONAL_CONFIG_SIZES)
 
 def check_config_sizes(config: Any, origin: str | None) -> None:
     """Refuse a size field of ``config`` (a config, or config.json's dict) that is not a positive
-    integer; ``origin`` names where it came from (its config.json, or hf_overrides; None: the caller
-    names it). Fields the config does not have are skipped."""
+    integer, and kv heads that do not divide the heads; ``origin`` names where it came from (its
+    config.json, or hf_overrides; None: the caller names it). Fields the config does not have are skipped."""
     fields = config if isinstance(config, dict) else {n: getattr(config, n) for n in _ALL_SIZES if hasattr(config, n)}
+    where = f"{origin}: " if origin else ""
     for name in _ALL_SIZES:
         if name not in fields:
             continue
@@ -113,8 +114,12 @@ def check_config_sizes(config: Any, origin: str | None) -> None:
         if value is None and name in _OPTIONAL_CONFIG_SIZES:
             continue
         if not is_int(value) or value < 1:
-            where = f"{origin}: " if origin else ""
             raise ValueError(f"{where}{name}={value!r} is invalid: must be an integer >= 1")
+    # transformers reads such a config without complaint; the first forward failed inside attention.
+    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"{where}num_key_value_heads={kv_heads} is invalid: it must divide num_attention_heads={heads} "
+                         "(each kv head serves a whole group of heads)")
 
 
 def _update_config(config: Any, overrides: dict[str, Any]) -> None:
