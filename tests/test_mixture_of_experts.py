@@ -137,3 +137,21 @@ def test_dummy_weights_generate(tiny_mixtral_dir, quantization):
     assert experts.w13.abs().sum() > 0 and torch.isfinite(experts.w2).all()
     (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_qwen2_moe_without_a_shared_expert_matches_transformers(tiny_models_root, hf_reference, paged_cache):
+    """shared_expert_intermediate_size=0: transformers still builds the shared expert, zero wide (it
+    adds nothing), and saves its empty tensors and its gate; they were refused as unexpected tensors."""
+    from transformers import Qwen2MoeConfig
+
+    from support.tiny_models import save_tiny_model, tiny_config_kwargs
+
+    config = Qwen2MoeConfig(**tiny_config_kwargs(num_hidden_layers=1), moe_intermediate_size=32,
+                            shared_expert_intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+                            architectures=["Qwen2MoeForCausalLM"])
+    folder = save_tiny_model(tiny_models_root, "qwen2_moe_no_shared_expert", config, seed=31)
+    model = _ours(folder)
+    assert _sparse_blocks(model)[0].shared_expert is None
+    tokens = _tokens(17, config.vocab_size, seed=12)
+    torch.testing.assert_close(paged_cache(model).step([(0, tokens)])[0], _hf_logits(hf_reference(folder), tokens),
+                               atol=ATOL, rtol=0)

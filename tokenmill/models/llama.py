@@ -287,9 +287,10 @@ class LlamaForCausalLM(nn.Module):
 
         load_hf_weights(self, qk_rows_for_rotary(weights, self.model), self.stacked, rename, partial, check_only)
 
-    def local_name(self, name: str) -> str:
-        """The Hugging Face name this model gives a checkpoint tensor (Mixtral calls its MLP otherwise).
-        Renamed here, not before `load_hf_weights`, so its errors name the tensor as it was given."""
+    def local_name(self, name: str) -> str | None:
+        """The Hugging Face name this model gives a checkpoint tensor (Mixtral calls its MLP otherwise),
+        or None for a tensor it does not load. Renamed here, not before `load_hf_weights`, so its
+        errors name the tensor as it was given."""
         return name
 
     def expected_weight_names(self) -> set[str]:

@@ -93,6 +93,13 @@ class Qwen2MoeForCausalLM(_MoeForCausalLM):
         size = getattr(config, "shared_expert_intermediate_size", 0)
         return LlamaMLP(config, tp, quant, prefix, intermediate_size=size, reduce_results=False) if size else None
 
+    def local_name(self, name: str) -> str | None:
+        # Without a shared expert transformers still builds one, zero wide, and saves its empty
+        # tensors and its gate: what it adds is 0, so they are not loaded.
+        if not getattr(self.config, "shared_expert_intermediate_size", 0) and ".mlp.shared_expert" in name:
+            return None
+        return name
+
 
 class MixtralForCausalLM(_MoeForCausalLM):
     """Mixtral: the Mistral block with every MLP a mixture of ``num_local_experts`` experts, the
