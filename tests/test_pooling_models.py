@@ -96,6 +96,77 @@ def test_bert_embedder_follows_its_sentence_transformers_config(tiny_bert_embedd
     assert abs(torch.tensor(outputs[0].outputs.embedding).norm() - 1) > 1e-3  # not normalised, as in ST
 
 
+# sentence-transformers >= 5 saves its folders in a new layout: the files below are what
+# sentence-transformers 6.3.0 writes when all-MiniLM-L6-v2 (mean pooling, Normalize, max_seq_length
+# 256) is loaded and saved again (1_Pooling's embedding_dimension 384 made the tiny model's 32). Its
+# Pooling config names one pooling_mode, and max_seq_length moves to tokenizer_config.json's
+# model_max_length (vLLM also caps max_model_len there).
+_ST5_MODULES = """[
+  {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+  {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+  {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}
+]"""
+_ST5_POOLING = '{"embedding_dimension": 32, "pooling_mode": "mean", "include_prompt": true}'
+_ST5_TRANSFORMER = """{"transformer_task": "feature-extraction",
+ "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+ "module_output_name": "token_embeddings"}"""
+
+
+def test_embedder_saved_by_sentence_transformers_5_matches_it(tiny_bert_embedder_dir, tmp_path, random_sentences):
+    """Refused before ("pooling modes [] are not supported"), and its max length was lost."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "st5"
+    shutil.copytree(tiny_bert_embedder_dir, folder)
+    (folder / "modules.json").write_text(_ST5_MODULES)
+    (folder / "1_Pooling" / "config.json").write_text(_ST5_POOLING)
+    (folder / "2_Normalize").mkdir()
+    (folder / "sentence_bert_config.json").write_text(_ST5_TRANSFORMER)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "model_max_length": 20}))
+    llm = LLM(str(folder), **ENGINE)
+    assert (llm.llm_engine.pooling.pooler.pooling_type, llm.llm_engine.config.max_model_len) == ("MEAN", 20)
+    texts = random_sentences(6, seed=7, high=30)
+    outputs = llm.embed(texts, truncate_prompt_tokens=20, use_tqdm=False)
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, rtol=0, atol=1e-5)
+
+
+def test_cross_encoder_saved_by_sentence_transformers_5_keeps_its_activation(tiny_cross_encoder_dir, tmp_path,
+                                                                             random_sentences):
+    """sentence-transformers >= 5 saves a CrossEncoder's activation in config_sentence_transformers.json,
+    no longer in config.json; scores were sigmoids where sentence-transformers returns raw logits."""
+    import shutil
+
+    from sentence_transformers import CrossEncoder
+
+    folder = tmp_path / "ce5"
+    shutil.copytree(tiny_cross_encoder_dir, folder)
+    # As sentence-transformers 6.3.0 writes them for CrossEncoder(..., activation_fn=torch.nn.Identity())
+    # (the ms-marco rerankers' activation); BAAI/bge-reranker-base saved by 5.5.1 has the same
+    # layout with ...activation.Sigmoid.
+    (folder / "modules.json").write_text(
+        '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"}]')
+    (folder / "sentence_bert_config.json").write_text("""{"transformer_task": "sequence-classification",
+ "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}}, "module_output_name": "scores"}""")
+    (folder / "config_sentence_transformers.json").write_text("""{
+  "__version__": {"pytorch": "2.13.0+cpu", "sentence_transformers": "6.3.0", "transformers": "5.25.0"},
+  "activation_fn": "torch.nn.modules.linear.Identity",
+  "default_prompt_name": null,
+  "model_type": "CrossEncoder",
+  "prompts": {}
+}""")
+    queries, docs = random_sentences(4, seed=8), random_sentences(4, seed=9)
+    scores = [o.outputs.score for o in LLM(str(folder), **ENGINE).score(queries, docs, use_tqdm=False)]
+    expected = CrossEncoder(str(folder), device="cpu").predict(list(zip(queries, docs)))
+    assert scores == pytest.approx(expected.tolist(), abs=1e-5)
+    assert min(scores) < 0 or max(scores) > 1, "raw logits, not probabilities"
+
+
 # --- Qwen3 classifier ----------------------------------------------------------------------------
 
 

@@ -7,15 +7,13 @@ embedder of its final hidden states (``convert="embed"``). The older ``task="emb
 maps onto the same choices.
 
 How the model pools, in increasing priority: the model class's default (CLS for BERT, LAST for
-decoders), the sentence-transformers files in the model folder (``modules.json``, the Pooling
-module's ``config.json``, ``sentence_bert_config.json``), then the user's ``pooler_config``.
+decoders), the sentence-transformers files in the model folder (read in
+``models/sentence_transformers_folder.py``), then the user's ``pooler_config``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -160,8 +158,6 @@ TASK_SPELLINGS: dict[str, tuple[str, str]] = {
 # Which LLM method serves each pooling task (for error messages).
 TASK_METHODS = {"embed": "embed()", "token_embed": "encode(pooling_task='token_embed')", "classify": "classify()",
                 "token_classify": "encode(pooling_task='token_classify')", "score": "score()"}
-# sentence-transformers 1_Pooling/config.json flags -> our pooling type.
-_ST_POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
 _ST_ACTIVATIONS: dict[str, Activation] = {"Sigmoid": "sigmoid", "Identity": "identity"}
 
 
@@ -245,6 +241,7 @@ def resolve_pooling(
     """The pooling settings of the model, or None when it runs as a generative model (the
     arguments are LLM()'s of the same names)."""
     from tokenmill.models.registry import architecture_of, embedding_architecture_of, get_model_class, pooling_task_of
+    from tokenmill.models.sentence_transformers_folder import cross_encoder_activation, embedder_settings
 
     arch = architecture_of(source.hf_config)
     head = pooling_task_of(arch)
@@ -278,12 +275,12 @@ def resolve_pooling(
     head, switch = _token_classifier_head(head, model_cls, user)
     if head == "embed":
         user = _embedder_normalize(user)
-    st = _sentence_transformers(source.config_dir) if head == "embed" else {}
+    st = embedder_settings(source.config_dir) if head == "embed" else {}
     defaults = PoolerConfig(pooling_type=st.get("pooling_type") or model_cls.default_pooling_type,
                             normalize=st.get("normalize"))
     classifier = head in ("classify", "token_classify")
     num_labels = int(getattr(config, "num_labels", 0) or 0) if classifier else 0
-    activation = _classify_activation(config, num_labels)
+    activation = _classify_activation(config, num_labels, cross_encoder_activation(source.config_dir) if classifier else None)
     served = {"embed": ("embed", "token_embed"), "classify": ("classify", "token_classify"),
               "token_classify": ("token_classify", *switch)}[head]
     if user.task is not None and user.task not in served:
@@ -341,11 +338,12 @@ def _runner_and_convert(runner: str, convert: str, task: str | None) -> tuple[st
     return (task_runner if runner == "auto" else runner), (task_convert if convert == "auto" else convert)
 
 
-def _classify_activation(config: Any, num_labels: int) -> Activation:
+def _classify_activation(config: Any, num_labels: int, st_saved: str | None) -> Activation:
     """A classifier's activation, decided as vLLM 0.26's get_act_fn does (for classify, token_classify
     and a cross-encoder's score alike): the problem_type transformers' losses read (regression raw,
     multi-label a sigmoid per label, single-label softmax), else the activation sentence-transformers
-    saved with a cross-encoder, else softmax over labels (sigmoid for a single label)."""
+    saved with a cross-encoder (``st_saved``, from config_sentence_transformers.json, over config.json's
+    older spellings, in sentence-transformers' order), else softmax over labels (sigmoid for a single label)."""
     problem = getattr(config, "problem_type", None)
     if problem == "regression":
         return "identity"
@@ -353,7 +351,7 @@ def _classify_activation(config: Any, num_labels: int) -> Activation:
         return "sigmoid"
     saved = None
     if problem != "single_label_classification":
-        saved = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") \
+        saved = st_saved or (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") \
             or getattr(config, "sbert_ce_default_activation_function", None)
     if saved is not None:
         name = str(saved).rsplit(".", 1)[-1]
@@ -366,48 +364,3 @@ def _classify_activation(config: Any, num_labels: int) -> Activation:
 def _labels(config: Any, num_labels: int) -> tuple[str, ...]:
     id2label = getattr(config, "id2label", None) or {}
     return tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-
-
-def _sentence_transformers(folder: Path | None) -> dict[str, Any]:
-    """pooling_type, normalize and max_seq_length from a sentence-transformers model folder ({} if not one).
-
-    Modules we do not implement (Dense projections, other poolings) are refused: the embeddings
-    would silently differ from what sentence-transformers computes.
-    """
-    if folder is None or not (folder / "modules.json").is_file():
-        return {}
-    found: dict[str, Any] = {"normalize": False}
-    for module in _read_json(folder / "modules.json"):
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        if kind == "Pooling":
-            found["pooling_type"] = _st_pooling_type(folder / module.get("path", "") / "config.json")
-        elif kind == "Normalize":
-            found["normalize"] = True
-        elif kind != "Transformer":
-            raise ValueError(
-                f"{folder / 'modules.json'} has a {module.get('type')!r} module; tokenmill implements Transformer, "
-                "Pooling and Normalize, so its embeddings would differ from sentence-transformers'"
-            )
-    bert_config = folder / "sentence_bert_config.json"
-    if bert_config.is_file():
-        length = _read_json(bert_config).get("max_seq_length")
-        if isinstance(length, int) and length > 0:
-            found["max_seq_length"] = length
-    return found
-
-
-def _st_pooling_type(path: Path) -> str:
-    config = _read_json(path)
-    modes = [name for name, value in config.items() if name.startswith("pooling_mode_") and value]
-    if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
-        raise ValueError(f"{path}: pooling modes {modes} are not supported; supported: one of {sorted(_ST_POOLING_MODES)}")
-    if config.get("include_prompt", True) is False:
-        raise ValueError(f"{path}: include_prompt=false (pooling without the instruction tokens) is not supported")
-    return _ST_POOLING_MODES[modes[0]]
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
