@@ -267,6 +267,32 @@ def test_unsupported_quantization_is_refused_with_what_is_supported(tiny_llama_d
         (folder / "config.json").write_text(json.dumps(config))
 
 
+def test_modelopt_checkpoint_with_hf_quant_config_json_is_refused_by_name(tiny_llama_dir, tmp_path):
+    """NVIDIA ModelOpt (< 0.29) writes its quantization beside config.json, which then has no
+    quantization_config; vLLM reads that file as the checkpoint's quantization. Unread, LLM() loaded
+    such a folder as full precision: its fp8 weights met only "unexpected tensors ... weight_scale"."""
+    folder = tmp_path / "modelopt"
+    shutil.copytree(tiny_llama_dir, folder)
+    # nvidia/Llama-3.1-70B-Instruct-FP8's hf_quant_config.json, as vendored by ai-dynamo/aiconfigurator
+    # (model_configs/nvidia--Llama-3.1-70B-Instruct-FP8_hf_quant_config.json).
+    (folder / "hf_quant_config.json").write_text("""{
+  "producer": {
+      "name": "modelopt",
+      "version": "0.23.0"
+  },
+  "quantization": {
+      "quant_algo": "FP8",
+      "kv_cache_quant_algo": "FP8",
+      "exclude_modules": [
+          "lm_head"
+      ]
+  }
+}""")
+    with pytest.raises(ValueError, match=r"hf_quant_config\.json: .*ModelOpt.*quant_algo='FP8' is not supported; "
+                                         r"supported: .*'fp8', 'compressed-tensors', 'gptq', 'awq'"):
+        LLM(str(folder), device="cpu")
+
+
 def test_unsupported_compressed_tensors_scheme_is_refused(root):
     from tokenmill.quantization.config import resolve_quantization
 

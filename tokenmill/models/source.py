@@ -168,6 +168,9 @@ def _hf_folder_source(name: str, folder: Path, tokenizer: str | None, trust_remo
     except Exception as exc:  # OSError, JSON errors, transformers' config validators (StrictDataclassError), ...
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
     check_config_sizes(config, str(folder / "config.json"))
+    from tokenmill.quantization.config import refuse_modelopt_file
+
+    refuse_modelopt_file(folder, config)
     # safetensors first; PyTorch's pickled checkpoints (older models ship only those) otherwise.
     weights, fmt = next(((folder / candidate, fmt) for candidate, fmt in _FOLDER_WEIGHTS if (folder / candidate).is_file()),
                         (None, "safetensors"))

@@ -16,9 +16,11 @@ worker processes inside the EngineConfig.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from tokenmill.param_checks import is_int
@@ -101,6 +103,25 @@ def _describe(scheme: Scheme) -> str:
         return f"fp8 weights per {scheme.weight_scales}, {scheme.activations} activation scales"
     group = "per channel" if scheme.group_size == -1 else f"group {scheme.group_size}"
     return f"{scheme.layout} int4 {group} {'symmetric' if scheme.symmetric else 'asymmetric'}"
+
+
+def refuse_modelopt_file(folder: Path, hf_config: Any) -> None:
+    """NVIDIA ModelOpt before 0.29 writes a checkpoint's quantization to ``hf_quant_config.json``,
+    beside a config.json without quantization_config; vLLM takes that file as the quantization
+    config. tokenmill does not run ModelOpt checkpoints: refused here by the file's name, where read
+    as full precision its quantized weights met only a loader error naming their scale tensors."""
+    path = folder / "hf_quant_config.json"
+    if getattr(hf_config, "quantization_config", None) is not None or not path.is_file():
+        return
+    try:
+        section = json.loads(path.read_text()).get("quantization") or {}
+    except (OSError, ValueError, AttributeError):
+        section = {}
+    algo = section.get("quant_algo") if isinstance(section, dict) else None
+    raise ValueError(
+        f"{path}: an NVIDIA ModelOpt checkpoint, whose quantization.quant_algo={algo!r} is not supported; supported: "
+        f"config.json's quantization_config with quant_method {', '.join(map(repr, SUPPORTED_METHODS))}"
+    )
 
 
 def resolve_quantization(quantization: str | None, hf_config: Any) -> QuantizationConfig | None:
