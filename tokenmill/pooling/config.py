@@ -2,8 +2,9 @@
 
 The runner follows vLLM: ``runner="auto"`` picks pooling for architectures with a pooling head
 (``BertModel``, ``*ForSequenceClassification``, ``*ForTokenClassification``, base models such as
-``Qwen3Model``) and generation for ``*ForCausalLM``; ``runner="pooling"`` runs a causal LM as an
-embedder of its final hidden states (``convert="embed"``). The older ``task="embed" | "classify" | "score" | "generate"`` spelling
+``Qwen3Model``) and for sentence-transformers embedder folders whatever their architecture
+(Qwen3-Embedding's is ``Qwen3ForCausalLM``), and generation for other ``*ForCausalLM``;
+``runner="pooling"`` runs a causal LM as an embedder of its final hidden states (``convert="embed"``). The older ``task="embed" | "classify" | "score" | "generate"`` spelling
 maps onto the same choices.
 
 How the model pools, in increasing priority: the model class's default (CLS for BERT, LAST for
@@ -241,13 +242,13 @@ def resolve_pooling(
     """The pooling settings of the model, or None when it runs as a generative model (the
     arguments are LLM()'s of the same names)."""
     from tokenmill.models.registry import architecture_of, embedding_architecture_of, get_model_class, pooling_task_of
-    from tokenmill.models.sentence_transformers_folder import cross_encoder_activation, embedder_settings
+    from tokenmill.models.sentence_transformers_folder import cross_encoder_activation, embedder_settings, has_pooling_module
 
     arch = architecture_of(source.hf_config)
     head = pooling_task_of(arch)
     runner, convert = _runner_and_convert(runner, convert, task)
     if runner == "auto":
-        runner = "pooling" if head else "generate"
+        runner = "pooling" if head or has_pooling_module(source.config_dir) else "generate"
     if runner == "generate":
         if head is not None:
             raise ValueError(
