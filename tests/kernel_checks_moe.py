@@ -21,9 +21,19 @@ def _case(check: str, name: str, **params: Any) -> None:
     CASES[name] = (check, params)
 
 
-# moe_align's lists: the one-launch counting sort (up to ONE_LAUNCH_MAX_PAIRS) and the chunked launches.
-_case("moe_align", "moe-align-int64", ids_dtype="int64")
-_case("moe_align", "moe-align-int32", ids_dtype="int32")
+# moe_align's lists: the one-launch counting sort (up to ONE_LAUNCH_MAX_PAIRS) and the chunked launches,
+# each way over int64 and over int32 ids. (tokens, experts, top_k, block_m, routing) of each call.
+_ALIGN_ONE_LAUNCH = [(1, 128, 8, 16, "topk"), (5, 8, 2, 16, "random"), (37, 8, 2, 16, "skewed"), (37, 4, 1, 64, "random"),
+                     (100, 256, 8, 16, "topk"), (300, 8, 2, 64, "topk"), (16, 4, 4, 16, "skewed"), (7, 8, 2, 1, "random"),
+                     (0, 8, 2, 16, "random")]
+# Past the one-launch limit: several chunks, a ragged last one; experts that fill no power of two (60),
+# skewed routing; few experts over many chunks; a wide router (E_PAD 512: 9 chunks over the rows
+# kernel's passes of 8, so its second pass too). The interpreter takes ~0.6 s a chunk at E_PAD 512
+# (the scatter ranks 8 pairs at a time), so each routing runs over one ids dtype only.
+_ALIGN_CHUNKED = [(1100, 128, 8, 64, "topk"), (1100, 60, 8, 16, "skewed"), (4200, 8, 2, 128, "random"),
+                  (520, 512, 16, 16, "topk")]
+_case("moe_align", "moe-align-int64", ids_dtype="int64", routings=_ALIGN_ONE_LAUNCH[0::2] + _ALIGN_CHUNKED[0::2])
+_case("moe_align", "moe-align-int32", ids_dtype="int32", routings=_ALIGN_ONE_LAUNCH[1::2] + _ALIGN_CHUNKED[1::2])
 
 # (tokens, experts, top_k, hidden, intermediate, routing, forced tiles or None). Routing: "random"
 # (each id drawn independently: some tokens pick an expert twice), "topk" (distinct experts a token,
@@ -77,12 +87,13 @@ def routing(tokens: int, experts: int, top_k: int, kind: str, gen: Any) -> Any:
     return torch.randint(0, experts, (tokens, top_k), generator=gen)
 
 
-def assert_align_lists(ids: Any, experts: int, block_m: int, stable: bool | None = None) -> None:
+def assert_align_lists(ids: Any, experts: int, block_m: int, stable: bool | None = None, lists: Any = None) -> None:
     """The invariants of ``moe_align``'s output for ``ids`` [T, K] (on any device; checked on the CPU;
     tests/gpu/test_moe_gpu.py runs it on CUDA). ``stable``: each expert's pairs must come in
     increasing order (the chunked launches' promise, and the torch twin's; the one-launch way's
     atomics give any order, except under the interpreter, which runs a vector's lanes in turn);
-    default: when the chunked launches run."""
+    default: when the chunked launches run. ``lists``: that output, where the caller has it already
+    (default: ``moe_align`` is called here)."""
     import torch
 
     from tokenmill.kernels.triton.moe_align import ONE_LAUNCH_MAX_PAIRS, max_padded_rows, moe_align
@@ -90,7 +101,7 @@ def assert_align_lists(ids: Any, experts: int, block_m: int, stable: bool | None
     pairs = ids.numel()
     if stable is None:
         stable = pairs > ONE_LAUNCH_MAX_PAIRS
-    sorted_pairs, block_experts, num_padded = (t.cpu() for t in moe_align(ids, experts, block_m))
+    sorted_pairs, block_experts, num_padded = (t.cpu() for t in (lists if lists is not None else moe_align(ids, experts, block_m)))
     ids = ids.cpu()
     assert sorted_pairs.dtype == block_experts.dtype == num_padded.dtype == torch.int32
     rows = max_padded_rows(pairs, experts, block_m)
@@ -128,21 +139,15 @@ def _check_moe_align(p: dict[str, Any]) -> None:
 
     gen = torch.Generator().manual_seed(3)
     ids_dtype = getattr(torch, p["ids_dtype"])
-    for tokens, experts, top_k, block_m, kind in (
-        (1, 128, 8, 16, "topk"), (5, 8, 2, 16, "random"), (37, 8, 2, 16, "skewed"), (37, 4, 1, 64, "random"),
-        (100, 256, 8, 16, "topk"), (300, 8, 2, 64, "topk"), (16, 4, 4, 16, "skewed"), (7, 8, 2, 1, "random"), (0, 8, 2, 16, "random"),
-        # Past the one-launch limit, the chunked launches: several chunks, a ragged last one, experts
-        # that fill no power of two (60), skewed routing, few experts over many chunks, a wide router.
-        (1100, 128, 8, 64, "topk"), (1100, 60, 8, 16, "skewed"), (4200, 8, 2, 128, "random"), (520, 512, 16, 16, "topk"),
-        (4100, 128, 8, 64, "topk"),  # 33 chunks: past one tile of the rows kernel's passes (32 chunks at E = 128)
-    ):
+    for tokens, experts, top_k, block_m, kind in p["routings"]:
         ids = routing(tokens, experts, top_k, kind, gen).to(ids_dtype)
-        assert_align_lists(ids, experts, block_m)
+        lists = moe_align(ids, experts, block_m)
+        assert_align_lists(ids, experts, block_m, lists=lists)
         # The chunked launches are stable (an expert's pairs in increasing order), and the
         # interpreter runs the one launch's atomics lane by lane, chunk by chunk: either way the lists
         # are the stable torch twin's exactly, a check of the arithmetic row by row.
         if ids.numel():
-            for got, want in zip(moe_align(ids, experts, block_m), _moe_align_torch(ids, experts, block_m)):
+            for got, want in zip(lists, _moe_align_torch(ids, experts, block_m)):
                 assert torch.equal(got, want), (tokens, experts, top_k, block_m, kind)
 
 
