@@ -4,7 +4,10 @@ Why subprocesses: ``TRITON_INTERPRET=1`` only takes effect if it is set before t
 imported, and the CI suite runs every test in one pytest process. Setting it in this module would
 depend on import order and would leak into other tests, so the kernel checks run in fresh worker
 processes (this file run as a script) that get the variable in their environment. The pytest
-process itself never imports triton. Two workers share the cases, one per core.
+process itself never imports triton. Two workers share the cases, one per core: the slowest first,
+each worker taking the next case whenever it finishes one. To time cases by hand, run them in one
+worker: ``TRITON_INTERPRET=1 python tests/test_kernels_interpret.py --worker '["name", ...]'``
+prints each one's seconds.
 
 Every check uses random inputs, poisons outputs (NaN) before the kernel runs and compares with
 ``tokenmill.kernels.reference``; the interpreter is slow, so token counts are tiny. bf16 is skipped
@@ -22,12 +25,14 @@ worker compiles real-hardware shapes with Triton's compiler and ptxas instead of
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +97,17 @@ CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 CASES.update(kernel_checks_moe.CASES)  # the fused mixture-of-experts kernels: tests/kernel_checks_moe.py
 
-# The slowest cases under the interpreter (seconds each, measured one worker on a busy 2-core
-# machine; together ~2/3 of the interpreter's time): marked slow, so `-m "not slow"` leaves them
-# out; CI runs them.
+# The slowest cases under the interpreter (CPU seconds each, measured one at a time in one worker;
+# together about half of the interpreter's time): marked slow, so `-m "not slow"` leaves them out
+# (CI runs them), and taken first by the workers, so that neither is left with a long one at the end.
 SLOW_CASES = {
-    "attn-mixed-260seqs-bq4-float16": 51, "attn-random3-float32": 46, "attn-decode-260seqs-g2-d32-float32": 37,
-    "attn-prefill-auto-bs16-g4-d128-float32": 26, "attn-random6-float16": 19, "attn-random7-float32": 18,
-    "attn-random2-float16": 11, "sample-tokens-v5003-float16": 15,
+    "sample-tokens-rounds-v9000-float32": 23, "sample-tokens-wide-v9000-float32": 12,
+    "pooling-varlen-bert-and-qwen3-vs-transformers": 10, "sample-tokens-wide-v5003-float32": 9,
+    "sample-tokens-wide-v5003-float16": 9, "det-attn-g3-d64-bs8-float16": 8, "attn-random3-float32": 8,
+    "attn-mixed-260seqs-bq4-float16": 7, "det-attn-g2-d32-bs16-float32": 7, "det-attn-g1-d32-bs16-tile32-float16": 6,
+    "attn-p5-mixed-auto-bs16-g2-d128-float32": 5, "attn-p5-mixed-one-launch-bs16-g2-d128-float32": 5,
+    "moe-align-int32": 5, "attn-decode-260seqs-g2-d32-float32": 5, "det-attn-g2-d64-bs16-fp8cache-float16": 5,
+    "attn-prefill-auto-bs16-g4-d128-float32": 4,
 }
 assert SLOW_CASES.keys() <= CASES.keys(), "a slow case that is not a case"
 
@@ -106,15 +115,16 @@ assert SLOW_CASES.keys() <= CASES.keys(), "a slow case that is not a case"
 # ----------------------------------------------------------------------------------------------
 # pytest side: run the selected cases in worker processes once, then report one test per case.
 # ----------------------------------------------------------------------------------------------
-def _spawn(names: list[str], interpret: bool) -> subprocess.Popen[str]:
+def _spawn(names: list[str], interpret: bool, queue: Path | None = None) -> subprocess.Popen[str]:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    script = Path(__file__).resolve() if interpret else Path(sm90.__file__).resolve()
     return subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve() if interpret else Path(sm90.__file__).resolve()), "--worker", json.dumps(names)],
+        [sys.executable, str(script), "--worker", json.dumps(names), *([str(queue)] if queue else [])],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -124,19 +134,19 @@ def _spawn(names: list[str], interpret: bool) -> subprocess.Popen[str]:
 
 
 @pytest.fixture(scope="module")
-def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]:
+def interpreter_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
     selected = [
         item.callspec.params["name"]
         for item in request.session.items
         if item.module is sys.modules[__name__] and hasattr(item, "callspec") and "name" in item.callspec.params
     ] or list(CASES)
     compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
-    interpreted = [n for n in selected if CASES[n][0] != "compile_sm90"]
-    # Attention cases are the slow ones: deal them round-robin so both workers finish together.
-    interpreted.sort(key=lambda n: CASES[n][0] not in ("attention", "backend", "layer", "varlen", "pooling_varlen", "det_attention"))
-    interpreted.sort(key=lambda n: -SLOW_CASES.get(n, 0))  # the slowest first, split between the two
-    shards = [interpreted[0::2], interpreted[1::2]]
-    procs = [_spawn(shard, interpret=True) for shard in shards if shard]
+    # The slowest first; both workers take the next case not yet taken whenever they finish one (a
+    # counter in a file), so they finish together however long each case turns out to be.
+    interpreted = sorted((n for n in selected if CASES[n][0] != "compile_sm90"), key=lambda n: -SLOW_CASES.get(n, 0))
+    queue = tmp_path_factory.mktemp("interpreter") / "next-case"
+    queue.write_text("0")
+    procs = [_spawn(interpreted, interpret=True, queue=queue) for _ in range(min(2, len(interpreted)))]
     if compiled:
         procs.append(_spawn(compiled, interpret=False))
     results: dict[str, str | None] = {}
@@ -354,7 +364,25 @@ _CHECKS = {
 }
 
 
-def _worker_main(names: list[str]) -> None:
+def _claimed(names: list[str], queue: Path | None) -> Iterator[str]:
+    """The cases this worker runs: one at a time, the next of ``names`` that no worker has taken yet
+    (``queue`` holds the index of that one; workers take it under a file lock); without a queue, all."""
+    if queue is None:
+        yield from names
+        return
+    while True:
+        with queue.open("r+") as counter:
+            fcntl.flock(counter, fcntl.LOCK_EX)
+            index = int(counter.read())
+            counter.seek(0)
+            counter.write(str(index + 1))
+            counter.truncate()
+        if index >= len(names):
+            return
+        yield names[index]
+
+
+def _worker_main(names: list[str], queue: Path | None) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "worker must start with TRITON_INTERPRET=1"
     import torch
 
@@ -372,19 +400,20 @@ def _worker_main(names: list[str]) -> None:
     patch_triton_interpreter_for_numpy()
 
     results: dict[str, str | None] = {}
-    for name in names:
+    for name in _claimed(names, queue):
         check, params = CASES[name]
         if check == "lazy_import":
             params = {"triton_was_imported": triton_was_imported}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             _CHECKS[check](params)
             results[name] = None
         except Exception:  # noqa: BLE001  (the report carries the traceback to pytest)
             results[name] = traceback.format_exc()
-        print(f"{name}: {'ok' if results[name] is None else 'FAIL'} {time.perf_counter() - start:.2f}s", flush=True)
+        print(f"{name}: {'ok' if results[name] is None else 'FAIL'} {time.perf_counter() - start:.2f}s "
+              f"(cpu {time.process_time() - cpu_start:.2f}s)", flush=True)
     print(_RESULT_PREFIX + json.dumps(results), flush=True)
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
-    _worker_main(json.loads(sys.argv[2]))
+if __name__ == "__main__" and len(sys.argv) in (3, 4) and sys.argv[1] == "--worker":
+    _worker_main(json.loads(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) == 4 else None)
