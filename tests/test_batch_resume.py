@@ -137,13 +137,23 @@ class StopAfter:
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "openai"])
-def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt):
+def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt, monkeypatch):
     """The journal rebuilt from the output; for an OpenAI output that builds an id -> row table of the
     whole input (~200 bytes a line), which nothing needs once the journal is open: the resumed run
     must not hold it."""
     import gc
+    import weakref
 
     from tokenmill.batch.openai_batch import OpenAIRecordReader
+
+    readers: weakref.WeakSet[OpenAIRecordReader] = weakref.WeakSet()  # every reader made, while it lives
+    make_reader = OpenAIRecordReader.__init__
+
+    def noted(self: OpenAIRecordReader, *args, **kwargs) -> None:
+        readers.add(self)
+        make_reader(self, *args, **kwargs)
+
+    monkeypatch.setattr(OpenAIRecordReader, "__init__", noted)
 
     if fmt == "openai":
         lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": t}}
@@ -159,9 +169,9 @@ def test_a_deleted_journal_is_rebuilt_from_the_output(tmp_path, llm, fmt):
     tables = []
 
     def look() -> bool:  # polled once per step of the resumed run
-        gc.collect()
-        tables.extend(len(o._rows_by_id) for o in gc.get_objects()
-                      if type(o) is OpenAIRecordReader and o._rows_by_id is not None)
+        if any(r._rows_by_id is not None for r in list(readers)):
+            gc.collect()  # (slow in a big process: only when needed) a table counts in a reader still alive
+            tables.extend(len(r._rows_by_id) for r in list(readers) if r._rows_by_id is not None)
         return False
 
     second = job(tmp_path, llm, path, output=output, should_stop=look)
