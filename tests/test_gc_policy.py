@@ -124,9 +124,12 @@ def test_a_batch_job_runs_young_collections_and_a_timed_full_one(llm, prompts, f
     assert gc.isenabled()
     monkeypatch.setattr(loop, "_FULL_COLLECTION_S", 0.0)  # the interval always passed: a full one each step
     seen.generations.clear()
-    short = dict(config, sampling=dict(temperature=1.0, max_tokens=4, ignore_eos=True))  # each full one walks the heap
+    # Each full collection walks the heap (a big one in a whole test session): few rows, few tokens.
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"prompt_token_ids": p["prompt_token_ids"]}) + "\n" for p in prompts))
+    short = dict(config, input=str(few), sampling=dict(temperature=1.0, max_tokens=4, ignore_eos=True))
     run_job(JobConfig(output=str(tmp_path / "b.jsonl"), **short), llm=llm)
-    assert set(seen.generations) == {2} and len(seen.generations) >= 4
+    assert set(seen.generations) == {2} and len(seen.generations) >= 4, seen.generations
 
 
 def test_a_pooling_job_runs_only_the_timed_full_collection(bert_embedder_llm, frequent_collections, tmp_path,
