@@ -7,6 +7,7 @@ way the runner does. The plain helpers behind them live in tests/support/ (impor
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,21 @@ from support.tiny_models import (
     tiny_bert_config,
     tiny_config_kwargs,
 )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The Triton kernel checks (test_kernels_interpret.py) start their worker processes now, at the
+    lowest priority: the tests run one torch thread and leave the other core mostly idle, which the
+    workers take until the kernel tests' turn comes and collects their results."""
+    kernels = sys.modules.get("test_kernels_interpret")
+    if kernels is not None and not session.config.option.collectonly:
+        kernels.start_workers(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    kernels = sys.modules.get("test_kernels_interpret")
+    if kernels is not None:
+        kernels.stop_workers(session)
 
 
 @pytest.fixture(scope="session")

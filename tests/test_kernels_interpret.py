@@ -4,10 +4,11 @@ Why subprocesses: ``TRITON_INTERPRET=1`` only takes effect if it is set before t
 imported, and the CI suite runs every test in one pytest process. Setting it in this module would
 depend on import order and would leak into other tests, so the kernel checks run in fresh worker
 processes (this file run as a script) that get the variable in their environment. The pytest
-process itself never imports triton. Two workers share the cases, one per core: the slowest first,
-each worker taking the next case whenever it finishes one. To time cases by hand, run them in one
-worker: ``TRITON_INTERPRET=1 python tests/test_kernels_interpret.py --worker '["name", ...]'``
-prints each one's seconds.
+process itself never imports triton. Two workers share the cases, the slowest first; they start
+as soon as a session's tests are collected and run at the lowest priority beside the tests before
+these (``support/kernel_workers.py``). To time cases by hand, run them in one worker:
+``TRITON_INTERPRET=1 python tests/test_kernels_interpret.py --worker '["name", ...]'`` prints each
+one's seconds.
 
 Every check uses random inputs, poisons outputs (NaN) before the kernel runs and compares with
 ``tokenmill.kernels.reference``; the interpreter is slow, so token counts are tiny. bf16 is skipped
@@ -25,14 +26,11 @@ worker compiles real-hardware shapes with Triton's compiler and ptxas instead of
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +44,8 @@ import kernel_checks_sampling
 import kernel_checks_varlen_attention
 import kernel_compile_sm90 as sm90
 import quant_kernel_checks
+from support.kernel_workers import RESULT_PREFIX, KernelWorkers, claimed, lower_priority
 
-REPO = Path(__file__).resolve().parents[1]
-_RESULT_PREFIX = sm90.RESULT_PREFIX
 
 # ----------------------------------------------------------------------------------------------
 # The cases: plain data, so collecting this file needs neither triton nor torch.
@@ -115,48 +112,34 @@ assert SLOW_CASES.keys() <= CASES.keys(), "a slow case that is not a case"
 # ----------------------------------------------------------------------------------------------
 # pytest side: run the selected cases in worker processes once, then report one test per case.
 # ----------------------------------------------------------------------------------------------
-def _spawn(names: list[str], interpret: bool, queue: Path | None = None) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    script = Path(__file__).resolve() if interpret else Path(sm90.__file__).resolve()
-    return subprocess.Popen(
-        [sys.executable, str(script), "--worker", json.dumps(names), *([str(queue)] if queue else [])],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+_WORKERS = pytest.StashKey[KernelWorkers]()
+
+
+def start_workers(session: pytest.Session) -> None:
+    """Start the worker processes of the cases ``session`` selected, if any (conftest.py calls this
+    once the tests are collected: they run while the tests before these do)."""
+    selected = [
+        item.callspec.params["name"]
+        for item in session.items
+        if getattr(item, "module", None) is sys.modules[__name__] and hasattr(item, "callspec") and "name" in item.callspec.params
+    ]
+    if not selected or _WORKERS in session.stash:
+        return
+    compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
+    interpreted = sorted((n for n in selected if CASES[n][0] != "compile_sm90"), key=lambda n: -SLOW_CASES.get(n, 0))
+    session.stash[_WORKERS] = KernelWorkers(interpreted, compiled, Path(__file__).resolve(), Path(sm90.__file__).resolve())
+
+
+def stop_workers(session: pytest.Session) -> None:
+    """End what is still running of the session's workers (conftest.py, at the session's end)."""
+    if _WORKERS in session.stash:
+        session.stash[_WORKERS].stop()
 
 
 @pytest.fixture(scope="module")
-def interpreter_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    selected = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if item.module is sys.modules[__name__] and hasattr(item, "callspec") and "name" in item.callspec.params
-    ] or list(CASES)
-    compiled = [n for n in selected if CASES[n][0] == "compile_sm90"]
-    # The slowest first; both workers take the next case not yet taken whenever they finish one (a
-    # counter in a file), so they finish together however long each case turns out to be.
-    interpreted = sorted((n for n in selected if CASES[n][0] != "compile_sm90"), key=lambda n: -SLOW_CASES.get(n, 0))
-    queue = tmp_path_factory.mktemp("interpreter") / "next-case"
-    queue.write_text("0")
-    procs = [_spawn(interpreted, interpret=True, queue=queue) for _ in range(min(2, len(interpreted)))]
-    if compiled:
-        procs.append(_spawn(compiled, interpret=False))
-    results: dict[str, str | None] = {}
-    for proc in procs:
-        output, _ = proc.communicate(timeout=900)
-        line = next((ln for ln in reversed(output.splitlines()) if ln.startswith(_RESULT_PREFIX)), None)
-        if line is None:
-            raise RuntimeError(f"interpreter worker died (rc {proc.returncode}):\n{output[-4000:]}")
-        results.update(json.loads(line[len(_RESULT_PREFIX) :]))
-    return results
+def interpreter_results(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    start_workers(request.session)  # (started already, unless this file's tests run without conftest.py)
+    return request.session.stash[_WORKERS].results()
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
@@ -364,26 +347,9 @@ _CHECKS = {
 }
 
 
-def _claimed(names: list[str], queue: Path | None) -> Iterator[str]:
-    """The cases this worker runs: one at a time, the next of ``names`` that no worker has taken yet
-    (``queue`` holds the index of that one; workers take it under a file lock); without a queue, all."""
-    if queue is None:
-        yield from names
-        return
-    while True:
-        with queue.open("r+") as counter:
-            fcntl.flock(counter, fcntl.LOCK_EX)
-            index = int(counter.read())
-            counter.seek(0)
-            counter.write(str(index + 1))
-            counter.truncate()
-        if index >= len(names):
-            return
-        yield names[index]
-
-
 def _worker_main(names: list[str], queue: Path | None) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "worker must start with TRITON_INTERPRET=1"
+    lower_priority()
     import torch
 
     torch.set_num_threads(1)
@@ -400,7 +366,7 @@ def _worker_main(names: list[str], queue: Path | None) -> None:
     patch_triton_interpreter_for_numpy()
 
     results: dict[str, str | None] = {}
-    for name in _claimed(names, queue):
+    for name in claimed(names, queue):
         check, params = CASES[name]
         if check == "lazy_import":
             params = {"triton_was_imported": triton_was_imported}
@@ -412,7 +378,7 @@ def _worker_main(names: list[str], queue: Path | None) -> None:
             results[name] = traceback.format_exc()
         print(f"{name}: {'ok' if results[name] is None else 'FAIL'} {time.perf_counter() - start:.2f}s "
               f"(cpu {time.process_time() - cpu_start:.2f}s)", flush=True)
-    print(_RESULT_PREFIX + json.dumps(results), flush=True)
+    print(RESULT_PREFIX + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__" and len(sys.argv) in (3, 4) and sys.argv[1] == "--worker":
