@@ -34,10 +34,20 @@ from support.tiny_models import (
 )
 
 
+def _is_kernel_test(item: pytest.Item) -> bool:
+    return getattr(getattr(item, "module", None), "__name__", None) == "test_kernels_interpret"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Triton kernel checks (test_kernels_interpret.py) run last: their worker processes, started
+    below, then have the whole session to run beside the other tests."""
+    items.sort(key=_is_kernel_test)  # stable: every other test keeps its place
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The Triton kernel checks (test_kernels_interpret.py) start their worker processes now, at the
-    lowest priority: the tests run one torch thread and leave the other core mostly idle, which the
-    workers take until the kernel tests' turn comes and collects their results."""
+    """The kernel checks start their worker processes now, at the lowest priority: the tests run one
+    torch thread and leave the other core mostly idle, which the workers take until the kernel
+    tests' turn comes and collects their results."""
     kernels = sys.modules.get("test_kernels_interpret")
     if kernels is not None and not session.config.option.collectonly:
         kernels.start_workers(session)

@@ -5,8 +5,8 @@ imported, and the CI suite runs every test in one pytest process. Setting it in 
 depend on import order and would leak into other tests, so the kernel checks run in fresh worker
 processes (this file run as a script) that get the variable in their environment. The pytest
 process itself never imports triton. Two workers share the cases, the slowest first; they start
-as soon as a session's tests are collected and run at the lowest priority beside the tests before
-these (``support/kernel_workers.py``). To time cases by hand, run them in one worker:
+as soon as a session's tests are collected and run at the lowest priority beside the other tests,
+which run first (``support/kernel_workers.py``). To time cases by hand, run them in one worker:
 ``TRITON_INTERPRET=1 python tests/test_kernels_interpret.py --worker '["name", ...]'`` prints each
 one's seconds.
 

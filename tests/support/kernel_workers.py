@@ -4,11 +4,11 @@ Two interpreter workers share the selected cases: each takes the next case no wo
 whenever it finishes one (a counter in a file, under a lock), so they finish together however long
 each case turns out to be. A third worker compiles the sm_90 cases (``kernel_compile_sm90.py``).
 
-A session starts them as soon as its tests are collected (``conftest.py``), and they run at the
-lowest priority: the in-process tests keep one core busy and leave the other mostly idle, which the
-workers take meanwhile; the kernel tests collect the results when their turn comes. Their output
-goes to files, not pipes: nobody reads a pipe while the other tests run, and a full one would stop
-the worker.
+A session starts them as soon as its tests are collected and runs the kernel tests last
+(``conftest.py``); the workers run at the lowest priority: the in-process tests keep one core busy
+and leave the other mostly idle, which the workers take meanwhile, and the kernel tests collect the
+results at the end. Their output goes to files, not pipes: nobody reads a pipe while the other
+tests run, and a full one would stop the worker.
 """
 
 from __future__ import annotations
