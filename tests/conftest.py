@@ -45,9 +45,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The kernel checks start their worker processes now, at the lowest priority: the tests run one
-    torch thread and leave the other core mostly idle, which the workers take until the kernel
-    tests' turn comes and collects their results."""
+    """The kernel checks start a worker process now: the tests run one torch thread and leave the
+    other core mostly idle, which the worker takes until the kernel tests' turn comes (and a second
+    worker joins it for what is left)."""
     kernels = sys.modules.get("test_kernels_interpret")
     if kernels is not None and not session.config.option.collectonly:
         kernels.start_workers(session)

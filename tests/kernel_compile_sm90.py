@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from support.kernel_workers import RESULT_PREFIX, lower_priority
+from support.kernel_workers import RESULT_PREFIX
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {}
 
@@ -449,7 +449,6 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
 
 def _compile_worker_main(names: list[str]) -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "the sm_90 compile worker must not interpret"
-    lower_priority()
     results: dict[str, str | None] = {}
     try:
         report: list[dict[str, Any]] = []

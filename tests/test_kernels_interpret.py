@@ -4,9 +4,10 @@ Why subprocesses: ``TRITON_INTERPRET=1`` only takes effect if it is set before t
 imported, and the CI suite runs every test in one pytest process. Setting it in this module would
 depend on import order and would leak into other tests, so the kernel checks run in fresh worker
 processes (this file run as a script) that get the variable in their environment. The pytest
-process itself never imports triton. Two workers share the cases, the slowest first; they start
-as soon as a session's tests are collected and run at the lowest priority beside the other tests,
-which run first (``support/kernel_workers.py``). To time cases by hand, run them in one worker:
+process itself never imports triton. The workers share the cases, the slowest first: one starts
+as soon as a session's tests are collected and runs beside the other tests, which run first; a
+second joins it when these tests' turn comes (``support/kernel_workers.py``). To time cases by
+hand, run them in one worker:
 ``TRITON_INTERPRET=1 python tests/test_kernels_interpret.py --worker '["name", ...]'`` prints each
 one's seconds.
 
@@ -44,7 +45,7 @@ import kernel_checks_sampling
 import kernel_checks_varlen_attention
 import kernel_compile_sm90 as sm90
 import quant_kernel_checks
-from support.kernel_workers import RESULT_PREFIX, KernelWorkers, claimed, lower_priority
+from support.kernel_workers import RESULT_PREFIX, KernelWorkers, claimed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,7 +351,6 @@ _CHECKS = {
 
 def _worker_main(names: list[str], queue: Path | None) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "worker must start with TRITON_INTERPRET=1"
-    lower_priority()
     import torch
 
     torch.set_num_threads(1)

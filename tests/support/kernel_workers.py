@@ -1,14 +1,15 @@
 """The worker processes of ``test_kernels_interpret.py``, from the pytest side and the workers' side.
 
-Two interpreter workers share the selected cases: each takes the next case no worker has taken yet
+The interpreter workers share the selected cases: each takes the next case no worker has taken yet
 whenever it finishes one (a counter in a file, under a lock), so they finish together however long
-each case turns out to be. A third worker compiles the sm_90 cases (``kernel_compile_sm90.py``).
+each case turns out to be. Another worker compiles the sm_90 cases (``kernel_compile_sm90.py``).
 
-A session starts them as soon as its tests are collected and runs the kernel tests last
-(``conftest.py``); the workers run at the lowest priority: the in-process tests keep one core busy
-and leave the other mostly idle, which the workers take meanwhile, and the kernel tests collect the
-results at the end. Their output goes to files, not pipes: nobody reads a pipe while the other
-tests run, and a full one would stop the worker.
+A session starts one interpreter worker and the compile worker as soon as its tests are collected,
+and runs the kernel tests last (``conftest.py``): the other tests run one torch thread and leave
+the second core mostly idle, which the worker takes meanwhile. When the kernel tests' turn comes, a
+second interpreter worker joins for the cases left. (One worker beside the tests, not two at a lower
+priority: a niced worker starves on a machine that other jobs keep busy.) Their output goes to
+files, not pipes: nobody reads a pipe while the other tests run, and a full one would stop the worker.
 """
 
 from __future__ import annotations
@@ -31,15 +32,20 @@ class KernelWorkers:
 
     def __init__(self, interpreted: list[str], compiled: list[str], interpreter_script: Path, compile_script: Path) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="tokenmill-kernel-workers-")
-        folder = Path(self._dir.name)
-        queue = folder / "next-case"
-        queue.write_text("0")
+        self._folder = Path(self._dir.name)
+        self._queue = self._folder / "next-case"
+        self._queue.write_text("0")
+        self._interpreted, self._interpreter_script = interpreted, interpreter_script
         self._procs: list[tuple[subprocess.Popen[bytes], Path]] = []
-        for i in range(min(2, len(interpreted))):
-            self._start(folder / f"interpreter-{i}.log", interpreter_script, interpreted, queue, interpret=True)
+        if interpreted:
+            self._start_interpreter()
         if compiled:
-            self._start(folder / "compile.log", compile_script, compiled, None, interpret=False)
+            self._start(self._folder / "compile.log", compile_script, compiled, None, interpret=False)
         self._results: dict[str, str | None] | None = None
+
+    def _start_interpreter(self) -> None:
+        log = self._folder / f"interpreter-{len(self._procs)}.log"
+        self._start(log, self._interpreter_script, self._interpreted, self._queue, interpret=True)
 
     def _start(self, log: Path, script: Path, names: list[str], queue: Path | None, interpret: bool) -> None:
         env = dict(os.environ)
@@ -58,6 +64,8 @@ class KernelWorkers:
         """Each case's traceback, None where it passed ("SKIP: ..." where it skipped), once every
         worker has finished (``timeout``: seconds from this call)."""
         if self._results is None:
+            if int(self._queue.read_text()) < len(self._interpreted):  # cases left: a second worker takes some
+                self._start_interpreter()
             results: dict[str, str | None] = {}
             for proc, log in self._procs:
                 proc.wait(timeout=timeout)
@@ -76,11 +84,6 @@ class KernelWorkers:
                 proc.kill()
             proc.wait()
         self._dir.cleanup()
-
-
-def lower_priority() -> None:
-    """A worker's first step: the lowest CPU priority, so that the tests running beside it keep theirs."""
-    os.nice(19)
 
 
 def claimed(names: list[str], queue: Path | None) -> Iterator[str]:
