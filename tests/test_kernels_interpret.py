@@ -103,7 +103,7 @@ SLOW_CASES = {
     "sample-tokens-rounds-v9000-float32": 26, "sample-tokens-wide-v9000-float32": 18,
     "sample-tokens-wide-v5003-float16": 13, "attn-random3-float32": 13, "sample-tokens-wide-v5003-float32": 10,
     "attn-mixed-260seqs-bq4-float16": 10, "attn-decode-260seqs-g2-d32-float32": 7,
-    "attn-p5-mixed-auto-bs16-g2-d128-float32": 7, "attn-p5-mixed-one-launch-bs16-g2-d128-float32": 6,
+    "attn-p5-mixed-auto-bs16-g2-d128-float32": 7,
     "pooling-varlen-bert-and-qwen3-vs-transformers": 6, "det-attn-g2-d32-bs16-float32": 6, "moe-align-int32": 6,
     "det-attn-g1-d32-bs16-tile32-float16": 5, "det-attn-g2-d64-bs16-fp8cache-float16": 5,
     "attn-prefill-auto-bs16-g4-d128-float32": 5, "det-attn-g3-d64-bs8-float16": 5,
