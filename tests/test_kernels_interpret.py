@@ -119,7 +119,7 @@ _WORKERS = pytest.StashKey[KernelWorkers]()
 
 def start_workers(session: pytest.Session) -> None:
     """Start the worker processes of the cases ``session`` selected, if any (conftest.py calls this
-    once the tests are collected: they run while the tests before these do)."""
+    once the tests are collected: they run while the other tests do, which run first)."""
     selected = [
         item.callspec.params["name"]
         for item in session.items
