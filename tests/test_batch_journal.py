@@ -255,6 +255,33 @@ def test_removed_complete_output_is_reported(tmp_path):
         Journal.open(out, out, SETTINGS)
 
 
+class Crash(BaseException):
+    """A kill -9 at that point: nothing after it runs."""
+
+
+def test_a_crash_after_the_state_says_complete_leaves_no_journal_or_staging_copy(tmp_path, monkeypatch):
+    """Killed between writing the complete state.json and deleting the journal and the Parquet staging
+    file (a whole second copy of the results): the next run, which finds the job complete, deletes them
+    (found by the crash-resume chaos harness)."""
+    out = str(tmp_path / "out.parquet")
+    staging = os.path.join(sidecar_dir(out), "staging.jsonl")
+    with Journal.open(out, staging, SETTINGS) as j:
+        j.commit(lines([0, 1]), [0, 1], [], 0, 0)
+        jsonl_to_parquet(staging, out)
+
+        def killed(path):
+            raise Crash
+
+        monkeypatch.setattr(os, "remove", killed)
+        with pytest.raises(Crash):
+            j.mark_complete()
+        monkeypatch.undo()
+    assert sorted(os.listdir(sidecar_dir(out))) == ["journal.jsonl", "lock", "staging.jsonl", "state.json"]
+    with Journal.open(out, staging, SETTINGS) as j:
+        assert j.complete and j.total().rows == 2
+    assert sorted(os.listdir(sidecar_dir(out))) == ["lock", "state.json"]
+
+
 def test_many_rows_bitmap(tmp_path):
     out = str(tmp_path / "out.jsonl")
     done = list(range(0, 100_000, 7))

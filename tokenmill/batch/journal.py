@@ -139,6 +139,7 @@ class Journal:
                 if not os.path.exists(output):
                     raise ResumeError(f"{output} was removed after its run completed; pass --overwrite to run again")
                 journal.previous = Tally(**state["summary"])
+                journal._remove_finished_files()  # a crash in mark_complete may have left them
                 return journal
             journal._replay(read_record)
             return journal
@@ -307,6 +308,12 @@ class Journal:
         self.state["complete"] = True
         self.state["summary"] = asdict(self.total())
         write_atomic(os.path.join(self.dir, "state.json"), json.dumps(self.state, indent=1, default=str).encode())
+        self._remove_finished_files()
+
+    def _remove_finished_files(self) -> None:
+        """Delete the journal and a Parquet staging file once the state says complete. A run that finds
+        the job complete calls this too: one killed between the two left them, and the staging file
+        is a whole second copy of the results."""
         for name in ("journal.jsonl", "staging.jsonl"):
             path = os.path.join(self.dir, name)
             if os.path.exists(path):
