@@ -216,3 +216,45 @@ def test_a_second_ctrl_c_during_the_final_fsync_keeps_the_summary(tmp_path, llm,
     summary = job(tmp_path, llm, path, max_inflight=2, should_stop=StopAfter(6))
     assert summary.interrupted and summary.exit_code == 130 and 0 < summary.rows_done < len(TEXTS)
     assert len(read_jsonl(tmp_path / "out.jsonl")) == summary.rows_done
+
+
+def test_a_second_ctrl_c_during_a_commits_write_keeps_the_summary_and_the_rows(tmp_path, llm, monkeypatch):
+    """The second Ctrl-C's KeyboardInterrupt is raised once the write system call it arrived during has
+    returned, before the job counted the bytes as written: the stop then took the lines it had just
+    written for another process's doing ("another process changed its length", exit code 2, no
+    summary). Found by the crash-resume chaos harness. The stop keeps its summary and exit code 130,
+    and the rerun writes every row once."""
+    from tokenmill.batch import writers
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    output = tmp_path / "out.jsonl"
+    real_init = writers.AppendFile.__init__
+
+    class InterruptedAfterWriting:
+        """The data file's descriptor, where the third write is followed by the second Ctrl-C."""
+
+        def __init__(self, real):
+            self.real, self.writes = real, 0
+
+        def write(self, data):
+            written = self.real.write(data)
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return written
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    def init(self, file_path, expected_size):
+        real_init(self, file_path, expected_size)
+        if file_path == str(output):
+            self._file = InterruptedAfterWriting(self._file)
+
+    monkeypatch.setattr(writers.AppendFile, "__init__", init)
+    summary = job(tmp_path, llm, path, max_inflight=2)
+    assert summary.interrupted and summary.exit_code == 130 and 0 < summary.rows_done < len(TEXTS)
+    monkeypatch.undo()
+    again = job(tmp_path, llm, path)
+    assert again.exit_code == 0 and again.rows_done == len(TEXTS)
+    assert sorted(r["row"] for r in read_jsonl(output)) == list(range(len(TEXTS)))

@@ -205,6 +205,13 @@ class AppendFile:
                 view = view[written:]
         except OSError as e:
             raise _naming(e, self.path) from None
+        except BaseException:
+            # An interrupt (a second Ctrl-C) is raised once the write call it arrived during has returned,
+            # so bytes may have reached the file uncounted. They are ours: count what the file holds, or
+            # the stop's last fsync would take them for another process's change. Uncommitted bytes
+            # are cut or read back by the next run's replay, like a crash's.
+            self.size = os.fstat(self._file.fileno()).st_size
+            raise
         self.size += len(data)
 
     def sync(self) -> None:
