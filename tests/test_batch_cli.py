@@ -310,6 +310,43 @@ def test_a_stop_while_the_model_loads_stops_at_once(tmp_path, monkeypatch, capsy
     assert sorted(r["row"] for r in map(json.loads, open(output))) == [0, 1, 2]
 
 
+def test_a_stop_that_python_wraps_while_the_model_loads_still_stops_the_job(tmp_path, monkeypatch, capsys, tiny_llama_dir):
+    """The stop handler's KeyboardInterrupt is raised wherever the model load is; inside a
+    ``__set_name__`` (every dataclass Field has one: torch's and transformers' imports define hundreds)
+    Python 3.11 wraps it in a RuntimeError ("Error calling __set_name__ ..."), which the job took for a
+    crash: a traceback and exit code 1. Found by the crash-resume chaos harness (a SIGTERM 0.3 s after
+    the start). It is the stop: summary, exit code 130, and the rerun runs every row."""
+    import time
+
+    from tokenmill.batch import job
+
+    real_load = job.load_llm
+
+    class Stopped:
+        def __set_name__(self, owner, name):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs at the next check: here
+                time.sleep(0.01)
+
+    def interrupted_load(config):
+        class EngineArguments:  # a class defined by an import the load makes
+            field = Stopped()
+
+        return real_load(config)
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(3)))
+    output = tmp_path / "o.jsonl"
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
+            "--no-progress", *tiny_flags(tiny_llama_dir)]
+    monkeypatch.setattr(job, "load_llm", interrupted_load)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "stopping now" in err and "0/3 rows" in err and "rerun the same command" in err
+    monkeypatch.setattr(job, "load_llm", real_load)
+    assert main(argv) == 0
+    assert sorted(r["row"] for r in map(json.loads, open(output))) == [0, 1, 2]
+
+
 def _signal_after_first_commit(monkeypatch, signum, seen=None):
     """Send ``signum`` to this process once the job has committed its first rows (and note, in
     ``seen``, the handler that was in place then)."""

@@ -124,7 +124,9 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
             else:
                 try:
                     loop = _engine_loop(config, llm, journal, progress, fmt, shape, fingerprint(settings), should_stop, stderr)
-                except KeyboardInterrupt:  # stopped while the model loaded (`tokenmill run` stops at once then)
+                except BaseException as error:  # stopped while the model loaded (`tokenmill run` stops at once then)?
+                    if not _raised_by_interrupt(error):
+                        raise
                     loop = None  # no row ran: nothing to write or drop; the summary says interrupted
                     interrupted = True
                 watchdog = loop.watchdog if loop is not None else None
@@ -189,6 +191,18 @@ def _tell_if_grown(input_path: str, fmt: str, scanned: int, stderr: TextIO | Non
         if fmt != "parquet" and os.path.getsize(input_path) > scanned:
             tell(f"tokenmill run: {input_path} grew while the job ran; only the rows it held when the job started "
                  "were run (the rows added since are another job's)", stderr or sys.stderr)
+
+
+def _raised_by_interrupt(error: BaseException) -> bool:
+    """Whether ``error`` is a KeyboardInterrupt (the CLI's stop) or was raised because of one. The
+    stop's KeyboardInterrupt is raised wherever the model load is; inside a ``__set_name__`` (every
+    dataclass field has one, and torch's and transformers' imports define hundreds) Python 3.11 hands
+    it on as a RuntimeError caused by it."""
+    for _ in range(16):  # a chain of causes is short; a cycle is not followed for ever
+        if error is None or isinstance(error, KeyboardInterrupt):
+            return error is not None
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def keep_deterministic(config: JobConfig, stderr: TextIO | None = None) -> JobConfig:
