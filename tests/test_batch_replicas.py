@@ -315,3 +315,34 @@ def test_replicas_killed_by_the_stop_signal_are_not_replaced(tmp_path, monkeypat
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def ignores_sigint(pid: int) -> bool:
+    """From /proc: whether the process has SIGINT set to be ignored (the SigIgn mask's bit for signal 2)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
+def test_a_replica_leaves_a_sigint_to_its_parent():
+    """A SIGINT sent to every process of a `--replicas` job (a scheduler's stop signal to them all)
+    raised KeyboardInterrupt inside each replica's step, which reported it as a failure: the job ended
+    with exit code 1 ("replica 1 failed while running: KeyboardInterrupt" and a traceback) instead of
+    stopping tidily with 130, the replicas' finished rows dropped. Found by the crash-resume chaos
+    harness. A replica ignores SIGINT (the parent, which got it too, stops the replicas after their
+    step) and goes on until then."""
+    from tokenmill.distributed.child_process import start_module, stop_children
+
+    proc, conn = start_module("tokenmill.batch.replica_process")
+    try:
+        deadline = time.monotonic() + 30
+        while not ignores_sigint(proc.pid):  # until it has started (it then waits for its set-up)
+            assert proc.poll() is None, "the replica died before its set-up came"
+            assert time.monotonic() < deadline, "the replica does not ignore SIGINT"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        conn.close()  # no set-up comes: it ends by itself, with its own exit code, not killed by SIGINT
+        assert proc.wait(timeout=30) == 1
+    finally:
+        stop_children([proc], [])

@@ -13,6 +13,7 @@ parent process disappears (a killed parent cannot stop it, so it stops itself).
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -72,6 +73,11 @@ def shard_rows(rows: Iterator[Any], shard: int, shards: int) -> Iterator[Any]:
 
 
 def main(argv: list[str]) -> int:
+    # A SIGINT reaching a replica was sent to every process of the job (a scheduler's stop signal to
+    # them all; a Ctrl-C at the terminal reaches the parent only: replicas run in their own session).
+    # The parent stops the replicas after their step; a KeyboardInterrupt here would have reported
+    # the stop as this replica's failure (exit code 1) and dropped its finished rows.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     exit_with_parent(int(argv[1]))
     try:
