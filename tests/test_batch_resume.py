@@ -258,3 +258,25 @@ def test_a_second_ctrl_c_during_a_commits_write_keeps_the_summary_and_the_rows(t
     again = job(tmp_path, llm, path)
     assert again.exit_code == 0 and again.rows_done == len(TEXTS)
     assert sorted(r["row"] for r in read_jsonl(output)) == list(range(len(TEXTS)))
+
+
+def test_a_second_ctrl_c_while_the_parquet_output_is_written_keeps_the_summary(tmp_path, llm, monkeypatch):
+    """A second Ctrl-C while the finished job wrote its Parquet output (minutes for a large one) ended
+    the command without its summary. It is a stop like any other: the summary says interrupted, exit
+    code 130, and the rerun writes the output from the staging file, every row once."""
+    from tokenmill.batch import job as job_module
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS])
+    real = job_module.jsonl_to_parquet
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job_module, "jsonl_to_parquet", interrupted)
+    summary = job(tmp_path, llm, path, output="out.parquet")
+    assert summary.interrupted and summary.exit_code == 130 and summary.rows_done == len(TEXTS)
+    assert not (tmp_path / "out.parquet").exists()
+    monkeypatch.setattr(job_module, "jsonl_to_parquet", real)
+    again = job(tmp_path, llm, path, output="out.parquet")
+    assert again.exit_code == 0 and again.resumed_rows == len(TEXTS)
+    assert sorted(pq.read_table(tmp_path / "out.parquet").column("row").to_pylist()) == list(range(len(TEXTS)))

@@ -153,11 +153,14 @@ def _run_job(config: JobConfig, llm: Any, stderr: TextIO | None, should_stop: Ca
                 "was it changed or removed while the job ran? The finished rows are kept; restore the input "
                 "and rerun the same command to run the rest")
         if not interrupted:
-            if out_fmt == "parquet":
-                schema = pooling_parquet_schema(config.task) if config.task != "generate" else \
-                    generic_parquet_schema(with_lora=bool(config.lora_modules))
-                jsonl_to_parquet(data_path, output, schema)
-            journal.mark_complete()
+            try:
+                if out_fmt == "parquet":
+                    schema = pooling_parquet_schema(config.task) if config.task != "generate" else \
+                        generic_parquet_schema(with_lora=bool(config.lora_modules))
+                    jsonl_to_parquet(data_path, output, schema)
+                journal.mark_complete()
+            except KeyboardInterrupt:  # a second Ctrl-C: the staging file stays, and the rerun writes the output
+                interrupted = True
         else:
             # A second Ctrl-C while a stopped job fsyncs skips the fsync (the lines reached the OS), not the summary.
             with contextlib.suppress(KeyboardInterrupt):
