@@ -16,7 +16,9 @@ each interrupted a random way, and once more to the end:
   Parquet output's renames, while the Parquet file is written, before the journal's deletion, in a
   replica after a commit;
 - a full disk: a file-size limit (EFBIG), or a real one (a small tmpfs, filled but for a few KB; it
-  needs root to mount).
+  needs root to mount);
+- sometimes, between attempts, the journal deleted, emptied or cut at a random byte (the output
+  then says which rows are done).
 
 The finished output is then checked against an uninterrupted run of the same scenario: every row
 exactly once, each line strict JSON (or the Parquet file readable), the same records (bad rows the
@@ -347,6 +349,18 @@ def check_final(out: Path, reference: list[dict], summary: str, rc: int, final: 
 
 # --- trials -----------------------------------------------------------------------------------------
 
+def damage(rng: random.Random, journal: Path) -> Attempt:
+    """The journal deleted, emptied or cut at a random byte (a torn line included)."""
+    how = rng.choice(["deleted", "emptied", "cut"])
+    if how == "deleted":
+        journal.unlink()
+    else:
+        size = journal.stat().st_size
+        with open(journal, "r+b") as f:
+            f.truncate(0 if how == "emptied" else rng.randint(0, size))
+    return Attempt("journal", how)
+
+
 class Chaos:
     def __init__(self, workdir: Path, repo: Path):
         self.workdir, self.repo = workdir, repo
@@ -401,6 +415,9 @@ class Chaos:
         problems: list[str] = []
         attempts: list[Attempt] = []
         for _ in range(rng.choices([0, 1, 2, 3, 4], weights=[5, 35, 30, 18, 12])[0]):
+            journal = Path(f"{out}.tokenmill") / "journal.jsonl"
+            if journal.exists() and rng.random() < 0.1:  # a lost or damaged journal is rebuilt from the output
+                attempts.append(damage(rng, journal))
             attempt, seen = run_attempt(rng, self.repo, inp, out, flags, len(reference), tmpfs)
             attempts.append(attempt)
             problems += seen
