@@ -252,8 +252,9 @@ def check_exit(attempt: Attempt) -> list[str]:
     if not attempt.sent:
         return problems if finished else [*problems, f"an attempt nothing stopped ended rc={rc}: {err[-1500:]}"]
     if kind == "replica" or (kind == "point" and attempt.detail.startswith("replica_commit") and sig == "KILL"):
-        # a replica killed: replaced, and the job completes; a SIGINT is the parent's to act on (ignored)
-        ok = finished and (sig == "INT" or f"died: killed by SIG{sig}; starting a replacement" in err)
+        # a replica killed: replaced, and the job completes (one killed once its shard was done, as it
+        # exited, needs no replacement); a SIGINT is the parent's to act on (ignored)
+        ok = finished
     elif sig == "KILL":
         ok = rc == -signal.SIGKILL or finished
     else:
