@@ -3,7 +3,7 @@
 # the throughput protocols P1-P3 (bench/peer_bench.py). Writes to $OUT (or ./gpu-out):
 #   gpu_tests.log, kernels.jsonl, throughput.jsonl (rows tagged with commit, date and GPU), suite.log
 # Usage on the device:  bash bench/gpu_suite.sh [tests|tests-1|tests-2|tests-3|engine-tests|quant-tests] [kernels] [throughput] [p1p5] [p4] [p5] [p6] [p6-calls] [p6-calls-ab-old] [throughput-fp8]
-#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora]
+#   [gemm] [gemm-sweep] [quant-gemm] [fp8-tiles] [quant-throughput] [quant-decode96] [controls-tests] [offload] [moe] [moe-sweep] [moe-ab] [moe-ab-old] [moe-engine] [memory-plan] [lora] [lora-ab-old]
 #   [sampler] [sampler-ab-old] [sampler-rounds] [grammar-host] [chat] [chat-8b] [chat-ab-old] [protocol-ab-old] [job] [job-short] [job-score] [job-embed] [job-embed-ab-old] [refill] [beam] [profile-chat] [profile] [profile-gpu] [profile-gpu-fp8] [profile-moe] [timeline-moe] [profile-refill] [launch-gap] [timeline] [first-call] [timeline-fp8kv] [profile-p5] [p6-host] [varlen-sweep] [vllm-unpack]
 #   [vllm] [vllm-p1p5] [vllm-p4p5] [vllm-p6] [vllm-chat] [vllm-refill] [vllm-beam] [vllm-fp8] [vllm-fp8kv] [vllm-moe] [vllm-lora] [ray]
 #   [deterministic] [throughput-det] [vllm-det]
@@ -189,6 +189,21 @@ for part in $parts; do
            # (bench/lora_bench.py; beside vllm-lora; LORA_MODES picks modes, LORA_WORKLOADS the workloads: refill-short ...)
       for mode in ${LORA_MODES:-base lora-none lora-1 lora-4}; do
         RESULTS="$OUT/lora.raw" timeout 150 python3 bench/lora_bench.py tokenmill qwen3-0.6b $mode ${LORA_WORKLOADS:-nano uniform} 2>&1 | grep -v "^\s*$" | tail -2
+      done
+      tag "$OUT/lora.raw" "$OUT/throughput.jsonl"; : > "$OUT/lora.raw" ;;
+    lora-ab-old)  # the lora part on an older engine in .old/ (carried) and on this tree, old then new, AB_ROUNDS times,
+                  # the order swapped each round (LORA_MODES default lora-4, LORA_WORKLOADS default nano); rows carry "tree"
+      [ -d .old/tokenmill ] || { echo "lora-ab-old: no .old/ tree carried"; continue; }
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        trees="old new"; [ $((round % 2)) = 0 ] && trees="new old"
+        for tree in $trees; do
+          path=$PWD; [ $tree = old ] && path=$PWD/.old
+          for mode in ${LORA_MODES:-lora-4}; do
+            RESULTS="$OUT/lora.raw" PYTHONPATH="$path:$PYTHONPATH" timeout 150 python3 bench/lora_bench.py tokenmill \
+              qwen3-0.6b $mode ${LORA_WORKLOADS:-nano} 2>&1 | grep -v "^\s*$" | tail -2
+            mark_tree "$tree" "$OUT/lora.raw"
+          done
+        done
       done
       tag "$OUT/lora.raw" "$OUT/throughput.jsonl"; : > "$OUT/lora.raw" ;;
     gemm)  # cuBLAS against a Triton tile sweep on the decode GEMM shapes (a prototype question)
