@@ -4,7 +4,12 @@
   write the folder; its decompressors, run on the tensors read back from the file, give the
   reference weights.
 - GPTQ and AWQ: random 4-bit codes, zero points and fp16 scales are drawn first; the reference
-  weight is ``(code - zero) * scale`` of those integers. The folder holds them packed per each
+  weight is ``(code - zero) * scale`` of those integers. Activation order (GPTQ ``desc_act``,
+  compressed-tensors ``actorder: "group"``, which compressed-tensors itself no longer writes) also
+  draws each feature's group first, ``g_idx = randperm(K) // group_size`` (what act-order
+  quantization gives: groups of consecutive features in a permuted order), shared by the
+  projections of one input as in a real checkpoint; the reference is then
+  ``(code - zero[g_idx[k]]) * scale[g_idx[k]]``. The folder holds them packed per each
   format's documented layout (GPTQ: codes packed along the input features, zeros stored minus one;
   AWQ: packed along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7), packed by compressed-tensors'
   ``pack_to_int32`` (8 codes a word, lowest index in the lowest bits).
@@ -59,7 +64,8 @@ def _save_reference(model: torch.nn.Module, weights: dict[str, torch.Tensor], fo
 
 def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama", seed: int = 0,
                                   group_size: int | None = None, ignore: tuple[str, ...] = ("lm_head",),
-                                  more_groups: tuple[tuple[str, list[str]], ...] = ()) -> tuple[Path, Path]:
+                                  more_groups: tuple[tuple[str, list[str]], ...] = (),
+                                  actorder: str | None = None) -> tuple[Path, Path]:
     """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC) for
     every Linear not in ``ignore``, its 4-bit groups of ``group_size`` features when given (the presets
     use 128; -1: per channel); ``more_groups``: further (preset, targets) groups after it, which
@@ -77,6 +83,8 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
         scheme.weights.strategy, scheme.weights.group_size = "channel", None
     elif group_size is not None:
         scheme.weights.group_size = group_size
+    if actorder is not None:
+        scheme.weights.actorder = actorder
     groups = {"group_0": scheme}
     groups.update({f"group_{i + 1}": preset_name_to_scheme(p, targets) for i, (p, targets) in enumerate(more_groups)})
     apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=list(ignore)), show_progress=False)
@@ -105,7 +113,7 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     variant = f"-ignore{len(ignore)}" if ignore != ("lm_head",) else ""
-    variant += "".join(f"-{p.lower()}" for p, _ in more_groups)
+    variant += "".join(f"-{p.lower()}" for p, _ in more_groups) + (f"-actorder-{actorder}" if actorder else "")
     folder = root / f"ct-{preset.lower()}-{family}-seed{seed}-g{group_size}{variant}"
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
@@ -147,9 +155,10 @@ def _calibrate_input_peaks(model: torch.nn.Module, prompts: int = 32, length: in
 
 
 def _draw_int4(weight: torch.Tensor, group_size: int, symmetric: bool, gen: torch.Generator,
-               scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+               scale_dtype: torch.dtype = torch.float16, g_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Codes [N, K], zeros [N, G] and scales [N, G] near the weight's magnitude (in ``scale_dtype``,
-    fp16 as GPTQ and AWQ write them), and the reference weight; group_size -1: one group per row."""
+    fp16 as GPTQ and AWQ write them), and the reference weight; group_size -1: one group per row;
+    ``g_idx``: each feature's group (act-order), else feature // group_size."""
     n, k = weight.shape
     group_size = k if group_size == -1 else group_size
     groups = k // group_size
@@ -157,7 +166,9 @@ def _draw_int4(weight: torch.Tensor, group_size: int, symmetric: bool, gen: torc
     zeros = torch.full((n, groups), 8) if symmetric else torch.randint(1, 16, (n, groups), generator=gen)
     scales = (weight.abs().unflatten(1, (groups, group_size)).amax(-1) / 8 * (0.5 + torch.rand(n, groups, generator=gen)))
     scales = scales.to(scale_dtype)
-    expanded = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
+    if g_idx is None:
+        g_idx = torch.arange(k) // group_size
+    expanded = lambda t: t[:, g_idx]  # noqa: E731
     reference = (codes - expanded(zeros)).float() * expanded(scales).float()
     return codes, zeros, scales, reference
 
@@ -172,9 +183,11 @@ def _pack(codes: torch.Tensor, dim: int) -> torch.Tensor:
 def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "llama", group_size: int = 128,
                         seed: int = 0, scale_dtype: torch.dtype = torch.float16,
                         gptq_format: str = "gptq", full_precision: tuple[str, ...] = (),
-                        quant_fields: dict[str, Any] | None = None, tag: str = "") -> tuple[Path, Path]:
-    """A GPTQ (desc_act=False; ``gptq_format`` "gptq" stores zeros minus one, "gptq_v2" as they are)
-    or AWQ (GEMM) folder; see the module docstring. group_size -1: per output channel.
+                        quant_fields: dict[str, Any] | None = None, tag: str = "",
+                        act_order: bool = False) -> tuple[Path, Path]:
+    """A GPTQ (``gptq_format`` "gptq" stores zeros minus one, "gptq_v2" as they are), AWQ (GEMM) or
+    compressed-tensors ``pack-quantized`` ("ct") folder; see the module docstring. group_size -1: per
+    output channel. ``act_order``: GPTQ desc_act=True / compressed-tensors actorder "group", g_idx drawn.
     ``full_precision``: projections (full module names) stored as plain weights, unquantized;
     ``quant_fields``: more quantization_config fields (the lists that name those modules); ``tag``
     tells such folders apart."""
@@ -185,31 +198,53 @@ def gptq_awq_checkpoint(root: Path, fmt: str, symmetric: bool, family: str = "ll
     gen = torch.Generator().manual_seed(seed + 100)
     tensors: dict[str, torch.Tensor] = {}
     weights: dict[str, torch.Tensor] = {}
+    drawn_g_idx: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         module, _, kind = name.rpartition(".")
         if module.rsplit(".", 1)[-1] not in PROJECTIONS or kind != "weight" or module in full_precision:
             tensors[name] = param.detach().clone()
             continue
-        codes, zeros, scales, weights[name] = _draw_int4(param.detach(), group_size, symmetric, gen, scale_dtype)
-        k = codes.shape[1]
+        k = param.shape[1]
+        g_idx = torch.arange(k) // (k if group_size == -1 else group_size)
+        if act_order:  # one draw per input: q/k/v share theirs, gate/up theirs
+            key = module.rsplit(".", 1)[0] + ("." + module.rsplit(".", 1)[1] if module.endswith(("o_proj", "down_proj")) else "")
+            g_idx = drawn_g_idx.setdefault(key, g_idx[torch.randperm(k, generator=gen)])
+        codes, zeros, scales, weights[name] = _draw_int4(param.detach(), group_size, symmetric, gen, scale_dtype, g_idx)
         if fmt == "gptq":
             tensors[f"{module}.qweight"] = _pack(codes.t(), 0)  # [K/8, N]
             # [G, N/8]; v1 stores them minus one
             tensors[f"{module}.qzeros"] = _pack(zeros.t() - int(gptq_format == "gptq"), 1)
-            tensors[f"{module}.g_idx"] = (torch.arange(k) // (k if group_size == -1 else group_size)).to(torch.int32)
+            tensors[f"{module}.g_idx"] = g_idx.to(torch.int32)
+            tensors[f"{module}.scales"] = scales.t().contiguous()  # [G, N]
+        elif fmt == "ct":  # compressed-tensors pack-quantized: packed along K, zero points along N
+            tensors[f"{module}.weight_packed"] = _pack(codes, 1)  # [N, K/8]
+            tensors[f"{module}.weight_scale"] = scales.contiguous()  # [N, G]
+            if not symmetric:
+                tensors[f"{module}.weight_zero_point"] = _pack(zeros, 0)  # [N/8, G]
+            tensors[f"{module}.weight_shape"] = torch.tensor(list(codes.shape), dtype=torch.int64)
+            if act_order:
+                tensors[f"{module}.weight_g_idx"] = g_idx.to(torch.int32)
         else:
             order = torch.tensor(AWQ_ORDER)
             in_awq_order = lambda t: t.unflatten(1, (-1, 8))[..., order].flatten(1)  # noqa: E731
             tensors[f"{module}.qweight"] = _pack(in_awq_order(codes.t()), 1)  # [K, N/8]
             tensors[f"{module}.qzeros"] = _pack(in_awq_order(zeros.t()), 1)  # [G, N/8]
-        tensors[f"{module}.scales"] = scales.t().contiguous()  # [G, N]
+            tensors[f"{module}.scales"] = scales.t().contiguous()  # [G, N]
     dtype_name = str(scale_dtype).removeprefix("torch.")
+    tag += "-act-order" if act_order else ""
     folder = root / f"{fmt}-{'sym' if symmetric else 'asym'}-{family}-seed{seed}-g{group_size}-{dtype_name}-{gptq_format}{tag}"
     folder.mkdir(parents=True)
     save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    quant = ({"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
-              "checkpoint_format": gptq_format} if fmt == "gptq" else
-             {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": not symmetric, "version": "gemm"})
+    if fmt == "gptq":
+        quant = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
+                 "checkpoint_format": gptq_format}
+    elif fmt == "ct":
+        weight_args = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group" if group_size != -1 else "channel",
+                       "group_size": group_size if group_size != -1 else None, "actorder": "group" if act_order else None}
+        quant = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args}}}
+    else:
+        quant = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": not symmetric, "version": "gemm"}
     config.quantization_config = {**quant, **(quant_fields or {})}
     config.save_pretrained(folder)
     build_tiny_tokenizer().save_pretrained(folder)

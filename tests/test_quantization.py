@@ -103,10 +103,29 @@ def test_gptq_and_awq_group_sizes_scale_dtypes_and_v2_format(root, fmt, symmetri
     _check_against_hf(folder, reference)
 
 
-def test_gptq_act_order_with_static_groups_loads_and_a_permuted_g_idx_is_refused(root):
+@pytest.mark.parametrize("fmt, symmetric, group_size", [("gptq", False, 128), ("gptq", True, 64), ("ct", False, 64),
+                                                      ("ct", True, 128)])
+def test_act_order_checkpoints_match_hf_on_the_integers_and_groups_drawn(root, fmt, symmetric, group_size):
+    """GPTQ desc_act=True and compressed-tensors actorder "group": each feature's group is its g_idx
+    entry (drawn as a permuted plain order), not feature // group_size."""
+    folder, reference = gptq_awq_checkpoint(root, fmt, symmetric, group_size=group_size, seed=11, act_order=True)
+    llm = _check_against_hf(folder, reference)
+    assert "act-order" in llm.llm_engine.config.quantization.describe()
+
+
+def test_compressed_tensors_actorder_weight_needs_no_g_idx(root):
+    """actorder "weight" (alias "static") reorders features only while quantizing: compressed-tensors
+    writes the plain layout and no g_idx, and the folder loads as a plain one."""
+    folder, reference = compressed_tensors_checkpoint(root, "W4A16", "llama", seed=12, actorder="weight")
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    _check_against_hf(folder, reference)
+
+
+def test_gptq_act_order_with_static_groups_loads_and_a_permuted_g_idx_without_desc_act_is_refused(root):
     """desc_act=True with static_groups=True: groups were fixed before the reordering, so g_idx is the
     plain order (AutoGPTQ / GPTQModel write perm // g then un-permute it) and the weights load as usual.
-    A g_idx that is really permuted is still refused, by name."""
+    A g_idx that is really permuted while desc_act=False is refused, by name."""
     from safetensors.torch import load_file, save_file
 
     built, reference = gptq_awq_checkpoint(root, "gptq", False, seed=4)
@@ -116,11 +135,39 @@ def test_gptq_act_order_with_static_groups_loads_and_a_permuted_g_idx_is_refused
     config["quantization_config"].update({"desc_act": True, "static_groups": True})
     (folder / "config.json").write_text(json.dumps(config))
     _check_against_hf(folder, reference)
+    config["quantization_config"].update({"desc_act": False, "static_groups": False})
+    (folder / "config.json").write_text(json.dumps(config))
     tensors = load_file(folder / "model.safetensors")
     name = "model.layers.0.mlp.down_proj.g_idx"
     tensors[name] = tensors[name].flip(0).contiguous()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"{name}.*not the plain group order"):
+    with pytest.raises(ValueError, match=rf"{name}.*not the plain group order.*desc_act=false"):
+        LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("stacked", r"up_proj.g_idx.*differs from the g_idx of a projection stacked with it"),
+    ("range", r"down_proj.g_idx.*groups outside 0..2"),
+    ("missing", r"missing tensors.*down_proj.g_idx"),
+])
+def test_act_order_g_idx_that_cannot_run_is_refused_by_name(root, change, message):
+    """Stacked projections (one layer, one reordering of its input) with different g_idx, a group past
+    the scales, or no g_idx at all for a desc_act checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    built, _ = gptq_awq_checkpoint(root / change, "gptq", True, seed=13, act_order=True)
+    folder = root / f"gptq-act-order-bad-{change}"
+    shutil.copytree(built, folder)
+    tensors = load_file(folder / "model.safetensors")
+    if change == "stacked":
+        name = "model.layers.1.mlp.up_proj.g_idx"
+        tensors[name] = tensors[name].flip(0).contiguous()
+    elif change == "range":
+        tensors["model.layers.1.mlp.down_proj.g_idx"][5] = 3  # 384 features: groups 0..2
+    else:
+        del tensors["model.layers.1.mlp.down_proj.g_idx"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
         LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
 
 
@@ -205,16 +252,18 @@ def test_fp8_checkpoint_weight_that_is_not_float8_is_refused(root):
         LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**22)
 
 
-@pytest.mark.parametrize("kind", ["ct-asym", "gptq"])
+@pytest.mark.parametrize("kind", ["ct-asym", "gptq", "gptq-act-order", "ct-act-order"])
 def test_tensor_parallel_ranks_hold_their_slices_of_packed_weights(root, kind):
     """Each of two ranks dequantizes exactly its rows (column parallel) or columns (row parallel)
-    of the reference weights; group 64 so the 384 inputs of down_proj split at a group edge."""
+    of the reference weights; group 64 so the 384 inputs of down_proj split at a group edge. With
+    act-order a row-parallel rank's features belong to any group: it keeps every group's scales."""
     from tokenmill.models.loader import load_model
     from tokenmill.models.source import resolve_model
     from tokenmill.quantization.config import resolve_quantization
 
-    if kind == "gptq":
-        folder, reference = gptq_awq_checkpoint(root / "tp", "gptq", False, group_size=64)
+    if kind in ("gptq", "gptq-act-order", "ct-act-order"):
+        folder, reference = gptq_awq_checkpoint(root / "tp", kind.split("-")[0], False, group_size=64,
+                                                act_order=kind.endswith("act-order"))
     else:
         folder, reference = compressed_tensors_checkpoint(root / "tp", "W4A16_ASYM", "llama", seed=5, group_size=64)
     source = resolve_model(str(folder))
@@ -254,7 +303,7 @@ def test_unsupported_quantization_is_refused_with_what_is_supported(tiny_llama_d
     folder, _ = gptq_awq_checkpoint(root / "refuse", "gptq", True)
     with pytest.raises(ValueError, match=r"quantization='awq'\) does not match the checkpoint.*'gptq'"):
         LLM(str(folder), device="cpu", quantization="awq")
-    for change, message in (({"desc_act": True}, "desc_act=True is not supported"),
+    for change, message in (({"desc_act": "yes"}, "desc_act='yes' is not supported; supported: true or false"),
                             ({"bits": 8}, "bits=8 is not supported; supported: 4"),
                             ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported")):
         config = json.loads((folder / "config.json").read_text())

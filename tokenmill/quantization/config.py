@@ -6,8 +6,10 @@ Two kinds of weights are supported, each with the checkpoint layouts that carry 
   checkpoints with ``quant_method: "fp8"`` (per-tensor scales), and ``quantization="fp8"`` on a
   bf16/fp16/fp32 checkpoint (per-channel scales computed while loading).
 - W4A16 (4-bit integer weights in groups along the input features, 16-bit activations):
-  compressed-tensors ``pack-quantized``, GPTQ (``desc_act=False``, or with ``static_groups``) and AWQ
-  (GEMM layout).
+  compressed-tensors ``pack-quantized`` (``actorder`` null, "weight" or "group"), GPTQ (``desc_act``
+  true or false) and AWQ (GEMM layout). Activation-order checkpoints (GPTQ ``desc_act=True``,
+  compressed-tensors ``actorder: "group"``) store a ``g_idx`` per layer, the group of each input
+  feature; w4a16.py reads it.
 
 Everything else is refused here with the field, the value and what is supported, before any
 weight is read. ``QuantizationConfig`` is frozen and plain data: it travels to tensor-parallel
@@ -47,6 +49,9 @@ class Int4Scheme:
     group_size: int  # -1: one group over all input features (per-channel)
     symmetric: bool
     gptq_zeros_minus_one: bool = False  # GPTQ's original ("v1") format stores each zero point minus 1
+    # The checkpoint's g_idx (GPTQ's g_idx, compressed-tensors' weight_g_idx) gives each input feature's
+    # group, which need not be feature // group_size (activation order); off: that plain order.
+    act_order: bool = False
 
 
 Scheme = Fp8Scheme | Int4Scheme
@@ -102,7 +107,8 @@ def _describe(scheme: Scheme) -> str:
     if isinstance(scheme, Fp8Scheme):
         return f"fp8 weights per {scheme.weight_scales}, {scheme.activations} activation scales"
     group = "per channel" if scheme.group_size == -1 else f"group {scheme.group_size}"
-    return f"{scheme.layout} int4 {group} {'symmetric' if scheme.symmetric else 'asymmetric'}"
+    order = " act-order" if scheme.act_order else ""
+    return f"{scheme.layout} int4 {group} {'symmetric' if scheme.symmetric else 'asymmetric'}{order}"
 
 
 def refuse_modelopt_file(folder: Path, hf_config: Any) -> None:
@@ -210,11 +216,14 @@ def _compressed_tensors_scheme(where: str, group: dict, default_format: str | No
         strategy = weights.get("strategy")
         if strategy not in ("group", "channel"):
             raise _refuse(f"{where}.weights.strategy", strategy, "'group' or 'channel' for 4-bit weights")
-        if weights.get("actorder") not in (None, False, "static"):
-            raise _refuse(f"{where}.weights.actorder", weights["actorder"], "null or 'static' (no g_idx permutation)")
+        # "weight" (alias "static") reordered features only while quantizing: the stored order is plain.
+        # "group" (alias "dynamic"; True in older releases) stores weight_g_idx, each feature's group.
+        actorder = weights.get("actorder")
+        if actorder not in (None, False, True, "weight", "static", "group", "dynamic"):
+            raise _refuse(f"{where}.weights.actorder", actorder, "null, 'weight' (or 'static') or 'group' (or 'dynamic')")
         group_size = weights.get("group_size") if strategy == "group" else -1
         return Int4Scheme("compressed-tensors", _check_group(f"{where}.weights.group_size", group_size),
-                          bool(weights.get("symmetric", True)))
+                          bool(weights.get("symmetric", True)), act_order=actorder in (True, "group", "dynamic"))
     raise _refuse(f"{where}.weights", weights, supported)
 
 
@@ -229,12 +238,11 @@ def _check_group(where: str, group_size: Any) -> int:
 def _gptq(cfg: dict) -> QuantizationConfig:
     if cfg.get("bits", 4) != 4:
         raise _refuse("bits", cfg.get("bits"), "4")
-    # With static_groups the groups were fixed before the act-order reordering, and g_idx (written as
-    # perm // g, then un-permuted) is the plain order: such weights load as desc_act=False ones. The
-    # loader still checks every g_idx (w4a16.py), so a permuted one is refused there.
-    if cfg.get("desc_act") and not cfg.get("static_groups"):
-        raise _refuse("desc_act", cfg["desc_act"], "false, or true with static_groups=true "
-                      "(activation-order checkpoints permute the input features)")
+    # desc_act=True (activation order): each feature's group is its g_idx entry. With static_groups the
+    # groups were fixed before the reordering, so g_idx is the plain order, which w4a16.py runs as such.
+    desc_act = cfg.get("desc_act")
+    if desc_act not in (None, False, True):
+        raise _refuse("desc_act", desc_act, "true or false")
     if cfg.get("dynamic"):
         raise _refuse("dynamic", cfg["dynamic"], "empty (one scheme for every layer)")
     if cfg.get("lm_head"):  # GPTQModel saved the LM head packed too; ours loads only full-precision weights
@@ -243,7 +251,7 @@ def _gptq(cfg: dict) -> QuantizationConfig:
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("checkpoint_format", fmt, "'gptq' or 'gptq_v2'")
     scheme = Int4Scheme("gptq", _check_group("group_size", cfg.get("group_size", 128)), bool(cfg.get("sym", True)),
-                        gptq_zeros_minus_one=fmt == "gptq")
+                        gptq_zeros_minus_one=fmt == "gptq", act_order=bool(desc_act))
     # GPTQ's own list names what was quantized (vLLM reads it; transformers' GPTQConfig writes it as
     # lists of a block's modules run together): every other layer keeps full-precision weights.
     quantized = _module_names("modules_in_block_to_quantize", cfg.get("modules_in_block_to_quantize"), nested=True)

@@ -13,6 +13,12 @@ axis is packed and in small conventions:
   outputs of a word in the order 0, 2, 4, 6, 1, 3, 5, 7.
 Ours (``Int4Weights``): codes [ceil(K/8), N] packed along K like GPTQ (a kernel tile of K x N
 loads whole words, contiguous along N), scales [G, N], zero points [G, N] as uint8 or None for 8.
+
+Activation-order checkpoints add ``g_idx`` [K], the group of each feature (GPTQ ``desc_act``,
+compressed-tensors ``actorder: "group"``), where the others' group is ``feature // group_size``.
+The kernel reads groups as runs of features, so ``group_contiguous`` reorders such a weight's
+features group by group and says where each reordered feature comes from: the layer gathers its
+input's columns in that order before the product (``x[:, index] @ W[:, index]^T = x @ W^T``).
 """
 
 from __future__ import annotations
@@ -53,31 +59,39 @@ class Int4Weights:
     zeros: torch.Tensor | None  # uint8 [G, N], or None: every zero point is 8
     in_features: int  # K
     group_size: int  # features per group; K (or more) for one group per output channel
+    g_idx: torch.Tensor | None = None  # int64 [K]: each feature's group (act-order); None: feature // group_size
+
+    def groups(self) -> torch.Tensor:
+        """Each feature's group, int64 [K]."""
+        if self.g_idx is not None:
+            return self.g_idx
+        return torch.arange(self.in_features, device=self.qweight.device) // self.group_size
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The [N, K] weight ``(u - z) * s`` in ``dtype`` (computed in fp32, so exactly the stored values)."""
         k = self.in_features
         codes = unpack_int4(self.qweight, 0, k).float()  # [K, N]
-        group = torch.arange(k, device=codes.device) // self.group_size
+        group = self.groups()
         zeros = 8.0 if self.zeros is None else self.zeros.float()[group]
         return ((codes - zeros) * self.scales.float()[group]).t().to(dtype).contiguous()
 
 
 def from_compressed_tensors(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                            in_features: int, group_size: int) -> Int4Weights:
-    """weight_packed [N, K/8], weight_scale [N, G], weight_zero_point [N/8, G] or None."""
+                            in_features: int, group_size: int, g_idx: torch.Tensor | None = None) -> Int4Weights:
+    """weight_packed [N, K/8], weight_scale [N, G], weight_zero_point [N/8, G] or None; weight_g_idx [K]
+    for actorder "group"."""
     n = packed.shape[0]
     zeros = None if zero_point is None else unpack_int4(zero_point, 0, n).t().contiguous()
-    return _int4(packed.t(), scale.t(), zeros, in_features, group_size)
+    return _int4(packed.t(), scale.t(), zeros, in_features, group_size, g_idx)
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, in_features: int,
-              group_size: int, zeros_minus_one: bool) -> Int4Weights:
-    """qweight [K/8, N], qzeros [G, N/8], scales [G, N]."""
+              group_size: int, zeros_minus_one: bool, g_idx: torch.Tensor | None = None) -> Int4Weights:
+    """qweight [K/8, N], qzeros [G, N/8], scales [G, N]; g_idx [K] for desc_act."""
     n = qweight.shape[1]
     # v1 adds one to the stored nibble, as its kernels do, so a stored 15 means 16 (u - 16 is still exact).
     zeros = unpack_int4(qzeros, 1, n) + int(zeros_minus_one)
-    return _int4(qweight, scales, zeros, in_features, group_size)
+    return _int4(qweight, scales, zeros, in_features, group_size, g_idx)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, in_features: int,
@@ -95,8 +109,53 @@ def _awq_unpack(words: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, in_features: int,
-          group_size: int) -> Int4Weights:
+          group_size: int, g_idx: torch.Tensor | None = None) -> Int4Weights:
     if zeros is not None and bool((zeros == 8).all()):
         zeros = None  # symmetric in fact: the kernel then skips loading zero points
     group_size = in_features if group_size == -1 else group_size
-    return Int4Weights(qweight.contiguous(), scales.contiguous(), zeros, in_features, group_size)
+    g_idx = None if g_idx is None else g_idx.to(torch.int64)
+    return Int4Weights(qweight.contiguous(), scales.contiguous(), zeros, in_features, group_size, g_idx)
+
+
+def group_contiguous(weights: Int4Weights, slice_features: int = 16) -> tuple[Int4Weights, torch.Tensor | None]:
+    """An act-order weight with its features reordered so that groups lie in runs of features, and the
+    gather index ``index`` such that reordered feature ``i`` is input feature ``index[i]`` (None: no
+    reordering needed, ``weights`` returned as they are).
+
+    When every group holds ``group_size`` features (the last one maybe fewer: what act-order
+    quantization writes, whose g_idx is a permuted plain order), the result keeps ``group_size``, its
+    groups those present in g_idx in increasing order. Otherwise (a tensor-parallel rank's slice of a
+    row-parallel layer holds some features of many groups) each group's run is padded to whole
+    ``slice_features``-feature slices, each slice a group of its own; a padding feature gathers
+    input feature ``K``, which the caller makes a zero column (``index`` has entries up to K)."""
+    if weights.g_idx is None:
+        return weights, None
+    k, n = weights.in_features, weights.qweight.shape[1]
+    g_idx = weights.g_idx
+    order = torch.argsort(g_idx, stable=True)
+    present, counts = torch.unique_consecutive(g_idx[order], return_counts=True)
+    even = bool((counts[:-1] == weights.group_size).all()) and int(counts[-1]) <= weights.group_size
+    if even:
+        zeros = None if weights.zeros is None else weights.zeros[present].contiguous()
+        if torch.equal(order, torch.arange(k, device=order.device)):  # already in order (static groups)
+            return Int4Weights(weights.qweight, weights.scales[present].contiguous(), zeros, k, weights.group_size), None
+        index, group_of_run, group_size = order, present, weights.group_size
+    else:
+        # Slot s of group j's padded run holds its s-th feature, or padding past its count.
+        slices = (counts + slice_features - 1) // slice_features
+        group_of_run = present.repeat_interleave(slices)  # one group a slice
+        starts = torch.cumsum(counts, 0) - counts  # where each group's features begin in ``order``
+        slot = torch.arange(int(slices.sum()) * slice_features, device=order.device)
+        run = slot // slice_features
+        first_slice = torch.cumsum(slices, 0) - slices
+        owner = torch.repeat_interleave(torch.arange(len(present), device=order.device), slices)[run]
+        within = slot - first_slice[owner] * slice_features
+        real = within < counts[owner]
+        index = torch.where(real, order[(starts[owner] + within).clamp(max=k - 1)], torch.full_like(slot, k))
+        group_size = slice_features
+    codes = torch.cat([unpack_int4(weights.qweight[:, c : c + 4096], 0, k) for c in range(0, n, 4096)], 1)  # [K, N]
+    codes = torch.cat([codes, torch.zeros_like(codes[:1])])[index]  # padding rows: code 0 (their input is 0)
+    qweight = torch.cat([pack_int4(codes[:, c : c + 4096], 0) for c in range(0, n, 4096)], 1)
+    zeros = None if weights.zeros is None else weights.zeros[group_of_run].contiguous()
+    reordered = Int4Weights(qweight, weights.scales[group_of_run].contiguous(), zeros, len(index), group_size)
+    return reordered, index

@@ -9,6 +9,13 @@ tile-interleaved order) and ``apply`` runs the Triton W4A16 GEMM for up to 64 to
 same block to every layer, so no layer keeps a full-precision copy) and calls cuBLAS; elsewhere it
 is dequantized once into the model's dtype and the layer becomes an ordinary unquantized one
 (correct, not fast).
+
+Activation-order checkpoints (``Int4Scheme.act_order``) bring each feature's group in ``g_idx``
+(compressed-tensors: ``weight_g_idx``), split with the input features like the codes; a
+row-parallel rank then keeps every group's scales and zero points, since its features may belong to
+any group. The projections stacked into one layer (q/k/v, gate/up) must share one g_idx (they do
+when quantized from the same inputs). On a GPU the features are reordered group by group at load
+(``int4.group_contiguous``) and ``apply`` gathers the input's columns in the same order first.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import torch
 from torch import nn
 
 from tokenmill import quantization
-from tokenmill.models.layers.linear import LoadedWeight, ParamLayout, Placement, UnquantizedLinearMethod, new_param
+from tokenmill.models.layers.linear import (LoadedWeight, ParamLayout, Placement, UnquantizedLinearMethod, load_placed,
+                                           new_param)
 from tokenmill.quantization import int4
 from tokenmill.quantization.config import Int4Scheme
 
@@ -39,6 +47,7 @@ class W4A16LinearMethod:
         self.dtype = torch.get_default_dtype()
         self.in_features = k
         layout = self.scheme.layout
+        self.act_order = self.scheme.act_order
         if layout == "compressed-tensors":
             params: dict[str, tuple[tuple[int, ...], torch.dtype, ParamLayout]] = {
                 "weight_packed": ((n, -(-k // 8)), torch.int32, ParamLayout(0, 1, 1, 8)),
@@ -56,31 +65,53 @@ class W4A16LinearMethod:
         for name, (shape, dtype, param_layout) in params.items():
             param = new_param(shape, loader, param_layout, dtype=dtype)
             param.dummy_init = _dummy_init(name, self.scheme)  # type: ignore[attr-defined]
+            if self.act_order and g != -1 and name in ("weight_scale", "weight_zero_point", "qzeros", "scales"):
+                param.place = _place_every_group  # type: ignore[attr-defined]
             setattr(layer, name, param)
         if layout == "compressed-tensors":
             layer.weight_shape = _checked_param((2,), torch.int64, loader, _place_weight_shape)
+            if self.act_order:
+                layer.weight_g_idx = _g_idx_param(k, g, loader, self._place_g_idx)
         elif layout == "gptq":
-            layer.g_idx = _checked_param((k,), torch.int32, loader, self._place_g_idx)
+            layer.g_idx = _g_idx_param(k, g, loader, self._place_g_idx)
             # Some desc_act=False exports leave g_idx out: the plain order it would have to be anyway.
-            layer.g_idx.checkpoint_optional = True  # type: ignore[attr-defined]
+            layer.g_idx.checkpoint_optional = not self.act_order  # type: ignore[attr-defined]
 
     def _place_g_idx(self, param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
-        # desc_act=False checkpoints still save g_idx; it must be the plain order feature // group.
+        full, g = where.full_cols, self.scheme.group_size if self.scheme.group_size != -1 else where.full_cols
+        if tuple(loaded.shape) != (full,):
+            raise ValueError(f"g_idx has shape {tuple(loaded.shape)}, the layer has {full} input features")
         idx = loaded[...].to(torch.int64)
-        g = self.scheme.group_size if self.scheme.group_size != -1 else where.full_cols
-        if idx.shape != (where.full_cols,) or not torch.equal(idx, torch.arange(where.full_cols) // g):
-            raise ValueError("g_idx is not the plain group order (an act-order checkpoint?); desc_act=True is not supported")
+        if not self.act_order:
+            # desc_act=False checkpoints still save g_idx; it must be the plain order feature // group.
+            if not torch.equal(idx, torch.arange(full) // g):
+                raise ValueError("g_idx is not the plain group order, but quantization_config says the checkpoint is "
+                                 "not in activation order (GPTQ desc_act=false); set desc_act=true if it is")
+            return
+        groups = -(-full // g)
+        if bool(((idx < 0) | (idx >= groups)).any()):
+            raise ValueError(f"g_idx holds groups outside 0..{groups - 1} ({full} features in groups of {g})")
+        mine = idx[where.col_src : where.col_src + where.cols]  # this rank's input features
+        if param.is_meta:
+            return
+        if getattr(param, "parts_loaded", False) and not torch.equal(param.data.to(torch.int64), mine):
+            raise ValueError("g_idx differs from the g_idx of a projection stacked with it into one matmul (q/k/v or "
+                             "gate/up); tokenmill needs them alike (one reordering of the input serves the whole layer)")
+        param.data.copy_(mine)
+        param.parts_loaded = True  # type: ignore[attr-defined]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         s, k = self.scheme, self.in_features
         if s.layout == "compressed-tensors":
             zero_point = getattr(layer, "weight_zero_point", None)
+            g_idx = layer.weight_g_idx.data if self.act_order else None
             weights = int4.from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data,
-                                                   None if zero_point is None else zero_point.data, k, s.group_size)
-            names = ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"]
+                                                   None if zero_point is None else zero_point.data, k, s.group_size, g_idx)
+            names = ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"]
         elif s.layout == "gptq":
+            g_idx = layer.g_idx.data if self.act_order else None
             weights = int4.from_gptq(layer.qweight.data, layer.qzeros.data, layer.scales.data, k, s.group_size,
-                                     s.gptq_zeros_minus_one)
+                                     s.gptq_zeros_minus_one, g_idx)
             names = ["qweight", "qzeros", "scales", "g_idx"]
         else:
             weights = int4.from_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, k, s.group_size)
@@ -95,6 +126,11 @@ class W4A16LinearMethod:
             return
         from tokenmill.kernels.triton.w4a16_gemm import counters_needed, pack_for_kernel
 
+        weights, index = int4.group_contiguous(weights)
+        # The input's columns in the reordered features' order (None: as they are); past K, padding
+        # features that read a zero column appended to the input.
+        layer.register_buffer("input_order", index, persistent=False)
+        self.pads_input = index is not None and len(index) > k
         # The narrowest float that holds the checkpoint's scales exactly (GPTQ's fp16, compressed-tensors'
         # model dtype); fp32 rather than rounding them. The kernel reads any of them.
         exact = [dt for dt in (torch.bfloat16, torch.float16) if torch.equal(weights.scales.to(dt).float(), weights.scales)]
@@ -111,7 +147,12 @@ class W4A16LinearMethod:
         from tokenmill.kernels.triton.w4a16_gemm import w4a16_linear
 
         lead = x.shape[:-1]
-        y = w4a16_linear(x.reshape(-1, x.shape[-1]), layer.qweight_tiles, layer.scales_gn, layer.zeros_gn, self.group_size,
+        x = x.reshape(-1, x.shape[-1])
+        if layer.input_order is not None:
+            if self.pads_input:
+                x = torch.nn.functional.pad(x, (0, 1))
+            x = x.index_select(1, layer.input_order)
+        y = w4a16_linear(x, layer.qweight_tiles, layer.scales_gn, layer.zeros_gn, self.group_size,
                          bias, layer.splitk_counters)
         return y.reshape(*lead, y.shape[-1])
 
@@ -123,6 +164,30 @@ def _checked_param(shape: tuple[int, ...], dtype: torch.dtype, loader: Any, plac
     param.place = place  # type: ignore[attr-defined]
     param.dummy_init = lambda data, generator: None  # type: ignore[attr-defined]
     return param
+
+
+def _g_idx_param(k: int, group_size: int, loader: Any, place: Any) -> nn.Parameter:
+    """Each input feature's group: split with the input features, checked while loading."""
+    param = new_param((k,), loader, ParamLayout(input_dim=0), dtype=torch.int32)
+    param.place = place  # type: ignore[attr-defined]
+    plain = torch.arange(k) // (k if group_size == -1 else group_size)  # dummy weights: the plain order
+    param.dummy_init = lambda data, generator: data.copy_(plain)  # type: ignore[attr-defined]
+    return param
+
+
+def _place_every_group(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
+    """An act-order layer's scales or zero points: every group's, also on a row-parallel rank (whose
+    input features may belong to any group); the output features are split as usual."""
+    if where.cols != where.full_cols:
+        layout: ParamLayout = param.feature_layout  # type: ignore[attr-defined]
+        where = Placement(where.row_dst, where.row_src, where.rows, 0, where.full_cols, where.full_rows, where.full_cols)
+        shape = list(param.shape)
+        shape[layout.input_dim] = -(-where.full_cols // layout.input_pack)  # type: ignore[index]
+        if list(param.shape) != shape:
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+    whole = nn.Parameter(param.data, requires_grad=False)  # the same storage, without this hook
+    whole.feature_layout = param.feature_layout  # type: ignore[attr-defined]
+    load_placed(whole, loaded, where)
 
 
 def _place_weight_shape(param: nn.Parameter, loaded: LoadedWeight, where: Placement) -> None:
