@@ -99,6 +99,82 @@ for _dt in ("float32", "float16"):
         _case("quant_layer", f"layer-{_scheme}-{_dt}", dtype=_dt, scheme=_scheme)
 
 
+# Act-order (g_idx) layers through the kernel path against the weights of the integers and groups
+# drawn: gate/up stacked on one g_idx (groups of 64 over K = 192, a permuted plain order: the
+# reordered groups stay whole), and each rank of a row-parallel layer split in two (its features'
+# groups are uneven: runs padded to 16-feature slices); GPTQ's v1 zero points and CT's symmetric.
+for _dt in ("float32", "float16"):
+    for _layout in ("gptq", "compressed-tensors"):
+        _case("act_order_layer", f"act-order-layer-{_layout}-{_dt}", dtype=_dt, layout=_layout)
+
+
+def _check_act_order_layer(p: dict[str, Any]) -> None:
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tokenmill import quantization
+    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from tokenmill.quantization.config import Int4Scheme
+
+    dtype = getattr(torch, p["dtype"])
+    gptq = p["layout"] == "gptq"
+    scheme = Int4Scheme(p["layout"], 64, not gptq, gptq_zeros_minus_one=True, act_order=True)
+    gen = torch.Generator().manual_seed(17)
+    pack = lambda codes, dim: pack_to_int32((codes - 8).to(torch.int8), 4, packed_dim=dim)  # noqa: E731
+
+    def draw(n: int, k: int, g_idx: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        groups = -(-k // 64)
+        codes = torch.randint(0, 16, (n, k), generator=gen)
+        zeros = torch.randint(1, 17, (n, groups), generator=gen) if gptq else torch.full((n, groups), 8)
+        scales = (0.01 + 0.02 * torch.rand(n, groups, generator=gen)).half()
+        reference = (codes - zeros[:, g_idx]).float() * scales[:, g_idx].float()  # [N, K]
+        if gptq:
+            stored = {"qweight": pack(codes.t(), 0), "qzeros": pack(zeros.t() - 1, 1), "scales": scales.t().contiguous(),
+                      "g_idx": g_idx.to(torch.int32)}
+        else:
+            stored = {"weight_packed": pack(codes, 1), "weight_scale": scales, "weight_g_idx": g_idx.to(torch.int32),
+                      "weight_shape": torch.tensor([n, k])}
+        return stored, reference
+
+    k, halves, n_row = 192, [64, 80], 48
+    shared = torch.randperm(k, generator=gen) // 64
+    merged_parts = [draw(h, k, shared) for h in halves]
+    row_tensors, row_reference = draw(n_row, k, torch.randperm(k, generator=gen) // 64)
+    quantization.runs_kernels = lambda device: True  # type: ignore[assignment]
+    try:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            merged = MergedColumnParallelLinear(k, halves, quant_method=_method(scheme))
+            rows = [RowParallelLinear(k, n_row, tp_rank=r, tp_size=2, reduce_results=False, quant_method=_method(scheme))
+                    for r in (0, 1)]
+        finally:
+            torch.set_default_dtype(previous)
+        params = dict(merged.named_parameters())
+        for shard, (stored, _) in enumerate(merged_parts):
+            for name, tensor in stored.items():
+                merged.weight_loader(params[name], tensor, shard)
+        for row in rows:
+            row_params = dict(row.named_parameters())
+            for name, tensor in row_tensors.items():
+                row.weight_loader(row_params[name], tensor)
+        for layer in (merged, *rows):
+            layer.quant_method.process_weights_after_loading(layer)
+        assert merged.input_order is not None and not merged.quant_method.pads_input
+        assert all(row.quant_method.pads_input for row in rows)  # half of K: each group's run uneven
+        tol = 1e-4 if dtype == torch.float32 else 3e-3
+        for tokens in (5, 260):  # the register-dequant GEMM; past DEQUANT_MIN_M, dequantize then matmul
+            x = torch.randn(tokens, k, generator=gen)
+            want = x @ torch.cat([reference for _, reference in merged_parts]).t()
+            got = merged(x.to(dtype)).float()
+            torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
+            want = x @ row_reference.t()
+            got = sum(row(x[:, r * 96 : (r + 1) * 96].to(dtype).contiguous()).float() for r, row in enumerate(rows))
+            torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
+    finally:
+        quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]
+
+
 def _check_quant_layer(p: dict[str, Any]) -> None:
     import torch
 
@@ -369,4 +445,4 @@ def _check_fp8_silu(p: dict[str, Any]) -> None:
 
 CHECKS = {"fp8_norm": _check_fp8_norm, "fp8_silu": _check_fp8_silu, "w4a16": _check_w4a16, "w4a16_dequant": _check_w4a16_dequant,
           "quantize_fp8": _check_quantize_fp8, "fp8_gemm": _check_fp8_gemm,
-          "quant_layer": _check_quant_layer}
+          "quant_layer": _check_quant_layer, "act_order_layer": _check_act_order_layer}
