@@ -448,3 +448,11 @@ def test_w4a16_tiles_follow_the_measured_rule():
                 assert cfg["split_k"] == {32: 2, 48: 2, 64: 2, 96: 1, 128: 1}[m], (m, cfg)
     assert choose_config(SWAPPED_MAX_M + 1, 28672, 4096, 128, 132)["BLOCK_M"] == 128
 
+
+
+@pytest.mark.slow  # 12 s (two rank processes); test_tensor_parallel_ranks_hold_their_slices_... checks the slices fast
+def test_act_order_checkpoint_under_tensor_parallelism_matches_hf(root):
+    """Two ranks over gloo: the row-parallel layers' g_idx split with their input features, every
+    group's scales on both ranks."""
+    folder, reference = gptq_awq_checkpoint(root / "tp-act-order", "gptq", False, group_size=64, seed=14, act_order=True)
+    _check_against_hf(folder, reference, tensor_parallel_size=2)
