@@ -100,7 +100,7 @@ for _dt in ("float32", "float16"):
 
 
 # Act-order (g_idx) layers through the kernel path against the weights of the integers and groups
-# drawn: gate/up stacked on one g_idx (groups of 64 over K = 192, a permuted plain order: the
+# drawn: gate/up stacked on one g_idx (groups of 64 over K = 256, a permuted plain order: the
 # reordered groups stay whole), and each rank of a row-parallel layer split in two (its features'
 # groups are uneven: runs padded to 16-feature slices); GPTQ's v1 zero points and CT's symmetric.
 for _dt in ("float32", "float16"):
@@ -136,7 +136,8 @@ def _check_act_order_layer(p: dict[str, Any]) -> None:
                       "weight_shape": torch.tensor([n, k])}
         return stored, reference
 
-    k, halves, n_row = 192, [64, 80], 48
+    # K = 256: a rank's 128 features (one 128-feature tile) pad to more than one tile.
+    k, halves, n_row = 256, [64, 80], 48
     shared = torch.randperm(k, generator=gen) // 64
     merged_parts = [draw(h, k, shared) for h in halves]
     row_tensors, row_reference = draw(n_row, k, torch.randperm(k, generator=gen) // 64)
@@ -161,7 +162,7 @@ def _check_act_order_layer(p: dict[str, Any]) -> None:
         for layer in (merged, *rows):
             layer.quant_method.process_weights_after_loading(layer)
         assert merged.input_order is not None and not merged.quant_method.pads_input
-        assert all(row.quant_method.pads_input for row in rows)  # half of K: each group's run uneven
+        assert all(row.quant_method.pads_input and len(row.input_order) > 128 for row in rows)  # uneven runs, padded
         tol = 1e-4 if dtype == torch.float32 else 3e-3
         for tokens in (5, 260):  # the register-dequant GEMM; past DEQUANT_MIN_M, dequantize then matmul
             x = torch.randn(tokens, k, generator=gen)
@@ -169,7 +170,7 @@ def _check_act_order_layer(p: dict[str, Any]) -> None:
             got = merged(x.to(dtype)).float()
             torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
             want = x @ row_reference.t()
-            got = sum(row(x[:, r * 96 : (r + 1) * 96].to(dtype).contiguous()).float() for r, row in enumerate(rows))
+            got = sum(row(x[:, r * 128 : (r + 1) * 128].to(dtype).contiguous()).float() for r, row in enumerate(rows))
             torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
     finally:
         quantization.runs_kernels = lambda device: device.type == "cuda"  # type: ignore[assignment]

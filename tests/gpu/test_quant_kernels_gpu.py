@@ -1,7 +1,7 @@
 """Quantized GEMM kernels on a CUDA GPU: W4A16 and fp8 against their plain-torch twins over many
 shapes (M from 1 to 4096, Llama-3-8B's projections, odd K and N, partial groups), the knobs their
-benches sweep, the split-K path under CUDA-graph replays, both W4A16 paths through a layer, and
-the norms that quantize their own output against the unfused kernels. The engines on quantized
+benches sweep, the split-K path under CUDA-graph replays, both W4A16 paths through a layer (act-order
+ones too), and the norms that quantize their own output against the unfused kernels. The engines on quantized
 weights: test_quant_engine_gpu.py."""
 
 from __future__ import annotations
@@ -155,6 +155,54 @@ def test_w4a16_layer_matches_reference_on_both_paths(n, k, group, symmetric, mon
         want = x.float() @ weight.t() + bias.cuda()
         torch.testing.assert_close(got.float(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2, msg=f"M={m}")
     assert len(passes) == sum(m >= kernels.DEQUANT_MIN_M for m in ms), "the prefill path ran at the wrong sizes"
+
+
+@pytest.mark.parametrize("n, k, group, symmetric, rank", [(4096, 14336, 128, False, None), (6144, 4096, 128, True, None),
+                                                          (4096, 14336, 128, True, 1), (1000, 4000, 64, False, 0)])
+def test_w4a16_act_order_layer_matches_reference_on_both_paths(n, k, group, symmetric, rank):
+    """An act-order GPTQ (v1) layer, each feature's group drawn as a permuted plain order (what
+    desc_act quantization writes), through ``apply`` at M from 1 to 4096: whole (column parallel:
+    the features reordered by group, the input gathered) and, ``rank`` given, one rank of two of a
+    row-parallel layer (its half of the features in uneven groups: 16-feature slices, padded).
+    Reference: ``(code - zero[g_idx]) * scale[g_idx]`` of the integers drawn, in fp32."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tokenmill.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from tokenmill.quantization import linear_method
+    from tokenmill.quantization.config import Int4Scheme, QuantizationConfig
+
+    gen = torch.Generator().manual_seed(n + k + 1)
+    groups = -(-k // group)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.full((groups, n), 8) if symmetric else torch.randint(1, 16, (groups, n), generator=gen)
+    scales = (0.002 + 0.004 * torch.rand(groups, n, generator=gen)).half()
+    g_idx = torch.randperm(k, generator=gen) // group
+    weight = ((codes - zeros.t()[:, g_idx]).float() * scales.t()[:, g_idx].float()).cuda()  # [N, K]
+    pack = lambda values: pack_to_int32((values - 8).to(torch.int8), 4, packed_dim=1)  # noqa: E731  (it stores value + 8)
+    tensors = {"qweight": pack(codes).t().contiguous(), "qzeros": pack(zeros - 1), "scales": scales, "g_idx": g_idx.to(torch.int32)}
+    scheme = Int4Scheme("gptq", group, symmetric, True, act_order=True)
+    method = linear_method(QuantizationConfig("test", ((("Linear",), scheme),)), ["layer"])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            if rank is None:
+                layer = ColumnParallelLinear(k, n, quant_method=method)
+            else:
+                layer = RowParallelLinear(k, n, tp_rank=rank, tp_size=2, reduce_results=False, quant_method=method)
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(layer.named_parameters())
+    for name, tensor in tensors.items():
+        layer.weight_loader(params[name], tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.input_order is not None and layer.quant_method.pads_input == (rank is not None)
+    features = slice(None) if rank is None else slice(rank * k // 2, (rank + 1) * k // 2)
+    for m in sorted(set(M_VALUES) | {129}):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)[:, features].contiguous()
+        got = layer(x)
+        want = x.float() @ weight[:, features].t()
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2, msg=f"M={m}")
 
 
 @pytest.mark.parametrize("n, k", SHAPES_8B + [(72, 200), (64, 16500)])  # 16,500: past ONE_PASS_MAX_K (two passes)

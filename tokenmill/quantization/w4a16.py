@@ -136,7 +136,7 @@ class W4A16LinearMethod:
         exact = [dt for dt in (torch.bfloat16, torch.float16) if torch.equal(weights.scales.to(dt).float(), weights.scales)]
         scales = weights.scales.to(exact[0] if exact else torch.float32)
         # Repacked once for the kernel (tile-interleaved K: see kernels/triton/w4a16_gemm.py).
-        layer.register_buffer("qweight_tiles", pack_for_kernel(weights.qweight, k), persistent=False)
+        layer.register_buffer("qweight_tiles", pack_for_kernel(weights.qweight, weights.in_features), persistent=False)
         layer.register_buffer("scales_gn", scales.contiguous(), persistent=False)
         layer.register_buffer("zeros_gn", weights.zeros, persistent=False)
         layer.register_buffer("splitk_counters", torch.zeros(counters_needed(weights.qweight.shape[1]), dtype=torch.int32,
