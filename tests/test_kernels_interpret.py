@@ -19,7 +19,8 @@ This file holds the harness and the per-token kernels' cases and checks (KV stor
 LayerNorm, rotary, the qkv prologue, SiLU-mul); each other kernel family brings its ``CASES`` and
 ``CHECKS`` from a module of its own, merged here: ``kernel_checks_paged_attention.py``,
 ``kernel_checks_attention_queue.py``, ``kernel_checks_varlen_attention.py``,
-``kernel_checks_sampling.py``, ``quant_kernel_checks.py``, ``kernel_checks_deterministic.py``.
+``kernel_checks_sampling.py``, ``quant_kernel_checks.py``, ``kernel_checks_block_fp8.py``,
+``kernel_checks_deterministic.py``.
 
 The same harness also reports the sm_90 compile checks (``kernel_compile_sm90.py``), whose
 worker compiles real-hardware shapes with Triton's compiler and ptxas instead of interpreting.
@@ -39,6 +40,7 @@ import pytest
 
 import kernel_checks_deterministic as deterministic
 import kernel_checks_attention_queue
+import kernel_checks_block_fp8
 import kernel_checks_moe
 import kernel_checks_paged_attention
 import kernel_checks_sampling
@@ -91,6 +93,7 @@ CASES.update(kernel_checks_attention_queue.CASES)  # the item-queue decode atten
 CASES.update(kernel_checks_varlen_attention.CASES)  # varlen attention and pooling models through it
 CASES.update(kernel_checks_sampling.CASES)  # the Gumbel-max draw, penalties and filters
 CASES.update(quant_kernel_checks.CASES)  # the quantized GEMMs: tests/quant_kernel_checks.py
+CASES.update(kernel_checks_block_fp8.CASES)  # block-wise fp8: tests/kernel_checks_block_fp8.py
 CASES.update(sm90.CASES)  # compiled for sm_90, not run: tests/kernel_compile_sm90.py
 CASES.update(deterministic.CASES)  # deterministic mode's kernels: tests/kernel_checks_deterministic.py
 CASES.update(kernel_checks_moe.CASES)  # the fused mixture-of-experts kernels: tests/kernel_checks_moe.py
@@ -345,6 +348,7 @@ _CHECKS = {
     **kernel_checks_sampling.CHECKS,
     **deterministic.CHECKS,
     **quant_kernel_checks.CHECKS,
+    **kernel_checks_block_fp8.CHECKS,
     **kernel_checks_moe.CHECKS,
 }
 

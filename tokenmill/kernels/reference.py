@@ -383,6 +383,29 @@ def fp8_linear_ref(
     return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
+def quantize_fp8_groups_ref(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8_ref`` applied to each ``group``-wide slice of each row (the last one partial)
+    -> (codes [M, K], fp32 scales [M, cdiv(K, group)])."""
+    parts = [quantize_fp8_ref(x[:, k0 : k0 + group]) for k0 in range(0, x.shape[1], group)]
+    codes = torch.cat([c for c, _ in parts], dim=1) if parts else torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.stack([s for _, s in parts], dim=1) if parts else torch.empty((x.shape[0], 0))
+    return codes, scales
+
+
+def block_fp8_linear_ref(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, block: int = 128,
+) -> torch.Tensor:
+    """sum over K blocks kb of (xq[:, kb] wq[:, kb]^T) * x_scale[:, kb] * w_scale[n // block, kb] (+ bias):
+    each block's fp8 products summed in fp32, then scaled, the blocks summed in fp32 in K order."""
+    y = torch.zeros((xq.shape[0], wq.shape[0]), dtype=torch.float32, device=xq.device)
+    row_scales = w_scale.float().repeat_interleave(block, dim=0)[: wq.shape[0]]  # [N, K blocks]
+    for kb, k0 in enumerate(range(0, xq.shape[1], block)):
+        part = xq[:, k0 : k0 + block].float() @ wq[:, k0 : k0 + block].float().t()
+        y += part * x_scale[:, kb].float()[:, None] * row_scales[:, kb][None, :]
+    return (y if bias is None else y + bias.float()).to(out_dtype)
+
+
 def fused_moe_ref(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]: rows :I gate's weight, I: up's
