@@ -3,6 +3,12 @@
 - compressed-tensors: the package's own scheme presets, its qparam computation and its compressors
   write the folder; its decompressors, run on the tensors read back from the file, give the
   reference weights.
+- Block-wise fp8 (HF's ``quant_method: "fp8"``, ``weight_block_size: [128, 128]``): transformers'
+  own FineGrainedFP8 quantizer op (``Fp8Quantize``, plain torch) writes each projection's codes and
+  ``weight_scale_inv``; a weight whose sides are not multiples of 128, which that op leaves
+  unquantized, gets random fp8 codes and block scales drawn instead. The reference weight is
+  transformers' own dequantization (``_dequantize_fp8_weight``: code * scale over each block, the
+  last ones partial) of the tensors written.
 - GPTQ and AWQ: random 4-bit codes, zero points and fp16 scales are drawn first; the reference
   weight is ``(code - zero) * scale`` of those integers. Activation order (GPTQ ``desc_act``,
   compressed-tensors ``actorder: "group"``, which compressed-tensors itself no longer writes) also
@@ -34,12 +40,14 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def tiny_config(family: str = "llama", **overrides: Any) -> Any:
     """Large enough for 128-feature groups: hidden 256 (2 groups), intermediate 384 (3 groups)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    kwargs = tiny_config_kwargs(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
-                                tie_word_embeddings=False, **overrides)
+    kwargs = tiny_config_kwargs(**{**dict(hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                                          num_key_value_heads=2, tie_word_embeddings=False), **overrides})
     if family == "qwen2":
         return Qwen2Config(**kwargs, architectures=["Qwen2ForCausalLM"])
+    if family == "qwen3":
+        return Qwen3Config(**kwargs, architectures=["Qwen3ForCausalLM"])
     return LlamaConfig(**kwargs, architectures=["LlamaForCausalLM"])
 
 
@@ -66,7 +74,7 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
                                   group_size: int | None = None, ignore: tuple[str, ...] = ("lm_head",),
                                   more_groups: tuple[tuple[str, list[str]], ...] = (),
                                   actorder: str | None = None) -> tuple[Path, Path]:
-    """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC) for
+    """A compressed-tensors folder quantized with ``preset`` (W4A16, W4A16_ASYM, FP8, FP8_DYNAMIC, FP8_BLOCK) for
     every Linear not in ``ignore``, its 4-bit groups of ``group_size`` features when given (the presets
     use 128; -1: per channel); ``more_groups``: further (preset, targets) groups after it, which
     compressed-tensors lets win over "Linear" for the modules their names or regexes match."""
@@ -97,6 +105,10 @@ def compressed_tensors_checkpoint(root: Path, preset: str, family: str = "llama"
         if args.strategy == "group":
             grouped = weight.unflatten(-1, (-1, args.group_size))
             low, high = grouped.amin(-1), grouped.amax(-1)
+        elif args.strategy == "block":  # [N / bn, bn, K / bk, bk]: a range per block
+            (bn, bk), (n, k) = args.block_structure, weight.shape
+            blocks = weight.reshape(n // bn, bn, k // bk, bk)
+            low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
         elif args.strategy == "channel":
             low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
         else:
@@ -271,3 +283,47 @@ def fp8_fake_quantized_reference(root: Path, folder: Path, family: str = "llama"
             scale, zero_point = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), args)
             weights[name] = dequantize(quantize(w, scale, zero_point, args), scale, zero_point, args).float().view(param.shape)
     return _save_reference(model, weights, root / f"{folder.name}-fp8-reference")
+
+
+def block_fp8_checkpoint(root: Path, family: str = "qwen3", seed: int = 0, full_precision: tuple[str, ...] = (),
+                         tag: str = "", **config_overrides: Any) -> tuple[Path, Path]:
+    """An HF block-wise fp8 folder (transformers' FineGrainedFP8Config, as Qwen3-*-FP8 ship it; see the
+    module docstring); ``full_precision``: projections (full module names) kept as plain weights and
+    named in modules_to_not_convert; ``config_overrides``: the tiny config's sizes (partial blocks)."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize, _dequantize_fp8_weight
+
+    config = tiny_config(family, **config_overrides)
+    model = random_model(config, seed)
+    quant = FineGrainedFP8Config(weight_block_size=[128, 128], modules_to_not_convert=["lm_head", *full_precision])
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=quant))
+    gen = torch.Generator().manual_seed(seed + 100)
+    tensors: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        weight = param.detach()
+        if module.rsplit(".", 1)[-1] not in PROJECTIONS or kind != "weight" or module in full_precision:
+            tensors[name] = weight.clone()
+            continue
+        scale_name = f"{module}.weight_scale_inv"
+        n, k = weight.shape
+        if n % 128 == 0 and k % 128 == 0:
+            written = quantize.convert({name: weight})
+            codes, scales = written[name], written[scale_name]
+        else:  # left unquantized by Fp8Quantize: codes and block scales drawn
+            codes = (torch.randn(n, k, generator=gen) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
+            scales = float(weight.abs().max()) / 448 * (0.5 + torch.rand(-(-n // 128), -(-k // 128), generator=gen))
+        tensors[name], tensors[scale_name] = codes, scales.float()
+        weights[name] = _dequantize_fp8_weight(codes, scales.float(), [128, 128], torch.float32)
+    folder = root / f"block-fp8-{family}-seed{seed}-{len(full_precision)}{tag}"
+    folder.mkdir(parents=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    config.quantization_config = json.loads(quant.to_json_string())
+    config.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    reference = random_model(tiny_config(family, **config_overrides), seed)
+    return folder, _save_reference(reference, weights, root / f"{folder.name}-reference")

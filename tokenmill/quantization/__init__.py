@@ -1,5 +1,5 @@
 """Quantized weights: which scheme a layer runs (config.py), and the linear methods that run them
-(fp8.py, w4a16.py; the unquantized one lives with the layers in models/layers/linear.py)."""
+(fp8.py, block_fp8.py, w4a16.py; the unquantized one lives with the layers in models/layers/linear.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def linear_method(config: QuantizationConfig | None, module_names: Sequence[str]
     scheme = None if config is None else config.scheme_for(module_names)
     if scheme is None:
         return None
+    if isinstance(scheme, Fp8Scheme) and scheme.weight_scales == "block":
+        from tokenmill.quantization.block_fp8 import BlockFp8LinearMethod
+
+        return BlockFp8LinearMethod(scheme)
     if isinstance(scheme, Fp8Scheme):
         from tokenmill.quantization.fp8 import Fp8LinearMethod
 

@@ -5,6 +5,10 @@ Two kinds of weights are supported, each with the checkpoint layouts that carry 
   scale): compressed-tensors ``float-quantized`` W8A8 (per-tensor or per-channel weight scales),
   checkpoints with ``quant_method: "fp8"`` (per-tensor scales), and ``quantization="fp8"`` on a
   bf16/fp16/fp32 checkpoint (per-channel scales computed while loading).
+- Block-wise FP8 (a weight scale per 128 x 128 block, activations quantized per token and
+  128-feature group, dynamically): ``quant_method: "fp8"`` with ``weight_block_size: [128, 128]``
+  (Qwen3-*-FP8, DeepSeek-style; transformers' FineGrainedFP8) and compressed-tensors'
+  ``strategy: "block"`` (llm-compressor's FP8_BLOCK).
 - W4A16 (4-bit integer weights in groups along the input features, 16-bit activations):
   compressed-tensors ``pack-quantized`` (``actorder`` null, "weight" or "group"), GPTQ (``desc_act``
   true or false) and AWQ (GEMM layout). Activation-order checkpoints (GPTQ ``desc_act=True``,
@@ -30,15 +34,22 @@ from tokenmill.param_checks import is_int
 # vLLM's names for the methods we run; vLLM's kernel-specific spellings load the same checkpoints.
 SUPPORTED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 _ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
+# The only weight block the block-wise fp8 kernels take (every such checkpoint we know of uses it):
+# a K step of the GEMM is one block, so one scale pair a step.
+WEIGHT_BLOCK = 128
 
 
 @dataclass(frozen=True)
 class Fp8Scheme:
     """float8 e4m3 weights with fp32 scales; activations quantized to fp8 before each GEMM."""
 
-    weight_scales: Literal["tensor", "channel"]
+    # "block": a scale per WEIGHT_BLOCK x WEIGHT_BLOCK block of the weight, activations per token and group
+    weight_scales: Literal["tensor", "channel", "block"]
     activations: Literal["dynamic", "static"]  # dynamic: a scale per token; static: the checkpoint's input_scale
     quantize_at_load: bool = False  # the checkpoint holds full-precision weights (quantization="fp8")
+    # The checkpoint's name of the block scales: "weight_scale_inv" (HF's, despite the name a
+    # multiplier: weight = code * scale) or compressed-tensors' "weight_scale".
+    block_scale_name: str = "weight_scale"
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,8 @@ def _matches(pattern: str, name: str) -> bool:
 
 def _describe(scheme: Scheme) -> str:
     if isinstance(scheme, Fp8Scheme):
+        if scheme.weight_scales == "block":
+            return f"fp8 weights per {WEIGHT_BLOCK}x{WEIGHT_BLOCK} block, dynamic activation scales per {WEIGHT_BLOCK}-group"
         return f"fp8 weights per {scheme.weight_scales}, {scheme.activations} activation scales"
     group = "per channel" if scheme.group_size == -1 else f"group {scheme.group_size}"
     order = " act-order" if scheme.act_order else ""
@@ -195,17 +208,19 @@ def _compressed_tensors(cfg: dict) -> QuantizationConfig:
 def _compressed_tensors_scheme(where: str, group: dict, default_format: str | None) -> Scheme:
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
     fmt = group.get("format") or default_format
-    supported = ("FP8 W8A8 (float-quantized, 8-bit float weights per tensor or channel, activations per token "
-                 "or per tensor) and W4A16 (pack-quantized, 4-bit int weights per group or channel)")
+    supported = ("FP8 W8A8 (float-quantized, 8-bit float weights per tensor, channel or 128x128 block, activations "
+                 "per token, per tensor or per 128-group) and W4A16 (pack-quantized, 4-bit int weights per group or channel)")
     if group.get("output_activations"):
         raise _refuse(f"{where}.output_activations", group["output_activations"], "null")
     if weights.get("type") == "float" and weights.get("num_bits") == 8:
         if fmt not in ("float-quantized", "naive-quantized"):
             raise _refuse(f"{where}.format", fmt, "'float-quantized' for fp8 weights")
-        if weights.get("strategy") not in ("tensor", "channel"):
-            raise _refuse(f"{where}.weights.strategy", weights.get("strategy"), "'tensor' or 'channel' for fp8 weights")
+        if weights.get("strategy") not in ("tensor", "channel", "block"):
+            raise _refuse(f"{where}.weights.strategy", weights.get("strategy"), "'tensor', 'channel' or 'block' for fp8 weights")
         if not inputs or inputs.get("type") != "float" or inputs.get("num_bits") != 8:
             raise _refuse(f"{where}.input_activations", inputs, f"8-bit float activations; schemes we run: {supported}")
+        if weights["strategy"] == "block":
+            return _compressed_tensors_block(where, weights, inputs)
         dynamic, strategy = bool(inputs.get("dynamic")), inputs.get("strategy")
         if (dynamic and strategy != "token") or (not dynamic and strategy != "tensor"):
             raise _refuse(f"{where}.input_activations", inputs, "dynamic per-token or static per-tensor fp8 scales")
@@ -225,6 +240,21 @@ def _compressed_tensors_scheme(where: str, group: dict, default_format: str | No
         return Int4Scheme("compressed-tensors", _check_group(f"{where}.weights.group_size", group_size),
                           bool(weights.get("symmetric", True)), act_order=actorder in (True, "group", "dynamic"))
     raise _refuse(f"{where}.weights", weights, supported)
+
+
+def _compressed_tensors_block(where: str, weights: dict, inputs: dict) -> Fp8Scheme:
+    """llm-compressor's FP8_BLOCK: weights in 128 x 128 blocks, activations dynamic per token and 128-group."""
+    block = weights.get("block_structure")
+    if block != [WEIGHT_BLOCK, WEIGHT_BLOCK]:
+        raise _refuse(f"{where}.weights.block_structure", block, f"[{WEIGHT_BLOCK}, {WEIGHT_BLOCK}]")
+    if weights.get("dynamic"):
+        raise _refuse(f"{where}.weights.dynamic", weights["dynamic"], "false (the checkpoint's own block scales)")
+    if not weights.get("symmetric", True):
+        raise _refuse(f"{where}.weights.symmetric", weights["symmetric"], "true")
+    if not inputs.get("dynamic") or inputs.get("strategy") != "group" or inputs.get("group_size") != WEIGHT_BLOCK:
+        raise _refuse(f"{where}.input_activations", inputs, f"dynamic fp8 scales per token and group of {WEIGHT_BLOCK} "
+                      "features (strategy 'group') with block weights")
+    return Fp8Scheme("block", "dynamic")
 
 
 def _check_group(where: str, group_size: Any) -> int:
@@ -296,10 +326,25 @@ def _anywhere_in_the_name(names: list[str]) -> tuple[str, ...]:
 
 
 def _fp8_checkpoint(cfg: dict) -> QuantizationConfig:
-    if cfg.get("weight_block_size"):
-        raise _refuse("weight_block_size", cfg["weight_block_size"], "null (per-tensor weight scales)")
     activations = cfg.get("activation_scheme", "dynamic")
     if activations not in ("dynamic", "static"):
         raise _refuse("activation_scheme", activations, "'dynamic' or 'static'")
-    ignore = tuple(cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or ())
-    return QuantizationConfig("fp8", ((("Linear",), Fp8Scheme("tensor", activations)),), ignore)
+    if cfg.get("fmt", "e4m3") != "e4m3":  # DeepSeek's configs name the float8 format
+        raise _refuse("fmt", cfg["fmt"], "'e4m3' (float8_e4m3fn weights)")
+    if cfg.get("modules_to_convert"):  # transformers' FineGrainedFP8Config: only these quantized
+        raise _refuse("modules_to_convert", cfg["modules_to_convert"], "null (every Linear not in modules_to_not_convert)")
+    if cfg.get("expert_dtype", "fp8") not in ("fp8", None):  # transformers' FineGrainedFP8Config: fp4 experts
+        raise _refuse("expert_dtype", cfg["expert_dtype"], "'fp8'")
+    # vLLM reads both lists; transformers' FineGrainedFP8Config writes modules_to_not_convert.
+    ignore = tuple(_module_names("ignored_layers", cfg.get("ignored_layers"))
+                   + _module_names("modules_to_not_convert", cfg.get("modules_to_not_convert")))
+    block = cfg.get("weight_block_size")
+    if block is None:
+        return QuantizationConfig("fp8", ((("Linear",), Fp8Scheme("tensor", activations)),), ignore)
+    if block != [WEIGHT_BLOCK, WEIGHT_BLOCK]:
+        raise _refuse("weight_block_size", block, f"null (per-tensor weight scales) or [{WEIGHT_BLOCK}, {WEIGHT_BLOCK}]")
+    if activations != "dynamic":
+        raise _refuse("activation_scheme", activations, "'dynamic' with weight_block_size (activations are quantized "
+                      f"per token and {WEIGHT_BLOCK}-feature group as they come)")
+    scheme = Fp8Scheme("block", "dynamic", block_scale_name="weight_scale_inv")
+    return QuantizationConfig("fp8", ((("Linear",), scheme),), ignore)
