@@ -327,3 +327,41 @@ def block_fp8_checkpoint(root: Path, family: str = "qwen3", seed: int = 0, full_
     build_tiny_tokenizer().save_pretrained(folder)
     reference = random_model(tiny_config(family, **config_overrides), seed)
     return folder, _save_reference(reference, weights, root / f"{folder.name}-reference")
+
+
+def block_fp8_moe_checkpoint(root: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny Qwen3-MoE (hidden 256, 4 experts of 128, 2 a token) saved by transformers, every attention
+    and expert projection (not the router) then quantized by transformers' Fp8Quantize as Qwen3-30B-A3B-FP8
+    ships them; the reference: the same folder with each weight replaced by transformers' dequantization."""
+    import shutil
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file, save_file
+    from transformers import FineGrainedFP8Config, Qwen3MoeConfig
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize, _dequantize_fp8_weight
+
+    config = Qwen3MoeConfig(**tiny_config_kwargs(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                                 tie_word_embeddings=False),
+                            moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                            architectures=["Qwen3MoeForCausalLM"])
+    full = root / f"qwen3-moe-seed{seed}-full"
+    random_model(config, seed).save_pretrained(full)
+    build_tiny_tokenizer().save_pretrained(full)
+    quant = FineGrainedFP8Config(weight_block_size=[128, 128], modules_to_not_convert=["lm_head"])
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=quant))
+    stored, weights = {}, {}
+    for name, tensor in load_file(full / "model.safetensors").items():
+        module, _, kind = name.rpartition(".")
+        if module.rsplit(".", 1)[-1] in PROJECTIONS and kind == "weight":
+            written = quantize.convert({name: tensor})
+            stored.update(written)
+            weights[name] = _dequantize_fp8_weight(written[name], written[f"{module}.weight_scale_inv"], [128, 128], torch.float32)
+        else:
+            stored[name] = weights[name] = tensor
+    folder, reference = root / f"block-fp8-qwen3-moe-seed{seed}", root / f"block-fp8-qwen3-moe-seed{seed}-reference"
+    for target, tensors in ((folder, stored), (reference, weights)):
+        shutil.copytree(full, target)
+        save_file({n: t.contiguous() for n, t in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    config.quantization_config = json.loads(quant.to_json_string())
+    config.save_pretrained(folder)
+    return folder, reference

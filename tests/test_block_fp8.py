@@ -195,3 +195,38 @@ def test_dummy_weights_for_a_block_fp8_config(root):
     assert torch.isfinite(weight).all() and 0.005 < float(weight.std()) < 0.05
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_block_fp8_mixture_of_experts_checkpoint_matches_hf(root):
+    """A Qwen3-MoE checkpoint in Qwen3-30B-A3B-FP8's layout: attention through the block method, each
+    expert's blocks dequantized after loading (on the CPU kept so; on a GPU quantized again per row)."""
+    from quant_checkpoints import block_fp8_moe_checkpoint
+    from tokenmill.models.layers.moe import Experts
+
+    folder, reference = block_fp8_moe_checkpoint(root)
+    llm = _check_against_hf(folder, reference)
+    experts = [m for m in llm.llm_engine.executor.driver.model.modules() if isinstance(m, Experts)]
+    assert experts and all(not e.fp8 and e.w13.dtype == torch.float32 and not hasattr(e, "w13_scale_inv") for e in experts)
+
+
+def test_block_fp8_experts_are_quantized_again_per_row_for_the_gpu_kernels(root, monkeypatch):
+    """What a GPU keeps of block-wise fp8 experts (the kernel path forced on the CPU): fp8 codes with a
+    scale per output row, within one e4m3 rounding (1/16 of a row's largest weight) of HF's reference."""
+    from quant_checkpoints import block_fp8_moe_checkpoint
+    from tokenmill import quantization
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.source import resolve_model
+    from tokenmill.quantization.config import resolve_quantization
+
+    folder, reference = block_fp8_moe_checkpoint(root, seed=1)
+    source = resolve_model(str(folder))
+    monkeypatch.setattr(quantization, "runs_kernels", lambda device: True)
+    experts = load_model(source, torch.float32, torch.device("cpu"), quantization=resolve_quantization(None, source.hf_config)
+                         ).model.layers[1].mlp.experts
+    assert experts.fp8 and experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale.shape == (4, 256)
+    hf = hf_model(str(reference)).model.layers[1].mlp.experts
+    for name, ours, scales in (("gate_up_proj", experts.w13, experts.w13_scale), ("down_proj", experts.w2, experts.w2_scale)):
+        got = ours.float() * scales[..., None]
+        expected = getattr(hf, name).detach()
+        step = expected.abs().amax(dim=-1, keepdim=True) / 16
+        assert bool(((got - expected).abs() <= step).all()), name

@@ -9,7 +9,10 @@ are stacked at load like q/k/v.
 
 ``quantization="fp8"`` quantizes the attention projections (and any dense MLP) as in the dense
 models, and the experts' weights to fp8 per output channel (weight-only: layers/moe.py says why);
-the router and the LM head stay in the model's dtype. Pre-quantized MoE checkpoints are refused.
+the router and the LM head stay in the model's dtype. Of pre-quantized MoE checkpoints only block-wise fp8
+ones load (HF's ``weight_block_size``, Qwen3-30B-A3B-FP8): their experts' blocks are dequantized after
+loading and, on a GPU, quantized again per output row for the same expert kernels (quantization/block_fp8.py);
+the rest are refused.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ class _MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: "PretrainedConfig", tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None,
                  quant_config: "QuantizationConfig | None" = None):
-        if quant_config is not None and quant_config.from_checkpoint:
+        if quant_config is not None and quant_config.from_checkpoint and not _hf_block_fp8(quant_config):
             raise ValueError(f"quantization={quant_config.describe()} is not supported for {type(self).__name__}: "
-                             "pre-quantized mixture-of-experts checkpoints do not load; load the full-precision "
-                             "checkpoint, optionally with quantization='fp8'")
+                             "pre-quantized mixture-of-experts checkpoints do not load, except block-wise fp8 ones "
+                             "(quant_method 'fp8' with weight_block_size); load the full-precision checkpoint, "
+                             "optionally with quantization='fp8'")
         require_silu(config)  # the experts' SwiGLU (a model without dense layers builds no LlamaMLP to check it)
         super().__init__(config, tp_rank, tp_size, tp_group, quant_config)
         # Expert stacking first: its fragments (experts.{e}.gate_proj) must win over the dense ones (.gate_proj.).
@@ -58,11 +62,12 @@ class _MoeForCausalLM(LlamaForCausalLM):
                  quant: "QuantizationConfig | None", prefix: str) -> nn.Module:
         if not self.is_sparse(config, layer_idx):
             return dense_mlp(config, layer_idx, tp, quant, prefix)
-        fp8 = quant is not None and isinstance(quant.scheme_for([f"{prefix}.experts"]), Fp8Scheme)
+        scheme = quant.scheme_for([f"{prefix}.experts"]) if quant is not None else None
+        block = isinstance(scheme, Fp8Scheme) and scheme.weight_scales == "block"
         return SparseMoeBlock(self.num_experts(config), config.num_experts_per_tok, config.hidden_size,
                               self.expert_intermediate_size(config), self.renormalize(config), **tp.kwargs(),
                               shared_expert=self.shared_expert(config, tp, quant, f"{prefix}.shared_expert"),
-                              fp8_experts=fp8)
+                              fp8_experts=isinstance(scheme, Fp8Scheme) and not block, block_fp8_experts=block)
 
     def expert_intermediate_size(self, config: "PretrainedConfig") -> int:
         return config.moe_intermediate_size
@@ -73,6 +78,12 @@ class _MoeForCausalLM(LlamaForCausalLM):
     def shared_expert(self, config: "PretrainedConfig", tp: TensorParallel, quant: "QuantizationConfig | None",
                       prefix: str) -> nn.Module | None:
         return None
+
+
+def _hf_block_fp8(quant_config: "QuantizationConfig") -> bool:
+    """Whether every layer of a checkpoint is HF's block-wise fp8 (``weight_scale_inv``), which the experts load."""
+    return all(isinstance(s, Fp8Scheme) and s.weight_scales == "block" and s.block_scale_name == "weight_scale_inv"
+               for _, s in quant_config.groups)
 
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):

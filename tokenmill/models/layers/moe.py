@@ -93,13 +93,15 @@ class Experts(nn.Module):
     ``fp8`` (``quantization="fp8"``): each expert's rows are quantized to float8 e4m3 as the loader
     hands them over, a scale per output channel (``w13_scale`` [E, 2 I_rank], ``w2_scale`` [E, H];
     the dense layers' rule, ``quantization.fp8.quantize_rows``), so no full-precision copy is held.
+    ``block_fp8`` (a block-wise fp8 checkpoint): the checkpoint's codes and block scales, dequantized
+    and (on a GPU) quantized per row after loading, then as ``fp8`` (``quantization.block_fp8``).
     The GEMMs stay in the model's dtype (weight-only fp8: a decode step of a MoE model is a stream
     of expert weights, which this halves); off the GPU the weights are dequantized once at load."""
 
     matmul = staticmethod(F.linear)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 fp8: bool = False):
+                 fp8: bool = False, block_fp8: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -108,7 +110,7 @@ class Experts(nn.Module):
         self.rank_size = divide(intermediate_size, tp_size, "moe intermediate size")
         self.dtype = torch.get_default_dtype()
         self.fp8 = fp8
-        stored = torch.float8_e4m3fn if fp8 else None
+        stored = torch.float8_e4m3fn if fp8 or block_fp8 else None
         self.w13 = new_param((num_experts, 2 * self.rank_size, hidden_size), self._load_w13, dtype=stored)
         self.w2 = new_param((num_experts, hidden_size, self.rank_size), self._load_w2, dtype=stored)
         if fp8:
@@ -120,6 +122,10 @@ class Experts(nn.Module):
             self.w13.dummy_init = lambda data, gen: fill_random_fp8(data, self.w13_scale, gen)  # type: ignore[attr-defined]
             self.w2.dummy_init = lambda data, gen: fill_random_fp8(data, self.w2_scale, gen)  # type: ignore[attr-defined]
             self.quant_method = _Fp8Experts()  # the loader calls its process_weights_after_loading
+        elif block_fp8:  # a block-wise fp8 checkpoint: codes as stored, block scales beside (quantization/block_fp8.py)
+            from tokenmill.quantization.block_fp8 import add_expert_block_scales
+
+            add_expert_block_scales(self)
 
     def _load_w13(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any) -> None:
         expert, part = self._shard(shard_id, (0, 1))
@@ -225,10 +231,10 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None, shared_expert: nn.Module | None = None,
-                 fp8_experts: bool = False):
+                 fp8_experts: bool = False, block_fp8_experts: bool = False):
         super().__init__()
         self.gate = Router(num_experts, hidden_size, top_k, renormalize)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, fp8_experts)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp_rank, tp_size, fp8_experts, block_fp8_experts)
         self.tp_size, self.tp_group = tp_size, tp_group
         # Built without its own all-reduce (its down_proj's reduce_results=False): the gate is the same on
         # every rank, so the ranks' gated partial sums add up with the experts' in one all-reduce.
