@@ -128,6 +128,13 @@ for _m in (1, 32, 64, 256, 1024):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-qkv-bf16", kernel="fp8_gemm", m=_m)
 for _m in (16, 128, 256):
     _case("compile_sm90", f"sm90-fp8_gemm-m{_m}-down-bf16", kernel="fp8_gemm", m=_m, n=4096, k=14336)
+# Block-wise fp8 on Qwen3-8B's qkv and down: the per-group activation quantization and the block GEMM
+# (swapped and K split at decode sizes, each row-tile class; plain tiles past them).
+_case("compile_sm90", "sm90-quantize_fp8_groups-bf16", kernel="quantize_fp8_groups")
+for _m in (1, 32, 64, 256, 1024):
+    _case("compile_sm90", f"sm90-block_fp8_gemm-m{_m}-qkv-bf16", kernel="block_fp8_gemm", m=_m)
+for _m in (16, 128):
+    _case("compile_sm90", f"sm90-block_fp8_gemm-m{_m}-down-bf16", kernel="block_fp8_gemm", m=_m, n=4096, k=12288)
 
 # The fused MoE's two grouped GEMMs (and the SiLU between them): Qwen3-30B-A3B's experts (E 128, K 8)
 # at a decode step, at 256 tokens and past that (choose_config's three classes), Mixtral-8x7B's
@@ -388,6 +395,17 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         n, k = p.get("n", 6144), p.get("k", 4096)
         fp8_gemm(torch.empty((p["m"], k), dtype=fp8), torch.empty(p["m"]), torch.empty((n, k), dtype=fp8),
                  torch.empty(n), None, bf16, torch.zeros(100_000, dtype=torch.int32))
+    elif kernel == "quantize_fp8_groups":
+        from tokenmill.kernels.triton.block_fp8_gemm import quantize_fp8_groups
+
+        quantize_fp8_groups(torch.empty((64, 12288), dtype=bf16))
+    elif kernel == "block_fp8_gemm":
+        from tokenmill.kernels.triton.block_fp8_gemm import block_fp8_gemm
+
+        fp8 = torch.float8_e4m3fn
+        n, k = p.get("n", 6144), p.get("k", 4096)
+        block_fp8_gemm(torch.empty((p["m"], k), dtype=fp8), torch.empty((p["m"], k // 128)), torch.empty((n, k), dtype=fp8),
+                       torch.empty((n // 128, k // 128)), None, bf16, torch.zeros(100_000, dtype=torch.int32))
     from tokenmill.kernels.triton.w4a16_gemm import SWAPPED_MAX_M
 
     launched = report[start:]
@@ -405,7 +423,8 @@ def _check_compile_sm90(p: dict[str, Any], report: list[dict[str, Any]]) -> None
         spill_allowed = 64 if p.get("shape") == "bias-fp16-tails" else 0
         if entry["float_inputs"]:
             assert entry["spill_bytes"] <= spill_allowed, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
-        if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel", "_fp8_swapped_kernel"):
+        if entry["kernel"] in ("_w4a16_kernel", "_fp8_gemm_kernel", "_fp8_swapped_kernel", "_block_fp8_gemm_kernel",
+                               "_block_fp8_swapped_kernel"):
             assert entry["wgmma"] or entry["mma_sync"], f"{entry['kernel']}: dots are not on tensor cores"
             assert entry["spill_bytes"] == 0, f"{entry['kernel']} spills {entry['spill_bytes']} B of registers"
         if entry["kernel"] == "_moe_gemm_kernel":
