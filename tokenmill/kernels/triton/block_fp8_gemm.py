@@ -9,7 +9,7 @@ writes the codes, a program a slice.
 (+ b): each K step is one 128-feature group, its fp8 product (tensor cores) is scaled by its pair
 of scales and added to an fp32 accumulator, so the scales cannot wait for the epilogue as in the
 per-channel GEMM. The decode sizes take the per-channel GEMM's plan (``fp8_gemm.runs_swapped``,
-``choose_swapped_config``: operands swapped, K split over programs, ``split_k.store_tile`` summing
+``plan_swapped``: operands swapped, K split over programs, ``split_k.store_tile`` summing
 the splits); every other size plain 64 x 128 tiles. Written for correctness first: neither path is
 tuned yet (bench/quant_gemm_bench.py has no block rows).
 """
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton.fp8_gemm import choose_swapped_config, counters_needed, fp8_codes, fp8_row_scale, runs_swapped
+from tokenmill.kernels.triton.fp8_gemm import fp8_codes, fp8_row_scale, plan_swapped, runs_swapped
 from tokenmill.kernels.triton.sm_count import num_sms
 from tokenmill.kernels.triton.split_k import store_tile
 
@@ -135,30 +135,19 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    sms = num_sms(xq.device)
     bias_arg = bias if bias is not None else w_scale
-    if config is None and not runs_swapped(m, n, sms):
+    if config is None and not runs_swapped(m, n, num_sms(xq.device)):
         grid = (triton.cdiv(n, 128), triton.cdiv(m, 64))
         _block_fp8_gemm_kernel[grid](xq, wq, x_scale, w_scale, bias_arg, y, m, n, k, groups, xq.stride(0), wq.stride(0),
                                      w_scale.stride(0), y.stride(0), BLOCK_M=64, BLOCK_N=128, BLOCK_K=GROUP, GROUP=GROUP,
                                      HAS_BIAS=bias is not None, num_warps=4, num_stages=3)
         return y
-    cfg = dict(config or choose_swapped_config(m, n, k, sms))
-    if GROUP % cfg["BLOCK_K"]:
-        raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {GROUP}-feature scale group")
-    split = cfg.pop("split_k")
-    k_steps = triton.cdiv(k, cfg["BLOCK_K"])
-    steps_per_split = triton.cdiv(k_steps, split)
-    split = triton.cdiv(k_steps, steps_per_split)  # rounding may leave fewer non-empty splits
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-    if split > 1:
-        if counters is None:
-            counters = torch.zeros(counters_needed(n), dtype=torch.int32, device=xq.device)
-        if grid[0] * grid[1] > counters.numel():
-            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles needs that many counters, got {counters.numel()}")
-    partial = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else y
-    _block_fp8_swapped_kernel[grid](xq, wq, x_scale, w_scale, bias_arg, y, partial,
-                                    counters if counters is not None else w_scale, m, n, k, groups, steps_per_split,
-                                    split, xq.stride(0), wq.stride(0), w_scale.stride(0), y.stride(0), GROUP=GROUP,
-                                    HAS_BIAS=bias is not None, SPLIT=split > 1, **cfg)
+    plan = plan_swapped(y, k, config, counters)
+    if GROUP % plan.meta["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K={plan.meta['BLOCK_K']} must divide the {GROUP}-feature scale group")
+    _block_fp8_swapped_kernel[plan.grid](xq, wq, x_scale, w_scale, bias_arg, y, plan.partial,
+                                         plan.counters if plan.counters is not None else w_scale, m, n, k, groups,
+                                         plan.steps_per_split, plan.split, xq.stride(0), wq.stride(0), w_scale.stride(0),
+                                         y.stride(0), GROUP=GROUP, HAS_BIAS=bias is not None, SPLIT=plan.split > 1,
+                                         **plan.meta)
     return y

@@ -21,6 +21,8 @@ the plain tiles here otherwise; bench/quant_gemm_bench.py compares them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -269,26 +271,48 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    sms = num_sms(xq.device)
-    if config is None and not runs_swapped(m, n, sms):
+    if config is None and not runs_swapped(m, n, num_sms(xq.device)):
         return _fp8_gemm_plain(xq, x_scale, wq, w_scale, bias, y)
-    cfg = dict(config or choose_swapped_config(m, n, k, sms))
-    split = cfg.pop("split_k")
-    k_steps = triton.cdiv(k, cfg["BLOCK_K"])
+    plan = plan_swapped(y, k, config, counters)
+    cfg = plan.meta
+    _fp8_swapped_kernel[plan.grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, y, plan.partial,
+                                   plan.counters if plan.counters is not None else w_scale, m, n, k, plan.steps_per_split,
+                                   plan.split, xq.stride(0), wq.stride(0), y.stride(0), EVEN_N=n % cfg["BLOCK_N"] == 0,
+                                   EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, SPLIT=plan.split > 1, **cfg)
+    return y
+
+
+class SwappedPlan(NamedTuple):
+    """A swapped, split-K launch: its tiles, warps and stages (``meta``), K steps a split, the
+    non-empty splits, the grid, the counters (None when K is not split) and where partials go."""
+
+    meta: dict[str, int]
+    steps_per_split: int
+    split: int
+    grid: tuple[int, int, int]
+    counters: torch.Tensor | None
+    partial: torch.Tensor
+
+
+def plan_swapped(y: torch.Tensor, k: int, config: dict[str, int] | None,
+                 counters: torch.Tensor | None) -> SwappedPlan:
+    """The launch of a swapped GEMM writing ``y`` [M, N] from K features: ``config`` or
+    ``choose_swapped_config``'s; ``counters`` checked, or made for the call when K is split; the fp32
+    partials' workspace ([split, M, N], or y itself without a split). Shared by the block-wise GEMM."""
+    m, n = y.shape
+    meta = dict(config or choose_swapped_config(m, n, k, num_sms(y.device)))
+    split = meta.pop("split_k")
+    k_steps = triton.cdiv(k, meta["BLOCK_K"])
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # rounding may leave fewer non-empty splits
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split)
     if split > 1:
         if counters is None:
-            counters = torch.zeros(counters_needed(n), dtype=torch.int32, device=xq.device)
+            counters = torch.zeros(counters_needed(n), dtype=torch.int32, device=y.device)
         if grid[0] * grid[1] > counters.numel():
             raise ValueError(f"split-K over {grid[0] * grid[1]} tiles needs that many counters, got {counters.numel()}")
-    partial = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else y
-    _fp8_swapped_kernel[grid](xq, wq, x_scale, w_scale, bias if bias is not None else w_scale, y, partial,
-                              counters if counters is not None else w_scale, m, n, k, steps_per_split, split,
-                              xq.stride(0), wq.stride(0), y.stride(0), EVEN_N=n % cfg["BLOCK_N"] == 0,
-                              EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, SPLIT=split > 1, **cfg)
-    return y
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=y.device) if split > 1 else y
+    return SwappedPlan(meta, steps_per_split, split, grid, counters, partial)
 
 
 def _fp8_gemm_plain(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
