@@ -1,6 +1,6 @@
 """Which quantization a model runs with: from ``LLM(quantization=...)`` and config.json's ``quantization_config``.
 
-Two kinds of weights are supported, each with the checkpoint layouts that carry it:
+The weights supported, each with the checkpoint layouts that carry it:
 - FP8 (float8 e4m3 weights, activations quantized to fp8 per token or with a static per-tensor
   scale): compressed-tensors ``float-quantized`` W8A8 (per-tensor or per-channel weight scales),
   checkpoints with ``quant_method: "fp8"`` (per-tensor scales), and ``quantization="fp8"`` on a
