@@ -49,6 +49,14 @@ mark_tree() {  # the ab-old parts: tokenmill rows of $2 not yet marked get "tree
   sed -i "/\"tree\"/!s/\"engine\": \"tokenmill\",/\"engine\": \"tokenmill\", \"tree\": \"$1\",/" "$2"
 }
 
+install_wheels() {  # the carried wheels (.whl/, bench/build_wheels.sh) onto PYTHONPATH, once a machine
+  if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/tokenmill-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tokenmill-wheels .whl/*.whl 2>&1 | tail -2
+  fi
+  [ -d /tmp/tokenmill-wheels ] && export PYTHONPATH="$PYTHONPATH:/tmp/tokenmill-wheels"
+  return 0
+}
+
 for part in $parts; do
   start=$(date +%s)
   case $part in
@@ -76,10 +84,7 @@ for part in $parts; do
       ignores=""; for f in tests/gpu/test_ray_gpu.py ${TESTS_IGNORE:-}; do ignores="$ignores --ignore=$f"; done
       # The carried wheels (compressed-tensors, gguf, peft, xgrammar: .whl/, bench/build_wheels.sh) the
       # checkpoint, LoRA and structured-output tests need: without them 9 tests fail and a file skips (AU).
-      if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/tokenmill-wheels ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tokenmill-wheels .whl/*.whl 2>&1 | tail -2
-      fi
-      [ -d /tmp/tokenmill-wheels ] && export PYTHONPATH="$PYTHONPATH:/tmp/tokenmill-wheels"
+      install_wheels
       log="$OUT/gpu_tests.log"; [[ $part = tests-? ]] && log="$OUT/gpu_$part.log"
       OMP_NUM_THREADS=$TESTS_OMP timeout ${TESTS_TIMEOUT:-540} python3 -m pytest $sel $ignores -q --maxfail=25 -p no:cacheprovider -rs \
         --durations=15 2>&1 | tee "$log" | tail -40 ;;
@@ -107,6 +112,7 @@ for part in $parts; do
         -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests_det.log" | tail -12
       timeout 240 python3 bench/deterministic_bench.py --quick > "$OUT/det.raw" 2>>"$OUT/suite.log"; tag "$OUT/det.raw" "$OUT/kernels.jsonl"; cat "$OUT/det.raw" ;;
     quant-tests)  # issue 18's GPU tests alone (also part of "tests")
+      install_wheels  # compressed-tensors, gguf
       OMP_NUM_THREADS=$TESTS_OMP timeout 420 python3 -m pytest tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py tests/gpu/test_block_fp8_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
     quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl);
                  # QUANT_GEMM_KINDS="w4a16" (or fp8, fused) runs only those
