@@ -58,3 +58,37 @@ def test_llama3_vocabulary_without_the_add_bos_key_adds_bos(load_format: str, ti
     bos = llm.get_tokenizer().bos_token_id
     assert bos == 0 and llm.get_tokenizer()("the cat")["input_ids"][0] == bos
     assert llm.generate(["the cat"], use_tqdm=False)[0].prompt_token_ids[0] == bos
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tokenizer_class_from_the_model_type_is_autotokenizers(family: str, request: pytest.FixtureRequest,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the file's model type (a conversion has read its config already), the tokenizer is
+    built with the class AutoTokenizer picks for the file and is the same tokenizer (the same saved
+    files), without AutoTokenizer's second reading of the whole file for its config; model types
+    with a tokenizer class of their own (Qwen2's) still go through AutoTokenizer."""
+    import transformers.modeling_gguf_pytorch_utils as legacy
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tokenmill.models.gguf_tokenizer import fix_gguf_tokenizer, load_gguf_tokenizer
+    from tokenmill.models.gguf_weights import open_gguf
+
+    path = tmp_path / "gguf" / "model.gguf"
+    path.parent.mkdir()
+    write_gguf(request.getfixturevalue(f"tiny_{family}_dir"), path)
+    reader = open_gguf(path)
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    fix_gguf_tokenizer(reference, reader)
+    model_type = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).model_type
+    read_config = legacy.load_gguf_checkpoint
+    calls: list[str] = []
+    monkeypatch.setattr(legacy, "load_gguf_checkpoint", lambda *a, **k: calls.append("read") or read_config(*a, **k))
+    ours = load_gguf_tokenizer(path, reader, model_type=model_type)
+    assert type(ours) is type(reference)
+    assert calls == ([] if family == "llama" else ["read"])
+    reference.save_pretrained(str(tmp_path / "reference"))
+    ours.save_pretrained(str(tmp_path / "ours"))
+    files = sorted(p.name for p in (tmp_path / "reference").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    for name in files:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name

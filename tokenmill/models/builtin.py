@@ -233,7 +233,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path, extra_meta: dict[str, Any]
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         config.save_pretrained(str(tmp))
-        tokenizer = load_gguf_tokenizer(gguf_path, reader)
+        tokenizer = load_gguf_tokenizer(gguf_path, reader, model_type=config.model_type)
         tokenizer.save_pretrained(str(tmp))
         generation = {**gguf_generation_ids(reader), **(generation_defaults or {})}
         if generation:

@@ -39,17 +39,22 @@ _WHOLE_PIECES_FIRST = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken")
 _BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken", "chameleon")
 
 
-def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
+def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None, model_type: str | None = None) -> Any:
     """The class to build this GGUF's tokenizer with (``from_pretrained(folder, gguf_file=...)``).
-    AutoTokenizer, except for the architectures whose config is built here: AutoTokenizer first asks
-    transformers for the file's config, which it refuses for them. transformers builds a GGUF's
-    tokenizer from its ``tokenizer.ggml.*`` keys whatever the architecture, so the generic fast
-    class gives the same tokenizer."""
+    AutoTokenizer, except where the class it would end at is known: the generic fast class for the
+    architectures whose config is built here (AutoTokenizer first asks transformers for the file's
+    config, which it refuses for them), and, given ``model_type`` (the file's config's, read by the
+    caller), for a model type transformers registers no tokenizer class of its own for (Llama,
+    Phi-3, Mistral): AutoTokenizer builds the generic class for those, after reading the whole file
+    again only to learn the model type (transformers' GGUF config reader: ~5 s for SmolLM2's
+    49k-token vocabulary). transformers builds a GGUF's tokenizer from its ``tokenizer.ggml.*`` keys
+    whatever the architecture, so the generic fast class gives the same tokenizer."""
     if reader is None:
         import gguf
 
         reader = gguf.GGUFReader(str(gguf_path))
-    if field(reader, "general.architecture") in CONFIG_BUILT_HERE:
+    if field(reader, "general.architecture") in CONFIG_BUILT_HERE or (
+            model_type is not None and _has_generic_tokenizer(model_type)):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast
@@ -58,13 +63,22 @@ def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None) -> Any:
     return AutoTokenizer
 
 
-def load_gguf_tokenizer(gguf_path: Path, reader: Any | None = None, **kwargs: Any) -> Any:
-    """The tokenizer of the GGUF at ``gguf_path`` (``reader``: its reader, if open), as llama.cpp
-    tokenizes; ``kwargs`` go to ``from_pretrained``."""
+def _has_generic_tokenizer(model_type: str) -> bool:
+    """Whether AutoTokenizer builds a GGUF of this model type with the generic fast class (which
+    transformers 5 also calls TokenizersBackend): no class of the type's own in its registry."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    return TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_gguf_tokenizer(gguf_path: Path, reader: Any | None = None, model_type: str | None = None,
+                        **kwargs: Any) -> Any:
+    """The tokenizer of the GGUF at ``gguf_path`` (``reader``: its reader, if open; ``model_type``:
+    its config's, if read), as llama.cpp tokenizes; ``kwargs`` go to ``from_pretrained``."""
     import gguf
 
     reader = reader if reader is not None else gguf.GGUFReader(str(gguf_path))
-    cls = gguf_tokenizer_class(gguf_path, reader)
+    cls = gguf_tokenizer_class(gguf_path, reader, model_type)
     tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, **kwargs)
     fix_gguf_tokenizer(tokenizer, reader)
     return tokenizer
