@@ -72,7 +72,10 @@ def load_tokenizer(source: "ModelSource", args: "EngineArgs") -> Any:
             from tokenmill.models.gguf_tokenizer import load_gguf_tokenizer
 
             rest = {k: v for k, v in kwargs.items() if k != "gguf_file"}
-            return load_gguf_tokenizer(Path(path) / kwargs["gguf_file"], trust_remote_code=args.trust_remote_code, **rest)
+            # A config read from the same file (no config.json beside it) tells the tokenizer's class.
+            model_type = source.hf_config.model_type if source.config_dir is None else None
+            return load_gguf_tokenizer(Path(path) / kwargs["gguf_file"], model_type=model_type,
+                                       trust_remote_code=args.trust_remote_code, **rest)
         cls = tokenizer_class(path, kwargs)
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except Exception as exc:  # transformers raises many types; the user needs the path
