@@ -210,13 +210,62 @@ def test_nvlink_multicast_stays_off_unless_the_user_turned_it_on(monkeypatch):
     assert os.environ["NVSHMEM_DISABLE_NVLS"] == "0"  # the user's own setting stands
 
 
-def test_heads_not_divisible_by_tp_size_is_a_value_error(tiny_llama_dir):
+def test_heads_not_divisible_by_tp_size_is_refused_before_any_worker_starts(tiny_llama_dir, monkeypatch):
+    """Refused in LLM() from the config, naming the sizes that fit, not by the layers of a worker
+    process started for it (seconds later)."""
+    from tokenmill.distributed import worker_processes
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("worker processes were started for a tensor_parallel_size the model cannot split over")
+
+    monkeypatch.setattr(worker_processes.WorkerProcesses, "__init__", no_workers)
     before = child_pids()
-    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by tensor_parallel_size=3 .*"
+                                         r"allowed: tensor_parallel_size in \[1, 2, 4\]"):
         make_llm(tiny_llama_dir, 3)
+    # kv heads: 8 heads over 4 ranks, but 6 kv heads neither split over 4 ranks nor are copied evenly.
+    with pytest.raises(ValueError, match=r"num_key_value_heads=6 is not divisible by tensor_parallel_size=4 .*"
+                                         r"allowed: tensor_parallel_size in \[1, 2\]"):
+        make_llm(tiny_llama_dir, 4, hf_overrides={"num_attention_heads": 12, "num_key_value_heads": 6})
+    with pytest.raises(ValueError, match=r"intermediate_size=130 is not divisible by tensor_parallel_size=4 .*"
+                                         r"allowed: tensor_parallel_size in \[1, 2\]"):
+        make_llm(tiny_llama_dir, 4, hf_overrides={"intermediate_size": 130})
     assert child_pids() - before == set()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         make_llm(tiny_llama_dir, 0)
+
+
+@pytest.mark.parametrize(("shape", "tp_size", "problem"), [
+    (dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536), 3, None),  # SmolLM2-135M
+    (dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536), 2, "num_attention_heads=9"),
+    (dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536), 9, "intermediate_size=1536"),
+    (dict(num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336), 8, None),  # Llama-3-8B
+    (dict(num_attention_heads=32, num_key_value_heads=2, intermediate_size=256), 4, None),  # kv heads copied
+    (dict(num_attention_heads=12, num_key_value_heads=4, intermediate_size=256), 6, "tensor_parallel_size=6 is not a multiple"),
+    (dict(num_attention_heads=8, num_key_value_heads=6, intermediate_size=256), 4, "num_key_value_heads=6"),
+])
+def test_tensor_parallel_shapes(shape, tp_size, problem):
+    """The splits the layers make (models/layers/linear.py), decided from the config alone."""
+    from transformers import LlamaConfig
+
+    from tokenmill.distributed.tp_shapes import tensor_parallel_problem
+
+    found = tensor_parallel_problem(tp_size, LlamaConfig(hidden_size=64 * shape["num_attention_heads"], **shape))
+    assert (found is None) if problem is None else (found is not None and found.startswith(problem))
+
+
+def test_mixture_of_experts_splits_each_experts_width():
+    """Qwen-MoE's experts are moe_intermediate_size wide; its dense intermediate_size (unused when
+    every layer has experts) does not decide."""
+    from transformers import Qwen3MoeConfig
+
+    from tokenmill.distributed.tp_shapes import tensor_parallel_problem
+
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=130,
+                            moe_intermediate_size=96, num_experts=4)
+    assert tensor_parallel_problem(2, config) is None
+    assert tensor_parallel_problem(4, Qwen3MoeConfig(**{**config.to_dict(), "moe_intermediate_size": 98})).startswith(
+        "moe_intermediate_size=98")
 
 
 # ---- weight loading: each rank reads its slices only -----------------------------------------

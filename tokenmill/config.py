@@ -357,6 +357,9 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     config = _base_config(args, source)
     pooling = resolve_pooling(source, args.runner, args.convert, args.task, args.pooler_config)
     if pooling is None:
+        from tokenmill.distributed.tp_shapes import check_tensor_parallel
+
+        check_tensor_parallel(config.tensor_parallel_size, source.hf_config)  # before any worker process starts
         return config
     if config.cpu_offload_bytes:
         raise ValueError(f"LLM(cpu_offload_gb={args.cpu_offload_gb}) is for generative models; {source.name!r} is a pooling model")
