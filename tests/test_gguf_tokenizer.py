@@ -92,3 +92,8 @@ def test_tokenizer_class_from_the_model_type_is_autotokenizers(family: str, requ
     assert files == sorted(p.name for p in (tmp_path / "ours").iterdir())
     for name in files:
         assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+    # A tokenizer_config.json beside the file may name the class AutoTokenizer takes: it decides then.
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    calls.clear()
+    load_gguf_tokenizer(path, reader, model_type=model_type)
+    assert calls == ["read"]

@@ -45,7 +45,8 @@ def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None, model_type:
     architectures whose config is built here (AutoTokenizer first asks transformers for the file's
     config, which it refuses for them), and, given ``model_type`` (the file's config's, read by the
     caller), for a model type transformers registers no tokenizer class of its own for (Llama,
-    Phi-3, Mistral): AutoTokenizer builds the generic class for those, after reading the whole file
+    Phi-3, Mistral), unless a tokenizer_config.json beside the file names a class: AutoTokenizer
+    builds the generic class for those, after reading the whole file
     again only to learn the model type (transformers' GGUF config reader: ~5 s for SmolLM2's
     49k-token vocabulary). transformers builds a GGUF's tokenizer from its ``tokenizer.ggml.*`` keys
     whatever the architecture, so the generic fast class gives the same tokenizer."""
@@ -53,8 +54,9 @@ def gguf_tokenizer_class(gguf_path: Path, reader: Any | None = None, model_type:
         import gguf
 
         reader = gguf.GGUFReader(str(gguf_path))
-    if field(reader, "general.architecture") in CONFIG_BUILT_HERE or (
-            model_type is not None and _has_generic_tokenizer(model_type)):
+    # A tokenizer_config.json beside the file may name another class, which AutoTokenizer would take.
+    by_model_type = model_type is not None and not (Path(gguf_path).parent / "tokenizer_config.json").exists()
+    if field(reader, "general.architecture") in CONFIG_BUILT_HERE or (by_model_type and _has_generic_tokenizer(model_type)):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast
