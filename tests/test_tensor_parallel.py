@@ -256,7 +256,7 @@ def test_tensor_parallel_shapes(shape, tp_size, problem):
 
 def test_mixture_of_experts_splits_each_experts_width():
     """Qwen-MoE's experts are moe_intermediate_size wide; its dense intermediate_size (unused when
-    every layer has experts) does not decide."""
+    every layer has experts) decides only once a layer keeps a dense MLP."""
     from transformers import Qwen3MoeConfig
 
     from tokenmill.distributed.tp_shapes import tensor_parallel_problem
@@ -266,6 +266,20 @@ def test_mixture_of_experts_splits_each_experts_width():
     assert tensor_parallel_problem(2, config) is None
     assert tensor_parallel_problem(4, Qwen3MoeConfig(**{**config.to_dict(), "moe_intermediate_size": 98})).startswith(
         "moe_intermediate_size=98")
+    dense_layer = Qwen3MoeConfig(**{**config.to_dict(), "mlp_only_layers": [0]})  # layer 0 keeps a dense MLP
+    assert tensor_parallel_problem(4, config) is None
+    assert tensor_parallel_problem(4, dense_layer).startswith("intermediate_size=130")
+
+
+def test_qwen2_moe_splits_its_shared_expert_too():
+    from transformers import Qwen2MoeConfig
+
+    from tokenmill.distributed.tp_shapes import tensor_parallel_problem
+
+    config = Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                            moe_intermediate_size=96, shared_expert_intermediate_size=98, num_experts=4)
+    assert tensor_parallel_problem(2, config) is None
+    assert tensor_parallel_problem(4, config).startswith("shared_expert_intermediate_size=98")
 
 
 # ---- weight loading: each rank reads its slices only -----------------------------------------
