@@ -187,6 +187,19 @@ def test_json_error_message_reads_well(tmp_path):
     assert row.error == "line 1 is not valid JSON: Unterminated string starting at (column 12)"
 
 
+def test_json_error_column_of_a_line_cut_short(tmp_path):
+    """A line cut short (a truncated write, a missing brace) is followed by its newline: the error is at
+    the end of that line's text, not at 'column 1' of the line after, which json's own numbering gives."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 5\n{"prompt": "b"}\r\n{"prompt": "c", "x": 1\r\n')
+    rows = read_rows(str(path), "jsonl")
+    assert [r.error for r in rows] == [
+        "line 1 is not valid JSON: Expecting ',' delimiter (column 32, the end of the line: is it cut short?)",
+        None,
+        "line 3 is not valid JSON: Expecting ',' delimiter (column 23, the end of the line: is it cut short?)",
+    ]
+
+
 def test_csv_long_field_is_not_a_reader_error(tmp_path):
     path = tmp_path / "in.csv"
     path.write_text("prompt\n" + "x" * 300_000 + "\nshort\n")

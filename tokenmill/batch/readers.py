@@ -218,10 +218,14 @@ def _decode_jsonl_line(index: int, line_no: int, raw: bytes) -> RawRow:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return RawRow(index, None, f"{where} is not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})", where)
+    # Without its line break: json would place an error at the end of a line cut short at "column 1"
+    # of the line after it.
+    text = text.rstrip("\r\n")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return RawRow(index, None, f"{where} is not valid JSON: {e.msg} (column {e.colno})", where)
+        at_end = ", the end of the line: is it cut short?" if e.pos >= len(text) else ""
+        return RawRow(index, None, f"{where} is not valid JSON: {e.msg} (column {e.colno}{at_end})", where)
     except ValueError as e:  # valid JSON Python will not hold, e.g. an integer of more than 4,300 digits
         return RawRow(index, None, f"{where} cannot be read: {e}", where)
     except RecursionError:
