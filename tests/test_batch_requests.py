@@ -192,6 +192,8 @@ def test_openai_chat_and_completion_requests():
         ({"body": "x"}, "'body' must be an object"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}, r"body\.tools=\[\] is invalid: must be a non-empty list"),
         ({"url": "/v1/completions", "body": {"prompt": "x", "tools": [{"function": {"name": "f"}}]}}, r"\['tools'\] are not supported"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "temprature": 0}},
+         r"\['temprature'\] are not supported by tokenmill \(did you mean 'temperature'\?\) \(supported: \["),
         ({"body": {"max_tokens": 3}}, "body.messages is required"),
         ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),

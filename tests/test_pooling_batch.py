@@ -397,3 +397,14 @@ def test_openai_score_and_rerank_lines_match_llm_score(tmp_path, request, model,
                                ("field", "['instruction'] are not supported"), ("half", "body.text_2 must be a non-empty")):
         assert out[custom_id]["response"]["status_code"] == 400 and message in out[custom_id]["response"]["body"]["error"]["message"]
     assert out["embed"]["response"] is None and "answered under --task embed" in out["embed"]["error"]["message"]
+
+
+def test_openai_pooling_body_field_typo_says_what_was_meant():
+    """A misspelt field of an embeddings line names the field it is close to, as a chat line's does."""
+    from tokenmill.batch.openai_pooling import build_openai_embedding
+    from tokenmill.batch.readers import RawRow
+    from tokenmill.batch.requests import RowError
+
+    line = openai_line("e", {"input": "a cat", "dimension": 8})
+    with pytest.raises(RowError, match=r"\['dimension'\] are not supported for /v1/embeddings \(did you mean 'dimensions'\?\)"):
+        build_openai_embedding(RawRow(index=0, record=line))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.batch.chat_options import BODY_FIELDS, body_chat_options
 from tokenmill.batch.openai_lines import CHAT_URL, COMPLETIONS_URL, POOLING_TASKS, open_line, stable_id
 from tokenmill.batch.openai_pooling import pooling_body
-from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, parse_messages
+from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, did_you_mean, parse_messages
 from tokenmill.batch.results import json_logprob
 from tokenmill.inputs import short_repr
 
@@ -81,7 +81,10 @@ def build_openai_request(raw: "RawRow") -> RowRequest:
     # A null is "not set" (bodies dumped from typed request objects carry every field, most of them null).
     unknown = sorted(key for key, value in body.items() if key not in allowed and value is not None)
     if unknown:
-        raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill yet (supported: {sorted(allowed)})", custom_id)
+        # A near miss of a field this url takes is a typo, not a feature to wait for.
+        hint = did_you_mean(unknown, allowed) or " yet"
+        raise RowError(f"{where}: body field(s) {unknown} are not supported by tokenmill{hint} (supported: {sorted(allowed)})",
+                       custom_id)
     _check_at_default(body, {**_AT_DEFAULT, "add_special_tokens": _ADD_SPECIAL_TOKENS[url]}, where, custom_id)
     overrides = {_COMMON[k]: v for k, v in body.items() if k in _COMMON and v is not None}
     constraint = response_format_constraint(body.get("response_format"), f"{where}: body.response_format", custom_id)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokenmill.batch.openai_lines import EMBEDDINGS_URL, RERANK_URLS, open_line, stable_id
-from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest
+from tokenmill.batch.requests import OpenAIMeta, RowError, RowRequest, did_you_mean
 from tokenmill.inputs import is_token_list, short_repr
 
 if TYPE_CHECKING:
@@ -93,8 +93,8 @@ def build_openai_scoring(raw: "RawRow") -> tuple[RowRequest, list[str], list[str
 def _check_fields(body: dict[str, Any], fields: set[str], where: str, url: str, custom_id: str) -> None:
     unknown = sorted(set(body) - fields - _IGNORED)
     if unknown:
-        raise RowError(f"{where}: body field(s) {unknown} are not supported for {url} (supported: {sorted(fields | _IGNORED)})",
-                       custom_id)
+        raise RowError(f"{where}: body field(s) {unknown} are not supported for {url}{did_you_mean(unknown, fields)} "
+                       f"(supported: {sorted(fields | _IGNORED)})", custom_id)
 
 
 def _pooling_fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import difflib
 import functools
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from string import Formatter
 from typing import TYPE_CHECKING, Any
@@ -171,8 +172,9 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     return request
 
 
-def _did_you_mean(unknown: list[str]) -> str:
-    close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(sampling_field_names()), n=1)]
+def did_you_mean(unknown: list[str], known: Iterable[str]) -> str:
+    """' (did you mean 'max_tokens'?)' for the names of ``known`` close to an unknown one (a typo), else ''."""
+    close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=1)]
     return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
@@ -303,7 +305,7 @@ def shared_sampling_params(
     where = where or f"row {index}"
     unknown = sorted(set(overrides) - sampling_field_names()) if overrides else None
     if unknown:
-        raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params{_did_you_mean(unknown)}; "
+        raise RowError(f"{where}: unknown sampling parameter(s) {unknown} in sampling_params{did_you_mean(unknown, sampling_field_names())}; "
                        f"allowed: {sorted(sampling_field_names())}", row_id)
     key = (_values_key(overrides) if overrides else "") if made is not None else None  # most rows set none
     checked = made.get(key) if made is not None and key is not None else None
