@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from test_generate import GREEDY, as_inputs, make_llm
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, BeamSearchParams, PoolingParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,23 @@ def test_prompts_of_no_prompt_type_name_the_argument(llm, prompts):
 def test_unknown_llm_keyword_is_an_error(tiny_llama_dir):
     with pytest.raises(TypeError, match=r"unknown keyword argument 'max_modle_len'; did you mean 'max_model_len'"):
         LLM(str(tiny_llama_dir), max_modle_len=64)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: SamplingParams(max_token=8), r"SamplingParams got an unknown keyword argument 'max_token'; did you mean 'max_tokens'\?"),
+        (lambda: SamplingParams(temprature=0.5, top_p=0.9), r"'temprature'; did you mean 'temperature'\? \(its arguments: \[.*'top_p'"),
+        (lambda: PoolingParams(normalise=False), r"PoolingParams got an unknown keyword argument 'normalise'; did you mean 'normalize'\?"),
+        (lambda: BeamSearchParams(beam_with=4), r"BeamSearchParams got an unknown keyword argument 'beam_with'; did you mean 'beam_width'\?"),
+        (lambda: SamplingParams(xyzzy=1), r"unknown keyword argument 'xyzzy' \(its arguments: "),
+    ],
+)
+def test_unknown_params_keyword_says_what_was_meant(make, message):
+    """A misspelt keyword of a parameter object is still Python's TypeError (vLLM's msgspec raises one), naming
+    the field it is close to and the ones it takes, as LLM(...) does."""
+    with pytest.raises(TypeError, match=message):
+        make()
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,34 @@ value, and what is allowed (``SamplingParams.top_p=2 is invalid: must be in (0, 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import numbers
-from typing import Any
+from typing import Any, TypeVar
+
+_Params = TypeVar("_Params")
+
+
+def named_keywords(cls: type[_Params]) -> type[_Params]:
+    """Class decorator for a parameter dataclass: a keyword it has no field for stays Python's
+    TypeError (vLLM's msgspec Structs raise one), but names the field it is close to and the fields
+    taken, as ``LLM(...)`` does; Python's own message says only "unexpected keyword argument"."""
+    init = cls.__init__
+    known = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{cls.__name__} got an unknown keyword argument {name!r}{hint} "
+                                f"(its arguments: {sorted(known)})")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
 
 
 def is_int(value: Any) -> bool:

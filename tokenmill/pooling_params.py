@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from tokenmill.param_checks import as_python_number, check, is_int as _is_int
+from tokenmill.param_checks import as_python_number, check, is_int as _is_int, named_keywords
 from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ EXTRA_KWARGS = ("max_tokens_per_query", "max_tokens_per_doc")  # the extra_kwarg
 _INTERNAL = {"task", "requires_token_ids", "late_interaction_params", "output_kind"}
 
 
+@named_keywords
 @dataclass
 class PoolingParams:
     truncate_prompt_tokens: int | None = None  # keep only k prompt tokens (-1: max_model_len); None: no truncation

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 # vLLM's import path: vllm.sampling_params.RepetitionDetectionParams.
 from tokenmill.repetition_detection import RepetitionDetectionParams
 from tokenmill.param_checks import as_python_number, check, is_foreign_int, is_int as _is_int, is_number as _is_number
+from tokenmill.param_checks import named_keywords
 
 if TYPE_CHECKING:
     from tokenmill.structured_outputs import StructuredOutputsParams
@@ -69,6 +70,7 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+@named_keywords
 @dataclass
 class SamplingParams:
     """How to sample the completion of one prompt (same fields and defaults as vLLM's).
@@ -442,6 +444,7 @@ def for_call(params: SamplingParams, kind: RequestOutputKind, where: str) -> Sam
     return params if params.output_kind is kind else params.clone(output_kind=kind)
 
 
+@named_keywords
 @dataclass
 class BeamSearchParams:
     """Settings of `LLM.beam_search` (vLLM's names and defaults).
