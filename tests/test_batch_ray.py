@@ -108,3 +108,25 @@ def test_ray_job_streams_its_input_and_survives_a_killed_replica(ray_cluster, tm
     assert killed and summary.complete and summary.rows_done == count and summary.failed == 0
     records = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
     assert sorted(r["row"] for r in records) == list(range(count)), "not every row exactly once"
+
+
+def test_no_cluster_to_join_is_a_usage_error_about_ray(tmp_path, monkeypatch, capsys):
+    """`--ray auto` with no Ray cluster running: Ray's ConnectionError is an OSError, which the job took
+    for a failed write of its output ("cannot write out.jsonl: ... the `--address` flag")."""
+    pytest.importorskip("ray")
+    import ray
+
+    from tokenmill.cli import main
+
+    def no_cluster(*args, **kwargs):  # what ray.init raises with no cluster to join (ray 2.60)
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
+                              "setting `--address` flag or `RAY_ADDRESS` environment variable.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    code = main(["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--ray", "auto", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "cannot write" not in err
+    assert "--ray auto: found no Ray cluster to join" in err and "--ray local" in err

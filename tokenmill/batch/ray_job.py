@@ -68,7 +68,12 @@ class RayJobLoop:
         ray = self.ray
         if not ray.is_initialized():
             address = self.config.ray_address
-            ray.init(address=None if address == "local" else address)
+            try:
+                ray.init(address=None if address == "local" else address)
+            except ConnectionError as e:  # an OSError, but no file's: a usage error, not a failed write
+                raise ValueError(f"--ray {address}: found no Ray cluster to join ({e}) Start one (ray start --head), "
+                                 "give its address (--ray ray://HOST:10001), or run one inside this job with "
+                                 "--ray local") from None
             self._connected = True
         try:
             return self._stream(rows)
