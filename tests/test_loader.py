@@ -437,3 +437,19 @@ def test_qwen3_config_without_use_sliding_window_has_no_window(tiny_qwen3_dir: P
     (folder / "config.json").write_text(json.dumps(raw))
     assert AutoConfig.from_pretrained(str(folder)).sliding_window is None
     assert model_sliding_window(resolve_model(str(folder)).hf_config) is None
+
+
+@pytest.mark.parametrize("name, meant", [("smollm2", "smollm2-135m-instruct"), ("smollm2-135m", "smollm2-135m-instruct"),
+                                         ("SmolLM2-135M", "smollm2-135m-instruct"), ("all-minilm", "all-minilm-l6-v2"),
+                                         ("all-MiniLM-L6", "all-minilm-l6-v2"), ("smolm2-135m-instruct", "smollm2-135m-instruct")])
+def test_a_near_miss_of_a_builtin_name_says_which_was_meant(tmp_path: Path, monkeypatch, name: str, meant: str) -> None:
+    """`--model smollm2` (the family, or the name cut short or misspelt) names the built-in meant."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"cannot find model {name!r}; .* \(no match; did you mean {meant!r}\?\)"):
+        resolve_model(name)
+
+
+def test_an_unrelated_model_name_suggests_no_builtin(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"cannot find model 'gpt2'; .*\(no match\)$"):
+        resolve_model("gpt2")

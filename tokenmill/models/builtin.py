@@ -89,6 +89,19 @@ def find_builtin(name: str) -> BuiltinModel | None:
     return None
 
 
+def similar_builtin(name: str) -> str | None:
+    """The built-in a name that matches none probably meant: one whose name or alias starts with it
+    (``smollm2``, ``all-minilm``) or is close to it (a misspelling), else None."""
+    import difflib
+
+    key = name.strip().lower()
+    spellings = {spelling.lower(): model.name for model in BUILTIN_MODELS.values()
+                 for spelling in (model.name, *model.aliases, *(a.split("/")[-1] for a in model.aliases))}
+    starting = [builtin for spelling, builtin in spellings.items() if key and spelling.startswith(key)]
+    close = difflib.get_close_matches(key, list(spellings), n=1)
+    return starting[0] if starting else (spellings[close[0]] if close else None)
+
+
 def cache_dir() -> Path:
     """``$TOKENMILL_CACHE`` or ``~/.cache/tokenmill``."""
     env = os.environ.get("TOKENMILL_CACHE")

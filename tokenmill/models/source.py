@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tokenmill.models.builtin import BUILTIN_MODELS, ensure_builtin, ensure_gguf_converted, find_builtin, stored_dtype
+from tokenmill.models.builtin import (BUILTIN_MODELS, ensure_builtin, ensure_gguf_converted, find_builtin, similar_builtin,
+                                      stored_dtype)
 from tokenmill.param_checks import is_int
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def resolve_model(
     if builtin is not None:
         folder = ensure_builtin(builtin, dtype=store or "float32")
         return _from_local(model, folder, tokenizer, None, trust_remote_code, None)
-    tried.append(f"built-in models {sorted(BUILTIN_MODELS)} (no match)")
+    meant = similar_builtin(model)
+    tried.append(f"built-in models {sorted(BUILTIN_MODELS)} (no match{f'; did you mean {meant!r}?' if meant else ''})")
 
     if _looks_like_hub_id(model):
         snapshot, reason = _hub_cache_snapshot(model, revision)
