@@ -34,3 +34,24 @@ def test_readme_generate_line_prints_text(capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.strip(), f"{line!r} printed nothing (stderr: {captured.err[-500:]})"
+
+
+def test_every_documented_command_line_parses():
+    """Each `tokenmill ...` line of the README's and docs' shell blocks is one the CLI takes as written
+    (flags, their arity and choices); the flag-by-flag check (test_batch_cli) cannot see a line that
+    gives a flag the wrong number of values."""
+    from tokenmill.cli_options import build_parser
+
+    lines = []
+    for name in ("README.md", "docs/batch.md", "docs/scale-out.md"):
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / name).read_text(), re.S):
+            for command in (part.split(" #")[0].split(" < ")[0].strip() for line in block.splitlines() for part in line.split("&&")):
+                if command.startswith("tokenmill "):
+                    lines.append(command)
+    assert len(lines) >= 20, lines
+    parser = build_parser()
+    for line in lines:
+        try:
+            parser.parse_args(shlex.split(line)[1:])
+        except SystemExit:
+            pytest.fail(f"the docs' command line does not parse: {line}")
