@@ -293,3 +293,25 @@ def test_template_null_field_is_an_error_not_the_text_none():
 def test_row_stop_values_of_the_wrong_shape_name_the_field(overrides, message):
     with pytest.raises(RowError, match=rf"line 3: {message}"):
         shared_sampling_params({}, overrides, 2, where="line 3")
+
+
+@pytest.mark.parametrize(
+    "columns, settings, message",
+    [
+        (["id", "promt"], PromptSettings(),
+         r"has no 'prompt', 'messages' or 'prompt_token_ids' column \(its columns: \['id', 'promt'\]; is 'promt' meant to be "
+         r"'prompt'\?\); pass --text-field or --prompt-template"),
+        (["id", "text"], PromptSettings(), r"\(its columns: \['id', 'text'\]\); pass --text-field"),  # nothing close: no guess
+        (["id", "body"], PromptSettings(text_field="bdy"), r"no column 'bdy' \(--text-field\) \(did you mean 'body'\?\); its columns"),
+        (["key", "body"], PromptSettings(id_field="kye"), r"no column 'kye' \(--id-field\) \(did you mean 'key'\?\)"),
+        (["product"], PromptSettings(prompt_template="Sell {prodct}"),
+         r"no column\(s\) \['prodct'\] used by --prompt-template \(did you mean 'product'\?\)"),
+    ],
+)
+def test_a_missing_column_close_to_one_the_file_has_is_named(columns, settings, message):
+    """CSV / Parquet headers (and a JSONL file's first rows): a misspelt column, or a flag naming one, says
+    which was meant, before the model loads."""
+    from tokenmill.batch.requests import check_columns
+
+    with pytest.raises(ValueError, match=message):
+        check_columns(columns, settings, "in.csv")

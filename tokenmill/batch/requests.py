@@ -354,6 +354,9 @@ def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_se
                          f"({max_num_seqs}), since a row's samples run in one batch")
 
 
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # where a row's own prompt is, without --text-field
+
+
 def check_columns(columns: list[str], settings: PromptSettings, source: str) -> None:
     """For inputs with a schema (CSV header, Parquet): the columns the prompt settings read must exist.
 
@@ -362,16 +365,22 @@ def check_columns(columns: list[str], settings: PromptSettings, source: str) -> 
     have = set(columns)
     shown = sorted(columns)[:20]
     if settings.id_field is not None and settings.id_field not in have:
-        raise ValueError(f"{source} has no column {settings.id_field!r} (--id-field); its columns: {shown}")
+        raise ValueError(f"{source} has no column {settings.id_field!r} (--id-field){did_you_mean([settings.id_field], have)}; "
+                         f"its columns: {shown}")
     if settings.prompt_template is not None:
         missing = [n for n in template_fields(settings.prompt_template) if n.split(".")[0].split("[")[0] not in have]
         if missing:
-            raise ValueError(f"{source} has no column(s) {missing} used by --prompt-template; its columns: {shown}")
+            raise ValueError(f"{source} has no column(s) {missing} used by --prompt-template{did_you_mean(missing, have)}; "
+                             f"its columns: {shown}")
     elif settings.text_field is not None:
         if settings.text_field not in have:
-            raise ValueError(f"{source} has no column {settings.text_field!r} (--text-field); its columns: {shown}")
-    elif not have & {"prompt", "messages", "prompt_token_ids"}:
-        raise ValueError(f"{source} has no 'prompt', 'messages' or 'prompt_token_ids' column (its columns: {shown}); "
+            raise ValueError(f"{source} has no column {settings.text_field!r} (--text-field)"
+                             f"{did_you_mean([settings.text_field], have)}; its columns: {shown}")
+    elif not have & set(PROMPT_FIELDS):
+        misspelt = [(column, close[0]) for column in sorted(have)
+                    for close in [difflib.get_close_matches(column, PROMPT_FIELDS, n=1)] if close]
+        guess = "".join(f"; is {column!r} meant to be {field!r}?" for column, field in misspelt[:3])
+        raise ValueError(f"{source} has no 'prompt', 'messages' or 'prompt_token_ids' column (its columns: {shown}{guess}); "
                          "pass --text-field or --prompt-template")
 
 
