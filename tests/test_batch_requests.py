@@ -62,7 +62,8 @@ def test_ids():
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"text": "x"}, "has no prompt"),
+        ({"text": "x"}, r"has no prompt: .*\(fields: \['text'\]\); or pass"),  # nothing close: no guess
+        ({"id": 3, "Message": "x"}, r"has no prompt: .*\(fields: \['Message', 'id'\]; is 'Message' meant to be 'messages'\?\)"),
         ({"prompt": 42}, r"'prompt' must be a string \(or a list of token ids\), got int 42"),
         ({"messages": "not json"}, "'messages' is not a JSON list"),
         ({"messages": []}, "non-empty list"),

@@ -162,7 +162,8 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
         null_note = f" ({' and '.join(map(repr, nulls))} {'is' if len(nulls) == 1 else 'are'} null)" if nulls else ""
         raise RowError(
             f"{where} has no prompt: it needs a 'prompt', 'messages' or 'prompt_token_ids' field that is not "
-            f"null{null_note} (fields: {sorted(record)[:12]}); or pass --text-field or --prompt-template",
+            f"null{null_note} (fields: {sorted(record)[:12]}{_misspelt_prompt_fields(map(str, record))}); or pass "
+            "--text-field or --prompt-template",
             row_id,
         )
     if settings.chat or settings.system is not None:
@@ -357,6 +358,13 @@ def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_se
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # where a row's own prompt is, without --text-field
 
 
+def _misspelt_prompt_fields(names: Iterable[str]) -> str:
+    """'; is 'promt' meant to be 'prompt'?' for each name close to a prompt field, else ''."""
+    misspelt = [(name, close[0]) for name in sorted(names) for close in [difflib.get_close_matches(name, PROMPT_FIELDS, n=1)]
+                if close]
+    return "".join(f"; is {name!r} meant to be {field!r}?" for name, field in misspelt[:3])
+
+
 def check_columns(columns: list[str], settings: PromptSettings, source: str) -> None:
     """For inputs with a schema (CSV header, Parquet): the columns the prompt settings read must exist.
 
@@ -377,10 +385,8 @@ def check_columns(columns: list[str], settings: PromptSettings, source: str) -> 
             raise ValueError(f"{source} has no column {settings.text_field!r} (--text-field)"
                              f"{did_you_mean([settings.text_field], have)}; its columns: {shown}")
     elif not have & set(PROMPT_FIELDS):
-        misspelt = [(column, close[0]) for column in sorted(have)
-                    for close in [difflib.get_close_matches(column, PROMPT_FIELDS, n=1)] if close]
-        guess = "".join(f"; is {column!r} meant to be {field!r}?" for column, field in misspelt[:3])
-        raise ValueError(f"{source} has no 'prompt', 'messages' or 'prompt_token_ids' column (its columns: {shown}{guess}); "
+        raise ValueError(f"{source} has no 'prompt', 'messages' or 'prompt_token_ids' column (its columns: {shown}"
+                         f"{_misspelt_prompt_fields(have)}); "
                          "pass --text-field or --prompt-template")
 
 
