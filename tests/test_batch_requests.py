@@ -195,6 +195,11 @@ def test_openai_chat_and_completion_requests():
         ({"url": "/v1/completions", "body": {"prompt": "x", "tools": [{"function": {"name": "f"}}]}}, r"\['tools'\] are not supported"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "temprature": 0}},
          r"\['temprature'\] are not supported by tokenmill \(did you mean 'temperature'\?\) \(supported: \["),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "top-p": 0.5}}, r"\['top-p'\] .* \(did you mean 'top_p'\?\)"),
+        # Fields of vLLM's request models that are refused here are not taken for typos of a near name.
+        ({"url": "/v1/completions", "body": {"prompt": "x", "top_logprobs": 2}}, r"\['top_logprobs'\] are not supported by tokenmill yet"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}], "logprob_token_ids": [1]}},
+         r"\['logprob_token_ids'\] are not supported by tokenmill yet"),
         ({"body": {"max_tokens": 3}}, "body.messages is required"),
         ({"url": "/v1/completions", "body": {"prompt": ["a", "b"]}}, "one prompt per batch line"),
         ({"body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}, "stream"),

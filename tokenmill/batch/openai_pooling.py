@@ -93,7 +93,7 @@ def build_openai_scoring(raw: "RawRow") -> tuple[RowRequest, list[str], list[str
 def _check_fields(body: dict[str, Any], fields: set[str], where: str, url: str, custom_id: str) -> None:
     unknown = sorted(set(body) - fields - _IGNORED)
     if unknown:
-        raise RowError(f"{where}: body field(s) {unknown} are not supported for {url}{did_you_mean(unknown, fields)} "
+        raise RowError(f"{where}: body field(s) {unknown} are not supported for {url}{did_you_mean(unknown, fields, cutoff=0.85)} "
                        f"(supported: {sorted(fields | _IGNORED)})", custom_id)
 
 

@@ -173,9 +173,13 @@ def build_row_request(raw: "RawRow", settings: PromptSettings) -> RowRequest:
     return request
 
 
-def did_you_mean(unknown: list[str], known: Iterable[str]) -> str:
-    """' (did you mean 'max_tokens'?)' for the names of ``known`` close to an unknown one (a typo), else ''."""
-    close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=1)]
+def did_you_mean(unknown: list[str], known: Iterable[str], cutoff: float = 0.6) -> str:
+    """' (did you mean 'max_tokens'?)' for the names of ``known`` close to an unknown one (a typo; case and
+    '-' for '_' aside), else ''. A higher ``cutoff`` guesses only at near misses: where an unknown name
+    may be a real field that is refused (an OpenAI body's), a loose guess would point at the wrong one."""
+    spelled = {name.lower().replace("-", "_"): name for name in sorted(known)}
+    close = [spelled[match] for name in unknown
+             for match in difflib.get_close_matches(name.lower().replace("-", "_"), list(spelled), n=1, cutoff=cutoff)]
     return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
