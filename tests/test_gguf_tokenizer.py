@@ -97,3 +97,43 @@ def test_tokenizer_class_from_the_model_type_is_autotokenizers(family: str, requ
     calls.clear()
     load_gguf_tokenizer(path, reader, model_type=model_type)
     assert calls == ["read"]
+
+
+def _vocabulary_file(tmp_path: Path, tokens: list[str], **ids: int) -> object:
+    """A GGUF holding only a vocabulary and the given ``tokenizer.ggml.<role>_token_id`` keys, read back."""
+    import gguf
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    for role, value in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{role}_token_id", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path))
+
+
+def test_generation_ends_where_llama_cpp_ends_it(tmp_path: Path) -> None:
+    """llama.cpp's end-of-generation set (llama-vocab.cpp, llama_vocab::impl::load): the file's eos /
+    eot / eom and fill-in-the-middle pad, repo and file-separator ids, and the tokens whose text ends
+    a turn. A Phi-3 file names <|endoftext|> its eos, and its chat answers end at <|end|>: generation
+    ran on past every answer to max_tokens, ending only at the eos."""
+    from tokenmill.models.gguf_tokenizer import gguf_generation_ids
+
+    phi3 = ["<unk>", "<s>", "</s>", "a", "b", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"]
+    ids = gguf_generation_ids(_vocabulary_file(tmp_path / "phi3", phi3, bos=1, eos=5))
+    assert ids["bos_token_id"] == 1 and set(ids["eos_token_id"]) == {2, 5, 7} and ids["eos_token_id"][0] == 5
+
+    # Harmony's <|end|> closes a message before a <|call|> or <|return|>: not an end of generation there.
+    harmony = ["a", "<|start|>", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>"]
+    assert set(gguf_generation_ids(_vocabulary_file(tmp_path / "harmony", harmony, eos=3))["eos_token_id"]) == {3, 4, 5}
+
+    # Keys the file names count whatever their text; the fill-in-the-middle texts when it names none.
+    qwen = ["a", "b", "<|im_start|>", "<|im_end|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "c"]
+    named = gguf_generation_ids(_vocabulary_file(tmp_path / "qwen", qwen, eos=3, eot=7, fim_pad=1))
+    assert set(named["eos_token_id"]) == {3, 7, 1, 4, 5, 6}
+    assert "eos_token_id" not in gguf_generation_ids(_vocabulary_file(tmp_path / "plain", ["a", "b"]))

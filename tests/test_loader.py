@@ -283,7 +283,9 @@ def test_builtin_source(smollm2_source: ModelSource) -> None:
     folder = smollm2_source.config_dir
     assert folder is not None and (folder / "model.safetensors").is_file()
     assert smollm2_source.weights_format == "safetensors" and smollm2_source.tokenizer_kwargs == {}
-    assert smollm2_source.generation_config["eos_token_id"] == 2
+    # llama.cpp ends SmolLM2's generation at its eos <|im_end|> (2), at <|endoftext|> (0) by its text, and
+    # at <reponame> (4), which it takes for the fill-in-the-middle repo token (llama-vocab.cpp's load).
+    assert smollm2_source.generation_config["eos_token_id"] == [2, 0, 4]
     tok = AutoTokenizer.from_pretrained(smollm2_source.tokenizer_path, **smollm2_source.tokenizer_kwargs)
     assert tok.eos_token == "<|im_end|>"
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)

@@ -76,7 +76,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 COMPLETE_MARKER = "tokenmill_builtin.json"
 # The version of the GGUF conversion, part of a converted folder's name: a fix to how files are read
 # (the rope scaling, a family's layout) must not be hidden by a folder an older version converted.
-GGUF_CONVERSION_VERSION = 3
+GGUF_CONVERSION_VERSION = 4
 STORED_DTYPES = ("bfloat16", "float16", "float32")
 
 

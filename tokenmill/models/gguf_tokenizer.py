@@ -2,8 +2,13 @@
 that reading gets wrong for the files we load set the way llama.cpp (which wrote and runs them)
 reads them.
 
-- The generation config's ids (``gguf_generation_ids``): the file's eos, end-of-turn and
-  end-of-message tokens all end generation, as in llama.cpp.
+- The generation config's ids (``gguf_generation_ids``): every token llama.cpp ends generation at
+  (its end-of-generation set): the file's eos, end-of-turn and end-of-message tokens, its
+  fill-in-the-middle pad / repo / file-separator tokens, and the tokens whose text marks an end of
+  turn in the chat formats llama.cpp knows (Phi-3's ``<|end|>``, Qwen's ``<|endoftext|>`` beside
+  ``<|im_end|>``, Gemma's ``<end_of_turn>``, ...), found by their text because converters often
+  leave the eot key out. A Phi-3 file names ``<|endoftext|>`` as its eos, and a chat answer there
+  ends with ``<|end|>``: without it generation ran on to max_tokens.
 - The special tokens: bos/eos/pad/unk from the file's token ids (transformers can pick another
   eos, which would make generation run past the end of every answer).
 - No WordPiece-style cleanup on decoding (``clean_up_tokenization_spaces`` strips the space
@@ -86,19 +91,51 @@ def load_gguf_tokenizer(gguf_path: Path, reader: Any | None = None, model_type: 
     return tokenizer
 
 
+# Token texts that end generation wherever they are in the vocabulary, as llama.cpp's
+# llama_vocab::load marks its end-of-generation set by text (the end-of-turn markers of the chat
+# formats it knows), and the texts it takes for fill-in-the-middle pad / repo / file-separator tokens
+# when the file names none (those end generation there too).
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>",
+    "</s>", "<eos>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    "<|return|>", "<|call|>", "<|calls|>", "<|flush|>", "<turn|>", "<|tool_response>", "[e~[",
+})
+_FILL_IN_THE_MIDDLE_TEXTS = frozenset({
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+})
+# Roles whose id the file may name, each ending generation in llama.cpp.
+_END_OF_GENERATION_ROLES = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+
+
 def gguf_generation_ids(reader: Any) -> dict[str, Any]:
-    """The generation config's bos/eos/pad ids from the file. The eos is a list when the file also
-    names an end-of-turn or end-of-message token: llama.cpp ends generation at any of the three."""
+    """The generation config's bos/eos/pad ids from the file. The eos is a list when generation
+    ends at more than one token: llama.cpp's end-of-generation set (the module docstring)."""
     ids: dict[str, Any] = {}
     for name, role in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         value = field(reader, f"tokenizer.ggml.{role}_token_id")
         if value is not None:
             ids[name] = int(value)
-    ends = [int(v) for v in (field(reader, f"tokenizer.ggml.{role}_token_id") for role in ("eos", "eot", "eom"))
+    ends = [int(v) for v in (field(reader, f"tokenizer.ggml.{role}_token_id") for role in _END_OF_GENERATION_ROLES)
             if v is not None]
+    ends += _ends_by_text(field(reader, "tokenizer.ggml.tokens") or [])
     if len(set(ends)) > 1:
         ids["eos_token_id"] = list(dict.fromkeys(ends))
     return ids
+
+
+def _ends_by_text(tokens: list[str]) -> list[int]:
+    """The ids of the tokens llama.cpp ends generation at by their text, with its two exceptions: in
+    a vocabulary that also has harmony's ``<|return|>`` and ``<|call|>`` (or ``<|calls|>`` and
+    ``<|flush|>``), ``<|end|>`` only closes a message; beside ``<|tool_response>``, ``</s>`` is text."""
+    found = {text: index for index, text in enumerate(tokens)
+             if text in _END_OF_GENERATION_TEXTS or text in _FILL_IN_THE_MIDDLE_TEXTS}
+    calls = "<|call|>" in found or "<|calls|>" in found
+    if calls and ("<|return|>" in found or "<|flush|>" in found):
+        found.pop("<|end|>", None)
+    if "<|tool_response>" in found:
+        found.pop("</s>", None)
+    return sorted(found.values())
 
 
 def fix_gguf_tokenizer(tokenizer: Any, reader: Any) -> None:
