@@ -115,7 +115,7 @@ for part in $parts; do
       install_wheels  # compressed-tensors, gguf
       OMP_NUM_THREADS=$TESTS_OMP timeout 420 python3 -m pytest tests/gpu/test_quant_kernels_gpu.py tests/gpu/test_quant_engine_gpu.py tests/gpu/test_block_fp8_gpu.py -q --maxfail=8 -p no:cacheprovider -rs 2>&1 | tee "$OUT/quant_tests.log" | tail -15 ;;
     quant-gemm)  # W4A16 and fp8 GEMMs against bf16 cuBLAS on the 8B projections (rows: bench/results/gpu_quant_gemm.jsonl);
-                 # QUANT_GEMM_KINDS="w4a16" (or fp8, fused) runs only those
+                 # QUANT_GEMM_KINDS="w4a16" (or fp8, fused, block) runs only those
       timeout 450 python3 bench/quant_gemm_bench.py ${QUANT_GEMM_KINDS:-} > "$OUT/quant_gemm.raw" 2>>"$OUT/suite.log"; tag "$OUT/quant_gemm.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/quant_gemm.raw"; cat "$OUT/quant_gemm.jsonl" ;;
     fp8-tiles)  # the swapped fp8 GEMM past 64 tokens on larger tiles beside _scaled_mm, and tile rules scored (docs/perf.md 81)
       timeout 300 python3 bench/fp8_tile_sweep.py > "$OUT/fp8_tiles.raw" 2>>"$OUT/suite.log"; tag "$OUT/fp8_tiles.raw" "$OUT/quant_gemm.jsonl"; : > "$OUT/fp8_tiles.raw"; tail -2 "$OUT/quant_gemm.jsonl" ;;

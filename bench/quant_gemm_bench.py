@@ -16,8 +16,9 @@ output (the engine's path).
 
 Every timing is a CUDA-graph replay (bench/gpu_timing.py's timer) cycling through enough
 copies of the weights to exceed the 60 MB L2 twice over, so weights come from HBM as they do in
-a decode step that reads every layer. One JSON row per (shape, M, kind).
-    python bench/quant_gemm_bench.py [w4a16] [fp8] [fused]
+a decode step that reads every layer. One JSON row per (shape, M, kind). ``block``: the
+block-wise fp8 linear (Qwen3-*-FP8's layout) beside the per-channel one and bf16.
+    python bench/quant_gemm_bench.py [w4a16] [fp8] [fused] [block]
 """
 
 from __future__ import annotations
@@ -242,6 +243,45 @@ def bench_fp8() -> None:
             print(json.dumps(row), flush=True)
 
 
+def bench_block() -> None:
+    """Block-wise fp8 (128 x 128 weight blocks, activations per token and 128-group: Qwen3-*-FP8)
+    beside the per-channel fp8 linear the engine runs and bf16 cuBLAS, each a whole linear
+    (activation quantization included), at decode and prompt sizes (docs/perf.md 119's prediction)."""
+    from tokenmill.kernels.triton.block_fp8_gemm import block_fp8_gemm, quantize_fp8_groups
+
+    sms = num_sms(torch.device("cuda"))
+    for name, (n, k) in SHAPES.items():
+        copies = _copies(n * k)
+        fp8 = [quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+        blocks = [(codes, torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), device="cuda") * 1e-3) for codes, _ in fp8]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(_copies(n * k * 2))]
+        counters = torch.zeros(fp8_counters_needed(n), dtype=torch.int32, device="cuda")
+        for m in (1, 4, 16, 32, 64, 128, 256, 1024, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def channel(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # the engine's per-channel fp8 linear
+                xq, xs = quantize_fp8(x)
+                if runs_swapped(m, n, sms):
+                    return fp8_gemm(xq, xs, w, s, None, torch.bfloat16, counters)
+                return torch._scaled_mm(xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+            def block(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+                xq, xs = quantize_fp8_groups(x)
+                return block_fp8_gemm(xq, xs, w, s, None, torch.bfloat16, counters)
+
+            bf16_us, _ = _cycled([lambda w=w: F.linear(x, w) for w in dense])
+            channel_us, _ = _cycled([lambda w=w, s=s: channel(w, s) for w, s in fp8])
+            block_us, _ = _cycled([lambda w=w, s=s: block(w, s) for w, s in blocks])
+            group_quant_us, _ = _time_graph(lambda: quantize_fp8_groups(x))
+            row = {**_provenance("block_fp8_gemm", f"llama3-8b-{name}-m{m}"), "n": n, "k": k, "m": m,
+                   "bf16_cublas_us": round(bf16_us, 2), "channel_linear_us": round(channel_us, 2),
+                   "block_linear_us": round(block_us, 2), "group_quantize_us": round(group_quant_us, 2),
+                   "block_vs_channel": round(channel_us / block_us, 2), "block_vs_bf16": round(bf16_us / block_us, 2),
+                   "swapped": runs_swapped(m, n, sms)}
+            print(json.dumps(row), flush=True)
+
+
 def bench_fused() -> None:
     """Per call, CUDA-graph replays (inputs in L2, as the previous GEMM leaves them in a decode step)."""
     hidden = 4096
@@ -266,13 +306,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("quant_gemm_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
-    parts = sys.argv[1:] or ["w4a16", "fp8", "fused"]
+    parts = sys.argv[1:] or ["w4a16", "fp8", "fused", "block"]
     if "w4a16" in parts:
         bench_w4a16()
     if "fp8" in parts:
         bench_fp8()
     if "fused" in parts:
         bench_fused()
+    if "block" in parts:
+        bench_block()
 
 
 if __name__ == "__main__":
