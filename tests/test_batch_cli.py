@@ -409,3 +409,41 @@ def test_sighup_stays_ignored_under_nohup(tmp_path, monkeypatch, capsys, tiny_ll
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert "4/4 rows" in capsys.readouterr().err
+
+
+def test_a_refused_run_leaves_the_output_location_as_it_found_it(tmp_path, capsys, tiny_llama_dir):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    out = tmp_path / "o.jsonl"
+    refused = [["--model", "no-such-model-xyz"], [*tiny_flags(tiny_llama_dir), "--tensor-parallel-size", "0"]]
+    for flags in refused:
+        assert main(["run", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress", *flags]) == 2
+        assert sorted(os.listdir(tmp_path)) == ["in.jsonl"], flags  # no o.jsonl, no o.jsonl.tokenmill/
+    out.write_text("")  # an empty file the user made stays, as it was
+    assert main(["run", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", "no-such-model-xyz"]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o.jsonl"] and out.read_text() == ""
+
+
+def test_a_refused_rerun_keeps_the_resumed_jobs_state_and_output(tmp_path, monkeypatch, capsys, tiny_llama_dir):
+    import tokenmill.cli as cli
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat {i}"}) + "\n" for i in range(6)))
+    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "3",
+            "--temperature", "0", "--no-progress", "--max-inflight", "1", *tiny_flags(tiny_llama_dir)]
+    polls = []
+
+    def stop_after_a_few_steps(self):
+        self.loop_started = True
+        polls.append(1)
+        return len(polls) > 4
+
+    monkeypatch.setattr(cli._StopRequests, "__call__", stop_after_a_few_steps)
+    assert main(argv) == 130
+    monkeypatch.undo()
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "lock"}
+    assert 0 < len(before[Path("o.jsonl")].splitlines()) < 6
+    assert main([*argv, "--tensor-parallel-size", "0"]) == 2  # a throughput flag: the journal resumes, then the load fails
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "lock"}
+    assert after == before
+    capsys.readouterr()
+    assert main(argv) == 0 and "resumed:" in capsys.readouterr().err
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 6

@@ -32,6 +32,7 @@ seconds and at the end, which bounds what a power failure can cost.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -92,6 +93,9 @@ class Journal:
         self._data: AppendFile | None = None
         self._journal: AppendFile | None = None
         self._last_sync = time.monotonic()
+        # What this attempt made itself (a first attempt): removed again when it ends in an error before
+        # any row was written, so a refused run leaves the output location as it found it.
+        self._made: list[str] = []
 
     # --- opening -------------------------------------------------------------------------------
 
@@ -103,6 +107,7 @@ class Journal:
         ``read_record`` reads an output record back, to rebuild a journal that was deleted.
         """
         folder = sidecar_dir(output)
+        made_folder = not os.path.lexists(folder)
         os.makedirs(folder, exist_ok=True)
         lock_fd = _lock(folder, output)
         try:
@@ -126,11 +131,13 @@ class Journal:
                         f"{output} exists and was not written by a resumable tokenmill run (there is no {state_path}); "
                         "pass --overwrite to replace it, or choose another output"
                     )
+                made_output = not os.path.lexists(data_path)  # (an empty output the user made is kept)
                 _clear(output, folder)  # leftovers of a first attempt that died before its state
                 state = {"version": STATE_VERSION, "fingerprint": fingerprint(settings), "settings": settings,
                          "created": time.time(), "complete": False, "summary": None}
                 write_atomic(state_path, json.dumps(state, indent=1, default=str).encode())
                 journal = cls(output, data_path, state, lock_fd, fsync_interval)
+                journal._made = [path for path, made in ((data_path, made_output), (folder, made_folder)) if made]
                 journal._open_files(0, 0)
                 return journal
             _check_same_settings(output, state, settings)
@@ -334,8 +341,31 @@ class Journal:
     def __enter__(self) -> "Journal":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            self._close_files()
+            self._remove_if_unused()
         self.close()
+
+    def _remove_if_unused(self) -> None:
+        """A first attempt that ends in an error before writing any row (the model is unknown, a flag
+        is refused as the engine starts) removes the files and folder it made: nothing was done, so
+        nothing is left to resume. Anything an earlier attempt made is never touched (``_made`` is empty
+        then); still under the lock, so another run cannot have started on them."""
+        if not self._made or self.current.rows or _has_results(self.dir, self.data_path):
+            return
+        for path in self._made:
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path):
+                    for name in os.listdir(path):
+                        if name != "lock":  # unlinked last, by the folder's removal below
+                            os.remove(os.path.join(path, name))
+                else:
+                    os.remove(path)
+        if self.dir in self._made:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.dir, "lock"))
+                os.rmdir(self.dir)
 
 
 def _lock(folder: str, output: str) -> int:
