@@ -306,6 +306,15 @@ def test_error_messages_name_the_row_once(tmp_path, llm):
     assert "line 1: " in report and "line 2" in report
 
 
+def test_the_summary_counts_the_failures_it_does_not_show(tmp_path, llm):
+    lines = ['{"prompt": "unterminated'] * 8 + ['{"prompt": "x"}']
+    summary = job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", lines))
+    assert summary.failed == 8
+    report = summary.report()
+    assert sum("is not valid JSON" in line for line in report.splitlines()) == 5
+    assert f"and 3 more (every failed row is in {tmp_path / 'out.jsonl'} with its 'error' field set)" in report
+
+
 def test_an_empty_input_says_so(tmp_path, llm):
     path = tmp_path / "in.jsonl"
     path.write_text("\n\n")

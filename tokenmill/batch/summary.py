@@ -58,6 +58,9 @@ class JobSummary:
         if self.errors:
             lines.append(f"  failures (the 'error' field of {self.output} has each one):")
             lines.extend(f"    {e}" for e in self.errors)
+            more = self.failed - len(self.errors)  # past the first few, and an earlier attempt's
+            if more > 0:
+                lines.append(f"    ... and {more} more (every failed row is in {self.output} with its 'error' field set)")
         if self.interrupted:
             lines.append("  rerun the same command to continue where this attempt stopped")
         lines.append(f"  output: {self.output}")
