@@ -447,3 +447,15 @@ def test_a_refused_rerun_keeps_the_resumed_jobs_state_and_output(tmp_path, monke
     capsys.readouterr()
     assert main(argv) == 0 and "resumed:" in capsys.readouterr().err
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 6
+
+
+@pytest.mark.parametrize("argv", [["run", "in.jsonl", "-o", "o.jsonl", "--max-token", "5"],
+                                  ["run", "in.jsonl", "-o", "o.jsonl", "--over"],
+                                  ["generate", "hi", "--temp", "0"], ["chat", "--max-model", "64"]])
+def test_abbreviated_flags_are_refused(capsys, argv):
+    # An abbreviation would silently change meaning once a flag sharing its prefix is added.
+    from tokenmill.cli_options import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

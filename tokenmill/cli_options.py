@@ -45,11 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenmill",
         description="Offline LLM batch inference with vLLM's offline API.",
         epilog="Start with: tokenmill run examples/products.jsonl -o results.jsonl",
+        allow_abbrev=False,  # an abbreviation (--max-token) would change meaning when a flag sharing it is added
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     run = sub.add_parser(
-        "run", help="run a crash-safe, resumable batch job over a JSONL/CSV/Parquet/OpenAI-batch file",
+        "run", allow_abbrev=False, help="run a crash-safe, resumable batch job over a JSONL/CSV/Parquet/OpenAI-batch file",
         description="Generate for every row of INPUT and append each result to OUTPUT as it finishes. "
         "After a crash or kill, run the same command again to continue: finished rows are kept, "
         "the rest run once. Exit code 3 when some rows failed (their 'error' says why).",
@@ -94,14 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--progress-interval", type=float, default=10.0, metavar="SECONDS",
                      help="seconds between progress lines when stderr is not a terminal (default: 10)")
 
-    gen = sub.add_parser("generate", help="complete one prompt and print the text",
+    gen = sub.add_parser("generate", allow_abbrev=False, help="complete one prompt and print the text",
                          description="Complete PROMPT (use '-' to read it from stdin) and print the completion.")
     gen.add_argument("prompt", metavar="PROMPT")
     _add_prompt_options(gen, with_rows=False)
     _add_sampling_options(gen)
     _add_engine_options(gen)
 
-    chat = sub.add_parser("chat", help="interactive chat that streams tokens",
+    chat = sub.add_parser("chat", allow_abbrev=False, help="interactive chat that streams tokens",
                           description="Chat with a model. Commands: /reset clears the conversation, /exit quits "
                           "(or Ctrl-D). Ctrl-C stops the current answer.")
     chat.add_argument("--system", metavar="TEXT", help="system message")
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat, max_tokens_default=f"default: {CHAT_MAX_TOKENS}")
     _add_engine_options(chat)
 
-    sub.add_parser("models", help="list the built-in models and where local models are looked up")
+    sub.add_parser("models", allow_abbrev=False, help="list the built-in models and where local models are looked up")
     return parser
 
 
