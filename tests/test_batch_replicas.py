@@ -346,3 +346,21 @@ def test_a_replica_leaves_a_sigint_to_its_parent():
         assert proc.wait(timeout=30) == 1
     finally:
         stop_children([proc], [])
+
+
+def test_a_tensor_parallel_size_the_model_cannot_be_split_over_is_refused_before_any_replica_starts(
+        tmp_path, monkeypatch, tiny_llama_dir):
+    import tokenmill.batch.replicas as replicas_module
+
+    def no_replica(*args, **kwargs):
+        raise AssertionError("a replica started")
+
+    monkeypatch.setattr(replicas_module, "start_module", no_replica)
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text('{"prompt": "hi"}\n')
+    config = JobConfig(input=str(input_path), output=str(tmp_path / "out.jsonl"), model=str(tiny_llama_dir),
+                       engine={**ENGINE, "tensor_parallel_size": 3}, sampling=dict(SAMPLING), replicas=2, progress=False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3\) does not fit this model: num_attention_heads=4 .*"
+                                         r"allowed: tensor_parallel_size in \[1, 2, 4\]"):
+        run_job(config)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

@@ -20,15 +20,9 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
     skip_tokenizer_init); seeds Python's, numpy's and torch's global generators with ``args.seed``."""
 
     from tokenmill.config import resolve_config
-    from tokenmill.models.source import apply_hf_overrides, resolve_model
     from tokenmill.models.token_classifier import classifier_token_ids, classifier_tokens
 
-    source = resolve_model(
-        args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
-        trust_remote_code=args.trust_remote_code, dtype=args.dtype, device=args.device, load_format=args.load_format,
-    )
-    if args.hf_overrides:
-        source = apply_hf_overrides(source, args.hf_overrides)
+    source = resolve_source(args)
     from_tokens = classifier_tokens(source.hf_config)  # sets num_labels before the pooling settings read it
     config = resolve_config(args, source)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args)
@@ -43,6 +37,18 @@ def resolve_engine_inputs(args: "EngineArgs") -> tuple["EngineConfig", "ModelSou
         source.hf_config.classifier_token_ids = classifier_token_ids(from_tokens[0], tokenizer)
     seed_global_generators(args.seed)
     return config, source, tokenizer
+
+
+def resolve_source(args: "EngineArgs") -> "ModelSource":
+    """The model ``args`` name, found (a local path, a built-in, the hub cache) and its config read,
+    ``hf_overrides`` applied; no weights are read."""
+    from tokenmill.models.source import apply_hf_overrides, resolve_model
+
+    source = resolve_model(
+        args.model, tokenizer=args.tokenizer, revision=args.revision, gguf_file=args.gguf_file,
+        trust_remote_code=args.trust_remote_code, dtype=args.dtype, device=args.device, load_format=args.load_format,
+    )
+    return apply_hf_overrides(source, args.hf_overrides) if args.hf_overrides else source
 
 
 def seed_global_generators(seed: int) -> None:

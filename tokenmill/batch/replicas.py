@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
+from tokenmill.batch.job_engine import check_tensor_parallel_fits
 from tokenmill.batch.replica_messages import (
     Commit, Failed, Finished, ProgressEvents, Ready, ReplicaError, ReplicaSetup, StopReplica, replay_progress,
 )
@@ -124,6 +125,7 @@ class ReplicaPool:
         self.stderr = stderr if stderr is not None else sys.stderr
         self.input_size = input_size  # the scan's: replicas read that much of the input (readers.ScannedInput)
         plans = plan_replicas(config.engine, config.replicas)
+        check_tensor_parallel_fits(config)  # here, rather than in every replica's LLM() once it started
         self.replicas = [_Replica(shard, plan) for shard, plan in enumerate(plans)]
         self.errors: list[str] = []
         self._stopping = False
