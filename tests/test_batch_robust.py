@@ -200,7 +200,6 @@ BAD_VALUES = [
     ('{"logprobs": "3"}', "SamplingParams.logprobs='3'"),  # (true is vLLM's 1)
     ('{"seed": 1.5}', "SamplingParams.seed=1.5"),
     ('{"max_tokens": 1e12}', "SamplingParams.max_tokens=1000000000000.0"),
-    ('{"max_tokens": 1000000000000}', "max_model_len (128)"),
     ('{"truncate_prompt_tokens": 500}', "SamplingParams.truncate_prompt_tokens=500 is invalid: must be -1 or at most max_model_len (128)"),
     ('{"n": 1000000, "temperature": 1.0}', "max_num_seqs (4)"),  # (sampled: n > 1 is refused under greedy)
     ('{"n": 2, "best_of": 1000, "temperature": 1.0}', "max_num_seqs (4)"),
@@ -219,10 +218,35 @@ def test_bad_types_and_impossible_bounds_are_error_rows(tmp_path, llm):
         assert needle in records[(row, None)]["error"], (value, records[(row, None)]["error"])
 
 
+def test_max_tokens_past_the_context_is_capped_as_generate_caps_it(tmp_path, llm):
+    # LLM.generate (and vLLM's) accepts max_tokens above max_model_len and stops the sequence when it
+    # fills the context; a job's rows, and its --max-tokens, are the same requests.
+    rows = [{"prompt": TEXTS[0]}, {"prompt": TEXTS[1], "sampling_params": {"max_tokens": 1000000000000}}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = job(tmp_path, llm, path, sampling={**GREEDY, "max_tokens": 1000, "ignore_eos": True})
+    assert summary.exit_code == 0 and summary.failed == 0
+    records = by_row(read_jsonl(tmp_path / "out.jsonl"))
+    expected = llm.generate(TEXTS[:2], SamplingParams(**{**GREEDY, "max_tokens": 1000, "ignore_eos": True}), use_tqdm=False)
+    for row, out in enumerate(expected):
+        assert records[(row, 0)]["text"] == out.outputs[0].text
+        assert records[(row, 0)]["finish_reason"] == "length"
+        assert records[(row, 0)]["prompt_tokens"] + records[(row, 0)]["completion_tokens"] == 128  # max_model_len
+
+
+def test_an_openai_lines_max_tokens_past_the_context_stays_a_400(tmp_path, llm):
+    # vLLM's server (and so its run-batch) refuses such a request rather than capping it.
+    line = {"custom_id": "big", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": TEXTS[0], "max_tokens": 1000}}
+    path = write_jsonl(tmp_path / "in.jsonl", [line])
+    job(tmp_path, llm, path)
+    response = read_jsonl(tmp_path / "out.jsonl")[0]["response"]
+    assert response["status_code"] == 400 and "max_tokens=1000" in response["body"]["error"]["message"]
+    with pytest.raises(ValueError, match=r"--max-tokens 1000 is more than this engine's max_model_len \(128\)"):
+        job(tmp_path, llm, path, output="other.jsonl", sampling={**GREEDY, "max_tokens": 1000})
+
+
 def test_job_wide_values_past_the_engine_are_refused_before_any_row(tmp_path, llm):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:2]])
-    with pytest.raises(ValueError, match=r"--max-tokens.*max_model_len \(128\)"):
-        job(tmp_path, llm, path, sampling={**GREEDY, "max_tokens": 1000})
     # Every row would fail with it (vLLM refuses a cut longer than max_model_len).
     with pytest.raises(ValueError, match=r"--truncate-prompt-tokens 500 is more than this engine's max_model_len \(128\)"):
         job(tmp_path, llm, path, sampling={**GREEDY, "truncate_prompt_tokens": 500})

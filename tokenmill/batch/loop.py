@@ -158,9 +158,13 @@ class JobLoop:
             self.progress.maybe_draw()
 
     def _check_job_limits(self) -> None:
-        """Job-wide values no row could run with are a usage error, before any row runs."""
-        limits = {"max_tokens": (self.max_model_len, "max_model_len"), "n": (self.engine.config.max_num_seqs, "max_num_seqs"),
+        """Job-wide values no row could run with are a usage error, before any row runs. A max_tokens
+        above max_model_len is capped as LLM.generate caps it, except for OpenAI lines (see
+        requests.check_engine_limits)."""
+        limits = {"n": (self.engine.config.max_num_seqs, "max_num_seqs"),
                   "truncate_prompt_tokens": (self.max_model_len, "max_model_len")}
+        if self.fmt == "openai":
+            limits["max_tokens"] = (self.max_model_len, "max_model_len")
         for name, (limit, what) in limits.items():
             value = self.config.sampling.get(name)
             if value is not None and value > limit:
@@ -214,11 +218,12 @@ class JobLoop:
                 params = shared_sampling_params(self.base, request.overrides, raw.index, row_id, where, self._params_made)
                 keywords["seed"] = row_seed(params, self.config.seed, raw.index)
                 try:
-                    check_engine_limits(params, self.max_model_len, self.engine.config.max_num_seqs)
+                    check_engine_limits(params, self.max_model_len, self.engine.config.max_num_seqs,
+                                        cap_max_tokens=self.fmt != "openai")
                 except ValueError as e:
                     raise RowError(f"{where}: {e}", row_id) from None
                 samples = params.n
-                bound = (params.max_tokens or self.max_model_len) * samples
+                bound = min(params.max_tokens or self.max_model_len, self.max_model_len) * samples
                 if prompt is None:
                     prompt = row_prompt(self.tokenizer, request, self.config.chat_template)
                 parts = [(f"row-{raw.index}", prompt, params)]

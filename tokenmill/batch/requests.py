@@ -347,10 +347,13 @@ def _values_key(values: dict[str, Any]) -> str | None:
         return None
 
 
-def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_seqs: int) -> None:
+def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_seqs: int,
+                        cap_max_tokens: bool = False) -> None:
     """Refuse values no run of this engine can serve (a ValueError naming the field and the limit):
-    more tokens than a sequence may hold, or more samples than run in one batch."""
-    if params.max_tokens is not None and params.max_tokens > max_model_len:
+    more samples than run in one batch, or, unless ``cap_max_tokens``, more tokens than a sequence
+    may hold. With ``cap_max_tokens`` (a job's rows, as LLM.generate) such a max_tokens runs until
+    the sequence fills max_model_len; an OpenAI line is refused as vLLM's server refuses it."""
+    if not cap_max_tokens and params.max_tokens is not None and params.max_tokens > max_model_len:
         raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} is invalid: must be <= max_model_len "
                          f"({max_model_len}), the most tokens a sequence holds")
     if params.num_samples > max_num_seqs:
