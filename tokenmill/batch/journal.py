@@ -10,6 +10,9 @@ Beside OUTPUT lives a sidecar folder ``OUTPUT.tokenmill/``:
     staging.jsonl  the data file of a Parquet output (a JSONL output is its own data file).
     lock           flock'ed while a run writes, so two runs never interleave.
 
+A first attempt that ends in an error before any row is written (a refused model or flag) removes
+the folder and the empty output it made, so a refused run leaves the output location as it found it.
+
 A commit appends the results' lines to the data file, then one journal line naming the new end.
 On resume the journal is replayed up to its last complete line whose ``end`` the data file
 reaches and whose ``start`` is where the line before it ended (a line deleted from the journal by
