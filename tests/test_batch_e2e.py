@@ -135,7 +135,7 @@ def test_a_chat_template_no_row_can_use_is_a_usage_error_before_any_row(tmp_path
     monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)
     with pytest.raises(ValueError, match="--chat and --system need a chat template, and the model tiny has none"):
         job(tmp_path, llm, path, prompt=PromptSettings(system="be brief"))
-    assert os.path.getsize(tmp_path / "out.jsonl") == 0  # no row was written as failed
+    assert not (tmp_path / "out.jsonl").exists()  # no row was written as failed, and a refused run leaves no file
 
 
 def test_csv_with_prompt_template(tmp_path, llm):

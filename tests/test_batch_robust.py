@@ -243,6 +243,7 @@ def test_an_openai_lines_max_tokens_past_the_context_stays_a_400(tmp_path, llm):
     assert response["status_code"] == 400 and "max_tokens=1000" in response["body"]["error"]["message"]
     with pytest.raises(ValueError, match=r"--max-tokens 1000 is more than this engine's max_model_len \(128\)"):
         job(tmp_path, llm, path, output="other.jsonl", sampling={**GREEDY, "max_tokens": 1000})
+    assert not (tmp_path / "other.jsonl").exists() and not (tmp_path / "other.jsonl.tokenmill").exists()
 
 
 def test_job_wide_values_past_the_engine_are_refused_before_any_row(tmp_path, llm):
