@@ -246,6 +246,23 @@ def test_an_openai_lines_max_tokens_past_the_context_stays_a_400(tmp_path, llm):
     assert not (tmp_path / "other.jsonl").exists() and not (tmp_path / "other.jsonl.tokenmill").exists()
 
 
+def test_an_openai_line_whose_prompt_and_max_tokens_pass_the_context_is_a_400(tmp_path, llm):
+    # vLLM's server refuses prompt tokens + max_tokens > max_model_len; the line that just fits runs.
+    room = 128 - len(llm.get_tokenizer()(TEXTS[0])["input_ids"])
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": TEXTS[0], "max_tokens": asked, "temperature": 0, "ignore_eos": True}}
+             for name, asked in (("over", room + 1), ("fits", room))]
+    lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[0]}], "max_completion_tokens": 128}})
+    job(tmp_path, llm, write_jsonl(tmp_path / "in.jsonl", lines))
+    out = {line["custom_id"]: line["response"] for line in read_jsonl(tmp_path / "out.jsonl")}
+    assert out["over"]["status_code"] == 400
+    assert f"max_tokens={room + 1} is too large" in out["over"]["body"]["error"]["message"]
+    assert f"leaving {room}" in out["over"]["body"]["error"]["message"]
+    assert out["fits"]["status_code"] == 200 and out["fits"]["body"]["usage"]["completion_tokens"] == room
+    assert out["chat"]["status_code"] == 400 and "max_tokens=128 is too large" in out["chat"]["body"]["error"]["message"]
+
+
 def test_job_wide_values_past_the_engine_are_refused_before_any_row(tmp_path, llm):
     path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": t} for t in TEXTS[:2]])
     # Every row would fail with it (vLLM refuses a cut longer than max_model_len).

@@ -28,7 +28,8 @@ from tokenmill.batch.openai_lines import refused_request
 from tokenmill.batch.pooling import NonFiniteOutput, PoolingRows, pooling_records
 from tokenmill.batch.readers import RawRow
 from tokenmill.batch.requests import (
-    OpenAIMeta, RowError, RowRequest, build_row_request, check_engine_limits, row_seed, shared_sampling_params,
+    OpenAIMeta, RowError, RowRequest, build_row_request, check_engine_limits, check_prompt_room, row_seed,
+    shared_sampling_params,
 )
 from tokenmill.batch.results import RowResult, generic_records, result_from_output
 from tokenmill.batch.row_prompts import check_chat_template, prepare_rows, row_prompt
@@ -158,9 +159,8 @@ class JobLoop:
             self.progress.maybe_draw()
 
     def _check_job_limits(self) -> None:
-        """Job-wide values no row could run with are a usage error, before any row runs. A max_tokens
-        above max_model_len is capped as LLM.generate caps it, except for OpenAI lines (see
-        requests.check_engine_limits)."""
+        """Job-wide values no row could run with are a usage error, before any row runs (a max_tokens
+        past max_model_len is capped as LLM.generate caps it, but not for OpenAI lines: vLLM's server)."""
         limits = {"n": (self.engine.config.max_num_seqs, "max_num_seqs"),
                   "truncate_prompt_tokens": (self.max_model_len, "max_model_len")}
         if self.fmt == "openai":
@@ -226,6 +226,8 @@ class JobLoop:
                 bound = min(params.max_tokens or self.max_model_len, self.max_model_len) * samples
                 if prompt is None:
                     prompt = row_prompt(self.tokenizer, request, self.config.chat_template)
+                if self.fmt == "openai" and "max_tokens" in {**self.config.sampling, **request.overrides}:
+                    check_prompt_room(params, prompt, self.max_model_len, where, row_id)  # vLLM's server's rule
                 parts = [(f"row-{raw.index}", prompt, params)]
                 # Chosen from the row each time it is read (a retry, a resumed run): nothing to remember.
                 lora = self.adapters.for_row(request, where) if self.adapters is not None else no_adapters(request, where)

@@ -362,6 +362,23 @@ def check_engine_limits(params: "SamplingParams", max_model_len: int, max_num_se
                          f"({max_num_seqs}), since a row's samples run in one batch")
 
 
+def check_prompt_room(params: "SamplingParams", prompt: Any, max_model_len: int, where: str, row_id: Any) -> None:
+    """Refuse (a RowError) a request whose prompt and max_tokens together pass max_model_len, as vLLM's
+    server refuses it, where LLM.generate caps it: the job applies it to OpenAI lines whose max_tokens
+    the line or --max-tokens set. Only a prompt already tokenized is measured (text the batch tokenizer
+    refused is tokenized by the engine, which caps it); one too long alone is the engine's to refuse."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    if params.max_tokens is None or not isinstance(ids, list):
+        return
+    used = len(ids)
+    if params.truncate_prompt_tokens is not None:  # -1: max_model_len
+        used = min(used, max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens)
+    if used < max_model_len < used + params.max_tokens:
+        raise RowError(f"{where}: max_tokens={params.max_tokens} is too large: the prompt has {used} tokens and "
+                       f"max_model_len is {max_model_len}, leaving {max_model_len - used} for the completion "
+                       "(vLLM's server refuses such a request too)", row_id)
+
+
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # where a row's own prompt is, without --text-field
 
 
