@@ -216,7 +216,8 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
         {"prompt": "the cat", "sampling_params": {"top_p": 7.0}, "keep": 4},
         {"prompt": "the cat", "sampling_params": {"no_such_field": 1}, "keep": 5},
         {"prompt": " ".join(["wind"] * 300), "keep": 6},
-        {"prompt": "the cat", "sampling_params": {"max_tokens": 129}, "keep": 7},  # the batch job's up-front limit
+        # Past the context: capped, as LLM.generate caps it (the sequence fills max_model_len).
+        {"prompt": "the cat", "sampling_params": {**GREEDY, "max_tokens": 129}, "keep": 7},
     ])
     assert [r["keep"] for r in out] == [1, 2, 3, 4, 5, 6, 7]
     ref = llama.generate("the cat sat", SamplingParams(**GREEDY, logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
@@ -237,8 +238,10 @@ def test_replica_udf_generation_columns_and_errors(tiny_llama_dir, llama):
     assert "n=2" in out[2]["__inference_error__"]
     assert "top_p" in out[3]["__inference_error__"] and "no_such_field" in out[4]["__inference_error__"]
     assert "max_model_len=128" in out[5]["__inference_error__"]
-    assert "max_tokens=129" in out[6]["__inference_error__"] and "max_model_len (128)" in out[6]["__inference_error__"]
-    assert all(r["generated_tokens"] == [] and r["num_generated_tokens"] == 0 for r in out[2:])
+    assert all(r["generated_tokens"] == [] and r["num_generated_tokens"] == 0 for r in out[2:6])
+    capped = llama.generate("the cat", SamplingParams(**{**GREEDY, "max_tokens": 129}), use_tqdm=False)[0]
+    assert out[6]["__inference_error__"] == "" and out[6]["generated_tokens"] == capped.outputs[0].token_ids
+    assert out[6]["num_input_tokens"] + out[6]["num_generated_tokens"] == 128 and out[6]["finish_reason"] == "length"
 
     # Other column types (Arrow needs one type per column in a batch): JSON text, token ids, bad messages.
     out = _call(replica, [

@@ -164,12 +164,14 @@ def _sampling_params(value: Any, llm: Any) -> Any:
 
 
 def _check_engine_limits(params: Any, llm: Any) -> None:
-    """The batch job's up-front refusals (values no run of this engine can serve), as this row's error."""
+    """The batch job's up-front refusals (values no run of this engine can serve), as this row's error. A
+    max_tokens past the context runs until the sequence fills max_model_len, as LLM.generate's and
+    the batch job's rows do (vLLM's offline engine caps it the same way)."""
     from tokenmill.batch.requests import check_engine_limits
 
     config = llm.llm_engine.config
     try:
-        check_engine_limits(params, config.max_model_len, config.max_num_seqs)
+        check_engine_limits(params, config.max_model_len, config.max_num_seqs, cap_max_tokens=True)
     except ValueError as e:
         raise RowProblem(str(e)) from None
 
