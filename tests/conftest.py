@@ -166,6 +166,32 @@ def tiny_phi3_dir(tiny_models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_yarn_dir(tiny_models_root: Path) -> Path:
+    """Qwen2 (Qwen2.5's long-context setting) with YaRN over a 64-token pretraining length, its
+    betas and attention factor away from the defaults (so each key's reading shows), untied head."""
+    from transformers import Qwen2Config
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25}
+    config = Qwen2Config(**tiny_config_kwargs(tie_word_embeddings=False, rope_parameters=rope),
+                         architectures=["Qwen2ForCausalLM"])
+    return save_tiny_model(tiny_models_root, "qwen2_yarn_gguf", config, seed=21)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope_dir(tiny_models_root: Path) -> Path:
+    """Phi-3 with LongRoPE (Phi-3.5's kind) over a 64-token pretraining length, rotary on half of
+    each head (4 rotating pairs, 4 factors each)."""
+    from transformers import Phi3Config
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.5, 2.5, 4.0, 7.0]}
+    config = Phi3Config(**tiny_config_kwargs(tie_word_embeddings=True), sliding_window=None, partial_rotary_factor=0.5,
+                        original_max_position_embeddings=64, rope_parameters=rope, architectures=["Phi3ForCausalLM"])
+    return save_tiny_model(tiny_models_root, "phi3_longrope_gguf", config, seed=22)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(tiny_models_root: Path) -> Path:
     """Qwen3-MoE: 8 experts, 2 a token renormalised (norm_topk_prob), the second of three layers
     dense (mlp_only_layers), q/k norms, tied head."""

@@ -2,6 +2,12 @@
 reading leaves out or gets wrong for the architectures we load, read the way llama.cpp's converter
 (convert_hf_to_gguf.py) wrote it.
 
+- Llama, Qwen2, Qwen3, Phi-3, Qwen2-MoE, Qwen3-MoE: transformers' reading is done here, from the
+  keys our own reader has parsed already: the same keys into the same config fields as its legacy
+  reader (``load_gguf_checkpoint``), which would otherwise parse the whole file a second time
+  (~4-5 s for SmolLM2's 49k-token vocabulary). tests/test_gguf_config.py holds the two to every
+  field. A "llama" file named "mistral", which that reader alone makes a Mistral, still goes to it.
+
 - Every architecture: the rope scaling (gguf_rope.py), and ``head_dim`` from
   ``{arch}.attention.key_length`` where the file states it (transformers keeps Qwen3's class
   default of 128 whatever the file says).
@@ -37,6 +43,23 @@ if TYPE_CHECKING:
 _NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
 # Architectures whose config transformers cannot build from a GGUF: general.architecture -> model_type.
 CONFIG_BUILT_HERE = {"granite": "granite", "smollm3": "smollm3"}
+# Architectures whose config transformers' legacy reader builds, built here the same way from the
+# keys already read: general.architecture -> model_type.
+_READ_AS_TRANSFORMERS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                         "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# The keys that reader maps to config fields, per architecture ({arch}.KEY -> field); a key the
+# file lacks leaves the config class's default, as there. (Its table: GGUF_CONFIG_MAPPING.)
+_TRANSFORMERS_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                      "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                      "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                      "attention.head_count_kv": "num_key_value_heads",
+                      "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+_TRANSFORMERS_ARCH_KEYS = {"llama": {"rope.dimension_count": "head_dim"},
+                           "qwen2moe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+                           "qwen3moe": {"attention.key_length": "head_dim", "expert_count": "num_experts",
+                                        "expert_used_count": "num_experts_per_tok"}}
+_TRANSFORMERS_TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+                            "unknown_token_id": "unk_token_id", "padding_token_id": "pad_token_id"}
 # Granite's multipliers: HF config field -> the key llama.cpp's converter writes it under.
 _GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                    "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
@@ -58,6 +81,8 @@ def read_gguf_config(gguf_path: Path, reader: Any) -> "PretrainedConfig":
     try:
         if arch in CONFIG_BUILT_HERE:
             config = _config_from_keys(reader, arch, gguf_path)
+        elif arch in _READ_AS_TRANSFORMERS and not (arch == "llama" and field(reader, "general.name") == "mistral"):
+            config = _config_as_transformers_reads_it(reader, arch, gguf_path)
         else:
             from transformers import AutoConfig
 
@@ -99,6 +124,33 @@ def check_gguf_config(config: "PretrainedConfig", reader: Any, path: Path) -> No
         if tokens is not None and token_id is not None and not 0 <= int(token_id) < len(tokens):
             raise ValueError(f"GGUF file {path}: tokenizer.ggml.{role}_token_id={int(token_id)} is not a token of the "
                              f"file's vocabulary (tokenizer.ggml.tokens: ids 0..{len(tokens) - 1})")
+
+
+def _config_as_transformers_reads_it(reader: Any, arch: str, path: Path) -> "PretrainedConfig":
+    """The config ``AutoConfig.from_pretrained(folder, gguf_file=...)`` builds for this file, from
+    our reader's values: the mapped keys the file has, the tokenizer's special ids, the name, the
+    vocabulary size from the tokens when the key is absent, the head tied when there is no
+    ``output.weight``, and Qwen3-MoE's ``norm_topk_prob`` (its reader's default for llama.cpp)."""
+    from transformers import AutoConfig
+
+    model_type = _READ_AS_TRANSFORMERS[arch]
+    values: dict[str, Any] = {"model_type": model_type,
+                              "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors)}
+    if model_type == "qwen3_moe":
+        values["norm_topk_prob"] = True
+    keys = {f"{arch}.{k}": name for k, name in {**_TRANSFORMERS_KEYS, **_TRANSFORMERS_ARCH_KEYS.get(arch, {})}.items()}
+    keys.update({f"tokenizer.ggml.{k}": name for k, name in _TRANSFORMERS_TOKEN_KEYS.items()})
+    for key, name in keys.items():
+        value = field(reader, key)
+        if value is not None:
+            values[name] = value
+    name = field(reader, "general.name")
+    if name is not None:  # that reader writes the model type for the architecture wherever it appears
+        values["_model_name_or_path"] = name.replace(arch, model_type)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in values and tokens is not None:
+        values["vocab_size"] = len(tokens.data)  # counted, not parsed: 49k strings cost ~0.1 s
+    return AutoConfig.for_model(**values, name_or_path=str(path.parent))
 
 
 def _config_from_keys(reader: Any, arch: str, path: Path) -> "PretrainedConfig":
