@@ -77,3 +77,31 @@ def test_a_llama_file_named_mistral_still_goes_to_transformers(tiny_llama_dir: P
     reader = open_gguf(path)
     got = read_gguf_config(path, reader)
     assert got.model_type == AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).model_type == "mistral"
+
+
+def test_load_format_gguf_parses_the_file_once(tiny_llama_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_format="gguf" reads config, weights and tokenizer from one GGUFReader (each parse of
+    SmolLM2's file costs ~4 s); it opened three. The source handed to worker processes carries no
+    reader (its memory map would pickle as the whole file). Tokens as the cached conversion's."""
+    import pickle
+
+    import gguf
+
+    from tokenmill import LLM, SamplingParams
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    write_gguf(tiny_llama_dir, path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = LLM(str(path), dtype="float32").generate(["hello world"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    opened = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: opened.append(args) or real(*args, **kwargs))
+    llm = LLM(str(path), dtype="float32", load_format="gguf")
+    assert len(opened) == 1
+    assert llm.generate(["hello world"], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    from tokenmill.models.source import resolve_model
+
+    source = resolve_model(str(path), load_format="gguf")
+    assert source.gguf_reader is not None and pickle.loads(pickle.dumps(source)).gguf_reader is None

@@ -80,7 +80,7 @@ def load_tokenizer(source: "ModelSource", args: "EngineArgs") -> Any:
             rest = {k: v for k, v in kwargs.items() if k != "gguf_file"}
             # A config read from the same file (no config.json beside it) tells the tokenizer's class.
             model_type = source.hf_config.model_type if source.config_dir is None else None
-            return load_gguf_tokenizer(Path(path) / kwargs["gguf_file"], model_type=model_type,
+            return load_gguf_tokenizer(Path(path) / kwargs["gguf_file"], source.gguf_reader, model_type=model_type,
                                        trust_remote_code=args.trust_remote_code, **rest)
         cls = tokenizer_class(path, kwargs)
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)

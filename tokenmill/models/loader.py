@@ -119,7 +119,7 @@ def fill_weights(model: nn.Module, source: "ModelSource", fmt: str, seed: int) -
         from tokenmill.models.gguf_weights import iter_gguf_weights
 
         assert source.weights_path is not None
-        model.load_weights(iter_gguf_weights(source.weights_path))
+        model.load_weights(iter_gguf_weights(source.weights_path, source.gguf_reader))
 
 
 def weights_format(source: "ModelSource", load_format: str) -> str:
