@@ -23,7 +23,7 @@ CASES = {
     "qwen3-head-dim": ("tiny_qwen3_dir", {}),
     "phi3-partial-rotary": ("tiny_phi3_dir", {}),
     "phi3-longrope-tensors": ("tiny_phi3_longrope_dir", {}),
-    "qwen2-moe": ("tiny_qwen2_moe_dir", {}),
+    "qwen2-moe-arch-in-name": ("tiny_qwen2_moe_dir", {"general.name": "tiny qwen2moe"}),
     "qwen3-moe-explicit-vocab": ("tiny_qwen3_moe_dir", {"{arch}.vocab_size": 289}),
 }
 
