@@ -97,7 +97,7 @@ def _check_block_fp8_layer(p: dict[str, Any]) -> None:
     from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
     from tokenmill import quantization
     from tokenmill.kernels.reference import block_fp8_linear_ref, quantize_fp8_groups_ref
-    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from quant_kernel_checks import loaded_layers
     from tokenmill.quantization.config import Fp8Scheme, QuantizationConfig
 
     patch_triton_interpreter_fp8_rounding()
@@ -118,23 +118,8 @@ def _check_block_fp8_layer(p: dict[str, Any]) -> None:
     outputs = []
     for kernels in (False, True):
         quantization.runs_kernels = lambda device, kernels=kernels: kernels  # type: ignore[assignment]
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            merged = MergedColumnParallelLinear(k, shards, quant_method=quantization.linear_method(config, ["layer"]))
-            row = RowParallelLinear(sum(shards), n_row, bias=True, quant_method=quantization.linear_method(config, ["layer"]))
-        finally:
-            torch.set_default_dtype(previous)
-        params = dict(merged.named_parameters())
-        for shard, part in enumerate(merged_parts):
-            for name, tensor in part.items():
-                merged.weight_loader(params[name], tensor, shard)
-        row_params = dict(row.named_parameters())
-        for name, tensor in row_part.items():
-            row.weight_loader(row_params[name], tensor)
-        row.bias.data.copy_(bias)
-        for layer in (merged, row):
-            layer.quant_method.process_weights_after_loading(layer)
+        merged, row = loaded_layers(k, shards, sum(shards), n_row, lambda: quantization.linear_method(config, ["layer"]),
+                                    merged_parts, row_part, bias, dtype)
         hidden = merged(x)
         y = row(hidden)
         if kernels:  # the twins on the checkpoint's codes, the scales stacked as the layer must stack them

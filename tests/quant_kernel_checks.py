@@ -181,7 +181,6 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
 
     from tokenmill import quantization
     from support.triton_interpreter import patch_triton_interpreter_fp8_rounding
-    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
     from tokenmill.quantization.config import Fp8Scheme, Int4Scheme
 
     from tokenmill.kernels.triton.fp8_gemm import quantize_fp8
@@ -218,23 +217,8 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
     outputs = []
     for kernels in (False, True):
         quantization.runs_kernels = lambda device, kernels=kernels: kernels  # type: ignore[assignment]
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            merged = MergedColumnParallelLinear(k, halves, quant_method=_method(scheme))
-            row = RowParallelLinear(sum(halves) // 2, n_row, bias=True, quant_method=_method(scheme))
-        finally:
-            torch.set_default_dtype(previous)
-        params = dict(merged.named_parameters())
-        for shard, part in enumerate(merged_parts):
-            for name, tensor in part.items():
-                merged.weight_loader(params[name], tensor, shard)
-        row_params = dict(row.named_parameters())
-        for name, tensor in row_part.items():
-            row.weight_loader(row_params[name], tensor)
-        row.bias.data.copy_(bias)
-        for layer in (merged, row):
-            layer.quant_method.process_weights_after_loading(layer)
+        merged, row = loaded_layers(k, halves, sum(halves) // 2, n_row, lambda: _method(scheme), merged_parts, row_part,
+                                    bias, dtype)
         # 5 tokens: the register-dequant GEMM; 260 (W4A16 past DEQUANT_MIN_M): dequantize, then matmul.
         step = []
         for tokens in (5, 260):
@@ -256,6 +240,35 @@ def _check_quant_layer(p: dict[str, Any]) -> None:
             torch.testing.assert_close(got.float(), want.float(), atol=0.1 * float(want.abs().max()), rtol=0.1)
         else:
             torch.testing.assert_close(got.float(), want.float(), atol=tol * float(want.abs().max()), rtol=tol)
+
+
+def loaded_layers(k: int, shards: list[int], row_in: int, n_row: int, method: Any, merged_parts: list[dict],
+                  row_part: dict, bias: Any, dtype: Any) -> tuple[Any, Any]:
+    """A merged column-parallel layer (``shards`` outputs of ``k`` features) and a row-parallel one
+    (``row_in`` -> ``n_row``, with ``bias``), each with its own ``method()`` and made in ``dtype``, loaded
+    from checkpoint tensors (``merged_parts``: one dict a shard; ``row_part``) and processed."""
+    import torch
+
+    from tokenmill.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        merged = MergedColumnParallelLinear(k, shards, quant_method=method())
+        row = RowParallelLinear(row_in, n_row, bias=True, quant_method=method())
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(merged.named_parameters())
+    for shard, part in enumerate(merged_parts):
+        for name, tensor in part.items():
+            merged.weight_loader(params[name], tensor, shard)
+    row_params = dict(row.named_parameters())
+    for name, tensor in row_part.items():
+        row.weight_loader(row_params[name], tensor)
+    row.bias.data.copy_(bias)
+    for layer in (merged, row):
+        layer.quant_method.process_weights_after_loading(layer)
+    return merged, row
 
 
 def _method(scheme: Any) -> Any:

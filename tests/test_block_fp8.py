@@ -17,7 +17,7 @@ import torch
 
 from quant_checkpoints import block_fp8_checkpoint, compressed_tensors_checkpoint, tiny_config
 from reference import hf_greedy, hf_model
-from test_quantization import PROMPTS, _check_against_hf
+from test_quantization import PROMPTS, _check_against_hf, _check_dummy_weights
 from tokenmill import LLM, SamplingParams
 
 pytest.importorskip("compressed_tensors")
@@ -188,13 +188,7 @@ def test_dummy_weights_for_a_block_fp8_config(root):
     folder = root / "dummy-block-fp8"
     config = tiny_config("qwen3")
     config.quantization_config = dict(_HF)
-    config.save_pretrained(folder)
-    llm = LLM(str(folder), device="cpu", load_format="dummy", skip_tokenizer_init=True, max_model_len=32,
-              kv_cache_memory_bytes=2**22)
-    weight = llm.llm_engine.executor.driver.model.model.layers[0].mlp.down_proj.weight
-    assert torch.isfinite(weight).all() and 0.005 < float(weight.std()) < 0.05
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 3
+    _check_dummy_weights(folder, config)
 
 
 def test_block_fp8_mixture_of_experts_checkpoint_matches_hf(root):

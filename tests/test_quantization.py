@@ -286,6 +286,12 @@ def test_dummy_weights_for_a_w4a16_config(root):
     folder = root / "dummy-w4a16"
     config = tiny_config()
     config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    _check_dummy_weights(folder, config)
+
+
+def _check_dummy_weights(folder: Path, config) -> None:
+    """``config`` saved to ``folder`` and loaded with load_format="dummy": the weights (dequantized on
+    the CPU) are finite and of the usual magnitude, and the engine generates."""
     config.save_pretrained(folder)
     llm = LLM(str(folder), device="cpu", load_format="dummy", skip_tokenizer_init=True, max_model_len=32,
               kv_cache_memory_bytes=2**22)
