@@ -86,7 +86,8 @@ def test_a_killed_worker_of_a_passed_engine_ends_the_job_without_failing_rows(tm
     llm = LLM(str(tiny_llama_dir), seed=0, tensor_parallel_size=2, **ENGINE)
     with pytest.raises(EngineFailure, match=r"engine stopped: WorkerDiedError: .*rank 1 .*SIGKILL"):
         run_job(config(tmp_path, tiny_llama_dir, texts), llm=llm, should_stop=kill_workers_at(3, before))
-    written = read_jsonl(tmp_path / "out.jsonl")
+    # A first attempt that ended before any result was written leaves no output behind (journal.py).
+    written = read_jsonl(tmp_path / "out.jsonl") if (tmp_path / "out.jsonl").exists() else []
     assert all(r["error"] is None for r in written)  # the rows in flight were not blamed for the dead engine
     assert child_pids() - before == set()
     # The caller's new engine (one rank: a throughput setting, so the job resumes) finishes the rest.
