@@ -248,7 +248,7 @@ def test_tensor_parallel_shapes(shape, tp_size, problem):
     """The splits the layers make (models/layers/linear.py), decided from the config alone."""
     from transformers import LlamaConfig
 
-    from tokenmill.distributed.tp_shapes import tensor_parallel_problem
+    from tokenmill.tensor_parallel_shapes import tensor_parallel_problem
 
     found = tensor_parallel_problem(tp_size, LlamaConfig(hidden_size=64 * shape["num_attention_heads"], **shape))
     assert (found is None) if problem is None else (found is not None and found.startswith(problem))
@@ -259,7 +259,7 @@ def test_mixture_of_experts_splits_each_experts_width():
     every layer has experts) decides only once a layer keeps a dense MLP."""
     from transformers import Qwen3MoeConfig
 
-    from tokenmill.distributed.tp_shapes import tensor_parallel_problem
+    from tokenmill.tensor_parallel_shapes import tensor_parallel_problem
 
     config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=130,
                             moe_intermediate_size=96, num_experts=4)
@@ -274,7 +274,7 @@ def test_mixture_of_experts_splits_each_experts_width():
 def test_qwen2_moe_splits_its_shared_expert_too():
     from transformers import Qwen2MoeConfig
 
-    from tokenmill.distributed.tp_shapes import tensor_parallel_problem
+    from tokenmill.tensor_parallel_shapes import tensor_parallel_problem
 
     config = Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                             moe_intermediate_size=96, shared_expert_intermediate_size=98, num_experts=4)

@@ -357,7 +357,7 @@ def resolve_config(args: EngineArgs, source: "ModelSource") -> EngineConfig:
     config = _base_config(args, source)
     pooling = resolve_pooling(source, args.runner, args.convert, args.task, args.pooler_config)
     if pooling is None:
-        from tokenmill.distributed.tp_shapes import check_tensor_parallel
+        from tokenmill.tensor_parallel_shapes import check_tensor_parallel
 
         check_tensor_parallel(config.tensor_parallel_size, source.hf_config)  # before any worker process starts
         return config

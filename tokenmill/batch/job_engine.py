@@ -32,7 +32,7 @@ def check_tensor_parallel_fits(config: JobConfig) -> None:
     if config.task != "generate" or tp_size is None or tp_size == 1:
         return
     from tokenmill.config import EngineArgs
-    from tokenmill.distributed.tp_shapes import check_tensor_parallel
+    from tokenmill.tensor_parallel_shapes import check_tensor_parallel
     from tokenmill.engine_inputs import resolve_source
 
     args = EngineArgs.from_kwargs(config.model, seed=config.seed, **_engine_kwargs(config))
