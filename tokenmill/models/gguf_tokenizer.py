@@ -94,7 +94,8 @@ def load_gguf_tokenizer(gguf_path: Path, reader: Any | None = None, model_type: 
 # Token texts that end generation wherever they are in the vocabulary, as llama.cpp's
 # llama_vocab::load marks its end-of-generation set by text (the end-of-turn markers of the chat
 # formats it knows), and the texts it takes for fill-in-the-middle pad / repo / file-separator tokens
-# when the file names none (those end generation there too).
+# (those end generation there too). llama.cpp takes the latter by text only where the file names no
+# such id; here they count either way (a file naming one names that same token in the files seen).
 _END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>",
     "</s>", "<eos>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
