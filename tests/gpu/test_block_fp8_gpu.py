@@ -9,14 +9,13 @@ tests/kernel_checks_block_fp8.py."""
 from __future__ import annotations
 
 import functools
-import gc
-import json
 import random
 
 import pytest
 import torch
 
 from support.hf_reference import assert_within, hf_logprobs, teacher_forced_positions
+from support.kv_pool import kv_bytes_gained
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -167,25 +166,11 @@ def test_block_fp8_mixture_of_experts_checkpoint_matches_hf_on_gpu(tmp_path):
 def test_kv_cache_gets_the_memory_block_fp8_weights_free(tmp_path):
     """The same dummy model in bf16 and block fp8 at the same utilisation: the fp8 pool is larger by at
     least 90% of the weight bytes it saves (one byte a weight instead of two; a scale per 16,384)."""
-    from tokenmill import LLM
-
     shape = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2048, intermediate_size=6144,
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
                  rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6, torch_dtype="bfloat16")
-    blocks = {}
-    for name, quant in (("bf16", None), ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                                 "weight_block_size": [128, 128]})):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({**shape, **({"quantization_config": quant} if quant else {})}))
-        llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=4096,
-                  gpu_memory_utilization=0.5, enforce_eager=True)
-        engine = llm.llm_engine
-        blocks[name] = (engine.executor.num_blocks, engine.executor.driver.runner.kv_bytes_per_block())
-        del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+    block_fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    gained, blocks = kv_bytes_gained(tmp_path, shape, block_fp8)
     linear = 16 * (2048 * (2048 + 2 * 1024) + 2048 * 2048 + 3 * 2048 * 6144)
     saved = linear * 2 - linear  # bf16 bytes minus fp8 bytes (the fp32 block scales are 1/4096 of that)
-    gained = (blocks["fp8"][0] - blocks["bf16"][0]) * blocks["bf16"][1]
     assert gained >= 0.9 * saved, (blocks, saved)

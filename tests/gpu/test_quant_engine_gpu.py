@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from support.hf_reference import assert_within, hf_logprobs, teacher_forced_positions
+from support.kv_pool import kv_bytes_gained
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -184,27 +185,11 @@ def test_fp8_engine_agrees_with_bf16_where_the_margin_is_clear(tmp_path):
 def test_kv_cache_gets_the_memory_quantized_weights_free(tmp_path):
     """The same dummy model in bf16 and W4A16 at the same utilisation: the W4A16 pool is larger by
     at least 90% of the weight bytes it saves (weights are ~4x smaller; the KV pool takes the rest)."""
-    import json
-
-    from tokenmill import LLM
-
     shape = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
                  rope_theta=500000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, torch_dtype="bfloat16")
-    blocks = {}
-    for name, quant in (("bf16", None), ("w4a16", {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-                                                   "sym": True})):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({**shape, **({"quantization_config": quant} if quant else {})}))
-        llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=4096,
-                  gpu_memory_utilization=0.5, enforce_eager=True)
-        engine = llm.llm_engine
-        blocks[name] = (engine.executor.num_blocks, engine.executor.driver.runner.kv_bytes_per_block())
-        del llm, engine
-        gc.collect()
-        torch.cuda.empty_cache()
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    gained, blocks = kv_bytes_gained(tmp_path, shape, gptq)
     linear = 16 * (2048 * (2048 + 2 * 1024) + 2048 * 2048 + 3 * 2048 * 8192)
     saved = linear * 2 - linear // 2  # bf16 bytes minus packed int4 bytes (scales are ~3% more)
-    gained = (blocks["w4a16"][0] - blocks["bf16"][0]) * blocks["bf16"][1]
     assert gained >= 0.9 * saved, (blocks, saved)
