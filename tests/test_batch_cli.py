@@ -272,6 +272,15 @@ def test_run_stops_a_hung_engine_after_600_s_by_default(tmp_path, monkeypatch):
     assert JobConfig(input="in.jsonl", output="o.jsonl").stall_timeout == 0.0
 
 
+def _cat_job(tmp_path: Path, model: Path, rows: int, *flags: str) -> tuple[list[str], Path]:
+    """A ``tokenmill run`` of ``rows`` short prompts on the tiny model, two greedy tokens each, without
+    the progress bar (``flags``: more of them): its argv and its output path."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(rows)))
+    output = tmp_path / "o.jsonl"
+    return ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
+            "--no-progress", *flags, *tiny_flags(model)], output
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_while_the_model_loads_stops_at_once(tmp_path, monkeypatch, capsys, tiny_llama_dir, signum):
     """The first SIGTERM, Ctrl-C or SIGHUP before the job runs a row stops it at once (a model load can take
@@ -293,10 +302,7 @@ def test_a_stop_while_the_model_loads_stops_at_once(tmp_path, monkeypatch, capsy
         loaded.append(True)
         return real_load(config)
 
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(3)))
-    output = tmp_path / "o.jsonl"
-    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
-            "--no-progress", *tiny_flags(tiny_llama_dir)]
+    argv, output = _cat_job(tmp_path, tiny_llama_dir, 3)
     monkeypatch.setattr(job, "load_llm", slow_load)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)  # SIGINT is SIG_IGN under `cmd &`
     started = time.monotonic()
@@ -335,10 +341,7 @@ def test_a_stop_that_python_wraps_while_the_model_loads_still_stops_the_job(tmp_
 
         return real_load(config)
 
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(3)))
-    output = tmp_path / "o.jsonl"
-    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
-            "--no-progress", *tiny_flags(tiny_llama_dir)]
+    argv, output = _cat_job(tmp_path, tiny_llama_dir, 3)
     monkeypatch.setattr(job, "load_llm", interrupted_load)
     assert main(argv) == 130
     err = capsys.readouterr().err
@@ -370,10 +373,7 @@ def test_sighup_stops_the_job_after_its_step_as_sigterm_does(tmp_path, monkeypat
     """SIGHUP (the terminal that started the job closed, or a supervisor stopping it) left to its
     default killed the job mid-write: no summary, the next run repairing what it tore. It stops it
     as SIGTERM does: after the step, finished rows committed, exit code 130, the rerun finishes."""
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(8)))
-    output = tmp_path / "o.jsonl"
-    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(output), "--max-tokens", "2", "--temperature", "0",
-            "--no-progress", "--max-inflight", "2", *tiny_flags(tiny_llama_dir)]
+    argv, output = _cat_job(tmp_path, tiny_llama_dir, 8, "--max-inflight", "2")
     hangups = []
 
     def not_the_tests_death(signum, frame):  # what SIGHUP's default would do to pytest, it records
@@ -398,9 +398,7 @@ def test_sighup_stops_the_job_after_its_step_as_sigterm_does(tmp_path, monkeypat
 
 def test_sighup_stays_ignored_under_nohup(tmp_path, monkeypatch, capsys, tiny_llama_dir):
     """`nohup tokenmill run ...` ignores SIGHUP so that the job outlives the terminal: it must."""
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"the cat sat {i}"}) + "\n" for i in range(4)))
-    argv = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-tokens", "2",
-            "--temperature", "0", "--no-progress", "--max-inflight", "2", *tiny_flags(tiny_llama_dir)]
+    argv, _ = _cat_job(tmp_path, tiny_llama_dir, 4, "--max-inflight", "2")
     previous, seen = signal.signal(signal.SIGHUP, signal.SIG_IGN), []
     try:
         _signal_after_first_commit(monkeypatch, signal.SIGHUP, seen)
